@@ -1,0 +1,149 @@
+#include "edge/grpc_edge.h"
+
+#include <climits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "edge/grpc_status.h"
+#include "flashserve/v1/attention.grpc.pb.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+namespace {
+
+constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
+
+absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
+  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(t);
+}
+
+class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+ public:
+  AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity)
+      : runtime_(runtime), identity_(identity) {}
+
+  grpc::ServerUnaryReactor* Attention(grpc::CallbackServerContext* context,
+                                      const v1::AttentionRequest* request,
+                                      v1::AttentionResponse* response) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    AttentionRuntime::Call call;
+    call.request = request;
+    call.response = response;
+    call.received = absl::Now();
+    call.deadline = ToAbslTime(context->deadline());
+    call.cancelled = [context] { return context->IsCancelled(); };
+    call.done = [reactor, request](const absl::Status& status) {
+      if (!status.ok()) {
+        spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
+                     request->request_id(), absl::StatusCodeToString(status.code()),
+                     std::string(status.message()));
+      }
+      reactor->Finish(ToGrpcStatus(status));
+    };
+    runtime_->Submit(std::move(call));
+    return reactor;
+  }
+
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* /*request*/,
+                                          v1::ServerInfo* info) override {
+    const BackendCapabilities& caps = runtime_->backend().capabilities();
+    info->set_version(identity_.version);
+    info->set_build(identity_.build);
+    info->set_backend(caps.name);
+    for (const DeviceDescription& device : caps.devices) {
+      v1::DeviceInfo* d = info->add_devices();
+      d->set_index(device.index);
+      d->set_name(device.name);
+      d->set_compute_capability_major(device.cc_major);
+      d->set_compute_capability_minor(device.cc_minor);
+      d->set_total_memory_bytes(device.total_memory_bytes);
+    }
+    for (kernels::DType dtype : caps.dtypes) info->add_dtypes(static_cast<v1::DType>(dtype));
+    for (int head_dim : caps.head_dims) info->add_head_dims(head_dim);
+    info->set_max_head_dim(caps.max_head_dim);
+    info->set_worker_threads(identity_.worker_threads);
+    v1::Limits* limits = info->mutable_limits();
+    limits->set_max_request_bytes(identity_.max_request_bytes);
+    limits->set_max_tensor_elements(runtime_->limits().max_tensor_elements);
+    limits->set_queue_capacity(identity_.queue_capacity);
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+ private:
+  AttentionRuntime* runtime_;
+  const ServerIdentity identity_;
+};
+
+}  // namespace
+
+struct GrpcEdge::Impl {
+  std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+};
+
+GrpcEdge::GrpcEdge(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+GrpcEdge::~GrpcEdge() {
+  if (impl_->server) impl_->server->Shutdown(std::chrono::system_clock::now());
+}
+
+absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& options,
+                                                           AttentionRuntime* runtime,
+                                                           const ServerIdentity& identity) {
+  if (options.max_request_bytes < 1 || options.max_request_bytes > INT_MAX) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_request_bytes must be in [1, ", INT_MAX, "] (gRPC's limit), got ",
+        options.max_request_bytes));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address = absl::StrCat(
+      options.host.find(':') != std::string::npos ? absl::StrCat("[", options.host, "]")
+                                                  : options.host,
+      ":", options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &impl->port);
+  builder.RegisterService(impl->service.get());
+  // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
+  // before we see it); a response is at most the size of its request plus the LSE.
+  builder.SetMaxReceiveMessageSize(int(options.max_request_bytes));
+  builder.SetMaxSendMessageSize(INT_MAX);
+  impl->server = builder.BuildAndStart();
+  if (!impl->server || impl->port == 0) {
+    return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));
+  }
+  auto edge = std::unique_ptr<GrpcEdge>(new GrpcEdge(std::move(impl)));
+  edge->SetServing(true);
+  return edge;
+}
+
+int GrpcEdge::port() const { return impl_->port; }
+
+void GrpcEdge::SetServing(bool serving) {
+  grpc::HealthCheckServiceInterface* health = impl_->server->GetHealthCheckService();
+  if (health == nullptr) return;
+  health->SetServingStatus("", serving);
+  health->SetServingStatus(kServiceName, serving);
+}
+
+void GrpcEdge::Shutdown(absl::Time deadline) {
+  if (!impl_->server) return;
+  impl_->server->Shutdown(absl::ToChronoTime(deadline));
+  impl_->server->Wait();
+  impl_->server.reset();
+}
+
+}  // namespace flashserve

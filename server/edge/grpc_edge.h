@@ -1,0 +1,50 @@
+// The gRPC edge: flashserve.v1.AttentionService (callback API), grpc.health.v1.Health and
+// server reflection, on one listening port.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "runtime/attention_runtime.h"
+
+namespace flashserve {
+
+struct GrpcOptions {
+  std::string host = "127.0.0.1";
+  int port = 8001;  // 0: pick a free port
+  int64_t max_request_bytes = int64_t{1} << 30;
+};
+
+/// What GetServerInfo reports beside the backend's capabilities.
+struct ServerIdentity {
+  std::string version;
+  std::string build;
+  int worker_threads = 0;
+  int queue_capacity = 0;
+  int64_t max_request_bytes = 0;
+};
+
+/// Thread-safe.
+class GrpcEdge {
+ public:
+  static absl::StatusOr<std::unique_ptr<GrpcEdge>> Create(const GrpcOptions& options,
+                                                          AttentionRuntime* runtime,
+                                                          const ServerIdentity& identity);
+  ~GrpcEdge();
+
+  int port() const;
+  /// Health status of "" and "flashserve.v1.AttentionService".
+  void SetServing(bool serving);
+  /// Stops accepting RPCs; RPCs still running at `deadline` are cancelled.
+  void Shutdown(absl::Time deadline);
+
+ private:
+  struct Impl;
+  explicit GrpcEdge(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashserve

@@ -1,0 +1,50 @@
+// Request handling shared by every edge: validate once, queue, run on the backend, fill the response.
+#pragma once
+
+#include <atomic>
+#include <functional>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "api/validation.h"
+#include "flashserve/v1/attention.pb.h"
+#include "runtime/backend.h"
+#include "runtime/scheduler.h"
+
+namespace flashserve {
+
+/// Thread-safe. Borrows the backend and scheduler, which must outlive it.
+class AttentionRuntime {
+ public:
+  struct Call {
+    const v1::AttentionRequest* request = nullptr;  // valid until done() is called
+    v1::AttentionResponse* response = nullptr;      // valid until done() is called
+    absl::Time received;                            // when the edge got the request
+    absl::Time deadline = absl::InfiniteFuture();
+    std::function<bool()> cancelled;                // may be empty
+    std::function<void(const absl::Status&)> done;  // called exactly once, maybe inline
+  };
+
+  AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits);
+
+  void Submit(Call call);
+
+  /// Live and able to serve: backend healthy and not shutting down.
+  bool ready() const { return accepting_.load() && backend_->healthy(); }
+  /// Refuse new work with UNAVAILABLE from now on (work already queued still runs).
+  void StopAccepting();
+
+  const ValidationLimits& limits() const { return limits_; }
+  Backend& backend() { return *backend_; }
+  Scheduler& scheduler() { return *scheduler_; }
+
+ private:
+  absl::Status Execute(const AttentionProblem& problem, const Call& call, absl::Time enqueued);
+
+  Backend* backend_;
+  Scheduler* scheduler_;
+  const ValidationLimits limits_;
+  std::atomic<bool> accepting_{true};
+};
+
+}  // namespace flashserve

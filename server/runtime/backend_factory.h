@@ -1,0 +1,30 @@
+// Picks and creates the backend named by --backend (auto, cuda or cpu).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/backend.h"
+
+namespace flashserve {
+
+struct BackendOptions {
+  std::string kind = "auto";  // auto: cuda when a usable GPU exists, else cpu
+  int cpu_threads = 0;        // CPU backend compute threads; 0: all cores
+  std::vector<int> devices;   // CUDA devices to use; empty: all visible
+};
+
+struct CreatedBackend {
+  std::unique_ptr<Backend> backend;
+  std::string reason;  // why this backend was chosen, for the startup log
+  int scheduler_workers = 1;
+};
+
+absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options);
+
+/// Whether this binary was built with the CUDA backend.
+bool CudaBackendCompiledIn();
+
+}  // namespace flashserve

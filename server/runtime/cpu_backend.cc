@@ -1,0 +1,40 @@
+#include "runtime/cpu_backend.h"
+
+#include "absl/time/clock.h"
+
+namespace flashserve {
+
+absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError("worker_threads must be >= 0");
+  }
+  return std::unique_ptr<CpuBackend>(new CpuBackend(options.num_threads));
+}
+
+CpuBackend::CpuBackend(int num_threads)
+    : pool_(std::make_unique<kernels::cpu::ThreadPool>(num_threads)) {
+  capabilities_.name = "cpu";
+  capabilities_.dtypes = {kernels::DType::kFloat16, kernels::DType::kBFloat16,
+                          kernels::DType::kFloat32};
+  capabilities_.max_head_dim = kernels::cpu::kMaxHeadDim;
+}
+
+absl::Status CpuBackend::Run(const AttentionProblem& problem, const JobOutput& output,
+                             PhaseTiming* timing, std::string* kernel) {
+  kernels::AttentionParams params = problem.params();
+  params.q = problem.q;
+  params.k = problem.k;
+  params.v = problem.v;
+  params.o = output.out;
+  params.lse = output.lse;
+  if (std::string why = kernels::cpu::supported(params); !why.empty()) {
+    return absl::InvalidArgumentError(why);
+  }
+  const absl::Time start = absl::Now();
+  kernels::cpu::attention_forward(params, pool_.get());
+  timing->compute_us = absl::ToInt64Microseconds(absl::Now() - start);
+  *kernel = "cpu_tiled_online_softmax";
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve

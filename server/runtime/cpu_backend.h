@@ -1,0 +1,32 @@
+// The CPU backend: tiled online-softmax attention on a thread pool (kernels/cpu).
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "flashserve/kernels/cpu_attention.h"
+#include "runtime/backend.h"
+
+namespace flashserve {
+
+struct CpuBackendOptions {
+  int num_threads = 0;  // 0: all cores
+};
+
+/// Thread-safe.
+class CpuBackend final : public Backend {
+ public:
+  static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
+
+  const BackendCapabilities& capabilities() const override { return capabilities_; }
+  absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
+                   std::string* kernel) override;
+  int num_threads() const { return pool_->num_threads(); }
+
+ private:
+  explicit CpuBackend(int num_threads);
+  std::unique_ptr<kernels::cpu::ThreadPool> pool_;
+  BackendCapabilities capabilities_;
+};
+
+}  // namespace flashserve
