@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/version.h"
 #include "edge/grpc_edge.h"
 #include "edge/http_edge.h"
@@ -25,8 +26,10 @@
 
 ABSL_FLAG(std::string, host, "127.0.0.1",
           "Address the gRPC and HTTP servers bind to (0.0.0.0 for all interfaces)");
-ABSL_FLAG(int, grpc_port, 8001, "gRPC port (AttentionService, health, reflection); 0 picks a free port");
-ABSL_FLAG(int, http_port, 8000, "HTTP port (/v2/health/live, /v2/health/ready); 0 picks a free port");
+ABSL_FLAG(int, grpc_port, 8001,
+          "gRPC port (AttentionService, health, reflection); 0 picks a free port");
+ABSL_FLAG(int, http_port, 8000,
+          "HTTP port (/v2/health/live, /v2/health/ready); 0 picks a free port");
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA when a usable GPU exists, else CPU), cuda or cpu");
 ABSL_FLAG(std::string, devices, "", "CUDA devices to use, e.g. \"0,1\"; empty: all visible");
@@ -35,12 +38,16 @@ ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "RESOURCE_EXHAUSTED before they are read");
 ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 28,
           "Largest element count of one tensor (Q, K or V); larger ones get RESOURCE_EXHAUSTED");
-ABSL_FLAG(int, queue_capacity, 64,
-          "Requests that may wait for a worker; when full, new ones get RESOURCE_EXHAUSTED at once");
+ABSL_FLAG(
+    int, queue_capacity, 64,
+    "Requests that may wait for a worker; when full, new ones get RESOURCE_EXHAUSTED at once");
 ABSL_FLAG(int, worker_threads, 0, "CPU backend compute threads; 0 uses every core");
-ABSL_FLAG(int, shutdown_grace_seconds, 10,
-          "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled");
-ABSL_FLAG(std::string, log_level, "info", "Log level: trace, debug, info, warn, error, critical, off");
+ABSL_FLAG(
+    int, shutdown_grace_seconds, 10,
+    "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled");
+ABSL_FLAG(std::string, log_level, "info",
+          "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
+ABSL_FLAG(std::string, log_format, "text", "Log format: text, or json (one JSON object per line)");
 
 namespace flashserve {
 namespace {
@@ -59,19 +66,19 @@ absl::StatusOr<std::vector<int>> ParseDevices(const std::string& text) {
 
 absl::Status CheckPort(const char* name, int port) {
   if (port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, " must be in [0, 65535], got ", port));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, " must be in [0, 65535], got ", port));
   }
   return absl::OkStatus();
 }
 
 int Serve() {
-  const std::string level = absl::GetFlag(FLAGS_log_level);
-  const spdlog::level::level_enum parsed_level = spdlog::level::from_str(level);
-  if (parsed_level == spdlog::level::off && level != "off") {
-    spdlog::error("--log_level: unknown level \"{}\"", level);
+  if (absl::Status s =
+          ConfigureLogging(absl::GetFlag(FLAGS_log_level), absl::GetFlag(FLAGS_log_format));
+      !s.ok()) {
+    spdlog::error("{}", std::string(s.message()));
     return 2;
   }
-  spdlog::set_level(parsed_level);
 
   for (auto [name, port] : {std::pair{"grpc_port", absl::GetFlag(FLAGS_grpc_port)},
                             std::pair{"http_port", absl::GetFlag(FLAGS_http_port)}}) {
@@ -153,7 +160,8 @@ int Serve() {
 
   std::vector<std::string> device_names;
   for (const DeviceDescription& d : caps.devices) {
-    device_names.push_back(absl::StrCat(d.index, ":", d.name, " (sm_", d.cc_major, d.cc_minor, ")"));
+    device_names.push_back(
+        absl::StrCat(d.index, ":", d.name, " (sm_", d.cc_major, d.cc_minor, ")"));
   }
   spdlog::info("flashserve {} serving: backend={} ({}) devices=[{}] grpc={}:{} http={}:{} queue={}",
                kVersion, caps.name, created->reason, absl::StrJoin(device_names, ", "),
@@ -198,7 +206,9 @@ int main(int argc, char** argv) {
   usage_config.contains_help_flags = [](absl::string_view file) {
     return absl::StrContains(file, "server/main.cc");
   };
-  usage_config.version_string = [] { return absl::StrCat("flashserve ", flashserve::kVersion, "\n"); };
+  usage_config.version_string = [] {
+    return absl::StrCat("flashserve ", flashserve::kVersion, "\n");
+  };
   absl::SetFlagsUsageConfig(usage_config);
   absl::SetProgramUsageMessage(
       "exact attention over gRPC (port 8001) and HTTP (port 8000).\n"

@@ -1,4 +1,5 @@
-// A validated attention request: sizes, options and borrowed pointers to the request's tensor bytes.
+// A validated attention request: sizes, options and borrowed pointers to the request's tensor
+// bytes.
 #pragma once
 
 #include <cstdint>

@@ -27,7 +27,8 @@ std::string ShapeString(const v1::Tensor& t) {
 absl::Status CheckDType(const char* name, const v1::Tensor& t) {
   const int value = t.dtype();
   if (value == v1::DTYPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: unspecified (use FLOAT16, BFLOAT16 or FLOAT32)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".dtype: unspecified (use FLOAT16, BFLOAT16 or FLOAT32)"));
   }
   if (value != v1::FLOAT16 && value != v1::BFLOAT16 && value != v1::FLOAT32) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".dtype: unknown value ", value));
@@ -62,9 +63,8 @@ absl::Status CheckShape(const char* name, const v1::Tensor& t, const char* const
         absl::StrCat(name, ".shape: element count of ", ShapeString(t), " overflows int64"));
   }
   if (count > max_elements) {
-    return absl::ResourceExhaustedError(absl::StrCat(name, ": ", count,
-                                                     " elements exceed --max_tensor_elements=",
-                                                     max_elements));
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name, ": ", count, " elements exceed --max_tensor_elements=", max_elements));
   }
   *elements = count;
   return absl::OkStatus();
@@ -84,9 +84,9 @@ absl::Status CheckBytes(const char* name, const v1::Tensor& t, int64_t elements)
   const int64_t expected = elements * element_size;  // <= max_elements * 4: no overflow
   const int64_t got = int64_t(t.data().size());
   if (got != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", expected,
-                                                   " bytes (", ShapeString(t), " x ",
-                                                   element_size, " bytes), got ", got));
+    return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", expected, " bytes (",
+                                                   ShapeString(t), " x ", element_size,
+                                                   " bytes), got ", got));
   }
   return absl::OkStatus();
 }
@@ -109,10 +109,9 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   }
   for (int i = 1; i < 3; ++i) {
     if (tensors[i]->dtype() != request.q().dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat(names[i], ".dtype: ",
-                                                     DTypeName(tensors[i]->dtype()),
-                                                     " differs from q.dtype ",
-                                                     DTypeName(request.q().dtype())));
+      return absl::InvalidArgumentError(
+          absl::StrCat(names[i], ".dtype: ", DTypeName(tensors[i]->dtype()),
+                       " differs from q.dtype ", DTypeName(request.q().dtype())));
     }
   }
   int64_t elements[3] = {0, 0, 0};
@@ -131,8 +130,8 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   }
   for (int dim = 0; dim < 4; ++dim) {
     if (v.shape(dim) != k.shape(dim)) {
-      return absl::InvalidArgumentError(absl::StrCat("v.shape ", ShapeString(v),
-                                                     " must equal k.shape ", ShapeString(k)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("v.shape ", ShapeString(v), " must equal k.shape ", ShapeString(k)));
     }
   }
   if (q.shape(2) % k.shape(2) != 0) {
@@ -153,16 +152,16 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
         " backend (supported: ", absl::StrJoin(supported, ", "), ")"));
   }
   const int64_t head_dim = q.shape(3);
-  const bool head_dim_ok =
-      limits.head_dims.empty()
-          ? head_dim <= limits.max_head_dim
-          : std::find(limits.head_dims.begin(), limits.head_dims.end(), head_dim) !=
-                limits.head_dims.end();
+  const bool head_dim_ok = limits.head_dims.empty()
+                               ? head_dim <= limits.max_head_dim
+                               : std::find(limits.head_dims.begin(), limits.head_dims.end(),
+                                           head_dim) != limits.head_dims.end();
   if (!head_dim_ok) {
     return absl::InvalidArgumentError(absl::StrCat(
         "head_dim: ", head_dim, " is not supported by the ", limits.backend_name, " backend (",
-        limits.head_dims.empty() ? absl::StrCat("max ", limits.max_head_dim)
-                                 : absl::StrCat("supported: ", absl::StrJoin(limits.head_dims, ", ")),
+        limits.head_dims.empty()
+            ? absl::StrCat("max ", limits.max_head_dim)
+            : absl::StrCat("supported: ", absl::StrJoin(limits.head_dims, ", ")),
         ")"));
   }
 

@@ -7,10 +7,10 @@
 #define FLASHSERVE_CONCAT_INNER(a, b) a##b
 #define FLASHSERVE_CONCAT(a, b) FLASHSERVE_CONCAT_INNER(a, b)
 
-#define RETURN_IF_ERROR(expr)                      \
-  do {                                             \
-    ::absl::Status _status = (expr);               \
-    if (!_status.ok()) return _status;             \
+#define RETURN_IF_ERROR(expr)          \
+  do {                                 \
+    ::absl::Status _status = (expr);   \
+    if (!_status.ok()) return _status; \
   } while (0)
 
 #define ASSIGN_OR_RETURN(lhs, expr) \

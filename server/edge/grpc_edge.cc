@@ -38,11 +38,18 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
-    call.done = [reactor, request](const absl::Status& status) {
+    call.done = [reactor, request, response](const absl::Status& status) {
       if (!status.ok()) {
         spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
                      request->request_id(), absl::StatusCodeToString(status.code()),
                      std::string(status.message()));
+      } else if (spdlog::should_log(spdlog::level::debug)) {
+        const v1::Timing& t = response->timing();
+        spdlog::debug(
+            "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} h2d_us={} "
+            "compute_us={} d2h_us={}",
+            request->request_id(), response->kernel(), t.total_us(), t.queue_us(), t.h2d_us(),
+            t.compute_us(), t.d2h_us());
       }
       reactor->Finish(ToGrpcStatus(status));
     };
@@ -101,9 +108,9 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& op
                                                            AttentionRuntime* runtime,
                                                            const ServerIdentity& identity) {
   if (options.max_request_bytes < 1 || options.max_request_bytes > INT_MAX) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_request_bytes must be in [1, ", INT_MAX, "] (gRPC's limit), got ",
-        options.max_request_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("max_request_bytes must be in [1, ", INT_MAX,
+                                                   "] (gRPC's limit), got ",
+                                                   options.max_request_bytes));
   }
   auto impl = std::make_unique<Impl>();
   impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity);
@@ -111,10 +118,10 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& op
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  const std::string address = absl::StrCat(
-      options.host.find(':') != std::string::npos ? absl::StrCat("[", options.host, "]")
-                                                  : options.host,
-      ":", options.port);
+  const std::string address = absl::StrCat(options.host.find(':') != std::string::npos
+                                               ? absl::StrCat("[", options.host, "]")
+                                               : options.host,
+                                           ":", options.port);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &impl->port);
   builder.RegisterService(impl->service.get());
   // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,

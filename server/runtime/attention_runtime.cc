@@ -37,10 +37,9 @@ void AttentionRuntime::Submit(Call call) {
   const absl::Time enqueued = absl::Now();
   // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
   auto shared_call = std::make_shared<Call>(std::move(call));
-  absl::Status queued = scheduler_->Submit(
-      [this, shared_call, problem = *problem, enqueued] {
-        shared_call->done(Execute(problem, *shared_call, enqueued));
-      });
+  absl::Status queued = scheduler_->Submit([this, shared_call, problem = *problem, enqueued] {
+    shared_call->done(Execute(problem, *shared_call, enqueued));
+  });
   if (!queued.ok()) shared_call->done(queued);
 }
 
@@ -49,9 +48,9 @@ absl::Status AttentionRuntime::Execute(const AttentionProblem& problem, const Ca
   const absl::Time started = absl::Now();
   if (call.cancelled && call.cancelled()) return absl::CancelledError("cancelled by the client");
   if (started >= call.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "deadline expired after ", absl::ToInt64Microseconds(started - enqueued),
-        " us in the queue; not run"));
+    return absl::DeadlineExceededError(absl::StrCat("deadline expired after ",
+                                                    absl::ToInt64Microseconds(started - enqueued),
+                                                    " us in the queue; not run"));
   }
 
   v1::AttentionResponse* response = call.response;

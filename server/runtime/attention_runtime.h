@@ -1,4 +1,5 @@
-// Request handling shared by every edge: validate once, queue, run on the backend, fill the response.
+// Request handling shared by every edge: validate once, queue, run on the backend, fill the
+// response.
 #pragma once
 
 #include <atomic>

@@ -18,9 +18,9 @@ struct DeviceDescription {
 };
 
 struct BackendCapabilities {
-  std::string name;                    // "cpu" or "cuda"
+  std::string name;  // "cpu" or "cuda"
   std::vector<kernels::DType> dtypes;
-  std::vector<int> head_dims;          // exact list; empty means any in [1, max_head_dim]
+  std::vector<int> head_dims;  // exact list; empty means any in [1, max_head_dim]
   int max_head_dim = 0;
   std::vector<DeviceDescription> devices;
 };

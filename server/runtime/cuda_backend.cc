@@ -54,7 +54,8 @@ struct CudaBackend::Device {
   int in_flight = 0;
 };
 
-absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBackendOptions& options) {
+absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
+    const CudaBackendOptions& options) {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -82,7 +83,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(const CudaBacke
     }
     cudaDeviceProp prop{};
     if ((e = cudaGetDeviceProperties(&prop, index)) != cudaSuccess) {
-      return absl::UnavailableError(absl::StrCat("CUDA device ", index, ": ", cudaGetErrorString(e)));
+      return absl::UnavailableError(
+          absl::StrCat("CUDA device ", index, ": ", cudaGetErrorString(e)));
     }
     if (prop.major < 8) {
       spdlog::warn("CUDA device {} ({}) has compute capability {}.{} < 8.0: not used", index,
@@ -217,7 +219,8 @@ absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& 
     cudaEventRecord(slot->events[2], stream);
     if (e == cudaSuccess) {
       cudaMemcpyAsync(output.out, o, q_bytes, cudaMemcpyDeviceToHost, stream);
-      if (lse != nullptr) cudaMemcpyAsync(output.lse, lse, lse_bytes, cudaMemcpyDeviceToHost, stream);
+      if (lse != nullptr)
+        cudaMemcpyAsync(output.lse, lse, lse_bytes, cudaMemcpyDeviceToHost, stream);
     }
     cudaEventRecord(slot->events[3], stream);
     cudaError_t sync = cudaStreamSynchronize(stream);

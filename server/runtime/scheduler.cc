@@ -38,8 +38,8 @@ absl::Status Scheduler::Submit(Job job) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!accepting_) return absl::UnavailableError("server is shutting down");
     if (int(queue_.size()) >= options_.queue_capacity) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "queue full (", options_.queue_capacity, " requests waiting; --queue_capacity)"));
+      return absl::ResourceExhaustedError(absl::StrCat("queue full (", options_.queue_capacity,
+                                                       " requests waiting; --queue_capacity)"));
     }
     queue_.push_back(std::move(job));
   }

@@ -1,7 +1,5 @@
 // AttentionRuntime with a fake backend: status codes for deadline, cancellation, overload and
 // shutdown, and the response it fills.
-#include "runtime/attention_runtime.h"
-
 #include <atomic>
 #include <cstring>
 #include <future>
@@ -9,6 +7,7 @@
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
+#include "runtime/attention_runtime.h"
 
 namespace flashserve {
 namespace {

@@ -41,7 +41,12 @@ TEST(Scheduler, FullQueueIsResourceExhausted) {
   std::shared_future<void> gate = release.get_future().share();
   std::atomic<int> started{0};
   // One job occupies the worker...
-  ASSERT_TRUE(scheduler->Submit([gate, &started] { started++; gate.wait(); }).ok());
+  ASSERT_TRUE(scheduler
+                  ->Submit([gate, &started] {
+                    started++;
+                    gate.wait();
+                  })
+                  .ok());
   while (started.load() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   // ...two fill the queue, the next is refused at once.
   ASSERT_TRUE(scheduler->Submit([] {}).ok());
@@ -59,10 +64,13 @@ TEST(Scheduler, FullQueueIsResourceExhausted) {
 TEST(Scheduler, StopAcceptingIsUnavailableButRunsQueued) {
   auto scheduler = MakeScheduler(8, 1);
   std::atomic<int> runs{0};
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(scheduler->Submit([&runs] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    runs++;
-  }).ok());
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(scheduler
+                    ->Submit([&runs] {
+                      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+                      runs++;
+                    })
+                    .ok());
   scheduler->StopAccepting();
   EXPECT_EQ(scheduler->Submit([] {}).code(), absl::StatusCode::kUnavailable);
   EXPECT_TRUE(scheduler->WaitIdle(absl::Now() + absl::Seconds(10)));

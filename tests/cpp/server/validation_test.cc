@@ -71,16 +71,26 @@ INSTANTIATE_TEST_SUITE_P(
     testing::Values(
         BadCase{"q missing", [](auto* r) { r->clear_q(); }, kInvalid, "q: missing"},
         BadCase{"v missing", [](auto* r) { r->clear_v(); }, kInvalid, "v: missing"},
-        BadCase{"q dtype unspecified", [](auto* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); },
-                kInvalid, "q.dtype: unspecified"},
-        BadCase{"k dtype unknown", [](auto* r) { r->mutable_k()->set_dtype(static_cast<v1::DType>(7)); },
-                kInvalid, "k.dtype: unknown value 7"},
+        BadCase{"q dtype unspecified",
+                [](auto* r) { r->mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED); }, kInvalid,
+                "q.dtype: unspecified"},
+        BadCase{"k dtype unknown",
+                [](auto* r) { r->mutable_k()->set_dtype(static_cast<v1::DType>(7)); }, kInvalid,
+                "k.dtype: unknown value 7"},
         BadCase{"mixed dtypes",
-                [](auto* r) { SetTensor(r->mutable_k(), v1::BFLOAT16, {2, 7, 2, 64}); }, kInvalid,
-                "k.dtype: BFLOAT16 differs from q.dtype FLOAT16"},
-        BadCase{"q rank 3", [](auto* r) { SetTensor(r->mutable_q(), v1::FLOAT16, {2, 5, 256}); },
+                [](auto* r) {
+                  SetTensor(r->mutable_k(), v1::BFLOAT16, {2, 7, 2, 64});
+                },
+                kInvalid, "k.dtype: BFLOAT16 differs from q.dtype FLOAT16"},
+        BadCase{"q rank 3",
+                [](auto* r) {
+                  SetTensor(r->mutable_q(), v1::FLOAT16, {2, 5, 256});
+                },
                 kInvalid, "q.shape: expected rank 4"},
-        BadCase{"k rank 5", [](auto* r) { SetTensor(r->mutable_k(), v1::FLOAT16, {2, 7, 2, 8, 8}); },
+        BadCase{"k rank 5",
+                [](auto* r) {
+                  SetTensor(r->mutable_k(), v1::FLOAT16, {2, 7, 2, 8, 8});
+                },
                 kInvalid, "k.shape: expected rank 4"},
         BadCase{"zero seqlen_q", [](auto* r) { r->mutable_q()->set_shape(1, 0); }, kInvalid,
                 "q.shape[1] (seqlen_q) must be > 0, got 0"},
@@ -95,13 +105,26 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 kInvalid, "q.shape: element count"},
         BadCase{"over max_tensor_elements",
-                [](auto* r) { SetTensor(r->mutable_q(), v1::FLOAT16, {1, 1, 1, 1}); r->mutable_q()->set_shape(1, 1 << 20); r->mutable_q()->set_shape(3, 64); },
+                [](auto* r) {
+                  SetTensor(r->mutable_q(), v1::FLOAT16, {1, 1, 1, 1});
+                  r->mutable_q()->set_shape(1, 1 << 20);
+                  r->mutable_q()->set_shape(3, 64);
+                },
                 absl::StatusCode::kResourceExhausted, "max_tensor_elements"},
-        BadCase{"batch differs", [](auto* r) { SetTensor(r->mutable_k(), v1::FLOAT16, {3, 7, 2, 64}); },
+        BadCase{"batch differs",
+                [](auto* r) {
+                  SetTensor(r->mutable_k(), v1::FLOAT16, {3, 7, 2, 64});
+                },
                 kInvalid, "k.shape[0] (batch) = 3 differs"},
-        BadCase{"head_dim differs", [](auto* r) { SetTensor(r->mutable_k(), v1::FLOAT16, {2, 7, 2, 32}); },
+        BadCase{"head_dim differs",
+                [](auto* r) {
+                  SetTensor(r->mutable_k(), v1::FLOAT16, {2, 7, 2, 32});
+                },
                 kInvalid, "k.shape[3] (head_dim)"},
-        BadCase{"v shape differs", [](auto* r) { SetTensor(r->mutable_v(), v1::FLOAT16, {2, 8, 2, 64}); },
+        BadCase{"v shape differs",
+                [](auto* r) {
+                  SetTensor(r->mutable_v(), v1::FLOAT16, {2, 8, 2, 64});
+                },
                 kInvalid, "v.shape [2, 8, 2, 64] must equal k.shape"},
         BadCase{"heads not a multiple",
                 [](auto* r) {
@@ -110,9 +133,8 @@ INSTANTIATE_TEST_SUITE_P(
                   SetTensor(r->mutable_v(), v1::FLOAT16, {2, 7, 4, 64});
                 },
                 kInvalid, "must be a multiple of k.shape[2] (heads_kv) = 4"},
-        BadCase{"q data short",
-                [](auto* r) { r->mutable_q()->mutable_data()->pop_back(); }, kInvalid,
-                "q.data: expected 5120 bytes"},
+        BadCase{"q data short", [](auto* r) { r->mutable_q()->mutable_data()->pop_back(); },
+                kInvalid, "q.data: expected 5120 bytes"},
         BadCase{"v data long", [](auto* r) { r->mutable_v()->mutable_data()->append("xy"); },
                 kInvalid, "v.data: expected 3584 bytes"},
         BadCase{"head_dim over CPU max",

@@ -1,0 +1,93 @@
+#include "common/logging.h"
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <memory>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "spdlog/formatter.h"
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+namespace {
+
+void AppendJsonEscaped(std::string_view text, spdlog::memory_buf_t& out) {
+  for (char c : text) {
+    switch (c) {
+      case '"':
+        out.append(std::string_view("\\\""));
+        break;
+      case '\\':
+        out.append(std::string_view("\\\\"));
+        break;
+      case '\n':
+        out.append(std::string_view("\\n"));
+        break;
+      case '\r':
+        out.append(std::string_view("\\r"));
+        break;
+      case '\t':
+        out.append(std::string_view("\\t"));
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out.append(std::string_view(buf));
+        } else {
+          out.push_back(c);
+        }
+    }
+  }
+}
+
+// {"time":"2026-11-22T01:02:03.456Z","level":"info","thread":123,"msg":"..."}
+class JsonFormatter final : public spdlog::formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
+    const auto since_epoch = msg.time.time_since_epoch();
+    const std::time_t seconds =
+        std::chrono::duration_cast<std::chrono::seconds>(since_epoch).count();
+    const int millis =
+        int(std::chrono::duration_cast<std::chrono::milliseconds>(since_epoch).count() % 1000);
+    std::tm utc{};
+    gmtime_r(&seconds, &utc);
+    char time_buf[96];
+    std::snprintf(time_buf, sizeof(time_buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ",
+                  utc.tm_year + 1900, utc.tm_mon + 1, utc.tm_mday, utc.tm_hour, utc.tm_min,
+                  utc.tm_sec, millis);
+    const auto level = spdlog::level::to_string_view(msg.level);
+    const std::string head = absl::StrCat(R"({"time":")", time_buf, R"(","level":")",
+                                          absl::string_view(level.data(), level.size()),
+                                          R"(","thread":)", msg.thread_id, R"(,"msg":")");
+    dest.append(std::string_view(head));
+    AppendJsonEscaped(std::string_view(msg.payload.data(), msg.payload.size()), dest);
+    dest.append(std::string_view("\"}\n"));
+  }
+  std::unique_ptr<spdlog::formatter> clone() const override {
+    return std::make_unique<JsonFormatter>();
+  }
+};
+
+}  // namespace
+
+absl::Status ConfigureLogging(absl::string_view level, absl::string_view format) {
+  const spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(level));
+  if (parsed == spdlog::level::off && level != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_level: unknown level \"", level,
+                     "\" (trace, debug, info, warn, error, critical, off)"));
+  }
+  spdlog::set_level(parsed);
+  if (format == "json") {
+    spdlog::set_formatter(std::make_unique<JsonFormatter>());
+  } else if (format != "text") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_format: must be text or json, got \"", format, "\""));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve
