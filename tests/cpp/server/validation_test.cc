@@ -154,8 +154,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"scale inf",
                 [](auto* r) { r->set_softmax_scale(std::numeric_limits<float>::infinity()); },
                 kInvalid, "softmax_scale"}),
-    [](const testing::TestParamInfo<BadCase>& info) {
-      std::string name = info.param.name;
+    [](const testing::TestParamInfo<BadCase>& param_info) {
+      std::string name = param_info.param.name;
       for (char& ch : name) {
         if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
       }
@@ -227,13 +227,13 @@ TEST(Validation, ExplicitScaleKept) {
 
 TEST(Validation, LimitIsInclusive) {
   ValidationLimits limits = CpuLimits();
-  limits.max_tensor_elements = 2 * 7 * 2 * 64;  // exactly k's and v's size; q is smaller
+  limits.max_tensor_elements = 2 * 5 * 4 * 64;  // exactly q's size; k and v are smaller
   EXPECT_TRUE(ValidateAttentionRequest(GoodRequest(), limits).ok());
   limits.max_tensor_elements -= 1;
   absl::StatusOr<AttentionProblem> p = ValidateAttentionRequest(GoodRequest(), limits);
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_TRUE(absl::StartsWith(p.status().message(), "k: 1792 elements exceed"));
+  EXPECT_TRUE(absl::StartsWith(p.status().message(), "q: 2560 elements exceed"));
 }
 
 }  // namespace

@@ -1,0 +1,84 @@
+#include "autotune/background_tuner.h"
+
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+
+BackgroundTuner::BackgroundTuner(TuneCache* cache, TuneFn tune, Options options, EventFn on_event)
+    : cache_(cache),
+      tune_(std::move(tune)),
+      options_(std::move(options)),
+      on_event_(std::move(on_event)),
+      thread_([this] { Loop(); }) {}
+
+BackgroundTuner::~BackgroundTuner() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+std::optional<std::string> BackgroundTuner::Lookup(const ProblemClass& c) {
+  const std::string key = c.key();
+  if (std::optional<TuneRecord> record = cache_->Find(key)) {
+    Event("hit");
+    return record->config;
+  }
+  Event("miss");
+  Enqueue(c);
+  return std::nullopt;
+}
+
+void BackgroundTuner::Enqueue(const ProblemClass& c) {
+  const std::string key = c.key();
+  if (cache_->Find(key)) return;
+  absl::MutexLock lock(&mu_);
+  if (known_.count(key) || int(queue_.size()) >= options_.max_pending) return;
+  known_.insert(key);
+  queue_.push_back(c);
+}
+
+bool BackgroundTuner::WaitIdle(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return queue_.empty() && !busy_; };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+void BackgroundTuner::Loop() {
+  for (;;) {
+    ProblemClass c;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (stop_) return;
+      c = queue_.front();
+      queue_.pop_front();
+      busy_ = true;
+    }
+    const absl::Time start = absl::Now();
+    absl::StatusOr<TuneRecord> record = tune_(c);
+    if (record.ok()) {
+      cache_->Put(c.key(), *record);
+      Event("tuned");
+      const double speedup =
+          record->default_tflops > 0 ? record->tflops / record->default_tflops : 0;
+      spdlog::info("autotune {}: {} at {:.1f} TFLOPS ({:.2f}x the default {}) in {:.1f} s", c.key(),
+                   record->config, record->tflops, speedup, record->default_config,
+                   absl::ToDoubleSeconds(absl::Now() - start));
+      if (!options_.cache_path.empty()) {
+        if (absl::Status s = cache_->Save(options_.cache_path); !s.ok()) {
+          spdlog::warn("autotune: cannot save the cache: {}", std::string(s.message()));
+        }
+      }
+    } else {
+      Event("failed");
+      spdlog::warn("autotune {} failed: {}", c.key(), std::string(record.status().message()));
+    }
+    absl::MutexLock lock(&mu_);
+    busy_ = false;
+  }
+}
+
+}  // namespace flashserve

@@ -1,0 +1,164 @@
+#include "autotune/tune_cache.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace flashserve {
+namespace {
+
+constexpr const char kFormat[] = "flashserve-tune-cache/1";
+
+}  // namespace
+
+std::string TuneCacheHeader::Mismatch(const TuneCacheHeader& other) const {
+  if (device_name != other.device_name) {
+    return absl::StrCat("measured on \"", other.device_name, "\", this is \"", device_name, "\"");
+  }
+  if (cc_major != other.cc_major || cc_minor != other.cc_minor) {
+    return absl::StrCat("compute capability ", other.cc_major, ".", other.cc_minor,
+                        " != ", cc_major, ".", cc_minor);
+  }
+  if (build_id != other.build_id) {
+    return absl::StrCat("kernel build ", other.build_id, " != this build ", build_id);
+  }
+  if (driver_version != other.driver_version || runtime_version != other.runtime_version) {
+    return absl::StrCat("driver/runtime ", other.driver_version, "/", other.runtime_version,
+                        " != ", driver_version, "/", runtime_version);
+  }
+  return "";
+}
+
+std::optional<TuneRecord> TuneCache::Find(const std::string& key) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return std::nullopt;
+  return it->second;
+}
+
+void TuneCache::Put(const std::string& key, const TuneRecord& record) {
+  absl::MutexLock lock(&mu_);
+  entries_[key] = record;
+}
+
+size_t TuneCache::size() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return entries_.size();
+}
+
+std::string TuneCache::ToJson() const {
+  nlohmann::json j;
+  j["format"] = kFormat;
+  j["device"] = {{"name", header_.device_name},
+                 {"cc_major", header_.cc_major},
+                 {"cc_minor", header_.cc_minor},
+                 {"driver_version", header_.driver_version},
+                 {"runtime_version", header_.runtime_version}};
+  j["build_id"] = header_.build_id;
+  nlohmann::json entries = nlohmann::json::object();
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [key, r] : entries_) {
+      entries[key] = {{"config", r.config},
+                      {"tflops", r.tflops},
+                      {"runner_up", r.runner_up},
+                      {"runner_up_tflops", r.runner_up_tflops},
+                      {"default", r.default_config},
+                      {"default_tflops", r.default_tflops},
+                      {"candidates_timed", r.candidates_timed}};
+    }
+  }
+  j["entries"] = std::move(entries);
+  return j.dump(2) + "\n";
+}
+
+absl::Status TuneCache::FromJson(const std::string& text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::DataLossError("not valid JSON (corrupt or truncated)");
+  }
+  try {
+    if (j.value("format", "") != kFormat) {
+      return absl::FailedPreconditionError(absl::StrCat("format is not ", kFormat));
+    }
+    TuneCacheHeader file;
+    const nlohmann::json& device = j.at("device");
+    file.device_name = device.at("name").get<std::string>();
+    file.cc_major = device.at("cc_major").get<int>();
+    file.cc_minor = device.at("cc_minor").get<int>();
+    file.driver_version = device.at("driver_version").get<int>();
+    file.runtime_version = device.at("runtime_version").get<int>();
+    file.build_id = j.at("build_id").get<std::string>();
+    if (std::string why = header_.Mismatch(file); !why.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("cache is for another setup: ", why));
+    }
+    std::map<std::string, TuneRecord> loaded;
+    for (const auto& [key, e] : j.at("entries").items()) {
+      TuneRecord r;
+      r.config = e.at("config").get<std::string>();
+      r.tflops = e.at("tflops").get<double>();
+      r.runner_up = e.value("runner_up", "");
+      r.runner_up_tflops = e.value("runner_up_tflops", 0.0);
+      r.default_config = e.value("default", "");
+      r.default_tflops = e.value("default_tflops", 0.0);
+      r.candidates_timed = e.value("candidates_timed", 0);
+      loaded[key] = std::move(r);
+    }
+    absl::MutexLock lock(&mu_);
+    entries_ = std::move(loaded);
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat("malformed cache: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TuneCache::Load(const std::string& path) {
+  if (::access(path.c_str(), F_OK) != 0 && errno == ENOENT) return absl::OkStatus();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::UnavailableError(absl::StrCat(path, ": cannot open for reading"));
+  std::stringstream text;
+  text << in.rdbuf();
+  absl::Status s = FromJson(text.str());
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status TuneCache::Save(const std::string& path) const {
+  const std::string text = ToJson();
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::UnavailableError(absl::StrCat(tmp, ": ", std::strerror(errno)));
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      return absl::UnavailableError(absl::StrCat(tmp, ": ", std::strerror(err)));
+    }
+    written += size_t(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat(tmp, ": ", std::strerror(err)));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(absl::StrCat("rename to ", path, ": ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve

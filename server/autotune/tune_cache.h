@@ -1,0 +1,65 @@
+// The autotuning cache: winners per problem class, persisted as JSON for one device and build.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace flashserve {
+
+/// Identifies where and with what a cache was measured; a file whose header differs is ignored.
+struct TuneCacheHeader {
+  std::string device_name;
+  int cc_major = 0;
+  int cc_minor = 0;
+  int driver_version = 0;   // cudaDriverGetVersion
+  int runtime_version = 0;  // cudaRuntimeGetVersion
+  std::string build_id;     // hash of the compiled kernel set
+
+  /// Empty when `other` may be used with this header; else why not.
+  std::string Mismatch(const TuneCacheHeader& other) const;
+};
+
+struct TuneRecord {
+  std::string config;  // KernelConfig::name() of the winner
+  double tflops = 0;
+  std::string runner_up;  // second fastest ("" if only one candidate ran)
+  double runner_up_tflops = 0;
+  std::string default_config;  // the heuristic default, for the speed-up
+  double default_tflops = 0;
+  int candidates_timed = 0;
+};
+
+/// Thread-safe (reads take a shared lock; the request path only reads).
+class TuneCache {
+ public:
+  explicit TuneCache(TuneCacheHeader header) : header_(std::move(header)) {}
+
+  const TuneCacheHeader& header() const { return header_; }
+  std::optional<TuneRecord> Find(const std::string& key) const;
+  void Put(const std::string& key, const TuneRecord& record);
+  size_t size() const;
+
+  /// Loads entries from `path` if its header matches. A missing file is OK (nothing loaded).
+  /// A foreign (other device/build) or corrupt file loads nothing and returns a status that
+  /// says why (callers log it as a warning and carry on with an empty cache).
+  absl::Status Load(const std::string& path);
+  /// Writes the whole cache atomically: a temp file in the same directory, fsync, rename.
+  absl::Status Save(const std::string& path) const;
+
+  std::string ToJson() const;
+  /// Parses `text`; on success replaces the entries. Errors name what is wrong.
+  absl::Status FromJson(const std::string& text);
+
+ private:
+  const TuneCacheHeader header_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, TuneRecord> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace flashserve

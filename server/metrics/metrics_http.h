@@ -1,0 +1,39 @@
+// The metrics endpoint: GET /metrics on its own port (cpp-httplib), 404 for every other path.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "metrics/server_metrics.h"
+
+namespace flashserve {
+
+struct MetricsHttpOptions {
+  std::string host = "127.0.0.1";
+  int port = 8002;  // 0: pick a free port
+  int threads = 2;  // connection handler threads; scrapes are rare and cheap
+};
+
+/// Thread-safe. Serves on its own threads from Create until Stop or destruction. `metrics` must
+/// outlive the server (Stop first, then destroy the metrics).
+class MetricsHttpServer {
+ public:
+  /// Returns once the listener runs. UNAVAILABLE when the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Create(
+      const MetricsHttpOptions& options, const ServerMetrics* metrics);
+  ~MetricsHttpServer();
+  MetricsHttpServer(const MetricsHttpServer&) = delete;
+  MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
+
+  int port() const;
+  /// Stops listening and joins the server thread; idempotent.
+  void Stop();
+
+ private:
+  struct Impl;
+  explicit MetricsHttpServer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashserve

@@ -1,0 +1,285 @@
+// Autotuning on the CPU: class bucketing, the cache file (round trip, foreign/corrupt files,
+// atomic writes) and the background tuner never blocking a lookup.
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "autotune/background_tuner.h"
+#include "autotune/problem_class.h"
+#include "autotune/tune_cache.h"
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+using kernels::DType;
+
+DeviceIdentity H100() { return {"NVIDIA H100 80GB HBM3", 9, 0}; }
+
+TuneCacheHeader Header(std::string build = "abc123") {
+  TuneCacheHeader h;
+  h.device_name = "NVIDIA H100 80GB HBM3";
+  h.cc_major = 9;
+  h.cc_minor = 0;
+  h.driver_version = 13000;
+  h.runtime_version = 13000;
+  h.build_id = std::move(build);
+  return h;
+}
+
+std::string TempPath(const std::string& name) {
+  return absl::StrCat(::testing::TempDir(), "/", name, ".", getpid(), ".json");
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+TEST(ProblemClass, SeqlenBuckets) {
+  EXPECT_EQ(SeqlenQBucket(1), 16);
+  EXPECT_EQ(SeqlenQBucket(16), 16);  // decode-like class
+  EXPECT_EQ(SeqlenQBucket(17), 32);
+  EXPECT_EQ(SeqlenQBucket(1000), 1024);
+  EXPECT_EQ(SeqlenQBucket(1024), 1024);
+  EXPECT_EQ(SeqlenQBucket(1025), 2048);
+  EXPECT_EQ(SeqlenQBucket(1 << 20), 1 << 17);  // top bucket
+  EXPECT_EQ(SeqlenKBucket(1), 16);
+  EXPECT_EQ(SeqlenKBucket(4099), 8192);
+}
+
+TEST(ProblemClass, GqaBuckets) {
+  EXPECT_EQ(GqaBucket(16, 16), 1);
+  EXPECT_EQ(GqaBucket(32, 16), 2);
+  EXPECT_EQ(GqaBucket(24, 8), 4);  // ratio 3 rounds up
+  EXPECT_EQ(GqaBucket(32, 8), 4);
+  EXPECT_EQ(GqaBucket(64, 1), 16);
+  EXPECT_EQ(GqaBucket(128, 1), 16);
+}
+
+TEST(ProblemClass, KeyAndClassOf) {
+  auto p = kernels::make_contiguous_params(DType::kBFloat16, 2, 4000, 4000, 32, 8, 128, true, 0.1f);
+  ProblemClass c = ClassOf(p, H100());
+  EXPECT_EQ(c.key(), "sm90|bf16|d128|causal|gqa4|q4096|k4096");
+  auto same_class =
+      kernels::make_contiguous_params(DType::kBFloat16, 7, 3000, 2100, 64, 16, 128, true, 0.1f);
+  EXPECT_EQ(ClassOf(same_class, H100()).key(), c.key());
+  auto other = same_class;
+  other.causal = false;
+  EXPECT_NE(ClassOf(other, H100()).key(), c.key());
+}
+
+TEST(ProblemClass, RepresentativeBelongsToItsClass) {
+  for (int sq : {1, 16, 100, 4096, 16384}) {
+    for (int ratio : {1, 4, 16}) {
+      auto p = kernels::make_contiguous_params(DType::kFloat16, 1, sq, 2 * sq + 5, 8 * ratio, 8, 64,
+                                               false, 0.125f);
+      ProblemClass c = ClassOf(p, H100());
+      kernels::AttentionParams r = c.representative(132);
+      EXPECT_EQ(ClassOf(r, H100()).key(), c.key()) << c.key();
+      EXPECT_GE(r.batch, 1);
+      // Enough work to fill 132 SMs at least once.
+      EXPECT_GE(int64_t{r.batch} * r.heads_q * ((r.seqlen_q + 127) / 128), 132) << c.key();
+    }
+  }
+}
+
+TEST(TuneCache, RoundTrip) {
+  TuneCache cache(Header());
+  TuneRecord r{"m128n64w4s2", 351.5, "m128n128w8s2", 340.25, "m128n64w4s1", 300.0, 7};
+  cache.Put("sm90|bf16|d128|full|gqa1|q4096|k4096", r);
+  cache.Put("sm90|fp16|d64|causal|gqa1|q16|k1024",
+            {"m64n64w4s2", 12.5, "", 0, "m64n64w4s2", 12.5, 1});
+  const std::string path = TempPath("roundtrip");
+  ASSERT_TRUE(cache.Save(path).ok());
+  TuneCache loaded(Header());
+  ASSERT_TRUE(loaded.Load(path).ok());
+  EXPECT_EQ(loaded.size(), 2u);
+  std::optional<TuneRecord> got = loaded.Find("sm90|bf16|d128|full|gqa1|q4096|k4096");
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(got->config, "m128n64w4s2");
+  EXPECT_DOUBLE_EQ(got->tflops, 351.5);
+  EXPECT_EQ(got->runner_up, "m128n128w8s2");
+  EXPECT_DOUBLE_EQ(got->runner_up_tflops, 340.25);
+  EXPECT_EQ(got->default_config, "m128n64w4s1");
+  EXPECT_EQ(got->candidates_timed, 7);
+  EXPECT_EQ(loaded.ToJson(), cache.ToJson());
+  std::remove(path.c_str());
+}
+
+TEST(TuneCache, MissingFileIsEmptyNotError) {
+  TuneCache cache(Header());
+  EXPECT_TRUE(cache.Load(TempPath("does-not-exist")).ok());
+  EXPECT_EQ(cache.size(), 0u);
+}
+
+TEST(TuneCache, ForeignDeviceOrBuildIsIgnored) {
+  TuneCache cache(Header());
+  cache.Put("k", {"m128n64w4s2", 1, "", 0, "", 0, 1});
+  const std::string path = TempPath("foreign");
+  ASSERT_TRUE(cache.Save(path).ok());
+
+  TuneCache other_build(Header("def456"));
+  absl::Status s = other_build.Load(path);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("kernel build abc123 != this build def456"), std::string::npos) << s;
+  EXPECT_EQ(other_build.size(), 0u);
+
+  TuneCacheHeader h200 = Header();
+  h200.device_name = "NVIDIA H200";
+  TuneCache other_device(h200);
+  s = other_device.Load(path);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("NVIDIA H100"), std::string::npos) << s;
+  EXPECT_EQ(other_device.size(), 0u);
+  std::remove(path.c_str());
+}
+
+TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
+  TuneCache cache(Header());
+  cache.Put("k", {"m128n64w4s2", 1, "", 0, "", 0, 1});
+  const std::string full = cache.ToJson();
+  const std::string path = TempPath("corrupt");
+  // Every truncation of a valid file, plus garbage and wrong types: never a crash, never entries.
+  std::vector<std::string> bad;
+  for (size_t n = 0; n + 1 < full.size(); n += 7) bad.push_back(full.substr(0, n));
+  bad.push_back("\x00\xff garbage");
+  bad.push_back("[]");
+  bad.push_back(R"({"format":"flashserve-tune-cache/1","device":{"name":5}})");
+  std::string wrong_type = full;
+  wrong_type.replace(wrong_type.find("\"tflops\": 1"), 11, "\"tflops\": \"x\"");
+  bad.push_back(wrong_type);
+  for (const std::string& text : bad) {
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+    TuneCache loaded(Header());
+    absl::Status s = loaded.Load(path);
+    EXPECT_FALSE(s.ok()) << "accepted: " << text.substr(0, 60);
+    EXPECT_EQ(loaded.size(), 0u);
+  }
+  std::remove(path.c_str());
+}
+
+TEST(TuneCache, SaveIsAtomicAndLeavesNoTemp) {
+  const std::string path = TempPath("atomic");
+  TuneCache first(Header());
+  first.Put("a", {"m128n64w4s2", 1, "", 0, "", 0, 1});
+  ASSERT_TRUE(first.Save(path).ok());
+  const std::string before = ReadFile(path);
+  // A save into an unwritable location fails cleanly and leaves the old file intact.
+  TuneCache second(Header());
+  second.Put("b", {"m64n64w4s2", 2, "", 0, "", 0, 1});
+  EXPECT_FALSE(second.Save("/nonexistent-dir/cache.json").ok());
+  EXPECT_EQ(ReadFile(path), before);
+  // A successful save replaces the whole file; no temp file stays behind.
+  ASSERT_TRUE(second.Save(path).ok());
+  TuneCache reread(Header());
+  ASSERT_TRUE(reread.Load(path).ok());
+  EXPECT_FALSE(reread.Find("a").has_value());
+  EXPECT_TRUE(reread.Find("b").has_value());
+  EXPECT_NE(access(absl::StrCat(path, ".tmp.", getpid()).c_str(), F_OK), 0);
+  std::remove(path.c_str());
+}
+
+TEST(TuneCache, ConcurrentReadersDuringSaves) {
+  const std::string path = TempPath("concurrent");
+  TuneCache cache(Header());
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (int i = 0; i < 50; ++i) {
+      cache.Put(absl::StrCat("k", i), {"m128n64w4s2", double(i), "", 0, "", 0, 1});
+      ASSERT_TRUE(cache.Save(path).ok());
+    }
+    stop = true;
+  });
+  // Readers of the file always see a complete cache (rename is atomic).
+  int reads = 0;
+  while (!stop.load()) {
+    TuneCache reader(Header());
+    absl::Status s = reader.Load(path);
+    EXPECT_TRUE(s.ok()) << s;
+    ++reads;
+  }
+  writer.join();
+  EXPECT_GT(reads, 0);
+  std::remove(path.c_str());
+}
+
+ProblemClass ClassWithSeqlen(int seqlen) {
+  auto p = kernels::make_contiguous_params(DType::kBFloat16, 1, seqlen, seqlen, 16, 16, 128, false,
+                                           0.1f);
+  return ClassOf(p, H100());
+}
+
+TEST(BackgroundTuner, MissNeverWaitsForTuningAndLaterHits) {
+  TuneCache cache(Header());
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::atomic<int> tuned{0};
+  std::vector<std::string> events;
+  absl::Mutex events_mu;
+  BackgroundTuner tuner(
+      &cache,
+      [&](const ProblemClass& c) -> absl::StatusOr<TuneRecord> {
+        gate.wait();  // tuning takes "forever" until released
+        tuned++;
+        return TuneRecord{"m128n64w8s2", 400, "m128n64w4s2", 380, "m128n64w4s2", 380, 2};
+      },
+      {},
+      [&](const char* e) {
+        absl::MutexLock lock(&events_mu);
+        events.push_back(e);
+      });
+  const ProblemClass c = ClassWithSeqlen(4000);
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 100; ++i) EXPECT_FALSE(tuner.Lookup(c).has_value());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));  // none of them waited
+  release.set_value();
+  ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(tuned.load(), 1);  // queued once despite 100 misses
+  EXPECT_EQ(tuner.Lookup(c).value_or(""), "m128n64w8s2");
+  absl::MutexLock lock(&events_mu);
+  EXPECT_EQ(std::count(events.begin(), events.end(), std::string("miss")), 100);
+  EXPECT_EQ(std::count(events.begin(), events.end(), std::string("tuned")), 1);
+  EXPECT_EQ(std::count(events.begin(), events.end(), std::string("hit")), 1);
+}
+
+TEST(BackgroundTuner, TunesOneClassAtATimeAndSaves) {
+  const std::string path = TempPath("bg");
+  TuneCache cache(Header());
+  std::atomic<int> running{0}, max_running{0};
+  BackgroundTuner tuner(&cache,
+                        [&](const ProblemClass& c) -> absl::StatusOr<TuneRecord> {
+                          int now = ++running;
+                          max_running = std::max(max_running.load(), now);
+                          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+                          --running;
+                          if (c.seqlen_q_bucket == 64)
+                            return absl::InternalError("all candidates failed");
+                          return TuneRecord{
+                              absl::StrCat("cfg", c.seqlen_q_bucket), 1, "", 0, "", 0, 1};
+                        },
+                        {path});
+  for (int s : {100, 300, 60, 1000, 5000}) tuner.Lookup(ClassWithSeqlen(s));
+  ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(max_running.load(), 1);
+  EXPECT_EQ(cache.size(), 4u);  // the failing class is not cached...
+  EXPECT_FALSE(tuner.Lookup(ClassWithSeqlen(60)).has_value());
+  ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));  // ...and not retried forever
+  TuneCache reloaded(Header());
+  ASSERT_TRUE(reloaded.Load(path).ok());
+  EXPECT_EQ(reloaded.Find(ClassWithSeqlen(300).key())->config, "cfg512");
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace flashserve
