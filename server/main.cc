@@ -1,7 +1,9 @@
 // flashserve: exact attention as a service. Parses flags into options structs, wires the
 // backend, scheduler and edges together, and handles SIGINT/SIGTERM with a graceful drain.
+#include <atomic>
 #include <csignal>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -15,10 +17,13 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "autotune/tune_grid.h"
 #include "common/logging.h"
 #include "common/version.h"
 #include "edge/grpc_edge.h"
 #include "edge/http_edge.h"
+#include "metrics/metrics_http.h"
+#include "metrics/server_metrics.h"
 #include "runtime/attention_runtime.h"
 #include "runtime/backend_factory.h"
 #include "runtime/scheduler.h"
@@ -30,9 +35,25 @@ ABSL_FLAG(int, grpc_port, 8001,
           "gRPC port (AttentionService, health, reflection); 0 picks a free port");
 ABSL_FLAG(int, http_port, 8000,
           "HTTP port (/v2/health/live, /v2/health/ready); 0 picks a free port");
+ABSL_FLAG(int, metrics_port, 8002,
+          "Prometheus metrics port (GET /metrics, text format 0.0.4); 0 picks a free port");
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA when a usable GPU exists, else CPU), cuda or cpu");
 ABSL_FLAG(std::string, devices, "", "CUDA devices to use, e.g. \"0,1\"; empty: all visible");
+ABSL_FLAG(std::string, autotune, "off",
+          "Kernel autotuning (CUDA backend): off (use --tune_cache read-only, else heuristic "
+          "defaults), background (unseen problem classes are served with the default while they "
+          "are tuned off the request path), startup (tune the --tune_* grid before reporting "
+          "ready, then background)");
+ABSL_FLAG(std::string, tune_cache, "",
+          "Autotuning cache file (JSON; written by the server and flashserve-tune); a cache from "
+          "another GPU model or kernel build is ignored with a warning");
+ABSL_FLAG(std::string, tune_dtypes, "bf16,fp16", "--autotune=startup grid: dtypes");
+ABSL_FLAG(std::string, tune_head_dims, "64,128", "--autotune=startup grid: head dims");
+ABSL_FLAG(std::string, tune_causal, "both", "--autotune=startup grid: yes, no or both");
+ABSL_FLAG(std::string, tune_seqlens, "512,1024,2048,4096",
+          "--autotune=startup grid: sequence lengths, q or q:k");
+ABSL_FLAG(std::string, tune_gqa, "1", "--autotune=startup grid: GQA ratios heads_q/heads_kv");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest serialized request accepted (bytes, at most 2147483647); larger ones get "
           "RESOURCE_EXHAUSTED before they are read");
@@ -45,8 +66,9 @@ ABSL_FLAG(int, worker_threads, 0, "CPU backend compute threads; 0 uses every cor
 ABSL_FLAG(
     int, shutdown_grace_seconds, 10,
     "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled");
-ABSL_FLAG(std::string, log_level, "info",
-          "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
+ABSL_FLAG(
+    std::string, log_level, "info",
+    "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text, or json (one JSON object per line)");
 
 namespace flashserve {
@@ -81,7 +103,8 @@ int Serve() {
   }
 
   for (auto [name, port] : {std::pair{"grpc_port", absl::GetFlag(FLAGS_grpc_port)},
-                            std::pair{"http_port", absl::GetFlag(FLAGS_http_port)}}) {
+                            std::pair{"http_port", absl::GetFlag(FLAGS_http_port)},
+                            std::pair{"metrics_port", absl::GetFlag(FLAGS_metrics_port)}}) {
     if (absl::Status s = CheckPort(name, port); !s.ok()) {
       spdlog::error("{}", std::string(s.message()));
       return 2;
@@ -105,6 +128,25 @@ int Serve() {
   backend_options.kind = absl::GetFlag(FLAGS_backend);
   backend_options.cpu_threads = absl::GetFlag(FLAGS_worker_threads);
   backend_options.devices = *devices;
+  backend_options.autotune = absl::GetFlag(FLAGS_autotune);
+  backend_options.tune_cache_path = absl::GetFlag(FLAGS_tune_cache);
+  if (backend_options.autotune == "startup") {
+    absl::StatusOr<TuneGrid> grid =
+        ParseTuneGrid(absl::GetFlag(FLAGS_tune_dtypes), absl::GetFlag(FLAGS_tune_head_dims),
+                      absl::GetFlag(FLAGS_tune_causal), absl::GetFlag(FLAGS_tune_seqlens),
+                      absl::GetFlag(FLAGS_tune_gqa));
+    if (!grid.ok()) {
+      spdlog::error("--tune_*: {}", std::string(grid.status().message()));
+      return 2;
+    }
+    backend_options.startup_grid = *grid;
+  }
+  // The backend (and its tuning thread) exists before the metrics and outlives them, so
+  // autotune events go through a relay the metrics attach to while they exist.
+  auto autotune_events = std::make_shared<std::atomic<ServerMetrics*>>(nullptr);
+  backend_options.on_autotune_event = [autotune_events](const char* event) {
+    if (ServerMetrics* m = autotune_events->load()) m->RecordAutotune(event);
+  };
   absl::StatusOr<CreatedBackend> created = CreateBackend(backend_options);
   if (!created.ok()) {
     spdlog::error("backend: {}", std::string(created.status().message()));
@@ -128,7 +170,23 @@ int Serve() {
   limits.head_dims = caps.head_dims;
   limits.max_head_dim = caps.max_head_dim;
   limits.backend_name = caps.name;
-  AttentionRuntime runtime(&backend, scheduler->get(), limits);
+  ServerMetricsOptions metrics_options;
+  metrics_options.version = kVersion;
+  metrics_options.cuda = kCudaVersion;
+  metrics_options.arch = kCudaArchs;
+  ServerMetrics metrics(metrics_options);
+  Scheduler* scheduler_ptr = scheduler->get();
+  metrics.SetQueueDepthCallback([scheduler_ptr] { return double(scheduler_ptr->queue_depth()); });
+  autotune_events->store(&metrics);
+  struct DetachMetrics {
+    std::shared_ptr<std::atomic<ServerMetrics*>> relay;
+    ~DetachMetrics() { relay->store(nullptr); }
+  } detach_metrics{autotune_events};
+  if (caps.name != "cuda" && backend_options.autotune != "off") {
+    spdlog::warn("--autotune={} has no effect on the {} backend", backend_options.autotune,
+                 caps.name);
+  }
+  AttentionRuntime runtime(&backend, scheduler->get(), limits, &metrics);
 
   ServerIdentity identity;
   identity.version = kVersion;
@@ -158,15 +216,27 @@ int Serve() {
     return 1;
   }
 
+  MetricsHttpOptions metrics_http_options;
+  metrics_http_options.host = grpc_options.host;
+  metrics_http_options.port = absl::GetFlag(FLAGS_metrics_port);
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_http =
+      MetricsHttpServer::Create(metrics_http_options, &metrics);
+  if (!metrics_http.ok()) {
+    spdlog::error("{}", std::string(metrics_http.status().message()));
+    return 1;
+  }
+
   std::vector<std::string> device_names;
   for (const DeviceDescription& d : caps.devices) {
     device_names.push_back(
         absl::StrCat(d.index, ":", d.name, " (sm_", d.cc_major, d.cc_minor, ")"));
   }
-  spdlog::info("flashserve {} serving: backend={} ({}) devices=[{}] grpc={}:{} http={}:{} queue={}",
-               kVersion, caps.name, created->reason, absl::StrJoin(device_names, ", "),
-               grpc_options.host, (*grpc_edge)->port(), http_options.host, (*http_edge)->port(),
-               scheduler_options.queue_capacity);
+  spdlog::info(
+      "flashserve {} serving: backend={} ({}) devices=[{}] grpc={}:{} http={}:{} metrics={}:{} "
+      "queue={}",
+      kVersion, caps.name, created->reason, absl::StrJoin(device_names, ", "), grpc_options.host,
+      (*grpc_edge)->port(), http_options.host, (*http_edge)->port(), metrics_http_options.host,
+      (*metrics_http)->port(), scheduler_options.queue_capacity);
 
   // Wait for SIGINT/SIGTERM (blocked in every thread; taken here synchronously).
   sigset_t signals;
@@ -186,6 +256,7 @@ int Serve() {
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
   (*grpc_edge)->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   (*http_edge)->Stop();
+  (*metrics_http)->Stop();  // before the scheduler its queue-depth callback reads goes away
   spdlog::info("stopped");
   return 0;
 }

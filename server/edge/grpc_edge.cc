@@ -38,7 +38,17 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
-    call.done = [reactor, request, response](const absl::Status& status) {
+    ServerMetrics* metrics = runtime_->metrics();
+    if (metrics != nullptr) metrics->InflightInc();
+    const absl::Time received = call.received;
+    call.done = [reactor, request, response, metrics, received](const absl::Status& status) {
+      if (metrics != nullptr) {
+        metrics->InflightDec();
+        metrics->RecordRequest("Attention", static_cast<int>(status.code()),
+                               absl::ToDoubleSeconds(absl::Now() - received),
+                               int64_t(request->ByteSizeLong()),
+                               status.ok() ? int64_t(response->ByteSizeLong()) : 0);
+      }
       if (!status.ok()) {
         spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
                      request->request_id(), absl::StatusCodeToString(status.code()),
@@ -60,6 +70,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* /*request*/,
                                           v1::ServerInfo* info) override {
+    const absl::Time received = absl::Now();
     const BackendCapabilities& caps = runtime_->backend().capabilities();
     info->set_version(identity_.version);
     info->set_build(identity_.build);
@@ -82,6 +93,10 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
     limits->set_queue_capacity(identity_.queue_capacity);
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
+    if (ServerMetrics* metrics = runtime_->metrics()) {
+      metrics->RecordRequest("GetServerInfo", 0, absl::ToDoubleSeconds(absl::Now() - received), 0,
+                             int64_t(info->ByteSizeLong()));
+    }
     return reactor;
   }
 
@@ -128,6 +143,8 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& op
   // before we see it); a response is at most the size of its request plus the LSE.
   builder.SetMaxReceiveMessageSize(int(options.max_request_bytes));
   builder.SetMaxSendMessageSize(INT_MAX);
+  // A second process must not be able to bind the same port and take half the calls.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));

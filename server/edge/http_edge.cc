@@ -24,6 +24,11 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
   const int threads = options.threads;
   server.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
   server.set_payload_max_length(1 << 20);  // health only: nothing big to read yet
+  // httplib's default adds SO_REUSEPORT, which would let a second process share the port.
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const void*>(&yes), sizeof(yes));
+  });
 
   server.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
     res.set_content(R"({"live":true})", "application/json");

@@ -114,9 +114,10 @@ Histogram::Snapshot Histogram::Collect() const {
 }
 
 std::vector<double> LatencyBuckets() {
-  // Literals, not products, so every bound prints as written ("2.5e-05", not "2.5000000000000002e-05").
-  return {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
-          2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0};
+  // Literals, not products, so every bound prints as written ("2.5e-05", not
+  // "2.5000000000000002e-05").
+  return {1e-5,   2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+          2.5e-2, 5e-2,   0.1,  0.25, 0.5,    1.0,  2.5,  5.0,    10.0};
 }
 
 std::vector<double> ExponentialBuckets(double start, double factor, int count) {

@@ -223,7 +223,7 @@ class Family : public FamilyBase {
   }
 
   const std::function<std::unique_ptr<T>()> make_;
-  absl::Mutex mu_;              // serializes creation; lookups do not take it
+  absl::Mutex mu_;  // serializes creation; lookups do not take it
   std::atomic<Node*> head_{nullptr};
 };
 

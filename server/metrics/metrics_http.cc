@@ -27,6 +27,12 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   const int threads = options.threads > 0 ? options.threads : 1;
   server.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
   server.set_payload_max_length(1 << 16);  // GET only: no body worth reading
+  // httplib's default also sets SO_REUSEPORT, which lets a second process bind the same port and
+  // take half the scrapes; SO_REUSEADDR alone keeps restarts quick and a taken port an error.
+  server.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const void*>(&yes), sizeof(yes));
+  });
 
   // httplib answers HEAD with the GET handler (body dropped).
   server.Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
@@ -60,8 +66,8 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Create(
   if (!server.is_running()) {
     server.stop();
     impl->thread.join();  // listen_after_bind returned (or never accepted): nothing to wait for
-    return absl::UnavailableError(
-        absl::StrCat("metrics HTTP: listener on ", options.host, ":", impl->port, " did not start"));
+    return absl::UnavailableError(absl::StrCat("metrics HTTP: listener on ", options.host, ":",
+                                               impl->port, " did not start"));
   }
   return std::unique_ptr<MetricsHttpServer>(new MetricsHttpServer(std::move(impl)));
 }

@@ -7,11 +7,10 @@ namespace flashserve {
 namespace {
 
 constexpr std::string_view kCodeNames[] = {
-    "OK",                 "CANCELLED",         "UNKNOWN",      "INVALID_ARGUMENT",
-    "DEADLINE_EXCEEDED",  "NOT_FOUND",         "ALREADY_EXISTS", "PERMISSION_DENIED",
-    "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",    "OUT_OF_RANGE",
-    "UNIMPLEMENTED",      "INTERNAL",          "UNAVAILABLE",  "DATA_LOSS",
-    "UNAUTHENTICATED"};
+    "OK",        "CANCELLED",      "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+    "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+    "DATA_LOSS", "UNAUTHENTICATED"};
 constexpr int kUnknownCode = 2;
 
 int CodeOfName(std::string_view name) {
@@ -49,7 +48,7 @@ std::string_view PhaseName(Phase phase) {
 
 std::string_view GrpcCodeName(int code) {
   return code >= 0 && code < int(std::size(kCodeNames)) ? kCodeNames[code]
-                                                         : kCodeNames[kUnknownCode];
+                                                        : kCodeNames[kUnknownCode];
 }
 
 ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
@@ -65,9 +64,9 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
       "Time a request spent in one server phase: queue, h2d (host to device copy), compute, "
       "d2h (device to host copy).",
       {"phase"}, metrics::LatencyBuckets());
-  request_bytes_ = &registry_.AddCounter("flashserve_request_bytes_total",
-                                         "Tensor payload bytes received (in) and sent (out).",
-                                         {"direction"});
+  request_bytes_ =
+      &registry_.AddCounter("flashserve_request_bytes_total",
+                            "Tensor payload bytes received (in) and sent (out).", {"direction"});
   auto& inflight = registry_.AddGauge("flashserve_inflight_requests",
                                       "Requests accepted by an edge and not yet answered.");
   auto& queue_depth =
@@ -84,11 +83,11 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
   pinned_pool_ = &registry_.AddGauge(
       "flashserve_pinned_memory_pool_bytes",
       "Pinned host staging memory: used by requests now, reserved from the driver.", {"state"});
-  autotune_ = &registry_.AddCounter("flashserve_autotune_total",
-                                    "Autotune cache events by result.", {"result"});
-  auto& build_info = registry_.AddGauge(
-      "flashserve_build_info", "Build of the running server; the value is always 1.",
-      {"version", "cuda", "arch"});
+  autotune_ = &registry_.AddCounter("flashserve_autotune_total", "Autotune cache events by result.",
+                                    {"result"});
+  auto& build_info = registry_.AddGauge("flashserve_build_info",
+                                        "Build of the running server; the value is always 1.",
+                                        {"version", "cuda", "arch"});
 
   inflight_ = inflight.Get();
   queue_depth_ = queue_depth.Get();
@@ -106,8 +105,7 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
     MethodSlot& slot = methods_[i];
     slot.name = options.methods[i];
     slot.duration = request_duration_->Labels({slot.name});
-    slot.by_code[0].store(requests_->Labels({slot.name, kCodeNames[0]}),
-                          std::memory_order_release);
+    slot.by_code[0].store(requests_->Labels({slot.name, kCodeNames[0]}), std::memory_order_release);
   }
 }
 

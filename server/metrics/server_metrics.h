@@ -99,7 +99,9 @@ class ServerMetrics {
   void SetPinnedPoolCallback(std::function<PoolBytes()> callback);
 
   /// Hot-path handles for callers that want to skip even the lock-free child lookup.
-  metrics::Histogram* KernelTflops(std::string_view kernel) { return kernel_tflops_->Labels({kernel}); }
+  metrics::Histogram* KernelTflops(std::string_view kernel) {
+    return kernel_tflops_->Labels({kernel});
+  }
 
   /// The exposition text (serve with metrics::kContentType).
   std::string Render() const { return registry_.Render(); }

@@ -16,8 +16,9 @@ void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<
 
 }  // namespace
 
-AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits)
-    : backend_(backend), scheduler_(scheduler), limits_(std::move(limits)) {}
+AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
+                                   ServerMetrics* metrics)
+    : backend_(backend), scheduler_(scheduler), limits_(std::move(limits)), metrics_(metrics) {}
 
 void AttentionRuntime::StopAccepting() {
   accepting_.store(false);
@@ -83,6 +84,19 @@ absl::Status AttentionRuntime::Execute(const AttentionProblem& problem, const Ca
   timing->set_total_us(absl::ToInt64Microseconds(absl::Now() - call.received));
   response->set_kernel(kernel);
   response->set_request_id(call.request->request_id());
+  if (metrics_ != nullptr) {
+    metrics_->RecordPhase(Phase::kQueue, timing->queue_us() * 1e-6);
+    if (timing->h2d_us() > 0 || timing->d2h_us() > 0) {
+      metrics_->RecordPhase(Phase::kH2D, timing->h2d_us() * 1e-6);
+      metrics_->RecordPhase(Phase::kD2H, timing->d2h_us() * 1e-6);
+    }
+    metrics_->RecordPhase(Phase::kCompute, phases.compute_us * 1e-6);
+    if (phases.compute_us > 0) {
+      kernels::AttentionParams params = problem.params();
+      metrics_->ObserveKernel(kernel,
+                              kernels::attention_flops(params) / (phases.compute_us * 1e-6) / 1e12);
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "api/validation.h"
 #include "flashserve/v1/attention.pb.h"
+#include "metrics/server_metrics.h"
 #include "runtime/backend.h"
 #include "runtime/scheduler.h"
 
@@ -26,7 +27,9 @@ class AttentionRuntime {
     std::function<void(const absl::Status&)> done;  // called exactly once, maybe inline
   };
 
-  AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits);
+  /// metrics may be null.
+  AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
+                   ServerMetrics* metrics = nullptr);
 
   void Submit(Call call);
 
@@ -38,6 +41,7 @@ class AttentionRuntime {
   const ValidationLimits& limits() const { return limits_; }
   Backend& backend() { return *backend_; }
   Scheduler& scheduler() { return *scheduler_; }
+  ServerMetrics* metrics() { return metrics_; }
 
  private:
   absl::Status Execute(const AttentionProblem& problem, const Call& call, absl::Time enqueued);
@@ -45,6 +49,7 @@ class AttentionRuntime {
   Backend* backend_;
   Scheduler* scheduler_;
   const ValidationLimits limits_;
+  ServerMetrics* const metrics_;
   std::atomic<bool> accepting_{true};
 };
 

@@ -27,6 +27,10 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   if (options.kind != "cpu") {
     CudaBackendOptions cuda_options;
     cuda_options.devices = options.devices;
+    cuda_options.autotune = options.autotune;
+    cuda_options.tune_cache_path = options.tune_cache_path;
+    cuda_options.startup_grid = options.startup_grid;
+    cuda_options.on_autotune_event = options.on_autotune_event;
     absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(cuda_options);
     if (cuda.ok()) {
       created.scheduler_workers = (*cuda)->recommended_concurrency();
@@ -35,6 +39,7 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
       return created;
     }
     cuda_problem = std::string(cuda.status().message());
+    if (cuda.status().code() == absl::StatusCode::kInvalidArgument) return cuda.status();
   }
 #endif
   if (options.kind == "cuda") {

@@ -6,14 +6,20 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "autotune/background_tuner.h"
+#include "autotune/tune_grid.h"
 #include "runtime/backend.h"
 
 namespace flashserve {
 
 struct BackendOptions {
-  std::string kind = "auto";  // auto: cuda when a usable GPU exists, else cpu
-  int cpu_threads = 0;        // CPU backend compute threads; 0: all cores
-  std::vector<int> devices;   // CUDA devices to use; empty: all visible
+  std::string kind = "auto";     // auto: cuda when a usable GPU exists, else cpu
+  int cpu_threads = 0;           // CPU backend compute threads; 0: all cores
+  std::vector<int> devices;      // CUDA devices to use; empty: all visible
+  std::string autotune = "off";  // off | background | startup (CUDA only)
+  std::string tune_cache_path;
+  TuneGrid startup_grid;
+  BackgroundTuner::EventFn on_autotune_event;
 };
 
 struct CreatedBackend {

@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "autotune/cuda_tuning.h"
+#include "autotune/problem_class.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "spdlog/spdlog.h"
 
@@ -50,6 +52,7 @@ struct CudaBackend::Slot {
 struct CudaBackend::Device {
   int index = 0;
   int sm_count = 0;
+  bool tuned = false;  // same model as the first device: uses the tuning cache
   std::vector<Slot> slots;
   int in_flight = 0;
 };
@@ -121,10 +124,91 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   if (backend->devices_.empty()) {
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
   }
+  if (absl::Status s = backend->StartAutotune(options); !s.ok()) return s;
   return backend;
 }
 
+absl::Status CudaBackend::StartAutotune(const CudaBackendOptions& options) {
+  const std::string& mode = options.autotune;
+  if (mode != "off" && mode != "background" && mode != "startup") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--autotune must be off, background or startup, got \"", mode, "\""));
+  }
+  if (mode == "off" && options.tune_cache_path.empty()) return absl::OkStatus();
+  Device& first = *devices_.front();
+  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(first.index);
+  if (!facts.ok()) return facts.status();
+  tuned_identity_ = facts->identity;
+  for (auto& device : devices_) {
+    const DeviceDescription& d = capabilities_.devices[size_t(&device - &devices_.front())];
+    device->tuned = d.name == tuned_identity_.name && d.cc_major == tuned_identity_.cc_major &&
+                    d.cc_minor == tuned_identity_.cc_minor;
+  }
+  tune_cache_ = std::make_unique<TuneCache>(CacheHeaderFor(tuned_identity_));
+  if (!options.tune_cache_path.empty()) {
+    if (absl::Status s = tune_cache_->Load(options.tune_cache_path); !s.ok()) {
+      spdlog::warn("autotune: ignoring the tuning cache: {}", std::string(s.message()));
+    } else {
+      spdlog::info("autotune: {} tuned classes loaded from {}", tune_cache_->size(),
+                   options.tune_cache_path);
+    }
+  }
+  if (mode == "off") return absl::OkStatus();
+
+  // Tuning runs on its own stream at the lowest priority, one class at a time.
+  cudaSetDevice(first.index);
+  int least = 0, greatest = 0;
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (cudaError_t e = cudaStreamCreateWithPriority(&tune_stream_, cudaStreamNonBlocking, least);
+      e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA tuning stream: ", cudaGetErrorString(e)));
+  }
+  const int device_index = first.index;
+  const int sm_count = first.sm_count;
+  cudaStream_t stream = tune_stream_;
+  BackgroundTuner::Options tuner_options;
+  tuner_options.cache_path = options.tune_cache_path;
+  tuner_ = std::make_unique<BackgroundTuner>(
+      tune_cache_.get(),
+      [device_index, sm_count, stream](const ProblemClass& c) {
+        cudaSetDevice(device_index);
+        return TuneProblemClass(c, sm_count, stream);
+      },
+      tuner_options, options.on_autotune_event);
+  if (mode == "startup") {
+    const std::vector<ProblemClass> classes = GridClasses(options.startup_grid, tuned_identity_);
+    spdlog::info("autotune: tuning {} classes before reporting ready", classes.size());
+    for (const ProblemClass& c : classes) tuner_->Enqueue(c);
+    tuner_->WaitIdle(absl::InfiniteDuration());
+    spdlog::info("autotune: startup tuning done ({} classes cached)", tune_cache_->size());
+  }
+  return absl::OkStatus();
+}
+
+kernels::cuda::KernelConfig CudaBackend::ChooseConfig(const kernels::AttentionParams& params,
+                                                      const Device& device) {
+  const kernels::cuda::KernelConfig fallback = kernels::cuda::select(params, device.sm_count);
+  if (!device.tuned || !tune_cache_) return fallback;
+  const ProblemClass c = ClassOf(params, tuned_identity_);
+  std::optional<std::string> name;
+  if (tuner_) {
+    name = tuner_->Lookup(c);
+  } else if (std::optional<TuneRecord> record = tune_cache_->Find(c.key())) {
+    name = record->config;
+  }
+  if (!name) return fallback;
+  std::optional<kernels::cuda::KernelConfig> tuned = kernels::cuda::KernelConfig::parse(*name);
+  if (!tuned) return fallback;
+  for (const auto& candidate :
+       kernels::cuda::candidates(params.dtype, params.head_dim, params.causal)) {
+    if (candidate == *tuned) return *tuned;
+  }
+  return fallback;  // a cached name this build does not have
+}
+
 CudaBackend::~CudaBackend() {
+  tuner_.reset();  // joins the tuning thread before its stream goes away
+  if (tune_stream_ != nullptr) cudaStreamDestroy(tune_stream_);
   for (auto& device : devices_) {
     cudaSetDevice(device->index);
     for (Slot& slot : device->slots) {
@@ -209,7 +293,7 @@ absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& 
   if (std::string why = kernels::cuda::supported(params); !why.empty()) {
     status = absl::InvalidArgumentError(why);
   } else {
-    const kernels::cuda::KernelConfig config = kernels::cuda::select(params, device->sm_count);
+    const kernels::cuda::KernelConfig config = ChooseConfig(params, *device);
     cudaEventRecord(slot->events[0], stream);
     cudaMemcpyAsync(q, problem.q, q_bytes, cudaMemcpyHostToDevice, stream);
     cudaMemcpyAsync(k, problem.k, kv_bytes, cudaMemcpyHostToDevice, stream);

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Configure + build (kernels, GPU tests, benchmark; no gRPC) + GPU tests + compute-sanitizer +
+# benchmark, on the GPU machine, in one go. Logs and tables go to $OUT (default ./gpu-out).
+#   bench/kernels/run_on_gpu.sh [all|build|test|sanitize|bench]...   (default: all)
+# Needs a GoogleTest source tree at .deps/googletest (a copy of /usr/src/googletest).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-$PWD/gpu-out}
+BUILD=${BUILD:-build-gpu}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(all)
+want() { for s in "${steps[@]}"; do [ "$s" = all ] || [ "$s" = "$1" ] && return 0; done; return 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tail -1
+
+if want build; then
+  start=$(date +%s)
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHSERVE_BUILD_SERVER=OFF \
+    -DFLASHSERVE_GTEST_SOURCE_DIR=$PWD/.deps/googletest > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cmake --build "$BUILD" -j 16 >> "$OUT/build.log" 2>&1 || { grep -B2 -A10 -m5 "error" "$OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"; grep -i "warning" "$OUT/build.log" | head -20
+fi
+if want test; then
+  (cd "$BUILD" && timeout ${TEST_TIMEOUT:-240} ctest -L gpu -j 16 --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1)
+  echo "ctest gpu rc=$?"; tail -5 "$OUT/ctest-gpu.log"; grep -m3 "seed" "$OUT/ctest-gpu.log"
+  grep -A15 "Failure\|FAILED" "$OUT/ctest-gpu.log" | head -60
+fi
+if want sanitize; then
+  t="$BUILD/tests/gpu/cuda_attention_test"
+  f='Grid/CudaAttention.MatchesReference/bf16_d64_b1_sq17_sk17_h3x3_causal:Grid/CudaAttention.MatchesReference/fp16_d128_b1_sq65_sk65_h3x3:Grid/CudaAttention.MatchesReference/bf16_d128_b1_sq200_sk17_h2x1_causal:CudaAttentionLayout.PaddedStrides'
+  for tool in memcheck racecheck; do
+    timeout ${SANITIZE_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" --gtest_filter="$f" > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
+  done
+fi
+if want bench; then
+  PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-400} python3 bench/kernels/bench_vs_torch.py --lib "$BUILD/kernels/cuda/libflashserve_kernels_capi.so" \
+    ${BENCH_ARGS:-} --out "$OUT/bench.md" 2> "$OUT/bench.err" | tee "$OUT/bench-live.md"
+  tail -5 "$OUT/bench.err"
+fi

@@ -1,0 +1,108 @@
+// cpu::ThreadPool: fixed workers sharing a FIFO of parallel_for jobs. Each job hands out indices
+// through an atomic counter, so concurrent callers (and nested calls) share the workers and every
+// caller makes progress on its own job even when all workers are busy elsewhere.
+// fn must not throw: an exception escaping a worker thread ends the process (std::terminate).
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "flashserve/kernels/cpu_attention.h"
+
+namespace flashserve::kernels::cpu {
+namespace {
+
+struct Job {
+  const std::function<void(int64_t)>* fn = nullptr;  // owned by the caller, alive until done
+  int64_t n = 0;
+  std::atomic<int64_t> next{0};      // next index to hand out
+  std::atomic<int64_t> finished{0};  // indices whose fn call has returned
+  std::mutex mu;
+  std::condition_variable done_cv;
+
+  // Runs indices until none are left. Safe to call from any number of threads.
+  void work() {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      (*fn)(i);
+      if (finished.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(mu);
+        done_cv.notify_all();
+      }
+    }
+  }
+};
+
+}  // namespace
+
+struct ThreadPool::Impl {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Job>> jobs;  // jobs that may still have indices to hand out
+  bool stop = false;
+  std::vector<std::thread> workers;
+
+  void remove(const std::shared_ptr<Job>& job) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = std::find(jobs.begin(), jobs.end(), job);
+    if (it != jobs.end()) jobs.erase(it);
+  }
+
+  void worker_loop() {
+    for (;;) {
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stop || !jobs.empty(); });
+        if (stop) return;
+        job = jobs.front();
+      }
+      job->work();
+      remove(job);  // exhausted: nobody needs to look at it again
+    }
+  }
+};
+
+ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
+  if (num_threads <= 0)
+    num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The calling thread of parallel_for is one of the num_threads.
+  for (int t = 1; t < num_threads; ++t)
+    impl_->workers.emplace_back([this] { impl_->worker_loop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->stop = true;
+  }
+  impl_->cv.notify_all();
+  for (std::thread& t : impl_->workers) t.join();
+}
+
+int ThreadPool::num_threads() const { return static_cast<int>(impl_->workers.size()) + 1; }
+
+void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  if (n == 1 || impl_->workers.empty()) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->n = n;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->jobs.push_back(job);
+  }
+  impl_->cv.notify_all();
+  job->work();
+  impl_->remove(job);
+  std::unique_lock<std::mutex> lock(job->mu);
+  job->done_cv.wait(lock, [&] { return job->finished.load() == n; });
+}
+
+}  // namespace flashserve::kernels::cpu

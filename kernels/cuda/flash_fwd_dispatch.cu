@@ -1,0 +1,191 @@
+// All runtime -> compile-time dispatch of the forward kernels: the table of compiled
+// configurations (expanded from the generated registry.inc), supported(), candidates(),
+// select() and run().
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flash_fwd_launch.h"
+#include "flashserve/kernels/cuda_attention.h"
+
+// extern template declarations of every generated instance.
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS) \
+  FLASHSERVE_FWD_INSTANCE(extern, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS)
+#include "registry.inc"
+#undef FLASHSERVE_FWD_CONFIG
+
+namespace flashserve::kernels::cuda {
+namespace {
+
+using LaunchFn = cudaError_t (*)(const AttentionParams&, cudaStream_t);
+
+struct Entry {
+  DType dtype;
+  int head_dim;
+  KernelConfig config;
+  LaunchFn launch;
+};
+
+const Entry kEntries[] = {
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS) \
+  {DType::DTYPE, HEAD_DIM, KernelConfig{BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS},                \
+   &launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS>>},
+#include "registry.inc"
+#undef FLASHSERVE_FWD_CONFIG
+};
+
+const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
+  for (const Entry& e : kEntries)
+    if (e.dtype == dtype && e.head_dim == head_dim && e.config == cfg) return &e;
+  return nullptr;
+}
+
+bool has_entries(DType dtype, int head_dim) {
+  for (const Entry& e : kEntries)
+    if (e.dtype == dtype && e.head_dim == head_dim) return true;
+  return false;
+}
+
+std::string join_ints(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s;
+}
+
+// The heuristic default for a large problem, per (head_dim, causal), from the H200 sweep in
+// kernels/NOTES.md: 32 query rows per warp (128 rows, 4 warps) halves the shared-memory traffic
+// per MMA against 16 rows per warp (8 warps: 25% slower). d=64: one K/V stage beat two by 3%
+// (smaller footprint); d=128: two stages beat one by 4-7%.
+KernelConfig preferred(int head_dim, bool /*causal: same choice today*/) {
+  switch (head_dim) {
+    case 64:
+      return KernelConfig{128, 64, 4, 1, false};
+    case 128:
+      return KernelConfig{128, 64, 4, 2, false};
+    case 256:
+      return KernelConfig{128, 64, 8, 2, false};
+    default:
+      return KernelConfig{128, 64, 4, 2, false};
+  }
+}
+
+constexpr int kMaxGridYZ = 65535;
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+std::vector<int> supported_head_dims() {
+  std::vector<int> dims;
+  for (const Entry& e : kEntries) {
+    bool seen = false;
+    for (int d : dims) seen |= d == e.head_dim;
+    if (!seen) dims.push_back(e.head_dim);
+  }
+  return dims;
+}
+
+std::vector<DType> supported_dtypes() {
+  std::vector<DType> dtypes;
+  for (const Entry& e : kEntries) {
+    bool seen = false;
+    for (DType d : dtypes) seen |= d == e.dtype;
+    if (!seen) dtypes.push_back(e.dtype);
+  }
+  return dtypes;
+}
+
+std::string supported(const AttentionParams& p) {
+  const std::vector<DType> dtypes = supported_dtypes();
+  bool dtype_ok = false;
+  std::string dtype_list;
+  for (DType d : dtypes) {
+    dtype_ok |= d == p.dtype;
+    dtype_list += (dtype_list.empty() ? "" : ", ") + std::string(dtype_name(d));
+  }
+  if (!dtype_ok)
+    return "dtype " + std::string(dtype_name(p.dtype)) +
+           " is not supported by the CUDA kernels (supported: " + dtype_list + ")";
+  const std::vector<int> dims = supported_head_dims();
+  bool dim_ok = false;
+  for (int d : dims) dim_ok |= d == p.head_dim;
+  if (!dim_ok)
+    return "head_dim " + std::to_string(p.head_dim) +
+           " is not supported by the CUDA kernels (supported: " + join_ints(dims) + ")";
+  if (!has_entries(p.dtype, p.head_dim))
+    return "no CUDA kernel was compiled for dtype " + std::string(dtype_name(p.dtype)) +
+           " with head_dim " + std::to_string(p.head_dim);
+  if (p.batch < 0) return "batch must be >= 0 (got " + std::to_string(p.batch) + ")";
+  if (p.batch > kMaxGridYZ)
+    return "batch " + std::to_string(p.batch) + " exceeds the CUDA kernels' limit of 65535";
+  if (p.seqlen_q < 0) return "seqlen_q must be >= 0 (got " + std::to_string(p.seqlen_q) + ")";
+  if (p.seqlen_k < 0) return "seqlen_k must be >= 0 (got " + std::to_string(p.seqlen_k) + ")";
+  if (p.heads_q < 1) return "heads_q must be >= 1 (got " + std::to_string(p.heads_q) + ")";
+  if (p.heads_q > kMaxGridYZ)
+    return "heads_q " + std::to_string(p.heads_q) + " exceeds the CUDA kernels' limit of 65535";
+  if (p.heads_kv < 1) return "heads_kv must be >= 1 (got " + std::to_string(p.heads_kv) + ")";
+  if (p.heads_q % p.heads_kv != 0)
+    return "heads_q (" + std::to_string(p.heads_q) + ") must be a multiple of heads_kv (" +
+           std::to_string(p.heads_kv) + ")";
+  if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale))
+    return "softmax_scale must be positive and finite";
+  if (!(p.softmax_scale_log2 > 0.f) || !std::isfinite(p.softmax_scale_log2))
+    return "softmax_scale_log2 must be positive and finite (softmax_scale * log2(e))";
+  if (p.batch == 0 || p.seqlen_q == 0) return "";  // nothing to compute
+  if (p.q == nullptr || p.o == nullptr) return "q and o must not be null";
+  if (p.seqlen_k > 0 && (p.k == nullptr || p.v == nullptr)) return "k and v must not be null";
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
+    return "q, k, v and o must be 16-byte aligned";
+  const int64_t strides[] = {p.q_batch_stride, p.q_row_stride, p.q_head_stride,
+                             p.k_batch_stride, p.k_row_stride, p.k_head_stride,
+                             p.v_batch_stride, p.v_row_stride, p.v_head_stride,
+                             p.o_batch_stride, p.o_row_stride, p.o_head_stride};
+  for (int64_t s : strides)
+    if (s % 8 != 0)
+      return "every batch/row/head stride must be a multiple of 8 elements (16 bytes); got " +
+             std::to_string(s);
+  return "";
+}
+
+std::vector<KernelConfig> candidates(DType dtype, int head_dim, bool causal) {
+  std::vector<KernelConfig> out;
+  const KernelConfig first = preferred(head_dim, causal);
+  if (find_entry(dtype, head_dim, first) != nullptr) out.push_back(first);
+  for (const Entry& e : kEntries)
+    if (e.dtype == dtype && e.head_dim == head_dim && e.config != first) out.push_back(e.config);
+  return out;
+}
+
+KernelConfig select(const AttentionParams& p, int sm_count) {
+  const std::vector<KernelConfig> all = candidates(p.dtype, p.head_dim, p.causal);
+  if (all.empty()) return preferred(p.head_dim, p.causal);
+  KernelConfig best = all.front();
+  // Too few 128-row tiles to fill every multiprocessor once: 64-row tiles double the blocks.
+  const int64_t tiles = int64_t((p.seqlen_q + best.block_m - 1) / best.block_m) * p.heads_q * p.batch;
+  if (sm_count > 0 && tiles < sm_count) {
+    const KernelConfig small{64, 64, 4, 2, false};
+    if (find_entry(p.dtype, p.head_dim, small) != nullptr) best = small;
+  }
+  return best;
+}
+
+cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream) {
+  if (!supported(p).empty()) return cudaErrorInvalidValue;
+  const Entry* e = find_entry(p.dtype, p.head_dim, cfg);
+  if (e == nullptr) return cudaErrorInvalidValue;
+  if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;
+  return e->launch(p, stream);
+}
+
+cudaError_t run(const AttentionParams& p, cudaStream_t stream) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  int sm_count = 0;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
+      err != cudaSuccess)
+    return err;
+  return run(p, select(p, sm_count), stream);
+}
+
+}  // namespace flashserve::kernels::cuda

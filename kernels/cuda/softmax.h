@@ -1,0 +1,84 @@
+// Online softmax over the warp's S fragments in fp32 with exp2: p = 2^(s * scale_log2 - m *
+// scale_log2), one FFMA + one EX2 per element. Each row lives in the 4 lanes of a quad, so the
+// row max takes two shuffles; row sums stay per-lane until the epilogue.
+#pragma once
+
+#include <cmath>
+
+#include "ptx.h"
+
+namespace flashserve::kernels::cuda {
+
+template <int kMTiles, int kNTiles, int kDTiles>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMTiles;  // rows per lane: (mi, h) -> row g + 8h of tile mi
+  float row_max[kRows];  // running max of raw scores (-inf: nothing seen yet)
+  float row_sum[kRows];  // this lane's part of the running sum of p
+
+  /// Turns s into p in place and rescales o. kFirst: o is all zeros and nothing was seen
+  /// before, so no rescaling is needed (the cheap first iteration).
+  template <bool kFirst>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
+                                         float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mi * 2 + h;
+        float mx = kFirst ? -INFINITY : row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked entries keeps max -inf; subtract 0 instead so that
+        // every p is 2^-inf = 0 rather than NaN.
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        float sum = 0.f;
+        if constexpr (!kFirst) {
+          const float alpha = ptx::exp2_approx(row_max[r] * scale_log2 - max_scaled);
+          sum = row_sum[r] * alpha;
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mi][dt][2 * h] *= alpha;
+            o[mi][dt][2 * h + 1] *= alpha;
+          }
+        }
+        row_max[r] = mx;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float p = ptx::exp2_approx(fmaf(s[mi][nt][2 * h + j], scale_log2, -max_scaled));
+            s[mi][nt][2 * h + j] = p;
+            sum += p;
+          }
+        row_sum[r] = sum;
+      }
+  }
+
+  /// Completes the row sums across the quad, scales o by 1 / sum and returns per-row LSE
+  /// (natural log). A row that saw no key gets o = 0 and LSE = -inf.
+  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float scale,
+                                           float (&lse)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mi * 2 + h;
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        const bool empty = !(sum > 0.f);
+        const float inv = empty ? 0.f : 1.f / sum;
+        lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mi][dt][2 * h] *= inv;
+          o[mi][dt][2 * h + 1] *= inv;
+        }
+      }
+  }
+};
+
+}  // namespace flashserve::kernels::cuda

@@ -1,0 +1,47 @@
+// Public API of the CUDA forward-attention kernels (family "sm80": mma.sync m16n8k16,
+// runs on sm_80 and every later GPU). Nothing here throws.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <vector>
+
+#include "flashserve/kernels/attention_params.h"
+#include "flashserve/kernels/dtype.h"
+#include "flashserve/kernels/kernel_config.h"
+
+namespace flashserve::kernels::cuda {
+
+/// Head dims with compiled kernels in this build (CMake option FLASHSERVE_KERNEL_HEAD_DIMS).
+std::vector<int> supported_head_dims();
+/// Dtypes with compiled kernels in this build (fp16, bf16; fp32 is CPU-only).
+std::vector<DType> supported_dtypes();
+
+/// Empty when some compiled kernel can run p; otherwise a message naming the offending
+/// field, e.g. "head_dim 48 is not supported by the CUDA kernels (supported: 64, 128)".
+/// Checks dtype, head_dim, sizes, GQA divisibility, pointer/stride alignment (16 bytes),
+/// and grid limits. Does not touch the GPU.
+std::string supported(const AttentionParams& p);
+
+/// The autotuner's search space for one problem class: every compiled configuration for
+/// (dtype, head_dim), the heuristic default first. Empty when (dtype, head_dim) is unsupported.
+std::vector<KernelConfig> candidates(DType dtype, int head_dim, bool causal);
+
+/// The heuristic default configuration for p on a GPU with sm_count multiprocessors
+/// (the one run(p, stream) uses). Always one of candidates(p.dtype, p.head_dim, p.causal)
+/// when supported(p) is empty.
+KernelConfig select(const AttentionParams& p, int sm_count);
+
+/// Computes attention for p with configuration cfg on stream (asynchronous).
+///   q: [batch, seqlen_q, heads_q, head_dim], k/v: [batch, seqlen_k, heads_kv, head_dim],
+///   o: [batch, seqlen_q, heads_q, head_dim] (p.dtype), lse: [batch, heads_q, seqlen_q] fp32
+///   contiguous or nullptr. Strides come from p (last dimension contiguous).
+/// Returns cudaErrorInvalidValue when supported(p) is not empty or cfg is not compiled for
+/// (p.dtype, p.head_dim); otherwise the launch's error (cudaSuccess when it was queued).
+cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream);
+
+/// Same as run(p, select(p, <current device's SM count>), stream).
+cudaError_t run(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace flashserve::kernels::cuda

@@ -1,0 +1,33 @@
+// One point of the sm80 flash-attention forward kernel family's configuration space.
+// Plain C++ (no CUDA headers): the autotuner cache and the server use it without nvcc.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace flashserve::kernels::cuda {
+
+/// A compiled configuration of the forward kernel. The fields become template parameters
+/// (see kernels/cuda/kernel_traits.h); only the configurations that
+/// kernels/tools/generate_instances.py instantiated can run (candidates() lists them).
+struct KernelConfig {
+  int block_m = 128;       ///< query rows per thread block (16 * num_warps * m-tiles per warp)
+  int block_n = 64;        ///< key/value rows per inner-loop step
+  int num_warps = 4;       ///< warps per block; each warp owns block_m / num_warps query rows
+  int kv_stages = 2;       ///< shared-memory K/V buffers: 1 (FA2-style) or 2 (double-buffered)
+  bool q_in_regs = false;  ///< keep the Q tile in registers instead of re-reading shared memory
+
+  /// Stable text form, e.g. "m128n64w4s2" or "m128n64w8s2q"; the autotuner cache stores it.
+  std::string name() const;
+  /// Inverse of name(); nullopt for text that is not a well-formed name.
+  static std::optional<KernelConfig> parse(std::string_view name);
+
+  friend bool operator==(const KernelConfig& a, const KernelConfig& b) {
+    return a.block_m == b.block_m && a.block_n == b.block_n && a.num_warps == b.num_warps &&
+           a.kv_stages == b.kv_stages && a.q_in_regs == b.q_in_regs;
+  }
+  friend bool operator!=(const KernelConfig& a, const KernelConfig& b) { return !(a == b); }
+};
+
+}  // namespace flashserve::kernels::cuda

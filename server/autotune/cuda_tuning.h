@@ -1,0 +1,29 @@
+// Glue between the kernel-side tuner (kernels/cuda) and the server's cache: device identity,
+// cache header, and "tune one problem class" as a TuneRecord. CUDA builds only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "absl/status/statusor.h"
+#include "autotune/problem_class.h"
+#include "autotune/tune_cache.h"
+#include "flashserve/kernels/tuner.h"
+
+namespace flashserve {
+
+struct CudaDeviceFacts {
+  DeviceIdentity identity;
+  int sm_count = 0;
+};
+
+absl::StatusOr<CudaDeviceFacts> DescribeCudaDevice(int device);
+
+/// Header for a cache measured on `device` with this build's kernels.
+TuneCacheHeader CacheHeaderFor(const DeviceIdentity& device);
+
+/// Times every candidate for c's representative problem on the current device and `stream`.
+absl::StatusOr<TuneRecord> TuneProblemClass(const ProblemClass& c, int sm_count,
+                                            cudaStream_t stream,
+                                            const kernels::cuda::TuneOptions& options = {});
+
+}  // namespace flashserve
