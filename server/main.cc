@@ -3,11 +3,14 @@
 #include <atomic>
 #include <csignal>
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/program_name.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -255,7 +258,9 @@ int Serve() {
   const bool drained = (*scheduler)->WaitIdle(deadline);
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
   (*grpc_edge)->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
+  spdlog::debug("shutdown: gRPC stopped");
   (*http_edge)->Stop();
+  spdlog::debug("shutdown: HTTP stopped");
   (*metrics_http)->Stop();  // before the scheduler its queue-depth callback reads goes away
   spdlog::info("stopped");
   return 0;
@@ -284,6 +289,17 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "exact attention over gRPC (port 8001) and HTTP (port 8000).\n"
       "Usage: flashserve [--flag=value ...]");
+  // --help prints the flags and exits 0 (Abseil's own handling exits 1).
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "-h") {
+      absl::flags_internal::SetProgramInvocationName("flashserve");
+      absl::flags_internal::FlagsHelp(std::cout, "server/main.cc",
+                                      absl::flags_internal::HelpFormat::kHumanReadable,
+                                      absl::ProgramUsageMessage());
+      return 0;
+    }
+  }
   absl::ParseCommandLine(argc, argv);
   return flashserve::Serve();
 }

@@ -313,7 +313,7 @@ absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& 
       timing->h2d_us = ElapsedUs(slot->events[0], slot->events[1]);
       timing->compute_us = ElapsedUs(slot->events[1], slot->events[2]);
       timing->d2h_us = ElapsedUs(slot->events[2], slot->events[3]);
-      *kernel = absl::StrCat("sm80_fwd_", kernels::dtype_name(problem.dtype), "_d",
+      *kernel = absl::StrCat("sm80_fwd_", std::string(kernels::dtype_name(problem.dtype)), "_d",
                              problem.head_dim, problem.causal ? "_causal_" : "_", config.name());
     } else if (IsSticky(e)) {
       healthy_.store(false);

@@ -1,0 +1,64 @@
+"""Typed exceptions for gRPC failures. Each carries the gRPC status code and the server's message.
+
+    try:
+        client.attention(q, k, v)
+    except flashserve.InvalidArgumentError as e:   # also a ValueError
+        print(e.code, e.message)                   # StatusCode.INVALID_ARGUMENT, "q.shape: ..."
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+
+class FlashserveError(Exception):
+    """A failed call. ``code`` is a grpc.StatusCode, ``message`` the server's (or client's) explanation."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: Optional[str] = None):
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        name = self.code.name if isinstance(self.code, grpc.StatusCode) else str(self.code)
+        suffix = f" (request_id={self.request_id})" if self.request_id else ""
+        return f"{name}: {self.message}{suffix}"
+
+
+class InvalidArgumentError(FlashserveError, ValueError):
+    """INVALID_ARGUMENT: the request is malformed (raised client-side too, for inputs the client can check)."""
+
+
+class ResourceExhaustedError(FlashserveError):
+    """RESOURCE_EXHAUSTED: over a size limit, or the server's queue is full (retry later)."""
+
+
+class UnavailableError(FlashserveError, ConnectionError):
+    """UNAVAILABLE: the server cannot be reached or is shutting down."""
+
+
+class DeadlineExceededError(FlashserveError, TimeoutError):
+    """DEADLINE_EXCEEDED: the call's timeout passed before the answer came."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+def error_for(code: grpc.StatusCode, message: str, request_id: Optional[str] = None) -> FlashserveError:
+    """The exception for a status code: a subclass where one exists, else FlashserveError."""
+    return _BY_CODE.get(code, FlashserveError)(code, message, request_id)
+
+
+def from_rpc_error(error: grpc.RpcError, request_id: Optional[str] = None) -> FlashserveError:
+    """Converts a grpc.RpcError (sync) or grpc.aio.AioRpcError into the typed exception."""
+    code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    return error_for(code, details or "", request_id)
