@@ -9,7 +9,17 @@ if(NOT FLASHSERVE_ENABLE_CUDA STREQUAL "OFF")
   if(CMAKE_CUDA_COMPILER)
     set(CMAKE_CUDA_ARCHITECTURES ${FLASHSERVE_CUDA_ARCHS})  # real sm_XX code for each (-gencode)
     enable_language(CUDA)
-    find_package(CUDAToolkit REQUIRED)
+    if(CMAKE_VERSION VERSION_LESS 3.26)
+      # CMake 3.25's FindCUDAToolkit tags CUDA::nvToolsExt as deprecated when the project
+      # requires >= 3.25, but CUDA 13 ships no nvToolsExt, so the target is missing and
+      # configure fails. Look the toolkit up under a lower policy version (fixed in CMake 3.26).
+      set(_flashserve_min_version ${CMAKE_MINIMUM_REQUIRED_VERSION})
+      set(CMAKE_MINIMUM_REQUIRED_VERSION 3.24)
+      find_package(CUDAToolkit REQUIRED)
+      set(CMAKE_MINIMUM_REQUIRED_VERSION ${_flashserve_min_version})
+    else()
+      find_package(CUDAToolkit REQUIRED)
+    endif()
     set(CMAKE_CUDA_STANDARD 17)
     set(CMAKE_CUDA_STANDARD_REQUIRED ON)
     set(FLASHSERVE_HAVE_CUDA ON)
