@@ -1,0 +1,170 @@
+"""End to end on the CUDA backend: the real server binary with --backend=cuda, driven by the Python client and
+checked against the fp64 reference. Skips with a message on machines without a usable NVIDIA GPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from concurrent import futures
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import reference
+
+from conftest import ServerProcess, _stop_and_check
+
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _gpu_present() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cuda_server(flashserve_bin, tmp_path_factory):
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("cuda_server"), ["--backend=cuda"],
+                      name="cuda_server").start()
+    yield s
+    _stop_and_check(s)
+
+
+def _problem(rng, dtype, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, scale=1.0):
+    np_dtype = DTYPES[dtype]
+    q = (rng.standard_normal((batch, seqlen_q, heads_q, head_dim)) * scale).astype(np_dtype)
+    k = (rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)) * scale).astype(np_dtype)
+    v = rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)).astype(np_dtype)
+    return q, k, v
+
+
+def _check(client, q, k, v, dtype, causal):
+    result = client.attention_with_metadata(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    out = np.asarray(result.out, dtype=np.float64)
+    assert np.isfinite(out).all(), "NaN/Inf in the output"
+    tol = reference.output_tolerance(ref, dtype, float(np.abs(v.astype(np.float64)).max()),
+                                     reference.max_abs_logit(q, k))
+    err = float(np.abs(out - ref).max())
+    assert err <= tol, f"max abs err {err:.3g} > tol {tol:.3g}"
+    lse_err, lse_ok = reference.compare_lse(result.lse, ref_lse)
+    assert lse_ok, f"LSE error {lse_err}"
+    return result
+
+
+def test_server_info_reports_the_gpu(cuda_server):
+    with flashserve.Client(cuda_server.address) as c:
+        info = c.server_info()
+    assert info.backend == "cuda"
+    assert len(info.devices) >= 1 and info.devices[0].compute_capability[0] >= 8
+    assert set(info.head_dims) >= {64, 128}
+
+
+# Odd sizes, GQA and causal with Sq != Sk, through the whole service.
+SHAPES = [
+    # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal
+    (1, 1, 1, 1, 1, 64, False),
+    (2, 17, 17, 3, 3, 128, True),
+    (1, 127, 1000, 8, 2, 64, True),    # Sq < Sk causal, GQA 4:1
+    (1, 1025, 97, 6, 1, 128, True),    # Sq > Sk causal (rows with no key), MQA
+    (5, 65, 4099, 4, 4, 128, False),
+    (1, 4099, 4099, 2, 1, 64, True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}:{}_d{}_{}".format(*s[:6], "causal" if s[6] else "full"))
+def test_matches_reference(cuda_server, rng, dtype, shape):
+    batch, sq, sk, hq, hkv, d, causal = shape
+    q, k, v = _problem(rng, dtype, batch, sq, sk, hq, hkv, d)
+    with flashserve.Client(cuda_server.address, timeout=120) as c:
+        result = _check(c, q, k, v, dtype, causal)
+    assert result.kernel.startswith("sm80_fwd_"), result.kernel
+    assert result.timing.compute_us > 0 and result.timing.h2d_us > 0
+
+
+def test_large_logits_stay_finite(cuda_server, rng):
+    q, k, v = _problem(rng, "bfloat16", 1, 300, 300, 4, 4, 128, scale=3.0)
+    with flashserve.Client(cuda_server.address, timeout=60) as c:
+        _check(c, q, k, v, "bfloat16", True)
+
+
+def test_fp32_is_refused_with_a_clear_message(cuda_server, rng):
+    q = rng.standard_normal((1, 4, 2, 64)).astype(np.float32)
+    with flashserve.Client(cuda_server.address) as c:
+        with pytest.raises(flashserve.InvalidArgumentError, match="FLOAT32 is not supported by the cuda backend"):
+            c.attention(q, q, q)
+
+
+def test_32_concurrent_clients_mixed_shapes(cuda_server, rng):
+    seeds = rng.integers(0, 2**31, size=32)
+
+    def one(i):
+        r = np.random.default_rng(int(seeds[i]))
+        dtype = ["float16", "bfloat16"][i % 2]
+        d = [64, 128][(i // 2) % 2]
+        sq, sk = int(r.integers(1, 600)), int(r.integers(1, 600))
+        q, k, v = _problem(r, dtype, 1, sq, sk, 4, 2, d)
+        with flashserve.Client(cuda_server.address, timeout=120) as c:
+            _check(c, q, k, v, dtype, bool(i % 3 == 0))
+        return i
+
+    with futures.ThreadPoolExecutor(32) as pool:
+        assert sorted(pool.map(one, range(32))) == list(range(32))
+
+
+def test_check_cli_passes(cuda_server):
+    proc = subprocess.run([sys.executable, "-m", "flashserve", "check", "--address", cuda_server.address, "--quick"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_background_autotune_then_cache_reused(flashserve_bin, tmp_path, rng):
+    """--autotune=background serves at once with the default, tunes off the request path, then uses the winner;
+    a restarted server with the cache uses it from the first request."""
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+    cache = tmp_path / "tune.json"
+    q, k, v = _problem(rng, "bfloat16", 2, 1000, 1000, 8, 8, 128)
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=background", f"--tune_cache={cache}"],
+                      name="autotune").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            start = time.monotonic()
+            first = _check(c, q, k, v, "bfloat16", True)
+            assert time.monotonic() - start < 30, "the first request waited for tuning"
+            key = None
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if cache.exists():
+                    entries = json.loads(cache.read_text())["entries"]
+                    key = next((k_ for k_ in entries if "|bf16|d128|causal|gqa1|q1024|k1024" in k_), None)
+                    if key:
+                        break
+                time.sleep(0.5)
+            assert key, f"class never tuned\n{s.logs()}"
+            winner = entries[key]["config"]
+            later = _check(c, q, k, v, "bfloat16", True)
+            assert later.kernel.endswith(winner), (later.kernel, winner)
+            assert first.kernel.startswith("sm80_fwd_")
+    finally:
+        _stop_and_check(s)
+    s2 = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=off", f"--tune_cache={cache}"],
+                       name="autotune_reuse").start()
+    try:
+        with flashserve.Client(s2.address, timeout=120) as c:
+            again = _check(c, q, k, v, "bfloat16", True)
+            assert again.kernel.endswith(winner), (again.kernel, winner)
+    finally:
+        _stop_and_check(s2)
