@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Configure + build (kernels, GPU tests, benchmark; no gRPC) + GPU tests + compute-sanitizer +
 # benchmark, on the GPU machine, in one go. Logs and tables go to $OUT (default ./gpu-out).
-#   bench/kernels/run_on_gpu.sh [all|build|test|sanitize|bench]...   (default: all)
+#   bench/kernels/run_on_gpu.sh [all|build|test|sanitize|bench|autotune|profile|sass]...   (default: all;
+#   autotune, profile and sass run only when named)
 # Needs a GoogleTest source tree at .deps/googletest (a copy of /usr/src/googletest).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,6 +12,7 @@ mkdir -p "$OUT"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { for s in "${steps[@]}"; do [ "$s" = all ] || [ "$s" = "$1" ] && return 0; done; return 1; }
+named() { for s in "${steps[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tail -1
 
 if want build; then
@@ -37,4 +39,31 @@ if want bench; then
   PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-400} python3 bench/kernels/bench_vs_torch.py --lib "$BUILD/kernels/cuda/libflashserve_kernels_capi.so" \
     ${BENCH_ARGS:-} --out "$OUT/bench.md" 2> "$OUT/bench.err" | tee "$OUT/bench-live.md"
   tail -5 "$OUT/bench.err"
+fi
+if named autotune; then
+  PYTHONUNBUFFERED=1 timeout ${AUTOTUNE_TIMEOUT:-300} python3 bench/kernels/autotune_bench.py --lib "$BUILD/kernels/cuda/libflashserve_kernels_capi.so" \
+    ${AUTOTUNE_ARGS:-} --out "$OUT/autotune.md" 2> "$OUT/autotune.err" | tee "$OUT/autotune-live.md" | tail -4
+  tail -5 "$OUT/autotune.err"
+fi
+if named profile; then
+  # Nsight Compute on the default d=128 config at S=4096 (B16 H16), non-causal and causal: one
+  # warm launch each (5 warm-up launches skipped). --clock-control none: leave the clocks alone.
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for causal in 0 1; do
+    rep="$OUT/ncu-d128-s4096-c$causal"
+    timeout ${PROFILE_TIMEOUT:-200} "$ncu" --clock-control none -k regex:flash_fwd_kernel --launch-skip 5 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section LaunchStats --section Occupancy \
+      -f -o "$rep" "$BUILD/bench/kernels/kernel_bench" --d 128 --causal $causal --b 16 --h 16 --hkv 16 --sq 4096 --sk 4096 \
+      > "$rep.log" 2>&1
+    echo "ncu causal=$causal rc=$?"
+    "$ncu" --import "$rep.ncu-rep" --page details --print-details all > "$rep.txt" 2>&1
+    grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|Registers Per|Local Memory|No Eligible|Executed Ipc A" "$rep.txt" | head -12
+  done
+fi
+if named sass; then
+  # SASS of the d=128 bf16 default instance (sm_90): instruction mix of the kernel.
+  obj=$(find "$BUILD" -name 'flash_fwd_bf16_hd128_m128n64w4s2.cu.o' | head -1)
+  cuobjdump --dump-sass -arch sm_90 "$obj" > "$OUT/sass-bf16-hd128-m128n64w4s2.txt" 2>&1
+  echo "sass: $(wc -l < "$OUT/sass-bf16-hd128-m128n64w4s2.txt") lines"
 fi

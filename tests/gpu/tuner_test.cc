@@ -190,8 +190,8 @@ INSTANTIATE_TEST_SUITE_P(Small, TunerGrid,
                                            GridPoint{128, false, 256}, GridPoint{128, true, 256},
                                            GridPoint{128, false, 1024},
                                            GridPoint{128, true, 1024}),
-                         [](const ::testing::TestParamInfo<GridPoint>& info) {
-                           return point_name(info.param);
+                         [](const ::testing::TestParamInfo<GridPoint>& param_info) {
+                           return point_name(param_info.param);
                          });
 
 TEST(Tuner, UnsupportedProblemIsInvalidValue) {
