@@ -52,7 +52,10 @@ def test_source_checkout_generates_on_import_and_follows_proto_edits(tmp_path):
     package = tmp_path / "client" / "python" / "flashserve"
     shutil.copytree(PACKAGE_DIR, package, ignore=shutil.ignore_patterns("_proto", "__pycache__"))
     shutil.copytree(REPO_ROOT / "proto", tmp_path / "proto")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "client" / "python"))
+    # The copy shadows any installed flashserve; other PYTHONPATH entries (e.g. where grpcio-tools
+    # was installed on a machine without a venv) stay reachable.
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "client" / "python")] + inherited))
     env.pop("FLASHSERVE_PROTO_ROOT", None)
     probe = "import flashserve, json; print(flashserve.attention_pb2.__file__)"
 
