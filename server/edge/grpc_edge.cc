@@ -117,9 +117,9 @@ GrpcEdge::GrpcEdge(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 GrpcEdge::~GrpcEdge() { Shutdown(absl::Now()); }
 
-absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& options,
-                                                           AttentionRuntime* runtime,
-                                                           const ServerIdentity& identity) {
+absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
+    const GrpcOptions& options, AttentionRuntime* runtime, const ServerIdentity& identity,
+    const std::vector<grpc::Service*>& extra_services) {
   if (options.max_request_bytes < 1 || options.max_request_bytes > INT_MAX) {
     return absl::InvalidArgumentError(absl::StrCat("max_request_bytes must be in [1, ", INT_MAX,
                                                    "] (gRPC's limit), got ",
@@ -137,6 +137,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(const GrpcOptions& op
                                            ":", options.port);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &impl->port);
   builder.RegisterService(impl->service.get());
+  for (grpc::Service* service : extra_services) builder.RegisterService(service);
   // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
   // before we see it); a response is at most the size of its request plus the LSE.
   builder.SetMaxReceiveMessageSize(int(options.max_request_bytes));

@@ -5,10 +5,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "runtime/attention_runtime.h"
+
+namespace grpc {
+class Service;
+}  // namespace grpc
 
 namespace flashserve {
 
@@ -30,9 +35,11 @@ struct ServerIdentity {
 /// Thread-safe.
 class GrpcEdge {
  public:
-  static absl::StatusOr<std::unique_ptr<GrpcEdge>> Create(const GrpcOptions& options,
-                                                          AttentionRuntime* runtime,
-                                                          const ServerIdentity& identity);
+  /// extra_services (e.g. the KServe v2 GRPCInferenceService) are served on the same port;
+  /// they must outlive the edge.
+  static absl::StatusOr<std::unique_ptr<GrpcEdge>> Create(
+      const GrpcOptions& options, AttentionRuntime* runtime, const ServerIdentity& identity,
+      const std::vector<grpc::Service*>& extra_services = {});
   ~GrpcEdge();
 
   int port() const;

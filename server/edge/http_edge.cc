@@ -17,8 +17,9 @@ HttpEdge::HttpEdge(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 HttpEdge::~HttpEdge() { Stop(); }
 
-absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& options,
-                                                           AttentionRuntime* runtime) {
+absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(
+    const HttpOptions& options, AttentionRuntime* runtime,
+    const std::function<void(httplib::Server&)>& register_routes) {
   auto impl = std::make_unique<Impl>();
   httplib::Server& server = impl->server;
   const int threads = options.threads;
@@ -38,6 +39,7 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
     res.status = ready ? 200 : 503;
     res.set_content(ready ? R"({"ready":true})" : R"({"ready":false})", "application/json");
   });
+  if (register_routes) register_routes(server);
   server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
     if (res.body.empty()) {
       res.set_content(absl::StrCat(R"({"error":"HTTP )", res.status, R"("})"), "application/json");

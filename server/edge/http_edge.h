@@ -1,11 +1,16 @@
 // The HTTP edge (cpp-httplib): /v2/health/live and /v2/health/ready.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "runtime/attention_runtime.h"
+
+namespace httplib {
+class Server;
+}  // namespace httplib
 
 namespace flashserve {
 
@@ -18,8 +23,10 @@ struct HttpOptions {
 /// Thread-safe. Serves on its own threads from Create until Stop or destruction.
 class HttpEdge {
  public:
-  static absl::StatusOr<std::unique_ptr<HttpEdge>> Create(const HttpOptions& options,
-                                                          AttentionRuntime* runtime);
+  /// register_routes adds further endpoints (e.g. the KServe v2 REST API) before listening.
+  static absl::StatusOr<std::unique_ptr<HttpEdge>> Create(
+      const HttpOptions& options, AttentionRuntime* runtime,
+      const std::function<void(httplib::Server&)>& register_routes = {});
   ~HttpEdge();
   int port() const;
   void Stop();
