@@ -3,6 +3,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdint>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "autotune/tune_grid.h"
+#include "common/auth.h"
 #include "common/logging.h"
 #include "common/version.h"
 #include "edge/grpc_edge.h"
@@ -60,6 +62,24 @@ ABSL_FLAG(std::string, tune_gqa, "1", "--autotune=startup grid: GQA ratios heads
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest serialized request accepted (bytes, at most 2147483647); larger ones get "
           "RESOURCE_EXHAUSTED before they are read");
+ABSL_FLAG(
+    int64_t, max_inflight_bytes, int64_t{4} << 30,
+    "Tensor bytes (inputs + outputs) of all accepted, unfinished requests; a request that would "
+    "pass it gets RESOURCE_EXHAUSTED (one request alone is always admitted); 0: no limit");
+ABSL_FLAG(
+    int64_t, grpc_memory_quota_bytes, 0,
+    "gRPC resource quota for its buffers (received messages included); 0 leaves gRPC's default");
+ABSL_FLAG(
+    std::string, tls_cert, "",
+    "PEM certificate (chain) file: with --tls_key, gRPC, HTTP and metrics are served over TLS");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key file for --tls_cert");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File holding a bearer token (>= 16 printable characters); when set, gRPC calls need "
+          "metadata 'authorization: Bearer <token>' and HTTP/metrics requests the same header. "
+          "Also read from $FLASHSERVE_AUTH_TOKEN when this flag is empty");
+ABSL_FLAG(
+    bool, auth_open_health, true,
+    "With a token: leave /v2/health/* open (probes need no token); gRPC health is always open");
 ABSL_FLAG(int64_t, max_tensor_elements, int64_t{1} << 28,
           "Largest element count of one tensor (Q, K or V); larger ones get RESOURCE_EXHAUSTED");
 ABSL_FLAG(
@@ -189,7 +209,31 @@ int Serve() {
     spdlog::warn("--autotune={} has no effect on the {} backend", backend_options.autotune,
                  caps.name);
   }
-  AttentionRuntime runtime(&backend, scheduler->get(), limits, &metrics);
+  if (absl::GetFlag(FLAGS_max_inflight_bytes) < 0) {
+    spdlog::error("--max_inflight_bytes must be >= 0");
+    return 2;
+  }
+  AttentionRuntime runtime(&backend, scheduler->get(), limits, &metrics,
+                           absl::GetFlag(FLAGS_max_inflight_bytes));
+
+  std::unique_ptr<BearerAuth> auth;
+  {
+    absl::StatusOr<std::unique_ptr<BearerAuth>> loaded;
+    const std::string token_file = absl::GetFlag(FLAGS_auth_token_file);
+    const char* token_env = std::getenv("FLASHSERVE_AUTH_TOKEN");
+    if (!token_file.empty()) {
+      loaded = BearerAuth::FromFile(token_file);
+    } else if (token_env != nullptr && *token_env != '\0') {
+      loaded = BearerAuth::FromToken(token_env);
+    }
+    if (!token_file.empty() || (token_env != nullptr && *token_env != '\0')) {
+      if (!loaded.ok()) {
+        spdlog::error("{}", std::string(loaded.status().message()));
+        return 2;
+      }
+      auth = std::move(*loaded);
+    }
+  }
 
   ServerIdentity identity;
   identity.version = kVersion;
@@ -204,6 +248,10 @@ int Serve() {
   grpc_options.host = absl::GetFlag(FLAGS_host);
   grpc_options.port = absl::GetFlag(FLAGS_grpc_port);
   grpc_options.max_request_bytes = identity.max_request_bytes;
+  grpc_options.memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
+  grpc_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  grpc_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  grpc_options.auth = auth.get();
   absl::StatusOr<std::unique_ptr<GrpcEdge>> grpc_edge =
       GrpcEdge::Create(grpc_options, &runtime, identity);
   if (!grpc_edge.ok()) {
@@ -213,6 +261,11 @@ int Serve() {
   HttpOptions http_options;
   http_options.host = grpc_options.host;
   http_options.port = absl::GetFlag(FLAGS_http_port);
+  http_options.max_request_bytes = identity.max_request_bytes;
+  http_options.tls_cert_file = grpc_options.tls_cert_file;
+  http_options.tls_key_file = grpc_options.tls_key_file;
+  http_options.auth = auth.get();
+  http_options.open_health = absl::GetFlag(FLAGS_auth_open_health);
   absl::StatusOr<std::unique_ptr<HttpEdge>> http_edge = HttpEdge::Create(http_options, &runtime);
   if (!http_edge.ok()) {
     spdlog::error("{}", std::string(http_edge.status().message()));
@@ -222,6 +275,9 @@ int Serve() {
   MetricsHttpOptions metrics_http_options;
   metrics_http_options.host = grpc_options.host;
   metrics_http_options.port = absl::GetFlag(FLAGS_metrics_port);
+  metrics_http_options.tls_cert_file = grpc_options.tls_cert_file;
+  metrics_http_options.tls_key_file = grpc_options.tls_key_file;
+  metrics_http_options.auth = auth.get();
   absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_http =
       MetricsHttpServer::Create(metrics_http_options, &metrics);
   if (!metrics_http.ok()) {
@@ -236,10 +292,11 @@ int Serve() {
   }
   spdlog::info(
       "flashserve {} serving: backend={} ({}) devices=[{}] grpc={}:{} http={}:{} metrics={}:{} "
-      "queue={}",
+      "queue={} tls={} auth={}",
       kVersion, caps.name, created->reason, absl::StrJoin(device_names, ", "), grpc_options.host,
       (*grpc_edge)->port(), http_options.host, (*http_edge)->port(), metrics_http_options.host,
-      (*metrics_http)->port(), scheduler_options.queue_capacity);
+      (*metrics_http)->port(), scheduler_options.queue_capacity,
+      grpc_options.tls_cert_file.empty() ? "off" : "on", auth ? "bearer" : "off");
 
   // Wait for SIGINT/SIGTERM (blocked in every thread; taken here synchronously).
   sigset_t signals;

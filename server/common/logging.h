@@ -1,14 +1,14 @@
 // Process-wide log setup (spdlog): level and text or JSON-lines format.
 #pragma once
 
-#include "absl/strings/string_view.h"
-
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace flashserve {
 
 /// level: trace, debug, info, warn, error, critical, off. format: text or json (one JSON object
-/// per line with time, level, thread and msg, for log shippers). Call once, before other threads log.
+/// per line with time, level, thread and msg, for log shippers). Call once, before other threads
+/// log.
 absl::Status ConfigureLogging(absl::string_view level, absl::string_view format);
 
 }  // namespace flashserve

@@ -1,9 +1,12 @@
 #include "edge/grpc_edge.h"
 
 #include <climits>
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -25,13 +28,27 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
 
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
-  AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity)
-      : runtime_(runtime), identity_(identity) {}
+  AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity,
+                       const BearerAuth* auth)
+      : runtime_(runtime), identity_(identity), auth_(auth) {}
+
+  // Finishes unauthorized calls with UNAUTHENTICATED (counted under `method`); true if it did.
+  bool RejectUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                          const char* method) {
+    if (GrpcCallAuthorized(auth_, context)) return false;
+    if (ServerMetrics* metrics = runtime_->metrics()) {
+      metrics->RecordRequest(method, 16 /* UNAUTHENTICATED */, 0.0, 0, 0);
+    }
+    spdlog::warn("{} rejected: {}", method, kUnauthenticatedMessage);
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage));
+    return true;
+  }
 
   grpc::ServerUnaryReactor* Attention(grpc::CallbackServerContext* context,
                                       const v1::AttentionRequest* request,
                                       v1::AttentionResponse* response) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (RejectUnauthorized(context, reactor, "Attention")) return reactor;
     AttentionRuntime::Call call;
     call.request = request;
     call.response = response;
@@ -71,6 +88,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
                                           const v1::GetServerInfoRequest* /*request*/,
                                           v1::ServerInfo* info) override {
     const absl::Time received = absl::Now();
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (RejectUnauthorized(context, reactor, "GetServerInfo")) return reactor;
     const BackendCapabilities& caps = runtime_->backend().capabilities();
     info->set_version(identity_.version);
     info->set_build(identity_.build);
@@ -91,7 +110,6 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
     limits->set_max_request_bytes(identity_.max_request_bytes);
     limits->set_max_tensor_elements(runtime_->limits().max_tensor_elements);
     limits->set_queue_capacity(identity_.queue_capacity);
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
     if (ServerMetrics* metrics = runtime_->metrics()) {
       metrics->RecordRequest("GetServerInfo", 0, absl::ToDoubleSeconds(absl::Now() - received), 0,
@@ -103,7 +121,33 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
  private:
   AttentionRuntime* runtime_;
   const ServerIdentity identity_;
+  const BearerAuth* const auth_;
 };
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
+    const GrpcOptions& options) {
+  if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
+    return grpc::InsecureServerCredentials();
+  }
+  if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "--tls_cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "--tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(ssl);
+}
 
 }  // namespace
 
@@ -126,7 +170,9 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
                                                    options.max_request_bytes));
   }
   auto impl = std::make_unique<Impl>();
-  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
+  if (!credentials.ok()) return credentials.status();
+  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -135,7 +181,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
                                                ? absl::StrCat("[", options.host, "]")
                                                : options.host,
                                            ":", options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(), &impl->port);
+  builder.AddListeningPort(address, *credentials, &impl->port);
   builder.RegisterService(impl->service.get());
   for (grpc::Service* service : extra_services) builder.RegisterService(service);
   // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
@@ -145,6 +191,13 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   // Reflection is a sync service: its pollers wake every CQ_TIMEOUT_MSEC (default 10 s) and
   // Server::Wait() at shutdown waits for them. 200 ms keeps SIGTERM exits prompt.
   builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
+  if (options.memory_quota_bytes > 0) {
+    // Bounds the memory gRPC may use for buffers (received messages included); over it, new
+    // calls are refused with RESOURCE_EXHAUSTED instead of growing the process.
+    grpc::ResourceQuota quota("flashserve");
+    quota.Resize(size_t(options.memory_quota_bytes));
+    builder.SetResourceQuota(quota);
+  }
   // A second process must not be able to bind the same port and take half the calls.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   impl->server = builder.BuildAndStart();

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/auth.h"
 #include "runtime/attention_runtime.h"
 
 namespace grpc {
@@ -21,6 +22,9 @@ struct GrpcOptions {
   std::string host = "127.0.0.1";
   int port = 8001;  // 0: pick a free port
   int64_t max_request_bytes = int64_t{1} << 30;
+  int64_t memory_quota_bytes = 0;           // gRPC resource quota for buffers; 0: gRPC's default
+  std::string tls_cert_file, tls_key_file;  // both set: TLS
+  const BearerAuth* auth = nullptr;         // set: AttentionService calls need the token
 };
 
 /// What GetServerInfo reports beside the backend's capabilities.

@@ -1,11 +1,14 @@
-// The HTTP edge (cpp-httplib): /v2/health/live and /v2/health/ready.
+// The HTTP edge (cpp-httplib, port 8000): /v2/health/live, /v2/health/ready, plus routes other
+// modules register (the KServe v2 REST API).
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/auth.h"
 #include "runtime/attention_runtime.h"
 
 namespace httplib {
@@ -14,10 +17,16 @@ class Server;
 
 namespace flashserve {
 
+class HttpListener;
+
 struct HttpOptions {
   std::string host = "127.0.0.1";
-  int port = 8000;  // 0: pick a free port
-  int threads = 4;  // connection handler threads
+  int port = 8000;                               // 0: pick a free port
+  int threads = 4;                               // connection handler threads
+  int64_t max_request_bytes = int64_t{1} << 30;  // request bodies above this get 413
+  std::string tls_cert_file, tls_key_file;       // both set: HTTPS
+  const BearerAuth* auth = nullptr;              // set: requests need "Authorization: Bearer"
+  bool open_health = true;                       // /v2/health/* without a token
 };
 
 /// Thread-safe. Serves on its own threads from Create until Stop or destruction.
@@ -32,9 +41,8 @@ class HttpEdge {
   void Stop();
 
  private:
-  struct Impl;
-  explicit HttpEdge(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit HttpEdge(std::unique_ptr<HttpListener> listener);
+  std::unique_ptr<HttpListener> listener_;
 };
 
 }  // namespace flashserve

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/auth.h"
 #include "metrics/server_metrics.h"
 
 namespace flashserve {
@@ -13,7 +14,11 @@ struct MetricsHttpOptions {
   std::string host = "127.0.0.1";
   int port = 8002;  // 0: pick a free port
   int threads = 2;  // connection handler threads; scrapes are rare and cheap
+  std::string tls_cert_file, tls_key_file;  // both set: HTTPS
+  const BearerAuth* auth = nullptr;         // set: scrapes need "Authorization: Bearer <token>"
 };
+
+class HttpListener;
 
 /// Thread-safe. Serves on its own threads from Create until Stop or destruction. `metrics` must
 /// outlive the server (Stop first, then destroy the metrics).
@@ -31,9 +36,8 @@ class MetricsHttpServer {
   void Stop();
 
  private:
-  struct Impl;
-  explicit MetricsHttpServer(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
+  explicit MetricsHttpServer(std::unique_ptr<HttpListener> listener);
+  std::unique_ptr<HttpListener> listener_;
 };
 
 }  // namespace flashserve

@@ -17,8 +17,12 @@ void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<
 }  // namespace
 
 AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
-                                   ServerMetrics* metrics)
-    : backend_(backend), scheduler_(scheduler), limits_(std::move(limits)), metrics_(metrics) {}
+                                   ServerMetrics* metrics, int64_t max_inflight_bytes)
+    : backend_(backend),
+      scheduler_(scheduler),
+      limits_(std::move(limits)),
+      metrics_(metrics),
+      max_inflight_bytes_(max_inflight_bytes) {}
 
 void AttentionRuntime::StopAccepting() {
   accepting_.store(false);
@@ -35,6 +39,21 @@ void AttentionRuntime::Submit(Call call) {
     call.done(problem.status());
     return;
   }
+  // Admission by bytes: inputs (already received) plus the output this request will allocate.
+  const int64_t bytes = problem->q_bytes() + 2 * problem->kv_bytes() + problem->out_bytes() +
+                        problem->lse_elements() * int64_t(sizeof(float));
+  const int64_t before = inflight_bytes_.fetch_add(bytes);
+  if (max_inflight_bytes_ > 0 && before + bytes > max_inflight_bytes_ && before > 0) {
+    inflight_bytes_.fetch_sub(bytes);
+    call.done(absl::ResourceExhaustedError(
+        absl::StrCat("server busy: ", before, " tensor bytes in flight + ", bytes,
+                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
+    return;
+  }
+  call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
+    inflight_bytes_.fetch_sub(bytes);
+    done(status);
+  };
   const absl::Time enqueued = absl::Now();
   // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
   auto shared_call = std::make_shared<Call>(std::move(call));

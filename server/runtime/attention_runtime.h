@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <functional>
 
 #include "absl/status/status.h"
@@ -27,9 +28,11 @@ class AttentionRuntime {
     std::function<void(const absl::Status&)> done;  // called exactly once, maybe inline
   };
 
-  /// metrics may be null.
+  /// metrics may be null. max_inflight_bytes (0: no limit) bounds the tensor bytes (inputs and
+  /// outputs) of all accepted, unfinished requests; a request that would pass it gets
+  /// RESOURCE_EXHAUSTED before its output is allocated.
   AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
-                   ServerMetrics* metrics = nullptr);
+                   ServerMetrics* metrics = nullptr, int64_t max_inflight_bytes = 0);
 
   void Submit(Call call);
 
@@ -42,6 +45,7 @@ class AttentionRuntime {
   Backend& backend() { return *backend_; }
   Scheduler& scheduler() { return *scheduler_; }
   ServerMetrics* metrics() { return metrics_; }
+  int64_t inflight_bytes() const { return inflight_bytes_.load(); }
 
  private:
   absl::Status Execute(const AttentionProblem& problem, const Call& call, absl::Time enqueued);
@@ -50,6 +54,8 @@ class AttentionRuntime {
   Scheduler* scheduler_;
   const ValidationLimits limits_;
   ServerMetrics* const metrics_;
+  const int64_t max_inflight_bytes_;
+  std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<bool> accepting_{true};
 };
 

@@ -154,11 +154,11 @@ def print_table(outcomes: Iterable[Outcome], stream: TextIO) -> None:
 
 
 def run_check(address: str, seed: int = 0, quick: bool = False, timeout: Optional[float] = 120.0,
-              stream: Optional[TextIO] = None) -> int:
+              stream: Optional[TextIO] = None, client_kwargs: Optional[dict] = None) -> int:
     """Runs the grid against ``address``; prints the table; returns 0 when every problem passed, else 1."""
     stream = stream if stream is not None else sys.stdout
     rng = np.random.default_rng(seed)
-    with Client(address, timeout=timeout) as client:
+    with Client(address, timeout=timeout, **(client_kwargs or {})) as client:
         info = client.server_info()
         problems = problems_for(info, quick)
         stream.write(

@@ -12,8 +12,22 @@ from .client import DEFAULT_ADDRESS, Client
 from .errors import FlashserveError
 
 
+def _connection(args: argparse.Namespace) -> dict:
+    """Client keyword arguments for --tls-ca / --token-file."""
+    kwargs = {}
+    if args.tls_ca:
+        import grpc
+
+        with open(args.tls_ca, "rb") as f:
+            kwargs["credentials"] = grpc.ssl_channel_credentials(root_certificates=f.read())
+    if args.token_file:
+        with open(args.token_file) as f:
+            kwargs["token"] = f.read().strip()
+    return kwargs
+
+
 def _info(args: argparse.Namespace) -> int:
-    with Client(args.address, timeout=args.timeout) as client:
+    with Client(args.address, timeout=args.timeout, **_connection(args)) as client:
         info = client.server_info()
     if args.json:
         print(json.dumps(dataclasses.asdict(info), indent=2))
@@ -39,7 +53,8 @@ def _info(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from .check import run_check
 
-    return run_check(args.address, seed=args.seed, quick=args.quick, timeout=args.timeout)
+    return run_check(args.address, seed=args.seed, quick=args.quick, timeout=args.timeout,
+                     client_kwargs=_connection(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default=DEFAULT_ADDRESS, help=f"server gRPC address (default {DEFAULT_ADDRESS})")
         p.add_argument("--timeout", type=float, default=120.0, help="per-call deadline in seconds (default 120)")
+        p.add_argument("--tls-ca", help="PEM file of the CA (or self-signed cert) to trust: connect with TLS")
+        p.add_argument("--token-file", help="file with the bearer token of a server started with --auth_token_file")
 
     p_info = sub.add_parser("info", help="print the server's version, backend, dtypes, head dims and limits")
     common(p_info)

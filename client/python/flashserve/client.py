@@ -229,9 +229,13 @@ class Client:
         timeout: Optional[float] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
         options: Optional[Sequence[Tuple[str, Any]]] = None,
+        token: Optional[str] = None,
     ):
         self.address = address
         self.timeout = timeout
+        # Bearer token for a server started with --auth_token_file, sent as call metadata (also on
+        # plaintext channels, where grpc's call credentials refuse to go: use TLS in production).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         opts = _channel_options(options)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=opts)
@@ -261,7 +265,7 @@ class Client:
         """Like attention(), but returns an AttentionResult with out, lse, timing, kernel and request_id."""
         prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id)
         try:
-            response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout))
+            response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, prepared.request.request_id) from None
         return prepared.result(response)
@@ -281,7 +285,8 @@ class Client:
     def server_info(self, timeout: Optional[float] = None) -> ServerInfo:
         try:
             return _server_info_from_proto(self._stub.GetServerInfo(pb.GetServerInfoRequest(),
-                                                                    timeout=self._timeout(timeout)))
+                                                                    timeout=self._timeout(timeout),
+                                                                    metadata=self._metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -333,9 +338,13 @@ class AsyncClient:
         timeout: Optional[float] = None,
         credentials: Optional[grpc.ChannelCredentials] = None,
         options: Optional[Sequence[Tuple[str, Any]]] = None,
+        token: Optional[str] = None,
     ):
         self.address = address
         self.timeout = timeout
+        # Bearer token for a server started with --auth_token_file, sent as call metadata (also on
+        # plaintext channels, where grpc's call credentials refuse to go: use TLS in production).
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         opts = _channel_options(options)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=opts)
@@ -363,7 +372,7 @@ class AsyncClient:
     ) -> AttentionResult:
         prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id)
         try:
-            response = await self._stub.Attention(prepared.request, timeout=self._timeout(timeout))
+            response = await self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, prepared.request.request_id) from None
         return prepared.result(response)
@@ -379,7 +388,8 @@ class AsyncClient:
     async def server_info(self, timeout: Optional[float] = None) -> ServerInfo:
         try:
             return _server_info_from_proto(await self._stub.GetServerInfo(pb.GetServerInfoRequest(),
-                                                                          timeout=self._timeout(timeout)))
+                                                                          timeout=self._timeout(timeout),
+                                                                          metadata=self._metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

@@ -7,6 +7,14 @@
 namespace flashserve {
 namespace {
 
+MetricsHttpOptions LocalOptions(int port) {
+  MetricsHttpOptions options;
+  options.host = "127.0.0.1";
+  options.port = port;
+  options.threads = 1;
+  return options;
+}
+
 TEST(MetricsHttpTest, ServesTheExpositionOnAFreePort) {
   ServerMetrics metrics;
   metrics.RecordRequest("Attention", "OK", 0.01, 100, 50);
@@ -42,7 +50,7 @@ TEST(MetricsHttpTest, ServesTheExpositionOnAFreePort) {
 TEST(MetricsHttpTest, StopRightAfterCreateDoesNotHang) {
   ServerMetrics metrics;
   for (int i = 0; i < 20; ++i) {
-    auto server = MetricsHttpServer::Create({"127.0.0.1", 0, 1}, &metrics);
+    auto server = MetricsHttpServer::Create(LocalOptions(0), &metrics);
     ASSERT_TRUE(server.ok()) << server.status();
     (*server)->Stop();
   }
@@ -50,15 +58,15 @@ TEST(MetricsHttpTest, StopRightAfterCreateDoesNotHang) {
 
 TEST(MetricsHttpTest, PortInUseIsUnavailable) {
   ServerMetrics metrics;
-  auto first = MetricsHttpServer::Create({"127.0.0.1", 0, 1}, &metrics);
+  auto first = MetricsHttpServer::Create(LocalOptions(0), &metrics);
   ASSERT_TRUE(first.ok()) << first.status();
-  auto second = MetricsHttpServer::Create({"127.0.0.1", (*first)->port(), 1}, &metrics);
+  auto second = MetricsHttpServer::Create(LocalOptions((*first)->port()), &metrics);
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST(MetricsHttpTest, NoMetricsIsAnError) {
-  EXPECT_FALSE(MetricsHttpServer::Create({"127.0.0.1", 0, 1}, nullptr).ok());
+  EXPECT_FALSE(MetricsHttpServer::Create(LocalOptions(0), nullptr).ok());
 }
 
 }  // namespace
