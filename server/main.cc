@@ -200,6 +200,14 @@ int Serve() {
   ServerMetrics metrics(metrics_options);
   Scheduler* scheduler_ptr = scheduler->get();
   metrics.SetQueueDepthCallback([scheduler_ptr] { return double(scheduler_ptr->queue_depth()); });
+  for (const DeviceDescription& device : caps.devices) {
+    const int index = device.index;
+    metrics.SetDevicePoolCallback(index, [&backend, index] {
+      PoolBytes bytes;
+      backend.DevicePoolBytes(index, &bytes.used, &bytes.reserved);
+      return bytes;
+    });
+  }
   autotune_events->store(&metrics);
   struct DetachMetrics {
     std::shared_ptr<std::atomic<ServerMetrics*>> relay;

@@ -49,6 +49,11 @@ class Backend {
                            PhaseTiming* timing, std::string* kernel) = 0;
   /// False after a fault that makes the backend unusable (a sticky CUDA error).
   virtual bool healthy() const { return true; }
+  /// Bytes in use and reserved by the device memory pool of `device`; false when the backend
+  /// has no such pool. Thread-safe (called from the metrics scrape).
+  virtual bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const {
+    return false;
+  }
 };
 
 }  // namespace flashserve

@@ -218,6 +218,24 @@ CudaBackend::~CudaBackend() {
   }
 }
 
+bool CudaBackend::DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const {
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  uint64_t used_bytes = 0, reserved_bytes = 0;
+  if (cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used_bytes) != cudaSuccess ||
+      cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved_bytes) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *used = int64_t(used_bytes);
+  *reserved = int64_t(reserved_bytes);
+  return true;
+}
+
 int CudaBackend::recommended_concurrency() const {
   int n = 0;
   for (const auto& device : devices_) n += int(device->slots.size());

@@ -42,6 +42,7 @@ class CudaBackend final : public Backend {
   absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
                    std::string* kernel) override;
   bool healthy() const override { return healthy_.load(); }
+  bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   int recommended_concurrency() const;
 
  private:

@@ -168,3 +168,36 @@ def test_background_autotune_then_cache_reused(flashserve_bin, tmp_path, rng):
             assert again.kernel.endswith(winner), (again.kernel, winner)
     finally:
         _stop_and_check(s2)
+
+
+def test_startup_autotune_tunes_before_ready(flashserve_bin, tmp_path, rng):
+    """--autotune=startup: the configured grid is in the cache by the time the server reports ready."""
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+    cache = tmp_path / "startup.json"
+    s = ServerProcess(flashserve_bin, tmp_path, [
+        "--backend=cuda", "--autotune=startup", f"--tune_cache={cache}", "--tune_dtypes=fp16",
+        "--tune_head_dims=64", "--tune_causal=both", "--tune_seqlens=256,2048"], name="startup").start()
+    try:
+        entries = json.loads(cache.read_text())["entries"]
+        assert len(entries) == 4, entries.keys()
+        assert all("|fp16|d64|" in key for key in entries)
+        q, k, v = _problem(rng, "float16", 1, 2000, 2000, 4, 4, 64)
+        with flashserve.Client(s.address, timeout=120) as c:
+            result = _check(c, q, k, v, "float16", False)
+        tuned = [e["config"] for key, e in entries.items() if key.endswith("|full|gqa1|q2048|k2048")]
+        assert tuned and result.kernel.endswith(tuned[0]), (result.kernel, tuned)
+    finally:
+        _stop_and_check(s)
+
+
+def test_device_memory_pool_metrics(cuda_server, rng):
+    import urllib.request
+
+    q, k, v = _problem(rng, "bfloat16", 1, 512, 512, 4, 4, 128)
+    with flashserve.Client(cuda_server.address, timeout=60) as c:
+        c.attention(q, k, v)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{cuda_server.metrics_port}/metrics", timeout=5).read().decode()
+    reserved = [line for line in text.splitlines()
+                if line.startswith("flashserve_device_memory_pool_bytes{") and 'state="reserved"' in line]
+    assert reserved and float(reserved[0].rsplit(" ", 1)[1]) > 0, reserved
