@@ -1,5 +1,6 @@
 // Naive attention references (test-only): exact fp64, and an emulation of a fp32-accumulating
-// FlashAttention-2 kernel in p.dtype. Straight loops over the definition; no tiling, no threads.
+// FlashAttention-style kernel in p.dtype (optionally with the kernel's key blocks, their order
+// and its rescale rule). Straight loops over the definition; no threads.
 #include "flashserve/kernels/reference_attention.h"
 
 #include <algorithm>
@@ -96,9 +97,16 @@ void attention_fp64(const AttentionParams& p, std::vector<double>* out, std::vec
 
 void attention_emulated(const AttentionParams& p, std::vector<double>* out,
                         std::vector<double>* lse) {
+  attention_emulated(p, EmulationOptions{}, out, lse);
+}
+
+void attention_emulated(const AttentionParams& p, const EmulationOptions& options,
+                        std::vector<double>* out, std::vector<double>* lse) {
   const int d = p.head_dim;
   // exp2-based softmax in the log2 domain, as FlashAttention-2 kernels do.
   const float scale_log2 = static_cast<float>(double(p.softmax_scale) * 1.4426950408889634);
+  const int block_n = options.block_n;
+  const float threshold = options.rescale_threshold_log2;
   std::vector<float> s(p.seqlen_k);
   std::vector<float> acc(d);
   for_each_row(p, out, lse,
@@ -120,13 +128,37 @@ void attention_emulated(const AttentionParams& p, std::vector<double>* out,
                  if (any_nan) m = std::numeric_limits<float>::quiet_NaN();
                  float l = 0.f;  // row sum of the unrounded fp32 probabilities
                  std::fill(acc.begin(), acc.end(), 0.f);
-                 for (int j = 0; j < n; ++j) {
-                   const float prob = std::exp2(s[j] - m);
-                   l += prob;
-                   const float prob_rounded =
-                       round_to_dtype(prob, p.dtype);  // P enters P @ V in p.dtype
-                   for (int c = 0; c < d; ++c)
-                     acc[c] = std::fma(prob_rounded, v[size_t(j) * d + c], acc[c]);
+                 // P = 2^(s - m) rounded to p.dtype (it enters P @ V in p.dtype) for keys [j0, j1).
+                 auto accumulate = [&](int j0, int j1) {
+                   for (int j = j0; j < j1; ++j) {
+                     const float prob = std::exp2(s[j] - m);
+                     l += prob;
+                     const float prob_rounded = round_to_dtype(prob, p.dtype);
+                     for (int c = 0; c < d; ++c)
+                       acc[c] = std::fma(prob_rounded, v[size_t(j) * d + c], acc[c]);
+                   }
+                 };
+                 if (block_n <= 0 || any_nan) {
+                   accumulate(0, n);  // every P against the final max
+                 } else {
+                   // The kernel's online softmax: blocks in its order (only those with a visible
+                   // key: the others change nothing), the running max moving only by more than
+                   // the threshold, O and l rescaled in fp32 when it moves.
+                   const int blocks = (n + block_n - 1) / block_n;
+                   m = -std::numeric_limits<float>::infinity();
+                   for (int t = 0; t < blocks; ++t) {
+                     const int blk = options.backwards ? blocks - 1 - t : t;
+                     const int j0 = blk * block_n, j1 = std::min(n, j0 + block_n);
+                     float block_max = m;
+                     for (int j = j0; j < j1; ++j) block_max = std::max(block_max, s[j]);
+                     if (block_max - m > threshold) {  // always true for the first block (m = -inf)
+                       const float alpha = std::exp2(m - block_max);
+                       l *= alpha;
+                       for (int c = 0; c < d; ++c) acc[c] *= alpha;
+                       m = block_max;
+                     }
+                     accumulate(j0, j1);
+                   }
                  }
                  for (int c = 0; c < d; ++c) o[c] = round_to_dtype(acc[c] / l, p.dtype);
                  *lse_out = double(m) * 0.6931471805599453 + std::log(double(l));

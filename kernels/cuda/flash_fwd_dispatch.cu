@@ -10,8 +10,9 @@
 #include "flashserve/kernels/cuda_attention.h"
 
 // extern template declarations of every generated instance.
-#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS) \
-  FLASHSERVE_FWD_INSTANCE(extern, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS)
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, \
+                              LAZY)                                                           \
+  FLASHSERVE_FWD_INSTANCE(extern, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY)
 #include "registry.inc"
 #undef FLASHSERVE_FWD_CONFIG
 
@@ -28,9 +29,10 @@ struct Entry {
 };
 
 const Entry kEntries[] = {
-#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS) \
-  {DType::DTYPE, HEAD_DIM, KernelConfig{BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS},                \
-   &launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS>>},
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, \
+                              LAZY)                                                           \
+  {DType::DTYPE, HEAD_DIM, KernelConfig{BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY},          \
+   &launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY>>},
 #include "registry.inc"
 #undef FLASHSERVE_FWD_CONFIG
 };
@@ -56,13 +58,14 @@ std::string join_ints(const std::vector<int>& v) {
 // The heuristic default for a large problem, per (head_dim, causal), from the H200 sweep in
 // kernels/NOTES.md: 32 query rows per warp (128 rows, 4 warps) halves the shared-memory traffic
 // per MMA against 16 rows per warp (8 warps: 25% slower). d=64: one K/V stage beat two by 3%
-// (smaller footprint); d=128: two stages beat one by 4-7%.
+// (smaller footprint); d=128: two stages beat one by 4-7%, and the lazy rescale (v4: no O
+// rescale on most tiles, no spills) beats the exact one (NOTES.md).
 KernelConfig preferred(int head_dim, bool /*causal: same choice today*/) {
   switch (head_dim) {
     case 64:
       return KernelConfig{128, 64, 4, 1, false};
     case 128:
-      return KernelConfig{128, 64, 4, 2, false};
+      return KernelConfig{128, 64, 4, 2, false, true};
     case 256:
       return KernelConfig{128, 64, 8, 2, false};
     default:

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc_o[mi][dt][i] = 0.f;
   uint32_t q_regs[Traits::kQInRegs ? Traits::kHeadDim / 16 : 1][kMTiles][4];
-  OnlineSoftmax<kMTiles, kNTiles, kDTiles> softmax;
+  OnlineSoftmax<kMTiles, kNTiles, kDTiles, Traits::kLazyRescale> softmax;
   const float scale_log2 = p.softmax_scale_log2;
   int stage = 0;
 

@@ -18,9 +18,9 @@ cudaError_t launch_fwd(const AttentionParams& p, cudaStream_t stream);
 
 // EXTERN is `extern` for a declaration, empty in the generated instance file that defines it.
 #define FLASHSERVE_FWD_INSTANCE(EXTERN, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES,      \
-                                Q_IN_REGS)                                                       \
+                                Q_IN_REGS, LAZY_RESCALE)                                         \
   namespace flashserve::kernels::cuda {                                                          \
-  EXTERN template cudaError_t                                                                    \
-  launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, Q_IN_REGS>>(         \
+  EXTERN template cudaError_t launch_fwd<                                                        \
+      FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, Q_IN_REGS, LAZY_RESCALE>>(   \
       const AttentionParams&, cudaStream_t);                                                     \
   }

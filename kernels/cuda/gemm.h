@@ -21,15 +21,24 @@ namespace flashserve::kernels::cuda {
 /// is fixed; chunk 2*ks + c of a row then sits at base[ks % kPeriod] + (ks / kPeriod) * group
 /// bytes. The inner loops therefore address shared memory as (one of kPeriod base registers) +
 /// (compile-time immediate): no per-load integer arithmetic and few live address registers.
+/// kOneBase: with the 8-chunk swizzle the kPeriod bases of an operand differ only in address
+/// bits 5-6 (base[i] = base[0] ^ 32 * i; tiles are 128-byte aligned), so one register per operand
+/// can be kept and each tile's addresses formed as (tile + base) ^ 32 * (ks % 4): 3 live address
+/// registers instead of 12. Used only by the lazy-rescale kernels at head_dim >= 128, where ptxas
+/// (sm_90, bf16 d=128 m128n64w4s2l) then spills 0 B instead of 48 B; the exact-rescale kernels
+/// spill more with it (88 -> 124 B), so they keep the kPeriod bases.
 template <typename Traits>
 struct LdmatrixOffsets {
   using Swz = Swizzle<Traits::kChunksPerRow>;
   static constexpr int kRowBytes = Traits::kHeadDim * 2;
   static constexpr int kPeriod = (Swz::kMask + 1) / 2;       // k16 steps per swizzle group
   static constexpr int kGroupBytes = (Swz::kMask + 1) * 16;  // bytes per swizzle group
-  uint32_t q[kPeriod];  // Q: rows warp_row0 + lane % 16, chunks 2i + lane / 16
-  uint32_t k[kPeriod];  // K: rows (m / 2) * 8 + lane % 8, chunks 2i + m % 2   (m = lane / 8)
-  uint32_t v[kPeriod];  // V: rows (m % 2) * 8 + lane % 8, chunks 2i + m / 2
+  static constexpr bool kOneBase =
+      Traits::kLazyRescale && Swz::kMask == 7 && Traits::kChunksPerRow >= 16;
+  static constexpr int kBases = kOneBase ? 1 : kPeriod;
+  uint32_t q[kBases];  // Q: rows warp_row0 + lane % 16, chunks 2i + lane / 16
+  uint32_t k[kBases];  // K: rows (m / 2) * 8 + lane % 8, chunks 2i + m % 2   (m = lane / 8)
+  uint32_t v[kBases];  // V: rows (m % 2) * 8 + lane % 8, chunks 2i + m / 2
 
   __device__ __forceinline__ LdmatrixOffsets(int lane, int warp_row0) {
     const int m = lane / 8;  // which 8x8 matrix this lane addresses
@@ -40,7 +49,7 @@ struct LdmatrixOffsets {
     // V matrices (transposed): (kv0-7,d0-7) (kv8-15,d0-7) (kv0-7,d8-15) (kv8-15,d8-15).
     const int v_row = (m % 2) * 8 + lane % 8, v_chunk = m / 2;
 #pragma unroll
-    for (int i = 0; i < kPeriod; ++i) {
+    for (int i = 0; i < kBases; ++i) {
       q[i] = Swz::offset(q_row, 2 * i + q_chunk) * 2;
       k[i] = Swz::offset(k_row, 2 * i + k_chunk) * 2;
       v[i] = Swz::offset(v_row, 2 * i + v_chunk) * 2;
@@ -51,6 +60,17 @@ struct LdmatrixOffsets {
   __device__ __forceinline__ static constexpr uint32_t step_bytes(int step) {
     return (step / kPeriod) * kGroupBytes;
   }
+
+  /// Shared-memory address of k16 step / d16 pair `step` of the tile at `tile` (128-byte
+  /// aligned), for one operand's bases; add whole-row offsets (multiples of 16 rows) to it.
+  __device__ __forceinline__ static uint32_t addr(uint32_t tile, const uint32_t (&base)[kBases],
+                                                  int step) {
+    if constexpr (kOneBase) {
+      return ((tile + base[0]) ^ uint32_t(32 * (step % kPeriod))) + step_bytes(step);
+    } else {
+      return tile + base[step % kPeriod] + step_bytes(step);
+    }
+  }
 };
 
 /// Loads the A fragments of one k16 step of the warp's Q rows.
@@ -60,8 +80,7 @@ __device__ __forceinline__ void load_q_frag(uint32_t (&a)[Traits::kMTiles][4], u
   using Off = LdmatrixOffsets<Traits>;
 #pragma unroll
   for (int mi = 0; mi < Traits::kMTiles; ++mi)
-    ptx::ldmatrix_x4(a[mi], sQ + off.q[ks % Off::kPeriod] + Off::step_bytes(ks) +
-                                mi * 16 * Off::kRowBytes);
+    ptx::ldmatrix_x4(a[mi], Off::addr(sQ, off.q, ks) + mi * 16 * Off::kRowBytes);
 }
 
 template <typename Traits>
@@ -101,8 +120,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Traits::kMTiles][Traits::kNTi
 #pragma unroll
     for (int np = 0; np < kNPairs; ++np) {
       uint32_t b[4];
-      ptx::ldmatrix_x4(b, sK + off.k[ks % Off::kPeriod] + Off::step_bytes(ks) +
-                              np * 16 * Off::kRowBytes);
+      ptx::ldmatrix_x4(b, Off::addr(sK, off.k, ks) + np * 16 * Off::kRowBytes);
 #pragma unroll
       for (int mi = 0; mi < Traits::kMTiles; ++mi) {
         const uint32_t(&af)[4] = select_a<Traits>(a, q_regs, ks, mi);
@@ -136,8 +154,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Traits::kMTiles][Traits::kDTi
 #pragma unroll
     for (int dp = 0; dp < kDPairs; ++dp) {
       uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, sV + off.v[dp % Off::kPeriod] + Off::step_bytes(dp) +
-                                    ks * 16 * Off::kRowBytes);
+      ptx::ldmatrix_x4_trans(b, Off::addr(sV, off.v, dp) + ks * 16 * Off::kRowBytes);
 #pragma unroll
       for (int mi = 0; mi < Traits::kMTiles; ++mi) {
         ptx::mma_m16n8k16<Element>(o[mi][2 * dp], a[mi], b[0], b[1]);

@@ -8,7 +8,8 @@ namespace flashserve::kernels::cuda {
 
 std::string KernelConfig::name() const {
   return "m" + std::to_string(block_m) + "n" + std::to_string(block_n) + "w" +
-         std::to_string(num_warps) + "s" + std::to_string(kv_stages) + (q_in_regs ? "q" : "");
+         std::to_string(num_warps) + "s" + std::to_string(kv_stages) + (q_in_regs ? "q" : "") +
+         (lazy_rescale ? "l" : "");
 }
 
 namespace {
@@ -38,6 +39,11 @@ std::optional<KernelConfig> KernelConfig::parse(std::string_view text) {
   cfg.q_in_regs = false;
   if (pos < text.size() && text[pos] == 'q') {
     cfg.q_in_regs = true;
+    ++pos;
+  }
+  cfg.lazy_rescale = false;
+  if (pos < text.size() && text[pos] == 'l') {
+    cfg.lazy_rescale = true;
     ++pos;
   }
   if (pos != text.size()) return std::nullopt;

@@ -14,9 +14,11 @@ namespace flashserve::kernels::cuda {
 /// computes all kBlockN columns of S and all kHeadDim columns of O for its rows.
 /// kStages: shared-memory buffers for each of K and V (1: FA2's order, 2: the load of the next
 /// K/V tile starts one phase earlier). kQInRegs: Q's mma fragments stay in registers for the
-/// whole loop instead of being re-read from shared memory for every K tile.
+/// whole loop instead of being re-read from shared memory for every K tile. kLazyRescale: the
+/// online softmax moves a row's running max (rescaling O and the row sum) only when it grows by
+/// more than KernelConfig::kLazyRescaleThresholdLog2 (softmax.h).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kStages_,
-          bool kQInRegs_>
+          bool kQInRegs_, bool kLazyRescale_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -25,6 +27,7 @@ struct FwdTraits {
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kStages = kStages_;
   static constexpr bool kQInRegs = kQInRegs_;
+  static constexpr bool kLazyRescale = kLazyRescale_;
 
   static constexpr int kNThreads = kNWarps * 32;
   static constexpr int kRowsPerWarp = kBlockM / kNWarps;

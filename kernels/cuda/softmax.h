@@ -1,15 +1,21 @@
 // Online softmax over the warp's S fragments in fp32 with exp2: p = 2^(s * scale_log2 - m *
 // scale_log2), one FFMA + one EX2 per element. Each row lives in the 4 lanes of a quad, so the
 // row max takes two shuffles; row sums stay per-lane until the epilogue.
+// kLazy (FlashAttention-4's lazy rescale): m moves only when a tile's max exceeds it by more
+// than KernelConfig::kLazyRescaleThresholdLog2 in the log2 domain, so p <= 2^threshold; the
+// O/row-sum rescale (128 FMULs per tile at head_dim 128) is skipped when no row of the warp
+// moves, which after the first tiles is almost always. reference::attention_emulated with
+// EmulationOptions{block_n, backwards, threshold} rounds P at the same places.
 #pragma once
 
 #include <cmath>
 
+#include "flashserve/kernels/kernel_config.h"
 #include "ptx.h"
 
 namespace flashserve::kernels::cuda {
 
-template <int kMTiles, int kNTiles, int kDTiles>
+template <int kMTiles, int kNTiles, int kDTiles, bool kLazy = false>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows per lane: (mi, h) -> row g + 8h of tile mi
   float row_max[kRows];  // running max of raw scores (-inf: nothing seen yet)
@@ -20,6 +26,17 @@ struct OnlineSoftmax {
   template <bool kFirst>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
                                          float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+    if constexpr (kLazy && !kFirst) {
+      update_lazy(s, o, scale_log2);
+    } else {
+      update_exact<kFirst>(s, o, scale_log2);
+    }
+  }
+
+  /// FlashAttention-2's update: m moves to the tile's max whenever it grows.
+  template <bool kFirst>
+  __device__ __forceinline__ void update_exact(float (&s)[kMTiles][kNTiles][4],
+                                               float (&o)[kMTiles][kDTiles][4], float scale_log2) {
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -45,6 +62,65 @@ struct OnlineSoftmax {
           }
         }
         row_max[r] = mx;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const float p = ptx::exp2_approx(fmaf(s[mi][nt][2 * h + j], scale_log2, -max_scaled));
+            s[mi][nt][2 * h + j] = p;
+            sum += p;
+          }
+        row_sum[r] = sum;
+      }
+  }
+
+  /// The lazy update of a tile after the first: per row, move m (rescaling O and the row sum
+  /// by alpha = 2^(m_old - m_new)) only if the tile's max grows it by more than the threshold;
+  /// the rescale loop runs only if some row of the warp moves (warp vote).
+  __device__ __forceinline__ void update_lazy(float (&s)[kMTiles][kNTiles][4],
+                                              float (&o)[kMTiles][kDTiles][4], float scale_log2) {
+    float alpha[kRows];
+    bool any_moves = false;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mi * 2 + h;
+        float mx = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mi][nt][2 * h], s[mi][nt][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float old_scaled = row_max[r] * scale_log2, new_scaled = mx * scale_log2;
+        // -inf -> finite: +inf, moves (alpha = 0; O and the sum are still 0). Both -inf: NaN,
+        // does not move (the row has seen only masked entries).
+        const bool moves = new_scaled - old_scaled > KernelConfig::kLazyRescaleThresholdLog2;
+        alpha[r] = moves ? ptx::exp2_approx(old_scaled - new_scaled) : 1.f;
+        row_max[r] = moves ? mx : row_max[r];
+        any_moves |= moves;
+      }
+    if (__any_sync(0xffffffffu, any_moves)) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = mi * 2 + h;
+          row_sum[r] *= alpha[r];
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mi][dt][2 * h] *= alpha[r];
+            o[mi][dt][2 * h + 1] *= alpha[r];
+          }
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = mi * 2 + h;
+        const float max_scaled = row_max[r] == -INFINITY ? 0.f : row_max[r] * scale_log2;
+        float sum = row_sum[r];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

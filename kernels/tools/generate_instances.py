@@ -25,9 +25,12 @@ DTYPES = {  # option name -> (DType enumerator, CUDA element type)
     "bf16": ("kBFloat16", "__nv_bfloat16"),
 }
 
-# The autotuner's search space per head_dim: (block_m, block_n, num_warps, kv_stages, q_in_regs).
+# The autotuner's search space per head_dim:
+#   (block_m, block_n, num_warps, kv_stages, q_in_regs[, lazy_rescale]).
 # block_m / num_warps is 32 (two m16 tiles per warp: each K/V fragment read from shared memory
 # feeds two MMAs, which H100's shared-memory bandwidth needs) or 16 (fewer registers).
+# lazy_rescale (name suffix "l", kernels/NOTES.md v3a/v4): only at head_dim 128, where it saves
+# the 128-FMUL O rescale of most K/V tiles; at head_dim 64 it measured 2-4% slower.
 CONFIGS = {
     32: [
         (128, 128, 4, 2, False), (128, 64, 4, 2, False), (128, 64, 4, 2, True),
@@ -45,7 +48,7 @@ CONFIGS = {
     128: [
         (128, 64, 4, 2, False), (128, 64, 4, 1, False), (128, 32, 4, 2, False),
         (64, 64, 4, 2, False), (128, 64, 8, 2, False), (128, 64, 8, 2, True),
-        (128, 128, 8, 2, False),
+        (128, 128, 8, 2, False), (128, 64, 4, 2, False, True),
     ],
     256: [
         (128, 64, 8, 2, False), (128, 64, 8, 1, False), (128, 32, 8, 2, False),
@@ -54,30 +57,41 @@ CONFIGS = {
 }
 
 
-def config_name(cfg):
-    bm, bn, w, st, qr = cfg
-    return f"m{bm}n{bn}w{w}s{st}" + ("q" if qr else "")
+def fields(cfg):
+    """(block_m, block_n, num_warps, kv_stages, q_in_regs, lazy_rescale); lazy defaults to off."""
+    return tuple(cfg) + (False,) * (6 - len(cfg))
+
+
+def config_name(cfg):  # KernelConfig::name()
+    bm, bn, w, st, qr, lazy = fields(cfg)
+    return f"m{bm}n{bn}w{w}s{st}" + ("q" if qr else "") + ("l" if lazy else "")
+
+
+def cpp_bool(b):
+    return "true" if b else "false"
+
+
+def template_args(hd, cfg):
+    bm, bn, w, st, qr, lazy = fields(cfg)
+    return f"{hd}, {bm}, {bn}, {w}, {st}, {cpp_bool(qr)}, {cpp_bool(lazy)}"
 
 
 def instance_line(dtype, hd, cfg):
     enum, elem = DTYPES[dtype]
-    bm, bn, w, st, qr = cfg
-    return f"{enum}, {elem}, {hd}, {bm}, {bn}, {w}, {st}, {'true' if qr else 'false'}"
+    return f"{enum}, {elem}, {template_args(hd, cfg)}"
 
 
 def generate(dtypes, head_dims):
     files = {}
     registry = [HEADER, "// FLASHSERVE_FWD_CONFIG(DType enumerator, element, head_dim, block_m, "
-                "block_n, num_warps, kv_stages, q_in_regs)\n"]
+                "block_n, num_warps, kv_stages, q_in_regs, lazy_rescale)\n"]
     for dtype in dtypes:
         for hd in head_dims:
             for cfg in CONFIGS[hd]:
-                enum, elem = DTYPES[dtype]
-                bm, bn, w, st, qr = cfg
+                _, elem = DTYPES[dtype]
                 name = f"flash_fwd_{dtype}_hd{hd}_{config_name(cfg)}.cu"
                 files[name] = (HEADER + '#include "flash_fwd_launch_template.h"\n\n'
-                               f"FLASHSERVE_FWD_INSTANCE(, {elem}, {hd}, {bm}, {bn}, {w}, {st}, "
-                               f"{'true' if qr else 'false'})\n")
+                               f"FLASHSERVE_FWD_INSTANCE(, {elem}, {template_args(hd, cfg)})\n")
                 registry.append(f"FLASHSERVE_FWD_CONFIG({instance_line(dtype, hd, cfg)})\n")
     files["registry.inc"] = "".join(registry)
     return files

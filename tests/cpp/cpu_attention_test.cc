@@ -641,5 +641,49 @@ TEST(ReferenceAttention, EmulatedIsCloseToFp64AtDtypePrecision) {
   }
 }
 
+// EmulationOptions: one block covering every key is the default emulation exactly; the kernel's
+// blocks with a lazy rescale (P against a stale max, up to 2^8) round differently but stay
+// within the same dtype bound against fp64.
+TEST(ReferenceAttention, EmulationOptionsFollowTheKernelsBlocks) {
+  const uint32_t seed = fresh_seed();
+  const Shape s{1, 40, 300, 2, 1, 64, true, false, 0.f, 3.f};  // large logits: the max moves
+  const DType dtype = DType::kBFloat16;
+  SCOPED_TRACE(describe(s, dtype) + " seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  Problem t(s, dtype, rng);
+  std::vector<double> ref_o, ref_lse, emu_o, emu_lse, one_o, one_lse, exact_o, exact_lse, lazy_o,
+      lazy_lse;
+  reference::attention_fp64(t.p, &ref_o, &ref_lse);
+  reference::attention_emulated(t.p, &emu_o, &emu_lse);
+  reference::EmulationOptions one_block;
+  one_block.block_n = 512;
+  reference::attention_emulated(t.p, one_block, &one_o, &one_lse);
+  EXPECT_EQ(one_o, emu_o);
+  EXPECT_EQ(one_lse, emu_lse);
+
+  reference::EmulationOptions exact;
+  exact.block_n = 64;
+  reference::EmulationOptions lazy = exact;
+  lazy.rescale_threshold_log2 = 8.f;
+  reference::attention_emulated(t.p, exact, &exact_o, &exact_lse);
+  reference::attention_emulated(t.p, lazy, &lazy_o, &lazy_lse);
+  EXPECT_NE(lazy_o, exact_o) << "a stale max should change how some P rounds";
+  double max_v = 0;
+  for (int64_t i = 0; i < int64_t(t.kv.size()); ++i)
+    max_v = std::max<double>(max_v, std::abs(load_element(t.kv.data(), i, dtype)));
+  const double u = unit_roundoff(dtype);
+  const double fp32_slack = kFp32Slack * max_abs(ref_o);
+  for (const auto* o : {&exact_o, &lazy_o}) {
+    for (size_t i = 0; i < ref_o.size(); ++i) {
+      ASSERT_LE(std::abs((*o)[i] - ref_o[i]), u * (std::abs(ref_o[i]) + max_v) + fp32_slack) << i;
+    }
+  }
+  for (size_t i = 0; i < ref_lse.size(); ++i) {
+    if (ref_lse[i] != -kInf) {
+      EXPECT_NEAR(lazy_lse[i], ref_lse[i], kFp32Slack * (1 + std::abs(ref_lse[i])));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashserve::kernels

@@ -1,7 +1,8 @@
 // Correctness of the CUDA forward kernels against fp64 and dtype-emulating CPU references,
 // on fresh random inputs, over odd sizes, GQA, causal with seqlen_q != seqlen_k, LSE, and every
 // compiled configuration. Tolerance: the kernel's error against fp64 may be at most twice the
-// error of reference::attention_emulated (which rounds inputs and P like the kernel).
+// error of reference::attention_emulated with that configuration's emulation options (which
+// round inputs and P like the kernel: its key blocks, their order, its rescale threshold).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -85,6 +86,22 @@ ErrorStats error_vs(const std::vector<double>& x, const std::vector<double>& ref
   return e;
 }
 
+// How configuration cfg rounds P: its key blocks, walked backwards, and its rescale threshold.
+reference::EmulationOptions emulation_options(const fk::KernelConfig& cfg) {
+  reference::EmulationOptions options;
+  options.block_n = cfg.block_n;
+  options.backwards = true;
+  options.rescale_threshold_log2 = cfg.rescale_threshold_log2();
+  return options;
+}
+
+// The emulation's error against fp64 for one set of emulation options.
+struct EmulatedError {
+  reference::EmulationOptions options;
+  ErrorStats out;
+  double lse = 0;  // max over rows that see a key
+};
+
 // Runs one problem through every compiled configuration and checks each result.
 void check_case(DType dtype, int head_dim, const Case& c) {
   std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(case_name(dtype, head_dim, c)));
@@ -110,13 +127,23 @@ void check_case(DType dtype, int head_dim, const Case& c) {
   p.q = q.data();
   p.k = k.data();
   p.v = v.data();
-  std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
+  std::vector<double> ref_out, ref_lse;
   reference::attention_fp64(p, &ref_out, &ref_lse);
-  reference::attention_emulated(p, &emu_out, &emu_lse);
-  const ErrorStats emu_err = error_vs(emu_out, ref_out);
-  double emu_lse_err = 0;
-  for (size_t i = 0; i < ref_lse.size(); ++i)
-    if (std::isfinite(ref_lse[i])) emu_lse_err = std::max(emu_lse_err, std::abs(emu_lse[i] - ref_lse[i]));
+  const AttentionParams host_p = p;  // p is pointed at the device buffers below
+  std::vector<EmulatedError> emulated;  // one per distinct EmulationOptions, computed on demand
+  auto emulated_error = [&](const reference::EmulationOptions& options) -> const EmulatedError& {
+    for (const EmulatedError& e : emulated)
+      if (e.options.block_n == options.block_n && e.options.backwards == options.backwards &&
+          e.options.rescale_threshold_log2 == options.rescale_threshold_log2)
+        return e;
+    std::vector<double> emu_out, emu_lse;
+    reference::attention_emulated(host_p, options, &emu_out, &emu_lse);
+    EmulatedError e{options, error_vs(emu_out, ref_out), 0};
+    for (size_t i = 0; i < ref_lse.size(); ++i)
+      if (std::isfinite(ref_lse[i])) e.lse = std::max(e.lse, std::abs(emu_lse[i] - ref_lse[i]));
+    emulated.push_back(e);
+    return emulated.back();
+  };
 
   DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2),
       dlse(lse_elems * 4);
@@ -141,6 +168,9 @@ void check_case(DType dtype, int head_dim, const Case& c) {
   std::vector<double> out_d(q_elems), lse_d(lse_elems);
   for (const fk::KernelConfig& cfg : configs) {
     SCOPED_TRACE("config " + cfg.name());
+    const EmulatedError emu = emulated_error(emulation_options(cfg));
+    const ErrorStats emu_err = emu.out;
+    const double emu_lse_err = emu.lse;
     // Poison: 0xFFFF is NaN in both fp16 and bf16 (and in fp32 for the LSE).
     ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, q_elems * 2), cudaSuccess);
     ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, lse_elems * 4), cudaSuccess);
@@ -248,9 +278,12 @@ TEST(CudaAttentionLayout, PaddedStrides) {
   p.q = q.data();
   p.k = k.data();
   p.v = v.data();
+  int sm_count = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const fk::KernelConfig cfg = fk::select(p, sm_count);  // what run(p, stream) uses
   std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
   reference::attention_fp64(p, &ref_out, &ref_lse);
-  reference::attention_emulated(p, &emu_out, &emu_lse);
+  reference::attention_emulated(p, emulation_options(cfg), &emu_out, &emu_lse);
   DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2);
   ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
@@ -310,6 +343,19 @@ TEST(CudaAttentionApi, ConfigNamesRoundTrip) {
       }
   EXPECT_FALSE(fk::KernelConfig::parse("m128n64").has_value());
   EXPECT_FALSE(fk::KernelConfig::parse("m128n64w4s2qx").has_value());
+  // The lazy-rescale suffix: after q, at most once; names without it keep their meaning.
+  const auto lazy = fk::KernelConfig::parse("m128n64w4s2l");
+  ASSERT_TRUE(lazy.has_value());
+  EXPECT_TRUE(lazy->lazy_rescale);
+  EXPECT_FALSE(lazy->q_in_regs);
+  EXPECT_EQ(lazy->name(), "m128n64w4s2l");
+  const auto both = fk::KernelConfig::parse("m128n64w8s2ql");
+  ASSERT_TRUE(both.has_value());
+  EXPECT_TRUE(both->q_in_regs && both->lazy_rescale);
+  EXPECT_FALSE(fk::KernelConfig::parse("m128n64w4s2").value().lazy_rescale);
+  EXPECT_NE(*fk::KernelConfig::parse("m128n64w4s2"), *lazy);
+  EXPECT_FALSE(fk::KernelConfig::parse("m128n64w4s2lq").has_value());
+  EXPECT_FALSE(fk::KernelConfig::parse("m128n64w4s2ll").has_value());
 }
 
 }  // namespace

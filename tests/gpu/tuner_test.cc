@@ -84,7 +84,11 @@ void expect_correct(const AttentionParams& shape, const fk::KernelConfig& cfg, u
   p.v = v.data();
   std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
   reference::attention_fp64(p, &ref_out, &ref_lse);
-  reference::attention_emulated(p, &emu_out, &emu_lse);
+  reference::EmulationOptions emulation;  // how cfg rounds P (cuda_attention_test.cc)
+  emulation.block_n = cfg.block_n;
+  emulation.backwards = true;
+  emulation.rescale_threshold_log2 = cfg.rescale_threshold_log2();
+  reference::attention_emulated(p, emulation, &emu_out, &emu_lse);
 
   DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2);
   ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);

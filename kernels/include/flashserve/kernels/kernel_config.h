@@ -17,15 +17,28 @@ struct KernelConfig {
   int num_warps = 4;       ///< warps per block; each warp owns block_m / num_warps query rows
   int kv_stages = 2;       ///< shared-memory K/V buffers: 1 (FA2-style) or 2 (double-buffered)
   bool q_in_regs = false;  ///< keep the Q tile in registers instead of re-reading shared memory
+  /// Lazy online-softmax rescale (FlashAttention-4): a row's running max, and with it O and the
+  /// row sum, is only updated when the max grows by more than kLazyRescaleThresholdLog2 (in the
+  /// log2 domain); P is computed against the stale max meanwhile, so it can reach 2^threshold
+  /// before it is rounded to the element type. false: exact rescale on every K/V tile (FA2).
+  bool lazy_rescale = false;
 
-  /// Stable text form, e.g. "m128n64w4s2" or "m128n64w8s2q"; the autotuner cache stores it.
+  /// The lazy rescale's threshold: rescale when (new max - running max) * scale * log2(e) > 8.
+  /// 2^8 keeps P, O and the row sums far from fp16/fp32 overflow.
+  static constexpr float kLazyRescaleThresholdLog2 = 8.f;
+  /// The threshold this configuration uses (0: rescale whenever the max grows).
+  float rescale_threshold_log2() const { return lazy_rescale ? kLazyRescaleThresholdLog2 : 0.f; }
+
+  /// Stable text form, e.g. "m128n64w4s2", "m128n64w8s2q" or "m128n64w4s2l" (lazy rescale);
+  /// the autotuner cache stores it.
   std::string name() const;
   /// Inverse of name(); nullopt for text that is not a well-formed name.
   static std::optional<KernelConfig> parse(std::string_view name);
 
   friend bool operator==(const KernelConfig& a, const KernelConfig& b) {
     return a.block_m == b.block_m && a.block_n == b.block_n && a.num_warps == b.num_warps &&
-           a.kv_stages == b.kv_stages && a.q_in_regs == b.q_in_regs;
+           a.kv_stages == b.kv_stages && a.q_in_regs == b.q_in_regs &&
+           a.lazy_rescale == b.lazy_rescale;
   }
   friend bool operator!=(const KernelConfig& a, const KernelConfig& b) { return !(a == b); }
 };
