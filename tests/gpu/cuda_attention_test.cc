@@ -16,6 +16,7 @@
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/cuda_attention.h"
+#include "gpu_test_util.h"
 #include "flashserve/kernels/float_convert.h"
 #include "flashserve/kernels/reference_attention.h"
 
@@ -24,16 +25,7 @@ namespace {
 
 namespace fk = cuda;
 
-bool gpu_available() {
-  static const bool available = [] {
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  }();
-  return available;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  if (!gpu_available()) GTEST_SKIP() << "no CUDA GPU: skipping"
+using testing_util::gpu_available;
 
 uint64_t fresh_seed() {
   static const uint64_t seed = [] {

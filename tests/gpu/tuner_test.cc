@@ -15,6 +15,7 @@
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/cuda_attention.h"
+#include "gpu_test_util.h"
 #include "flashserve/kernels/float_convert.h"
 #include "flashserve/kernels/reference_attention.h"
 #include "flashserve/kernels/tuner.h"
@@ -24,20 +25,9 @@ namespace {
 
 namespace fk = cuda;
 
-bool gpu_available() {
-  static const bool available = [] {
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-  }();
-  return available;
-}
+using testing_util::compiled;
+using testing_util::gpu_available;
 
-#define SKIP_WITHOUT_GPU() \
-  if (!gpu_available()) GTEST_SKIP() << "no CUDA GPU: skipping"
-
-bool compiled(DType dtype, int head_dim) {
-  return !fk::candidates(dtype, head_dim, false).empty();
-}
 
 struct DeviceBuffer {
   void* ptr = nullptr;
