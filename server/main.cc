@@ -27,6 +27,8 @@
 #include "common/version.h"
 #include "edge/grpc_edge.h"
 #include "edge/http_edge.h"
+#include "edge/kserve_grpc.h"
+#include "edge/kserve_rest.h"
 #include "metrics/metrics_http.h"
 #include "metrics/server_metrics.h"
 #include "runtime/attention_runtime.h"
@@ -92,6 +94,9 @@ ABSL_FLAG(
 ABSL_FLAG(
     std::string, log_level, "info",
     "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
+ABSL_FLAG(std::string, model_name, "attention",
+          "Model name of the KServe v2 / Open Inference Protocol API (REST /v2/models/<name>, "
+          "gRPC inference.GRPCInferenceService)");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text, or json (one JSON object per line)");
 
 namespace flashserve {
@@ -197,6 +202,7 @@ int Serve() {
   metrics_options.version = kVersion;
   metrics_options.cuda = kCudaVersion;
   metrics_options.arch = kCudaArchs;
+  metrics_options.methods.insert(metrics_options.methods.end(), {"ModelInfer", "KServeInfer"});
   ServerMetrics metrics(metrics_options);
   Scheduler* scheduler_ptr = scheduler->get();
   metrics.SetQueueDepthCallback([scheduler_ptr] { return double(scheduler_ptr->queue_depth()); });
@@ -252,6 +258,19 @@ int Serve() {
   identity.queue_capacity = scheduler_options.queue_capacity;
   identity.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
 
+  // The KServe v2 / Open Inference Protocol API on both edges; its gRPC service outlives them.
+  if (absl::GetFlag(FLAGS_model_name).empty() ||
+      absl::StrContains(absl::GetFlag(FLAGS_model_name), '/')) {
+    spdlog::error("--model_name must be non-empty and without '/'");
+    return 2;
+  }
+  kserve::KServeOptions kserve_options;
+  kserve_options.model_name = absl::GetFlag(FLAGS_model_name);
+  kserve_options.server_version = kVersion;
+  kserve_options.max_request_bytes = identity.max_request_bytes;
+  std::unique_ptr<grpc::Service> kserve_grpc =
+      CreateKServeGrpcService(&runtime, kserve_options, auth.get());
+
   GrpcOptions grpc_options;
   grpc_options.host = absl::GetFlag(FLAGS_host);
   grpc_options.port = absl::GetFlag(FLAGS_grpc_port);
@@ -261,7 +280,7 @@ int Serve() {
   grpc_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   grpc_options.auth = auth.get();
   absl::StatusOr<std::unique_ptr<GrpcEdge>> grpc_edge =
-      GrpcEdge::Create(grpc_options, &runtime, identity);
+      GrpcEdge::Create(grpc_options, &runtime, identity, {kserve_grpc.get()});
   if (!grpc_edge.ok()) {
     spdlog::error("{}", std::string(grpc_edge.status().message()));
     return 1;
@@ -274,7 +293,10 @@ int Serve() {
   http_options.tls_key_file = grpc_options.tls_key_file;
   http_options.auth = auth.get();
   http_options.open_health = absl::GetFlag(FLAGS_auth_open_health);
-  absl::StatusOr<std::unique_ptr<HttpEdge>> http_edge = HttpEdge::Create(http_options, &runtime);
+  absl::StatusOr<std::unique_ptr<HttpEdge>> http_edge =
+      HttpEdge::Create(http_options, &runtime, [&](httplib::Server& server) {
+        RegisterKServeRoutes(server, &runtime, kserve_options);
+      });
   if (!http_edge.ok()) {
     spdlog::error("{}", std::string(http_edge.status().message()));
     return 1;

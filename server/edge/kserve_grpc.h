@@ -1,0 +1,23 @@
+// The KServe v2 / Open Inference Protocol gRPC service, inference.GRPCInferenceService
+// (proto/inference/open_inference_grpc.proto), served on the gRPC edge's port beside
+// flashserve.v1.AttentionService: ServerLive, ServerReady, ModelReady, ServerMetadata,
+// ModelMetadata and ModelInfer (raw_input_contents / raw_output_contents).
+#pragma once
+
+#include <memory>
+
+#include "common/auth.h"
+#include "edge/kserve_convert.h"
+#include "grpcpp/impl/service_type.h"
+#include "runtime/attention_runtime.h"
+
+namespace flashserve {
+
+/// Thread-safe callback service; register it with GrpcEdge::Create's extra_services. It must
+/// outlive the gRPC server, and `runtime` must outlive it. With `auth`, every RPC but ServerLive
+/// and ServerReady (health) needs "authorization: Bearer <token>".
+std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
+                                                       const kserve::KServeOptions& options,
+                                                       const BearerAuth* auth = nullptr);
+
+}  // namespace flashserve

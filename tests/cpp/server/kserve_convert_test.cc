@@ -1,0 +1,343 @@
+// KServe v2 / Open Inference Protocol conversions, without a server.
+#include "edge/kserve_convert.h"
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "flashserve/kernels/float_convert.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace flashserve::kserve {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+constexpr int64_t kMax = int64_t{1} << 30;
+
+json Input(const char* name, const char* datatype, std::vector<int64_t> shape) {
+  return json{{"name", name}, {"datatype", datatype}, {"shape", shape}};
+}
+
+// A JSON-data request: Q [1,2,1,2] and K, V [1,3,1,2] in `datatype`.
+json JsonRequest(const char* datatype = "FP32") {
+  json q = Input("Q", datatype, {1, 2, 1, 2});
+  q["data"] = {0.5, -1.0, 2.0, 0.25};
+  json k = Input("K", datatype, {1, 3, 1, 2});
+  k["data"] = {{1, 2}, {3, 4}, {5, 6}};  // nested lists are flattened row-major
+  json v = Input("V", datatype, {1, 3, 1, 2});
+  v["data"] = {1, 2, 3, 4, 5, 6};
+  return json{{"inputs", {q, k, v}}};
+}
+
+absl::Status Parse(const json& body, RestInferRequest* out, int64_t binary_bytes = 0) {
+  return ParseRestInferHeader(body.dump(), binary_bytes, kMax, out);
+}
+
+TEST(KServeConvertTest, Datatypes) {
+  EXPECT_EQ(*ParseDatatype("FP16", "x"), v1::FLOAT16);
+  EXPECT_EQ(*ParseDatatype("BF16", "x"), v1::BFLOAT16);
+  EXPECT_EQ(*ParseDatatype("FP32", "x"), v1::FLOAT32);
+  absl::StatusOr<v1::DType> bad = ParseDatatype("FP64", "inputs[1]");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("inputs[1].datatype"));
+  EXPECT_EQ(DatatypeName(v1::BFLOAT16), "BF16");
+}
+
+TEST(KServeConvertTest, HttpStatusForEveryCode) {
+  EXPECT_EQ(HttpStatusFor(absl::OkStatus()), 200);
+  EXPECT_EQ(HttpStatusFor(absl::InvalidArgumentError("q.shape")), 400);
+  EXPECT_EQ(HttpStatusFor(absl::NotFoundError("model")), 404);
+  EXPECT_EQ(HttpStatusFor(absl::UnauthenticatedError("token")), 401);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError(
+                "q: 70000 elements exceed --max_tensor_elements=65536")),
+            413);
+  EXPECT_EQ(HttpStatusFor(
+                absl::ResourceExhaustedError("request body exceeds --max_request_bytes=1048576")),
+            413);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError("queue full (64 waiting); retry later")),
+            503);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError(
+                "server busy: 10 tensor bytes in flight + 20 exceed --max_inflight_bytes=16")),
+            503);
+  EXPECT_EQ(HttpStatusFor(absl::UnavailableError("shutting down")), 503);
+  EXPECT_EQ(HttpStatusFor(absl::DeadlineExceededError("late")), 504);
+  EXPECT_EQ(HttpStatusFor(absl::InternalError("bug")), 500);
+}
+
+TEST(KServeConvertTest, ErrorJsonEscapes) {
+  EXPECT_EQ(json::parse(ErrorJson("unknown model \"x\"\n"))["error"], "unknown model \"x\"\n");
+}
+
+TEST(KServeConvertTest, CheckModel) {
+  ModelInfo model;
+  model.name = "attn";
+  EXPECT_TRUE(CheckModel(model, "attn", "").ok());
+  EXPECT_TRUE(CheckModel(model, "attn", "1").ok());
+  EXPECT_EQ(CheckModel(model, "attention", "").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(CheckModel(model, "attn", "2").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(KServeConvertTest, JsonDataAndParameters) {
+  json body = JsonRequest("FP16");
+  body["id"] = "req-7";
+  body["parameters"] = {{"causal", true}, {"softmax_scale", 0.125}, {"priority", 3}};
+  RestInferRequest r;
+  ASSERT_TRUE(Parse(body, &r).ok());
+  EXPECT_EQ(r.id, "req-7");
+  EXPECT_EQ(r.request.request_id(), "req-7");
+  EXPECT_TRUE(r.request.causal());
+  ASSERT_TRUE(r.request.has_softmax_scale());
+  EXPECT_FLOAT_EQ(r.request.softmax_scale(), 0.125f);
+  EXPECT_FALSE(r.request.return_lse());
+  EXPECT_TRUE(r.binary_targets.empty());
+  EXPECT_EQ(r.request.q().dtype(), v1::FLOAT16);
+  ASSERT_EQ(r.request.k().data().size(), 6u * 2);
+  uint16_t k[6];
+  std::memcpy(k, r.request.k().data().data(), sizeof(k));
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(kernels::half_to_float(k[i]), float(i + 1));
+  ASSERT_EQ(r.outputs.size(), 1u);  // O only, as JSON
+  EXPECT_EQ(r.outputs[0].kind, OutputSpec::kOut);
+  EXPECT_FALSE(r.outputs[0].binary);
+}
+
+TEST(KServeConvertTest, ReturnLseOrRequestedLseAddsLse) {
+  json body = JsonRequest();
+  body["parameters"] = {{"return_lse", true}, {"binary_data_output", true}};
+  RestInferRequest r;
+  ASSERT_TRUE(Parse(body, &r).ok());
+  EXPECT_TRUE(r.request.return_lse());
+  ASSERT_EQ(r.outputs.size(), 2u);
+  EXPECT_EQ(r.outputs[1].kind, OutputSpec::kLse);
+  EXPECT_TRUE(r.outputs[0].binary && r.outputs[1].binary);
+
+  json explicit_outputs = JsonRequest();
+  explicit_outputs["outputs"] = {{{"name", "LSE"}},
+                                 {{"name", "O"}, {"parameters", {{"binary_data", true}}}}};
+  RestInferRequest e;
+  ASSERT_TRUE(Parse(explicit_outputs, &e).ok());
+  EXPECT_TRUE(e.request.return_lse());
+  ASSERT_EQ(e.outputs.size(), 2u);
+  EXPECT_EQ(e.outputs[0].kind, OutputSpec::kLse);
+  EXPECT_FALSE(e.outputs[0].binary);
+  EXPECT_TRUE(e.outputs[1].binary);
+}
+
+TEST(KServeConvertTest, BinaryInputsAreSizedInInputOrder) {
+  json v = Input("V", "FP16", {1, 3, 1, 2});
+  v["parameters"] = {{"binary_data_size", 12}};
+  json q = Input("Q", "FP16", {1, 2, 1, 2});
+  q["parameters"] = {{"binary_data_size", 8}};
+  json k = Input("K", "FP16", {1, 3, 1, 2});
+  k["data"] = {1, 2, 3, 4, 5, 6};
+  RestInferRequest r;
+  ASSERT_TRUE(Parse(json{{"inputs", {v, k, q}}}, &r, 20).ok());
+  ASSERT_EQ(r.binary_targets.size(), 2u);
+  EXPECT_EQ(r.binary_targets[0], r.request.mutable_v()->mutable_data());
+  EXPECT_EQ(r.binary_targets[1], r.request.mutable_q()->mutable_data());
+  EXPECT_EQ(r.request.v().data().size(), 12u);
+  EXPECT_EQ(r.request.q().data().size(), 8u);
+
+  RestInferRequest mismatch;
+  absl::Status s = Parse(json{{"inputs", {v, k, q}}}, &mismatch, 21);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("binary_data_size adds up to 20 bytes but 21"));
+  EXPECT_TRUE(mismatch.request.q().data().empty()) << "nothing allocated for a bad request";
+
+  RestInferRequest too_big;
+  s = ParseRestInferHeader(json{{"inputs", {v, k, q}}}.dump(), -1, 16, &too_big);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(HttpStatusFor(s), 413);
+}
+
+TEST(KServeConvertTest, MalformedRequestsNameTheField) {
+  struct Case {
+    std::function<void(json&)> edit;
+    const char* message;
+  };
+  const Case cases[] = {
+      {[](json& b) { b["inputs"][1]["name"] = "X"; }, "inputs[1].name: unknown input \"X\""},
+      {[](json& b) { b["inputs"][1]["name"] = "Q"; }, "input Q given twice"},
+      {[](json& b) { b["inputs"].erase(2); }, "inputs: V missing"},
+      {[](json& b) { b["inputs"][0]["datatype"] = "INT8"; }, "inputs[0].datatype"},
+      {[](json& b) { b["inputs"][0].erase("data"); }, "inputs[0]: no data"},
+      {[](json& b) {
+         b["inputs"][0]["data"] = {1, "a"};
+       },
+       "inputs[0].data: elements must be numbers"},
+      {[](json& b) {
+         b["inputs"][0]["shape"] = {1, 2.5};
+       },
+       "inputs[0].shape"},
+      {[](json& b) {
+         b["inputs"][0]["parameters"] = {{"binary_data_size", 16}};
+       },
+       "both data and binary_data_size"},
+      {[](json& b) {
+         b["parameters"] = {{"causal", "yes"}};
+       },
+       "parameters.causal: must be a boolean"},
+      {[](json& b) {
+         b["parameters"] = {{"softmax_scale", true}};
+       },
+       "parameters.softmax_scale"},
+      {[](json& b) {
+         b["outputs"] = {{{"name", "P"}}};
+       },
+       "outputs[0].name: unknown output \"P\""},
+      {[](json& b) { b["id"] = 5; }, "id: must be a string"},
+  };
+  for (const Case& c : cases) {
+    json body = JsonRequest();
+    c.edit(body);
+    RestInferRequest r;
+    absl::Status s = Parse(body, &r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.message;
+    EXPECT_THAT(s.message(), HasSubstr(c.message));
+  }
+  RestInferRequest r;
+  EXPECT_THAT(ParseRestInferHeader("{\"inputs\": [", 0, kMax, &r).message(),
+              HasSubstr("not valid JSON"));
+}
+
+TEST(KServeConvertTest, RestResponseJsonAndBinary) {
+  RestInferRequest r;
+  r.id = "abc";
+  r.has_id = true;
+  r.outputs = {{OutputSpec::kOut, true}, {OutputSpec::kLse, false}};
+  v1::AttentionResponse response;
+  response.mutable_out()->set_dtype(v1::BFLOAT16);
+  for (int64_t d : {1, 1, 1, 2}) response.mutable_out()->add_shape(d);
+  response.mutable_out()->set_data(std::string("\x80\x3f\x00\x40", 4));
+  response.mutable_lse()->set_dtype(v1::FLOAT32);
+  for (int64_t d : {1, 1, 1}) response.mutable_lse()->add_shape(d);
+  const float lse = -std::numeric_limits<float>::infinity();
+  response.mutable_lse()->set_data(std::string(reinterpret_cast<const char*>(&lse), 4));
+  response.set_kernel("k1");
+
+  ModelInfo model;
+  RestInferResponse out = BuildRestInferResponse(model, r, response);
+  const json header = json::parse(out.header);
+  EXPECT_EQ(header["id"], "abc");
+  EXPECT_EQ(header["model_name"], "attention");
+  EXPECT_EQ(header["parameters"]["kernel"], "k1");
+  EXPECT_EQ(header["outputs"][0]["datatype"], "BF16");
+  EXPECT_EQ(header["outputs"][0]["parameters"]["binary_data_size"], 4);
+  EXPECT_FALSE(header["outputs"][0].contains("data"));
+  EXPECT_TRUE(header["outputs"][1]["data"][0].is_null()) << "-inf has no JSON number";
+  ASSERT_EQ(out.binary.size(), 1u);
+  EXPECT_EQ(out.binary[0].data(), response.out().data().data()) << "no copy of the output";
+  EXPECT_EQ(out.binary_bytes(), 4);
+}
+
+TEST(KServeConvertTest, GrpcRawContentsAreMovedNotCopied) {
+  inference::ModelInferRequest request;
+  request.set_model_name("attention");
+  request.set_id("g1");
+  (*request.mutable_parameters())["causal"].set_bool_param(true);
+  (*request.mutable_parameters())["softmax_scale"].set_double_param(0.5);
+  const char* names[3] = {"K", "Q", "V"};
+  for (const char* name : names) {
+    auto* input = request.add_inputs();
+    input->set_name(name);
+    input->set_datatype("BF16");
+    for (int64_t d : {1, 4, 1, 8}) input->add_shape(d);
+    request.add_raw_input_contents(std::string(64, name[0]));
+  }
+  const char* k_bytes = request.raw_input_contents(0).data();
+  v1::AttentionRequest out;
+  std::vector<OutputSpec> outputs;
+  int64_t timeout_us = -1;
+  ASSERT_TRUE(GrpcInferToAttention(&request, &out, &outputs, &timeout_us).ok());
+  EXPECT_EQ(out.k().data(), std::string(64, 'K'));
+  EXPECT_EQ(out.q().data(), std::string(64, 'Q'));
+  EXPECT_EQ(out.k().data().data(), k_bytes) << "raw bytes moved, not copied";
+  EXPECT_EQ(out.q().dtype(), v1::BFLOAT16);
+  EXPECT_TRUE(out.causal());
+  EXPECT_FLOAT_EQ(out.softmax_scale(), 0.5f);
+  EXPECT_EQ(out.request_id(), "g1");
+  EXPECT_EQ(timeout_us, 0);
+  ASSERT_EQ(outputs.size(), 1u);
+
+  v1::AttentionResponse response;
+  response.mutable_out()->set_dtype(v1::BFLOAT16);
+  for (int64_t d : {1, 4, 1, 8}) response.mutable_out()->add_shape(d);
+  response.mutable_out()->set_data(std::string(64, 'O'));
+  const char* o_bytes = response.out().data().data();
+  inference::ModelInferResponse grpc_response;
+  AttentionToGrpcInfer(ModelInfo(), "g1", outputs, &response, &grpc_response);
+  EXPECT_EQ(grpc_response.id(), "g1");
+  ASSERT_EQ(grpc_response.outputs_size(), 1);
+  EXPECT_EQ(grpc_response.outputs(0).name(), "O");
+  EXPECT_EQ(grpc_response.outputs(0).datatype(), "BF16");
+  EXPECT_EQ(grpc_response.outputs(0).shape_size(), 4);
+  ASSERT_EQ(grpc_response.raw_output_contents_size(), 1);
+  EXPECT_EQ(grpc_response.raw_output_contents(0).data(), o_bytes) << "moved, not copied";
+}
+
+TEST(KServeConvertTest, GrpcTypedContentsAndErrors) {
+  inference::ModelInferRequest request;
+  for (const char* name : {"Q", "K", "V"}) {
+    auto* input = request.add_inputs();
+    input->set_name(name);
+    input->set_datatype("FP32");
+    for (int64_t d : {1, 1, 1, 2}) input->add_shape(d);
+    input->mutable_contents()->add_fp32_contents(1.5f);
+    input->mutable_contents()->add_fp32_contents(-2.f);
+  }
+  request.add_outputs()->set_name("LSE");
+  v1::AttentionRequest out;
+  std::vector<OutputSpec> outputs;
+  int64_t timeout_us = 0;
+  ASSERT_TRUE(GrpcInferToAttention(&request, &out, &outputs, &timeout_us).ok());
+  float v[2];
+  std::memcpy(v, out.v().data().data(), 8);
+  EXPECT_EQ(v[0], 1.5f);
+  EXPECT_EQ(v[1], -2.f);
+  EXPECT_TRUE(out.return_lse());
+
+  inference::ModelInferRequest fp16 = request;
+  fp16.mutable_inputs(0)->set_datatype("FP16");
+  v1::AttentionRequest ignored;
+  absl::Status s = GrpcInferToAttention(&fp16, &ignored, &outputs, &timeout_us);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("raw_input_contents"));
+
+  inference::ModelInferRequest short_raw = request;
+  short_raw.add_raw_input_contents("12345678");
+  s = GrpcInferToAttention(&short_raw, &ignored, &outputs, &timeout_us);
+  EXPECT_THAT(s.message(), HasSubstr("raw_input_contents: 1 entries for 3 inputs"));
+
+  inference::ModelInferRequest bad_param = request;
+  (*bad_param.mutable_parameters())["return_lse"].set_string_param("yes");
+  s = GrpcInferToAttention(&bad_param, &ignored, &outputs, &timeout_us);
+  EXPECT_THAT(s.message(), HasSubstr("parameters.return_lse"));
+}
+
+TEST(KServeConvertTest, Metadata) {
+  ModelInfo model;
+  model.name = "attn";
+  model.dtypes = {v1::BFLOAT16, v1::FLOAT16};
+  const json m = json::parse(ModelMetadataJson(model));
+  EXPECT_EQ(m["name"], "attn");
+  EXPECT_EQ(m["versions"], json::array({"1"}));
+  ASSERT_EQ(m["inputs"].size(), 3u);
+  EXPECT_EQ(m["inputs"][0]["datatype"], "BF16");
+  EXPECT_EQ(m["inputs"][0]["shape"], json::array({-1, -1, -1, -1}));
+  EXPECT_EQ(m["outputs"][1]["name"], "LSE");
+  inference::ModelMetadataResponse g;
+  FillGrpcModelMetadata(model, &g);
+  EXPECT_EQ(g.inputs_size(), 3);
+  EXPECT_EQ(g.outputs(1).shape_size(), 3);
+  const json s = json::parse(ServerMetadataJson(model));
+  EXPECT_EQ(s["extensions"], json::array({"binary_tensor_data"}));
+}
+
+}  // namespace
+}  // namespace flashserve::kserve
