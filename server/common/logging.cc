@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "spdlog/formatter.h"
+#include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -80,6 +81,8 @@ absl::Status ConfigureLogging(absl::string_view level, absl::string_view format)
         absl::StrCat("--log_level: unknown level \"", level,
                      "\" (trace, debug, info, warn, error, critical, off)"));
   }
+  // Logs go to stderr (stdout stays free for tools that print results).
+  spdlog::set_default_logger(spdlog::stderr_color_mt("flashserve"));
   spdlog::set_level(parsed);
   if (format == "json") {
     spdlog::set_formatter(std::make_unique<JsonFormatter>());
