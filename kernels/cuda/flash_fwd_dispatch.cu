@@ -164,6 +164,12 @@ KernelConfig select(const AttentionParams& p, int sm_count) {
   const std::vector<KernelConfig> all = candidates(p.dtype, p.head_dim, p.causal);
   if (all.empty()) return preferred(p.head_dim, p.causal);
   KernelConfig best = all.front();
+  // d=64 with short queries: keeping Q in registers (m128n64w4s2q) was the tuner's pick at every
+  // seqlen_q <= 1024 point of the H200 grid (+2 to +5%, bench/results/autotune-h200-2026-11-22.md).
+  if (p.head_dim == 64 && p.seqlen_q <= 1024) {
+    const KernelConfig q_in_regs{128, 64, 4, 2, true};
+    if (find_entry(p.dtype, p.head_dim, q_in_regs) != nullptr) best = q_in_regs;
+  }
   // Too few 128-row tiles to fill every multiprocessor once: 64-row tiles double the blocks.
   const int64_t tiles = int64_t((p.seqlen_q + best.block_m - 1) / best.block_m) * p.heads_q * p.batch;
   if (sm_count > 0 && tiles < sm_count) {
