@@ -1,7 +1,10 @@
 // flashserve: exact attention as a service. Parses flags into options structs, wires the
 // backend, scheduler and edges together, and handles SIGINT/SIGTERM with a graceful drain.
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <csignal>
+#include <ctime>
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
@@ -29,6 +32,7 @@
 #include "edge/http_edge.h"
 #include "edge/kserve_grpc.h"
 #include "edge/kserve_rest.h"
+#include "edge/stream_edge.h"
 #include "metrics/metrics_http.h"
 #include "metrics/server_metrics.h"
 #include "runtime/attention_runtime.h"
@@ -47,6 +51,19 @@ ABSL_FLAG(int, metrics_port, 8002,
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA when a usable GPU exists, else CPU), cuda or cpu");
 ABSL_FLAG(std::string, devices, "", "CUDA devices to use, e.g. \"0,1\"; empty: all visible");
+ABSL_FLAG(int, streams_per_device, 2,
+          "CUDA backend: streams (jobs in flight) per device, in [1, 64]; with 2+ one job's copies "
+          "overlap another's kernel");
+ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
+          "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
+          "mapped for reuse instead of returning it to the driver, per device");
+ABSL_FLAG(int64_t, pinned_pool_bytes, int64_t{2} << 30,
+          "CUDA backend: cap of the pinned host staging pool (power-of-two size classes from "
+          "64 KiB, reused without re-pinning); a request that does not fit is served with slower "
+          "pageable copies; 0 disables pinned staging");
+ABSL_FLAG(int64_t, max_device_bytes_per_request, 0,
+          "CUDA backend: a request needing more device memory (Q, K, V, O, LSE) gets "
+          "RESOURCE_EXHAUSTED before any allocation; 0: no limit (the GPU's free memory is)");
 ABSL_FLAG(std::string, autotune, "off",
           "Kernel autotuning (CUDA backend): off (use --tune_cache read-only, else heuristic "
           "defaults), background (unseen problem classes are served with the default while they "
@@ -97,6 +114,12 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, model_name, "attention",
           "Model name of the KServe v2 / Open Inference Protocol API (REST /v2/models/<name>, "
           "gRPC inference.GRPCInferenceService)");
+ABSL_FLAG(int, stream_max_sessions, 16,
+          "Striped streaming API (flashserve.v1.AttentionStreamService): open sessions at a time; "
+          "each holds up to --max_request_bytes of tensors, all together up to "
+          "--max_inflight_bytes");
+ABSL_FLAG(int64_t, stream_session_timeout_ms, 60000,
+          "Striped streaming API: a session idle for this long is dropped");
 ABSL_FLAG(std::string, log_format, "text", "Log format: text, or json (one JSON object per line)");
 
 namespace flashserve {
@@ -156,6 +179,22 @@ int Serve() {
   backend_options.kind = absl::GetFlag(FLAGS_backend);
   backend_options.cpu_threads = absl::GetFlag(FLAGS_worker_threads);
   backend_options.devices = *devices;
+  backend_options.streams_per_device = absl::GetFlag(FLAGS_streams_per_device);
+  backend_options.device_pool_release_threshold_bytes =
+      absl::GetFlag(FLAGS_device_pool_release_threshold_bytes);
+  backend_options.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
+  backend_options.max_device_bytes_per_request = absl::GetFlag(FLAGS_max_device_bytes_per_request);
+  if (backend_options.streams_per_device < 1 || backend_options.streams_per_device > 64) {
+    spdlog::error("--streams_per_device must be in [1, 64]");
+    return 2;
+  }
+  if (backend_options.device_pool_release_threshold_bytes < 0 ||
+      backend_options.pinned_pool_bytes < 0 || backend_options.max_device_bytes_per_request < 0) {
+    spdlog::error(
+        "--device_pool_release_threshold_bytes, --pinned_pool_bytes and "
+        "--max_device_bytes_per_request must be >= 0");
+    return 2;
+  }
   backend_options.autotune = absl::GetFlag(FLAGS_autotune);
   backend_options.tune_cache_path = absl::GetFlag(FLAGS_tune_cache);
   if (backend_options.autotune == "startup") {
@@ -214,6 +253,11 @@ int Serve() {
       return bytes;
     });
   }
+  metrics.SetPinnedPoolCallback([&backend] {
+    PoolBytes bytes;
+    backend.PinnedPoolBytes(&bytes.used, &bytes.reserved);
+    return bytes;
+  });
   autotune_events->store(&metrics);
   struct DetachMetrics {
     std::shared_ptr<std::atomic<ServerMetrics*>> relay;
@@ -279,8 +323,17 @@ int Serve() {
   grpc_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   grpc_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   grpc_options.auth = auth.get();
-  absl::StatusOr<std::unique_ptr<GrpcEdge>> grpc_edge =
-      GrpcEdge::Create(grpc_options, &runtime, identity, {kserve_grpc.get()});
+  StreamLimits stream_limits;
+  stream_limits.max_sessions = std::max(1, absl::GetFlag(FLAGS_stream_max_sessions));
+  stream_limits.max_session_bytes = identity.max_request_bytes;
+  stream_limits.max_total_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  stream_limits.max_tensor_elements = limits.max_tensor_elements;
+  stream_limits.idle_timeout =
+      std::chrono::milliseconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_stream_session_timeout_ms)));
+  std::unique_ptr<grpc::Service> stream_grpc =
+      CreateStreamService(&runtime, stream_limits, auth.get());
+  absl::StatusOr<std::unique_ptr<GrpcEdge>> grpc_edge = GrpcEdge::Create(
+      grpc_options, &runtime, identity, {kserve_grpc.get(), stream_grpc.get()});
   if (!grpc_edge.ok()) {
     spdlog::error("{}", std::string(grpc_edge.status().message()));
     return 1;
@@ -333,8 +386,20 @@ int Serve() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  // Every second, gRPC health follows the runtime: a device fault (sticky CUDA error) turns it
+  // NOT_SERVING, as /v2/health/ready turns 503.
   int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  bool serving = true;
+  const timespec tick{1, 0};
+  for (;;) {
+    signal_number = sigtimedwait(&signals, nullptr, &tick);
+    if (signal_number > 0) break;
+    if (serving && !runtime.ready()) {
+      serving = false;
+      (*grpc_edge)->SetServing(false);
+      spdlog::error("backend unhealthy: gRPC health NOT_SERVING, HTTP ready 503");
+    }
+  }
 
   const absl::Duration grace = absl::Seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds));
   const absl::Time deadline = absl::Now() + grace;
@@ -342,7 +407,7 @@ int Serve() {
                absl::GetFlag(FLAGS_shutdown_grace_seconds));
   (*grpc_edge)->SetServing(false);
   runtime.StopAccepting();  // new requests: UNAVAILABLE
-  const bool drained = (*scheduler)->WaitIdle(deadline);
+  const bool drained = runtime.WaitIdle(deadline);
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
   (*grpc_edge)->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");

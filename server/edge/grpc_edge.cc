@@ -200,6 +200,17 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   }
   // A second process must not be able to bind the same port and take half the calls.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Large messages (README "Large messages"): tensors are MiB..GiB, so let one HTTP/2 frame carry
+  // up to 16 MiB - 1 (the protocol maximum; default 16 KiB means a thousand frame headers per
+  // 16 MiB), read the socket in chunks of up to 4 MiB, and let one stream's flow-control window
+  // grow to 64 MiB ahead of the application (BDP probing, on by default, sizes it dynamically up
+  // to that). Measured on the GPU machine (ENVIRONMENT.md) these barely move one connection's
+  // throughput (~0.7 GB/s, bound by gRPC's per-connection processing); several connections scale.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));

@@ -50,30 +50,51 @@ void AttentionRuntime::Submit(Call call) {
                      " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
     return;
   }
+  {
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    ++outstanding_;
+  }
   call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
     inflight_bytes_.fetch_sub(bytes);
     done(status);
+    std::lock_guard<std::mutex> lock(idle_mu_);
+    if (--outstanding_ == 0) idle_cv_.notify_all();
   };
   const absl::Time enqueued = absl::Now();
   // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
   auto shared_call = std::make_shared<Call>(std::move(call));
   absl::Status queued = scheduler_->Submit([this, shared_call, problem = *problem, enqueued] {
-    shared_call->done(Execute(problem, *shared_call, enqueued));
+    Execute(problem, shared_call, enqueued);
   });
   if (!queued.ok()) shared_call->done(queued);
 }
 
-absl::Status AttentionRuntime::Execute(const AttentionProblem& problem, const Call& call,
-                                       absl::Time enqueued) {
+bool AttentionRuntime::WaitIdle(absl::Time deadline) {
+  if (!scheduler_->WaitIdle(deadline)) return false;
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  while (outstanding_ > 0) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    idle_cv_.wait_for(lock, absl::ToChronoMicroseconds(left));
+  }
+  return true;
+}
+
+void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<Call> call,
+                               absl::Time enqueued) {
   const absl::Time started = absl::Now();
-  if (call.cancelled && call.cancelled()) return absl::CancelledError("cancelled by the client");
-  if (started >= call.deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("deadline expired after ",
-                                                    absl::ToInt64Microseconds(started - enqueued),
-                                                    " us in the queue; not run"));
+  if (call->cancelled && call->cancelled()) {
+    call->done(absl::CancelledError("cancelled by the client"));
+    return;
+  }
+  if (started >= call->deadline) {
+    call->done(absl::DeadlineExceededError(
+        absl::StrCat("deadline expired after ", absl::ToInt64Microseconds(started - enqueued),
+                     " us in the queue; not run")));
+    return;
   }
 
-  v1::AttentionResponse* response = call.response;
+  v1::AttentionResponse* response = call->response;
   const auto dtype = static_cast<v1::DType>(problem.dtype);
   v1::Tensor* out = response->mutable_out();
   SetTensorHeader(out, dtype, {problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim});
@@ -86,15 +107,24 @@ absl::Status AttentionRuntime::Execute(const AttentionProblem& problem, const Ca
     lse->mutable_data()->resize(size_t(problem.lse_elements()) * sizeof(float));
     output.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
   }
+  // The call (request and response) stays alive until its done() runs, so the backend may keep
+  // writing into `output` after this worker returns.
+  backend_->RunAsync(problem, output,
+                     [this, call, problem, enqueued, started](JobResult result) {
+                       call->done(Finish(problem, *call, enqueued, started, std::move(result)));
+                     });
+}
 
-  PhaseTiming phases;
-  std::string kernel;
-  absl::Status status = backend_->Run(problem, output, &phases, &kernel);
-  if (!status.ok()) {
+absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Call& call,
+                                      absl::Time enqueued, absl::Time started, JobResult result) {
+  v1::AttentionResponse* response = call.response;
+  if (!result.status.ok()) {
     response->clear_out();
     response->clear_lse();
-    return status;
+    return result.status;
   }
+  const PhaseTiming& phases = result.timing;
+  const std::string& kernel = result.kernel;
   v1::Timing* timing = response->mutable_timing();
   timing->set_queue_us(absl::ToInt64Microseconds(started - enqueued));
   timing->set_h2d_us(phases.h2d_us);

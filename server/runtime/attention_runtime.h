@@ -3,8 +3,11 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -40,6 +43,9 @@ class AttentionRuntime {
   bool ready() const { return accepting_.load() && backend_->healthy(); }
   /// Refuse new work with UNAVAILABLE from now on (work already queued still runs).
   void StopAccepting();
+  /// Waits until every accepted request has been answered (queued, running and, on an
+  /// asynchronous backend, still on the device); false if `deadline` came first.
+  bool WaitIdle(absl::Time deadline);
 
   const ValidationLimits& limits() const { return limits_; }
   Backend& backend() { return *backend_; }
@@ -48,7 +54,11 @@ class AttentionRuntime {
   int64_t inflight_bytes() const { return inflight_bytes_.load(); }
 
  private:
-  absl::Status Execute(const AttentionProblem& problem, const Call& call, absl::Time enqueued);
+  // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
+  void Execute(const AttentionProblem& problem, std::shared_ptr<Call> call, absl::Time enqueued);
+  // Fills the response from a finished job; the status to answer with.
+  absl::Status Finish(const AttentionProblem& problem, const Call& call, absl::Time enqueued,
+                      absl::Time started, JobResult result);
 
   Backend* backend_;
   Scheduler* scheduler_;
@@ -57,6 +67,9 @@ class AttentionRuntime {
   const int64_t max_inflight_bytes_;
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<bool> accepting_{true};
+  std::mutex idle_mu_;
+  std::condition_variable idle_cv_;
+  int64_t outstanding_ = 0;  // accepted, not yet answered; guarded by idle_mu_
 };
 
 }  // namespace flashserve

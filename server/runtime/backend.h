@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,7 +39,15 @@ struct JobOutput {
   float* lse = nullptr;  // lse_elements() floats, or nullptr
 };
 
-/// Thread-safe: Run is called concurrently from the scheduler's workers.
+/// What a finished job reports.
+struct JobResult {
+  absl::Status status;
+  PhaseTiming timing;
+  std::string kernel;  // the name of what ran (empty on failure)
+};
+using JobDone = std::function<void(JobResult)>;
+
+/// Thread-safe: Run/RunAsync are called concurrently from the scheduler's workers.
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -47,6 +56,15 @@ class Backend {
   /// what ran. RESOURCE_EXHAUSTED when memory for it cannot be had; INTERNAL on a device fault.
   virtual absl::Status Run(const AttentionProblem& problem, const JobOutput& output,
                            PhaseTiming* timing, std::string* kernel) = 0;
+  /// Starts the problem and returns; `done` is called exactly once when `output` holds the result
+  /// (or with the error), possibly inline, possibly on another thread. The problem's input bytes and
+  /// `output` must stay valid until then. The default runs Run() inline (the CPU backend: its
+  /// thread pool is the parallelism); the CUDA backend returns once the work is queued on a stream.
+  virtual void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) {
+    JobResult result;
+    result.status = Run(problem, output, &result.timing, &result.kernel);
+    done(std::move(result));
+  }
   /// False after a fault that makes the backend unusable (a sticky CUDA error).
   virtual bool healthy() const { return true; }
   /// Bytes in use and reserved by the device memory pool of `device`; false when the backend
@@ -54,6 +72,9 @@ class Backend {
   virtual bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const {
     return false;
   }
+  /// Bytes in use and reserved by the pinned host staging pool; false when there is none.
+  /// Thread-safe (called from the metrics scrape).
+  virtual bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const { return false; }
 };
 
 }  // namespace flashserve

@@ -27,6 +27,11 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   if (options.kind != "cpu") {
     CudaBackendOptions cuda_options;
     cuda_options.devices = options.devices;
+    cuda_options.streams_per_device = options.streams_per_device;
+    cuda_options.device_pool_release_threshold_bytes =
+        uint64_t(options.device_pool_release_threshold_bytes);
+    cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
+    cuda_options.max_device_bytes_per_request = options.max_device_bytes_per_request;
     cuda_options.autotune = options.autotune;
     cuda_options.tune_cache_path = options.tune_cache_path;
     cuda_options.startup_grid = options.startup_grid;

@@ -3,6 +3,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
+#include <future>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "autotune/cuda_tuning.h"
@@ -41,19 +44,59 @@ int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Page-locked host memory, portable: usable by every device's copies, not only the current one.
+class CudaHostAllocator final : public HostAllocator {
+ public:
+  void* Allocate(size_t bytes) override {
+    void* pointer = nullptr;
+    if (cudaHostAlloc(&pointer, bytes, cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return pointer;
+  }
+  void Free(void* pointer) override { cudaFreeHost(pointer); }
+};
+
 }  // namespace
 
+// One request between launch and completion. Byte layout of both the device buffer and the
+// pinned staging buffer: q | k | v | o | lse, each part 256-byte aligned.
+struct CudaBackend::Job {
+  AttentionProblem problem;
+  JobOutput output;
+  JobDone done;
+  int64_t device_bytes = 0;
+  PinnedPool::Buffer staging;  // empty: pageable copies straight from/to the messages
+  size_t o_offset = 0, lse_offset = 0;
+  kernels::cuda::KernelConfig config;
+  cudaError_t launch_error = cudaSuccess;  // the first error while queueing the work
+  const char* failed_step = "";
+};
+
+// A stream with its timing events and the thread that completes its jobs, one job at a time.
 struct CudaBackend::Slot {
+  Device* device = nullptr;
   cudaStream_t stream = nullptr;
-  cudaEvent_t events[4] = {};  // start, after H2D, after kernel, after D2H
-  bool busy = false;
+  // start, after H2D, after kernel, after D2H. The last one is waited on by the completion thread
+  // with cudaEventBlockingSync: it sleeps instead of spinning a core per slot while the GPU works.
+  cudaEvent_t events[4] = {};
+  std::mutex mu;
+  std::condition_variable cv;
+  std::unique_ptr<Job> job;  // guarded by mu: handed over by the launching worker
+  bool exiting = false;      // guarded by mu
+  std::thread completer;
 };
 
 struct CudaBackend::Device {
   int index = 0;
   int sm_count = 0;
   bool tuned = false;  // same model as the first device: uses the tuning cache
-  std::vector<Slot> slots;
+  std::vector<std::unique_ptr<Slot>> slots;
+  std::atomic<bool> healthy{true};
+  // Guarded by CudaBackend::mu_.
+  std::vector<Slot*> free_slots;
+  int64_t outstanding_bytes = 0;  // device bytes of the jobs on this device now
   int in_flight = 0;
 };
 
@@ -65,6 +108,14 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     cudaGetLastError();
     return absl::UnavailableError(e == cudaSuccess ? "no CUDA device visible"
                                                    : absl::StrCat("CUDA: ", cudaGetErrorString(e)));
+  }
+  if (options.streams_per_device < 1 || options.streams_per_device > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("--streams_per_device must be in [1, 64], got ",
+                                                   options.streams_per_device));
+  }
+  if (options.pinned_pool_bytes < 0 || options.max_device_bytes_per_request < 0) {
+    return absl::InvalidArgumentError(
+        "--pinned_pool_bytes and --max_device_bytes_per_request must be >= 0");
   }
   std::vector<int> wanted = options.devices;
   if (wanted.empty()) {
@@ -97,19 +148,33 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     auto device = std::make_unique<Device>();
     device->index = index;
     device->sm_count = prop.multiProcessorCount;
-    device->slots.resize(size_t(std::max(1, options.streams_per_device)));
     cudaSetDevice(index);
-    for (Slot& slot : device->slots) {
-      if ((e = cudaStreamCreateWithFlags(&slot.stream, cudaStreamNonBlocking)) != cudaSuccess) {
+    for (int i = 0; i < options.streams_per_device; ++i) {
+      auto slot = std::make_unique<Slot>();
+      slot->device = device.get();
+      if ((e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
       }
-      for (cudaEvent_t& event : slot.events) cudaEventCreate(&event);
+      for (int j = 0; j < 4; ++j) {
+        e = cudaEventCreateWithFlags(&slot->events[j],
+                                     j == 3 ? cudaEventBlockingSync : cudaEventDefault);
+        if (e != cudaSuccess) {
+          return absl::UnavailableError(absl::StrCat("CUDA event: ", cudaGetErrorString(e)));
+        }
+      }
+      device->free_slots.push_back(slot.get());
+      device->slots.push_back(std::move(slot));
     }
-    // Keep freed device memory in the stream-ordered pool instead of returning it to the driver
-    // after every request (the default threshold 0 would re-map memory each time).
+    // Device memory: the stream-ordered allocator (cudaMallocAsync on the device's default pool)
+    // rather than an arena of our own. Allocation and free are ordered on the job's stream, so a
+    // buffer is reused by the next job as soon as the stream reaches the free, without a host sync;
+    // the pool handles any mix of sizes without the fragmentation and size classes an arena needs,
+    // and its counters feed device_memory_pool_bytes. The release threshold keeps up to that many
+    // freed bytes mapped (the default 0 would unmap and re-map memory around every request);
+    // an allocation that cannot be had fails with cudaErrorMemoryAllocation -> RESOURCE_EXHAUSTED.
     cudaMemPool_t pool;
     if (cudaDeviceGetDefaultMemPool(&pool, index) == cudaSuccess) {
-      uint64_t threshold = uint64_t{4} << 30;
+      uint64_t threshold = options.device_pool_release_threshold_bytes;
       cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
     }
     DeviceDescription description;
@@ -124,7 +189,23 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   if (backend->devices_.empty()) {
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
   }
+  backend->max_device_bytes_per_request_ = options.max_device_bytes_per_request;
+  if (options.pinned_pool_bytes > 0) {
+    PinnedPoolOptions pinned_options;
+    pinned_options.capacity_bytes = size_t(options.pinned_pool_bytes);
+    absl::StatusOr<std::unique_ptr<PinnedPool>> pinned =
+        PinnedPool::Create(pinned_options, std::make_unique<CudaHostAllocator>());
+    if (!pinned.ok()) return pinned.status();
+    backend->pinned_ = std::move(*pinned);
+  }
   if (absl::Status s = backend->StartAutotune(options); !s.ok()) return s;
+  for (auto& device : backend->devices_) {
+    for (auto& slot : device->slots) {
+      Slot* raw = slot.get();
+      CudaBackend* self = backend.get();
+      slot->completer = std::thread([self, raw] { self->CompletionLoop(raw); });
+    }
+  }
   return backend;
 }
 
@@ -209,13 +290,27 @@ kernels::cuda::KernelConfig CudaBackend::ChooseConfig(const kernels::AttentionPa
 CudaBackend::~CudaBackend() {
   tuner_.reset();  // joins the tuning thread before its stream goes away
   if (tune_stream_ != nullptr) cudaStreamDestroy(tune_stream_);
+  // Completion threads finish the job they hold (the scheduler has drained before this).
   for (auto& device : devices_) {
-    cudaSetDevice(device->index);
-    for (Slot& slot : device->slots) {
-      for (cudaEvent_t event : slot.events) cudaEventDestroy(event);
-      cudaStreamDestroy(slot.stream);
+    for (auto& slot : device->slots) {
+      {
+        std::lock_guard<std::mutex> lock(slot->mu);
+        slot->exiting = true;
+      }
+      slot->cv.notify_all();
+      if (slot->completer.joinable()) slot->completer.join();
     }
   }
+  for (auto& device : devices_) {
+    cudaSetDevice(device->index);
+    for (auto& slot : device->slots) {
+      for (cudaEvent_t event : slot->events) {
+        if (event != nullptr) cudaEventDestroy(event);
+      }
+      if (slot->stream != nullptr) cudaStreamDestroy(slot->stream);
+    }
+  }
+  pinned_.reset();  // cudaFreeHost of the cached staging buffers, while CUDA is still up
 }
 
 bool CudaBackend::DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const {
@@ -236,115 +331,276 @@ bool CudaBackend::DevicePoolBytes(int device, int64_t* used, int64_t* reserved) 
   return true;
 }
 
+bool CudaBackend::PinnedPoolBytes(int64_t* used, int64_t* reserved) const {
+  if (!pinned_) return false;
+  const PinnedPoolStats stats = pinned_->stats();
+  *used = stats.used_bytes;
+  *reserved = stats.reserved_bytes;
+  return true;
+}
+
 int CudaBackend::recommended_concurrency() const {
   int n = 0;
   for (const auto& device : devices_) n += int(device->slots.size());
   return n;
 }
 
-// The scheduler runs at most recommended_concurrency() jobs at once, so a free slot exists.
-CudaBackend::Slot* CudaBackend::Acquire(Device** chosen) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Device* best = nullptr;
-  for (auto& device : devices_) {
-    if (best == nullptr || device->in_flight < best->in_flight) best = device.get();
-  }
-  for (Slot& slot : best->slots) {
-    if (!slot.busy) {
-      slot.busy = true;
-      best->in_flight++;
-      *chosen = best;
-      return &slot;
+// Load balancing: the healthy device with a free slot and the fewest outstanding device bytes
+// (a proxy for the work queued on it; ties go to fewer jobs, then to the lower index).
+CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    Device* best = nullptr;
+    bool any_healthy = false;
+    for (auto& device : devices_) {
+      if (!device->healthy.load()) continue;
+      any_healthy = true;
+      if (device->free_slots.empty()) continue;
+      if (best == nullptr || device->outstanding_bytes < best->outstanding_bytes ||
+          (device->outstanding_bytes == best->outstanding_bytes &&
+           device->in_flight < best->in_flight)) {
+        best = device.get();
+      }
     }
+    if (!any_healthy) return nullptr;
+    if (best != nullptr) {
+      Slot* slot = best->free_slots.back();
+      best->free_slots.pop_back();
+      best->outstanding_bytes += device_bytes;
+      best->in_flight++;
+      return slot;
+    }
+    // Every slot of every healthy device is busy: wait for a completion (or a fault, which
+    // releases slots too). Bounded by the scheduler: at most recommended_concurrency() waiters.
+    slot_cv_.wait(lock);
   }
-  return nullptr;
 }
 
-void CudaBackend::Release(Device* device, Slot* slot) {
-  std::lock_guard<std::mutex> lock(mu_);
-  slot->busy = false;
-  device->in_flight--;
+void CudaBackend::ReleaseSlot(Slot* slot, int64_t device_bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    Device* device = slot->device;
+    device->free_slots.push_back(slot);
+    device->outstanding_bytes -= device_bytes;
+    device->in_flight--;
+  }
+  slot_cv_.notify_one();
+}
+
+absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char* what) {
+  if (IsSticky(e)) {
+    if (device->healthy.exchange(false)) {
+      spdlog::critical("CUDA device {} faulted in {} ({}): reporting not ready", device->index,
+                       what, cudaGetErrorString(e));
+    }
+    healthy_.store(false);
+    slot_cv_.notify_all();  // waiters re-check: this device takes no more jobs
+    return absl::InternalError(absl::StrCat("CUDA fault in ", what, ": ", cudaGetErrorString(e)));
+  }
+  cudaGetLastError();  // clear a non-sticky error so the next job on this thread starts clean
+  return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
 
 absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& output,
                               PhaseTiming* timing, std::string* kernel) {
-  if (!healthy()) return absl::UnavailableError("CUDA device faulted earlier; server not ready");
-  Device* device = nullptr;
-  Slot* slot = Acquire(&device);
-  if (slot == nullptr) return absl::ResourceExhaustedError("no free CUDA stream");
-  struct Releaser {
-    CudaBackend* self;
-    Device* device;
-    Slot* slot;
-    ~Releaser() { self->Release(device, slot); }
-  } releaser{this, device, slot};
+  std::promise<JobResult> promise;
+  std::future<JobResult> future = promise.get_future();
+  RunAsync(problem, output, [&promise](JobResult result) { promise.set_value(std::move(result)); });
+  JobResult result = future.get();
+  *timing = result.timing;
+  *kernel = std::move(result.kernel);
+  return result.status;
+}
 
-  cudaSetDevice(device->index);
-  cudaStream_t stream = slot->stream;
+void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& output,
+                           JobDone done) {
+  auto fail = [&done](absl::Status status) {
+    JobResult result;
+    result.status = std::move(status);
+    done(std::move(result));
+  };
+  if (!healthy()) {
+    // One faulted device makes the process not ready; the others keep serving what arrives.
+    bool any = false;
+    for (const auto& device : devices_) any = any || device->healthy.load();
+    if (!any) return fail(absl::UnavailableError("CUDA devices faulted earlier; server not ready"));
+  }
+  kernels::AttentionParams params = problem.params();
+  {
+    // Shape, dtype and stride checks before taking a slot; supported() also wants non-null, aligned
+    // pointers (never dereferenced), which the device buffer below satisfies by construction.
+    alignas(256) static char probe[16];
+    kernels::AttentionParams check = params;
+    check.q = check.k = check.v = check.o = probe;
+    if (std::string why = kernels::cuda::supported(check); !why.empty()) {
+      return fail(absl::InvalidArgumentError(why));
+    }
+  }
   const size_t q_bytes = size_t(problem.q_bytes()), kv_bytes = size_t(problem.kv_bytes());
   const size_t lse_bytes = size_t(problem.lse_elements()) * sizeof(float);
-  const size_t total = AlignUp(q_bytes) * 2 + AlignUp(kv_bytes) * 2 + AlignUp(lse_bytes);
+  const size_t k_offset = AlignUp(q_bytes);
+  const size_t v_offset = k_offset + AlignUp(kv_bytes);
+  const size_t o_offset = v_offset + AlignUp(kv_bytes);
+  const size_t lse_offset = o_offset + AlignUp(q_bytes);
+  const size_t total = lse_offset + AlignUp(lse_bytes);
+  if (max_device_bytes_per_request_ > 0 && int64_t(total) > max_device_bytes_per_request_) {
+    return fail(absl::ResourceExhaustedError(
+        absl::StrCat("request needs ", total, " bytes of device memory, over "
+                     "--max_device_bytes_per_request=",
+                     max_device_bytes_per_request_)));
+  }
+
+  auto job = std::make_unique<Job>();
+  job->problem = problem;
+  job->output = output;
+  job->done = std::move(done);
+  job->device_bytes = int64_t(total);
+  job->o_offset = o_offset;
+  job->lse_offset = lse_offset;
+
+  // Stage the inputs in pinned memory before taking a slot: this host copy overlaps the GPU
+  // work of the jobs already on the device. Without a staging buffer (pool at its cap) the copies
+  // go straight from/to the messages' pageable memory: slower (the driver stages them itself), but
+  // the request is still served rather than refused.
+  if (pinned_) job->staging = pinned_->Acquire(total);
+  const char* host_q = static_cast<const char*>(problem.q);
+  const char* host_k = static_cast<const char*>(problem.k);
+  const char* host_v = static_cast<const char*>(problem.v);
+  char* host_o = static_cast<char*>(output.out);
+  char* host_lse = reinterpret_cast<char*>(output.lse);
+  if (job->staging) {
+    char* staging = job->staging.data();
+    std::memcpy(staging, problem.q, q_bytes);
+    std::memcpy(staging + k_offset, problem.k, kv_bytes);
+    std::memcpy(staging + v_offset, problem.v, kv_bytes);
+    host_q = staging;
+    host_k = staging + k_offset;
+    host_v = staging + v_offset;
+    host_o = staging + o_offset;
+    host_lse = staging + lse_offset;
+  } else if (pinned_) {
+    spdlog::debug("pinned staging pool full: request served with pageable copies");
+  }
+
+  Slot* slot = AcquireSlot(job->device_bytes);
+  if (slot == nullptr) {
+    return fail(absl::UnavailableError("CUDA devices faulted earlier; server not ready"));
+  }
+  Device* device = slot->device;
+  cudaSetDevice(device->index);
+  cudaStream_t stream = slot->stream;
 
   char* base = nullptr;
   cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&base), total, stream);
   if (e != cudaSuccess) {
-    cudaGetLastError();
+    absl::Status status;
     if (e == cudaErrorMemoryAllocation) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("GPU ", device->index, " out of memory for ", total, " bytes"));
-    }
-    return absl::InternalError(absl::StrCat("cudaMallocAsync: ", cudaGetErrorString(e)));
-  }
-  char* q = base;
-  char* o = q + AlignUp(q_bytes);
-  char* k = o + AlignUp(q_bytes);
-  char* v = k + AlignUp(kv_bytes);
-  float* lse = problem.return_lse ? reinterpret_cast<float*>(v + AlignUp(kv_bytes)) : nullptr;
-
-  kernels::AttentionParams params = problem.params();
-  params.q = q;
-  params.k = k;
-  params.v = v;
-  params.o = o;
-  params.lse = lse;
-  absl::Status status;
-  if (std::string why = kernels::cuda::supported(params); !why.empty()) {
-    status = absl::InvalidArgumentError(why);
-  } else {
-    const kernels::cuda::KernelConfig config = ChooseConfig(params, *device);
-    cudaEventRecord(slot->events[0], stream);
-    cudaMemcpyAsync(q, problem.q, q_bytes, cudaMemcpyHostToDevice, stream);
-    cudaMemcpyAsync(k, problem.k, kv_bytes, cudaMemcpyHostToDevice, stream);
-    cudaMemcpyAsync(v, problem.v, kv_bytes, cudaMemcpyHostToDevice, stream);
-    cudaEventRecord(slot->events[1], stream);
-    e = kernels::cuda::run(params, config, stream);
-    cudaEventRecord(slot->events[2], stream);
-    if (e == cudaSuccess) {
-      cudaMemcpyAsync(output.out, o, q_bytes, cudaMemcpyDeviceToHost, stream);
-      if (lse != nullptr)
-        cudaMemcpyAsync(output.lse, lse, lse_bytes, cudaMemcpyDeviceToHost, stream);
-    }
-    cudaEventRecord(slot->events[3], stream);
-    cudaError_t sync = cudaStreamSynchronize(stream);
-    if (e == cudaSuccess) e = sync;
-    if (e == cudaSuccess) {
-      timing->h2d_us = ElapsedUs(slot->events[0], slot->events[1]);
-      timing->compute_us = ElapsedUs(slot->events[1], slot->events[2]);
-      timing->d2h_us = ElapsedUs(slot->events[2], slot->events[3]);
-      *kernel = absl::StrCat("sm80_fwd_", std::string(kernels::dtype_name(problem.dtype)), "_d",
-                             problem.head_dim, problem.causal ? "_causal_" : "_", config.name());
-    } else if (IsSticky(e)) {
-      healthy_.store(false);
-      spdlog::critical("CUDA device {} faulted ({}): reporting not ready", device->index,
-                       cudaGetErrorString(e));
-      status = absl::InternalError(absl::StrCat("CUDA fault: ", cudaGetErrorString(e)));
-    } else {
       cudaGetLastError();
-      status = absl::InternalError(absl::StrCat("CUDA: ", cudaGetErrorString(e)));
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("GPU ", device->index, " out of memory for ", total, " bytes"));
+    } else {
+      status = DeviceError(device, e, "cudaMallocAsync");
+    }
+    job->staging.reset();
+    ReleaseSlot(slot, job->device_bytes);
+    return fail(std::move(status));
+  }
+  params.q = base;
+  params.k = base + k_offset;
+  params.v = base + v_offset;
+  params.o = base + o_offset;
+  params.lse = problem.return_lse ? reinterpret_cast<float*>(base + lse_offset) : nullptr;
+  job->config = ChooseConfig(params, *device);
+
+  // Everything below is queued on the stream; the first failure is kept and reported by the
+  // completion thread, which waits for whatever was queued before it.
+  auto step = [&job](cudaError_t result, const char* what) {
+    if (result != cudaSuccess && job->launch_error == cudaSuccess) {
+      job->launch_error = result;
+      job->failed_step = what;
+    }
+    return job->launch_error == cudaSuccess;
+  };
+  step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
+  step(cudaMemcpyAsync(base, host_q, q_bytes, cudaMemcpyHostToDevice, stream), "H2D copy");
+  step(cudaMemcpyAsync(base + k_offset, host_k, kv_bytes, cudaMemcpyHostToDevice, stream),
+       "H2D copy");
+  step(cudaMemcpyAsync(base + v_offset, host_v, kv_bytes, cudaMemcpyHostToDevice, stream),
+       "H2D copy");
+  step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
+  if (job->launch_error == cudaSuccess &&
+      step(kernels::cuda::run(params, job->config, stream), "kernel")) {
+    step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
+    step(cudaMemcpyAsync(host_o, base + o_offset, q_bytes, cudaMemcpyDeviceToHost, stream),
+         "D2H copy");
+    if (problem.return_lse) {
+      step(cudaMemcpyAsync(host_lse, base + lse_offset, lse_bytes, cudaMemcpyDeviceToHost, stream),
+           "D2H copy");
     }
   }
+  // Recorded even after a failure: the completion thread then waits for what was queued (the
+  // H2D copies still read the staging buffer) before the buffer goes back to the pool.
+  step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
   cudaFreeAsync(base, stream);
-  return status;
+
+  {
+    std::lock_guard<std::mutex> lock(slot->mu);
+    slot->job = std::move(job);
+  }
+  slot->cv.notify_one();
+}
+
+void CudaBackend::CompletionLoop(Slot* slot) {
+  cudaSetDevice(slot->device->index);
+  for (;;) {
+    std::unique_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lock(slot->mu);
+      slot->cv.wait(lock, [slot] { return slot->exiting || slot->job != nullptr; });
+      if (slot->job == nullptr) return;  // exiting, nothing left
+      job = std::move(slot->job);
+    }
+    Complete(slot, std::move(job));
+  }
+}
+
+void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
+  Device* device = slot->device;
+  JobResult result;
+  cudaError_t e = cudaEventSynchronize(slot->events[3]);
+  const char* what = "stream work";
+  if (job->launch_error != cudaSuccess) {
+    e = job->launch_error;
+    what = job->failed_step;
+    // Wait for what did get queued before the staging buffer is reused.
+    cudaStreamSynchronize(slot->stream);
+  }
+  if (e == cudaSuccess) {
+    result.timing.h2d_us = ElapsedUs(slot->events[0], slot->events[1]);
+    result.timing.compute_us = ElapsedUs(slot->events[1], slot->events[2]);
+    result.timing.d2h_us = ElapsedUs(slot->events[2], slot->events[3]);
+    const AttentionProblem& problem = job->problem;
+    if (job->staging) {
+      // The one host copy on the way out: pinned staging -> the response's bytes.
+      std::memcpy(job->output.out, job->staging.data() + job->o_offset,
+                  size_t(problem.out_bytes()));
+      if (problem.return_lse) {
+        std::memcpy(job->output.lse, job->staging.data() + job->lse_offset,
+                    size_t(problem.lse_elements()) * sizeof(float));
+      }
+    }
+    result.kernel = absl::StrCat("sm80_fwd_", std::string(kernels::dtype_name(problem.dtype)),
+                                 "_d", problem.head_dim, problem.causal ? "_causal_" : "_",
+                                 job->config.name());
+  } else {
+    result.status = DeviceError(device, e, what);
+  }
+  job->staging.reset();
+  JobDone done = std::move(job->done);
+  const int64_t device_bytes = job->device_bytes;
+  job.reset();
+  ReleaseSlot(slot, device_bytes);
+  done(std::move(result));
 }
 
 }  // namespace flashserve

@@ -1,11 +1,17 @@
-// The CUDA backend (first version): per request, stream-ordered device buffers, H2D -> kernel ->
-// D2H on one of a few streams per device, timed with events. The pinned staging pools, async
-// completion and multi-device balancing of issue 9 build on this.
+// The CUDA backend: every usable GPU (or those of --devices) gets `streams_per_device` slots (a
+// stream, its events and a completion thread). A job is dispatched to the device with the fewest
+// outstanding bytes that has a free slot; its inputs are copied once into a pinned staging buffer
+// (PinnedPool), then H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream, and the
+// scheduler worker returns at once. The slot's completion thread waits for the job's last event,
+// copies the result from pinned memory into the response and calls the job's done callback, so
+// neither gRPC threads nor scheduler workers wait on the GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -16,12 +22,19 @@
 #include "autotune/tune_grid.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/backend.h"
+#include "runtime/pinned_pool.h"
 
 namespace flashserve {
 
 struct CudaBackendOptions {
   std::vector<int> devices;    // empty: every visible device
-  int streams_per_device = 2;  // jobs in flight per device
+  int streams_per_device = 2;  // jobs in flight per device (>= 1)
+  // Bytes of freed device memory the stream-ordered pool keeps instead of returning to the driver.
+  uint64_t device_pool_release_threshold_bytes = uint64_t{4} << 30;
+  // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).
+  int64_t pinned_pool_bytes = int64_t{2} << 30;
+  // A request needing more device memory than this gets RESOURCE_EXHAUSTED; 0: no limit.
+  int64_t max_device_bytes_per_request = 0;
   // Autotuning (issue 4): "off" uses the cache read-only if given, else the heuristic default;
   // "background" tunes unseen classes off the request path; "startup" tunes startup_grid in
   // Create, before the server reports ready, then continues as "background".
@@ -39,18 +52,32 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override;
 
   const BackendCapabilities& capabilities() const override { return capabilities_; }
+  /// Blocking wrapper of RunAsync (tools and tests).
   absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
                    std::string* kernel) override;
+  /// Returns once the job is queued on a stream (waits for a free slot if every one is busy).
+  void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) override;
+  /// False once any device had a sticky error (that device takes no more jobs; the others do,
+  /// but readiness reports false so the orchestrator replaces the process).
   bool healthy() const override { return healthy_.load(); }
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
+  bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
+  /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
 
  private:
+  struct Job;
   struct Slot;
   struct Device;
   CudaBackend() = default;
-  Slot* Acquire(Device** device);
-  void Release(Device* device, Slot* slot);
+  // The least loaded healthy device's free slot, waiting for one if all are busy; nullptr when
+  // no device is healthy.
+  Slot* AcquireSlot(int64_t device_bytes);
+  void ReleaseSlot(Slot* slot, int64_t device_bytes);
+  void CompletionLoop(Slot* slot);
+  void Complete(Slot* slot, std::unique_ptr<Job> job);
+  // INTERNAL for `e`; marks the device unhealthy when `e` is sticky.
+  absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
 
   absl::Status StartAutotune(const CudaBackendOptions& options);
   kernels::cuda::KernelConfig ChooseConfig(const kernels::AttentionParams& params,
@@ -63,7 +90,10 @@ class CudaBackend final : public Backend {
   std::unique_ptr<TuneCache> tune_cache_;
   std::unique_ptr<BackgroundTuner> tuner_;
   cudaStream_t tune_stream_ = nullptr;
-  std::mutex mu_;
+  std::unique_ptr<PinnedPool> pinned_;  // null: pinned staging disabled
+  int64_t max_device_bytes_per_request_ = 0;
+  std::mutex mu_;                    // guards every Device's free_slots and load counters
+  std::condition_variable slot_cv_;  // a slot was released
   std::atomic<bool> healthy_{true};
 };
 

@@ -10,6 +10,7 @@ import sys
 import time
 from concurrent import futures
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -201,3 +202,190 @@ def test_device_memory_pool_metrics(cuda_server, rng):
     reserved = [line for line in text.splitlines()
                 if line.startswith("flashserve_device_memory_pool_bytes{") and 'state="reserved"' in line]
     assert reserved and float(reserved[0].rsplit(" ", 1)[1]) > 0, reserved
+
+
+# --- issue 9: the GPU serving runtime --------------------------------------------------------------------------------
+
+
+def _gpu_count() -> int:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    proc = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+    return sum(1 for line in proc.stdout.splitlines() if line.startswith("GPU ")) if proc.returncode == 0 else 0
+
+
+def _require_gpu():
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+
+
+def _metric_values(server, name: str) -> dict:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def _big_request(rng, seqlen=8192, batch=2, heads=16):
+    """About 3 x 64 MiB of bf16 tensors: long enough on the wire and on the GPU to be interrupted."""
+    from flashserve.client import _Prepared
+
+    q, k, v = _problem(rng, "bfloat16", batch, seqlen, seqlen, heads, heads, 128)
+    return _Prepared(q, k, v, False, None, False, "big").request
+
+
+def _healthy_and_correct(server, rng):
+    with flashserve.Client(server.address, timeout=120) as c:
+        assert c.health_status() == "SERVING"
+        assert c.health_status("flashserve.v1.AttentionService") == "SERVING"
+        q, k, v = _problem(rng, "bfloat16", 2, 333, 517, 8, 2, 128)
+        _check(c, q, k, v, "bfloat16", True)
+
+
+def test_pinned_pool_metrics(cuda_server, rng):
+    q, k, v = _problem(rng, "bfloat16", 1, 512, 512, 4, 4, 128)
+    with flashserve.Client(cuda_server.address, timeout=60) as c:
+        c.attention(q, k, v)
+    values = _metric_values(cuda_server, "flashserve_pinned_memory_pool_bytes")
+    reserved = [v for k_, v in values.items() if 'state="reserved"' in k_]
+    assert reserved and reserved[0] >= 3 * q.nbytes, values
+
+
+def test_client_deadline_mid_flight_leaves_server_healthy(cuda_server, rng):
+    request = _big_request(rng)
+    with flashserve.Client(cuda_server.address) as c:
+        for timeout in (0.05, 0.15, 0.3):  # 192 MiB cannot even be uploaded in 0.3 s (~0.5 GB/s per channel)
+            with pytest.raises(grpc.RpcError) as info:
+                c.stub.Attention(request, timeout=timeout)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Calibrated: a deadline just short of the whole call usually expires while the server has the job on
+        # the GPU or is sending the answer. Either outcome is fine; the server must stay healthy.
+        start = time.monotonic()
+        c.stub.Attention(request, timeout=120)
+        elapsed = time.monotonic() - start
+        for fraction in (0.6, 0.8, 0.95):
+            try:
+                c.stub.Attention(request, timeout=elapsed * fraction)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
+    _healthy_and_correct(cuda_server, rng)
+
+
+def test_client_cancellation_mid_flight_leaves_server_healthy(cuda_server, rng):
+    request = _big_request(rng)
+    with flashserve.Client(cuda_server.address) as c:
+        calls = [c.stub.Attention.future(request, timeout=120) for _ in range(6)]
+        time.sleep(0.3)
+        for call in calls:
+            call.cancel()
+        for call in calls:
+            # Cancelled (most), or finished before the cancel arrived: never another error.
+            if not call.cancelled():
+                assert call.exception() is None, call.exception()
+    _healthy_and_correct(cuda_server, rng)
+
+
+def test_concurrent_cancellations_and_normal_requests(cuda_server, rng):
+    """Cancelled big requests and normal ones interleaved on one server: every normal one is correct."""
+    big = _big_request(rng, seqlen=4096)
+    seeds = rng.integers(0, 2**31, size=12)
+
+    def normal(i):
+        r = np.random.default_rng(int(seeds[i]))
+        q, k, v = _problem(r, "float16", 1, int(r.integers(1, 900)), int(r.integers(1, 900)), 6, 3, 128)
+        with flashserve.Client(cuda_server.address, timeout=120) as c:
+            _check(c, q, k, v, "float16", bool(i % 2))
+
+    with flashserve.Client(cuda_server.address) as c, futures.ThreadPoolExecutor(12) as pool:
+        calls = [c.stub.Attention.future(big, timeout=120) for _ in range(4)]
+        done = [pool.submit(normal, i) for i in range(12)]
+        time.sleep(0.1)
+        for call in calls:
+            call.cancel()
+        for f in done:
+            f.result()
+    _healthy_and_correct(cuda_server, rng)
+
+
+def test_oversized_request_then_normal_ones(flashserve_bin, tmp_path, rng):
+    """A request over the device-memory budget gets RESOURCE_EXHAUSTED before any allocation; the next ones succeed."""
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", f"--max_device_bytes_per_request={64 << 20}"],
+                      name="oversized").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            q, k, v = _problem(rng, "bfloat16", 1, 8192, 8192, 16, 16, 128)  # 4 x 32 MiB on the device
+            with pytest.raises(flashserve.ResourceExhaustedError, match="max_device_bytes_per_request"):
+                c.attention(q, k, v)
+            for _ in range(3):
+                q, k, v = _problem(rng, "bfloat16", 1, 1000, 1200, 8, 4, 128)
+                _check(c, q, k, v, "bfloat16", True)
+            assert c.health_status() == "SERVING"
+    finally:
+        _stop_and_check(s)
+
+
+@pytest.mark.parametrize("pinned", ["0", str(1 << 20)], ids=["pinned_off", "pinned_1MiB"])
+def test_pageable_fallback_is_correct(flashserve_bin, tmp_path, rng, pinned):
+    """Without pinned staging (disabled, or a pool too small for the request) requests are still correct."""
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", f"--pinned_pool_bytes={pinned}"],
+                      name=f"pinned{pinned}").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            for shape in [(1, 17, 33, 3, 1, 128), (2, 700, 900, 8, 8, 128)]:  # under and over 1 MiB
+                q, k, v = _problem(rng, "bfloat16", *shape)
+                _check(c, q, k, v, "bfloat16", False)
+    finally:
+        _stop_and_check(s)
+
+
+def test_one_stream_per_device_serves_concurrent_clients(flashserve_bin, tmp_path, rng):
+    """--streams_per_device=1: jobs wait for the single slot; all 16 concurrent requests are still correct."""
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--streams_per_device=1"], name="one_stream").start()
+    seeds = rng.integers(0, 2**31, size=16)
+
+    def one(i):
+        r = np.random.default_rng(int(seeds[i]))
+        q, k, v = _problem(r, "bfloat16", 1, int(r.integers(1, 1500)), int(r.integers(1, 1500)), 4, 4, 128)
+        with flashserve.Client(s.address, timeout=120) as c:
+            _check(c, q, k, v, "bfloat16", bool(i % 2))
+
+    try:
+        with futures.ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, range(16)))
+    finally:
+        _stop_and_check(s)
+
+
+def test_two_devices_share_the_load(flashserve_bin, tmp_path, rng):
+    _require_gpu()
+    n = _gpu_count()
+    if n < 2:
+        pytest.skip(f"this machine has {n} GPU(s): the two-device test needs two")
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--devices=0,1"], name="two_devices").start()
+    seeds = rng.integers(0, 2**31, size=24)
+
+    def one(i):
+        r = np.random.default_rng(int(seeds[i]))
+        q, k, v = _problem(r, "bfloat16", 2, int(r.integers(500, 3000)), int(r.integers(500, 3000)), 8, 8, 128)
+        with flashserve.Client(s.address, timeout=120) as c:
+            _check(c, q, k, v, "bfloat16", bool(i % 2))
+
+    try:
+        with flashserve.Client(s.address) as c:
+            assert [d.index for d in c.server_info().devices] == [0, 1]
+        with futures.ThreadPoolExecutor(24) as pool:
+            list(pool.map(one, range(24)))
+        reserved = {k_: v for k_, v in _metric_values(s, "flashserve_device_memory_pool_bytes").items()
+                    if 'state="reserved"' in k_}
+        assert len(reserved) == 2 and all(v > 0 for v in reserved.values()), f"one device never used: {reserved}"
+    finally:
+        _stop_and_check(s)

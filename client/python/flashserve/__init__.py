@@ -18,6 +18,7 @@ from .errors import (
     UnavailableError,
 )
 from ._pb import attention_pb2, attention_pb2_grpc
+from .striped import StripedClient
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "Limits",
     "ResourceExhaustedError",
     "ServerInfo",
+    "StripedClient",
     "Timing",
     "UnavailableError",
     "attention_pb2",

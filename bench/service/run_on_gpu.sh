@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The service benchmark on a GPU machine (no gRPC C++ libraries there): takes the relocatable bundle made
+# here by scripts/bundle (tarball or --no-tar tree under $BUNDLE_DIR, default .bundle-bench/) whose bin/ holds
+# flashserve, flashserve-loadgen and flashserve-echo, starts flashserve --backend=cuda and the echo server on
+# free loopback ports, runs the load generator grid and writes service.md, service.csv and logs to $OUT.
+# Extra arguments go to flashserve-loadgen (e.g. --duration_s=1.5 --stripes=1,2,4,8).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/flashserve-service-bench}
+mkdir -p "$OUT"
+BUNDLE_DIR=${BUNDLE_DIR:-.bundle-bench}
+tarball=$(ls "$BUNDLE_DIR"/flashserve-*-linux-*.tar.gz 2>/dev/null | head -n 1)
+if [[ -n $tarball ]]; then
+  rm -rf /tmp/flashserve-bench-bundle && mkdir -p /tmp/flashserve-bench-bundle
+  tar -xzf "$tarball" -C /tmp/flashserve-bench-bundle
+  ROOT=$(ls -d /tmp/flashserve-bench-bundle/flashserve-*)
+else
+  ROOT=$(ls -d "$BUNDLE_DIR"/flashserve-*-linux-* | head -n 1)
+fi
+BIN=$ROOT/bin
+for b in flashserve flashserve-loadgen flashserve-echo; do
+  [[ -x $BIN/$b ]] || { echo "run_on_gpu: $BIN/$b missing (see bench/service/README in the report)"; exit 1; }
+done
+"$BIN/flashserve-check-bundle" | tail -n 4
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
+# Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue.
+"$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
+  --max_inflight_bytes=0 --queue_capacity=256 --log_level=warn >"$OUT/server.log" 2>&1 &
+SERVER=$!
+"$BIN/flashserve-echo" --host=127.0.0.1 --port="$ECHO" >"$OUT/echo.log" 2>&1 &
+ECHO_PID=$!
+cleanup() { kill "$SERVER" "$ECHO_PID" 2>/dev/null; wait "$SERVER" "$ECHO_PID" 2>/dev/null; }
+trap cleanup EXIT
+for _ in $(seq 1 300); do
+  python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$HTTP/v2/health/ready', timeout=1).status == 200 else 1)" \
+    2>/dev/null && break
+  kill -0 "$SERVER" 2>/dev/null || { echo "flashserve died:"; cat "$OUT/server.log"; exit 1; }
+  sleep 0.1
+done
+start=$(date +%s)
+"$BIN/flashserve-loadgen" --target="127.0.0.1:$GRPC" --echo="127.0.0.1:$ECHO" --csv="$OUT/service.csv" \
+  --md="$OUT/service.md" "$@" 2>"$OUT/loadgen.log"
+status=$?
+echo "loadgen: exit $status after $(( $(date +%s) - start )) s"
+tail -n 30 "$OUT/loadgen.log"
+tail -n 5 "$OUT/server.log"
+exit $status

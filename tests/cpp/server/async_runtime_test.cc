@@ -1,0 +1,238 @@
+// AttentionRuntime over an asynchronous backend (the CUDA backend's shape, faked): RunAsync returns
+// at once and the job completes later on another thread. The scheduler worker is free meanwhile,
+// WaitIdle waits for jobs still "on the device", admission bytes are released on completion, and an
+// OOM-like failure leaves the next request unaffected.
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "runtime/attention_runtime.h"
+
+namespace flashserve {
+namespace {
+
+/// Completes jobs on its own "completion" thread when the test releases them.
+class AsyncFakeBackend final : public Backend {
+ public:
+  AsyncFakeBackend() {
+    caps_.name = "fake";
+    caps_.dtypes = {kernels::DType::kFloat32};
+    caps_.max_head_dim = 8;
+    completer_ = std::thread([this] { Loop(); });
+  }
+  ~AsyncFakeBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      exiting_ = true;
+    }
+    cv_.notify_all();
+    completer_.join();
+  }
+  const BackendCapabilities& capabilities() const override { return caps_; }
+  absl::Status Run(const AttentionProblem&, const JobOutput&, PhaseTiming*, std::string*) override {
+    return absl::InternalError("synchronous Run must not be used");
+  }
+  void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) override {
+    if (problem.seqlen_k == 13) {  // "does not fit in device memory"
+      JobResult result;
+      result.status = absl::ResourceExhaustedError("GPU 0 out of memory");
+      done(std::move(result));
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_.push_back({problem, output, std::move(done)});
+    launched_++;
+    cv_.notify_all();
+  }
+  /// Lets `n` queued jobs complete.
+  void Release(int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    releases_ += n;
+    cv_.notify_all();
+  }
+  int launched() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return launched_;
+  }
+  void WaitLaunched(int n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return launched_ >= n; });
+  }
+
+ private:
+  struct Pending {
+    AttentionProblem problem;
+    JobOutput output;
+    JobDone done;
+  };
+  void Loop() {
+    for (;;) {
+      Pending job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return exiting_ || (releases_ > 0 && !pending_.empty()); });
+        if (pending_.empty() || releases_ == 0) return;
+        job = std::move(pending_.front());
+        pending_.pop_front();
+        releases_--;
+      }
+      auto* out = static_cast<float*>(job.output.out);
+      for (int64_t i = 0; i < job.problem.q_elements(); ++i) out[i] = float(job.problem.seqlen_k);
+      JobResult result;
+      result.timing.h2d_us = 1;
+      result.timing.compute_us = 2;
+      result.timing.d2h_us = 3;
+      result.kernel = "async_fake";
+      job.done(std::move(result));
+    }
+  }
+  BackendCapabilities caps_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  int launched_ = 0, releases_ = 0;
+  bool exiting_ = false;
+  std::thread completer_;
+};
+
+void SetTensor(v1::Tensor* t, std::vector<int64_t> shape) {
+  t->set_dtype(v1::FLOAT32);
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t->add_shape(d);
+    n *= d;
+  }
+  t->set_data(std::string(size_t(n) * 4, '\0'));
+}
+
+v1::AttentionRequest Request(int seqlen_k = 5) {
+  v1::AttentionRequest r;
+  SetTensor(r.mutable_q(), {1, 3, 2, 4});
+  SetTensor(r.mutable_k(), {1, seqlen_k, 1, 4});
+  SetTensor(r.mutable_v(), {1, seqlen_k, 1, 4});
+  return r;
+}
+
+struct Harness {
+  explicit Harness(int capacity = 8, int64_t max_inflight_bytes = 0) {
+    scheduler = std::move(*Scheduler::Create({capacity, 1}));
+    ValidationLimits limits;
+    limits.dtypes = backend.capabilities().dtypes;
+    limits.max_head_dim = 8;
+    limits.backend_name = "fake";
+    runtime = std::make_unique<AttentionRuntime>(&backend, scheduler.get(), limits, nullptr,
+                                                 max_inflight_bytes);
+  }
+  ~Harness() {
+    backend.Release(1000);
+    runtime->WaitIdle(absl::Now() + absl::Seconds(10));
+  }
+  std::future<absl::Status> Submit(const v1::AttentionRequest* request,
+                                   v1::AttentionResponse* response) {
+    auto promise = std::make_shared<std::promise<absl::Status>>();
+    AttentionRuntime::Call call;
+    call.request = request;
+    call.response = response;
+    call.received = absl::Now();
+    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+    runtime->Submit(std::move(call));
+    return promise->get_future();
+  }
+  AsyncFakeBackend backend;
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<AttentionRuntime> runtime;
+};
+
+TEST(AsyncRuntime, OneWorkerLaunchesManyJobsWithoutWaitingForCompletion) {
+  Harness h;
+  v1::AttentionRequest request = Request();
+  std::vector<v1::AttentionResponse> responses(4);
+  std::vector<std::future<absl::Status>> results;
+  for (auto& response : responses) results.push_back(h.Submit(&request, &response));
+  // A single scheduler worker launched all four while none has completed.
+  h.backend.WaitLaunched(4);
+  EXPECT_EQ(h.scheduler->queue_depth(), 0);
+  for (auto& r : results) {
+    EXPECT_EQ(r.wait_for(std::chrono::milliseconds(0)), std::future_status::timeout);
+  }
+  h.backend.Release(4);
+  for (auto& r : results) EXPECT_TRUE(r.get().ok());
+  for (const auto& response : responses) {
+    EXPECT_EQ(response.kernel(), "async_fake");
+    EXPECT_EQ(response.timing().d2h_us(), 3);
+    float first;
+    std::memcpy(&first, response.out().data().data(), 4);
+    EXPECT_EQ(first, 5.f);
+  }
+}
+
+TEST(AsyncRuntime, WaitIdleWaitsForJobsStillOnTheDevice) {
+  Harness h;
+  v1::AttentionRequest request = Request();
+  v1::AttentionResponse response;
+  auto result = h.Submit(&request, &response);
+  h.backend.WaitLaunched(1);
+  EXPECT_TRUE(h.scheduler->WaitIdle(absl::Now() + absl::Seconds(5)));  // the worker is free...
+  EXPECT_FALSE(h.runtime->WaitIdle(absl::Now() + absl::Milliseconds(30)));  // ...the call is not
+  h.backend.Release(1);
+  EXPECT_TRUE(h.runtime->WaitIdle(absl::Now() + absl::Seconds(5)));
+  EXPECT_TRUE(result.get().ok());
+}
+
+TEST(AsyncRuntime, InflightBytesAreHeldUntilCompletion) {
+  v1::AttentionRequest request = Request();
+  // One request's bytes: q 96 + k 80 + v 80 + out 96 = 352; the cap admits one at a time.
+  Harness h(8, 400);
+  v1::AttentionResponse first_response, second_response;
+  auto first = h.Submit(&request, &first_response);
+  h.backend.WaitLaunched(1);
+  EXPECT_EQ(h.runtime->inflight_bytes(), 352);
+  EXPECT_EQ(h.Submit(&request, &second_response).get().code(),
+            absl::StatusCode::kResourceExhausted);
+  h.backend.Release(1);
+  EXPECT_TRUE(first.get().ok());
+  EXPECT_EQ(h.runtime->inflight_bytes(), 0);
+  auto third = h.Submit(&request, &second_response);
+  h.backend.Release(1);
+  EXPECT_TRUE(third.get().ok());
+}
+
+TEST(AsyncRuntime, OutOfDeviceMemoryThenTheNextRequestSucceeds) {
+  Harness h;
+  v1::AttentionRequest oversized = Request(13), normal = Request();
+  v1::AttentionResponse a, b;
+  absl::Status s = h.Submit(&oversized, &a).get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(a.has_out());
+  auto next = h.Submit(&normal, &b);
+  h.backend.Release(1);
+  EXPECT_TRUE(next.get().ok());
+  EXPECT_EQ(h.runtime->inflight_bytes(), 0);
+}
+
+TEST(AsyncRuntime, FullQueueIsRefusedAtOnceWhileJobsRun) {
+  // Capacity 1: hold the only worker in a plain scheduler job, queue one request, refuse the next.
+  Harness h(1);
+  std::promise<void> unblock;
+  std::shared_future<void> gate = unblock.get_future().share();
+  ASSERT_TRUE(h.scheduler->Submit([gate] { gate.wait(); }).ok());
+  while (h.scheduler->running() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  v1::AttentionRequest request = Request();
+  v1::AttentionResponse queued_response, refused_response;
+  auto queued = h.Submit(&request, &queued_response);
+  const absl::Time before = absl::Now();
+  EXPECT_EQ(h.Submit(&request, &refused_response).get().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_LT(absl::Now() - before, absl::Milliseconds(100));
+  unblock.set_value();
+  h.backend.Release(1);
+  EXPECT_TRUE(queued.get().ok());
+}
+
+}  // namespace
+}  // namespace flashserve

@@ -1,0 +1,249 @@
+// Reassembly and chunk validation of the striped streaming edge (pure logic, no gRPC server).
+#include "edge/stream_edge.h"
+
+#include <cstring>
+#include <string>
+
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+v1::AttentionRequest Header(int64_t b = 1, int64_t s = 4, int64_t h = 2, int64_t d = 8,
+                            bool lse = false) {
+  v1::AttentionRequest request;
+  for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+    t->set_dtype(v1::BFLOAT16);
+    for (int64_t x : {b, s, h, d}) t->add_shape(x);
+  }
+  request.set_return_lse(lse);
+  return request;
+}
+
+std::string Serialize(const std::string& session, int tensor, int64_t offset,
+                      const std::string& data) {
+  v1::AttentionChunk chunk;
+  chunk.set_session_id(session);
+  chunk.set_tensor(static_cast<v1::TensorName>(tensor));
+  chunk.set_offset(offset);
+  chunk.set_data(data);
+  return chunk.SerializeAsString();
+}
+
+// Parses `bytes` into `session` the way the Upload handler does.
+absl::Status Feed(StreamSession* session, const std::string& bytes, ChunkHeader* header) {
+  google::protobuf::io::ArrayInputStream in(bytes.data(), int(bytes.size()), 7);  // odd blocks
+  bool reserved = false;
+  absl::Status s = ParseChunk(
+      &in,
+      [&](const ChunkHeader& h) -> absl::StatusOr<char*> {
+        absl::StatusOr<char*> dest = session->Reserve(h.tensor, h.offset, h.length);
+        reserved = dest.ok();
+        return dest;
+      },
+      header);
+  if (reserved) session->Commit(s.ok() ? header->length : 0);
+  return s;
+}
+
+TEST(RangeSetTest, InsertsMergesAndRejectsOverlap) {
+  RangeSet set;
+  EXPECT_TRUE(set.Insert(0, 10).ok());
+  EXPECT_TRUE(set.Insert(20, 30).ok());
+  EXPECT_TRUE(set.Insert(10, 20).ok());  // fills the gap: merged into one range
+  EXPECT_EQ(set.size(), 1u);
+  EXPECT_EQ(set.covered(), 30);
+  EXPECT_EQ(set.Insert(29, 31).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(set.Insert(-5, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(set.Insert(5, 6).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(set.Insert(30, 30).ok());  // empty
+  EXPECT_TRUE(set.Insert(40, 50).ok());
+  EXPECT_EQ(set.Insert(35, 45).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(set.covered(), 40);
+}
+
+TEST(CheckRangeTest, NeverOverflows) {
+  EXPECT_TRUE(CheckRange(0, 10, 10, "q").ok());
+  EXPECT_TRUE(CheckRange(10, 0, 10, "q").ok());
+  EXPECT_FALSE(CheckRange(1, 10, 10, "q").ok());
+  EXPECT_FALSE(CheckRange(-1, 1, 10, "q").ok());
+  EXPECT_FALSE(CheckRange(0, -1, 10, "q").ok());
+  EXPECT_FALSE(CheckRange(INT64_MAX, INT64_MAX, 10, "q").ok());
+  EXPECT_FALSE(CheckRange(5, INT64_MAX, 10, "q").ok());
+}
+
+TEST(SessionTableTest, ReassemblesOutOfOrderChunksExactly) {
+  SessionTable table(StreamLimits{});
+  auto session = table.Open(Header());
+  ASSERT_TRUE(session.ok()) << session.status();
+  StreamSession& s = **session;
+  const int64_t bytes = 1 * 4 * 2 * 8 * 2;  // 128
+  EXPECT_EQ(s.input_bytes(), 3 * bytes);
+  std::string want[3];
+  for (int t = 0; t < 3; ++t) {
+    for (int64_t i = 0; i < bytes; ++i) want[t].push_back(char(i * 7 + t));
+  }
+  // Uneven pieces in reverse order, interleaved over the tensors.
+  for (int64_t off : {100, 37, 0}) {
+    for (int t = 0; t < 3; ++t) {
+      const int64_t end = off == 100 ? bytes : off == 37 ? 100 : 37;
+      ChunkHeader header;
+      ASSERT_TRUE(Feed(&s, Serialize(s.id(), t + 1, off, want[t].substr(size_t(off), size_t(end - off))),
+                       &header)
+                      .ok());
+      EXPECT_EQ(header.session_id, s.id());
+      EXPECT_EQ(header.length, end - off);
+    }
+    if (off != 0) {
+      EXPECT_EQ(s.BeginCompute().code(), absl::StatusCode::kFailedPrecondition);
+    }
+  }
+  EXPECT_EQ(s.request.q().data(), want[0]);
+  EXPECT_EQ(s.request.k().data(), want[1]);
+  EXPECT_EQ(s.request.v().data(), want[2]);
+  EXPECT_EQ(s.bytes_received(), 3 * bytes);
+  EXPECT_TRUE(s.BeginCompute().ok());
+  // No uploads once computing.
+  ChunkHeader header;
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, 0, "x"), &header).code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SessionTableTest, RejectsBadChunksWithoutWriting) {
+  SessionTable table(StreamLimits{});
+  auto session = table.Open(Header());
+  ASSERT_TRUE(session.ok());
+  StreamSession& s = **session;
+  const std::string before = s.request.q().data();
+  ChunkHeader h;
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, 120, std::string(9, 'a')), &h).code(),
+            absl::StatusCode::kInvalidArgument);  // past the end
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, -8, std::string(9, 'a')), &h).code(),
+            absl::StatusCode::kInvalidArgument);  // negative offset
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 4, 0, "a"), &h).code(),
+            absl::StatusCode::kInvalidArgument);  // OUT is not an input
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 0, 0, "a"), &h).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.request.q().data(), before);
+  EXPECT_TRUE(Feed(&s, Serialize(s.id(), 1, 0, std::string(16, 'a')), &h).ok());
+  EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, 8, std::string(16, 'b')), &h).code(),
+            absl::StatusCode::kInvalidArgument);  // overlap
+  EXPECT_EQ(s.request.q().data().substr(0, 24), std::string(16, 'a') + std::string(8, '\0'));
+  EXPECT_EQ(s.bytes_received(), 16);
+}
+
+TEST(ParseChunkTest, RejectsMalformedMessages) {
+  auto parse = [](const std::string& bytes) {
+    google::protobuf::io::ArrayInputStream in(bytes.data(), int(bytes.size()));
+    ChunkHeader header;
+    char sink[64];
+    return ParseChunk(
+        &in, [&](const ChunkHeader& h) -> absl::StatusOr<char*> {
+          if (h.length > 64) return absl::InvalidArgumentError("too long");
+          return sink;
+        },
+        &header);
+  };
+  const std::string good = Serialize("s", 1, 0, "abcd");
+  EXPECT_TRUE(parse(good).ok());
+  EXPECT_FALSE(parse(good.substr(0, good.size() - 1)).ok());  // truncated data
+  EXPECT_FALSE(parse(Serialize("s", 1, 0, "")).ok());         // proto3 drops empty data: no data field
+  EXPECT_FALSE(parse(std::string("\x22\x05" "ab", 4)).ok());  // length past the end
+  EXPECT_FALSE(parse(good + std::string("\x10\x01", 2)).ok());  // tensor after data
+  EXPECT_FALSE(parse(std::string("\x00", 1)).ok());            // tag 0
+  std::string with_unknown = std::string("\x48\x05", 2) + good;  // field 9 varint: skipped
+  EXPECT_TRUE(parse(with_unknown).ok());
+}
+
+TEST(SessionTableTest, EnforcesLimitsAndReapsIdleSessions) {
+  StreamLimits limits;
+  limits.max_sessions = 2;
+  limits.max_session_bytes = 1000;
+  limits.idle_timeout = std::chrono::milliseconds(50);
+  SessionTable table(limits);
+  EXPECT_EQ(table.Open(Header(1, 64, 2, 8)).status().code(),
+            absl::StatusCode::kResourceExhausted);  // 3 x 2048 bytes > 1000
+  v1::AttentionRequest with_data = Header();
+  with_data.mutable_q()->set_data("x");
+  EXPECT_EQ(table.Open(with_data).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::AttentionRequest rank3 = Header();
+  rank3.mutable_k()->mutable_shape()->RemoveLast();
+  EXPECT_EQ(table.Open(rank3).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::AttentionRequest zero = Header();
+  zero.mutable_v()->set_shape(1, 0);
+  EXPECT_EQ(table.Open(zero).status().code(), absl::StatusCode::kInvalidArgument);
+  v1::AttentionRequest huge = Header();
+  huge.mutable_q()->set_shape(1, int64_t{1} << 40);
+  huge.mutable_q()->set_shape(2, int64_t{1} << 40);
+  EXPECT_EQ(table.Open(huge).status().code(), absl::StatusCode::kResourceExhausted);
+
+  auto a = table.Open(Header());
+  auto b = table.Open(Header());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE((*a)->id(), (*b)->id());
+  EXPECT_EQ(table.Open(Header()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table.size(), 2u);
+  EXPECT_GT(table.total_bytes(), 0);
+  // A computing session is never reaped; the idle one is, and its uploads then fail.
+  ASSERT_TRUE((*a)->Reserve(1, 0, 128).ok());
+  (*a)->Commit(128);
+  ASSERT_TRUE((*a)->Reserve(2, 0, 128).ok());
+  (*a)->Commit(128);
+  ASSERT_TRUE((*a)->Reserve(3, 0, 128).ok());
+  (*a)->Commit(128);
+  ASSERT_TRUE((*a)->BeginCompute().ok());
+  EXPECT_EQ(table.Reap(std::chrono::steady_clock::now() + std::chrono::seconds(1)), 1);
+  EXPECT_EQ(table.size(), 1u);
+  EXPECT_EQ(table.Find((*b)->id()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*b)->Reserve(1, 0, 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(table.Find((*a)->id()).ok());
+  table.Erase((*a)->id());
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(table.total_bytes(), 0);
+}
+
+TEST(SessionTableTest, DownloadsEachOutputByteOnce) {
+  SessionTable table(StreamLimits{});
+  auto session = table.Open(Header(1, 4, 2, 8, /*lse=*/true));
+  ASSERT_TRUE(session.ok());
+  StreamSession& s = **session;
+  EXPECT_EQ(s.ReserveDownload(v1::TENSOR_OUT, 0, 0).status().code(),
+            absl::StatusCode::kFailedPrecondition);  // before Compute
+  for (int t = 1; t <= 3; ++t) {
+    ASSERT_TRUE(s.Reserve(t, 0, 128).ok());
+    s.Commit(128);
+  }
+  ASSERT_TRUE(s.BeginCompute().ok());
+  s.response.mutable_out()->set_data(std::string(128, 'o'));
+  s.response.mutable_lse()->set_data(std::string(32, 'l'));
+  s.EndCompute(true);
+  auto first = s.ReserveDownload(v1::TENSOR_OUT, 0, 64);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->second, 64);
+  EXPECT_EQ(s.ReserveDownload(v1::TENSOR_OUT, 32, 64).status().code(),
+            absl::StatusCode::kInvalidArgument);  // overlap
+  EXPECT_EQ(s.ReserveDownload(v1::TENSOR_OUT, 64, 65).status().code(),
+            absl::StatusCode::kInvalidArgument);  // past the end
+  EXPECT_EQ(s.ReserveDownload(v1::TENSOR_Q, 0, 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto rest = s.ReserveDownload(v1::TENSOR_OUT, 64, 0);  // 0: to the end
+  ASSERT_TRUE(rest.ok());
+  EXPECT_EQ(rest->second, 64);
+  EXPECT_FALSE(s.FullyDownloaded());
+  ASSERT_TRUE(s.ReserveDownload(v1::TENSOR_LSE, 0, 0).ok());
+  EXPECT_TRUE(s.FullyDownloaded());
+}
+
+TEST(AppendChunkHeaderTest, MatchesProtobuf) {
+  std::string header;
+  AppendChunkHeader(v1::TENSOR_OUT, 300, 5, &header);
+  header += "hello";
+  v1::AttentionChunk chunk;
+  ASSERT_TRUE(chunk.ParseFromString(header));
+  EXPECT_EQ(chunk.tensor(), v1::TENSOR_OUT);
+  EXPECT_EQ(chunk.offset(), 300);
+  EXPECT_EQ(chunk.data(), "hello");
+}
+
+}  // namespace
+}  // namespace flashserve

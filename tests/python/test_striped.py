@@ -1,0 +1,159 @@
+"""End-to-end tests of the striped streaming API (AttentionStreamService) and flashserve.StripedClient, CPU backend."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import attention_pb2 as pb
+from flashserve import attention_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.e2e
+
+
+def _header(b=1, s=16, hq=2, hkv=2, d=8, dtype=pb.BFLOAT16, return_lse=False):
+    h = pb.AttentionRequest(return_lse=return_lse)
+    h.q.CopyFrom(pb.Tensor(dtype=dtype, shape=[b, s, hq, d]))
+    h.k.CopyFrom(pb.Tensor(dtype=dtype, shape=[b, s, hkv, d]))
+    h.v.CopyFrom(pb.Tensor(dtype=dtype, shape=[b, s, hkv, d]))
+    return h
+
+
+@pytest.fixture
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.AttentionStreamServiceStub(channel)
+
+
+@pytest.mark.parametrize(
+    "dtype,shape,causal,return_lse,stripes,inline_bytes",
+    [
+        ("bfloat16", (1, 70, 65, 4, 2, 64), False, False, 3, 0),  # striped output, uneven chunks
+        ("float32", (2, 33, 47, 4, 1, 32), True, True, 4, 0),  # GQA, causal, LSE striped too
+        ("float16", (1, 40, 40, 2, 2, 16), False, True, 1, 0),  # one stripe: O inline
+        ("bfloat16", (1, 8, 8, 2, 2, 8), True, False, 2, 1 << 20),  # small output inline
+    ],
+)
+def test_striped_matches_reference(server, rng, make_qkv, check_answer, dtype, shape, causal, return_lse, stripes,
+                                   inline_bytes):
+    q, k, v = make_qkv(rng, *shape, dtype)
+    with flashserve.StripedClient(server.address, stripes=stripes, chunk_bytes=4096, timeout=60,
+                                  inline_output_bytes=inline_bytes) as client:
+        result = client.attention_with_metadata(q, k, v, causal=causal, return_lse=return_lse, request_id="striped")
+        assert result.request_id == "striped"
+        check_answer(result.out, result.lse, q, k, v, causal=causal)
+        # The same answer as the unary API, bit for bit (same backend, same inputs).
+        with flashserve.Client(server.address, timeout=60) as unary:
+            out = unary.attention(q, k, v, causal=causal)
+        np.testing.assert_array_equal(np.asarray(result.out).view(np.uint8), np.asarray(out).view(np.uint8))
+
+
+def test_bad_chunks_are_rejected(stub):
+    info = stub.OpenSession(_header())  # 16*2*8*2 = 512 bytes per tensor
+    sid = info.session_id
+    assert sid and info.idle_timeout_ms > 0
+
+    def upload(*chunks):
+        return stub.Upload(iter(chunks), timeout=10)
+
+    cases = [
+        pb.AttentionChunk(session_id=sid, tensor=pb.TENSOR_Q, offset=500, data=b"x" * 13),  # past the end
+        pb.AttentionChunk(session_id=sid, tensor=pb.TENSOR_Q, offset=-1, data=b"x"),  # negative
+        pb.AttentionChunk(session_id=sid, tensor=pb.TENSOR_OUT, offset=0, data=b"x"),  # not an input
+        pb.AttentionChunk(session_id="", tensor=pb.TENSOR_Q, offset=0, data=b"x"),  # no session
+    ]
+    for chunk in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            upload(chunk)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (chunk, e.value.details())
+    with pytest.raises(grpc.RpcError) as e:
+        upload(pb.AttentionChunk(session_id="nope", tensor=pb.TENSOR_Q, offset=0, data=b"x"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    ack = upload(pb.AttentionChunk(session_id=sid, tensor=pb.TENSOR_Q, offset=0, data=b"a" * 256))
+    assert ack.bytes_received == 256
+    with pytest.raises(grpc.RpcError) as e:  # overlaps bytes already sent
+        upload(pb.AttentionChunk(session_id=sid, tensor=pb.TENSOR_Q, offset=128, data=b"b" * 256))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "overlaps" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:  # incomplete
+        stub.Compute(pb.ComputeRequest(session_id=sid), timeout=10)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as e:  # no output yet
+        list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT), timeout=10))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Compute(pb.ComputeRequest(session_id=sid), timeout=10)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_headers_are_rejected(stub):
+    bad = [
+        _header(hq=3, hkv=2),  # heads_q % heads_kv != 0: the full validation runs at OpenSession
+        _header(s=0),
+    ]
+    with_data = _header()
+    with_data.q.data = b"\0" * 512
+    bad.append(with_data)
+    rank3 = _header()
+    del rank3.k.shape[-1]
+    bad.append(rank3)
+    for header in bad:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.OpenSession(header, timeout=10)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
+def test_session_bytes_limit(limits_server):
+    with grpc.insecure_channel(limits_server.address) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:  # 3 x 512 KiB > --max_request_bytes = 1 MiB
+            stub.OpenSession(_header(s=256, hq=8, hkv=8, d=128), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_output_downloads_once_and_ends_session(stub, rng, make_qkv):
+    q, k, v = make_qkv(rng, 1, 16, 16, 2, 2, 8, "float32")
+    header = _header(dtype=pb.FLOAT32)
+    sid = stub.OpenSession(header).session_id
+    for tensor, x in ((pb.TENSOR_Q, q), (pb.TENSOR_K, k), (pb.TENSOR_V, v)):
+        stub.Upload(iter([pb.AttentionChunk(session_id=sid, tensor=tensor, offset=0, data=x.tobytes())]))
+    response = stub.Compute(pb.ComputeRequest(session_id=sid))
+    assert not response.out.data and list(response.out.shape) == [1, 16, 2, 8]
+    first = list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, offset=0, length=512,
+                                                  chunk_bytes=4096)))
+    assert sum(len(c.data) for c in first) == 512
+    with pytest.raises(grpc.RpcError) as e:  # each byte once
+        list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, offset=256, length=512)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    rest = list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, offset=512)))
+    out = np.frombuffer(b"".join(c.data for c in first + rest), dtype=np.float32).reshape(1, 16, 2, 8)
+    ref = flashserve.reference.attention(q, k, v)
+    assert np.abs(out - ref).max() < 1e-4
+    with pytest.raises(grpc.RpcError) as e:  # all downloaded: the session is gone
+        stub.Compute(pb.ComputeRequest(session_id=sid))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_abandoned_sessions_are_dropped(start_server):
+    s = start_server("--stream_session_timeout_ms=300", "--stream_max_sessions=2")
+    with grpc.insecure_channel(s.address) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        a = stub.OpenSession(_header(), timeout=10).session_id
+        stub.Upload(iter([pb.AttentionChunk(session_id=a, tensor=pb.TENSOR_Q, offset=0, data=b"x" * 100)]))
+        stub.OpenSession(_header(), timeout=10)  # abandoned at once
+        with pytest.raises(grpc.RpcError) as e:
+            stub.OpenSession(_header(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        time.sleep(1.0)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Compute(pb.ComputeRequest(session_id=a), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert stub.OpenSession(_header(), timeout=10).session_id  # room again
+        assert "dropped after 300 ms idle" in s.logs()
+    assert s.stop() == 0
