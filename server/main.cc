@@ -80,7 +80,8 @@ ABSL_FLAG(std::string, tune_seqlens, "512,1024,2048,4096",
 ABSL_FLAG(std::string, tune_gqa, "1", "--autotune=startup grid: GQA ratios heads_q/heads_kv");
 ABSL_FLAG(int64_t, max_request_bytes, int64_t{1} << 30,
           "Largest serialized request accepted (bytes, at most 2147483647); larger ones get "
-          "RESOURCE_EXHAUSTED before they are read");
+          "RESOURCE_EXHAUSTED before they are parsed (gRPC still receives them: bound that memory "
+          "with --grpc_memory_quota_bytes)");
 ABSL_FLAG(
     int64_t, max_inflight_bytes, int64_t{4} << 30,
     "Tensor bytes (inputs + outputs) of all accepted, unfinished requests; a request that would "

@@ -20,8 +20,12 @@ std::string DTypeName(int value) {
   return descriptor ? descriptor->name() : absl::StrCat("DType(", value, ")");
 }
 
+// At most 8 dims are spelled out: a hostile rank-100000 shape must not make a 300 KB message.
 std::string ShapeString(const v1::Tensor& t) {
-  return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+  constexpr int kShown = 8;
+  if (t.shape_size() <= kShown) return absl::StrCat("[", absl::StrJoin(t.shape(), ", "), "]");
+  return absl::StrCat("[", absl::StrJoin(t.shape().begin(), t.shape().begin() + kShown, ", "),
+                      ", ... (", t.shape_size(), " dims)]");
 }
 
 absl::Status CheckDType(const char* name, const v1::Tensor& t) {
@@ -168,9 +172,11 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   if (request.has_softmax_scale()) {
     scale = request.softmax_scale();
-    if (!std::isfinite(scale) || scale <= 0.f) {
+    // The kernels fold log2(e) into the scale: that product must stay finite too.
+    constexpr float kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634f;
+    if (!std::isfinite(scale) || scale <= 0.f || scale > kMaxScale) {
       return absl::InvalidArgumentError(
-          absl::StrCat("softmax_scale: must be finite and > 0, got ", scale));
+          absl::StrCat("softmax_scale: must be finite, > 0 and <= ", kMaxScale, ", got ", scale));
     }
   }
 

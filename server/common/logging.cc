@@ -74,6 +74,26 @@ class JsonFormatter final : public spdlog::formatter {
 
 }  // namespace
 
+std::string LogSafe(absl::string_view text) {
+  constexpr size_t kMax = 128;
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < kMax; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(char(c));
+    } else if (c < 0x20 || c >= 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\x%02x", c);
+      out += buf;
+    } else {
+      out.push_back(char(c));
+    }
+  }
+  if (text.size() > kMax) absl::StrAppend(&out, "...(", text.size(), " bytes)");
+  return out;
+}
+
 absl::Status ConfigureLogging(absl::string_view level, absl::string_view format) {
   const spdlog::level::level_enum parsed = spdlog::level::from_str(std::string(level));
   if (parsed == spdlog::level::off && level != "off") {

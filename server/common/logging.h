@@ -1,6 +1,8 @@
 // Process-wide log setup (spdlog): level and text or JSON-lines format.
 #pragma once
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 
@@ -10,5 +12,13 @@ namespace flashserve {
 /// per line with time, level, thread and msg, for log shippers). Call once, before other threads
 /// log.
 absl::Status ConfigureLogging(absl::string_view level, absl::string_view format);
+
+}  // namespace flashserve
+
+namespace flashserve {
+
+/// A client-supplied string fit for a log line: at most 128 bytes, non-printable bytes as \xNN,
+/// quotes and backslashes escaped (request ids are arbitrary client data).
+std::string LogSafe(absl::string_view text);
 
 }  // namespace flashserve

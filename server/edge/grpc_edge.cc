@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -68,15 +69,15 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
       }
       if (!status.ok()) {
         spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
-                     request->request_id(), absl::StatusCodeToString(status.code()),
+                     LogSafe(request->request_id()), absl::StatusCodeToString(status.code()),
                      std::string(status.message()));
       } else if (spdlog::should_log(spdlog::level::debug)) {
         const v1::Timing& t = response->timing();
         spdlog::debug(
             "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} h2d_us={} "
             "compute_us={} d2h_us={}",
-            request->request_id(), response->kernel(), t.total_us(), t.queue_us(), t.h2d_us(),
-            t.compute_us(), t.d2h_us());
+            LogSafe(request->request_id()), response->kernel(), t.total_us(), t.queue_us(),
+            t.h2d_us(), t.compute_us(), t.d2h_us());
       }
       reactor->Finish(ToGrpcStatus(status));
     };

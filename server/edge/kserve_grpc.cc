@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
 #include "grpcpp/grpcpp.h"
@@ -141,8 +142,9 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
         kserve::AttentionToGrpcInfer(model_, call_state->id, call_state->outputs,
                                      &call_state->response, response);
       } else {
-        spdlog::warn("{} failed: id=\"{}\" code={} message=\"{}\"", kMethod, call_state->id,
-                     absl::StatusCodeToString(status.code()), std::string(status.message()));
+        spdlog::warn("{} failed: id=\"{}\" code={} message=\"{}\"", kMethod,
+                     LogSafe(call_state->id), absl::StatusCodeToString(status.code()),
+                     std::string(status.message()));
       }
       if (metrics != nullptr) {
         metrics->InflightDec();

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "httplib.h"
 #include "spdlog/spdlog.h"
 
@@ -242,8 +243,8 @@ void Infer(const KServeRest& rest, const httplib::Request& req, httplib::Respons
   if (!status.ok()) {
     SetError(res, status);
     bytes_out = int64_t(res.body.size());
-    spdlog::warn("{} failed: id=\"{}\" http={} code={} message=\"{}\"", kMethod, exchange->infer.id,
-                 res.status, absl::StatusCodeToString(status.code()),
+    spdlog::warn("{} failed: id=\"{}\" http={} code={} message=\"{}\"", kMethod,
+                 LogSafe(exchange->infer.id), res.status, absl::StatusCodeToString(status.code()),
                  std::string(status.message()));
   } else {
     exchange->out = kserve::BuildRestInferResponse(rest.model, exchange->infer, exchange->response);
@@ -282,7 +283,7 @@ void Infer(const KServeRest& rest, const httplib::Request& req, httplib::Respons
                                });
     }
     if (spdlog::should_log(spdlog::level::debug)) {
-      spdlog::debug("{} ok: id=\"{}\" kernel={} total_us={}", kMethod, exchange->infer.id,
+      spdlog::debug("{} ok: id=\"{}\" kernel={} total_us={}", kMethod, LogSafe(exchange->infer.id),
                     exchange->response.kernel(), exchange->response.timing().total_us());
     }
   }

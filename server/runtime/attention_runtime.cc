@@ -109,15 +109,19 @@ void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<
   }
   // The call (request and response) stays alive until its done() runs, so the backend may keep
   // writing into `output` after this worker returns.
-  backend_->RunAsync(problem, output,
-                     [this, call, problem, enqueued, started](JobResult result) {
-                       call->done(Finish(problem, *call, enqueued, started, std::move(result)));
-                     });
+  backend_->RunAsync(problem, output, [this, call, problem, enqueued, started](JobResult result) {
+    call->done(Finish(problem, *call, enqueued, started, std::move(result)));
+  });
 }
 
 absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Call& call,
                                       absl::Time enqueued, absl::Time started, JobResult result) {
   v1::AttentionResponse* response = call.response;
+  // A client that went away while its job ran gets CANCELLED (counted and logged as such),
+  // not an OK nobody reads.
+  if (result.status.ok() && call.cancelled && call.cancelled()) {
+    result.status = absl::CancelledError("cancelled by the client while computing");
+  }
   if (!result.status.ok()) {
     response->clear_out();
     response->clear_lse();

@@ -145,7 +145,7 @@ INSTANTIATE_TEST_SUITE_P(
                 },
                 kInvalid, "head_dim: 300 is not supported by the cpu backend (max 256)"},
         BadCase{"scale zero", [](auto* r) { r->set_softmax_scale(0.f); }, kInvalid,
-                "softmax_scale: must be finite and > 0"},
+                "softmax_scale: must be finite, > 0"},
         BadCase{"scale negative", [](auto* r) { r->set_softmax_scale(-1.f); }, kInvalid,
                 "softmax_scale"},
         BadCase{"scale NaN",
@@ -234,6 +234,32 @@ TEST(Validation, LimitIsInclusive) {
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StartsWith(p.status().message(), "q: 2560 elements exceed"));
+}
+
+}  // namespace
+}  // namespace flashserve
+
+namespace flashserve {
+namespace {
+
+TEST(Validation, ScaleWhoseLog2FormOverflowsIsRefused) {
+  v1::AttentionRequest r = GoodRequest();
+  r.set_softmax_scale(3e38f);  // finite, but 3e38 * log2(e) overflows float in the kernels
+  absl::StatusOr<AttentionProblem> p = ValidateAttentionRequest(r, CpuLimits());
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::StartsWith(p.status().message(), "softmax_scale: must be finite, > 0 and <= "))
+      << p.status();
+  r.set_softmax_scale(1e38f);
+  EXPECT_TRUE(ValidateAttentionRequest(r, CpuLimits()).ok());
+}
+
+TEST(Validation, HugeRankMessageStaysShort) {
+  v1::AttentionRequest r = GoodRequest();
+  for (int i = 0; i < 100000; ++i) r.mutable_q()->add_shape(1);
+  absl::StatusOr<AttentionProblem> p = ValidateAttentionRequest(r, CpuLimits());
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::StartsWith(p.status().message(), "q.shape: expected rank 4")) << p.status();
+  EXPECT_LT(p.status().message().size(), 300u);
 }
 
 }  // namespace
