@@ -23,8 +23,8 @@
 
 namespace flashserve {
 
-using google::protobuf::io::CodedInputStream;
 using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedInputStream;
 
 // --- RangeSet -----------------------------------------------------------------------------------
 
@@ -33,14 +33,14 @@ absl::Status RangeSet::Insert(int64_t begin, int64_t end) {
   auto next = ranges_.upper_bound(begin);  // first range starting after begin
   if (next != ranges_.end() && next->first < end) {
     return absl::InvalidArgumentError(absl::StrCat("byte range [", begin, ", ", end,
-                                                   ") overlaps bytes already sent [",
-                                                   next->first, ", ", next->second, ")"));
+                                                   ") overlaps bytes already sent [", next->first,
+                                                   ", ", next->second, ")"));
   }
   auto prev = next == ranges_.begin() ? ranges_.end() : std::prev(next);
   if (prev != ranges_.end() && prev->second > begin) {
     return absl::InvalidArgumentError(absl::StrCat("byte range [", begin, ", ", end,
-                                                   ") overlaps bytes already sent [",
-                                                   prev->first, ", ", prev->second, ")"));
+                                                   ") overlaps bytes already sent [", prev->first,
+                                                   ", ", prev->second, ")"));
   }
   covered_ += end - begin;
   // Merge with adjacent neighbours so the map stays small for sequential chunks.
@@ -153,10 +153,14 @@ StreamSession::StreamSession(std::string id, int64_t accounted_bytes)
 
 std::string* StreamSession::TensorData(int tensor) {
   switch (tensor) {
-    case v1::TENSOR_Q: return request.mutable_q()->mutable_data();
-    case v1::TENSOR_K: return request.mutable_k()->mutable_data();
-    case v1::TENSOR_V: return request.mutable_v()->mutable_data();
-    default: return nullptr;
+    case v1::TENSOR_Q:
+      return request.mutable_q()->mutable_data();
+    case v1::TENSOR_K:
+      return request.mutable_k()->mutable_data();
+    case v1::TENSOR_V:
+      return request.mutable_v()->mutable_data();
+    default:
+      return nullptr;
   }
 }
 
@@ -223,10 +227,10 @@ absl::StatusOr<std::pair<const char*, int64_t>> StreamSession::ReserveDownload(i
                                                                                int64_t length) {
   absl::MutexLock lock(&mu_);
   if (state_ != State::kOutputReady) {
-    return absl::FailedPreconditionError(
-        state_ == State::kClosed ? "session was closed or expired"
-                                 : "no output to download yet (call Compute without "
-                                   "inline_output first)");
+    return absl::FailedPreconditionError(state_ == State::kClosed
+                                             ? "session was closed or expired"
+                                             : "no output to download yet (call Compute without "
+                                               "inline_output first)");
   }
   const std::string* data = nullptr;
   if (tensor == v1::TENSOR_OUT) data = &response.out().data();
@@ -288,9 +292,12 @@ namespace {
 int ElementSize(int dtype) {
   switch (dtype) {
     case v1::FLOAT16:
-    case v1::BFLOAT16: return 2;
-    case v1::FLOAT32: return 4;
-    default: return 0;
+    case v1::BFLOAT16:
+      return 2;
+    case v1::FLOAT32:
+      return 4;
+    default:
+      return 0;
   }
 }
 
@@ -339,9 +346,9 @@ absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Open(
     input += bytes[i];
   }
   if (input > limits_.max_session_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat("session of ", input,
-                                                     " tensor bytes exceeds --max_request_bytes=",
-                                                     limits_.max_session_bytes));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session of ", input,
+                     " tensor bytes exceeds --max_request_bytes=", limits_.max_session_bytes));
   }
   // Output: like q, plus the LSE (fp32, one per query row and head).
   const int64_t lse =
@@ -378,8 +385,8 @@ absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Find(const std::str
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end()) {
-    return absl::NotFoundError(absl::StrCat("unknown or expired session \"", id.substr(0, 64),
-                                            "\""));
+    return absl::NotFoundError(
+        absl::StrCat("unknown or expired session \"", id.substr(0, 64), "\""));
   }
   return it->second;
 }
@@ -587,8 +594,9 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     auto* keep = new std::shared_ptr<StreamSession>(session_);
     grpc::Slice slices[2] = {
         grpc::Slice(header),
-        grpc::Slice(const_cast<char*>(data_ + pos_), size_t(n),
-                    [](void* p) { delete static_cast<std::shared_ptr<StreamSession>*>(p); }, keep)};
+        grpc::Slice(
+            const_cast<char*>(data_ + pos_), size_t(n),
+            [](void* p) { delete static_cast<std::shared_ptr<StreamSession>*>(p); }, keep)};
     buffer_ = grpc::ByteBuffer(slices, 2);
     pos_ += n;
     StartWrite(&buffer_);
@@ -732,9 +740,9 @@ class StreamService final : public StreamServiceBase {
 
  private:
   void ReapLoop() {
-    const auto period = std::clamp<std::chrono::milliseconds>(
-        table_.limits().idle_timeout / 4, std::chrono::milliseconds(10),
-        std::chrono::milliseconds(1000));
+    const auto period = std::clamp<std::chrono::milliseconds>(table_.limits().idle_timeout / 4,
+                                                              std::chrono::milliseconds(10),
+                                                              std::chrono::milliseconds(1000));
     std::unique_lock<std::mutex> lock(reaper_mu_);
     while (!stop_) {
       reaper_cv_.wait_for(lock, period, [this] { return stop_; });
