@@ -71,12 +71,25 @@ CLIENT_SCRIPT = textwrap.dedent("""
 """)
 
 
+def interop_python() -> str:
+    """tritonclient pins older protobuf/ml_dtypes than the client's venv: scripts/setup gives it a venv of its own
+    (.venv-interop); $FLASHSERVE_INTEROP_PYTHON overrides; else this interpreter."""
+    import os
+    from pathlib import Path
+
+    if os.environ.get("FLASHSERVE_INTEROP_PYTHON"):
+        return os.environ["FLASHSERVE_INTEROP_PYTHON"]
+    own = Path(__file__).resolve().parents[2] / ".venv-interop" / "bin" / "python"
+    return str(own) if own.exists() else sys.executable
+
+
 def test_tritonclient_http_and_grpc(server, rng, make_qkv, check_answer, tmp_path):
-    probe = subprocess.run([sys.executable, "-c", "import tritonclient.http, tritonclient.grpc"],
+    python = interop_python()
+    probe = subprocess.run([python, "-c", "import tritonclient.http, tritonclient.grpc, ml_dtypes"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip("tritonclient[http,grpc] is not installed in this venv (pip install 'tritonclient[http,grpc]'):\n"
-                    + probe.stderr[-500:])
+        pytest.skip(f"tritonclient[http,grpc] is not importable by {python} (scripts/setup installs it into "
+                    ".venv-interop):\n" + probe.stderr[-500:])
     problems, inputs = [], {}
     for client in ("http", "http-json", "grpc"):
         for dtype, datatype in (("float16", "FP16"), ("bfloat16", "BF16"), ("float32", "FP32")):
@@ -91,7 +104,7 @@ def test_tritonclient_http_and_grpc(server, rng, make_qkv, check_answer, tmp_pat
             problems.append({"name": name, "client": client, "datatype": datatype, "causal": causal})
     (tmp_path / "problems.json").write_text(json.dumps(problems))
     (tmp_path / "client.py").write_text(CLIENT_SCRIPT)
-    run = subprocess.run([sys.executable, str(tmp_path / "client.py"), f"127.0.0.1:{server.http_port}",
+    run = subprocess.run([python, str(tmp_path / "client.py"), f"127.0.0.1:{server.http_port}",
                           server.address, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, f"tritonclient run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
 
