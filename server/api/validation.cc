@@ -172,9 +172,9 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   if (request.has_softmax_scale()) {
     scale = request.softmax_scale();
-    // The kernels fold log2(e) into the scale: that product must stay finite too.
+    // The kernels fold log2(e) into the scale (float math): that product must stay finite too.
     constexpr float kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634f;
-    if (!std::isfinite(scale) || scale <= 0.f || scale > kMaxScale) {
+    if (!std::isfinite(scale) || scale <= 0.f || !std::isfinite(scale * 1.4426950408889634f)) {
       return absl::InvalidArgumentError(
           absl::StrCat("softmax_scale: must be finite, > 0 and <= ", kMaxScale, ", got ", scale));
     }

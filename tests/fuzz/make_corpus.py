@@ -120,7 +120,7 @@ def request_seeds(rng):
     r.softmax_scale = 1e-19
     r.causal = True
     seeds["fp32_dot_overflows_small_scale"] = r  # q.k overflows fp32 though the scaled logit does not
-    out = {name: r.SerializeToString() for name, r in seeds.items()}
+    out = {name: r.SerializeToString(deterministic=True) for name, r in seeds.items()}
     out["garbage"] = b"\xff\x00garbage"
     out["truncated"] = seeds["valid_fp32"].SerializeToString()[:37]
     return out
@@ -264,7 +264,7 @@ def kserve_grpc_seeds(rng):
     r = request()
     del r.raw_input_contents[-1]
     seeds["raw_count_mismatch"] = r
-    return {name: m.SerializeToString() for name, m in seeds.items()}
+    return {name: m.SerializeToString(deterministic=True) for name, m in seeds.items()}  # map order
 
 
 def main():

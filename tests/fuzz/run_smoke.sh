@@ -3,7 +3,7 @@
 # corpus for a short time; exits non-zero if any target crashes, leaks, trips a sanitizer or
 # breaks one of its checks. CI calls it as is; a longer campaign: FUZZ_SECONDS_PER_TARGET=600.
 #
-#   tests/fuzz/run_smoke.sh                   # ~15 s per target, < 1 minute of fuzzing in all
+#   tests/fuzz/run_smoke.sh                   # 54 s of fuzzing split over the targets (10 s each)
 #   FUZZ_SECONDS_PER_TARGET=300 tests/fuzz/run_smoke.sh fuzz_tune_cache
 #
 # The seed corpus in tests/fuzz/corpus/<target>/ is only read; new inputs go to
@@ -23,6 +23,7 @@ common_args=(-G Ninja -DCMAKE_CXX_COMPILER="$CXX_COMPILER" -DCMAKE_BUILD_TYPE=Re
 command -v ninja >/dev/null || common_args=("${common_args[@]:2}")
 if grep -qE '^\s*add_subdirectory\(fuzz\)' tests/CMakeLists.txt; then
   source_dir=$REPO
+  bin_dir=$BUILD_DIR/tests/fuzz
   extra_args=(-DFLASHSERVE_BUILD_TESTS=ON)
 else
   # tests/CMakeLists.txt does not add tests/fuzz (yet): a two-line wrapper project adds both.
@@ -35,7 +36,14 @@ set(CMAKE_FIND_PACKAGE_TARGETS_GLOBAL ON)  # the project's imported targets, vis
 add_subdirectory("$REPO" flashserve)
 add_subdirectory("$REPO/tests/fuzz" fuzz)
 WRAPPER
+  bin_dir=$BUILD_DIR/fuzz
   extra_args=(-DFLASHSERVE_BUILD_TESTS=OFF)
+fi
+# A build dir configured from the other source (wrapper <-> repository) is rebuilt from scratch.
+if [ -f "$BUILD_DIR/CMakeCache.txt" ] &&
+   ! grep -qx "CMAKE_HOME_DIRECTORY:INTERNAL=$source_dir" "$BUILD_DIR/CMakeCache.txt"; then
+  echo "run_smoke.sh: $BUILD_DIR was configured from another source directory; starting it afresh"
+  find "$BUILD_DIR" -mindepth 1 -maxdepth 1 ! -name corpus ! -name wrapper -exec rm -rf {} +
 fi
 echo "== configure ($BUILD_DIR, $("$CXX_COMPILER" --version | head -1))"
 cmake -S "$source_dir" -B "$BUILD_DIR" "${common_args[@]}" "${extra_args[@]}" >"$BUILD_DIR/configure.log" 2>&1 || {
@@ -48,15 +56,15 @@ targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   for dir in tests/fuzz/corpus/*/; do
     t=$(basename "$dir")
-    [ -n "$(find "$BUILD_DIR" -name "$t" -type f -perm -u+x -print -quit)" ] && targets+=("$t")
+    [ -x "$bin_dir/$t" ] && targets+=("$t")
   done
 fi
 seconds=${FUZZ_SECONDS_PER_TARGET:-$(( TOTAL_SECONDS / ${#targets[@]} ))}
 
 failed=()
 for t in "${targets[@]}"; do
-  binary=$(find "$BUILD_DIR" -name "$t" -type f -perm -u+x -print -quit)
-  [ -n "$binary" ] || { echo "run_smoke.sh: no binary for $t"; failed+=("$t"); continue; }
+  binary=$bin_dir/$t
+  [ -x "$binary" ] || { echo "run_smoke.sh: no binary $binary"; failed+=("$t"); continue; }
   work=$BUILD_DIR/corpus/$t
   artifacts=$BUILD_DIR/artifacts/$t/
   mkdir -p "$work" "$artifacts"

@@ -11,7 +11,7 @@ the size it is *told*, so the matrix checks:
     default server and on one started at --max_request_bytes=2147483647 (the flag's maximum);
   * a prefix claiming 2^32-1 bytes followed by the end of the stream -> a truncated message, refused;
   * (known limit, xfail) a 64 MiB request to a 1 MiB-limit server is received whole before it is refused; with
-    --grpc_memory_quota_bytes=16MiB it is cut off (RESOURCE_EXHAUSTED) while the server's RSS grows < 32 MiB.
+    --grpc_memory_quota_bytes=16MiB it is cut off (RESOURCE_EXHAUSTED) while the server's RSS grows < 40 MiB.
 
 Observed with gRPC 1.51 (Debian 12) and recorded in the table: a request that does not parse as an
 AttentionRequest (garbage, truncated, invalid UTF-8 in a string, nesting past protobuf's recursion limit) gets
@@ -59,6 +59,8 @@ ATTENTION = "/flashserve.v1.AttentionService/Attention"
 # crash path, UNAVAILABLE from a dead process) is not.
 PARSE_FAILURE = {UNIMPLEMENTED: "", INVALID: ""}
 CALL_TIMEOUT_S = 20
+NO_ANSWER = grpc.StatusCode.DEADLINE_EXCEEDED  # raw HTTP/2 calls: nothing came back on the stream in time
+RESET_STREAM = {CANCELLED: "", NO_ANSWER: ""}  # what a client that reset its stream may see
 
 
 # --- building requests -----------------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def raw_grpc_call(port: int, prefix: bytes, body: bytes, end_stream: bool, reset
             try:
                 chunk = s.recv(65536)
             except socket.timeout:
-                return Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, note="no answer")
+                return Outcome(NO_ANSWER, note="no answer")
             if not chunk:
                 return Outcome(UNAVAILABLE, note="connection closed")
             buffer += chunk
@@ -262,7 +264,7 @@ def raw_grpc_call(port: int, prefix: bytes, body: bytes, end_stream: bool, reset
                     return Outcome(UNAVAILABLE, note=f"RST_STREAM {int.from_bytes(payload, 'big')}")
                 elif frame_type == 7:
                     return Outcome(UNAVAILABLE, note="GOAWAY")
-        return Outcome(grpc.StatusCode.DEADLINE_EXCEEDED, note="no answer")
+        return Outcome(NO_ANSWER, note="no answer")
 
 
 def _status_by_number(number: int):
@@ -300,12 +302,13 @@ class PeakRss:
 
 def claimed_size(claim: int, end_stream: bool, reset: bool, sent: int = 60000) -> Callable[[ServerProcess], Outcome]:
     """A gRPC message whose 5-byte prefix claims `claim` bytes, of which `sent` are sent; the server's RSS may not
-    grow by more than 32 MiB (nothing may be sized from the claim)."""
+    grow by more than 32 MiB (nothing may be sized from the claim). After the client resets the stream the server
+    owes it nothing: it answers CANCELLED or stays silent (NO_ANSWER after 2 s)."""
 
     def send(target: ServerProcess) -> Outcome:
         with PeakRss(target.proc.pid) as rss:
             outcome = raw_grpc_call(target.grpc_port, b"\x00" + struct.pack(">I", claim), b"\x00" * sent,
-                                    end_stream=end_stream, reset=reset)
+                                    end_stream=end_stream, reset=reset, timeout=2.0 if reset else 10.0)
         outcome.note += f" peak rss +{rss.growth:.1f} MiB"
         assert rss.growth < 32, f"server RSS grew {rss.growth:.1f} MiB for a {sent}-byte part of a {claim}-byte claim"
         return outcome
@@ -318,7 +321,9 @@ def over_limit_not_buffered(target: ServerProcess) -> Outcome:
     with PeakRss(target.proc.pid) as rss:
         outcome = send_request(lambda: pb.AttentionRequest(request_id="x" * (64 << 20)))(target)
     outcome.note = f"peak rss +{rss.growth:.1f} MiB"
-    assert rss.growth < 32, (
+    # 40 MiB: well under the 64 MiB a buffered message costs, above what a 16 MiB gRPC quota plus ASan's
+    # quarantine of freed slices reach (+29 MiB seen under tests/sanitize/run_asan_matrix.sh).
+    assert rss.growth < 40, (
         f"a 64 MiB request over --max_request_bytes=1MiB was buffered: server RSS peaked +{rss.growth:.1f} MiB")
     return outcome
 
@@ -569,9 +574,9 @@ CASES = [
     Case("1 MiB request at --max_request_bytes=2147483647", send_request(
         lambda: request(seqlen_q=(1 << 20) // (4 * 8 * 2), heads_q=2, head_dim=8)), exactly(OK), target="max_server"),
     Case("prefix claims 2^31-1 bytes, 60 KB sent, stream reset",
-         claimed_size(2**31 - 1, end_stream=False, reset=True), exactly(CANCELLED)),
+         claimed_size(2**31 - 1, end_stream=False, reset=True), RESET_STREAM),
     Case("prefix claims 2^31-1 bytes at --max_request_bytes=2147483647, stream reset",
-         claimed_size(2**31 - 1, end_stream=False, reset=True), exactly(CANCELLED), target="max_server"),
+         claimed_size(2**31 - 1, end_stream=False, reset=True), RESET_STREAM, target="max_server"),
     Case("prefix claims 2^32-1 bytes, stream ends after 60 KB", claimed_size(2**32 - 1, end_stream=True, reset=False),
          {**PARSE_FAILURE, EXHAUSTED: "larger than max"}, target="max_server"),
     Case("compressed flag without grpc-encoding", lambda t: raw_grpc_call(

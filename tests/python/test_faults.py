@@ -128,6 +128,7 @@ def test_cancel_while_computing(start_server):
     # The CPU backend cannot stop a running computation, but when it ends a cancelled call is recorded as CANCELLED
     # (and logged), not as an OK nobody reads.
     assert by_status.get("CANCELLED", 0) == 1, f"the cancelled call must count as CANCELLED: {by_status}"
+    assert 'request_id="abandoned"' in server.logs(limit=50000), "the cancelled call was not logged"
 
 
 def test_cancel_and_deadline_in_queue_do_not_run(start_server):
