@@ -1,5 +1,7 @@
 #include "runtime/attention_runtime.h"
 
+#include <chrono>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -67,6 +69,11 @@ void AttentionRuntime::Submit(Call call) {
     Execute(problem, shared_call, enqueued);
   });
   if (!queued.ok()) shared_call->done(queued);
+}
+
+AttentionRuntime::~AttentionRuntime() {
+  std::unique_lock<std::mutex> lock(idle_mu_);
+  idle_cv_.wait_for(lock, std::chrono::seconds(10), [this] { return outstanding_ == 0; });
 }
 
 bool AttentionRuntime::WaitIdle(absl::Time deadline) {

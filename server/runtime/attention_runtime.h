@@ -36,6 +36,9 @@ class AttentionRuntime {
   /// RESOURCE_EXHAUSTED before its output is allocated.
   AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
                    ServerMetrics* metrics = nullptr, int64_t max_inflight_bytes = 0);
+  /// Waits (up to 10 s) for calls whose done() is still running on another thread: their
+  /// completion wrapper touches this object after handing the answer back.
+  ~AttentionRuntime();
 
   void Submit(Call call);
 

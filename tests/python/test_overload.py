@@ -66,14 +66,16 @@ class Tally:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.latencies, self.codes, self.wrong, self.reject_latencies, self.compute_s = [], {}, [], [], []
+        self.latencies, self.codes, self.wrong, self.reject_latencies = [], {}, [], []
+        self.compute_s, self.server_s = [], []
 
-    def add(self, code: str, latency: float, wrong: str = "", compute_s: float = 0.0):
+    def add(self, code: str, latency: float, wrong: str = "", compute_s: float = 0.0, server_s: float = 0.0):
         with self.lock:
             self.codes[code] = self.codes.get(code, 0) + 1
             (self.latencies if code == "OK" else self.reject_latencies).append(latency)
             if code == "OK":
                 self.compute_s.append(compute_s)
+                self.server_s.append(server_s)
             if wrong:
                 self.wrong.append(wrong)
 
@@ -92,7 +94,7 @@ def one_call(stub, problem, tally: Tally):
     out = tensors.from_proto(response.out).astype(np.float64)
     err = float(np.abs(out - ref).max()) if out.shape == ref.shape else float("inf")
     tally.add("OK", latency, "" if err <= tol else f"{request.request_id}: max err {err:.3e} > {tol:.3e}",
-              response.timing.compute_us * 1e-6)
+              response.timing.compute_us * 1e-6, response.timing.total_us * 1e-6)
 
 
 def test_overload_sheds_with_resource_exhausted(start_server):
@@ -146,9 +148,14 @@ def test_overload_sheds_with_resource_exhausted(start_server):
         offered_s = time.monotonic() - start
     channel.close()
 
-    accepted = sorted(overload.latencies)
-    p50 = accepted[len(accepted) // 2] if accepted else float("nan")
-    p99 = accepted[min(len(accepted) - 1, int(0.99 * len(accepted)))] if accepted else float("nan")
+    def percentile(values, q):
+        values = sorted(values)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    # Client-side latency includes the Python clients' own queueing for the GIL (32 threads decoding and checking
+    # answers); the server's total_us (received -> answered) is what the queue bound is about.
+    p50, p99 = percentile(overload.latencies, 0.5), percentile(overload.latencies, 0.99)
+    server_p50, server_p99 = percentile(overload.server_s, 0.5), percentile(overload.server_s, 0.99)
     bound = IN_SYSTEM * single_s * P99_FACTOR + 0.1
     reject_p99 = sorted(overload.reject_latencies)[int(0.99 * (len(overload.reject_latencies) - 1))] \
         if overload.reject_latencies else 0.0
@@ -156,7 +163,8 @@ def test_overload_sheds_with_resource_exhausted(start_server):
           f"{np.median(capacity.compute_s) * 1e3:.1f} ms); capacity {throughput:.1f} req/s ({clients} closed-loop clients "
           f"got {closed_loop_rate:.1f} req/s, outcomes {capacity.codes})\n"
           f"overload: {arrivals} requests offered at {arrivals / offered_s:.1f} req/s for {offered_s:.1f} s -> "
-          f"{overload.codes}; accepted p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms (bound {bound * 1e3:.0f} ms); "
+          f"{overload.codes}; accepted p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms at the client, p50 "
+          f"{server_p50 * 1e3:.0f} ms, p99 {server_p99 * 1e3:.0f} ms in the server (bound {bound * 1e3:.0f} ms); "
           f"refusals p99 {reject_p99 * 1e3:.1f} ms")
 
     assert server.proc.poll() is None, f"server died under overload\n{server.logs()}"
@@ -166,7 +174,8 @@ def test_overload_sheds_with_resource_exhausted(start_server):
     assert overload.codes.get("RESOURCE_EXHAUSTED", 0) > 0, "2x capacity never filled the queue"
     assert overload.codes.get("OK", 0) >= 0.3 * throughput * OVERLOAD_S, (
         f"only {overload.codes.get('OK', 0)} accepted: overload collapsed throughput")
-    assert p99 <= bound, f"accepted p99 {p99 * 1e3:.0f} ms > {bound * 1e3:.0f} ms"
+    assert server_p99 <= bound, f"accepted p99 in the server {server_p99 * 1e3:.0f} ms > {bound * 1e3:.0f} ms"
+    assert p99 <= 2 * bound, f"accepted p99 at the client {p99 * 1e3:.0f} ms > {2 * bound * 1e3:.0f} ms"
     # "Immediate" on a 2-core machine whose cores are busy computing accepted requests: a refusal must take well
     # under what an accepted request waits (its p50), not a queue's worth of compute.
     assert reject_p99 < max(p50, single_s * 4, 0.2), f"refusals are not immediate: p99 {reject_p99 * 1e3:.1f} ms"
