@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +17,20 @@ namespace flashserve {
 namespace {
 
 constexpr const char kFormat[] = "flashserve-tune-cache/1";
+
+// An int field: nlohmann's get<int>() on a float such as 1e20 converts out of range (undefined
+// behaviour), so integers are checked for type and range first.
+int IntField(const nlohmann::json& object, const char* key) {
+  const nlohmann::json& value = object.at(key);
+  if (!value.is_number_integer()) {
+    throw nlohmann::json::type_error::create(302, std::string(key) + " is not an integer", &value);
+  }
+  const int64_t v = value.get<int64_t>();
+  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max()) {
+    throw nlohmann::json::out_of_range::create(406, std::string(key) + " is out of range", &value);
+  }
+  return int(v);
+}
 
 }  // namespace
 
@@ -92,10 +107,10 @@ absl::Status TuneCache::FromJson(const std::string& text) {
     TuneCacheHeader file;
     const nlohmann::json& device = j.at("device");
     file.device_name = device.at("name").get<std::string>();
-    file.cc_major = device.at("cc_major").get<int>();
-    file.cc_minor = device.at("cc_minor").get<int>();
-    file.driver_version = device.at("driver_version").get<int>();
-    file.runtime_version = device.at("runtime_version").get<int>();
+    file.cc_major = IntField(device, "cc_major");
+    file.cc_minor = IntField(device, "cc_minor");
+    file.driver_version = IntField(device, "driver_version");
+    file.runtime_version = IntField(device, "runtime_version");
     file.build_id = j.at("build_id").get<std::string>();
     if (std::string why = header_.Mismatch(file); !why.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("cache is for another setup: ", why));
@@ -109,7 +124,7 @@ absl::Status TuneCache::FromJson(const std::string& text) {
       r.runner_up_tflops = e.value("runner_up_tflops", 0.0);
       r.default_config = e.value("default", "");
       r.default_tflops = e.value("default_tflops", 0.0);
-      r.candidates_timed = e.value("candidates_timed", 0);
+      r.candidates_timed = e.contains("candidates_timed") ? IntField(e, "candidates_timed") : 0;
       loaded[key] = std::move(r);
     }
     absl::MutexLock lock(&mu_);

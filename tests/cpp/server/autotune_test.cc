@@ -159,6 +159,9 @@ TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
   std::string wrong_type = full;
   wrong_type.replace(wrong_type.find("\"tflops\": 1"), 11, "\"tflops\": \"x\"");
   bad.push_back(wrong_type);
+  std::string huge_int = full;  // a float where an int belongs (was undefined behaviour; found by fuzzing)
+  huge_int.replace(huge_int.find("\"cc_major\": 9"), 13, "\"cc_major\": 1e20");
+  bad.push_back(huge_int);
   for (const std::string& text : bad) {
     std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
     TuneCache loaded(Header());
