@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <iostream>
+#include <malloc.h>
 #include <memory>
 #include <string>
 #include <thread>
@@ -54,6 +55,19 @@ ABSL_FLAG(std::string, devices, "", "CUDA devices to use, e.g. \"0,1\"; empty: a
 ABSL_FLAG(int, streams_per_device, 2,
           "CUDA backend: streams (jobs in flight) per device, in [1, 64]; with 2+ one job's copies "
           "overlap another's kernel");
+ABSL_FLAG(int, completion_spin_us, 200,
+          "CUDA backend: how long a stream's completion thread polls for its job to finish before "
+          "it sleeps (a sleeping wait wakes tens of us late, which dominates small requests; "
+          "polling uses a core only while such a job runs); 0: always sleep, max 1000000");
+ABSL_FLAG(bool, enable_fault_injection, false,
+          "TEST ONLY: an Attention request whose request_id is "
+          "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
+          "computing, to exercise the unhealthy-device path. Never enable in production");
+ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 256 << 10,
+          "glibc malloc: allocations of at least this many bytes get their own mmap and go back "
+          "to the system when freed. A fixed threshold stops glibc from raising it after large "
+          "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
+          "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
 ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
           "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
           "mapped for reuse instead of returning it to the driver, per device");
@@ -170,6 +184,13 @@ int Serve() {
     spdlog::error("--shutdown_grace_seconds must be >= 0");
     return 2;
   }
+  if (const int64_t threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes); threshold != 0) {
+    // M_MMAP_THRESHOLD accepts at most HEAP_TRIM's 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit).
+    if (threshold < 0 || threshold > (int64_t{32} << 20) || mallopt(M_MMAP_THRESHOLD, int(threshold)) != 1) {
+      spdlog::error("--malloc_mmap_threshold_bytes must be in [0, 33554432], got {}", threshold);
+      return 2;
+    }
+  }
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
   if (!devices.ok()) {
     spdlog::error("{}", std::string(devices.status().message()));
@@ -181,6 +202,7 @@ int Serve() {
   backend_options.cpu_threads = absl::GetFlag(FLAGS_worker_threads);
   backend_options.devices = *devices;
   backend_options.streams_per_device = absl::GetFlag(FLAGS_streams_per_device);
+  backend_options.completion_spin_us = absl::GetFlag(FLAGS_completion_spin_us);
   backend_options.device_pool_release_threshold_bytes =
       absl::GetFlag(FLAGS_device_pool_release_threshold_bytes);
   backend_options.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
@@ -324,6 +346,7 @@ int Serve() {
   grpc_options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   grpc_options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   grpc_options.auth = auth.get();
+  grpc_options.enable_fault_injection = absl::GetFlag(FLAGS_enable_fault_injection);
   StreamLimits stream_limits;
   stream_limits.max_sessions = std::max(1, absl::GetFlag(FLAGS_stream_max_sessions));
   stream_limits.max_session_bytes = identity.max_request_bytes;

@@ -83,10 +83,9 @@ absl::Status CheckSameDim(const char* name, const v1::Tensor& t, const v1::Tenso
   return absl::OkStatus();
 }
 
-absl::Status CheckBytes(const char* name, const v1::Tensor& t, int64_t elements) {
+absl::Status CheckBytes(const char* name, const v1::Tensor& t, int64_t elements, int64_t got) {
   const int64_t element_size = int64_t(kernels::dtype_size(static_cast<DType>(t.dtype())));
   const int64_t expected = elements * element_size;  // <= max_elements * 4: no overflow
-  const int64_t got = int64_t(t.data().size());
   if (got != expected) {
     return absl::InvalidArgumentError(absl::StrCat(name, ".data: expected ", expected, " bytes (",
                                                    ShapeString(t), " x ", element_size,
@@ -98,7 +97,8 @@ absl::Status CheckBytes(const char* name, const v1::Tensor& t, int64_t elements)
 }  // namespace
 
 absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionRequest& request,
-                                                          const ValidationLimits& limits) {
+                                                          const ValidationLimits& limits,
+                                                          const int64_t* data_bytes) {
   const char* names[3] = {"q", "k", "v"};
   const v1::Tensor* tensors[3] = {&request.q(), &request.k(), &request.v()};
   const bool present[3] = {request.has_q(), request.has_k(), request.has_v()};
@@ -144,7 +144,9 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
                      " must be a multiple of k.shape[2] (heads_kv) = ", k.shape(2)));
   }
   for (int i = 0; i < 3; ++i) {
-    if (absl::Status s = CheckBytes(names[i], *tensors[i], elements[i]); !s.ok()) return s;
+    const int64_t got =
+        data_bytes != nullptr ? data_bytes[i] : int64_t(tensors[i]->data().size());
+    if (absl::Status s = CheckBytes(names[i], *tensors[i], elements[i], got); !s.ok()) return s;
   }
 
   const DType dtype = static_cast<DType>(q.dtype());
@@ -172,11 +174,9 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   if (request.has_softmax_scale()) {
     scale = request.softmax_scale();
-    // The kernels fold log2(e) into the scale (float math): that product must stay finite too.
-    constexpr float kMaxScale = std::numeric_limits<float>::max() / 1.4426950408889634f;
-    if (!std::isfinite(scale) || scale <= 0.f || !std::isfinite(scale * 1.4426950408889634f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("softmax_scale: must be finite, > 0 and <= ", kMaxScale, ", got ", scale));
+    if (!std::isfinite(scale) || scale <= 0.f || scale > kMaxSoftmaxScale) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "softmax_scale: must be finite, > 0 and <= ", kMaxSoftmaxScale, ", got ", scale));
     }
   }
 
@@ -191,9 +191,11 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   problem.causal = request.causal();
   problem.softmax_scale = scale;
   problem.return_lse = request.return_lse();
-  problem.q = q.data().data();
-  problem.k = k.data().data();
-  problem.v = v.data().data();
+  if (data_bytes == nullptr) {
+    problem.q = q.data().data();
+    problem.k = k.data().data();
+    problem.v = v.data().data();
+  }
   return problem;
 }
 

@@ -20,9 +20,17 @@ struct ValidationLimits {
   std::string backend_name = "cpu";
 };
 
+/// Largest accepted softmax_scale. Real models use 1/sqrt(head_dim) (<= 1), temperature-scaled
+/// ones at most ~100; far past that, fp32 logits softmax_scale * q.k overflow for ordinary inputs
+/// and whole rows would come back NaN, so such a scale is refused instead of computed.
+inline constexpr float kMaxSoftmaxScale = 1e4f;
+
 /// Checks every field and returns the problem, or INVALID_ARGUMENT (malformed) /
 /// RESOURCE_EXHAUSTED (over a configured limit) with a message that starts with the field.
+/// `data_bytes` (q, k, v), when given, are the tensors' data sizes for a request whose data is
+/// held outside the message (zero-copy parsing); the problem's q/k/v pointers are then null.
 absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionRequest& request,
-                                                          const ValidationLimits& limits);
+                                                          const ValidationLimits& limits,
+                                                          const int64_t* data_bytes = nullptr);
 
 }  // namespace flashserve

@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "api/request_wire.h"
+#include "api/response_wire.h"
 #include "common/logging.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
@@ -27,11 +29,53 @@ absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
   return absl::FromChrono(t);
 }
 
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+// One unary Attention call on the zero-copy path: the request's receive slices (kept referenced),
+// its parsed header and data spans, and the response header the runtime fills.
+struct RawCall {
+  std::vector<grpc::Slice> slices;
+  WireRequest wire;
+  v1::AttentionResponse response;
+  std::shared_ptr<IoBuffers> io;
+};
+
+// A slice that sends `length` bytes at `data` without copying them and keeps `io` alive until
+// gRPC has written them.
+grpc::Slice SliceOf(const char* data, size_t length, const std::shared_ptr<IoBuffers>& io) {
+  return grpc::Slice(
+      const_cast<char*>(data), length,
+      [](void* keep) { delete static_cast<std::shared_ptr<IoBuffers>*>(keep); },
+      new std::shared_ptr<IoBuffers>(io));
+}
+
+// The serialized response: its small fields copied, O and LSE sent from the request's buffers.
+grpc::ByteBuffer ResponseBytes(const RawCall& call) {
+  const IoLayout& layout = call.io->layout();
+  const std::string_view out(call.io->o(), layout.q_bytes);
+  const std::string_view lse(reinterpret_cast<const char*>(call.io->lse()), layout.lse_bytes);
+  const ResponsePieces pieces = EncodeAttentionResponse(call.response, out, lse);
+  grpc::Slice slices[5];
+  size_t n = 0;
+  slices[n++] = grpc::Slice(pieces.out_prefix);
+  slices[n++] = SliceOf(out.data(), out.size(), call.io);
+  if (!lse.empty()) {
+    slices[n++] = grpc::Slice(pieces.lse_prefix);
+    slices[n++] = SliceOf(lse.data(), lse.size(), call.io);
+  }
+  if (!pieces.rest.empty()) slices[n++] = grpc::Slice(pieces.rest);
+  return grpc::ByteBuffer(slices, n);
+}
+
+// Attention is registered raw: the request is parsed from gRPC's receive slices by
+// ParseAttentionRequestWire and its tensors copied once into the backend's (pinned) buffers; O and
+// LSE go back as slices pointing into those buffers. GetServerInfo is an ordinary typed method.
+using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attention<
+    v1::AttentionService::WithCallbackMethod_GetServerInfo<v1::AttentionService::Service>>;
+
+class AttentionServiceImpl final : public AttentionServiceBase {
  public:
   AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity,
-                       const BearerAuth* auth)
-      : runtime_(runtime), identity_(identity), auth_(auth) {}
+                       const BearerAuth* auth, bool fault_injection)
+      : runtime_(runtime), identity_(identity), auth_(auth), fault_injection_(fault_injection) {}
 
   // Finishes unauthorized calls with UNAUTHENTICATED (counted under `method`); true if it did.
   bool RejectUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
@@ -46,42 +90,80 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   }
 
   grpc::ServerUnaryReactor* Attention(grpc::CallbackServerContext* context,
-                                      const v1::AttentionRequest* request,
-                                      v1::AttentionResponse* response) override {
+                                      const grpc::ByteBuffer* request_bytes,
+                                      grpc::ByteBuffer* response_bytes) override {
+    const absl::Time received = absl::Now();
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     if (RejectUnauthorized(context, reactor, "Attention")) return reactor;
-    AttentionRuntime::Call call;
-    call.request = request;
-    call.response = response;
-    call.received = absl::Now();
-    call.deadline = ToAbslTime(context->deadline());
-    call.cancelled = [context] { return context->IsCancelled(); };
     ServerMetrics* metrics = runtime_->metrics();
     if (metrics != nullptr) metrics->InflightInc();
-    const absl::Time received = call.received;
-    call.done = [reactor, request, response, metrics, received](const absl::Status& status) {
+    auto state = std::make_shared<RawCall>();
+    const int64_t request_size = int64_t(request_bytes->Length());
+    auto finish = [reactor, state, response_bytes, metrics, received,
+                   request_size](const absl::Status& status) {
+      if (status.ok()) *response_bytes = ResponseBytes(*state);
       if (metrics != nullptr) {
         metrics->InflightDec();
         metrics->RecordRequest("Attention", static_cast<int>(status.code()),
-                               absl::ToDoubleSeconds(absl::Now() - received),
-                               int64_t(request->ByteSizeLong()),
-                               status.ok() ? int64_t(response->ByteSizeLong()) : 0);
+                               absl::ToDoubleSeconds(absl::Now() - received), request_size,
+                               status.ok() ? int64_t(response_bytes->Length()) : 0);
       }
+      const std::string& request_id = state->wire.header.request_id();
       if (!status.ok()) {
         spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
-                     LogSafe(request->request_id()), absl::StatusCodeToString(status.code()),
+                     LogSafe(request_id), absl::StatusCodeToString(status.code()),
                      std::string(status.message()));
       } else if (spdlog::should_log(spdlog::level::debug)) {
-        const v1::Timing& t = response->timing();
+        const v1::Timing& t = state->response.timing();
         spdlog::debug(
-            "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} h2d_us={} "
-            "compute_us={} d2h_us={}",
-            LogSafe(request->request_id()), response->kernel(), t.total_us(), t.queue_us(),
-            t.h2d_us(), t.compute_us(), t.d2h_us());
+            "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} stage_us={} "
+            "h2d_us={} compute_us={} d2h_us={}",
+            LogSafe(request_id), state->response.kernel(), t.total_us(), t.queue_us(),
+            t.stage_us(), t.h2d_us(), t.compute_us(), t.d2h_us());
       }
       reactor->Finish(ToGrpcStatus(status));
     };
-    runtime_->Submit(std::move(call));
+
+    std::vector<std::string_view> views;
+    // Admitted before parsing: a SIGTERM arriving while a large request is copied still lets it
+    // finish (the drain waits for it) instead of answering UNAVAILABLE after the upload.
+    AttentionRuntime::Admission admission = runtime_->Admit();
+    if (!admission) {
+      finish(absl::UnavailableError("server is shutting down"));
+      return reactor;
+    }
+    // No bytes to dump: gRPC got no complete message (the client ended the stream early).
+    absl::Status parsed =
+        absl::InvalidArgumentError("AttentionRequest: no complete message was received");
+    if (request_bytes->Dump(&state->slices).ok()) {
+      views.reserve(state->slices.size());
+      for (const grpc::Slice& slice : state->slices) {
+        views.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      }
+      parsed = ParseAttentionRequestWire(views, &state->wire);
+    }
+    if (!parsed.ok()) {
+      finish(parsed);
+      return reactor;
+    }
+    AttentionRuntime::Call call;
+    call.request = &state->wire.header;
+    call.response = &state->response;
+    call.received = received;
+    call.deadline = ToAbslTime(context->deadline());
+    call.cancelled = [context] { return context->IsCancelled(); };
+    for (int i = 0; i < 3; ++i) call.data_bytes[i] = state->wire.data[i].bytes;
+    call.fill_inputs = [state](const std::shared_ptr<IoBuffers>& io) {
+      state->io = io;
+      state->wire.data[0].CopyTo(io->q());
+      state->wire.data[1].CopyTo(io->k());
+      state->wire.data[2].CopyTo(io->v());
+      state->slices.clear();  // the request's bytes are no longer needed: let gRPC reuse them
+    };
+    call.inject_device_fault =
+        fault_injection_ && state->wire.header.request_id() == kInjectDeviceFaultRequestId;
+    call.done = std::move(finish);
+    runtime_->Submit(std::move(call), std::move(admission));
     return reactor;
   }
 
@@ -123,6 +205,7 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   AttentionRuntime* runtime_;
   const ServerIdentity identity_;
   const BearerAuth* const auth_;
+  const bool fault_injection_;
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
@@ -173,7 +256,13 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   auto impl = std::make_unique<Impl>();
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
-  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth);
+  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth,
+                                                         options.enable_fault_injection);
+  if (options.enable_fault_injection) {
+    spdlog::warn("--enable_fault_injection: a request with request_id \"{}\" faults its device "
+                 "(test use only)",
+                 kInjectDeviceFaultRequestId);
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

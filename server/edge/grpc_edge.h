@@ -25,7 +25,12 @@ struct GrpcOptions {
   int64_t memory_quota_bytes = 0;           // gRPC resource quota for buffers; 0: gRPC's default
   std::string tls_cert_file, tls_key_file;  // both set: TLS
   const BearerAuth* auth = nullptr;         // set: AttentionService calls need the token
+  // Test hook (--enable_fault_injection): an Attention request whose request_id is
+  // kInjectDeviceFaultRequestId faults its GPU instead of computing (sticky error path).
+  bool enable_fault_injection = false;
 };
+
+inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
 
 /// What GetServerInfo reports beside the backend's capabilities.
 struct ServerIdentity {

@@ -151,16 +151,21 @@ StreamSession::StreamSession(std::string id, int64_t accounted_bytes)
       accounted_bytes_(accounted_bytes),
       last_activity_(std::chrono::steady_clock::now()) {}
 
-std::string* StreamSession::TensorData(int tensor) {
+std::pair<char*, int64_t> StreamSession::TensorData(int tensor) {
+  const IoLayout& layout = io_->layout();
   switch (tensor) {
     case v1::TENSOR_Q:
-      return request.mutable_q()->mutable_data();
+      return {io_->q(), int64_t(layout.q_bytes)};
     case v1::TENSOR_K:
-      return request.mutable_k()->mutable_data();
+      return {io_->k(), int64_t(layout.kv_bytes)};
     case v1::TENSOR_V:
-      return request.mutable_v()->mutable_data();
+      return {io_->v(), int64_t(layout.kv_bytes)};
+    case v1::TENSOR_OUT:
+      return {io_->o(), int64_t(layout.q_bytes)};
+    case v1::TENSOR_LSE:
+      return {reinterpret_cast<char*>(io_->lse()), int64_t(layout.lse_bytes)};
     default:
-      return nullptr;
+      return {nullptr, 0};
   }
 }
 
@@ -171,19 +176,19 @@ absl::StatusOr<char*> StreamSession::Reserve(int tensor, int64_t offset, int64_t
         state_ == State::kClosed ? "session was closed or expired"
                                  : "session no longer accepts uploads (Compute was called)");
   }
-  std::string* data = TensorData(tensor);
-  if (data == nullptr) {
+  if (tensor != v1::TENSOR_Q && tensor != v1::TENSOR_K && tensor != v1::TENSOR_V) {
     return absl::InvalidArgumentError(
         absl::StrCat("AttentionChunk.tensor: ", tensor, " is not TENSOR_Q, TENSOR_K or TENSOR_V"));
   }
+  const auto [data, size] = TensorData(tensor);
   const char* name = tensor == v1::TENSOR_Q ? "q" : tensor == v1::TENSOR_K ? "k" : "v";
-  if (absl::Status s = CheckRange(offset, length, int64_t(data->size()), name); !s.ok()) return s;
+  if (absl::Status s = CheckRange(offset, length, size, name); !s.ok()) return s;
   if (absl::Status s = received_[tensor - 1].Insert(offset, offset + length); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
   }
   ++pending_;
   last_activity_ = std::chrono::steady_clock::now();
-  return data->data() + offset;
+  return data + offset;
 }
 
 void StreamSession::Commit(int64_t length) {
@@ -232,14 +237,11 @@ absl::StatusOr<std::pair<const char*, int64_t>> StreamSession::ReserveDownload(i
                                              : "no output to download yet (call Compute without "
                                                "inline_output first)");
   }
-  const std::string* data = nullptr;
-  if (tensor == v1::TENSOR_OUT) data = &response.out().data();
-  if (tensor == v1::TENSOR_LSE && response.has_lse()) data = &response.lse().data();
-  if (data == nullptr) {
+  if (tensor != v1::TENSOR_OUT && !(tensor == v1::TENSOR_LSE && request.return_lse())) {
     return absl::InvalidArgumentError(absl::StrCat(
         "DownloadRequest.tensor: ", tensor, " is not TENSOR_OUT (or TENSOR_LSE with return_lse)"));
   }
-  const int64_t size = int64_t(data->size());
+  const auto [data, size] = TensorData(tensor);
   if (length == 0 && offset >= 0 && offset <= size) length = size - offset;
   if (absl::Status s = CheckRange(offset, length, size, "DownloadRequest"); !s.ok()) return s;
   if (absl::Status s = downloaded_[tensor - v1::TENSOR_OUT].Insert(offset, offset + length);
@@ -247,15 +249,14 @@ absl::StatusOr<std::pair<const char*, int64_t>> StreamSession::ReserveDownload(i
     return absl::InvalidArgumentError(absl::StrCat("DownloadRequest: ", s.message()));
   }
   last_activity_ = std::chrono::steady_clock::now();
-  return std::make_pair(data->data() + offset, length);
+  return std::make_pair(static_cast<const char*>(data) + offset, length);
 }
 
 bool StreamSession::FullyDownloaded() const {
   absl::MutexLock lock(&mu_);
   if (state_ != State::kOutputReady) return false;
-  const int64_t lse = response.has_lse() ? int64_t(response.lse().data().size()) : 0;
-  return downloaded_[0].covered() == int64_t(response.out().data().size()) &&
-         downloaded_[1].covered() == lse;
+  return downloaded_[0].covered() == int64_t(io_->layout().q_bytes) &&
+         downloaded_[1].covered() == int64_t(io_->layout().lse_bytes);
 }
 
 StreamSession::State StreamSession::state() const {
@@ -278,14 +279,7 @@ void StreamSession::Touch() {
   last_activity_ = std::chrono::steady_clock::now();
 }
 
-// --- SessionBuffers / SessionTable --------------------------------------------------------------
-
-void SessionBuffers::Allocate(v1::AttentionRequest* request, const int64_t bytes[3]) {
-  // Zero-filled by std::string::resize (~10 GB/s); pinned staging would skip that too.
-  request->mutable_q()->mutable_data()->resize(size_t(bytes[0]));
-  request->mutable_k()->mutable_data()->resize(size_t(bytes[1]));
-  request->mutable_v()->mutable_data()->resize(size_t(bytes[2]));
-}
+// --- SessionTable -------------------------------------------------------------------------------
 
 namespace {
 
@@ -345,6 +339,27 @@ absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Open(
     bytes[i] = *elements * ElementSize(tensors[i]->dtype());
     input += bytes[i];
   }
+  // The session's buffers follow the runtime's layout (IoLayout), which assumes K and V agree with
+  // Q on dtype, batch and head_dim and with each other on shape. Full validation follows in
+  // OpenSession; this only keeps the layout honest.
+  const v1::Tensor& q = header.q();
+  const v1::Tensor& k = header.k();
+  const v1::Tensor& v = header.v();
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype() || k.shape(0) != q.shape(0) ||
+      k.shape(3) != q.shape(3) || v.shape(0) != k.shape(0) || v.shape(1) != k.shape(1) ||
+      v.shape(2) != k.shape(2) || v.shape(3) != k.shape(3)) {
+    return absl::InvalidArgumentError(
+        "k and v must have q's dtype, batch and head_dim, and v the shape of k");
+  }
+  AttentionProblem problem;
+  problem.dtype = static_cast<kernels::DType>(q.dtype());
+  problem.batch = int(q.shape(0));
+  problem.seqlen_q = int(q.shape(1));
+  problem.heads_q = int(q.shape(2));
+  problem.head_dim = int(q.shape(3));
+  problem.seqlen_k = int(k.shape(1));
+  problem.heads_kv = int(k.shape(2));
+  problem.return_lse = header.return_lse();
   if (input > limits_.max_session_bytes) {
     return absl::ResourceExhaustedError(
         absl::StrCat("session of ", input,
@@ -375,7 +390,15 @@ absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Open(
   auto session = std::make_shared<StreamSession>(id, accounted);
   session->request = header;
   session->input_bytes_ = input;
-  SessionBuffers::Allocate(&session->request, bytes);  // outside the table lock
+  // Outside the table lock. Pooled pinned memory when the backend has a pool: reused between
+  // sessions, never zero-filled, and the GPU copies straight from it.
+  session->io_ = IoBuffers::Allocate(problem, pool_);
+  if (session->io_ == nullptr) {
+    absl::MutexLock lock(&mu_);
+    total_bytes_ -= accounted;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", accounted, " bytes of host memory for the session"));
+  }
   absl::MutexLock lock(&mu_);
   sessions_.emplace(id, session);
   return session;
@@ -621,7 +644,10 @@ using StreamServiceBase = v1::AttentionStreamService::WithCallbackMethod_OpenSes
 class StreamService final : public StreamServiceBase {
  public:
   StreamService(AttentionRuntime* runtime, StreamLimits limits, const BearerAuth* auth)
-      : runtime_(runtime), table_(limits), auth_(auth), reaper_([this] { ReapLoop(); }) {}
+      : runtime_(runtime),
+        table_(limits, runtime->backend().staging_pool()),
+        auth_(auth),
+        reaper_([this] { ReapLoop(); }) {}
 
   ~StreamService() override {
     {
@@ -646,8 +672,11 @@ class StreamService final : public StreamServiceBase {
       return reactor;
     }
     // Everything but the data is checkable now (head_dim, GQA, dtype agreement, ...).
+    const IoLayout& layout = (*session)->io()->layout();
+    const int64_t data_bytes[3] = {int64_t(layout.q_bytes), int64_t(layout.kv_bytes),
+                                   int64_t(layout.kv_bytes)};
     if (absl::StatusOr<AttentionProblem> problem =
-            ValidateAttentionRequest((*session)->request, runtime_->limits());
+            ValidateAttentionRequest((*session)->request, runtime_->limits(), data_bytes);
         !problem.ok()) {
       table_.Erase((*session)->id());
       reactor->Finish(ToGrpcStatus(problem.status()));
@@ -686,10 +715,23 @@ class StreamService final : public StreamServiceBase {
     AttentionRuntime::Call call;
     call.request = &session->request;
     call.response = inline_output ? response : &session->response;
+    call.io = session->io();
+    const IoLayout& layout = session->io()->layout();
+    call.data_bytes[0] = int64_t(layout.q_bytes);
+    call.data_bytes[1] = call.data_bytes[2] = int64_t(layout.kv_bytes);
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
     call.done = [this, reactor, session, response, inline_output](const absl::Status& status) {
+      if (status.ok() && inline_output) {
+        // K = 1: the output goes back in this response (one copy out of the session's buffers).
+        const IoBuffers& io = *session->io();
+        response->mutable_out()->set_data(io.o(), io.layout().q_bytes);
+        if (io.layout().lse_bytes > 0) {
+          response->mutable_lse()->set_data(reinterpret_cast<const char*>(io.lse()),
+                                            io.layout().lse_bytes);
+        }
+      }
       if (!status.ok() || inline_output) {
         session->EndCompute(false);
         table_.Erase(session->id());

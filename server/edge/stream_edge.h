@@ -4,15 +4,15 @@
 // (shapes only), uploads disjoint byte ranges of Q, K and V on K client-streaming calls in
 // parallel, calls Compute, and downloads O (and LSE) as byte ranges on K server-streaming calls.
 //
-// Reassembly: each tensor has one contiguous buffer per session -- today the `data` string of the
-// session's own v1::AttentionRequest, sized once at OpenSession, so the runtime gets an ordinary
-// AttentionRequest and every received chunk is copied exactly once, from gRPC's receive slices
-// into place (the Upload method is registered raw and parsed by ParseChunk, never into a
-// temporary message). Download sends O straight out of the response buffer (no copy).
+// Reassembly: a session owns one IoBuffers (q | k | v | o | lse), taken at OpenSession from the
+// backend's pinned staging pool when it has one (reused, never zero-filled), else the heap. Every
+// received chunk is copied exactly once, from gRPC's receive slices into place (Upload is
+// registered raw and parsed by ParseChunk, never into a temporary message); Compute hands the
+// buffers to the runtime as they are, so the GPU copies straight from them; Download sends O out
+// of them (no copy).
 //
-// Hook for the pinned pool (runtime work in progress): SessionBuffers::Allocate is the one place
-// that decides where a session's tensors live, and StreamSession::Commit is where a completed
-// range is known -- the place to start an H2D copy of that range while later chunks still arrive.
+// Not done yet: StreamSession::Commit knows each completed range -- the place to start an H2D copy
+// of it while later chunks still arrive.
 //
 // The pieces below StreamService are pure logic (no gRPC) so tests can drive them directly.
 #pragma once
@@ -32,6 +32,7 @@
 #include "common/auth.h"
 #include "flashserve/v1/attention.pb.h"
 #include "runtime/attention_runtime.h"
+#include "runtime/io_buffers.h"
 
 namespace google::protobuf::io {
 class ZeroCopyInputStream;
@@ -121,18 +122,22 @@ class StreamSession {
   std::chrono::steady_clock::time_point last_activity() const;
   void Touch();
 
-  // The reassembled request and, after Compute (unless inline), the response. Owned by the
-  // session; mutated only while the state machine allows it (see above).
+  // The request's header (tensor data empty) and, after Compute (unless inline), the response's
+  // header. Owned by the session; mutated only while the state machine allows it (see above).
   v1::AttentionRequest request;
   v1::AttentionResponse response;
+  /// The tensors: inputs as uploaded, outputs after Compute. Set by SessionTable::Open.
+  const std::shared_ptr<IoBuffers>& io() const { return io_; }
 
  private:
   friend class SessionTable;
-  std::string* TensorData(int tensor);
+  // Where tensor Q/K/V/OUT/LSE lives and its size; {nullptr, 0} for other values.
+  std::pair<char*, int64_t> TensorData(int tensor);
 
   const std::string id_;
   const int64_t accounted_bytes_;
   int64_t input_bytes_ = 0;
+  std::shared_ptr<IoBuffers> io_;
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kUploading;
   RangeSet received_[3] ABSL_GUARDED_BY(mu_);
@@ -142,17 +147,12 @@ class StreamSession {
   std::chrono::steady_clock::time_point last_activity_ ABSL_GUARDED_BY(mu_);
 };
 
-/// Where a session's tensors live. Today: the request's own strings (plain host memory).
-struct SessionBuffers {
-  /// Sizes q/k/v data of `request` to their byte lengths. The one place to switch to pinned
-  /// staging from the runtime's pool once it exists.
-  static void Allocate(v1::AttentionRequest* request, const int64_t bytes[3]);
-};
-
 /// The open sessions, bounded by StreamLimits. Thread-safe.
 class SessionTable {
  public:
-  explicit SessionTable(StreamLimits limits) : limits_(limits) {}
+  /// `pool` (may be null: heap memory) provides the sessions' buffers; it must outlive the table.
+  explicit SessionTable(StreamLimits limits, PinnedPool* pool = nullptr)
+      : limits_(limits), pool_(pool) {}
 
   /// Validates the header (dtype, rank-4 shapes, element and byte limits), allocates the tensor
   /// buffers and registers a new session. The header's tensor data must be empty.
@@ -169,6 +169,7 @@ class SessionTable {
 
  private:
   const StreamLimits limits_;
+  PinnedPool* const pool_;
   mutable absl::Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<StreamSession>> sessions_ ABSL_GUARDED_BY(mu_);
   int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;

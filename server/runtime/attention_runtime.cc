@@ -27,16 +27,55 @@ AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, Valid
       max_inflight_bytes_(max_inflight_bytes) {}
 
 void AttentionRuntime::StopAccepting() {
+  // Every job reaches the scheduler through Submit, so this gate is the only one: calls admitted
+  // before it still get queued.
+  std::lock_guard<std::mutex> lock(idle_mu_);
   accepting_.store(false);
-  scheduler_->StopAccepting();
 }
 
-void AttentionRuntime::Submit(Call call) {
-  if (!accepting_.load()) {
-    call.done(absl::UnavailableError("server is shutting down"));
-    return;
+AttentionRuntime::Admission AttentionRuntime::Admit() {
+  std::lock_guard<std::mutex> lock(idle_mu_);
+  if (!accepting_.load()) return Admission();
+  ++outstanding_;
+  return Admission(this);
+}
+
+AttentionRuntime::Admission& AttentionRuntime::Admission::operator=(Admission&& other) noexcept {
+  if (this != &other) {
+    if (runtime_ != nullptr) runtime_->Leave();
+    runtime_ = std::exchange(other.runtime_, nullptr);
   }
-  absl::StatusOr<AttentionProblem> problem = ValidateAttentionRequest(*call.request, limits_);
+  return *this;
+}
+
+AttentionRuntime::Admission::~Admission() {
+  if (runtime_ != nullptr) runtime_->Leave();
+}
+
+void AttentionRuntime::Leave() {
+  std::lock_guard<std::mutex> lock(idle_mu_);
+  if (--outstanding_ == 0) idle_cv_.notify_all();
+}
+
+void AttentionRuntime::Submit(Call call) { Submit(std::move(call), Admission()); }
+
+void AttentionRuntime::Submit(Call call, Admission admission) {
+  if (!admission) {
+    admission = Admit();
+    if (!admission) {
+      call.done(absl::UnavailableError("server is shutting down"));
+      return;
+    }
+  }
+  // From here the call counts as outstanding until its done() has returned.
+  admission.runtime_ = nullptr;
+  call.done = [this, done = std::move(call.done)](const absl::Status& status) {
+    done(status);
+    Leave();
+  };
+  const bool external = call.fill_inputs || call.io;
+  absl::StatusOr<AttentionProblem> problem =
+      ValidateAttentionRequest(*call.request, limits_, external ? call.data_bytes : nullptr);
   if (!problem.ok()) {
     call.done(problem.status());
     return;
@@ -52,22 +91,37 @@ void AttentionRuntime::Submit(Call call) {
                      " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(idle_mu_);
-    ++outstanding_;
+  int64_t stage_us = 0;
+  if (external) {
+    if (call.io == nullptr) {
+      // The one host copy on the way in: receive slices -> (pinned) request buffers.
+      call.io = IoBuffers::Allocate(*problem, backend_->staging_pool());
+      if (call.io == nullptr) {
+        inflight_bytes_.fetch_sub(bytes);
+        call.done(absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate ", IoLayout::For(*problem).total,
+                         " bytes of host memory for this request")));
+        return;
+      }
+      const absl::Time copy_start = absl::Now();
+      call.fill_inputs(call.io);
+      stage_us = absl::ToInt64Microseconds(absl::Now() - copy_start);
+    }
+    problem->q = call.io->q();
+    problem->k = call.io->k();
+    problem->v = call.io->v();
   }
   call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
     inflight_bytes_.fetch_sub(bytes);
     done(status);
-    std::lock_guard<std::mutex> lock(idle_mu_);
-    if (--outstanding_ == 0) idle_cv_.notify_all();
   };
   const absl::Time enqueued = absl::Now();
   // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
   auto shared_call = std::make_shared<Call>(std::move(call));
-  absl::Status queued = scheduler_->Submit([this, shared_call, problem = *problem, enqueued] {
-    Execute(problem, shared_call, enqueued);
-  });
+  absl::Status queued =
+      scheduler_->Submit([this, shared_call, problem = *problem, enqueued, stage_us] {
+        Execute(problem, shared_call, enqueued, stage_us);
+      });
   if (!queued.ok()) shared_call->done(queued);
 }
 
@@ -88,16 +142,18 @@ bool AttentionRuntime::WaitIdle(absl::Time deadline) {
 }
 
 void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<Call> call,
-                               absl::Time enqueued) {
+                               absl::Time enqueued, int64_t stage_us) {
   const absl::Time started = absl::Now();
-  if (call->cancelled && call->cancelled()) {
-    call->done(absl::CancelledError("cancelled by the client"));
-    return;
-  }
+  // Deadline first: gRPC also reports a call whose deadline passed as cancelled, and it is the
+  // deadline the client should hear about (and the metrics count).
   if (started >= call->deadline) {
     call->done(absl::DeadlineExceededError(
         absl::StrCat("deadline expired after ", absl::ToInt64Microseconds(started - enqueued),
                      " us in the queue; not run")));
+    return;
+  }
+  if (call->cancelled && call->cancelled()) {
+    call->done(absl::CancelledError("cancelled by the client"));
     return;
   }
 
@@ -105,20 +161,33 @@ void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<
   const auto dtype = static_cast<v1::DType>(problem.dtype);
   v1::Tensor* out = response->mutable_out();
   SetTensorHeader(out, dtype, {problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim});
-  out->mutable_data()->resize(size_t(problem.out_bytes()));
-  JobOutput output;
-  output.out = out->mutable_data()->data();
   if (problem.return_lse) {
-    v1::Tensor* lse = response->mutable_lse();
-    SetTensorHeader(lse, v1::FLOAT32, {problem.batch, problem.heads_q, problem.seqlen_q});
-    lse->mutable_data()->resize(size_t(problem.lse_elements()) * sizeof(float));
-    output.lse = reinterpret_cast<float*>(lse->mutable_data()->data());
+    SetTensorHeader(response->mutable_lse(), v1::FLOAT32,
+                    {problem.batch, problem.heads_q, problem.seqlen_q});
   }
-  // The call (request and response) stays alive until its done() runs, so the backend may keep
+  JobOutput output;
+  output.deadline = call->deadline;
+  output.inject_device_fault = call->inject_device_fault;
+  if (call->io != nullptr) {
+    output.out = call->io->o();
+    output.lse = call->io->lse();
+    output.pinned = call->io->pinned();
+  } else {
+    out->mutable_data()->resize(size_t(problem.out_bytes()));
+    output.out = out->mutable_data()->data();
+    if (problem.return_lse) {
+      std::string* lse = response->mutable_lse()->mutable_data();
+      lse->resize(size_t(problem.lse_elements()) * sizeof(float));
+      output.lse = reinterpret_cast<float*>(lse->data());
+    }
+  }
+  // The call (request, response, io) stays alive until its done() runs, so the backend may keep
   // writing into `output` after this worker returns.
-  backend_->RunAsync(problem, output, [this, call, problem, enqueued, started](JobResult result) {
-    call->done(Finish(problem, *call, enqueued, started, std::move(result)));
-  });
+  backend_->RunAsync(problem, output,
+                     [this, call, problem, enqueued, started, stage_us](JobResult result) {
+                       result.timing.stage_us += stage_us;
+                       call->done(Finish(problem, *call, enqueued, started, std::move(result)));
+                     });
 }
 
 absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Call& call,
@@ -138,6 +207,7 @@ absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Cal
   const std::string& kernel = result.kernel;
   v1::Timing* timing = response->mutable_timing();
   timing->set_queue_us(absl::ToInt64Microseconds(started - enqueued));
+  timing->set_stage_us(phases.stage_us);
   timing->set_h2d_us(phases.h2d_us);
   timing->set_compute_us(phases.compute_us);
   timing->set_d2h_us(phases.d2h_us);

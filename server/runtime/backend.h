@@ -7,9 +7,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "api/attention_problem.h"
 
 namespace flashserve {
+
+class PinnedPool;
 
 struct DeviceDescription {
   int index = 0;
@@ -28,15 +31,23 @@ struct BackendCapabilities {
 
 /// Microseconds spent in each phase of one job (0 where a phase does not apply).
 struct PhaseTiming {
+  int64_t stage_us = 0;  // host copy of the inputs into staging memory (CPU time, not overlapped)
   int64_t h2d_us = 0;
   int64_t compute_us = 0;
   int64_t d2h_us = 0;
 };
 
-/// Where a job's results go: host memory owned by the response message.
+/// Where a job's results go (host memory owned by the call) and how to run it.
 struct JobOutput {
   void* out = nullptr;   // out_bytes() bytes, dtype of the problem
   float* lse = nullptr;  // lse_elements() floats, or nullptr
+  // The problem's inputs and out/lse are page-locked (IoBuffers from the backend's pinned pool):
+  // the GPU copies straight from and to them, no staging copy.
+  bool pinned = false;
+  // A job still waiting for a device when this passes is answered DEADLINE_EXCEEDED, not run.
+  absl::Time deadline = absl::InfiniteFuture();
+  // Test hook (--enable_fault_injection only): fault the device instead of computing.
+  bool inject_device_fault = false;
 };
 
 /// What a finished job reports.
@@ -75,6 +86,9 @@ class Backend {
   /// Bytes in use and reserved by the pinned host staging pool; false when there is none.
   /// Thread-safe (called from the metrics scrape).
   virtual bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const { return false; }
+  /// Where request buffers (IoBuffers) should come from: the pinned staging pool, or nullptr for
+  /// heap memory. Thread-safe.
+  virtual PinnedPool* staging_pool() { return nullptr; }
 };
 
 }  // namespace flashserve

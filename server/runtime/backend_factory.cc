@@ -28,6 +28,7 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
     CudaBackendOptions cuda_options;
     cuda_options.devices = options.devices;
     cuda_options.streams_per_device = options.streams_per_device;
+    cuda_options.completion_spin_us = options.completion_spin_us;
     cuda_options.device_pool_release_threshold_bytes =
         uint64_t(options.device_pool_release_threshold_bytes);
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;

@@ -19,6 +19,7 @@ struct BackendOptions {
   std::vector<int> devices;      // CUDA devices to use; empty: all visible
   // CUDA backend: see CudaBackendOptions.
   int streams_per_device = 2;
+  int completion_spin_us = 200;
   int64_t device_pool_release_threshold_bytes = int64_t{4} << 30;
   int64_t pinned_pool_bytes = int64_t{2} << 30;
   int64_t max_device_bytes_per_request = 0;

@@ -3,14 +3,17 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "autotune/cuda_tuning.h"
 #include "autotune/problem_class.h"
 #include "flashserve/kernels/cuda_attention.h"
+#include "runtime/io_buffers.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -41,9 +44,6 @@ int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
   return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? int64_t(ms * 1000.f) : 0;
 }
 
-constexpr size_t kAlign = 256;
-size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
 // Page-locked host memory, portable: usable by every device's copies, not only the current one.
 class CudaHostAllocator final : public HostAllocator {
  public:
@@ -61,13 +61,14 @@ class CudaHostAllocator final : public HostAllocator {
 }  // namespace
 
 // One request between launch and completion. Byte layout of both the device buffer and the
-// pinned staging buffer: q | k | v | o | lse, each part 256-byte aligned.
+// pinned staging buffer: IoLayout (q | k | v | o | lse, each part 256-byte aligned).
 struct CudaBackend::Job {
   AttentionProblem problem;
   JobOutput output;
   JobDone done;
   int64_t device_bytes = 0;
-  PinnedPool::Buffer staging;  // empty: pageable copies straight from/to the messages
+  PinnedPool::Buffer staging;  // empty: copies straight from/to the caller's memory
+  int64_t stage_us = 0;
   size_t o_offset = 0, lse_offset = 0;
   kernels::cuda::KernelConfig config;
   cudaError_t launch_error = cudaSuccess;  // the first error while queueing the work
@@ -78,9 +79,10 @@ struct CudaBackend::Job {
 struct CudaBackend::Slot {
   Device* device = nullptr;
   cudaStream_t stream = nullptr;
-  // start, after H2D, after kernel, after D2H. The last one is waited on by the completion thread
-  // with cudaEventBlockingSync: it sleeps instead of spinning a core per slot while the GPU works.
-  cudaEvent_t events[4] = {};
+  // start, after H2D, after kernel, after D2H (polled by the completion thread), and a copy of the
+  // last with cudaEventBlockingSync and no timing, which the completion thread sleeps on once
+  // polling has taken longer than completion_spin_us.
+  cudaEvent_t events[5] = {};
   std::mutex mu;
   std::condition_variable cv;
   std::unique_ptr<Job> job;  // guarded by mu: handed over by the launching worker
@@ -155,9 +157,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       if ((e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
       }
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < 5; ++j) {
         e = cudaEventCreateWithFlags(&slot->events[j],
-                                     j == 3 ? cudaEventBlockingSync : cudaEventDefault);
+                                     j == 4 ? cudaEventBlockingSync | cudaEventDisableTiming
+                                            : cudaEventDefault);
         if (e != cudaSuccess) {
           return absl::UnavailableError(absl::StrCat("CUDA event: ", cudaGetErrorString(e)));
         }
@@ -190,6 +193,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
   }
   backend->max_device_bytes_per_request_ = options.max_device_bytes_per_request;
+  if (options.completion_spin_us < 0 || options.completion_spin_us > 1000000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--completion_spin_us must be in [0, 1000000], got ", options.completion_spin_us));
+  }
+  backend->completion_spin_us_ = options.completion_spin_us;
   if (options.pinned_pool_bytes > 0) {
     PinnedPoolOptions pinned_options;
     pinned_options.capacity_bytes = size_t(options.pinned_pool_bytes);
@@ -436,13 +444,11 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
       return fail(absl::InvalidArgumentError(why));
     }
   }
-  const size_t q_bytes = size_t(problem.q_bytes()), kv_bytes = size_t(problem.kv_bytes());
-  const size_t lse_bytes = size_t(problem.lse_elements()) * sizeof(float);
-  const size_t k_offset = AlignUp(q_bytes);
-  const size_t v_offset = k_offset + AlignUp(kv_bytes);
-  const size_t o_offset = v_offset + AlignUp(kv_bytes);
-  const size_t lse_offset = o_offset + AlignUp(q_bytes);
-  const size_t total = lse_offset + AlignUp(lse_bytes);
+  const IoLayout layout = IoLayout::For(problem);
+  const size_t q_bytes = layout.q_bytes, kv_bytes = layout.kv_bytes, lse_bytes = layout.lse_bytes;
+  const size_t k_offset = layout.k_offset, v_offset = layout.v_offset;
+  const size_t o_offset = layout.o_offset, lse_offset = layout.lse_offset;
+  const size_t total = layout.total;
   if (max_device_bytes_per_request_ > 0 && int64_t(total) > max_device_bytes_per_request_) {
     return fail(absl::ResourceExhaustedError(
         absl::StrCat("request needs ", total, " bytes of device memory, over "
@@ -458,28 +464,32 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   job->o_offset = o_offset;
   job->lse_offset = lse_offset;
 
-  // Stage the inputs in pinned memory before taking a slot: this host copy overlaps the GPU
-  // work of the jobs already on the device. Without a staging buffer (pool at its cap) the copies
-  // go straight from/to the messages' pageable memory: slower (the driver stages them itself), but
-  // the request is still served rather than refused.
-  if (pinned_) job->staging = pinned_->Acquire(total);
   const char* host_q = static_cast<const char*>(problem.q);
   const char* host_k = static_cast<const char*>(problem.k);
   const char* host_v = static_cast<const char*>(problem.v);
   char* host_o = static_cast<char*>(output.out);
   char* host_lse = reinterpret_cast<char*>(output.lse);
-  if (job->staging) {
-    char* staging = job->staging.data();
-    std::memcpy(staging, problem.q, q_bytes);
-    std::memcpy(staging + k_offset, problem.k, kv_bytes);
-    std::memcpy(staging + v_offset, problem.v, kv_bytes);
-    host_q = staging;
-    host_k = staging + k_offset;
-    host_v = staging + v_offset;
-    host_o = staging + o_offset;
-    host_lse = staging + lse_offset;
-  } else if (pinned_) {
-    spdlog::debug("pinned staging pool full: request served with pageable copies");
+  // Inputs not already pinned are staged in pinned memory before taking a slot: this host copy
+  // overlaps the GPU work of the jobs already on the device. Without a staging buffer (pool at its
+  // cap) the copies go straight from/to pageable memory: slower (the driver stages them itself),
+  // but the request is still served rather than refused.
+  if (pinned_ && !output.pinned) {
+    const absl::Time stage_start = absl::Now();
+    job->staging = pinned_->Acquire(total);
+    if (job->staging) {
+      char* staging = job->staging.data();
+      std::memcpy(staging, problem.q, q_bytes);
+      std::memcpy(staging + k_offset, problem.k, kv_bytes);
+      std::memcpy(staging + v_offset, problem.v, kv_bytes);
+      host_q = staging;
+      host_k = staging + k_offset;
+      host_v = staging + v_offset;
+      host_o = staging + o_offset;
+      host_lse = staging + lse_offset;
+      job->stage_us = absl::ToInt64Microseconds(absl::Now() - stage_start);
+    } else {
+      spdlog::debug("pinned staging pool full: request served with pageable copies");
+    }
   }
 
   Slot* slot = AcquireSlot(job->device_bytes);
@@ -487,6 +497,12 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
     return fail(absl::UnavailableError("CUDA devices faulted earlier; server not ready"));
   }
   Device* device = slot->device;
+  if (absl::Now() >= output.deadline) {
+    // It waited for a slot (every stream busy) past its deadline: not worth the device time.
+    job->staging.reset();
+    ReleaseSlot(slot, job->device_bytes);
+    return fail(absl::DeadlineExceededError("deadline expired waiting for a GPU stream; not run"));
+  }
   cudaSetDevice(device->index);
   cudaStream_t stream = slot->stream;
 
@@ -528,7 +544,9 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   step(cudaMemcpyAsync(base + v_offset, host_v, kv_bytes, cudaMemcpyHostToDevice, stream),
        "H2D copy");
   step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
-  if (job->launch_error == cudaSuccess &&
+  if (output.inject_device_fault && job->launch_error == cudaSuccess) {
+    step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
+  } else if (job->launch_error == cudaSuccess &&
       step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
     step(cudaMemcpyAsync(host_o, base + o_offset, q_bytes, cudaMemcpyDeviceToHost, stream),
@@ -541,6 +559,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   // Recorded even after a failure: the completion thread then waits for what was queued (the
   // H2D copies still read the staging buffer) before the buffer goes back to the pool.
   step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
+  step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
   cudaFreeAsync(base, stream);
 
   {
@@ -567,7 +586,17 @@ void CudaBackend::CompletionLoop(Slot* slot) {
 void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
   Device* device = slot->device;
   JobResult result;
-  cudaError_t e = cudaEventSynchronize(slot->events[3]);
+  // Poll first (a small job is done within microseconds of its launch; a blocking wait would add
+  // its wake-up latency), then sleep on the blocking-sync twin of the same point in the stream.
+  cudaError_t e = cudaEventQuery(slot->events[3]);
+  if (e == cudaErrorNotReady && completion_spin_us_ > 0) {
+    const auto spin_end =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(completion_spin_us_);
+    do {
+      e = cudaEventQuery(slot->events[3]);
+    } while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < spin_end);
+  }
+  if (e == cudaErrorNotReady) e = cudaEventSynchronize(slot->events[4]);
   const char* what = "stream work";
   if (job->launch_error != cudaSuccess) {
     e = job->launch_error;
@@ -576,6 +605,7 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
     cudaStreamSynchronize(slot->stream);
   }
   if (e == cudaSuccess) {
+    result.timing.stage_us = job->stage_us;
     result.timing.h2d_us = ElapsedUs(slot->events[0], slot->events[1]);
     result.timing.compute_us = ElapsedUs(slot->events[1], slot->events[2]);
     result.timing.d2h_us = ElapsedUs(slot->events[2], slot->events[3]);

@@ -1,10 +1,11 @@
 // The CUDA backend: every usable GPU (or those of --devices) gets `streams_per_device` slots (a
 // stream, its events and a completion thread). A job is dispatched to the device with the fewest
-// outstanding bytes that has a free slot; its inputs are copied once into a pinned staging buffer
-// (PinnedPool), then H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream, and the
-// scheduler worker returns at once. The slot's completion thread waits for the job's last event,
-// copies the result from pinned memory into the response and calls the job's done callback, so
-// neither gRPC threads nor scheduler workers wait on the GPU.
+// outstanding bytes that has a free slot. Its inputs are in pinned memory already (IoBuffers from
+// staging_pool(), filled by a zero-copy edge) or are copied once into a pinned staging buffer
+// (PinnedPool); then H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream, and the
+// scheduler worker returns at once. The slot's completion thread waits for the job's last event
+// (polling briefly, then blocking), copies the result out of a staging buffer if there was one and
+// calls the job's done callback, so neither gRPC threads nor scheduler workers wait on the GPU.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +30,10 @@ namespace flashserve {
 struct CudaBackendOptions {
   std::vector<int> devices;    // empty: every visible device
   int streams_per_device = 2;  // jobs in flight per device (>= 1)
+  // A completion thread polls its job's last event for up to this long before it blocks on it:
+  // a blocking wait wakes tens of microseconds late, which dominates a small request; polling
+  // costs a core only while a job that short is on the device. 0: always block.
+  int completion_spin_us = 200;
   // Bytes of freed device memory the stream-ordered pool keeps instead of returning to the driver.
   uint64_t device_pool_release_threshold_bytes = uint64_t{4} << 30;
   // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).
@@ -62,6 +67,7 @@ class CudaBackend final : public Backend {
   bool healthy() const override { return healthy_.load(); }
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
+  PinnedPool* staging_pool() override { return pinned_.get(); }
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
 
@@ -92,6 +98,7 @@ class CudaBackend final : public Backend {
   cudaStream_t tune_stream_ = nullptr;
   std::unique_ptr<PinnedPool> pinned_;  // null: pinned staging disabled
   int64_t max_device_bytes_per_request_ = 0;
+  int completion_spin_us_ = 0;
   std::mutex mu_;                    // guards every Device's free_slots and load counters
   std::condition_variable slot_cv_;  // a slot was released
   std::atomic<bool> healthy_{true};

@@ -36,13 +36,18 @@ HEALTH_STATUS_NAMES = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
-    """Server-side time per phase, microseconds (h2d/d2h are 0 on the CPU backend)."""
+    """Server-side time per phase, microseconds (h2d/d2h are 0 on the CPU backend).
+
+    stage_us is the server's host copy of the inputs into the buffers the backend reads (pinned
+    memory on a GPU); it is part of total_us and not of h2d_us.
+    """
 
     queue_us: int = 0
     h2d_us: int = 0
     compute_us: int = 0
     d2h_us: int = 0
     total_us: int = 0
+    stage_us: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +218,7 @@ class _Prepared:
         return AttentionResult(
             out=out,
             lse=lse,
-            timing=Timing(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us),
+            timing=Timing(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us, t.stage_us),
             kernel=response.kernel,
             request_id=response.request_id,
         )

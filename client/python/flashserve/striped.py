@@ -209,7 +209,7 @@ class StripedClient:
         lse = tensors.from_proto(response.lse, kind, device) if return_lse else None
         t = response.timing
         return AttentionResult(out=out, lse=lse, timing=Timing(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us,
-                                                               t.total_us),
+                                                               t.total_us, t.stage_us),
                                kernel=response.kernel, request_id=response.request_id)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 // AttentionRuntime with a fake backend: status codes for deadline, cancellation, overload and
 // shutdown, and the response it fills.
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <future>
@@ -187,6 +188,90 @@ TEST(AttentionRuntime, ShutdownIsUnavailable) {
   v1::AttentionRequest request = Request();
   v1::AttentionResponse response;
   EXPECT_EQ(h.Submit(&request, &response).get().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(AttentionRuntime, DeadlineWinsOverCancelledInTheQueue) {
+  // gRPC reports a call whose deadline passed as cancelled too; the answer (and the metric) must
+  // say DEADLINE_EXCEEDED.
+  Harness h;
+  v1::AttentionRequest request = Request();
+  v1::AttentionResponse response;
+  absl::Status s =
+      h.Submit(&request, &response, absl::Now() - absl::Milliseconds(1), [] { return true; }).get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// The zero-copy path: tensor data outside the request, copied by fill_inputs into IoBuffers the
+// runtime allocates after admission; the result stays in the buffers.
+TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
+  Harness h;
+  v1::AttentionRequest full = Request();
+  full.set_return_lse(true);
+  v1::AttentionRequest header = full;
+  int64_t sizes[3];
+  std::string data[3];
+  v1::Tensor* tensors[3] = {header.mutable_q(), header.mutable_k(), header.mutable_v()};
+  for (int i = 0; i < 3; ++i) {
+    data[i] = tensors[i]->data();
+    for (size_t j = 0; j < data[i].size(); ++j) data[i][j] = char(j * 3 + i);
+    sizes[i] = int64_t(data[i].size());
+    tensors[i]->clear_data();
+  }
+  std::shared_ptr<IoBuffers> kept;
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  v1::AttentionResponse response;
+  AttentionRuntime::Call call;
+  call.request = &header;
+  call.response = &response;
+  call.received = absl::Now();
+  std::copy(sizes, sizes + 3, call.data_bytes);
+  call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
+    kept = io;
+    std::memcpy(io->q(), data[0].data(), data[0].size());
+    std::memcpy(io->k(), data[1].data(), data[1].size());
+    std::memcpy(io->v(), data[2].data(), data[2].size());
+  };
+  call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+  h.runtime->Submit(std::move(call));
+  ASSERT_TRUE(promise->get_future().get().ok());
+  ASSERT_NE(kept, nullptr);
+  EXPECT_FALSE(kept->pinned());  // the fake backend has no pinned pool
+  EXPECT_EQ(std::string(kept->q(), data[0].size()), data[0]);
+  EXPECT_EQ(std::string(kept->v(), data[2].size()), data[2]);
+  // Output in the buffers, headers (no data) in the response.
+  float first;
+  std::memcpy(&first, kept->o(), 4);
+  EXPECT_EQ(first, 5.f);
+  EXPECT_EQ(kept->lse()[0], -1.f);
+  EXPECT_TRUE(response.out().data().empty());
+  EXPECT_EQ(response.out().shape_size(), 4);
+  EXPECT_EQ(response.lse().shape_size(), 3);
+  EXPECT_EQ(response.kernel(), "fake_kernel");
+}
+
+TEST(AttentionRuntime, ExternalInputsOfTheWrongSizeAreRejectedBeforeAllocation) {
+  Harness h;
+  v1::AttentionRequest header = Request();
+  for (v1::Tensor* t : {header.mutable_q(), header.mutable_k(), header.mutable_v()}) {
+    t->clear_data();
+  }
+  bool filled = false;
+  auto promise = std::make_shared<std::promise<absl::Status>>();
+  v1::AttentionResponse response;
+  AttentionRuntime::Call call;
+  call.request = &header;
+  call.response = &response;
+  call.data_bytes[0] = 3 * 2 * 4 * 4;
+  call.data_bytes[1] = 5 * 4 * 4 - 1;  // one byte short
+  call.data_bytes[2] = 5 * 4 * 4;
+  call.fill_inputs = [&](const std::shared_ptr<IoBuffers>&) { filled = true; };
+  call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+  h.runtime->Submit(std::move(call));
+  absl::Status s = promise->get_future().get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("k.data: expected 80 bytes"), std::string::npos) << s;
+  EXPECT_FALSE(filled);
+  EXPECT_EQ(h.backend.runs.load(), 0);
 }
 
 TEST(AttentionRuntime, BackendErrorLeavesNoPartialOutput) {

@@ -99,9 +99,9 @@ TEST(SessionTableTest, ReassemblesOutOfOrderChunksExactly) {
       EXPECT_EQ(s.BeginCompute().code(), absl::StatusCode::kFailedPrecondition);
     }
   }
-  EXPECT_EQ(s.request.q().data(), want[0]);
-  EXPECT_EQ(s.request.k().data(), want[1]);
-  EXPECT_EQ(s.request.v().data(), want[2]);
+  EXPECT_EQ(std::string(s.io()->q(), size_t(bytes)), want[0]);
+  EXPECT_EQ(std::string(s.io()->k(), size_t(bytes)), want[1]);
+  EXPECT_EQ(std::string(s.io()->v(), size_t(bytes)), want[2]);
   EXPECT_EQ(s.bytes_received(), 3 * bytes);
   EXPECT_TRUE(s.BeginCompute().ok());
   // No uploads once computing.
@@ -115,7 +115,9 @@ TEST(SessionTableTest, RejectsBadChunksWithoutWriting) {
   auto session = table.Open(Header());
   ASSERT_TRUE(session.ok());
   StreamSession& s = **session;
-  const std::string before = s.request.q().data();
+  // The buffers are not zero-filled: remember what is there and check nothing was written.
+  std::memset(s.io()->q(), 0x5a, 128);
+  const std::string before(s.io()->q(), 128);
   ChunkHeader h;
   EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, 120, std::string(9, 'a')), &h).code(),
             absl::StatusCode::kInvalidArgument);  // past the end
@@ -124,11 +126,11 @@ TEST(SessionTableTest, RejectsBadChunksWithoutWriting) {
   EXPECT_EQ(Feed(&s, Serialize(s.id(), 4, 0, "a"), &h).code(),
             absl::StatusCode::kInvalidArgument);  // OUT is not an input
   EXPECT_EQ(Feed(&s, Serialize(s.id(), 0, 0, "a"), &h).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.request.q().data(), before);
+  EXPECT_EQ(std::string(s.io()->q(), 128), before);
   EXPECT_TRUE(Feed(&s, Serialize(s.id(), 1, 0, std::string(16, 'a')), &h).ok());
   EXPECT_EQ(Feed(&s, Serialize(s.id(), 1, 8, std::string(16, 'b')), &h).code(),
             absl::StatusCode::kInvalidArgument);  // overlap
-  EXPECT_EQ(s.request.q().data().substr(0, 24), std::string(16, 'a') + std::string(8, '\0'));
+  EXPECT_EQ(std::string(s.io()->q(), 24), std::string(16, 'a') + std::string(8, '\x5a'));
   EXPECT_EQ(s.bytes_received(), 16);
 }
 

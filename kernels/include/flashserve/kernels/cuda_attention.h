@@ -44,4 +44,8 @@ cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t 
 /// Same as run(p, select(p, <current device's SM count>), stream).
 cudaError_t run(const AttentionParams& p, cudaStream_t stream);
 
+/// Test hook: queues a kernel that executes a trap instruction, which leaves the context with a
+/// sticky error (cudaErrorLaunchFailure / illegal instruction) once it runs.
+cudaError_t launch_fault_for_testing(cudaStream_t stream);
+
 }  // namespace flashserve::kernels::cuda
