@@ -117,6 +117,7 @@ std::string RandomBf16(int64_t bytes, uint64_t seed) {
 struct Workload {
   Shape shape;
   v1::AttentionRequest request;  // with data
+  v1::AttentionRequest header;   // without tensor data (the striped path's OpenSession)
   std::string serialized;        // the request on the wire
   double serialize_us = 0;       // client: AttentionRequest -> bytes, once
   double parse_us = 0;           // the same bytes parsed back (what the server edge does)
@@ -132,6 +133,13 @@ std::unique_ptr<Workload> MakeWorkload(const Shape& shape) {
     *tensors[i]->mutable_data() = RandomBf16(shape.tensor_bytes(), 1234 + uint64_t(i));
   }
   w->request.set_request_id("loadgen-" + shape.name);
+  for (int i = 0; i < 3; ++i) {
+    const v1::Tensor& t = i == 0 ? w->request.q() : i == 1 ? w->request.k() : w->request.v();
+    v1::Tensor* h = i == 0 ? w->header.mutable_q() : i == 1 ? w->header.mutable_k() : w->header.mutable_v();
+    h->set_dtype(t.dtype());
+    *h->mutable_shape() = t.shape();
+  }
+  w->header.set_request_id(w->request.request_id());
   auto t0 = Clock::now();
   w->request.SerializeToString(&w->serialized);
   w->serialize_us = Micros(Clock::now() - t0);
@@ -148,7 +156,7 @@ grpc::ByteBuffer StaticBuffer(const std::string& bytes) {
 }
 
 // Reads AttentionResponse.timing (field 3) out of a response without copying the tensor bytes.
-bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[5]) {
+bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[6]) {
   grpc::ProtoBufferReader reader(buffer);
   CodedInputStream in(&reader);
   in.SetTotalBytesLimit(INT_MAX);
@@ -165,7 +173,7 @@ bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[5]) {
         if (WireFormatLite::GetTagWireType(t) != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&value)) {
           return false;
         }
-        if (field >= 1 && field <= 5) timing[field - 1] = int64_t(value);
+        if (field >= 1 && field <= 6) timing[field - 1] = int64_t(value);
       }
       in.PopLimit(limit);
       found = true;
@@ -210,7 +218,7 @@ struct CellResult {
   double wall_s = 0, cpu_s = 0;
   int64_t request_bytes = 0, response_bytes = 0;
   std::vector<double> latency_us;
-  std::vector<std::array<int64_t, 5>> timings;  // queue, h2d, compute, d2h, total
+  std::vector<std::array<int64_t, 6>> timings;  // queue, h2d, compute, d2h, total, stage
 };
 
 double CpuSeconds() {
@@ -274,7 +282,7 @@ class Cell {
     int64_t ok = 0, errors = 0, response_bytes = 0;
     std::string first_error;
     std::vector<double> latency_us;
-    std::vector<std::array<int64_t, 5>> timings;
+    std::vector<std::array<int64_t, 6>> timings;
   };
 
   void Start(Worker* w) {
@@ -296,7 +304,7 @@ class Cell {
       w->latency_us.push_back(Micros(t1 - w->t0));
       w->response_bytes = int64_t(w->response.Length());
       if (spec_.read_timing) {
-        std::array<int64_t, 5> t{};
+        std::array<int64_t, 6> t{};
         if (ParseTiming(&w->response, t.data())) w->timings.push_back(t);
       }
     } else {
@@ -345,9 +353,9 @@ std::vector<double> Column(const CellResult& r, int index) {
   return out;
 }
 
-std::vector<double> Overhead(const CellResult& r) {
+std::vector<double> Overhead(const CellResult& r, bool minus_stage = false) {
   std::vector<double> out;
-  for (const auto& t : r.timings) out.push_back(double(t[4] - t[1] - t[2] - t[3]));
+  for (const auto& t : r.timings) out.push_back(double(t[4] - t[1] - t[2] - t[3] - (minus_stage ? t[5] : 0)));
   return out;
 }
 
@@ -453,7 +461,7 @@ class DownloadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
 
 struct StripedSample {
   double total_us, open_us, upload_us, compute_us, download_us;
-  std::array<int64_t, 5> timing;
+  std::array<int64_t, 6> timing;
 };
 
 // One striped request: Open, K uploads in parallel, Compute, K downloads in parallel.
@@ -463,14 +471,10 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
   const int k = int(channels.size());
   const auto t0 = Clock::now();
   auto stub = v1::AttentionStreamService::NewStub(channels[0]);
-  v1::AttentionRequest header = w.request;
-  header.mutable_q()->clear_data();
-  header.mutable_k()->clear_data();
-  header.mutable_v()->clear_data();
   v1::SessionInfo info;
   {
     grpc::ClientContext context;
-    grpc::Status s = stub->OpenSession(&context, header, &info);
+    grpc::Status s = stub->OpenSession(&context, w.header, &info);
     if (!s.ok()) {
       *error = "OpenSession: " + s.error_message();
       return false;
@@ -561,7 +565,7 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
   sample->compute_us = Micros(t3 - t2);
   sample->download_us = Micros(t4 - t3);
   const v1::Timing& t = response.timing();
-  sample->timing = {t.queue_us(), t.h2d_us(), t.compute_us(), t.d2h_us(), t.total_us()};
+  sample->timing = {t.queue_us(), t.h2d_us(), t.compute_us(), t.d2h_us(), t.total_us(), t.stage_us()};
   return true;
 }
 
@@ -610,7 +614,7 @@ int main(int argc, char** argv) {
   std::ofstream csv(Flag("csv", "service.csv"));
   csv << "target,shape,concurrency,channels,ok,errors,wall_s,req_per_s,p50_us,p99_us,request_bytes,response_bytes,"
          "goodput_p50_GBps,goodput_agg_GBps,queue_p50_us,h2d_p50_us,compute_p50_us,d2h_p50_us,total_p50_us,"
-         "overhead_p50_us,overhead_p99_us,client_cpu_cores,first_error\n";
+         "overhead_p50_us,overhead_p99_us,client_cpu_cores,first_error,stage_p50_us,overhead_excl_stage_p50_us\n";
   std::ostringstream md;
   std::ostringstream breakdown;
 
@@ -631,10 +635,14 @@ int main(int argc, char** argv) {
 
   md << "### Unary AttentionService/Attention vs raw gRPC echo of the same bytes\n\n"
         "Goodput = (request + response bytes) / latency (p50; `agg` = bytes x calls/s over all workers). "
-        "Overhead = server total - h2d - compute - d2h (queue included). Kernel = server-reported compute_us p50.\n\n"
+        "Overhead = server total - h2d - compute - d2h (queue and the host staging copy included); stage = the "
+        "server's one host copy of the request tensors (receive slices -> pinned buffers), part of the overhead. "
+        "Kernel = server-reported compute_us p50. Ratio (p50) = echo p50 / flashserve p50 (goodput ratio of the same "
+        "bytes at the median); ratio (agg) = aggregate throughput ratio.\n\n"
         "| shape | conc | calls/s | p50 ms | p99 ms | goodput GB/s (p50) | agg GB/s | echo p50 ms | echo agg GB/s | "
-        "ratio (agg) | overhead p50 us | h2d p50 us | kernel p50 us | d2h p50 us | client CPU cores | errors |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+        "ratio (p50) | ratio (agg) | overhead p50 us | stage p50 us | overhead - stage p50 us | h2d p50 us | "
+        "kernel p50 us | d2h p50 us | client CPU cores | errors |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
   std::vector<std::unique_ptr<Workload>> workloads;
   for (const std::string& name : Split(Flag("shapes", "small,medium,large"))) {
@@ -704,7 +712,8 @@ int main(int argc, char** argv) {
             << Percentile(Column(x, 0), 0.5) << ',' << Percentile(Column(x, 1), 0.5) << ','
             << Percentile(Column(x, 2), 0.5) << ',' << Percentile(Column(x, 3), 0.5) << ','
             << Percentile(Column(x, 4), 0.5) << ',' << Percentile(Overhead(x), 0.5) << ','
-            << Percentile(Overhead(x), 0.99) << ',' << x.cpu_s / x.wall_s << ",\"" << x.first_error << "\"\n";
+            << Percentile(Overhead(x), 0.99) << ',' << x.cpu_s / x.wall_s << ",\"" << x.first_error << "\","
+            << Percentile(Column(x, 5), 0.5) << ',' << Percentile(Overhead(x, true), 0.5) << "\n";
       };
       write_csv(r);
       if (echo_pool) write_csv(e);
@@ -712,10 +721,12 @@ int main(int argc, char** argv) {
       const double p50 = Percentile(r.latency_us, 0.5);
       const double agg = bytes * double(r.ok) / r.wall_s / 1e9;
       const double eagg = echo_pool ? bytes * double(e.ok) / e.wall_s / 1e9 : 0;
-      md << Fmt("| %s | %d | %.1f | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.0f | %.0f | %.0f | %.0f | %.2f | %lld |\n",
+      const double ep50 = echo_pool ? Percentile(e.latency_us, 0.5) : 0.0;
+      md << Fmt("| %s | %d | %.1f | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.2f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %lld |\n",
                 name.c_str(), c, double(r.ok) / r.wall_s, p50 / 1e3, Percentile(r.latency_us, 0.99) / 1e3,
-                bytes / (p50 * 1e3), agg, echo_pool ? Percentile(e.latency_us, 0.5) / 1e3 : 0.0, eagg,
-                eagg > 0 ? agg / eagg : 0.0, Percentile(Overhead(r), 0.5), Percentile(Column(r, 1), 0.5),
+                bytes / (p50 * 1e3), agg, ep50 / 1e3, eagg, ep50 > 0 ? ep50 / p50 : 0.0,
+                eagg > 0 ? agg / eagg : 0.0, Percentile(Overhead(r), 0.5), Percentile(Column(r, 5), 0.5),
+                Percentile(Overhead(r, true), 0.5), Percentile(Column(r, 1), 0.5),
                 Percentile(Column(r, 2), 0.5), Percentile(Column(r, 3), 0.5), r.cpu_s / r.wall_s,
                 (long long)(r.errors));
       std::fprintf(stderr, "%s c=%d: %lld ok %lld err, p50 %.3f ms, agg %.2f GB/s (echo %.2f) %s\n", name.c_str(), c,

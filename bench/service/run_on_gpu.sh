@@ -27,9 +27,11 @@ cat "$OUT/device.txt"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
-# Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue.
+# Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, and a pinned
+# pool big enough for each of them (537 MB rounds up to a 1 GiB size class).
 "$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
-  --max_inflight_bytes=0 --queue_capacity=256 --log_level=warn >"$OUT/server.log" 2>&1 &
+  --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --log_level=warn \
+  >"$OUT/server.log" 2>&1 &
 SERVER=$!
 "$BIN/flashserve-echo" --host=127.0.0.1 --port="$ECHO" >"$OUT/echo.log" 2>&1 &
 ECHO_PID=$!

@@ -9,6 +9,7 @@
 #include "api/request_wire.h"
 #include "api/response_wire.h"
 #include "common/logging.h"
+#include "common/parallel_copy.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -74,8 +75,12 @@ using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attenti
 class AttentionServiceImpl final : public AttentionServiceBase {
  public:
   AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity,
-                       const BearerAuth* auth, bool fault_injection)
-      : runtime_(runtime), identity_(identity), auth_(auth), fault_injection_(fault_injection) {}
+                       const BearerAuth* auth, bool fault_injection, int copy_threads)
+      : runtime_(runtime),
+        identity_(identity),
+        auth_(auth),
+        fault_injection_(fault_injection),
+        copier_(copy_threads) {}
 
   // Finishes unauthorized calls with UNAUTHENTICATED (counted under `method`); true if it did.
   bool RejectUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
@@ -153,11 +158,17 @@ class AttentionServiceImpl final : public AttentionServiceBase {
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
     for (int i = 0; i < 3; ++i) call.data_bytes[i] = state->wire.data[i].bytes;
-    call.fill_inputs = [state](const std::shared_ptr<IoBuffers>& io) {
+    call.fill_inputs = [this, state](const std::shared_ptr<IoBuffers>& io) {
       state->io = io;
-      state->wire.data[0].CopyTo(io->q());
-      state->wire.data[1].CopyTo(io->k());
-      state->wire.data[2].CopyTo(io->v());
+      std::vector<CopyPiece> pieces;
+      char* dest[3] = {io->q(), io->k(), io->v()};
+      for (int i = 0; i < 3; ++i) {
+        for (std::string_view piece : state->wire.data[i].pieces) {
+          pieces.push_back({dest[i], piece.data(), piece.size()});
+          dest[i] += piece.size();
+        }
+      }
+      copier_.Copy(pieces);
       state->slices.clear();  // the request's bytes are no longer needed: let gRPC reuse them
     };
     call.inject_device_fault =
@@ -206,6 +217,7 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   const ServerIdentity identity_;
   const BearerAuth* const auth_;
   const bool fault_injection_;
+  ParallelCopier copier_;
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
@@ -256,8 +268,12 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   auto impl = std::make_unique<Impl>();
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
   if (!credentials.ok()) return credentials.status();
-  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth,
-                                                         options.enable_fault_injection);
+  if (options.copy_threads < 0 || options.copy_threads > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--copy_threads must be in [0, 64], got ", options.copy_threads));
+  }
+  impl->service = std::make_unique<AttentionServiceImpl>(
+      runtime, identity, options.auth, options.enable_fault_injection, options.copy_threads);
   if (options.enable_fault_injection) {
     spdlog::warn("--enable_fault_injection: a request with request_id \"{}\" faults its device "
                  "(test use only)",

@@ -28,6 +28,9 @@ struct GrpcOptions {
   // Test hook (--enable_fault_injection): an Attention request whose request_id is
   // kInjectDeviceFaultRequestId faults its GPU instead of computing (sticky error path).
   bool enable_fault_injection = false;
+  // Helper threads that copy large requests (>= 4 MiB) from the receive slices into the backend's
+  // buffers beside the gRPC thread; 0: the gRPC thread copies alone.
+  int copy_threads = 4;
 };
 
 inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";

@@ -118,10 +118,12 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
   const absl::Time enqueued = absl::Now();
   // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
   auto shared_call = std::make_shared<Call>(std::move(call));
-  absl::Status queued =
-      scheduler_->Submit([this, shared_call, problem = *problem, enqueued, stage_us] {
-        Execute(problem, shared_call, enqueued, stage_us);
-      });
+  Scheduler::Job job = [this, shared_call, problem = *problem, enqueued, stage_us] {
+    Execute(problem, shared_call, enqueued, stage_us);
+  };
+  // A GPU launch with a stream free is quick: do it here rather than wake a worker for it.
+  absl::Status queued = backend_->can_launch_now() ? scheduler_->SubmitOrRunInline(std::move(job))
+                                                   : scheduler_->Submit(std::move(job));
   if (!queued.ok()) shared_call->done(queued);
 }
 

@@ -76,6 +76,10 @@ class Backend {
     result.status = Run(problem, output, &result.timing, &result.kernel);
     done(std::move(result));
   }
+  /// True when RunAsync would start a job now without waiting (it only queues work on a device
+  /// with a free stream): the runtime then launches on the caller's thread instead of handing the
+  /// job to a scheduler worker. The default (CPU: RunAsync computes) is false. Thread-safe; a hint.
+  virtual bool can_launch_now() { return false; }
   /// False after a fault that makes the backend unusable (a sticky CUDA error).
   virtual bool healthy() const { return true; }
   /// Bytes in use and reserved by the device memory pool of `device`; false when the backend

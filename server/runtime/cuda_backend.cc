@@ -353,6 +353,14 @@ int CudaBackend::recommended_concurrency() const {
   return n;
 }
 
+bool CudaBackend::can_launch_now() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& device : devices_) {
+    if (device->healthy.load() && !device->free_slots.empty()) return true;
+  }
+  return false;
+}
+
 // Load balancing: the healthy device with a free slot and the fewest outstanding device bytes
 // (a proxy for the work queued on it; ties go to fewer jobs, then to the lower index).
 CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {

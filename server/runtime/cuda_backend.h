@@ -68,6 +68,7 @@ class CudaBackend final : public Backend {
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
   PinnedPool* staging_pool() override { return pinned_.get(); }
+  bool can_launch_now() override;
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
 

@@ -47,6 +47,26 @@ absl::Status Scheduler::Submit(Job job) {
   return absl::OkStatus();
 }
 
+absl::Status Scheduler::SubmitOrRunInline(Job job) {
+  bool run_here = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (accepting_ && queue_.empty() && running_ < options_.num_workers) {
+      ++running_;
+      run_here = true;
+    }
+  }
+  // Otherwise the ordinary path decides: queued, RESOURCE_EXHAUSTED or UNAVAILABLE.
+  if (!run_here) return Submit(std::move(job));
+  job();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --running_;
+  }
+  idle_cv_.notify_all();
+  return absl::OkStatus();
+}
+
 void Scheduler::StopAccepting() {
   std::lock_guard<std::mutex> lock(mu_);
   accepting_ = false;

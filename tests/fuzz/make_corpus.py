@@ -126,6 +126,38 @@ def request_seeds(rng):
     return out
 
 
+def request_wire_seeds(rng):
+    """fuzz_request_wire input: a split header (byte 0: cut count in bits 0-3, 0x40 empty slices between, 0x80 one
+    slice per byte; then a little-endian uint16 per cut), then the serialized request (see the target)."""
+
+    def split(message: bytes, *cuts: int, flags: int = 0) -> bytes:
+        return bytes([len(cuts) | flags]) + b"".join(struct.pack("<H", c) for c in cuts) + message
+
+    small = dict(batch=1, seqlen_q=2, seqlen_k=3, heads_q=2, heads_kv=1, head_dim=4)
+    fp32 = request(rng, **small).SerializeToString()
+    fp16 = request(rng, dtype=pb.FLOAT16, causal=True, return_lse=True, **small).SerializeToString()
+    scaled = request(rng, softmax_scale=0.25, request_id="seed-\u20ac", **small).SerializeToString()
+    second_q = pb.AttentionRequest(q=tensor(rng, [1, 1, 1, 4])).SerializeToString()
+    shape_only = pb.AttentionRequest(k=pb.Tensor(shape=[7])).SerializeToString()
+    unknown = b"\x48\x05" + b"\x51" + bytes(8) + b"\x5a\x03abc" + b"\x65" + bytes(4)  # fields 9-12, each wire type
+    return {
+        "one_slice_fp32": split(fp32),
+        "cuts_fp16_causal_lse": split(fp16, 1, 40, 40, 100),
+        "empty_slices_between": split(fp16, 3, 17, 64, flags=0x40),
+        "bytewise_scale_id": split(scaled, flags=0x80),
+        "merged_q_twice": split(fp32 + second_q, 60),
+        "merged_shape_only": split(fp32 + shape_only, 5),
+        "unknown_fields": split(unknown + fp32 + unknown, 2, 30),
+        "unknown_in_tensor": split(b"\x0a\x0a\x08\x01\x12\x01\x02\x68\x07\x1a\x01x" + fp32),
+        "group_unknown": split(fp32 + b"\x4b\x48\x01\x4c"),
+        "padded_varints": split(b"\xa0\x80\x00\x01\x3a\x81\x80\x80\x80\x00a" + fp32),
+        "truncated": split(fp16[:45], 20),
+        "bad_utf8_id": split(fp32 + b"\x3a\x02\xc3\x28"),
+        "empty_request": split(b""),
+        "empty_input": b"",
+    }
+
+
 def cpu_attention_seeds(rng):
     # fuzz_cpu_attention reads a few bytes of sizes and options, then tensor bytes: any bytes are a problem.
     return {f"random_{n}": bytes(rng.getrandbits(8) for _ in range(n)) for n in (16, 64, 300, 1500, 4000)}
@@ -275,6 +307,7 @@ def main():
         "fuzz_tune_cache": tune_cache_seeds(rng),
         "fuzz_kserve_rest": kserve_rest_seeds(rng),
         "fuzz_kserve_grpc": kserve_grpc_seeds(rng),
+        "fuzz_request_wire": request_wire_seeds(rng),  # last: the others' seeds do not change
     }
     for target, seeds in targets.items():
         directory = HERE / "corpus" / target

@@ -389,3 +389,33 @@ def test_two_devices_share_the_load(flashserve_bin, tmp_path, rng):
         assert len(reserved) == 2 and all(v > 0 for v in reserved.values()), f"one device never used: {reserved}"
     finally:
         _stop_and_check(s)
+
+
+def test_sticky_device_fault_turns_readiness_off(flashserve_bin, tmp_path, rng):
+    """A sticky CUDA error (a trap kernel, through the --enable_fault_injection test hook) fails that request with
+    INTERNAL, turns gRPC health NOT_SERVING and HTTP ready 503 within ~1 s, and later requests get UNAVAILABLE
+    instead of running on a dead context. The process still exits 0 on SIGTERM."""
+    import urllib.error
+    import urllib.request
+
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--enable_fault_injection"], name="fault").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            q, k, v = _problem(rng, "bfloat16", 1, 300, 400, 4, 2, 128)
+            _check(c, q, k, v, "bfloat16", False)  # healthy first
+            with pytest.raises(flashserve.FlashserveError, match="CUDA fault") as fault:
+                c.attention(q, k, v, request_id="flashserve-test:inject-device-fault")
+            assert fault.value.code == grpc.StatusCode.INTERNAL
+            deadline = time.monotonic() + 10
+            while c.health_status() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.health_status() == "NOT_SERVING"
+            with pytest.raises(urllib.error.HTTPError) as ready:
+                urllib.request.urlopen(f"{s.http}/v2/health/ready", timeout=5)
+            assert ready.value.code == 503
+            with pytest.raises(flashserve.UnavailableError, match="faulted"):
+                c.attention(q, k, v)
+        assert "faulted" in s.logs(limit=20000)
+    finally:
+        _stop_and_check(s)

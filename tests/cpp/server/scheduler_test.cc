@@ -87,4 +87,28 @@ TEST(Scheduler, DestructorRunsAcceptedJobs) {
 }
 
 }  // namespace
+TEST(Scheduler, RunsInlineOnlyWhenAWorkerWouldBeIdle) {
+  auto scheduler = MakeScheduler(4, 1);
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  ASSERT_TRUE(scheduler->SubmitOrRunInline([&] { ran_on = std::this_thread::get_id(); }).ok());
+  EXPECT_EQ(ran_on, caller);  // idle: ran before SubmitOrRunInline returned, on this thread
+
+  // The only worker busy: the next job is queued for it, not run here.
+  std::promise<void> release;
+  std::shared_future<void> gate = release.get_future().share();
+  std::atomic<bool> started{false};
+  ASSERT_TRUE(scheduler->Submit([&] { started = true; gate.wait(); }).ok());
+  while (!started.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::promise<std::thread::id> second;
+  ASSERT_TRUE(scheduler->SubmitOrRunInline([&] { second.set_value(std::this_thread::get_id()); }).ok());
+  EXPECT_EQ(scheduler->queue_depth(), 1);
+  release.set_value();
+  EXPECT_NE(second.get_future().get(), caller);
+  ASSERT_TRUE(scheduler->WaitIdle(absl::Now() + absl::Seconds(10)));
+
+  scheduler->StopAccepting();
+  EXPECT_EQ(scheduler->SubmitOrRunInline([] {}).code(), absl::StatusCode::kUnavailable);
+}
+
 }  // namespace flashserve
