@@ -3,7 +3,8 @@
 # here by scripts/bundle (tarball or --no-tar tree under $BUNDLE_DIR, default .bundle-bench/) whose bin/ holds
 # flashserve, flashserve-loadgen and flashserve-echo, starts flashserve --backend=cuda and the echo server on
 # free loopback ports, runs the load generator grid and writes service.md, service.csv and logs to $OUT.
-# Extra arguments go to flashserve-loadgen (e.g. --duration_s=1.5 --stripes=1,2,4,8).
+# Extra arguments go to flashserve-loadgen (e.g. --duration_s=1.5 --stripes=1,2,4,8); extra server flags in
+# $SERVER_FLAGS (e.g. SERVER_FLAGS="--copy_threads=0").
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-service-bench}
@@ -31,7 +32,7 @@ GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
 # pool big enough for each of them (537 MB rounds up to a 1 GiB size class).
 "$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
   --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --log_level=warn \
-  >"$OUT/server.log" 2>&1 &
+  ${SERVER_FLAGS:-} >"$OUT/server.log" 2>&1 &
 SERVER=$!
 "$BIN/flashserve-echo" --host=127.0.0.1 --port="$ECHO" >"$OUT/echo.log" 2>&1 &
 ECHO_PID=$!

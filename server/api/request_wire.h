@@ -3,9 +3,11 @@
 // (the header); each tensor's data is located as spans of the slices, so the bytes can be copied
 // once, straight into the buffer the backend computes from (pinned staging on a GPU).
 //
-// Semantics match protobuf's own parser: a repeated q/k/v field merges into the earlier one (the
-// last data wins), unknown fields are kept, malformed input is rejected. No gRPC dependency, so
-// the parser can be fuzzed against ParseFromString directly.
+// Semantics match protobuf's own parser (checked by tests/fuzz/fuzz_request_wire.cc against
+// ParseFromArray): a repeated q/k/v field merges into the earlier one (the last data wins), unknown
+// fields are kept, malformed input is rejected. It differs only on encodings no serializer writes:
+// groups (wire types 3/4) and varints whose bits run past 64 (or tags past 32) are rejected, and
+// tags/lengths padded to 6-10 bytes are accepted. No gRPC dependency.
 #pragma once
 
 #include <cstddef>

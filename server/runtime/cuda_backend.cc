@@ -546,22 +546,40 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
     return job->launch_error == cudaSuccess;
   };
   step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
-  step(cudaMemcpyAsync(base, host_q, q_bytes, cudaMemcpyHostToDevice, stream), "H2D copy");
-  step(cudaMemcpyAsync(base + k_offset, host_k, kv_bytes, cudaMemcpyHostToDevice, stream),
-       "H2D copy");
-  step(cudaMemcpyAsync(base + v_offset, host_v, kv_bytes, cudaMemcpyHostToDevice, stream),
-       "H2D copy");
+  // Host buffers in the device layout (IoBuffers or a staging buffer) move in one copy each way:
+  // per-copy latency is what a small request's h2d/d2h mostly is.
+  const bool same_layout = host_k == host_q + k_offset && host_v == host_q + v_offset &&
+                           host_o == host_q + o_offset &&
+                           (!problem.return_lse || host_lse == host_q + lse_offset);
+  if (same_layout) {
+    step(cudaMemcpyAsync(base, host_q, v_offset + kv_bytes, cudaMemcpyHostToDevice, stream),
+         "H2D copy");
+  } else {
+    step(cudaMemcpyAsync(base, host_q, q_bytes, cudaMemcpyHostToDevice, stream), "H2D copy");
+    step(cudaMemcpyAsync(base + k_offset, host_k, kv_bytes, cudaMemcpyHostToDevice, stream),
+         "H2D copy");
+    step(cudaMemcpyAsync(base + v_offset, host_v, kv_bytes, cudaMemcpyHostToDevice, stream),
+         "H2D copy");
+  }
   step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
   if (output.inject_device_fault && job->launch_error == cudaSuccess) {
     step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
   } else if (job->launch_error == cudaSuccess &&
       step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
-    step(cudaMemcpyAsync(host_o, base + o_offset, q_bytes, cudaMemcpyDeviceToHost, stream),
-         "D2H copy");
-    if (problem.return_lse) {
-      step(cudaMemcpyAsync(host_lse, base + lse_offset, lse_bytes, cudaMemcpyDeviceToHost, stream),
+    if (same_layout) {
+      const size_t out_end = problem.return_lse ? lse_offset + lse_bytes : o_offset + q_bytes;
+      step(cudaMemcpyAsync(host_o, base + o_offset, out_end - o_offset, cudaMemcpyDeviceToHost,
+                           stream),
            "D2H copy");
+    } else {
+      step(cudaMemcpyAsync(host_o, base + o_offset, q_bytes, cudaMemcpyDeviceToHost, stream),
+           "D2H copy");
+      if (problem.return_lse) {
+        step(cudaMemcpyAsync(host_lse, base + lse_offset, lse_bytes, cudaMemcpyDeviceToHost,
+                             stream),
+             "D2H copy");
+      }
     }
   }
   // Recorded even after a failure: the completion thread then waits for what was queued (the

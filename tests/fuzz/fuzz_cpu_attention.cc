@@ -69,10 +69,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   absl::StatusOr<AttentionProblem> problem = ValidateAttentionRequest(parsed, limits);
   fuzz::CheckValidationResult(parsed, problem, limits);
   if (!problem.ok()) {
-    // Only softmax_scale can be wrong in what we built: not finite, <= 0, or so large that the
-    // kernels' softmax_scale * log2(e) overflows.
-    const bool scale_ok =
-        std::isfinite(scale) && scale > 0.f && std::isfinite(scale * 1.4426950408889634f);
+    // Only softmax_scale can be wrong in what we built: not finite, <= 0, or over the maximum.
+    const bool scale_ok = std::isfinite(scale) && scale > 0.f && scale <= kMaxSoftmaxScale;
     FUZZ_CHECK(set_scale && !scale_ok, problem.status().ToString());
     return 0;
   }

@@ -151,6 +151,11 @@ def request_wire_seeds(rng):
         "unknown_in_tensor": split(b"\x0a\x0a\x08\x01\x12\x01\x02\x68\x07\x1a\x01x" + fp32),
         "group_unknown": split(fp32 + b"\x4b\x48\x01\x4c"),
         "padded_varints": split(b"\xa0\x80\x00\x01\x3a\x81\x80\x80\x80\x00a" + fp32),
+        # Encodings protobuf and the parser read differently (the target's FirstDeviation), one each.
+        "deviation_tag_6_bytes": split(fp32 + b"\xa0\x80\x80\x80\x80\x00\x01"),
+        "deviation_length_6_bytes": split(fp32 + b"\x3a\x81\x80\x80\x80\x80\x00a"),
+        "deviation_tag_over_32_bits": split(fp32 + b"\xa0\x80\x80\x80\x10\x01"),
+        "deviation_varint_over_64_bits": split(fp32 + b"\x20" + b"\xff" * 9 + b"\x7f"),
         "truncated": split(fp16[:45], 20),
         "bad_utf8_id": split(fp32 + b"\x3a\x02\xc3\x28"),
         "empty_request": split(b""),
