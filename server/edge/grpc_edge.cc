@@ -130,8 +130,7 @@ class AttentionServiceImpl final : public AttentionServiceBase {
     };
 
     std::vector<std::string_view> views;
-    // Admitted before parsing: a SIGTERM arriving while a large request is copied still lets it
-    // finish (the drain waits for it) instead of answering UNAVAILABLE after the upload.
+    // Admitted before parsing: the shutdown drain waits for the copy and the computation.
     AttentionRuntime::Admission admission = runtime_->Admit();
     if (!admission) {
       finish(absl::UnavailableError("server is shutting down"));
