@@ -67,7 +67,7 @@ ABSL_FLAG(bool, enable_fault_injection, false,
           "TEST ONLY: an Attention request whose request_id is "
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
           "computing, to exercise the unhealthy-device path. Never enable in production");
-ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 256 << 10,
+ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 128 << 10,
           "glibc malloc: allocations of at least this many bytes get their own mmap and go back "
           "to the system when freed. A fixed threshold stops glibc from raising it after large "
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
@@ -76,9 +76,10 @@ ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
           "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
           "mapped for reuse instead of returning it to the driver, per device");
 ABSL_FLAG(int64_t, pinned_pool_bytes, int64_t{2} << 30,
-          "CUDA backend: cap of the pinned host staging pool (power-of-two size classes from "
-          "64 KiB, reused without re-pinning); a request that does not fit is served with slower "
-          "pageable copies; 0 disables pinned staging");
+          "Cap of the pool of request buffers (power-of-two size classes from 64 KiB, reused "
+          "between requests): page-locked on the CUDA backend (a request that does not fit is "
+          "served with slower pageable copies), heap memory on the CPU backend (no page faults "
+          "of fresh buffers); 0 disables the pool");
 ABSL_FLAG(int64_t, max_device_bytes_per_request, 0,
           "CUDA backend: a request needing more device memory (Q, K, V, O, LSE) gets "
           "RESOURCE_EXHAUSTED before any allocation; 0: no limit (the GPU's free memory is)");

@@ -54,6 +54,7 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   }
   CpuBackendOptions cpu_options;
   cpu_options.num_threads = options.cpu_threads;
+  cpu_options.buffer_pool_bytes = options.pinned_pool_bytes;
   absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(cpu_options);
   if (!cpu.ok()) return cpu.status();
   created.backend = std::move(*cpu);

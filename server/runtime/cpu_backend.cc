@@ -8,8 +8,22 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError("worker_threads must be >= 0");
   }
-  return std::unique_ptr<CpuBackend>(new CpuBackend(options.num_threads));
+  if (options.buffer_pool_bytes < 0) {
+    return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
+  }
+  auto backend = std::unique_ptr<CpuBackend>(new CpuBackend(options.num_threads));
+  if (options.buffer_pool_bytes > 0) {
+    PinnedPoolOptions pool_options;
+    pool_options.capacity_bytes = size_t(options.buffer_pool_bytes);
+    pool_options.page_locked = false;
+    absl::StatusOr<std::unique_ptr<PinnedPool>> pool =
+        PinnedPool::Create(pool_options, std::make_unique<HeapAllocator>());
+    if (!pool.ok()) return pool.status();
+    backend->buffers_ = std::move(*pool);
+  }
+  return backend;
 }
+
 
 CpuBackend::CpuBackend(int num_threads)
     : pool_(std::make_unique<kernels::cpu::ThreadPool>(num_threads)) {

@@ -6,11 +6,15 @@
 #include "absl/status/statusor.h"
 #include "flashserve/kernels/cpu_attention.h"
 #include "runtime/backend.h"
+#include "runtime/pinned_pool.h"
 
 namespace flashserve {
 
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: all cores
+  // Cap of the pool of request buffers (IoBuffers), reused between requests: a fresh buffer costs
+  // page faults on every request (its memory comes from mmap). 0: no pool.
+  int64_t buffer_pool_bytes = int64_t{2} << 30;
 };
 
 /// Thread-safe.
@@ -22,10 +26,12 @@ class CpuBackend final : public Backend {
   absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
                    std::string* kernel) override;
   int num_threads() const { return pool_->num_threads(); }
+  PinnedPool* staging_pool() override { return buffers_.get(); }
 
  private:
   explicit CpuBackend(int num_threads);
   std::unique_ptr<kernels::cpu::ThreadPool> pool_;
+  std::unique_ptr<PinnedPool> buffers_;  // heap memory; null when disabled
   BackendCapabilities capabilities_;
 };
 

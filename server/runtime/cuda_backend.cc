@@ -39,6 +39,13 @@ bool IsSticky(cudaError_t e) {
   }
 }
 
+// A deliberately pessimistic guess of a job's device time: copies at 10 GB/s (small pinned copies
+// reach less than the link's peak), attention at 100 TFLOP/s.
+double PredictedDeviceUs(const AttentionProblem& problem, const IoLayout& layout) {
+  const double bytes = double(layout.total);
+  return bytes / 10e9 * 1e6 + kernels::attention_flops(problem.params()) / 100e12 * 1e6;
+}
+
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0.f;
   return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? int64_t(ms * 1000.f) : 0;
@@ -588,6 +595,13 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
   cudaFreeAsync(base, stream);
 
+  // A job expected to finish within the polling window is completed right here: handing it to the
+  // slot's completion thread would add that thread's wake-up (tens of microseconds on a loaded or
+  // virtualized host) to a request that takes about as long on the GPU.
+  if (completion_spin_us_ > 0 && PredictedDeviceUs(problem, layout) * 2 <= completion_spin_us_) {
+    Complete(slot, std::move(job));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(slot->mu);
     slot->job = std::move(job);

@@ -5,7 +5,9 @@
 // (PinnedPool); then H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream, and the
 // scheduler worker returns at once. The slot's completion thread waits for the job's last event
 // (polling briefly, then blocking), copies the result out of a staging buffer if there was one and
-// calls the job's done callback, so neither gRPC threads nor scheduler workers wait on the GPU.
+// calls the job's done callback, so neither gRPC threads nor scheduler workers wait on the GPU --
+// except for jobs predicted to take under half the polling window, which the launching thread
+// completes itself (a thread hand-off would cost as much as the job).
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -10,6 +10,7 @@ std::shared_ptr<IoBuffers> IoBuffers::Allocate(const AttentionProblem& problem, 
   if (pool != nullptr) {
     io->pinned_ = pool->Acquire(layout.total);
     if (io->pinned_) {
+      io->page_locked_ = pool->options().page_locked;
       io->base_ = io->pinned_.data();
       return io;
     }

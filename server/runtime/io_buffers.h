@@ -40,15 +40,17 @@ struct IoLayout {
 /// the gRPC slices that send the output, and freed (or returned to the pool) by the last owner.
 class IoBuffers {
  public:
-  /// From the pinned pool when it has room (pool may be null), else from the heap. nullptr only
-  /// when the heap allocation fails.
+  /// From the pool when it has room (pool may be null: the CUDA backend's pinned staging pool or
+  /// the CPU backend's heap buffer pool), else freshly from the heap. nullptr only when the heap
+  /// allocation fails.
   static std::shared_ptr<IoBuffers> Allocate(const AttentionProblem& problem, PinnedPool* pool);
   ~IoBuffers();
   IoBuffers(const IoBuffers&) = delete;
   IoBuffers& operator=(const IoBuffers&) = delete;
 
   const IoLayout& layout() const { return layout_; }
-  bool pinned() const { return static_cast<bool>(pinned_); }
+  /// Page-locked: from a pool whose memory the GPU can copy from directly.
+  bool pinned() const { return pinned_ && page_locked_; }
   char* q() const { return base_; }
   char* k() const { return base_ + layout_.k_offset; }
   char* v() const { return base_ + layout_.v_offset; }
@@ -60,7 +62,8 @@ class IoBuffers {
  private:
   explicit IoBuffers(const IoLayout& layout) : layout_(layout) {}
   const IoLayout layout_;
-  PinnedPool::Buffer pinned_;
+  PinnedPool::Buffer pinned_;  // from the pool (page-locked or not), else empty
+  bool page_locked_ = false;
   char* base_ = nullptr;
   bool heap_ = false;
 };

@@ -1,10 +1,18 @@
 #include "runtime/pinned_pool.h"
 
+#include <new>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace flashserve {
+
+void* HeapAllocator::Allocate(size_t bytes) {
+  return ::operator new(bytes, std::align_val_t(64), std::nothrow);
+}
+
+void HeapAllocator::Free(void* pointer) { ::operator delete(pointer, std::align_val_t(64)); }
 namespace {
 
 size_t RoundUpPowerOfTwo(size_t n) {

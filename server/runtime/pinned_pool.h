@@ -36,6 +36,16 @@ class HostAllocator {
 struct PinnedPoolOptions {
   size_t capacity_bytes = size_t{2} << 30;  // everything held from the allocator; 0: pool disabled
   size_t min_class_bytes = size_t{64} << 10;  // smallest size class (rounded up to a power of two)
+  // Whether the allocator's memory is page-locked (the CUDA backend's) or ordinary heap memory
+  // (the CPU backend pools its request buffers the same way, for reuse without page faults).
+  bool page_locked = true;
+};
+
+/// Ordinary heap memory (64-byte aligned): the CPU backend's request-buffer pool.
+class HeapAllocator final : public HostAllocator {
+ public:
+  void* Allocate(size_t bytes) override;
+  void Free(void* pointer) override;
 };
 
 struct PinnedPoolStats {
