@@ -399,7 +399,9 @@ def test_sticky_device_fault_turns_readiness_off(flashserve_bin, tmp_path, rng):
     import urllib.request
 
     _require_gpu()
-    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--enable_fault_injection"], name="fault").start()
+    # One device: with two, the healthy one keeps serving after the other faults (readiness still turns false).
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--devices=0", "--enable_fault_injection"],
+                      name="fault").start()
     try:
         with flashserve.Client(s.address, timeout=120) as c:
             q, k, v = _problem(rng, "bfloat16", 1, 300, 400, 4, 2, 128)
