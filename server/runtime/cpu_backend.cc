@@ -16,6 +16,8 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
     PinnedPoolOptions pool_options;
     pool_options.capacity_bytes = size_t(options.buffer_pool_bytes);
     pool_options.page_locked = false;
+    // The CPU backend runs one job at a time (a few more are parsed or answered meanwhile).
+    pool_options.max_cached_per_class = 2;
     absl::StatusOr<std::unique_ptr<PinnedPool>> pool =
         PinnedPool::Create(pool_options, std::make_unique<HeapAllocator>());
     if (!pool.ok()) return pool.status();

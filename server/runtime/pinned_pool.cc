@@ -126,9 +126,18 @@ PinnedPool::Buffer PinnedPool::Acquire(size_t bytes) {
 }
 
 void PinnedPool::Release(void* data, size_t capacity) {
-  std::lock_guard<std::mutex> lock(mu_);
-  stats_.used_bytes -= int64_t(capacity);
-  free_lists_[size_t(ClassIndex(capacity))].push_back(data);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.used_bytes -= int64_t(capacity);
+    std::vector<void*>& list = free_lists_[size_t(ClassIndex(capacity))];
+    if (options_.max_cached_per_class == 0 || list.size() < options_.max_cached_per_class) {
+      list.push_back(data);
+      return;
+    }
+    stats_.reserved_bytes -= int64_t(capacity);
+    stats_.evictions++;
+  }
+  allocator_->Free(data);  // that class already keeps enough spares
 }
 
 void PinnedPool::Trim() {

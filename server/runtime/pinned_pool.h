@@ -39,6 +39,10 @@ struct PinnedPoolOptions {
   // Whether the allocator's memory is page-locked (the CUDA backend's) or ordinary heap memory
   // (the CPU backend pools its request buffers the same way, for reuse without page faults).
   bool page_locked = true;
+  // Spare (released) buffers kept per size class; more are freed on release. 0: no limit (pinning
+  // is expensive, so the CUDA backend keeps every spare under the cap; the CPU backend keeps a few:
+  // its buffers only save page faults, and spares nobody reuses would be resident memory).
+  size_t max_cached_per_class = 0;
 };
 
 /// Ordinary heap memory (64-byte aligned): the CPU backend's request-buffer pool.

@@ -99,6 +99,26 @@ TEST(PinnedPool, ReleasedBufferIsReusedWithoutAllocating) {
   EXPECT_EQ(c.allocations.load(), 2);
 }
 
+TEST(PinnedPool, SparesPerClassAreCappedWhenAsked) {
+  FakeAllocator::Counters c;
+  PinnedPoolOptions options;
+  options.capacity_bytes = 64 << 20;
+  options.max_cached_per_class = 2;
+  auto pool = std::move(*PinnedPool::Create(options, std::make_unique<FakeAllocator>(&c)));
+  {
+    std::vector<PinnedPool::Buffer> held;
+    for (int i = 0; i < 5; ++i) held.push_back(pool->Acquire(100 * KiB));
+    EXPECT_EQ(c.allocations.load(), 5);
+  }  // all five released: two kept as spares, three freed
+  EXPECT_EQ(c.frees.load(), 3);
+  EXPECT_EQ(pool->stats().used_bytes, 0);
+  EXPECT_EQ(pool->stats().reserved_bytes, int64_t(2 * 128 * KiB));
+  PinnedPool::Buffer a = pool->Acquire(100 * KiB), b = pool->Acquire(100 * KiB);
+  EXPECT_EQ(c.allocations.load(), 5);  // both spares reused
+  PinnedPool::Buffer d = pool->Acquire(100 * KiB);
+  EXPECT_EQ(c.allocations.load(), 6);
+}
+
 TEST(PinnedPool, MoveTransfersOwnership) {
   FakeAllocator::Counters c;
   auto pool = MakePool(&c, 1 << 20);
