@@ -439,8 +439,8 @@ int Serve() {
   runtime.StopAccepting();  // new requests: UNAVAILABLE
   const bool drained = runtime.WaitIdle(deadline);
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
-  // gRPC 1.51 cancels, at Shutdown, the calls whose request is still arriving (a unary callback
-  // method only sees a call once its message is complete): the drain cannot wait for those.
+  // Native Attention calls are admitted when they start (edge/attention_call.h), so WaitIdle also
+  // waits for requests still uploading; gRPC's Shutdown would cancel those.
   (*grpc_edge)->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");
   (*http_edge)->Stop();

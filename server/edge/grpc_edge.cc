@@ -6,10 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "api/request_wire.h"
-#include "api/response_wire.h"
 #include "common/logging.h"
-#include "common/parallel_copy.h"
+#include "edge/attention_call.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -23,64 +21,16 @@ namespace {
 
 constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
 
-absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
-  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(t);
-}
-
-// One unary Attention call on the zero-copy path: the request's receive slices (kept referenced),
-// its parsed header and data spans, and the response header the runtime fills.
-struct RawCall {
-  std::vector<grpc::Slice> slices;
-  WireRequest wire;
-  v1::AttentionResponse response;
-  std::shared_ptr<IoBuffers> io;
-};
-
-// A slice that sends `length` bytes at `data` without copying them and keeps `io` alive until
-// gRPC has written them.
-grpc::Slice SliceOf(const char* data, size_t length, const std::shared_ptr<IoBuffers>& io) {
-  return grpc::Slice(
-      const_cast<char*>(data), length,
-      [](void* keep) { delete static_cast<std::shared_ptr<IoBuffers>*>(keep); },
-      new std::shared_ptr<IoBuffers>(io));
-}
-
-// The serialized response: its small fields copied, O and LSE sent from the request's buffers.
-grpc::ByteBuffer ResponseBytes(const RawCall& call) {
-  const IoLayout& layout = call.io->layout();
-  const std::string_view out(call.io->o(), layout.q_bytes);
-  const std::string_view lse(reinterpret_cast<const char*>(call.io->lse()), layout.lse_bytes);
-  const ResponsePieces pieces = EncodeAttentionResponse(call.response, out, lse);
-  grpc::Slice slices[5];
-  size_t n = 0;
-  slices[n++] = grpc::Slice(pieces.out_prefix);
-  slices[n++] = SliceOf(out.data(), out.size(), call.io);
-  if (!lse.empty()) {
-    slices[n++] = grpc::Slice(pieces.lse_prefix);
-    slices[n++] = SliceOf(lse.data(), lse.size(), call.io);
-  }
-  if (!pieces.rest.empty()) slices[n++] = grpc::Slice(pieces.rest);
-  return grpc::ByteBuffer(slices, n);
-}
-
-// Attention is registered raw: the request is parsed from gRPC's receive slices by
-// ParseAttentionRequestWire and its tensors copied once into the backend's (pinned) buffers; O and
-// LSE go back as slices pointing into those buffers. GetServerInfo is an ordinary typed method.
-using AttentionServiceBase = v1::AttentionService::WithRawCallbackMethod_Attention<
+// Attention is served by AttentionRouter (edge/attention_call.h) through the generic callback API,
+// so it is marked generic here; GetServerInfo is an ordinary typed method.
+using AttentionServiceBase = v1::AttentionService::WithGenericMethod_Attention<
     v1::AttentionService::WithCallbackMethod_GetServerInfo<v1::AttentionService::Service>>;
 
 class AttentionServiceImpl final : public AttentionServiceBase {
  public:
   AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity,
-                       const BearerAuth* auth, bool fault_injection, int copy_threads)
-      : runtime_(runtime),
-        identity_(identity),
-        auth_(auth),
-        fault_injection_(fault_injection),
-        copier_(copy_threads) {}
+                       const BearerAuth* auth)
+      : runtime_(runtime), identity_(identity), auth_(auth) {}
 
   // Finishes unauthorized calls with UNAUTHENTICATED (counted under `method`); true if it did.
   bool RejectUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
@@ -92,89 +42,6 @@ class AttentionServiceImpl final : public AttentionServiceBase {
     spdlog::warn("{} rejected: {}", method, kUnauthenticatedMessage);
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage));
     return true;
-  }
-
-  grpc::ServerUnaryReactor* Attention(grpc::CallbackServerContext* context,
-                                      const grpc::ByteBuffer* request_bytes,
-                                      grpc::ByteBuffer* response_bytes) override {
-    const absl::Time received = absl::Now();
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    if (RejectUnauthorized(context, reactor, "Attention")) return reactor;
-    ServerMetrics* metrics = runtime_->metrics();
-    if (metrics != nullptr) metrics->InflightInc();
-    auto state = std::make_shared<RawCall>();
-    const int64_t request_size = int64_t(request_bytes->Length());
-    auto finish = [reactor, state, response_bytes, metrics, received,
-                   request_size](const absl::Status& status) {
-      if (status.ok()) *response_bytes = ResponseBytes(*state);
-      if (metrics != nullptr) {
-        metrics->InflightDec();
-        metrics->RecordRequest("Attention", static_cast<int>(status.code()),
-                               absl::ToDoubleSeconds(absl::Now() - received), request_size,
-                               status.ok() ? int64_t(response_bytes->Length()) : 0);
-      }
-      const std::string& request_id = state->wire.header.request_id();
-      if (!status.ok()) {
-        spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"",
-                     LogSafe(request_id), absl::StatusCodeToString(status.code()),
-                     std::string(status.message()));
-      } else if (spdlog::should_log(spdlog::level::debug)) {
-        const v1::Timing& t = state->response.timing();
-        spdlog::debug(
-            "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} stage_us={} "
-            "h2d_us={} compute_us={} d2h_us={}",
-            LogSafe(request_id), state->response.kernel(), t.total_us(), t.queue_us(),
-            t.stage_us(), t.h2d_us(), t.compute_us(), t.d2h_us());
-      }
-      reactor->Finish(ToGrpcStatus(status));
-    };
-
-    std::vector<std::string_view> views;
-    // Admitted before parsing: the shutdown drain waits for the copy and the computation.
-    AttentionRuntime::Admission admission = runtime_->Admit();
-    if (!admission) {
-      finish(absl::UnavailableError("server is shutting down"));
-      return reactor;
-    }
-    // No bytes to dump: gRPC got no complete message (the client ended the stream early).
-    absl::Status parsed =
-        absl::InvalidArgumentError("AttentionRequest: no complete message was received");
-    if (request_bytes->Dump(&state->slices).ok()) {
-      views.reserve(state->slices.size());
-      for (const grpc::Slice& slice : state->slices) {
-        views.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
-      }
-      parsed = ParseAttentionRequestWire(views, &state->wire);
-    }
-    if (!parsed.ok()) {
-      finish(parsed);
-      return reactor;
-    }
-    AttentionRuntime::Call call;
-    call.request = &state->wire.header;
-    call.response = &state->response;
-    call.received = received;
-    call.deadline = ToAbslTime(context->deadline());
-    call.cancelled = [context] { return context->IsCancelled(); };
-    for (int i = 0; i < 3; ++i) call.data_bytes[i] = state->wire.data[i].bytes;
-    call.fill_inputs = [this, state](const std::shared_ptr<IoBuffers>& io) {
-      state->io = io;
-      std::vector<CopyPiece> pieces;
-      char* dest[3] = {io->q(), io->k(), io->v()};
-      for (int i = 0; i < 3; ++i) {
-        for (std::string_view piece : state->wire.data[i].pieces) {
-          pieces.push_back({dest[i], piece.data(), piece.size()});
-          dest[i] += piece.size();
-        }
-      }
-      copier_.Copy(pieces);
-      state->slices.clear();  // the request's bytes are no longer needed: let gRPC reuse them
-    };
-    call.inject_device_fault =
-        fault_injection_ && state->wire.header.request_id() == kInjectDeviceFaultRequestId;
-    call.done = std::move(finish);
-    runtime_->Submit(std::move(call), std::move(admission));
-    return reactor;
   }
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
@@ -215,8 +82,6 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   AttentionRuntime* runtime_;
   const ServerIdentity identity_;
   const BearerAuth* const auth_;
-  const bool fault_injection_;
-  ParallelCopier copier_;
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
@@ -248,6 +113,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
 
 struct GrpcEdge::Impl {
   std::unique_ptr<AttentionServiceImpl> service;
+  std::unique_ptr<AttentionRouter> router;
   std::unique_ptr<grpc::Server> server;
   int port = 0;
 };
@@ -271,8 +137,12 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
     return absl::InvalidArgumentError(
         absl::StrCat("--copy_threads must be in [0, 64], got ", options.copy_threads));
   }
-  impl->service = std::make_unique<AttentionServiceImpl>(
-      runtime, identity, options.auth, options.enable_fault_injection, options.copy_threads);
+  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth);
+  AttentionCallOptions call_options;
+  call_options.auth = options.auth;
+  call_options.fault_injection = options.enable_fault_injection;
+  call_options.copy_threads = options.copy_threads;
+  impl->router = std::make_unique<AttentionRouter>(runtime, call_options);
   if (options.enable_fault_injection) {
     spdlog::warn("--enable_fault_injection: a request with request_id \"{}\" faults its device "
                  "(test use only)",
@@ -288,6 +158,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
                                            ":", options.port);
   builder.AddListeningPort(address, *credentials, &impl->port);
   builder.RegisterService(impl->service.get());
+  builder.RegisterCallbackGenericService(impl->router.get());
   for (grpc::Service* service : extra_services) builder.RegisterService(service);
   // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
   // before we see it); a response is at most the size of its request plus the LSE.

@@ -33,7 +33,6 @@ struct GrpcOptions {
   int copy_threads = 4;
 };
 
-inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
 
 /// What GetServerInfo reports beside the backend's capabilities.
 struct ServerIdentity {

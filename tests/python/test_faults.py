@@ -254,12 +254,10 @@ def test_sigterm_under_load(start_server):
     assert late[-1].startswith(("UNAVAILABLE", "CANCELLED")), f"requests sent after SIGTERM: {late}"
 
 
-@pytest.mark.xfail(strict=True, reason="known limit: gRPC 1.51 cancels, at server Shutdown, a unary call whose request "
-                   "is still arriving (the callback API only sees the call once its message is complete), so the "
-                   "drain cannot wait for it; the client gets CANCELLED and should retry (README, SECURITY.md)")
 def test_sigterm_while_a_request_is_still_uploading(start_server):
     """A native Attention call whose ~200 MB request is still on its way when SIGTERM arrives is received, computed and
-    answered correctly, and the process then exits 0."""
+    answered correctly, and the process then exits 0: the call is admitted when it starts (edge/attention_call.h), so
+    the drain waits for its upload instead of gRPC's shutdown cancelling it."""
     server = start_server("--shutdown_grace_seconds=60", name="upload_sigterm")
     rng = np.random.default_rng(21)
     # One query row against 100k keys: 200 MB to send, little to compute.

@@ -421,3 +421,42 @@ def test_sticky_device_fault_turns_readiness_off(flashserve_bin, tmp_path, rng):
         assert "faulted" in s.logs(limit=20000)
     finally:
         _stop_and_check(s)
+
+
+def test_real_device_out_of_memory_then_normal_service(flashserve_bin, tmp_path, rng):
+    """A real cudaMallocAsync failure, not a configured limit: another process (this test, through torch) takes all but
+    ~64 MiB of the GPU, a ~600 MB request gets RESOURCE_EXHAUSTED "out of memory", the server stays ready, and once the
+    memory is given back the same request is answered correctly."""
+    _require_gpu()
+    torch = pytest.importorskip("torch", reason="torch is needed to take the GPU's memory from another process")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--devices=0"], name="oom").start()
+    hog = []
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            small = _problem(rng, "bfloat16", 1, 64, 64, 2, 2, 128)
+            _check(c, *small, "bfloat16", False)  # context and memory pool exist before the squeeze
+            q, k, v = _problem(rng, "bfloat16", 1, 16384, 16384, 32, 8, 128)  # ~0.6 GB on the device
+            free, _ = torch.cuda.mem_get_info(0)
+            while free > (64 << 20):
+                chunk = min(free - (48 << 20), 4 << 30)
+                if chunk <= 0:
+                    break
+                hog.append(torch.empty(chunk, dtype=torch.uint8, device="cuda:0"))
+                free, _ = torch.cuda.mem_get_info(0)
+            with pytest.raises(flashserve.ResourceExhaustedError, match="out of memory"):
+                c.attention(q, k, v)
+            assert c.health_status() == "SERVING"
+            hog.clear()
+            torch.cuda.empty_cache()
+            out = np.asarray(c.attention(q, k, v), dtype=np.float64)[:, :256]  # rows are independent: check a few
+            ref = reference.attention(q[:, :256], k, v)
+            assert np.isfinite(out).all()
+            tol = reference.output_tolerance(ref, "bfloat16", float(np.abs(v.astype(np.float64)).max()),
+                                             reference.max_abs_logit(q[:, :256], k))
+            assert float(np.abs(out - ref).max()) <= tol
+            _check(c, *small, "bfloat16", False)
+    finally:
+        hog.clear()
+        _stop_and_check(s)

@@ -1,0 +1,192 @@
+#include "edge/attention_call.h"
+
+#include <chrono>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "api/request_wire.h"
+#include "api/response_wire.h"
+#include "common/logging.h"
+#include "edge/grpc_auth.h"
+#include "edge/grpc_status.h"
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+namespace {
+
+absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
+  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
+    return absl::InfiniteFuture();
+  }
+  return absl::FromChrono(t);
+}
+
+// A slice that sends `length` bytes at `data` without copying them and keeps `io` alive until
+// gRPC has written them.
+grpc::Slice SliceOf(const char* data, size_t length, const std::shared_ptr<IoBuffers>& io) {
+  return grpc::Slice(
+      const_cast<char*>(data), length,
+      [](void* keep) { delete static_cast<std::shared_ptr<IoBuffers>*>(keep); },
+      new std::shared_ptr<IoBuffers>(io));
+}
+
+// The serialized response: its small fields copied, O and LSE sent from the request's buffers.
+grpc::ByteBuffer ResponseBytes(const v1::AttentionResponse& header,
+                               const std::shared_ptr<IoBuffers>& io) {
+  const IoLayout& layout = io->layout();
+  const std::string_view out(io->o(), layout.q_bytes);
+  const std::string_view lse(reinterpret_cast<const char*>(io->lse()), layout.lse_bytes);
+  const ResponsePieces pieces = EncodeAttentionResponse(header, out, lse);
+  grpc::Slice slices[5];
+  size_t n = 0;
+  slices[n++] = grpc::Slice(pieces.out_prefix);
+  slices[n++] = SliceOf(out.data(), out.size(), io);
+  if (!lse.empty()) {
+    slices[n++] = grpc::Slice(pieces.lse_prefix);
+    slices[n++] = SliceOf(lse.data(), lse.size(), io);
+  }
+  if (!pieces.rest.empty()) slices[n++] = grpc::Slice(pieces.rest);
+  return grpc::ByteBuffer(slices, n);
+}
+
+// One Attention call, from its first header to its answer. Deletes itself when gRPC is done.
+class AttentionCall final : public grpc::ServerGenericBidiReactor {
+ public:
+  AttentionCall(AttentionRuntime* runtime, const AttentionCallOptions& options,
+                ParallelCopier* copier, grpc::GenericCallbackServerContext* context)
+      : runtime_(runtime), options_(options), copier_(copier), context_(context) {
+    if (!GrpcCallAuthorized(options_.auth, context)) {
+      Answer(absl::UnauthenticatedError(kUnauthenticatedMessage));
+      return;
+    }
+    // Admitted now, while the request may still be uploading: the shutdown drain waits for it.
+    admission_ = runtime_->Admit();
+    if (!admission_) {
+      Answer(absl::UnavailableError("server is shutting down"));
+      return;
+    }
+    StartRead(&request_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client ended or cancelled the call without a complete request
+      Answer(absl::InvalidArgumentError("AttentionRequest: no complete message was received"));
+      return;
+    }
+    received_ = absl::Now();  // the server's clock (Timing.total_us) starts with the whole request
+    request_size_ = int64_t(request_.Length());
+    if (ServerMetrics* metrics = runtime_->metrics()) {
+      metrics->InflightInc();
+      counted_inflight_ = true;
+    }
+    absl::Status parsed = absl::InvalidArgumentError("AttentionRequest: unreadable message");
+    if (request_.Dump(&slices_).ok()) {
+      std::vector<std::string_view> views;
+      views.reserve(slices_.size());
+      for (const grpc::Slice& slice : slices_) {
+        views.emplace_back(reinterpret_cast<const char*>(slice.begin()), slice.size());
+      }
+      parsed = ParseAttentionRequestWire(views, &wire_);
+    }
+    request_.Clear();  // slices_ holds the bytes now
+    if (!parsed.ok()) {
+      Answer(parsed);
+      return;
+    }
+    AttentionRuntime::Call call;
+    call.request = &wire_.header;
+    call.response = &response_;
+    call.received = received_;
+    call.deadline = ToAbslTime(context_->deadline());
+    call.cancelled = [context = context_] { return context->IsCancelled(); };
+    for (int i = 0; i < 3; ++i) call.data_bytes[i] = wire_.data[i].bytes;
+    call.fill_inputs = [this](const std::shared_ptr<IoBuffers>& io) {
+      io_ = io;
+      std::vector<CopyPiece> pieces;
+      char* dest[3] = {io->q(), io->k(), io->v()};
+      for (int i = 0; i < 3; ++i) {
+        for (std::string_view piece : wire_.data[i].pieces) {
+          pieces.push_back({dest[i], piece.data(), piece.size()});
+          dest[i] += piece.size();
+        }
+      }
+      copier_->Copy(pieces);
+      slices_.clear();  // the request's bytes are no longer needed: let gRPC reuse them
+    };
+    call.inject_device_fault =
+        options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
+    call.done = [this](const absl::Status& status) { Answer(status); };
+    runtime_->Submit(std::move(call), std::move(admission_));
+  }
+
+  void OnWriteDone(bool /*ok*/) override {}
+  void OnDone() override { delete this; }
+
+ private:
+  // Sends the response (or the error), records metrics and logs; called exactly once.
+  void Answer(const absl::Status& status) {
+    int64_t response_size = 0;
+    if (status.ok()) {
+      response_bytes_ = ResponseBytes(response_, io_);
+      response_size = int64_t(response_bytes_.Length());
+    }
+    if (ServerMetrics* metrics = runtime_->metrics()) {
+      if (counted_inflight_) metrics->InflightDec();
+      const double seconds = received_ == absl::InfinitePast()
+                                 ? 0.0
+                                 : absl::ToDoubleSeconds(absl::Now() - received_);
+      metrics->RecordRequest("Attention", static_cast<int>(status.code()), seconds, request_size_,
+                             response_size);
+    }
+    const std::string& request_id = wire_.header.request_id();
+    if (!status.ok()) {
+      spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"", LogSafe(request_id),
+                   absl::StatusCodeToString(status.code()), std::string(status.message()));
+    } else if (spdlog::should_log(spdlog::level::debug)) {
+      const v1::Timing& t = response_.timing();
+      spdlog::debug(
+          "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} stage_us={} h2d_us={} "
+          "compute_us={} d2h_us={}",
+          LogSafe(request_id), response_.kernel(), t.total_us(), t.queue_us(), t.stage_us(),
+          t.h2d_us(), t.compute_us(), t.d2h_us());
+    }
+    if (status.ok()) {
+      StartWriteAndFinish(&response_bytes_, grpc::WriteOptions(), grpc::Status::OK);
+    } else {
+      Finish(ToGrpcStatus(status));
+    }
+  }
+
+  AttentionRuntime* const runtime_;
+  const AttentionCallOptions& options_;
+  ParallelCopier* const copier_;
+  grpc::GenericCallbackServerContext* const context_;
+  AttentionRuntime::Admission admission_;
+  grpc::ByteBuffer request_;
+  std::vector<grpc::Slice> slices_;  // the request's bytes, referenced (not copied)
+  WireRequest wire_;
+  v1::AttentionResponse response_;
+  std::shared_ptr<IoBuffers> io_;
+  grpc::ByteBuffer response_bytes_;
+  absl::Time received_ = absl::InfinitePast();
+  int64_t request_size_ = 0;
+  bool counted_inflight_ = false;
+};
+
+}  // namespace
+
+AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
+    : runtime_(runtime), options_(options), copier_(options.copy_threads) {}
+
+grpc::ServerGenericBidiReactor* AttentionRouter::CreateReactor(
+    grpc::GenericCallbackServerContext* context) {
+  if (context->method() == kAttentionMethod) {
+    return new AttentionCall(runtime_, options_, &copier_, context);
+  }
+  return grpc::CallbackGenericService::CreateReactor(context);  // UNIMPLEMENTED
+}
+
+}  // namespace flashserve

@@ -1,0 +1,44 @@
+// The native Attention method, served through gRPC's callback *generic* API so a call is seen when
+// it starts, not when its (possibly GiB) request has arrived: it is admitted at once, so the
+// shutdown drain waits for requests still uploading instead of gRPC cancelling them, and calls that
+// start while draining are refused with UNAVAILABLE before their bytes are read. The wire format is
+// unary (one request message, one response); only the server-side handler is streaming-shaped.
+//
+// Zero copy: the request is parsed from gRPC's receive slices (server/api/request_wire.h), its Q/K/V
+// copied once into the backend's (pinned) IoBuffers, and O/LSE are sent as slices that point into
+// those buffers (server/api/response_wire.h).
+#pragma once
+
+#include <memory>
+
+#include "common/auth.h"
+#include "common/parallel_copy.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "runtime/attention_runtime.h"
+
+namespace flashserve {
+
+inline constexpr char kAttentionMethod[] = "/flashserve.v1.AttentionService/Attention";
+// With AttentionCallOptions::fault_injection, a request with this request_id faults its GPU.
+inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
+
+struct AttentionCallOptions {
+  const BearerAuth* auth = nullptr;  // set: calls need the token
+  bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
+  int copy_threads = 4;              // ParallelCopier helpers for large requests
+};
+
+/// Routes kAttentionMethod to its reactor; every other unregistered method gets UNIMPLEMENTED.
+/// Register with ServerBuilder::RegisterCallbackGenericService; it must outlive the server.
+class AttentionRouter final : public grpc::CallbackGenericService {
+ public:
+  AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options);
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
+
+ private:
+  AttentionRuntime* const runtime_;
+  const AttentionCallOptions options_;
+  ParallelCopier copier_;
+};
+
+}  // namespace flashserve
