@@ -474,7 +474,6 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   auto job = std::make_unique<Job>();
   job->problem = problem;
   job->output = output;
-  job->done = std::move(done);
   job->device_bytes = int64_t(total);
   job->o_offset = o_offset;
   job->lse_offset = lse_offset;
@@ -536,6 +535,8 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
     ReleaseSlot(slot, job->device_bytes);
     return fail(std::move(status));
   }
+  // Only now: every early return above answers through `fail`, which needs `done`.
+  job->done = std::move(done);
   params.q = base;
   params.k = base + k_offset;
   params.v = base + v_offset;
