@@ -15,9 +15,10 @@ RSS (VmRSS) and the high-water mark (VmHWM) are read from /proc/<pid>/status eve
 traffic counters. Growth = (median RSS of the last quarter - median RSS of the first quarter after warm-up) / the
 latter; it must be below --max-growth (5%). The least-squares trend after warm-up is printed too.
 
-RSS is not the live heap: with glibc's default malloc the server's RSS climbs for minutes under mixed tensor sizes
-while the live heap stays small (RESULTS.md). --server-env GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072 fixes
-the allocator's mmap threshold, which separates a real leak from that retention.
+RSS is not the live heap: with glibc's default (dynamic) mmap threshold the server's RSS climbs for minutes under mixed
+tensor sizes while the live heap stays small (RESULTS.md); the server therefore fixes the threshold itself
+(--malloc_mmap_threshold_bytes, default 128 KiB). Pass --server-arg=--malloc_mmap_threshold_bytes=0 to see glibc's
+default behaviour.
 """
 
 from __future__ import annotations
