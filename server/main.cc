@@ -190,10 +190,15 @@ int Serve() {
     return 2;
   }
   if (const int64_t threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes); threshold != 0) {
-    // M_MMAP_THRESHOLD accepts at most HEAP_TRIM's 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit).
-    if (threshold < 0 || threshold > (int64_t{32} << 20) || mallopt(M_MMAP_THRESHOLD, int(threshold)) != 1) {
+    // glibc caps M_MMAP_THRESHOLD at 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit).
+    if (threshold < 0 || threshold > (int64_t{32} << 20)) {
       spdlog::error("--malloc_mmap_threshold_bytes must be in [0, 33554432], got {}", threshold);
       return 2;
+    }
+    if (mallopt(M_MMAP_THRESHOLD, int(threshold)) != 1) {
+      // Another allocator in the process (a sanitizer's, jemalloc via LD_PRELOAD) ignores it.
+      spdlog::warn("--malloc_mmap_threshold_bytes: the allocator refused mallopt(M_MMAP_THRESHOLD); "
+                   "not glibc's malloc?");
     }
   }
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
