@@ -1,5 +1,6 @@
 #include "edge/attention_call.h"
 
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <string_view>
@@ -16,6 +17,9 @@
 
 namespace flashserve {
 namespace {
+
+std::atomic<int64_t> g_live_calls{0};  // AttentionCall objects not yet deleted
+constexpr int64_t kKeepReceiveBuffersBytes = int64_t{4} << 20;
 
 absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
   if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
@@ -58,6 +62,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   AttentionCall(AttentionRuntime* runtime, const AttentionCallOptions& options,
                 ParallelCopier* copier, grpc::GenericCallbackServerContext* context)
       : runtime_(runtime), options_(options), copier_(copier), context_(context) {
+    g_live_calls.fetch_add(1);
     if (!GrpcCallAuthorized(options_.auth, context)) {
       Answer(absl::UnauthenticatedError(kUnauthenticatedMessage));
       return;
@@ -114,8 +119,10 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
         }
       }
       copier_->Copy(pieces);
-      // slices_ stays until the call is done: freeing ~the request's size of receive buffers here
-      // (munmap of each, with the fixed mmap threshold) would put that cost before the answer.
+      // Small requests give their receive buffers back at once (heap chunks: cheap, and the soak's
+      // RSS stays flatter). Large ones keep them until the call is done: freeing hundreds of MB of
+      // mmap'd chunks here would put the munmaps before the answer.
+      if (request_size_ < kKeepReceiveBuffersBytes) slices_.clear();
     };
     call.inject_device_fault =
         options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
@@ -123,6 +130,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 
+  ~AttentionCall() override { g_live_calls.fetch_sub(1); }
   void OnWriteDone(bool /*ok*/) override {}
   void OnDone() override { delete this; }
 
@@ -167,7 +175,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   grpc::GenericCallbackServerContext* const context_;
   AttentionRuntime::Admission admission_;
   grpc::ByteBuffer request_;
-  std::vector<grpc::Slice> slices_;  // the request's bytes, referenced (not copied); freed in OnDone
+  std::vector<grpc::Slice> slices_;  // the request's bytes, referenced (not copied)
   WireRequest wire_;
   v1::AttentionResponse response_;
   std::shared_ptr<IoBuffers> io_;
@@ -178,6 +186,8 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 };
 
 }  // namespace
+
+int64_t AttentionRouter::live_calls() { return g_live_calls.load(); }
 
 AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
     : runtime_(runtime), options_(options), copier_(options.copy_threads) {}

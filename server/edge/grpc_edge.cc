@@ -209,6 +209,9 @@ void GrpcEdge::Shutdown(absl::Time deadline) {
   if (!impl_->server) return;
   impl_->server->Shutdown(absl::ToChronoTime(deadline));
   impl_->server->Wait();
+  if (const int64_t live = AttentionRouter::live_calls(); live != 0) {
+    spdlog::warn("{} Attention calls were never finished by gRPC", live);
+  }
   // Every call has finished here. grpc::Server's destructor (grpc_server_destroy) was seen to
   // block ~10 s while a client still holds its connection open (gRPC 1.51), which would hold up
   // a SIGTERM exit; this only runs on the way out of the process, so skip the destructor.
