@@ -460,3 +460,42 @@ def test_real_device_out_of_memory_then_normal_service(flashserve_bin, tmp_path,
     finally:
         hog.clear()
         _stop_and_check(s)
+
+
+def test_tune_cache_that_becomes_unwritable_or_corrupt_at_runtime(flashserve_bin, tmp_path, rng):
+    """--autotune=background with a cache whose directory is replaced by a plain file after startup (so no save can
+    succeed, even as root): tuning results cannot be written, the server warns and keeps serving correct answers;
+    a cache file corrupted while a server runs is ignored (with a warning) by the next one."""
+    _require_gpu()
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache = cache_dir / "tune.json"
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=background", f"--tune_cache={cache}"],
+                      name="unwritable_cache").start()
+    try:
+        shutil.rmtree(cache_dir)
+        cache_dir.write_text("not a directory")  # every save into cache_dir/ now fails (ENOTDIR)
+        with flashserve.Client(s.address, timeout=120) as c:
+            for seqlen in (700, 1500, 3000):  # new classes: each queues a background tuning and a save
+                _check(c, *_problem(rng, "bfloat16", 1, seqlen, seqlen, 8, 8, 128), "bfloat16", False)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline and "cannot save the cache" not in s.logs(limit=50000):
+                time.sleep(0.5)
+            assert "autotune: cannot save the cache" in s.logs(limit=50000), s.logs()
+            for seqlen in (700, 1500, 3000):  # still serving, now with the tuned kernels kept in memory
+                _check(c, *_problem(rng, "bfloat16", 1, seqlen, seqlen, 8, 8, 128), "bfloat16", False)
+            assert c.health_status() == "SERVING"
+    finally:
+        _stop_and_check(s)
+    # Corrupted while no server could fix it: the next server ignores it and serves.
+    cache_dir.unlink()
+    cache_dir.mkdir()
+    cache.write_text('{"version": 1, "device": {"name": "')  # truncated JSON
+    s2 = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=off", f"--tune_cache={cache}"],
+                       name="corrupt_cache").start()
+    try:
+        with flashserve.Client(s2.address, timeout=120) as c:
+            _check(c, *_problem(rng, "bfloat16", 1, 500, 600, 8, 8, 128), "bfloat16", True)
+        assert "ignoring the tuning cache" in s2.logs(limit=20000)
+    finally:
+        _stop_and_check(s2)
