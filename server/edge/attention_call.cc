@@ -21,13 +21,6 @@ namespace {
 std::atomic<int64_t> g_live_calls{0};  // AttentionCall objects not yet deleted
 constexpr int64_t kKeepReceiveBuffersBytes = int64_t{4} << 20;
 
-absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
-  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(t);
-}
-
 // A slice that sends `length` bytes at `data` without copying them and keeps `io` alive until
 // gRPC has written them.
 grpc::Slice SliceOf(const char* data, size_t length, const std::shared_ptr<IoBuffers>& io) {

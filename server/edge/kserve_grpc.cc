@@ -22,13 +22,6 @@ using inference::ModelInferResponse;
 
 constexpr const char kMethod[] = "ModelInfer";  // the `method` label of gRPC inferences
 
-absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
-  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(t);
-}
-
 // ModelInfer's messages are ours, not gRPC's, so the handler may move the raw input bytes out of
 // the request into the AttentionRequest instead of copying them.
 class InferMessages final : public grpc::MessageHolder<ModelInferRequest, ModelInferResponse> {

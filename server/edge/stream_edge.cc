@@ -465,13 +465,6 @@ int64_t SessionTable::total_bytes() const {
 
 namespace {
 
-absl::Time ToAbslTime(std::chrono::system_clock::time_point t) {
-  if (t >= std::chrono::system_clock::time_point::max() - std::chrono::hours(24 * 365)) {
-    return absl::InfiniteFuture();
-  }
-  return absl::FromChrono(t);
-}
-
 grpc::Status Unauthenticated() {
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage);
 }
