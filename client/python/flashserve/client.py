@@ -49,6 +49,11 @@ class Timing:
     total_us: int = 0
     stage_us: int = 0
 
+    @classmethod
+    def from_proto(cls, t: Any) -> "Timing":
+        """From a flashserve.v1.Timing message."""
+        return cls(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us, t.stage_us)
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionResult:
@@ -214,11 +219,10 @@ class _Prepared:
                 raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse",
                                 response.request_id)
             lse = tensors.from_proto(response.lse, self.kind, self.device)
-        t = response.timing
         return AttentionResult(
             out=out,
             lse=lse,
-            timing=Timing(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us, t.total_us, t.stage_us),
+            timing=Timing.from_proto(response.timing),
             kernel=response.kernel,
             request_id=response.request_id,
         )

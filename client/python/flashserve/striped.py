@@ -207,9 +207,7 @@ class StripedClient:
                 getattr(response, name).data = bytes(buffers[name])
         out = tensors.from_proto(response.out, kind, device)
         lse = tensors.from_proto(response.lse, kind, device) if return_lse else None
-        t = response.timing
-        return AttentionResult(out=out, lse=lse, timing=Timing(t.queue_us, t.h2d_us, t.compute_us, t.d2h_us,
-                                                               t.total_us, t.stage_us),
+        return AttentionResult(out=out, lse=lse, timing=Timing.from_proto(response.timing),
                                kernel=response.kernel, request_id=response.request_id)
 
     def close(self) -> None:
