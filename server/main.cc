@@ -63,6 +63,13 @@ ABSL_FLAG(int, copy_threads, 4,
           "Helper threads that copy a large request (>= 4 MiB) from gRPC's receive buffers into the "
           "backend's (pinned) buffers beside the gRPC thread, in [0, 64]; one thread copies ~6 GB/s "
           "into pinned memory. 0: the gRPC thread copies alone");
+ABSL_FLAG(int64_t, hot_lane_spin_us, -1,
+          "Attention requests under 4 MiB are processed on one thread that polls for the next "
+          "request this long (microseconds) after each one, keeping its core warm (one core busy "
+          "while requests keep coming; it sleeps after this long without one). gRPC otherwise runs "
+          "each request on whichever of its threads is free, on a cold core: ~2x the CPU time of a "
+          "small GPU request. -1: 1000 with the CUDA backend, 0 with the CPU backend (whose "
+          "requests take milliseconds); 0: no such thread; at most 1000000");
 ABSL_FLAG(bool, enable_fault_injection, false,
           "TEST ONLY: an Attention request whose request_id is "
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
@@ -72,6 +79,12 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 128 << 10,
           "to the system when freed. A fixed threshold stops glibc from raising it after large "
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
+ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
+          "glibc malloc: free memory at the top of a heap is returned to the system only above "
+          "this many bytes. gRPC receives messages into 64 KiB heap chunks; glibc's 128 KiB "
+          "default hands a request's worth back after every request and page-faults it in again "
+          "for the next (medium requests ~10 ms slower; bench/results/service-*); 0 keeps "
+          "glibc's default");
 ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
           "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
           "mapped for reuse instead of returning it to the driver, per device");
@@ -198,6 +211,16 @@ int Serve() {
     if (mallopt(M_MMAP_THRESHOLD, int(threshold)) != 1) {
       // Another allocator in the process (a sanitizer's, jemalloc via LD_PRELOAD) ignores it.
       spdlog::warn("--malloc_mmap_threshold_bytes: the allocator refused mallopt(M_MMAP_THRESHOLD); "
+                   "not glibc's malloc?");
+    }
+  }
+  if (const int64_t trim = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes); trim != 0) {
+    if (trim < 0 || trim > (int64_t{1} << 30)) {
+      spdlog::error("--malloc_trim_threshold_bytes must be in [0, 1073741824], got {}", trim);
+      return 2;
+    }
+    if (mallopt(M_TRIM_THRESHOLD, int(trim)) != 1) {
+      spdlog::warn("--malloc_trim_threshold_bytes: the allocator refused mallopt(M_TRIM_THRESHOLD); "
                    "not glibc's malloc?");
     }
   }
@@ -358,6 +381,12 @@ int Serve() {
   grpc_options.auth = auth.get();
   grpc_options.enable_fault_injection = absl::GetFlag(FLAGS_enable_fault_injection);
   grpc_options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
+  if (const int64_t spin = absl::GetFlag(FLAGS_hot_lane_spin_us); spin < -1 || spin > 1000000) {
+    spdlog::error("--hot_lane_spin_us must be in [-1, 1000000], got {}", spin);
+    return 2;
+  } else {
+    grpc_options.hot_lane_spin_us = spin >= 0 ? spin : caps.name == "cuda" ? 1000 : 0;
+  }
   StreamLimits stream_limits;
   stream_limits.max_sessions = std::max(1, absl::GetFlag(FLAGS_stream_max_sessions));
   stream_limits.max_session_bytes = identity.max_request_bytes;

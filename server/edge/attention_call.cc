@@ -53,8 +53,10 @@ grpc::ByteBuffer ResponseBytes(const v1::AttentionResponse& header,
 class AttentionCall final : public grpc::ServerGenericBidiReactor {
  public:
   AttentionCall(AttentionRuntime* runtime, const AttentionCallOptions& options,
-                ParallelCopier* copier, grpc::GenericCallbackServerContext* context)
-      : runtime_(runtime), options_(options), copier_(copier), context_(context) {
+                ParallelCopier* copier, HotLane* hot_lane,
+                grpc::GenericCallbackServerContext* context)
+      : runtime_(runtime), options_(options), copier_(copier), hot_lane_(hot_lane),
+        context_(context) {
     g_live_calls.fetch_add(1);
     if (!GrpcCallAuthorized(options_.auth, context)) {
       Answer(absl::UnauthenticatedError(kUnauthenticatedMessage));
@@ -76,6 +78,20 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     }
     received_ = absl::Now();  // the server's clock (Timing.total_us) starts with the whole request
     request_size_ = int64_t(request_.Length());
+    if (hot_lane_ != nullptr && request_size_ < kKeepReceiveBuffersBytes) {
+      absl::AnyInvocable<void()> process = [this] { Process(); };
+      if (hot_lane_->TryRun(process)) return;  // `this` may be gone already
+    }
+    Process();
+  }
+
+  ~AttentionCall() override { g_live_calls.fetch_sub(1); }
+  void OnWriteDone(bool /*ok*/) override {}
+  void OnDone() override { delete this; }
+
+ private:
+  // Parses the received request and submits it; runs on the gRPC thread or on the hot lane.
+  void Process() {
     if (ServerMetrics* metrics = runtime_->metrics()) {
       metrics->InflightInc();
       counted_inflight_ = true;
@@ -125,11 +141,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 
-  ~AttentionCall() override { g_live_calls.fetch_sub(1); }
-  void OnWriteDone(bool /*ok*/) override {}
-  void OnDone() override { delete this; }
-
- private:
   // Sends the response (or the error), records metrics and logs; called exactly once.
   void Answer(const absl::Status& status) {
     int64_t response_size = 0;
@@ -167,6 +178,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   AttentionRuntime* const runtime_;
   const AttentionCallOptions& options_;
   ParallelCopier* const copier_;
+  HotLane* const hot_lane_;  // null: no lane
   grpc::GenericCallbackServerContext* const context_;
   AttentionRuntime::Admission admission_;
   grpc::ByteBuffer request_;
@@ -185,12 +197,17 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 int64_t AttentionRouter::live_calls() { return g_live_calls.load(); }
 
 AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
-    : runtime_(runtime), options_(options), copier_(options.copy_threads) {}
+    : runtime_(runtime),
+      options_(options),
+      copier_(options.copy_threads),
+      hot_lane_(options.hot_lane_spin_us > 0
+                    ? std::make_unique<HotLane>(absl::Microseconds(options.hot_lane_spin_us))
+                    : nullptr) {}
 
 grpc::ServerGenericBidiReactor* AttentionRouter::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
   if (context->method() == kAttentionMethod) {
-    return new AttentionCall(runtime_, options_, &copier_, context);
+    return new AttentionCall(runtime_, options_, &copier_, hot_lane_.get(), context);
   }
   return grpc::CallbackGenericService::CreateReactor(context);  // UNIMPLEMENTED
 }

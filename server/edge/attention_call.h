@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "common/auth.h"
+#include "common/hot_lane.h"
 #include "common/parallel_copy.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "runtime/attention_runtime.h"
@@ -26,6 +27,9 @@ struct AttentionCallOptions {
   const BearerAuth* auth = nullptr;  // set: calls need the token
   bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
   int copy_threads = 4;              // ParallelCopier helpers for large requests
+  // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
+  // (common/hot_lane.h); 0: on the gRPC thread that received them.
+  int64_t hot_lane_spin_us = 0;
 };
 
 /// Routes kAttentionMethod to its reactor; every other unregistered method gets UNIMPLEMENTED.
@@ -42,6 +46,7 @@ class AttentionRouter final : public grpc::CallbackGenericService {
   AttentionRuntime* const runtime_;
   const AttentionCallOptions options_;
   ParallelCopier copier_;
+  std::unique_ptr<HotLane> hot_lane_;  // declared last: joined before the copier goes
 };
 
 }  // namespace flashserve

@@ -20,6 +20,7 @@ namespace flashserve {
 namespace {
 
 constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
+constexpr int kReadChunkBytes = 64 << 10;
 
 // Attention is served by AttentionRouter (edge/attention_call.h) through the generic callback API,
 // so it is marked generic here; GetServerInfo is an ordinary typed method.
@@ -142,6 +143,11 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   call_options.auth = options.auth;
   call_options.fault_injection = options.enable_fault_injection;
   call_options.copy_threads = options.copy_threads;
+  call_options.hot_lane_spin_us = options.hot_lane_spin_us;
+  if (options.hot_lane_spin_us > 0) {
+    spdlog::info("hot lane: Attention requests under 4 MiB run on one warm thread (it polls {} us "
+                 "for the next)", options.hot_lane_spin_us);
+  }
   impl->router = std::make_unique<AttentionRouter>(runtime, call_options);
   if (options.enable_fault_injection) {
     spdlog::warn("--enable_fault_injection: a request with request_id \"{}\" faults its device "
@@ -185,8 +191,12 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
+  // The socket is read into 64 KiB chunks: below --malloc_mmap_threshold_bytes, so they come from
+  // malloc's heap and are reused by the next request (with --malloc_trim_threshold_bytes keeping
+  // that heap mapped). Larger chunks were each a fresh mmap -- zero-filled and page-faulted in on
+  // every request, then unmapped: ~10 ms of a 50 MB request (bench/results/service-*, session 3).
+  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, kReadChunkBytes);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, kReadChunkBytes);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));

@@ -31,6 +31,8 @@ struct GrpcOptions {
   // Helper threads that copy large requests (>= 4 MiB) from the receive slices into the backend's
   // buffers beside the gRPC thread; 0: the gRPC thread copies alone.
   int copy_threads = 4;
+  // > 0: small Attention requests run on a warm thread that polls this long between them.
+  int64_t hot_lane_spin_us = 0;
 };
 
 
