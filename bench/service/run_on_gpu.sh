@@ -4,7 +4,8 @@
 # flashserve, flashserve-loadgen and flashserve-echo, starts flashserve --backend=cuda and the echo server on
 # free loopback ports, runs the load generator grid and writes service.md, service.csv and logs to $OUT.
 # Extra arguments go to flashserve-loadgen (e.g. --duration_s=1.5 --stripes=1,2,4,8); extra server flags in
-# $SERVER_FLAGS (e.g. SERVER_FLAGS="--copy_threads=0").
+# $SERVER_FLAGS (e.g. SERVER_FLAGS="--copy_threads=0"); $SERVER_WRAP is put before the server's command line
+# (e.g. SERVER_WRAP="taskset -c 3" to confine the server to one core).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-service-bench}
@@ -30,7 +31,7 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
 # Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, and a pinned
 # pool big enough for each of them (537 MB rounds up to a 1 GiB size class).
-"$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
+${SERVER_WRAP:-} "$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
   --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --log_level=warn \
   ${SERVER_FLAGS:-} >"$OUT/server.log" 2>&1 &
 SERVER=$!
