@@ -27,6 +27,7 @@
 #include "absl/time/clock.h"
 #include "autotune/tune_grid.h"
 #include "common/auth.h"
+#include "common/heap_retention.h"
 #include "common/logging.h"
 #include "common/version.h"
 #include "edge/grpc_edge.h"
@@ -80,11 +81,16 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 128 << 10,
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
 ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
-          "glibc malloc: free memory at the top of a heap is returned to the system only above "
-          "this many bytes. gRPC receives messages into 64 KiB heap chunks; glibc's 128 KiB "
-          "default hands a request's worth back after every request and page-faults it in again "
-          "for the next (medium requests ~10 ms slower; bench/results/service-*); 0 keeps "
-          "glibc's default");
+          "glibc malloc: while Attention requests of >= 16 MiB keep arriving (one in the last 10 "
+          "s), free memory at the top of a heap goes back to the system only above this many "
+          "bytes (glibc's 128 KiB otherwise). gRPC receives messages into 64 KiB heap chunks; "
+          "with 128 KiB a big request's receive buffers go back after every request and are "
+          "page-faulted in again by the next (50 MB requests ~10 ms slower); keeping them holds up "
+          "to this much per malloc arena. 0: always glibc's default");
+ABSL_FLAG(int, malloc_arena_max, 4,
+          "glibc malloc: at most this many arenas (glibc's default is 8 per core). With "
+          "--malloc_trim_threshold_bytes each arena keeps its own free memory, so fewer arenas "
+          "bound what the process keeps (tests/soak/RESULTS.md); 0 keeps glibc's default");
 ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
           "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
           "mapped for reuse instead of returning it to the driver, per device");
@@ -214,16 +220,24 @@ int Serve() {
                    "not glibc's malloc?");
     }
   }
-  if (const int64_t trim = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes); trim != 0) {
-    if (trim < 0 || trim > (int64_t{1} << 30)) {
-      spdlog::error("--malloc_trim_threshold_bytes must be in [0, 1073741824], got {}", trim);
+  if (const int arenas = absl::GetFlag(FLAGS_malloc_arena_max); arenas != 0) {
+    // Before any other thread allocates: arenas are made on a thread's first allocation.
+    if (arenas < 0 || arenas > 1024) {
+      spdlog::error("--malloc_arena_max must be in [0, 1024], got {}", arenas);
       return 2;
     }
-    if (mallopt(M_TRIM_THRESHOLD, int(trim)) != 1) {
-      spdlog::warn("--malloc_trim_threshold_bytes: the allocator refused mallopt(M_TRIM_THRESHOLD); "
-                   "not glibc's malloc?");
+    if (mallopt(M_ARENA_MAX, arenas) != 1) {
+      spdlog::warn("--malloc_arena_max: the allocator refused mallopt(M_ARENA_MAX); not glibc's "
+                   "malloc?");
     }
   }
+  const int64_t trim_threshold = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes);
+  if (trim_threshold < 0 || trim_threshold > (int64_t{1} << 30)) {
+    spdlog::error("--malloc_trim_threshold_bytes must be in [0, 1073741824], got {}",
+                  trim_threshold);
+    return 2;
+  }
+  HeapRetention heap_retention(trim_threshold, absl::Seconds(10));
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
   if (!devices.ok()) {
     spdlog::error("{}", std::string(devices.status().message()));
@@ -381,6 +395,7 @@ int Serve() {
   grpc_options.auth = auth.get();
   grpc_options.enable_fault_injection = absl::GetFlag(FLAGS_enable_fault_injection);
   grpc_options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
+  grpc_options.heap_retention = &heap_retention;
   if (const int64_t spin = absl::GetFlag(FLAGS_hot_lane_spin_us); spin < -1 || spin > 1000000) {
     spdlog::error("--hot_lane_spin_us must be in [-1, 1000000], got {}", spin);
     return 2;

@@ -78,6 +78,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     }
     received_ = absl::Now();  // the server's clock (Timing.total_us) starts with the whole request
     request_size_ = int64_t(request_.Length());
+    if (options_.heap_retention != nullptr) options_.heap_retention->Observe(request_size_);
     if (hot_lane_ != nullptr && request_size_ < kKeepReceiveBuffersBytes) {
       absl::AnyInvocable<void()> process = [this] { Process(); };
       if (hot_lane_->TryRun(process)) return;  // `this` may be gone already

@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "common/auth.h"
+#include "common/heap_retention.h"
 #include "common/hot_lane.h"
 #include "common/parallel_copy.h"
 #include "grpcpp/generic/async_generic_service.h"
@@ -30,6 +31,7 @@ struct AttentionCallOptions {
   // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
   // (common/hot_lane.h); 0: on the gRPC thread that received them.
   int64_t hot_lane_spin_us = 0;
+  HeapRetention* heap_retention = nullptr;  // told each request's size; may be null
 };
 
 /// Routes kAttentionMethod to its reactor; every other unregistered method gets UNIMPLEMENTED.

@@ -144,6 +144,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   call_options.fault_injection = options.enable_fault_injection;
   call_options.copy_threads = options.copy_threads;
   call_options.hot_lane_spin_us = options.hot_lane_spin_us;
+  call_options.heap_retention = options.heap_retention;
   if (options.hot_lane_spin_us > 0) {
     spdlog::info("hot lane: Attention requests under 4 MiB run on one warm thread (it polls {} us "
                  "for the next)", options.hot_lane_spin_us);

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
+#include "common/heap_retention.h"
 #include "runtime/attention_runtime.h"
 
 namespace grpc {
@@ -33,6 +34,7 @@ struct GrpcOptions {
   int copy_threads = 4;
   // > 0: small Attention requests run on a warm thread that polls this long between them.
   int64_t hot_lane_spin_us = 0;
+  HeapRetention* heap_retention = nullptr;  // told each Attention request's size; may be null
 };
 
 
