@@ -82,11 +82,11 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 128 << 10,
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
 ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
           "glibc malloc: while Attention requests of >= 16 MiB keep arriving (one in the last 10 "
-          "s), free memory at the top of a heap goes back to the system only above this many "
-          "bytes (glibc's 128 KiB otherwise). gRPC receives messages into 64 KiB heap chunks; "
-          "with 128 KiB a big request's receive buffers go back after every request and are "
-          "page-faulted in again by the next (50 MB requests ~10 ms slower); keeping them holds up "
-          "to this much per malloc arena. 0: always glibc's default");
+          "s), gRPC's receive buffers (256 KiB-4 MiB chunks) come from malloc's heap instead of "
+          "their own mmaps, and free memory at the top of a heap goes back to the system only "
+          "above this many bytes: the next big request reuses the pages instead of "
+          "page-faulting them in again (50 MB requests ~10 ms faster). Costs up to this much per "
+          "malloc arena while it lasts. 0 (or --malloc_mmap_threshold_bytes=0): never");
 ABSL_FLAG(int, malloc_arena_max, 4,
           "glibc malloc: at most this many arenas (glibc's default is 8 per core). With "
           "--malloc_trim_threshold_bytes each arena keeps its own free memory, so fewer arenas "
@@ -237,7 +237,8 @@ int Serve() {
                   trim_threshold);
     return 2;
   }
-  HeapRetention heap_retention(trim_threshold, absl::Seconds(10));
+  HeapRetention heap_retention(trim_threshold, absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes),
+                               absl::Seconds(10));
   absl::StatusOr<std::vector<int>> devices = ParseDevices(absl::GetFlag(FLAGS_devices));
   if (!devices.ok()) {
     spdlog::error("{}", std::string(devices.status().message()));

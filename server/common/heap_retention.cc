@@ -8,17 +8,22 @@
 namespace flashserve {
 namespace {
 
-void SetTrimThreshold(int64_t bytes) {
-  if (mallopt(M_TRIM_THRESHOLD, int(bytes)) != 1) {
-    // Another allocator (a sanitizer's, jemalloc via LD_PRELOAD): nothing to tune.
-    spdlog::debug("mallopt(M_TRIM_THRESHOLD, {}) refused", bytes);
+void SetMallocThresholds(int64_t mmap_threshold, int64_t trim_threshold) {
+  // Another allocator (a sanitizer's, jemalloc via LD_PRELOAD) refuses: nothing to tune.
+  if (mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) != 1 ||
+      mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) != 1) {
+    spdlog::debug("mallopt refused (mmap threshold {}, trim threshold {})", mmap_threshold,
+                  trim_threshold);
   }
 }
 
 }  // namespace
 
-HeapRetention::HeapRetention(int64_t retain_bytes, absl::Duration hold)
-    : retain_bytes_(retain_bytes), hold_ns_(absl::ToInt64Nanoseconds(hold)) {}
+HeapRetention::HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold,
+                             absl::Duration hold)
+    : retain_bytes_(base_mmap_threshold > 0 ? retain_bytes : 0),
+      base_mmap_threshold_(base_mmap_threshold),
+      hold_ns_(absl::ToInt64Nanoseconds(hold)) {}
 
 void HeapRetention::Observe(int64_t request_bytes) {
   if (retain_bytes_ <= 0) return;
@@ -26,12 +31,14 @@ void HeapRetention::Observe(int64_t request_bytes) {
   if (request_bytes >= kBigRequestBytes) {
     last_big_ns_.store(now, std::memory_order_relaxed);
     if (!retaining_.load(std::memory_order_relaxed) && !retaining_.exchange(true)) {
-      SetTrimThreshold(retain_bytes_);
+      SetMallocThresholds(kRetainingMmapThreshold, retain_bytes_);
     }
   } else if (retaining_.load(std::memory_order_relaxed) &&
              now - last_big_ns_.load(std::memory_order_relaxed) > hold_ns_) {
-    // A big request racing with this may find the threshold lowered; the next one raises it again.
-    if (retaining_.exchange(false)) SetTrimThreshold(kGlibcDefaultTrimThreshold);
+    // A big request racing with this may find the thresholds lowered; the next one raises them.
+    if (retaining_.exchange(false)) {
+      SetMallocThresholds(base_mmap_threshold_, kGlibcDefaultTrimThreshold);
+    }
   }
 }
 

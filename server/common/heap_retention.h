@@ -1,15 +1,16 @@
-// When glibc may hand freed heap memory back to the system, as a function of request sizes.
+// Whether big requests' receive buffers come from malloc's heap and stay there between requests.
 //
-// gRPC reads the socket into 64 KiB chunks from malloc's heap (server/edge/grpc_edge.cc) and a
-// request's chunks are freed once it is served. glibc returns free memory at the top of a heap once
-// it exceeds M_TRIM_THRESHOLD (128 KiB by default), so a 50 MB request's receive buffers went back
-// to the system after each request and were page-faulted in again by the next: ~10 ms of a medium
-// request on the GPU hosts (bench/results/service-h100-2026-11-22-hot-lane.md). Keeping them costs
-// up to the retained amount per malloc arena for as long as the threshold is high.
+// gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc_edge.cc). Above glibc's
+// mmap threshold (--malloc_mmap_threshold_bytes, 128 KiB) each chunk is its own mmap: zero-filled
+// and page-faulted in while the request arrives, unmapped when it has been served. For a 50 MB
+// request that was ~10 ms of its ~40 ms on the GPU hosts
+// (bench/results/service-h100-2026-11-22-hot-lane.md). From the heap, with its top kept mapped
+// (M_TRIM_THRESHOLD), the next request reuses the same pages. Keeping them costs up to the retained
+// amount per malloc arena, and a low mmap threshold is what keeps the RSS of mixed small traffic
+// flat (tests/soak/RESULTS.md).
 //
-// So the threshold is raised to `retain_bytes` only while big requests (>= kBigRequestBytes, where
-// re-faulting costs milliseconds) keep arriving, and put back to glibc's default once none has come
-// for `hold`: mixed small traffic keeps glibc's usual trimming (and the soak's flat RSS).
+// So both thresholds are raised only while big requests (>= kBigRequestBytes) keep arriving, and
+// put back once none has come for `hold`.
 #pragma once
 
 #include <atomic>
@@ -22,10 +23,14 @@ namespace flashserve {
 class HeapRetention {
  public:
   static constexpr int64_t kBigRequestBytes = int64_t{16} << 20;
+  // Above gRPC's largest read chunk, so every chunk comes from the heap while retaining.
+  static constexpr int kRetainingMmapThreshold = (4 << 20) + (64 << 10);
   static constexpr int kGlibcDefaultTrimThreshold = 128 * 1024;
 
-  /// retain_bytes 0: never changes the threshold.
-  HeapRetention(int64_t retain_bytes, absl::Duration hold);
+  /// retain_bytes: trim threshold while retaining; 0 disables. base_mmap_threshold: the mmap
+  /// threshold otherwise (the server's --malloc_mmap_threshold_bytes); 0 (glibc's dynamic default,
+  /// which already keeps big buffers) disables too.
+  HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold, absl::Duration hold);
 
   /// Called for each request once its size is known. Thread-safe; two relaxed loads when nothing
   /// changes.
@@ -35,6 +40,7 @@ class HeapRetention {
 
  private:
   const int64_t retain_bytes_;
+  const int64_t base_mmap_threshold_;
   const int64_t hold_ns_;
   std::atomic<int64_t> last_big_ns_{0};
   std::atomic<bool> retaining_{false};

@@ -20,7 +20,6 @@ namespace flashserve {
 namespace {
 
 constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
-constexpr int kReadChunkBytes = 64 << 10;
 
 // Attention is served by AttentionRouter (edge/attention_call.h) through the generic callback API,
 // so it is marked generic here; GetServerInfo is an ordinary typed method.
@@ -192,12 +191,11 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  // The socket is read into 64 KiB chunks: below --malloc_mmap_threshold_bytes, so they come from
-  // malloc's heap and are reused by the next request (with --malloc_trim_threshold_bytes keeping
-  // that heap mapped). Larger chunks were each a fresh mmap -- zero-filled and page-faulted in on
-  // every request, then unmapped: ~10 ms of a 50 MB request (bench/results/service-*, session 3).
-  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, kReadChunkBytes);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, kReadChunkBytes);
+  // Socket reads of 256 KiB to 4 MiB. Above the mmap threshold each chunk is its own mapping,
+  // returned to the system when freed (flat RSS under mixed traffic); while big requests arrive,
+  // common/heap_retention.h moves them to the heap and keeps them for the next request.
+  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));

@@ -1,5 +1,6 @@
-// HeapRetention: glibc keeps a big request's freed receive buffers while big requests keep coming,
-// and trims as usual once they stop (checked through the heap's size, mallinfo2().arena).
+// HeapRetention: while big requests keep coming, gRPC-sized receive buffers come from the heap and
+// stay there after they are freed; once they stop, such buffers are mmaps again and the heap is
+// trimmed (checked through the main heap's size, mallinfo2().arena).
 #include "common/heap_retention.h"
 
 #include <malloc.h>
@@ -13,11 +14,12 @@
 namespace flashserve {
 namespace {
 
-constexpr size_t kChunk = 64 << 10;  // gRPC's read chunk (server/edge/grpc_edge.cc)
+constexpr size_t kChunk = 1 << 20;  // within gRPC's read chunk sizes (server/edge/grpc_edge.cc)
+constexpr int64_t kBaseMmapThreshold = 128 << 10;  // the server's --malloc_mmap_threshold_bytes
 
-// Allocates and frees `bytes` of 64 KiB chunks, as one request's receive buffers; returns the size
-// of the main heap afterwards (what glibc did not give back to the system).
-size_t KeptAfterFreeing(size_t bytes) {
+// Allocates and frees `bytes` of 1 MiB chunks, as one request's receive buffers; returns the size
+// of the main heap afterwards (what glibc kept rather than gave back to the system).
+size_t HeapAfterFreeing(size_t bytes) {
   std::vector<void*> chunks;
   chunks.reserve(bytes / kChunk + 1);  // no reallocation in between: it would pin the heap's top
   for (size_t n = 0; n < bytes; n += kChunk) {
@@ -28,33 +30,37 @@ size_t KeptAfterFreeing(size_t bytes) {
   return mallinfo2().arena;
 }
 
-bool GlibcTunable() {
-  // Sanitizer allocators ignore mallopt; this test is about glibc's.
-  return mallopt(M_TRIM_THRESHOLD, HeapRetention::kGlibcDefaultTrimThreshold) == 1;
+// The server's startup setting; false where another allocator (a sanitizer's) ignores mallopt.
+bool SetBaseThresholds() {
+  return mallopt(M_MMAP_THRESHOLD, int(kBaseMmapThreshold)) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, HeapRetention::kGlibcDefaultTrimThreshold) == 1;
 }
 
-TEST(HeapRetention, BigRequestsKeepTheirBuffersSmallTrafficTrims) {
-  if (!GlibcTunable()) GTEST_SKIP() << "not glibc's malloc (sanitizer build?)";
-  HeapRetention retention(int64_t{64} << 20, absl::Milliseconds(100));
+TEST(HeapRetention, BigRequestsKeepTheirBuffersOtherwiseTheyAreMmaps) {
+  if (!SetBaseThresholds()) GTEST_SKIP() << "not glibc's malloc (sanitizer build?)";
+  HeapRetention retention(int64_t{64} << 20, kBaseMmapThreshold, absl::Milliseconds(100));
   EXPECT_FALSE(retention.retaining());
-  EXPECT_LT(KeptAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "glibc's default trims";
+  EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "mmaps, given back";
 
   retention.Observe(HeapRetention::kBigRequestBytes);
   EXPECT_TRUE(retention.retaining());
-  EXPECT_GE(KeptAfterFreeing(size_t{32} << 20), size_t{32} << 20) << "kept for the next request";
+  EXPECT_GE(HeapAfterFreeing(size_t{32} << 20), size_t{32} << 20) << "kept for the next request";
 
-  retention.Observe(4 << 20);  // small traffic within `hold`: still retaining
+  retention.Observe(4 << 20);  // smaller requests within `hold`: still retaining
   EXPECT_TRUE(retention.retaining());
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  retention.Observe(4 << 20);  // no big request for `hold`: back to glibc's default
+  retention.Observe(4 << 20);  // no big request for `hold`: back to the base thresholds
   EXPECT_FALSE(retention.retaining());
-  EXPECT_LT(KeptAfterFreeing(kChunk), size_t{8} << 20) << "the kept memory goes back";
+  EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
 }
 
-TEST(HeapRetention, ZeroNeverRetains) {
-  HeapRetention retention(0, absl::Seconds(10));
-  retention.Observe(int64_t{1} << 30);
-  EXPECT_FALSE(retention.retaining());
+TEST(HeapRetention, DisabledByZeroRetainOrDynamicMmapThreshold) {
+  HeapRetention off(0, kBaseMmapThreshold, absl::Seconds(10));
+  off.Observe(int64_t{1} << 30);
+  EXPECT_FALSE(off.retaining());
+  HeapRetention dynamic(int64_t{64} << 20, 0, absl::Seconds(10));
+  dynamic.Observe(int64_t{1} << 30);
+  EXPECT_FALSE(dynamic.retaining());
 }
 
 }  // namespace
