@@ -87,10 +87,10 @@ ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
           "above this many bytes: the next big request reuses the pages instead of "
           "page-faulting them in again (50 MB requests ~10 ms faster). Costs up to this much per "
           "malloc arena while it lasts. 0 (or --malloc_mmap_threshold_bytes=0): never");
-ABSL_FLAG(int, malloc_arena_max, 4,
-          "glibc malloc: at most this many arenas (glibc's default is 8 per core). With "
-          "--malloc_trim_threshold_bytes each arena keeps its own free memory, so fewer arenas "
-          "bound what the process keeps (tests/soak/RESULTS.md); 0 keeps glibc's default");
+ABSL_FLAG(int, malloc_arena_max, 0,
+          "glibc malloc: at most this many arenas (glibc's default, 0, is 8 per core). While "
+          "--malloc_trim_threshold_bytes keeps big requests' receive buffers, each arena that "
+          "received one keeps its own; fewer arenas bound that memory (and add lock contention)");
 ABSL_FLAG(int64_t, device_pool_release_threshold_bytes, int64_t{4} << 30,
           "CUDA backend: freed device memory the stream-ordered pool (cudaMallocAsync) keeps "
           "mapped for reuse instead of returning it to the driver, per device");
