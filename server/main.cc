@@ -69,8 +69,9 @@ ABSL_FLAG(int64_t, hot_lane_spin_us, -1,
           "request this long (microseconds) after each one, keeping its core warm (one core busy "
           "while requests keep coming; it sleeps after this long without one). gRPC otherwise runs "
           "each request on whichever of its threads is free, on a cold core: ~2x the CPU time of a "
-          "small GPU request. -1: 1000 with the CUDA backend, 0 with the CPU backend (whose "
-          "requests take milliseconds); 0: no such thread; at most 1000000");
+          "small GPU request. -1: 1000 with the CUDA backend on a machine with >= 4 cores, else 0 "
+          "(CPU-backend requests take milliseconds; on 2-3 cores a polling thread costs too "
+          "much); 0: no such thread; at most 1000000");
 ABSL_FLAG(bool, enable_fault_injection, false,
           "TEST ONLY: an Attention request whose request_id is "
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
@@ -401,7 +402,8 @@ int Serve() {
     spdlog::error("--hot_lane_spin_us must be in [-1, 1000000], got {}", spin);
     return 2;
   } else {
-    grpc_options.hot_lane_spin_us = spin >= 0 ? spin : caps.name == "cuda" ? 1000 : 0;
+    const bool worth_a_core = caps.name == "cuda" && std::thread::hardware_concurrency() >= 4;
+    grpc_options.hot_lane_spin_us = spin >= 0 ? spin : worth_a_core ? 1000 : 0;
   }
   StreamLimits stream_limits;
   stream_limits.max_sessions = std::max(1, absl::GetFlag(FLAGS_stream_max_sessions));
