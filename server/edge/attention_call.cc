@@ -80,8 +80,11 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     request_size_ = int64_t(request_.Length());
     if (options_.heap_retention != nullptr) options_.heap_retention->Observe(request_size_);
     if (hot_lane_ != nullptr && request_size_ < kKeepReceiveBuffersBytes) {
+      ServerMetrics* metrics = runtime_->metrics();
       absl::AnyInvocable<void()> process = [this] { Process(); };
-      if (hot_lane_->TryRun(process)) return;  // `this` may be gone already
+      const bool on_lane = hot_lane_->TryRun(process);
+      if (metrics != nullptr) metrics->RecordHotLane(on_lane);
+      if (on_lane) return;  // `this` may be gone already
     }
     Process();
   }

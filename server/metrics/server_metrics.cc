@@ -85,6 +85,13 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
       "Pinned host staging memory: used by requests now, reserved from the driver.", {"state"});
   autotune_ = &registry_.AddCounter("flashserve_autotune_total", "Autotune cache events by result.",
                                     {"result"});
+  auto& hot_lane = registry_.AddCounter(
+      "flashserve_hot_lane_requests_total",
+      "Attention requests small enough for the hot lane (--hot_lane_spin_us): processed on it "
+      "(lane) or on the gRPC thread because it was busy (busy).",
+      {"result"});
+  hot_lane_run_ = hot_lane.Labels({"lane"});
+  hot_lane_busy_ = hot_lane.Labels({"busy"});
   auto& build_info = registry_.AddGauge("flashserve_build_info",
                                         "Build of the running server; the value is always 1.",
                                         {"version", "cuda", "arch"});

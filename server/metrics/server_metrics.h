@@ -67,6 +67,9 @@ class ServerMetrics {
   void ObserveKernel(std::string_view kernel, double tflops);
   /// autotune_total{result} += 1; results such as "hit", "miss", "tuned", "failed", "loaded".
   void RecordAutotune(std::string_view result);
+  /// hot_lane_requests_total{result}: "lane" (processed on the hot lane) or "busy" (the lane was
+  /// busy; processed on the gRPC thread). Only requests small enough for the lane are counted.
+  void RecordHotLane(bool on_lane) { (on_lane ? hot_lane_run_ : hot_lane_busy_)->Increment(); }
 
   /// inflight_requests: requests accepted by an edge and not yet answered.
   void InflightInc() { inflight_->Increment(); }
@@ -131,6 +134,8 @@ class ServerMetrics {
   metrics::Family<metrics::Gauge>* device_pool_;
   metrics::Family<metrics::Gauge>* pinned_pool_;
   metrics::Family<metrics::Counter>* autotune_;
+  metrics::Counter* hot_lane_run_;
+  metrics::Counter* hot_lane_busy_;
   metrics::Gauge* inflight_;
   metrics::Gauge* queue_depth_;
   metrics::Counter* bytes_in_;

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import flashserve
+from metrics_helpers import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +52,12 @@ def test_lane_serves_concurrent_mixed_requests(start_server, make_qkv, check_ans
         t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "a client hung"
     assert not errors, "\n".join(errors) + server.logs()
+    # Every request was small enough for the lane: each one counted once, as run on it or refused (busy).
+    s = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    on_lane = s.value("flashserve_hot_lane_requests_total", result="lane")
+    busy = s.value("flashserve_hot_lane_requests_total", result="busy")
+    assert on_lane + busy == 12 * 4, (on_lane, busy)
+    assert on_lane >= 1, "the lane never took a request"
 
 
 def test_lane_answers_bad_input(start_server, rng, make_qkv):
