@@ -214,6 +214,14 @@ void GrpcEdge::SetServing(bool serving) {
   health->SetServingStatus(kServiceName, serving);
 }
 
+bool GrpcEdge::WaitForAttentionCalls(absl::Time deadline) {
+  while (AttentionRouter::live_calls() > 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
 void GrpcEdge::Shutdown(absl::Time deadline) {
   if (!impl_->server) return;
   impl_->server->Shutdown(absl::ToChronoTime(deadline));

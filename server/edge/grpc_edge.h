@@ -60,6 +60,9 @@ class GrpcEdge {
   int port() const;
   /// Health status of "" and "flashserve.v1.AttentionService".
   void SetServing(bool serving);
+  /// Waits until every Attention call has been finished by gRPC (its response written), or until
+  /// `deadline`; false if calls were left. A drained runtime has only handed the responses over.
+  bool WaitForAttentionCalls(absl::Time deadline);
   /// Stops accepting RPCs; RPCs still running at `deadline` are cancelled.
   void Shutdown(absl::Time deadline);
 
