@@ -28,10 +28,7 @@ HotLane::~HotLane() {
 
 bool HotLane::TryRun(absl::AnyInvocable<void()>& job) {
   int expected = kFree;
-  if (!state_.compare_exchange_strong(expected, kClaimed)) {
-    if (expected != kExiting) refused_.fetch_add(1, std::memory_order_relaxed);
-    return false;
-  }
+  if (!state_.compare_exchange_strong(expected, kClaimed)) return false;
   job_ = std::move(job);
   // Sequentially consistent with the lane's "sleeping_ = true, then check state_": one of the
   // two sides sees the other's write, so a job is never left behind a sleeping lane.
@@ -67,7 +64,6 @@ void HotLane::Loop() {
     job_ = nullptr;
     job();
     job = nullptr;  // whatever the job holds goes before the lane takes the next one
-    jobs_run_.fetch_add(1, std::memory_order_relaxed);
     state_.store(kFree, std::memory_order_release);
   }
 }

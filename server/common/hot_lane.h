@@ -34,10 +34,6 @@ class HotLane {
   /// running or holding another job, or shutting down.
   bool TryRun(absl::AnyInvocable<void()>& job);
 
-  /// Jobs run so far and TryRun calls refused because the lane was busy (for tests and metrics).
-  int64_t jobs_run() const { return jobs_run_.load(); }
-  int64_t refused() const { return refused_.load(); }
-
  private:
   enum State : int { kFree, kClaimed, kReady, kExiting };
   void Loop();
@@ -48,8 +44,6 @@ class HotLane {
   std::atomic<bool> sleeping_{false};
   std::mutex mu_;
   std::condition_variable wake_;
-  std::atomic<int64_t> jobs_run_{0};
-  std::atomic<int64_t> refused_{0};
   std::thread thread_;
 };
 

@@ -19,7 +19,9 @@ namespace flashserve {
 namespace {
 
 std::atomic<int64_t> g_live_calls{0};  // AttentionCall objects not yet deleted
-constexpr int64_t kKeepReceiveBuffersBytes = int64_t{4} << 20;
+// Requests under this size go to the hot lane and give their receive buffers back right after the
+// copy; larger ones run on the gRPC thread and keep their buffers until the call is done.
+constexpr int64_t kSmallRequestBytes = int64_t{4} << 20;
 
 // A slice that sends `length` bytes at `data` without copying them and keeps `io` alive until
 // gRPC has written them.
@@ -79,7 +81,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     received_ = absl::Now();  // the server's clock (Timing.total_us) starts with the whole request
     request_size_ = int64_t(request_.Length());
     if (options_.heap_retention != nullptr) options_.heap_retention->Observe(request_size_);
-    if (hot_lane_ != nullptr && request_size_ < kKeepReceiveBuffersBytes) {
+    if (hot_lane_ != nullptr && request_size_ < kSmallRequestBytes) {
       ServerMetrics* metrics = runtime_->metrics();
       absl::AnyInvocable<void()> process = [this] { Process(); };
       const bool on_lane = hot_lane_->TryRun(process);
@@ -141,7 +143,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     // traffic. Large ones keep them until the call is done, so freeing hundreds of MB of mmap'd
     // chunks never delays an answer.
     std::vector<grpc::Slice> release;
-    if (request_size_ < kKeepReceiveBuffersBytes) release.swap(slices_);
+    if (request_size_ < kSmallRequestBytes) release.swap(slices_);
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 

@@ -37,7 +37,6 @@ struct GrpcOptions {
   HeapRetention* heap_retention = nullptr;  // told each Attention request's size; may be null
 };
 
-
 /// What GetServerInfo reports beside the backend's capabilities.
 struct ServerIdentity {
   std::string version;

@@ -26,7 +26,6 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
   return backend;
 }
 
-
 CpuBackend::CpuBackend(int num_threads)
     : pool_(std::make_unique<kernels::cpu::ThreadPool>(num_threads)) {
   capabilities_.name = "cpu";

@@ -1,7 +1,6 @@
 #include "runtime/pinned_pool.h"
 
 #include <new>
-
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -13,6 +12,7 @@ void* HeapAllocator::Allocate(size_t bytes) {
 }
 
 void HeapAllocator::Free(void* pointer) { ::operator delete(pointer, std::align_val_t(64)); }
+
 namespace {
 
 size_t RoundUpPowerOfTwo(size_t n) {

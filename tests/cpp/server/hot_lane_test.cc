@@ -27,14 +27,6 @@ std::future<std::thread::id> RunOnLane(HotLane* lane) {
   }
 }
 
-// jobs_run() counts a job after it returns, so it can trail the job's own signal briefly.
-void WaitForJobsRun(const HotLane& lane, int64_t n) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (lane.jobs_run() < n && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::yield();
-  }
-}
-
 TEST(HotLane, RunsJobsOnItsOwnThread) {
   HotLane lane(absl::Milliseconds(5));
   std::thread::id lane_thread;
@@ -48,8 +40,6 @@ TEST(HotLane, RunsJobsOnItsOwnThread) {
     }
     lane_thread = id;
   }
-  WaitForJobsRun(lane, 100);
-  EXPECT_EQ(lane.jobs_run(), 100);
 }
 
 TEST(HotLane, BusyLaneRefusesAndLeavesTheJobWithTheCaller) {
@@ -69,7 +59,6 @@ TEST(HotLane, BusyLaneRefusesAndLeavesTheJobWithTheCaller) {
   ASSERT_TRUE(second);
   second();  // the caller's fallback
   EXPECT_EQ(ran_here, 1);
-  EXPECT_EQ(lane.refused(), 1);
   release.set_value();
 }
 
@@ -85,20 +74,18 @@ TEST(HotLane, SleepingLaneWakesForEveryJob) {
       ASSERT_EQ(done.wait_for(std::chrono::seconds(10)), std::future_status::ready)
           << "job " << i << " lost (spin " << spin_us << " us)";
     }
-    WaitForJobsRun(lane, 2000);
-    EXPECT_EQ(lane.jobs_run(), 2000);
   }
 }
 
 TEST(HotLane, ConcurrentCallersEveryJobRunsOnce) {
   HotLane lane(absl::Microseconds(200));
-  std::atomic<int64_t> on_lane{0}, inline_runs{0};
+  std::atomic<int64_t> ran{0}, inline_runs{0};
   std::vector<std::thread> callers;
   constexpr int kCallers = 4, kJobs = 5000;
   for (int t = 0; t < kCallers; ++t) {
     callers.emplace_back([&] {
       for (int i = 0; i < kJobs; ++i) {
-        absl::AnyInvocable<void()> job = [&on_lane] { on_lane.fetch_add(1); };
+        absl::AnyInvocable<void()> job = [&ran] { ran.fetch_add(1); };
         if (!lane.TryRun(job)) {
           job();  // what the edge does: run it on the calling thread
           inline_runs.fetch_add(1);
@@ -107,10 +94,15 @@ TEST(HotLane, ConcurrentCallersEveryJobRunsOnce) {
     });
   }
   for (std::thread& t : callers) t.join();
-  WaitForJobsRun(lane, kCallers * kJobs - inline_runs.load());
-  EXPECT_EQ(lane.jobs_run() + inline_runs.load(), kCallers * kJobs);
-  EXPECT_EQ(on_lane.load(), kCallers * kJobs);
-  EXPECT_EQ(lane.refused(), inline_runs.load());
+  // Jobs handed over may still be running: wait for every job to have run, once.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (ran.load() < kCallers * kJobs && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  EXPECT_EQ(ran.load(), kCallers * kJobs);
+  EXPECT_GT(inline_runs.load(), 0) << "four callers never found the lane busy?";
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(ran.load(), kCallers * kJobs) << "a job ran twice";
 }
 
 TEST(HotLane, DestructorRunsAJobAlreadyHandedOver) {
