@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -365,3 +366,27 @@ def make_qkv():
 @pytest.fixture
 def check_answer():
     return assert_matches_reference
+
+
+def run_workers(worker, n: int, timeout: float = 240.0) -> None:
+    """Runs worker(0) .. worker(n-1) on n threads at once; fails on a hang or on any worker's exception (all listed)."""
+    errors = []
+
+    def guarded(i):
+        try:
+            worker(i)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"worker {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    assert not errors, "\n".join(errors)
+
+
+@pytest.fixture
+def concurrently():
+    return run_workers

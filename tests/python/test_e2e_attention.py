@@ -65,31 +65,21 @@ def test_metadata(client, rng, make_qkv):
     assert result.lse is None
 
 
-def test_sixteen_concurrent_clients(server, check_answer, make_qkv):
-    errors = []
+def test_sixteen_concurrent_clients(server, check_answer, make_qkv, concurrently):
     barrier = threading.Barrier(16)
 
     def worker(i):
-        try:
-            rng = np.random.default_rng(1000 + i)
-            dtype = DTYPES[i % 3]
-            causal = bool(i % 2)
-            q, k, v = make_qkv(rng, 1, 16 + 7 * i, 48 + 5 * i, 4, 2 if i % 4 else 1, 64, dtype)
-            with flashserve.Client(server.address, timeout=120) as c:
-                barrier.wait(timeout=30)
-                for _ in range(3):
-                    out, lse = c.attention(q, k, v, causal=causal, return_lse=True, request_id=f"thread-{i}")
-                    check_answer(out, lse, q, k, v, causal=causal)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(f"thread {i}: {type(e).__name__}: {e}")
+        rng = np.random.default_rng(1000 + i)
+        dtype = DTYPES[i % 3]
+        causal = bool(i % 2)
+        q, k, v = make_qkv(rng, 1, 16 + 7 * i, 48 + 5 * i, 4, 2 if i % 4 else 1, 64, dtype)
+        with flashserve.Client(server.address, timeout=120) as c:
+            barrier.wait(timeout=30)
+            for _ in range(3):
+                out, lse = c.attention(q, k, v, causal=causal, return_lse=True, request_id=f"thread-{i}")
+                check_answer(out, lse, q, k, v, causal=causal)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads), "a client thread hung"
-    assert not errors, "\n".join(errors)
+    concurrently(worker, 16)
 
 
 def test_one_client_shared_by_threads(client, rng, make_qkv, check_answer):

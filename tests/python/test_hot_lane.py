@@ -27,31 +27,21 @@ def _lane_server(start_server, spin_us, name, *extra):
 
 # 1 us: the lane goes to sleep between nearly every request (0 would mean no lane at all).
 @pytest.mark.parametrize("spin_us", [1, 300], ids=["sleeps-between-requests", "spins-300us"])
-def test_lane_serves_concurrent_mixed_requests(start_server, make_qkv, check_answer, spin_us):
+def test_lane_serves_concurrent_mixed_requests(start_server, make_qkv, check_answer, concurrently, spin_us):
     server = _lane_server(start_server, spin_us, "lane")
-    errors = []
 
     def worker(i):
-        try:
-            rng = np.random.default_rng(7000 + i)
-            dtype = ["float32", "float16", "bfloat16"][i % 3]
-            with flashserve.Client(server.address, timeout=120) as c:
-                for j in range(4):
-                    shape = (1 + j % 2, 3 + 11 * i + j, 5 + 7 * j, 4, 2 if i % 2 else 4, 64)
-                    q, k, v = make_qkv(rng, *shape, dtype)
-                    out, lse = c.attention(q, k, v, causal=bool((i + j) % 2), return_lse=True)
-                    check_answer(out, lse, q, k, v, causal=bool((i + j) % 2))
-                    time.sleep(0.002 * (i % 3))  # let the lane run out of spin now and then
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(f"worker {i}: {type(e).__name__}: {e}")
+        rng = np.random.default_rng(7000 + i)
+        dtype = ["float32", "float16", "bfloat16"][i % 3]
+        with flashserve.Client(server.address, timeout=120) as c:
+            for j in range(4):
+                shape = (1 + j % 2, 3 + 11 * i + j, 5 + 7 * j, 4, 2 if i % 2 else 4, 64)
+                q, k, v = make_qkv(rng, *shape, dtype)
+                out, lse = c.attention(q, k, v, causal=bool((i + j) % 2), return_lse=True)
+                check_answer(out, lse, q, k, v, causal=bool((i + j) % 2))
+                time.sleep(0.002 * (i % 3))  # let the lane run out of spin now and then
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads), "a client hung"
-    assert not errors, "\n".join(errors) + server.logs()
+    concurrently(worker, 12)
     # Every request was small enough for the lane: each one counted once, as run on it or refused (busy).
     s = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
     on_lane = s.value("flashserve_hot_lane_requests_total", result="lane")
@@ -93,8 +83,12 @@ def test_sigterm_drains_requests_on_the_lane(start_server, make_qkv, check_answe
     threads = [threading.Thread(target=call) for _ in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.1)
-    sent_at = time.monotonic()
+    # SIGTERM once the server holds a request (in-flight gauge), while the others queue behind it.
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and scrape(metrics).value("flashserve_inflight_requests") < 1:
+        time.sleep(0.005)
+    assert scrape(metrics).value("flashserve_inflight_requests") >= 1, "no request in flight before SIGTERM"
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(timeout=120)
@@ -103,7 +97,6 @@ def test_sigterm_drains_requests_on_the_lane(start_server, make_qkv, check_answe
     # Requests admitted before SIGTERM are answered correctly; ones that arrived after it are refused.
     for e in errors:
         assert isinstance(e, flashserve.UnavailableError), repr(e)
-    assert results, f"no request was served before SIGTERM: {errors}"
-    assert time.monotonic() - sent_at > 0.02 or len(results) < 6, "nothing was in flight at SIGTERM: make it bigger"
+    assert results, f"the request in flight at SIGTERM was not answered: {errors}"
     for out in results:
         check_answer(out, None, q, k, v, causal=False)
