@@ -491,10 +491,10 @@ int Serve() {
   runtime.StopAccepting();  // new requests: UNAVAILABLE
   // Native Attention calls are admitted when they start (edge/attention_call.h), so WaitIdle also
   // waits for requests still uploading; gRPC's Shutdown would cancel those. Then the answers
-  // handed to gRPC must still be written: a large one to a slow reader can take seconds, and
-  // Shutdown's deadline would cut it off.
+  // handed to gRPC -- native, KServe and striped downloads alike -- must still be written: a large
+  // one to a slow reader can take seconds, and Shutdown's deadline would cut it off.
   const bool drained =
-      runtime.WaitIdle(deadline) && (*grpc_edge)->WaitForAttentionCalls(deadline);
+      runtime.WaitIdle(deadline) && (*grpc_edge)->WaitForDataCalls(deadline);
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
   (*grpc_edge)->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");

@@ -13,12 +13,12 @@
 #include "common/logging.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
+#include "edge/live_calls.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
 namespace {
 
-std::atomic<int64_t> g_live_calls{0};  // AttentionCall objects not yet deleted
 // Requests under this size go to the hot lane and give their receive buffers back right after the
 // copy; larger ones run on the gRPC thread and keep their buffers until the call is done.
 constexpr int64_t kSmallRequestBytes = int64_t{4} << 20;
@@ -59,7 +59,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
                 grpc::GenericCallbackServerContext* context)
       : runtime_(runtime), options_(options), copier_(copier), hot_lane_(hot_lane),
         context_(context) {
-    g_live_calls.fetch_add(1);
     if (!GrpcCallAuthorized(options_.auth, context)) {
       Answer(absl::UnauthenticatedError(kUnauthenticatedMessage));
       return;
@@ -91,7 +90,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     Process();
   }
 
-  ~AttentionCall() override { g_live_calls.fetch_sub(1); }
   void OnWriteDone(bool /*ok*/) override {}
   void OnDone() override { delete this; }
 
@@ -186,6 +184,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   ParallelCopier* const copier_;
   HotLane* const hot_lane_;  // null: no lane
   grpc::GenericCallbackServerContext* const context_;
+  LiveCall live_;  // until gRPC has finished the call (deletes this)
   AttentionRuntime::Admission admission_;
   grpc::ByteBuffer request_;
   std::vector<grpc::Slice> slices_;  // the request's bytes, referenced (not copied)
@@ -200,7 +199,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 
 }  // namespace
 
-int64_t AttentionRouter::live_calls() { return g_live_calls.load(); }
 
 AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
     : runtime_(runtime),

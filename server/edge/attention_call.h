@@ -40,9 +40,6 @@ class AttentionRouter final : public grpc::CallbackGenericService {
  public:
   AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options);
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override;
-  /// Attention calls started and not yet finished by gRPC (process-wide): 0 once the server is
-  /// shut down, or reactors leak.
-  static int64_t live_calls();
 
  private:
   AttentionRuntime* const runtime_;

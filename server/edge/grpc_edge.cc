@@ -10,6 +10,7 @@
 #include "edge/attention_call.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
+#include "edge/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -214,8 +215,8 @@ void GrpcEdge::SetServing(bool serving) {
   health->SetServingStatus(kServiceName, serving);
 }
 
-bool GrpcEdge::WaitForAttentionCalls(absl::Time deadline) {
-  while (AttentionRouter::live_calls() > 0) {
+bool GrpcEdge::WaitForDataCalls(absl::Time deadline) {
+  while (LiveCall::count() > 0) {
     if (absl::Now() >= deadline) return false;
     absl::SleepFor(absl::Milliseconds(5));
   }
@@ -226,8 +227,8 @@ void GrpcEdge::Shutdown(absl::Time deadline) {
   if (!impl_->server) return;
   impl_->server->Shutdown(absl::ToChronoTime(deadline));
   impl_->server->Wait();
-  if (const int64_t live = AttentionRouter::live_calls(); live != 0) {
-    spdlog::warn("{} Attention calls were never finished by gRPC", live);
+  if (const int64_t live = LiveCall::count(); live != 0) {
+    spdlog::warn("{} data calls were never finished by gRPC", live);
   }
   // Every call has finished here. grpc::Server's destructor (grpc_server_destroy) was seen to
   // block ~10 s while a client still holds its connection open (gRPC 1.51), which would hold up

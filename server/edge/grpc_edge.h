@@ -59,9 +59,10 @@ class GrpcEdge {
   int port() const;
   /// Health status of "" and "flashserve.v1.AttentionService".
   void SetServing(bool serving);
-  /// Waits until every Attention call has been finished by gRPC (its response written), or until
-  /// `deadline`; false if calls were left. A drained runtime has only handed the responses over.
-  bool WaitForAttentionCalls(absl::Time deadline);
+  /// Waits until gRPC has finished every call that carries tensors (edge/live_calls.h: its
+  /// response written), or until `deadline`; false if calls were left. A drained runtime has only
+  /// handed the responses over.
+  bool WaitForDataCalls(absl::Time deadline);
   /// Stops accepting RPCs; RPCs still running at `deadline` are cancelled.
   void Shutdown(absl::Time deadline);
 

@@ -9,6 +9,7 @@
 #include "common/logging.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
+#include "edge/live_calls.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/message_allocator.h"
 #include "inference/open_inference_grpc.grpc.pb.h"
@@ -23,7 +24,8 @@ using inference::ModelInferResponse;
 constexpr const char kMethod[] = "ModelInfer";  // the `method` label of gRPC inferences
 
 // ModelInfer's messages are ours, not gRPC's, so the handler may move the raw input bytes out of
-// the request into the AttentionRequest instead of copying them.
+// the request into the AttentionRequest instead of copying them. gRPC releases them when it has
+// finished the call, response written: they also count the call for the shutdown drain.
 class InferMessages final : public grpc::MessageHolder<ModelInferRequest, ModelInferResponse> {
  public:
   InferMessages() {
@@ -35,6 +37,7 @@ class InferMessages final : public grpc::MessageHolder<ModelInferRequest, ModelI
  private:
   ModelInferRequest request_;
   ModelInferResponse response_;
+  LiveCall live_;
 };
 
 class InferAllocator final : public grpc::MessageAllocator<ModelInferRequest, ModelInferResponse> {

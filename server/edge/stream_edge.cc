@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "edge/grpc_auth.h"
 #include "edge/grpc_status.h"
+#include "edge/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
@@ -542,6 +543,7 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   grpc::ByteBuffer buffer_;
   std::shared_ptr<StreamSession> session_;
   int64_t received_ = 0;
+  LiveCall live_;  // until gRPC has finished the call (OnDone)
 };
 
 class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
@@ -625,6 +627,7 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   const char* data_ = nullptr;
   int64_t length_ = 0, pos_ = 0, chunk_ = kDefaultChunk;
   grpc::ByteBuffer buffer_;
+  LiveCall live_;  // until gRPC has finished the call (OnDone)
 };
 
 using StreamServiceBase = v1::AttentionStreamService::WithCallbackMethod_OpenSession<

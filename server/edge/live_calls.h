@@ -1,0 +1,28 @@
+// Calls carrying tensor data -- native Attention, KServe ModelInfer, striped uploads and downloads --
+// that gRPC has not finished yet, counted process-wide. The SIGTERM drain waits for them once the
+// runtime is idle: an answer already handed to gRPC may still be on its way to a slow reader, and
+// gRPC's Shutdown deadline would cut it off (tests/python/test_drain_slow_reader.py).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace flashserve {
+
+/// One live call, from construction to destruction: a member of the object gRPC destroys when it
+/// has finished the call (a reactor, or the call's message holder). Thread-safe.
+class LiveCall {
+ public:
+  LiveCall() { count_.fetch_add(1); }
+  ~LiveCall() { count_.fetch_sub(1); }
+  LiveCall(const LiveCall&) = delete;
+  LiveCall& operator=(const LiveCall&) = delete;
+
+  /// Live calls now: 0 once the server is shut down, or reactors leak.
+  static int64_t count() { return count_.load(); }
+
+ private:
+  static inline std::atomic<int64_t> count_{0};
+};
+
+}  // namespace flashserve
