@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "common/auth.h"
+#include "common/heap_retention.h"
 #include "edge/kserve_convert.h"
 #include "grpcpp/impl/service_type.h"
 #include "runtime/attention_runtime.h"
@@ -16,8 +17,10 @@ namespace flashserve {
 /// Thread-safe callback service; register it with GrpcEdge::Create's extra_services. It must
 /// outlive the gRPC server, and `runtime` must outlive it. With `auth`, every RPC but ServerLive
 /// and ServerReady (health) needs "authorization: Bearer <token>".
+/// `heap_retention` (may be null) is told each ModelInfer request's size.
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
                                                        const kserve::KServeOptions& options,
-                                                       const BearerAuth* auth = nullptr);
+                                                       const BearerAuth* auth = nullptr,
+                                                       HeapRetention* heap_retention = nullptr);
 
 }  // namespace flashserve
