@@ -82,8 +82,8 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, 128 << 10,
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
 ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, int64_t{64} << 20,
-          "glibc malloc: while requests of >= 16 MiB keep arriving over gRPC (native Attention, "
-          "KServe ModelInfer or a striped session; one in the last 10 s), gRPC's receive buffers (256 KiB-4 MiB chunks) come from malloc's heap instead of "
+          "glibc malloc: while Attention requests of >= 16 MiB keep arriving (one in the last 10 "
+          "s), gRPC's receive buffers (256 KiB-4 MiB chunks) come from malloc's heap instead of "
           "their own mmaps, and free memory at the top of a heap goes back to the system only "
           "above this many bytes: the next big request reuses the pages instead of "
           "page-faulting them in again (50 MB requests ~10 ms faster). Costs up to this much per "
@@ -385,7 +385,7 @@ int Serve() {
   kserve_options.server_version = kVersion;
   kserve_options.max_request_bytes = identity.max_request_bytes;
   std::unique_ptr<grpc::Service> kserve_grpc =
-      CreateKServeGrpcService(&runtime, kserve_options, auth.get(), &heap_retention);
+      CreateKServeGrpcService(&runtime, kserve_options, auth.get());
 
   GrpcOptions grpc_options;
   grpc_options.host = absl::GetFlag(FLAGS_host);
@@ -413,7 +413,7 @@ int Serve() {
   stream_limits.idle_timeout =
       std::chrono::milliseconds(std::max<int64_t>(1, absl::GetFlag(FLAGS_stream_session_timeout_ms)));
   std::unique_ptr<grpc::Service> stream_grpc =
-      CreateStreamService(&runtime, stream_limits, auth.get(), &heap_retention);
+      CreateStreamService(&runtime, stream_limits, auth.get());
   absl::StatusOr<std::unique_ptr<GrpcEdge>> grpc_edge = GrpcEdge::Create(
       grpc_options, &runtime, identity, {kserve_grpc.get(), stream_grpc.get()});
   if (!grpc_edge.ok()) {

@@ -35,7 +35,6 @@ struct GrpcOptions {
   // > 0: small Attention requests run on a warm thread that polls this long between them.
   int64_t hot_lane_spin_us = 0;
   HeapRetention* heap_retention = nullptr;  // told each Attention request's size; may be null
-  // (the KServe and striped services are told theirs through their own constructors)
 };
 
 /// What GetServerInfo reports beside the backend's capabilities.

@@ -60,8 +60,8 @@ struct InferCall {
 class KServeGrpcService final : public inference::GRPCInferenceService::CallbackService {
  public:
   KServeGrpcService(AttentionRuntime* runtime, const kserve::KServeOptions& options,
-                    const BearerAuth* auth, HeapRetention* heap_retention)
-      : runtime_(runtime), auth_(auth), heap_retention_(heap_retention) {
+                    const BearerAuth* auth)
+      : runtime_(runtime), auth_(auth) {
     model_.name = options.model_name;
     model_.server_version = options.server_version;
     for (kernels::DType dtype : runtime->limits().dtypes) {
@@ -130,7 +130,6 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     auto* call_state = new InferCall;
     call_state->received = absl::Now();
     call_state->bytes_in = int64_t(request->ByteSizeLong());
-    if (heap_retention_ != nullptr) heap_retention_->Observe(call_state->bytes_in);
     call_state->id = request->id();
     if (metrics != nullptr) metrics->InflightInc();
 
@@ -194,7 +193,6 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
 
   AttentionRuntime* const runtime_;
   const BearerAuth* const auth_;
-  HeapRetention* const heap_retention_;
   kserve::ModelInfo model_;
   InferAllocator allocator_;
 };
@@ -203,9 +201,8 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
 
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
                                                        const kserve::KServeOptions& options,
-                                                       const BearerAuth* auth,
-                                                       HeapRetention* heap_retention) {
-  return std::make_unique<KServeGrpcService>(runtime, options, auth, heap_retention);
+                                                       const BearerAuth* auth) {
+  return std::make_unique<KServeGrpcService>(runtime, options, auth);
 }
 
 }  // namespace flashserve

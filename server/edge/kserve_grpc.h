@@ -7,7 +7,6 @@
 #include <memory>
 
 #include "common/auth.h"
-#include "common/heap_retention.h"
 #include "edge/kserve_convert.h"
 #include "grpcpp/impl/service_type.h"
 #include "runtime/attention_runtime.h"
@@ -17,10 +16,8 @@ namespace flashserve {
 /// Thread-safe callback service; register it with GrpcEdge::Create's extra_services. It must
 /// outlive the gRPC server, and `runtime` must outlive it. With `auth`, every RPC but ServerLive
 /// and ServerReady (health) needs "authorization: Bearer <token>".
-/// `heap_retention` (may be null) is told each ModelInfer request's size.
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
                                                        const kserve::KServeOptions& options,
-                                                       const BearerAuth* auth = nullptr,
-                                                       HeapRetention* heap_retention = nullptr);
+                                                       const BearerAuth* auth = nullptr);
 
 }  // namespace flashserve

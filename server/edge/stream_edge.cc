@@ -639,12 +639,10 @@ using StreamServiceBase = v1::AttentionStreamService::WithCallbackMethod_OpenSes
 
 class StreamService final : public StreamServiceBase {
  public:
-  StreamService(AttentionRuntime* runtime, StreamLimits limits, const BearerAuth* auth,
-                HeapRetention* heap_retention)
+  StreamService(AttentionRuntime* runtime, StreamLimits limits, const BearerAuth* auth)
       : runtime_(runtime),
         table_(limits, runtime->backend().staging_pool()),
         auth_(auth),
-        heap_retention_(heap_retention),
         reaper_([this] { ReapLoop(); }) {}
 
   ~StreamService() override {
@@ -679,10 +677,6 @@ class StreamService final : public StreamServiceBase {
       table_.Erase((*session)->id());
       reactor->Finish(ToGrpcStatus(problem.status()));
       return reactor;
-    }
-    // Its chunks' receive buffers are what HeapRetention keeps for big requests.
-    if (heap_retention_ != nullptr) {
-      heap_retention_->Observe(int64_t(layout.q_bytes + 2 * layout.kv_bytes));
     }
     info->set_session_id((*session)->id());
     info->set_idle_timeout_ms(int64_t(table_.limits().idle_timeout.count()));
@@ -800,7 +794,6 @@ class StreamService final : public StreamServiceBase {
   AttentionRuntime* const runtime_;
   SessionTable table_;
   const BearerAuth* const auth_;
-  HeapRetention* const heap_retention_;
   std::mutex reaper_mu_;
   std::condition_variable reaper_cv_;
   bool stop_ = false;
@@ -810,9 +803,8 @@ class StreamService final : public StreamServiceBase {
 }  // namespace
 
 std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits,
-                                                   const BearerAuth* auth,
-                                                   HeapRetention* heap_retention) {
-  return std::make_unique<StreamService>(runtime, limits, auth, heap_retention);
+                                                   const BearerAuth* auth) {
+  return std::make_unique<StreamService>(runtime, limits, auth);
 }
 
 }  // namespace flashserve

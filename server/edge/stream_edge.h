@@ -30,7 +30,6 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/auth.h"
-#include "common/heap_retention.h"
 #include "flashserve/v1/attention.pb.h"
 #include "runtime/attention_runtime.h"
 #include "runtime/io_buffers.h"
@@ -179,9 +178,7 @@ class SessionTable {
 
 /// The gRPC service (raw Upload/Download, typed others). Reaps idle sessions on a background
 /// thread. Register it through GrpcEdge::Create(..., extra_services); it must outlive the edge.
-/// `heap_retention` (may be null) is told each session's input bytes when it opens.
 std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits,
-                                                   const BearerAuth* auth,
-                                                   HeapRetention* heap_retention = nullptr);
+                                                   const BearerAuth* auth);
 
 }  // namespace flashserve
