@@ -46,10 +46,6 @@ double PredictedDeviceUs(const AttentionProblem& problem, const IoLayout& layout
   return bytes / 10e9 * 1e6 + kernels::attention_flops(problem.params()) / 100e12 * 1e6;
 }
 
-// Device memory every slot keeps for jobs this small (the small benchmark request needs ~0.5 MiB):
-// they skip the stream-ordered allocator's cudaMallocAsync/cudaFreeAsync (~3 us of host time).
-constexpr size_t kSlotBufferBytes = size_t{2} << 20;
-
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
   float ms = 0.f;
   return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? int64_t(ms * 1000.f) : 0;
@@ -79,7 +75,6 @@ struct CudaBackend::Job {
   JobDone done;
   int64_t device_bytes = 0;
   PinnedPool::Buffer staging;  // empty: copies straight from/to the caller's memory
-  bool slot_buffer = false;    // on the slot's own device buffer (nothing to free)
   int64_t stage_us = 0;
   size_t o_offset = 0, lse_offset = 0;
   kernels::cuda::KernelConfig config;
@@ -91,7 +86,6 @@ struct CudaBackend::Job {
 struct CudaBackend::Slot {
   Device* device = nullptr;
   cudaStream_t stream = nullptr;
-  char* buffer = nullptr;  // kSlotBufferBytes of device memory for small jobs
   // start, after H2D, after kernel, after D2H (polled by the completion thread), and a copy of the
   // last with cudaEventBlockingSync and no timing, which the completion thread sleeps on once
   // polling has taken longer than completion_spin_us.
@@ -169,10 +163,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       slot->device = device.get();
       if ((e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)) != cudaSuccess) {
         return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
-      }
-      if ((e = cudaMalloc(reinterpret_cast<void**>(&slot->buffer), kSlotBufferBytes)) !=
-          cudaSuccess) {
-        return absl::UnavailableError(absl::StrCat("CUDA slot buffer: ", cudaGetErrorString(e)));
       }
       for (int j = 0; j < 5; ++j) {
         e = cudaEventCreateWithFlags(&slot->events[j],
@@ -333,7 +323,6 @@ CudaBackend::~CudaBackend() {
         if (event != nullptr) cudaEventDestroy(event);
       }
       if (slot->stream != nullptr) cudaStreamDestroy(slot->stream);
-      if (slot->buffer != nullptr) cudaFree(slot->buffer);
     }
   }
   pinned_.reset();  // cudaFreeHost of the cached staging buffers, while CUDA is still up
@@ -532,14 +521,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   cudaStream_t stream = slot->stream;
 
   char* base = nullptr;
-  cudaError_t e = cudaSuccess;
-  if (total <= kSlotBufferBytes) {
-    // The slot is this job's alone until Complete has seen all of its stream work finish.
-    base = slot->buffer;
-    job->slot_buffer = true;
-  } else {
-    e = cudaMallocAsync(reinterpret_cast<void**>(&base), total, stream);
-  }
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&base), total, stream);
   if (e != cudaSuccess) {
     absl::Status status;
     if (e == cudaErrorMemoryAllocation) {
@@ -612,7 +594,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   // H2D copies still read the staging buffer) before the buffer goes back to the pool.
   step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
   step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
-  if (!job->slot_buffer) cudaFreeAsync(base, stream);
+  cudaFreeAsync(base, stream);
 
   // A job expected to finish within the polling window is completed right here: handing it to the
   // slot's completion thread would add that thread's wake-up (tens of microseconds on a loaded or
