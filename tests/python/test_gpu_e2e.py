@@ -391,6 +391,39 @@ def test_two_devices_share_the_load(flashserve_bin, tmp_path, rng):
         _stop_and_check(s)
 
 
+def test_a_faulted_device_leaves_the_other_serving(flashserve_bin, tmp_path, rng):
+    """Two devices, one faults (sticky error through the test hook): readiness turns false so the orchestrator can
+    replace the process, but the healthy device answers every later request correctly until then."""
+    import urllib.error
+    import urllib.request
+
+    _require_gpu()
+    n = _gpu_count()
+    if n < 2:
+        pytest.skip(f"this machine has {n} GPU(s): the two-device fault test needs two")
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--devices=0,1", "--enable_fault_injection"],
+                      name="fault_two").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            q, k, v = _problem(rng, "bfloat16", 1, 333, 517, 4, 2, 128)
+            with pytest.raises(flashserve.FlashserveError, match="CUDA fault") as fault:
+                c.attention(q, k, v, request_id="flashserve-test:inject-device-fault")
+            assert fault.value.code == grpc.StatusCode.INTERNAL
+            deadline = time.monotonic() + 10
+            while c.health_status() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.health_status() == "NOT_SERVING"
+            with pytest.raises(urllib.error.HTTPError) as ready:
+                urllib.request.urlopen(f"{s.http}/v2/health/ready", timeout=5)
+            assert ready.value.code == 503
+            for i in range(6):  # several at once would also do; one at a time shows each is served
+                q, k, v = _problem(rng, "bfloat16", 1, int(rng.integers(1, 900)), int(rng.integers(1, 900)), 4, 2, 128)
+                _check(c, q, k, v, "bfloat16", bool(i % 2))
+        assert "faulted" in s.logs(limit=20000)
+    finally:
+        _stop_and_check(s)
+
+
 def test_sticky_device_fault_turns_readiness_off(flashserve_bin, tmp_path, rng):
     """A sticky CUDA error (a trap kernel, through the --enable_fault_injection test hook) fails that request with
     INTERNAL, turns gRPC health NOT_SERVING and HTTP ready 503 within ~1 s, and later requests get UNAVAILABLE
