@@ -102,7 +102,6 @@ struct CudaBackend::Device {
   int sm_count = 0;
   bool tuned = false;  // same model as the first device: uses the tuning cache
   std::vector<std::unique_ptr<Slot>> slots;
-  std::atomic<bool> healthy{true};
   // Guarded by CudaBackend::mu_.
   std::vector<Slot*> free_slots;
   int64_t outstanding_bytes = 0;  // device bytes of the jobs on this device now
@@ -361,23 +360,22 @@ int CudaBackend::recommended_concurrency() const {
 }
 
 bool CudaBackend::can_launch_now() {
+  if (!healthy()) return false;
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& device : devices_) {
-    if (device->healthy.load() && !device->free_slots.empty()) return true;
+    if (!device->free_slots.empty()) return true;
   }
   return false;
 }
 
-// Load balancing: the healthy device with a free slot and the fewest outstanding device bytes
-// (a proxy for the work queued on it; ties go to fewer jobs, then to the lower index).
+// Load balancing: the device with a free slot and the fewest outstanding device bytes (a proxy
+// for the work queued on it; ties go to fewer jobs, then to the lower index).
 CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
+    if (!healthy()) return nullptr;
     Device* best = nullptr;
-    bool any_healthy = false;
     for (auto& device : devices_) {
-      if (!device->healthy.load()) continue;
-      any_healthy = true;
       if (device->free_slots.empty()) continue;
       if (best == nullptr || device->outstanding_bytes < best->outstanding_bytes ||
           (device->outstanding_bytes == best->outstanding_bytes &&
@@ -385,7 +383,6 @@ CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
         best = device.get();
       }
     }
-    if (!any_healthy) return nullptr;
     if (best != nullptr) {
       Slot* slot = best->free_slots.back();
       best->free_slots.pop_back();
@@ -393,8 +390,7 @@ CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
       best->in_flight++;
       return slot;
     }
-    // Every slot of every healthy device is busy: wait for a completion (or a fault, which
-    // releases slots too). Bounded by the scheduler: at most recommended_concurrency() waiters.
+    // Every slot is busy: wait for a completion (or a fault, which releases slots too). Bounded by the scheduler: at most recommended_concurrency() waiters.
     slot_cv_.wait(lock);
   }
 }
@@ -412,12 +408,16 @@ void CudaBackend::ReleaseSlot(Slot* slot, int64_t device_bytes) {
 
 absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char* what) {
   if (IsSticky(e)) {
-    if (device->healthy.exchange(false)) {
-      spdlog::critical("CUDA device {} faulted in {} ({}): reporting not ready", device->index,
-                       what, cudaGetErrorString(e));
+    // A sticky error leaves CUDA unusable in the whole process, not only on this device: on two
+    // H200s, after a fault on device 0 every call on device 1 failed too, from every thread
+    // (bench/results/service-h100-h200x2-2026-11-22.md). So nothing runs any more; readiness
+    // turns false so that the orchestrator replaces the process.
+    if (healthy_.exchange(false)) {
+      spdlog::critical("CUDA device {} faulted in {} ({}): CUDA is unusable in this process, on "
+                       "every device; reporting not ready, further requests get UNAVAILABLE",
+                       device->index, what, cudaGetErrorString(e));
     }
-    healthy_.store(false);
-    slot_cv_.notify_all();  // waiters re-check: this device takes no more jobs
+    slot_cv_.notify_all();  // waiters re-check and give up
     return absl::InternalError(absl::StrCat("CUDA fault in ", what, ": ", cudaGetErrorString(e)));
   }
   cudaGetLastError();  // clear a non-sticky error so the next job on this thread starts clean
@@ -443,10 +443,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
     done(std::move(result));
   };
   if (!healthy()) {
-    // One faulted device makes the process not ready; the others keep serving what arrives.
-    bool any = false;
-    for (const auto& device : devices_) any = any || device->healthy.load();
-    if (!any) return fail(absl::UnavailableError("CUDA devices faulted earlier; server not ready"));
+    return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
   kernels::AttentionParams params = problem.params();
   {
@@ -508,7 +505,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
 
   Slot* slot = AcquireSlot(job->device_bytes);
   if (slot == nullptr) {
-    return fail(absl::UnavailableError("CUDA devices faulted earlier; server not ready"));
+    return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
   Device* device = slot->device;
   if (absl::Now() >= output.deadline) {

@@ -64,8 +64,8 @@ class CudaBackend final : public Backend {
                    std::string* kernel) override;
   /// Returns once the job is queued on a stream (waits for a free slot if every one is busy).
   void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) override;
-  /// False once any device had a sticky error (that device takes no more jobs; the others do,
-  /// but readiness reports false so the orchestrator replaces the process).
+  /// False once any device had a sticky error: CUDA is then unusable in the whole process, so no
+  /// device takes jobs any more and readiness reports false (the orchestrator replaces it).
   bool healthy() const override { return healthy_.load(); }
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
@@ -79,13 +79,13 @@ class CudaBackend final : public Backend {
   struct Slot;
   struct Device;
   CudaBackend() = default;
-  // The least loaded healthy device's free slot, waiting for one if all are busy; nullptr when
-  // no device is healthy.
+  // The least loaded device's free slot, waiting for one if all are busy; nullptr once a device
+  // has faulted.
   Slot* AcquireSlot(int64_t device_bytes);
   void ReleaseSlot(Slot* slot, int64_t device_bytes);
   void CompletionLoop(Slot* slot);
   void Complete(Slot* slot, std::unique_ptr<Job> job);
-  // INTERNAL for `e`; marks the device unhealthy when `e` is sticky.
+  // INTERNAL for `e`; marks the backend unhealthy when `e` is sticky.
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
 
   absl::Status StartAutotune(const CudaBackendOptions& options);
