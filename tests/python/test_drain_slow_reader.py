@@ -1,6 +1,7 @@
 """SIGTERM while a large answer is still being written to a slow reader: every API (native Attention, KServe
-ModelInfer, striped download) must finish writing it within the grace period, not cut it off when gRPC's own
-shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a few MB/s."""
+ModelInfer, striped download, KServe REST) must finish writing it within the grace period, not cut it off when
+gRPC's own shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a
+few MB/s."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 import flashserve
 from test_kserve_grpc import infer_request, oip, outputs_of, stub_for  # noqa: F401 - oip is a fixture
+from test_kserve_rest import binary_request, decode
 
 pytestmark = pytest.mark.e2e
 
@@ -99,17 +101,25 @@ def _call_kserve(oip_stubs, address, q, k, v):
         channel.close()
 
 
+def _call_rest(address, q, k, v):
+    import requests
+
+    body, headers = binary_request(q, k, v, parameters={"binary_data_output": True})
+    response = requests.post(f"http://{address}/v2/models/attention/infer", data=body, headers=headers, timeout=120)
+    return decode(response)[1]["O"]
+
+
 def _call_striped(address, q, k, v):
     with flashserve.StripedClient(address, stripes=2, timeout=120) as c:
         return c.attention(q, k, v)
 
 
-@pytest.mark.parametrize("api", ["native", "kserve", "striped"])
+@pytest.mark.parametrize("api", ["native", "kserve", "striped", "rest"])
 def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_server, request):
     server = start_server("--shutdown_grace_seconds=60", name=f"drain_{api}")
-    proxy = ThrottlingProxy(server.grpc_port)
+    proxy = ThrottlingProxy(server.http_port if api == "rest" else server.grpc_port)
     q, k, v = _inputs()
-    call = {"native": _call_native, "striped": _call_striped,
+    call = {"native": _call_native, "striped": _call_striped, "rest": _call_rest,
             "kserve": lambda *a: _call_kserve(request.getfixturevalue("oip"), *a)}[api]
     result = {}
 
