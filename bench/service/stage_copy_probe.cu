@@ -1,0 +1,235 @@
+// What the one host copy of a request (gRPC's receive buffer -> pinned staging) costs, and what
+// else could move the bytes to the device. Three parts:
+//  1. the small request's copy (3 x 128 KiB) on a "lane" thread, with the source written just
+//     before by the same thread, by another thread (as gRPC's poller writes a receive buffer), or
+//     into a fresh mmap by another thread; copied with glibc's memcpy, with non-temporal stores,
+//     or with `rep movsb`;
+//  2. the whole small request (copy + H2D + tiny kernel + D2H, polled to completion): staged into
+//     pinned memory, or H2D straight from the pageable source (the driver stages it), or staged
+//     piece by piece with each piece's H2D queued right after its copy;
+//  3. many threads each copying a medium request (48 MiB in 4 MiB pieces) into pinned memory at
+//     once, glibc vs non-temporal stores: aggregate GB/s (memory bandwidth under concurrency).
+// Build and run on the GPU machine:
+//   nvcc -O2 -std=c++20 -arch=sm_90 -o /tmp/stage stage_copy_probe.cu && /tmp/stage
+#include <cuda_runtime.h>
+#include <emmintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+using Clock = std::chrono::steady_clock;
+static double us(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+static double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+#define CHECK(x)                                                                              \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+__global__ void tiny(char* p) {
+  if (threadIdx.x == 0) p[blockIdx.x] += 1;
+}
+
+// Non-temporal: the destination lines are written without being read first (no read-for-ownership)
+// and without displacing the cache.
+static void CopyStream(char* dest, const char* src, size_t n) {
+  const size_t head = std::min(n, size_t((16 - (uintptr_t(dest) & 15)) & 15));
+  std::memcpy(dest, src, head);
+  dest += head, src += head, n -= head;
+  for (; n >= 64; n -= 64, dest += 64, src += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dest + 48), d);
+  }
+  std::memcpy(dest, src, n);
+  _mm_sfence();
+}
+static void CopyRepMovsb(char* dest, const char* src, size_t n) {
+  asm volatile("rep movsb" : "+D"(dest), "+S"(src), "+c"(n) : : "memory");
+}
+using CopyFn = void (*)(char*, const char*, size_t);
+static void CopyGlibc(char* dest, const char* src, size_t n) { std::memcpy(dest, src, n); }
+
+constexpr size_t kPiece = 128 << 10, kPieces = 3, kIn = kPiece * kPieces, kOut = 128 << 10;
+constexpr int kReps = 2200, kWarmup = 200;
+
+// Runs `fn(it)` on one fixed thread kReps times, `writer(it)` on another thread just before each
+// (or on the same thread when same_thread), with a sleep between requests as a server has.
+static std::vector<double> OnLane(const std::function<void(int)>& writer, bool same_thread,
+                                  const std::function<double(int)>& fn) {
+  std::vector<double> samples;
+  std::atomic<int> written{-1};
+  std::atomic<bool> stop{false};
+  std::thread other;
+  if (!same_thread) {
+    other = std::thread([&] {
+      cudaSetDevice(0);
+      for (int it = 0; it < kReps; ++it) {
+        writer(it);
+        written.store(it);
+        written.notify_one();
+        while (written.load() == it && !stop.load()) std::this_thread::yield();
+      }
+    });
+  }
+  std::thread lane([&] {
+    cudaSetDevice(0);
+    for (int it = 0; it < kReps; ++it) {
+      if (same_thread) {
+        writer(it);
+      } else {
+        for (int now = written.load(); now != it; now = written.load()) written.wait(now);
+      }
+      const double t = fn(it);
+      if (it >= kWarmup) samples.push_back(t);
+      if (!same_thread) written.store(-2);  // lets the writer go on
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  });
+  lane.join();
+  stop = true;
+  if (other.joinable()) other.join();
+  return samples;
+}
+
+int main() {
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaFree(0));
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t done;
+  CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  char* pinned;
+  CHECK(cudaHostAlloc(&pinned, 1 << 20, cudaHostAllocPortable));
+  char* dev;
+  CHECK(cudaMalloc(&dev, 1 << 20));
+  std::vector<char> payload(kIn);
+  for (size_t i = 0; i < kIn; ++i) payload[i] = char(i * 131);
+  char* heap_src = static_cast<char*>(std::aligned_alloc(4096, kIn));
+  char* mapped = nullptr;  // the "fresh mmap" source of the current request
+
+  enum Src { kSame, kOther, kOtherMmap };
+  const char* src_names[] = {"written by the same thread", "written by another thread",
+                             "fresh mmap, written by another thread"};
+  auto writer_for = [&](Src src) -> std::function<void(int)> {
+    return [&, src](int) {
+      if (src == kOtherMmap) {
+        if (mapped != nullptr) munmap(mapped, kIn);
+        mapped = static_cast<char*>(
+            mmap(nullptr, kIn, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+        std::memcpy(mapped, payload.data(), kIn);
+      } else {
+        std::memcpy(heap_src, payload.data(), kIn);
+      }
+    };
+  };
+  auto source = [&](Src src) { return src == kOtherMmap ? mapped : heap_src; };
+
+  std::printf("# 1. small request's host copy (3 x 128 KiB -> one pinned buffer), median us\n");
+  const CopyFn copies[] = {CopyGlibc, CopyStream, CopyRepMovsb};
+  const char* copy_names[] = {"glibc memcpy", "non-temporal stores", "rep movsb"};
+  for (int src = 0; src < 3; ++src) {
+    for (int c = 0; c < 3; ++c) {
+      auto samples = OnLane(writer_for(Src(src)), src == kSame, [&](int) {
+        const char* from = source(Src(src));
+        const auto a = Clock::now();
+        for (size_t p = 0; p < kPieces; ++p) copies[c](pinned + p * kPiece, from + p * kPiece, kPiece);
+        return us(a, Clock::now());
+      });
+      std::printf("  %-40s %-22s %7.1f\n", src_names[src], copy_names[c], median(samples));
+    }
+  }
+
+  std::printf("# 2. whole small request, source written by another thread: host us until queued / "
+              "until the last copy is done (median)\n");
+  for (int way = 0; way < 4; ++way) {
+    std::vector<double> queued;
+    auto samples = OnLane(writer_for(kOther), false, [&](int) {
+      const char* from = heap_src;
+      const auto a = Clock::now();
+      if (way == 0 || way == 1) {
+        const CopyFn copy = way == 0 ? CopyGlibc : CopyStream;
+        for (size_t p = 0; p < kPieces; ++p) copy(pinned + p * kPiece, from + p * kPiece, kPiece);
+        cudaMemcpyAsync(dev, pinned, kIn, cudaMemcpyHostToDevice, s);
+      } else if (way == 2) {
+        for (size_t p = 0; p < kPieces; ++p) {
+          cudaMemcpyAsync(dev + p * kPiece, from + p * kPiece, kPiece, cudaMemcpyHostToDevice, s);
+        }
+      } else {
+        for (size_t p = 0; p < kPieces; ++p) {
+          CopyStream(pinned + p * kPiece, from + p * kPiece, kPiece);
+          cudaMemcpyAsync(dev + p * kPiece, pinned + p * kPiece, kPiece, cudaMemcpyHostToDevice, s);
+        }
+      }
+      tiny<<<132, 128, 0, s>>>(dev);
+      cudaMemcpyAsync(pinned + kIn, dev + kIn, kOut, cudaMemcpyDeviceToHost, s);
+      cudaEventRecord(done, s);
+      const auto b = Clock::now();
+      while (cudaEventQuery(done) == cudaErrorNotReady) {
+      }
+      queued.push_back(us(a, b));
+      return us(a, Clock::now());
+    });
+    CHECK(cudaGetLastError());
+    const char* names[] = {"stage (glibc) + 1 H2D", "stage (non-temporal) + 1 H2D",
+                           "3 H2D from pageable source", "3 x (non-temporal stage + H2D)"};
+    queued.erase(queued.begin(), queued.begin() + kWarmup);
+    std::printf("  %-34s queued %7.1f  done %7.1f\n", names[way], median(queued), median(samples));
+  }
+
+  std::printf("# 3. T threads each copying 48 MiB (4 MiB pieces) heap -> pinned at once: aggregate "
+              "GB/s, median of 5 rounds\n");
+  constexpr size_t kMedium = size_t{48} << 20, kChunk = size_t{4} << 20;
+  for (int threads : {1, 4, 8, 16}) {
+    std::vector<char*> src(threads), dst(threads);
+    for (int t = 0; t < threads; ++t) {
+      src[t] = static_cast<char*>(std::aligned_alloc(4096, kMedium));
+      std::memset(src[t], t + 1, kMedium);
+      CHECK(cudaHostAlloc(&dst[t], kMedium, cudaHostAllocPortable));
+      std::memset(dst[t], 0, kMedium);
+    }
+    for (int c = 0; c < 2; ++c) {
+      const CopyFn copy = c == 0 ? CopyGlibc : CopyStream;
+      std::vector<double> rates;
+      for (int round = 0; round < 6; ++round) {
+        std::vector<std::thread> pool;
+        const auto a = Clock::now();
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            for (size_t off = 0; off < kMedium; off += kChunk) copy(dst[t] + off, src[t] + off, kChunk);
+          });
+        }
+        for (auto& th : pool) th.join();
+        const double seconds = us(a, Clock::now()) * 1e-6;
+        if (round > 0) rates.push_back(double(kMedium) * threads / seconds * 1e-9);
+      }
+      std::printf("  threads %2d  %-22s %6.1f GB/s\n", threads, copy_names[c], median(rates));
+    }
+    for (int t = 0; t < threads; ++t) {
+      std::free(src[t]);
+      cudaFreeHost(dst[t]);
+    }
+  }
+  CHECK(cudaGetLastError());
+  return 0;
+}
