@@ -12,6 +12,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "runtime/attention_runtime.h"
+#include "runtime_harness.h"
 
 namespace flashserve {
 namespace {
@@ -100,52 +101,16 @@ class AsyncFakeBackend final : public Backend {
   std::thread completer_;
 };
 
-void SetTensor(v1::Tensor* t, std::vector<int64_t> shape) {
-  t->set_dtype(v1::FLOAT32);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  t->set_data(std::string(size_t(n) * 4, '\0'));
-}
+using runtime_testing::Request;
 
-v1::AttentionRequest Request(int seqlen_k = 5) {
-  v1::AttentionRequest r;
-  SetTensor(r.mutable_q(), {1, 3, 2, 4});
-  SetTensor(r.mutable_k(), {1, seqlen_k, 1, 4});
-  SetTensor(r.mutable_v(), {1, seqlen_k, 1, 4});
-  return r;
-}
-
-struct Harness {
-  explicit Harness(int capacity = 8, int64_t max_inflight_bytes = 0) {
-    scheduler = std::move(*Scheduler::Create({capacity, 1}));
-    ValidationLimits limits;
-    limits.dtypes = backend.capabilities().dtypes;
-    limits.max_head_dim = 8;
-    limits.backend_name = "fake";
-    runtime = std::make_unique<AttentionRuntime>(&backend, scheduler.get(), limits, nullptr,
-                                                 max_inflight_bytes);
-  }
+// Jobs still "on the device" at the end of a test are let go before the runtime goes away.
+struct Harness : runtime_testing::Harness<AsyncFakeBackend> {
+  explicit Harness(int capacity = 8, int64_t max_inflight_bytes = 0)
+      : runtime_testing::Harness<AsyncFakeBackend>(capacity, max_inflight_bytes) {}
   ~Harness() {
     backend.Release(1000);
     runtime->WaitIdle(absl::Now() + absl::Seconds(10));
   }
-  std::future<absl::Status> Submit(const v1::AttentionRequest* request,
-                                   v1::AttentionResponse* response) {
-    auto promise = std::make_shared<std::promise<absl::Status>>();
-    AttentionRuntime::Call call;
-    call.request = request;
-    call.response = response;
-    call.received = absl::Now();
-    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
-    runtime->Submit(std::move(call));
-    return promise->get_future();
-  }
-  AsyncFakeBackend backend;
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<AttentionRuntime> runtime;
 };
 
 TEST(AsyncRuntime, OneWorkerLaunchesManyJobsWithoutWaitingForCompletion) {

@@ -9,6 +9,7 @@
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "runtime/attention_runtime.h"
+#include "runtime_harness.h"
 
 namespace flashserve {
 namespace {
@@ -42,53 +43,10 @@ class FakeBackend final : public Backend {
   BackendCapabilities caps_;
 };
 
-void SetTensor(v1::Tensor* t, std::vector<int64_t> shape) {
-  t->set_dtype(v1::FLOAT32);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    t->add_shape(d);
-    n *= d;
-  }
-  t->set_data(std::string(size_t(n) * 4, '\0'));
-}
+using runtime_testing::Request;
 
-v1::AttentionRequest Request() {
-  v1::AttentionRequest r;
-  SetTensor(r.mutable_q(), {1, 3, 2, 4});
-  SetTensor(r.mutable_k(), {1, 5, 1, 4});
-  SetTensor(r.mutable_v(), {1, 5, 1, 4});
-  r.set_request_id("abc");
-  return r;
-}
-
-struct Harness {
-  explicit Harness(int capacity = 4) {
-    scheduler = std::move(*Scheduler::Create({capacity, 1}));
-    ValidationLimits limits;
-    limits.dtypes = backend.capabilities().dtypes;
-    limits.max_head_dim = 8;
-    limits.backend_name = "fake";
-    runtime = std::make_unique<AttentionRuntime>(&backend, scheduler.get(), limits);
-  }
-  // Submits and returns a future for the status.
-  std::future<absl::Status> Submit(const v1::AttentionRequest* request,
-                                   v1::AttentionResponse* response,
-                                   absl::Time deadline = absl::InfiniteFuture(),
-                                   std::function<bool()> cancelled = {}) {
-    auto promise = std::make_shared<std::promise<absl::Status>>();
-    AttentionRuntime::Call call;
-    call.request = request;
-    call.response = response;
-    call.received = absl::Now();
-    call.deadline = deadline;
-    call.cancelled = std::move(cancelled);
-    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
-    runtime->Submit(std::move(call));
-    return promise->get_future();
-  }
-  FakeBackend backend;
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<AttentionRuntime> runtime;
+struct Harness : runtime_testing::Harness<FakeBackend> {
+  explicit Harness(int capacity = 4) : runtime_testing::Harness<FakeBackend>(capacity) {}
 };
 
 TEST(AttentionRuntime, FillsResponse) {
