@@ -18,25 +18,7 @@
 #include <thread>
 #include <vector>
 
-using Clock = std::chrono::steady_clock;
-__global__ void tiny(char* p) {
-  if (threadIdx.x == 0) p[blockIdx.x] += 1;
-}
-static double us(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::micro>(b - a).count();
-}
-static double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e_ = (x);                                                               \
-    if (e_ != cudaSuccess) {                                                            \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                         \
-    }                                                                                   \
-  } while (0)
+#include "probe_util.cuh"
 
 constexpr size_t kIn = 384 << 10, kOut = 128 << 10, kTotal = kIn + kOut;
 
