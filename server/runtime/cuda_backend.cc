@@ -106,6 +106,7 @@ struct CudaBackend::Device {
   std::vector<Slot*> free_slots;
   int64_t outstanding_bytes = 0;  // device bytes of the jobs on this device now
   int in_flight = 0;
+  uint64_t last_chosen = 0;  // AcquireSlot's count when it last picked this device
 };
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
@@ -369,7 +370,8 @@ bool CudaBackend::can_launch_now() {
 }
 
 // Load balancing: the device with a free slot and the fewest outstanding device bytes (a proxy
-// for the work queued on it; ties go to fewer jobs, then to the lower index).
+// for the work queued on it; ties go to fewer jobs, then to the device picked least recently, so
+// requests that never overlap still take turns instead of all landing on device 0).
 CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
@@ -379,7 +381,9 @@ CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
       if (device->free_slots.empty()) continue;
       if (best == nullptr || device->outstanding_bytes < best->outstanding_bytes ||
           (device->outstanding_bytes == best->outstanding_bytes &&
-           device->in_flight < best->in_flight)) {
+           (device->in_flight < best->in_flight ||
+            (device->in_flight == best->in_flight &&
+             device->last_chosen < best->last_chosen)))) {
         best = device.get();
       }
     }
@@ -388,9 +392,11 @@ CudaBackend::Slot* CudaBackend::AcquireSlot(int64_t device_bytes) {
       best->free_slots.pop_back();
       best->outstanding_bytes += device_bytes;
       best->in_flight++;
+      best->last_chosen = ++choices_;
       return slot;
     }
-    // Every slot is busy: wait for a completion (or a fault, which releases slots too). Bounded by the scheduler: at most recommended_concurrency() waiters.
+    // Every slot is busy: wait for a completion (or a fault, which releases slots too). Bounded
+    // by the scheduler: at most recommended_concurrency() waiters.
     slot_cv_.wait(lock);
   }
 }

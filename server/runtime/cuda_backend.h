@@ -103,6 +103,7 @@ class CudaBackend final : public Backend {
   int64_t max_device_bytes_per_request_ = 0;
   int completion_spin_us_ = 0;
   std::mutex mu_;                    // guards every Device's free_slots and load counters
+  uint64_t choices_ = 0;             // guarded by mu_: slots handed out so far
   std::condition_variable slot_cv_;  // a slot was released
   std::atomic<bool> healthy_{true};
 };
