@@ -1,6 +1,5 @@
 #include "edge/attention_call.h"
 
-#include <atomic>
 #include <chrono>
 #include <string>
 #include <string_view>
@@ -198,7 +197,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 };
 
 }  // namespace
-
 
 AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
     : runtime_(runtime),
