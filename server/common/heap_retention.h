@@ -32,8 +32,8 @@ class HeapRetention {
   /// which already keeps big buffers) disables too.
   HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold, absl::Duration hold);
 
-  /// Called for each request once its size is known. Thread-safe; two relaxed loads when nothing
-  /// changes.
+  /// Called for each request once its size is known. Thread-safe; a small request while nothing is
+  /// retained costs one relaxed load (the clock is read only for big requests and while retaining).
   void Observe(int64_t request_bytes);
 
   bool retaining() const { return retaining_.load(); }
