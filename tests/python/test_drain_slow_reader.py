@@ -1,7 +1,8 @@
 """SIGTERM while a large answer is still being written to a slow reader: every API (native Attention, KServe
 ModelInfer, striped download, KServe REST) must finish writing it within the grace period, not cut it off when
 gRPC's own shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a
-few MB/s."""
+few MB/s. The other side of that wait: a client that stalls mid-upload holds the exit until the grace period ends,
+and no longer."""
 
 from __future__ import annotations
 
@@ -25,12 +26,15 @@ Q_SHAPE, KV_SHAPE = (1, 8192, 4, 128), (1, 8, 4, 128)
 
 
 class ThrottlingProxy:
-    """Loopback TCP proxy to 127.0.0.1:port. Client -> server bytes pass at full speed; server -> client bytes at
-    RATE_BYTES_PER_S, read through a small receive buffer, so the server's writes back up behind it."""
+    """Loopback TCP proxy to 127.0.0.1:port. Server -> client bytes pass at RATE_BYTES_PER_S, read through a small
+    receive buffer, so the server's writes back up behind it. Client -> server bytes pass at full speed, or, with
+    upload_limit, only the first upload_limit bytes of each connection (then the upload stalls)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, upload_limit: int | None = None):
         self.port_to = port
+        self.upload_limit = upload_limit
         self.to_client = 0  # bytes passed server -> client, all connections
+        self.to_server = 0  # bytes passed client -> server, all connections
         self._lock = threading.Lock()
         self._sockets = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -58,6 +62,14 @@ class ThrottlingProxy:
                 data = src.recv(16 << 10)
                 if not data:
                     break
+                if not throttled and self.upload_limit is not None:
+                    data = data[:max(0, self.upload_limit - passed)]
+                    passed += len(data)
+                    with self._lock:
+                        self.to_server += len(data)
+                    if not data:  # the upload stalls here; keep the connection open
+                        time.sleep(0.05)
+                        continue
                 dst.sendall(data)
                 if throttled:
                     passed += len(data)
@@ -153,3 +165,40 @@ def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_ser
     ref = flashserve.reference.attention(q[:, :64], k, v)
     np.testing.assert_allclose(result["out"][:, :64], ref, atol=1e-5, rtol=0)
     assert np.isfinite(result["out"]).all()
+
+
+def test_sigterm_with_a_stalled_upload_waits_out_the_grace_period(start_server):
+    """A native call admitted from its first byte whose client then stops sending: SIGTERM waits for it up to
+    --shutdown_grace_seconds, then cancels it and exits 0 -- neither sooner (that request would be dropped while it
+    might still arrive) nor later."""
+    grace_s = 3
+    server = start_server(f"--shutdown_grace_seconds={grace_s}", name="drain_stalled")
+    proxy = ThrottlingProxy(server.grpc_port, upload_limit=2 << 20)
+    q, k, v = _inputs()  # 16 MiB of q: the proxy passes 2 MiB of it
+    result = {}
+
+    def run():
+        try:
+            result["out"] = _call_native(proxy.address, q, k, v)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+
+    thread = threading.Thread(target=run)
+    try:
+        thread.start()
+        deadline = time.monotonic() + 30
+        while proxy.to_server < (2 << 20) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxy.to_server == 2 << 20, "the upload never reached the stall point"
+        time.sleep(0.3)  # the server reads what the proxy passed on
+        sigterm_at = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=60)
+        exited_after = time.monotonic() - sigterm_at
+    finally:
+        proxy.close()
+    thread.join(timeout=60)
+    assert code == 0, f"exit code {code}\n{server.logs()}"
+    assert grace_s - 0.5 <= exited_after <= grace_s + 3, f"exited {exited_after:.2f} s after SIGTERM\n{server.logs()}"
+    assert "grace period over" in server.logs(), server.logs()
+    assert "error" in result, "a request that never arrived whole was answered?"
