@@ -8,7 +8,10 @@
 //     pinned memory, or H2D straight from the pageable source (the driver stages it), or staged
 //     piece by piece with each piece's H2D queued right after its copy;
 //  3. many threads each copying a medium request (48 MiB in 4 MiB pieces) into pinned memory at
-//     once, glibc vs non-temporal stores: aggregate GB/s (memory bandwidth under concurrency).
+//     once, glibc vs non-temporal stores: aggregate GB/s (memory bandwidth under concurrency);
+//  4. the small request's copy split over the lane and a few helper threads spinning for work;
+//  5. a medium request's bytes to the device through a pinned copy, or registered in place
+//     (cudaHostRegister), wall and CPU time.
 // Build and run on the GPU machine:
 //   nvcc -O2 -std=c++20 -arch=sm_90 -o /tmp/stage stage_copy_probe.cu && /tmp/stage
 #include <cuda_runtime.h>
@@ -210,6 +213,106 @@ int main() {
       std::free(src[t]);
       cudaFreeHost(dst[t]);
     }
+  }
+
+  std::printf("# 4. small request's copy split over the lane and H helpers spinning for work (source written by "
+              "another thread, glibc memcpy), median us\n");
+  for (int helpers : {0, 1, 2, 3, 5}) {
+    const int parts = helpers + 1;
+    std::atomic<int> go{0}, finished{0};
+    std::atomic<bool> quit{false};
+    const char* from = heap_src;
+    auto part = [&](int i) {  // equal slices of the 384 KiB, 64-byte aligned
+      const size_t per = (kIn / parts + 63) / 64 * 64, begin = std::min(kIn, per * i);
+      std::memcpy(pinned + begin, from + begin, std::min(kIn, begin + per) - begin);
+    };
+    std::vector<std::thread> pool;
+    for (int h = 0; h < helpers; ++h) {
+      pool.emplace_back([&, h] {
+        for (int seen = 0;;) {
+          int now;
+          while ((now = go.load(std::memory_order_acquire)) == seen && !quit.load(std::memory_order_relaxed)) {
+            _mm_pause();
+          }
+          if (quit.load()) return;
+          seen = now;
+          part(h + 1);
+          finished.fetch_add(1, std::memory_order_acq_rel);
+        }
+      });
+    }
+    auto samples = OnLane(writer_for(kOther), false, [&](int) {
+      const auto a = Clock::now();
+      finished.store(0, std::memory_order_relaxed);
+      go.fetch_add(1, std::memory_order_release);
+      part(0);
+      while (finished.load(std::memory_order_acquire) != helpers) _mm_pause();
+      return us(a, Clock::now());
+    });
+    quit = true;
+    for (auto& th : pool) th.join();
+    std::printf("  helpers %d  %7.1f\n", helpers, median(samples));
+  }
+
+  std::printf("# 5. a medium request (48 MiB, heap, written) to the device: host copy into pinned memory + H2D, "
+              "or cudaHostRegister the heap pieces in place + H2D + unregister; per piece size, median of 7: "
+              "wall ms / CPU ms of the calling thread\n");
+  {
+    constexpr size_t kBytes = size_t{48} << 20;
+    char* heap = static_cast<char*>(std::malloc(kBytes + 4096)) + 64;  // like a receive buffer: not page-aligned
+    std::memset(heap, 7, kBytes);
+    char* pinned48;
+    CHECK(cudaHostAlloc(&pinned48, kBytes, cudaHostAllocPortable));
+    std::memset(pinned48, 0, kBytes);
+    char* dev48;
+    CHECK(cudaMalloc(&dev48, kBytes));
+    auto cpu_ms = [] {
+      timespec ts;
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+    };
+    for (size_t piece : {size_t{128} << 10, size_t{4} << 20, kBytes}) {
+      for (int way = 0; way < 2; ++way) {
+        std::vector<double> wall, cpu;
+        bool failed = false;
+        for (int round = 0; round < 8 && !failed; ++round) {
+          std::memset(heap, round, kBytes);  // written again, as a fresh request would be
+          const auto a = Clock::now();
+          const double c0 = cpu_ms();
+          for (size_t off = 0; off < kBytes; off += piece) {
+            if (way == 0) {
+              std::memcpy(pinned48 + off, heap + off, piece);
+              CHECK(cudaMemcpyAsync(dev48 + off, pinned48 + off, piece, cudaMemcpyHostToDevice, s));
+            } else {
+              if (const cudaError_t e = cudaHostRegister(heap + off, piece, cudaHostRegisterDefault); e != cudaSuccess) {
+                // Pieces that are not page-aligned share a page with their neighbour.
+                std::printf("  piece %zu KiB at offset %zu: cudaHostRegister: %s\n", piece >> 10, off,
+                            cudaGetErrorString(e));
+                cudaGetLastError();
+                failed = true;
+                break;
+              }
+              CHECK(cudaMemcpyAsync(dev48 + off, heap + off, piece, cudaMemcpyHostToDevice, s));
+            }
+          }
+          CHECK(cudaStreamSynchronize(s));
+          if (way == 1) {
+            for (size_t off = 0; off < kBytes; off += piece) cudaHostUnregister(heap + off);
+            cudaGetLastError();
+          }
+          if (round > 0) {
+            wall.push_back(us(a, Clock::now()) * 1e-3);
+            cpu.push_back(cpu_ms() - c0);
+          }
+        }
+        if (failed) continue;
+        std::printf("  piece %8zu KiB  %-34s wall %7.2f ms  cpu %7.2f ms\n", piece >> 10,
+                    way == 0 ? "memcpy to pinned + H2D" : "register in place + H2D + unregister",
+                    median(wall), median(cpu));
+      }
+    }
+    cudaFree(dev48);
+    cudaFreeHost(pinned48);
   }
   CHECK(cudaGetLastError());
   return 0;
