@@ -29,6 +29,7 @@
 #include "common/auth.h"
 #include "common/heap_retention.h"
 #include "common/logging.h"
+#include "common/receive_arena.h"
 #include "common/version.h"
 #include "edge/grpc_edge.h"
 #include "edge/http_edge.h"
@@ -100,6 +101,13 @@ ABSL_FLAG(int64_t, pinned_pool_bytes, int64_t{2} << 30,
           "between requests): page-locked on the CUDA backend (a request that does not fit is "
           "served with slower pageable copies), heap memory on the CPU backend (no page faults "
           "of fresh buffers); 0 disables the pool");
+ABSL_FLAG(int64_t, receive_arena_bytes, -1,
+          "Memory for gRPC's socket read buffers (blocks of 64 KiB-4 MiB), so the native API's "
+          "tensors can be copied to the GPU straight from where they arrived instead of being "
+          "copied into pinned memory first: page-locked and allocated at startup on the CUDA "
+          "backend; when it is full, buffers come from the heap and requests are copied as "
+          "before. -1: 1 GiB on the CUDA backend, none on the CPU backend (where it only serves "
+          "tests of the mechanism); 0: none");
 ABSL_FLAG(int64_t, max_device_bytes_per_request, 0,
           "CUDA backend: a request needing more device memory (Q, K, V, O, LSE) gets "
           "RESOURCE_EXHAUSTED before any allocation; 0: no limit (the GPU's free memory is)");
@@ -256,6 +264,12 @@ int Serve() {
       absl::GetFlag(FLAGS_device_pool_release_threshold_bytes);
   backend_options.pinned_pool_bytes = absl::GetFlag(FLAGS_pinned_pool_bytes);
   backend_options.max_device_bytes_per_request = absl::GetFlag(FLAGS_max_device_bytes_per_request);
+  const int64_t receive_arena_flag = absl::GetFlag(FLAGS_receive_arena_bytes);
+  if (receive_arena_flag < -1) {
+    spdlog::error("--receive_arena_bytes must be -1 (default), 0 or a byte count");
+    return 2;
+  }
+  backend_options.receive_arena_bytes = receive_arena_flag < 0 ? int64_t{1} << 30 : receive_arena_flag;
   if (backend_options.streams_per_device < 1 || backend_options.streams_per_device > 64) {
     spdlog::error("--streams_per_device must be in [1, 64]");
     return 2;
@@ -292,6 +306,12 @@ int Serve() {
     return 1;
   }
   Backend& backend = *created->backend;
+  if (backend.capabilities().name == "cpu" && receive_arena_flag > 0) {
+    if (absl::Status s = ReceiveArena::InstallOnHeap(size_t(receive_arena_flag)); !s.ok()) {
+      spdlog::error("--receive_arena_bytes: {}", std::string(s.message()));
+      return 2;
+    }
+  }
 
   SchedulerOptions scheduler_options;
   scheduler_options.queue_capacity = absl::GetFlag(FLAGS_queue_capacity);
@@ -328,6 +348,15 @@ int Serve() {
   metrics.SetPinnedPoolCallback([&backend] {
     PoolBytes bytes;
     backend.PinnedPoolBytes(&bytes.used, &bytes.reserved);
+    return bytes;
+  });
+  metrics.SetReceiveArenaCallback([] {
+    ServerMetrics::ArenaBytes bytes;
+    if (const ReceiveArena* arena = ReceiveArena::Installed()) {
+      bytes.used = arena->used_bytes();
+      bytes.peak = arena->peak_bytes();
+      bytes.capacity = int64_t(arena->capacity());
+    }
     return bytes;
   });
   autotune_events->store(&metrics);

@@ -29,10 +29,12 @@ cat "$OUT/device.txt"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
-# Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, and a pinned
-# pool big enough for each of them (537 MB rounds up to a 1 GiB size class).
+# Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, a pinned
+# pool big enough for each of them (537 MB rounds up to a 1 GiB size class) and a receive arena that
+# holds the read buffers of medium requests at concurrency 64 (3 GiB) and of large ones at 16 (~8 GiB).
 ${SERVER_WRAP:-} "$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
-  --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --log_level=warn \
+  --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --receive_arena_bytes=$((8 << 30)) \
+  --log_level=warn \
   ${SERVER_FLAGS:-} >"$OUT/server.log" 2>&1 &
 SERVER=$!
 "$BIN/flashserve-echo" --host=127.0.0.1 --port="$ECHO" >"$OUT/echo.log" 2>&1 &
@@ -50,6 +52,10 @@ start=$(date +%s)
   --md="$OUT/service.md" "$@" 2>"$OUT/loadgen.log"
 status=$?
 echo "loadgen: exit $status after $(( $(date +%s) - start )) s"
+# The server's own view of the run (how requests reached the device, receive arena and pool use).
+python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$METRICS/metrics', timeout=5).read().decode())" \
+  >"$OUT/metrics.txt" 2>&1
+grep -E '^flashserve_(request_inputs_total|receive_arena_bytes|pinned_memory_pool_bytes)' "$OUT/metrics.txt"
 tail -n 30 "$OUT/loadgen.log"
 tail -n 5 "$OUT/server.log"
 exit $status

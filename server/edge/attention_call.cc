@@ -119,9 +119,23 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.received = received_;
     call.deadline = ToAbslTime(context_->deadline());
     call.cancelled = [context = context_] { return context->IsCancelled(); };
-    for (int i = 0; i < 3; ++i) call.data_bytes[i] = wire_.data[i].bytes;
-    call.fill_inputs = [this](const std::shared_ptr<IoBuffers>& io) {
+    for (int i = 0; i < 3; ++i) {
+      call.data_bytes[i] = wire_.data[i].bytes;
+      call.input_pieces[i] = &wire_.data[i].pieces;
+    }
+    // Small requests give their receive buffers back as soon as Submit returns (after the copy;
+    // `this` may be gone by then, so they move to a local): that keeps the RSS flat under mixed
+    // traffic. Large ones keep them until the call is done, so freeing hundreds of MB of mmap'd
+    // chunks never delays an answer -- and so do requests whose tensors the backend reads in place.
+    std::vector<grpc::Slice> release;
+    if (request_size_ < kSmallRequestBytes) release.swap(slices_);
+    // Called inside Submit (while `release` exists), or never.
+    call.fill_inputs = [this, &release](const std::shared_ptr<IoBuffers>& io) {
       io_ = io;
+      if (!io->has_inputs()) {  // read in place: the slices must live until the call is done
+        if (!release.empty()) slices_.swap(release);
+        return;
+      }
       std::vector<CopyPiece> pieces;
       char* dest[3] = {io->q(), io->k(), io->v()};
       for (int i = 0; i < 3; ++i) {
@@ -135,12 +149,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.inject_device_fault =
         options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
     call.done = [this](const absl::Status& status) { Answer(status); };
-    // Small requests give their receive buffers back as soon as Submit returns (after the copy;
-    // `this` may be gone by then, so they move to a local): that keeps the RSS flat under mixed
-    // traffic. Large ones keep them until the call is done, so freeing hundreds of MB of mmap'd
-    // chunks never delays an answer.
-    std::vector<grpc::Slice> release;
-    if (request_size_ < kSmallRequestBytes) release.swap(slices_);
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 

@@ -92,6 +92,18 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
       {"result"});
   hot_lane_run_ = hot_lane.Labels({"lane"});
   hot_lane_busy_ = hot_lane.Labels({"busy"});
+  auto& inputs = registry_.AddCounter(
+      "flashserve_request_inputs_total",
+      "Native-API requests by how their tensors reached the backend: read in place from the "
+      "receive arena (in_place) or copied once into request buffers (copied).",
+      {"path"});
+  inputs_in_place_ = inputs.Labels({"in_place"});
+  inputs_copied_ = inputs.Labels({"copied"});
+  receive_arena_ = &registry_.AddGauge(
+      "flashserve_receive_arena_bytes",
+      "Receive arena (--receive_arena_bytes) for gRPC's read buffers: bytes in blocks in use now, "
+      "the most ever in use, and its capacity (0: none).",
+      {"state"});
   auto& build_info = registry_.AddGauge("flashserve_build_info",
                                         "Build of the running server; the value is always 1.",
                                         {"version", "cuda", "arch"});
@@ -104,6 +116,7 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
     phases_[size_t(p)] = phase_duration_->Labels({PhaseName(Phase(p))});
   }
   PoolGauges(pinned_pool_, nullptr);  // zero until a backend reports a pinned pool
+  for (const char* state : {"used", "peak", "capacity"}) receive_arena_->Labels({state})->Set(0);
   build_info.Labels({options.version, options.cuda, options.arch})->Set(1.0);
 
   num_methods_ = options.methods.size();
@@ -209,6 +222,15 @@ void ServerMetrics::SetPinnedPool(int64_t used_bytes, int64_t reserved_bytes) {
   const auto gauges = PoolGauges(pinned_pool_, nullptr);
   gauges[0]->Set(double(used_bytes));
   gauges[1]->Set(double(reserved_bytes));
+}
+
+void ServerMetrics::SetReceiveArenaCallback(std::function<ArenaBytes()> callback) {
+  if (!callback) return;
+  auto shared = std::make_shared<std::function<ArenaBytes()>>(std::move(callback));
+  receive_arena_->Labels({"used"})->SetCallback([shared] { return double((*shared)().used); });
+  receive_arena_->Labels({"peak"})->SetCallback([shared] { return double((*shared)().peak); });
+  receive_arena_->Labels({"capacity"})->SetCallback(
+      [shared] { return double((*shared)().capacity); });
 }
 
 void ServerMetrics::SetPinnedPoolCallback(std::function<PoolBytes()> callback) {

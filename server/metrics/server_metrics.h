@@ -70,6 +70,14 @@ class ServerMetrics {
   /// hot_lane_requests_total{result}: "lane" (processed on the hot lane) or "busy" (the lane was
   /// busy; processed on the gRPC thread). Only requests small enough for the lane are counted.
   void RecordHotLane(bool on_lane) { (on_lane ? hot_lane_run_ : hot_lane_busy_)->Increment(); }
+  /// A native-API request's tensors reached the backend read in place from the receive arena, or
+  /// copied into request buffers.
+  void RecordInputPath(bool in_place) { (in_place ? inputs_in_place_ : inputs_copied_)->Increment(); }
+  /// receive_arena_bytes{state="used"|"peak"|"capacity"}, read at scrape time.
+  struct ArenaBytes {
+    int64_t used = 0, peak = 0, capacity = 0;
+  };
+  void SetReceiveArenaCallback(std::function<ArenaBytes()> callback);
 
   /// inflight_requests: requests accepted by an edge and not yet answered.
   void InflightInc() { inflight_->Increment(); }
@@ -136,6 +144,9 @@ class ServerMetrics {
   metrics::Family<metrics::Counter>* autotune_;
   metrics::Counter* hot_lane_run_;
   metrics::Counter* hot_lane_busy_;
+  metrics::Counter* inputs_in_place_;
+  metrics::Counter* inputs_copied_;
+  metrics::Family<metrics::Gauge>* receive_arena_;
   metrics::Gauge* inflight_;
   metrics::Gauge* queue_depth_;
   metrics::Counter* bytes_in_;

@@ -94,8 +94,13 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
   int64_t stage_us = 0;
   if (external) {
     if (call.io == nullptr) {
-      // The one host copy on the way in: receive slices -> (pinned) request buffers.
-      call.io = IoBuffers::Allocate(*problem, backend_->staging_pool());
+      // The one host copy on the way in, receive slices -> (pinned) request buffers, unless the
+      // backend copies the tensors to the device straight from where they arrived.
+      const bool in_place =
+          call.input_pieces[0] != nullptr && backend_->ReadsInPlace(call.input_pieces);
+      call.io = in_place ? IoBuffers::AllocateOutputs(*problem, backend_->staging_pool())
+                         : IoBuffers::Allocate(*problem, backend_->staging_pool());
+      if (metrics_ != nullptr && call.input_pieces[0] != nullptr) metrics_->RecordInputPath(in_place);
       if (call.io == nullptr) {
         inflight_bytes_.fetch_sub(bytes);
         call.done(absl::ResourceExhaustedError(
@@ -107,9 +112,11 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
       call.fill_inputs(call.io);
       stage_us = absl::ToInt64Microseconds(absl::Now() - copy_start);
     }
-    problem->q = call.io->q();
-    problem->k = call.io->k();
-    problem->v = call.io->v();
+    if (call.io->has_inputs()) {
+      problem->q = call.io->q();
+      problem->k = call.io->k();
+      problem->v = call.io->v();
+    }
   }
   call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
     inflight_bytes_.fetch_sub(bytes);
@@ -174,6 +181,9 @@ void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<
     output.out = call->io->o();
     output.lse = call->io->lse();
     output.pinned = call->io->pinned();
+    if (!call->io->has_inputs()) {
+      for (int i = 0; i < 3; ++i) output.input_pieces[i] = call->input_pieces[i];
+    }
   } else {
     out->mutable_data()->resize(size_t(problem.out_bytes()));
     output.out = out->mutable_data()->data();

@@ -42,6 +42,10 @@ class AttentionRuntime {
     int64_t data_bytes[3] = {0, 0, 0};
     std::function<void(const std::shared_ptr<IoBuffers>& io)> fill_inputs;  // may keep io
     std::shared_ptr<IoBuffers> io;
+    // With fill_inputs: where the tensors' bytes are (valid until done). When the backend reads
+    // them in place (Backend::ReadsInPlace), `io` gets room for the outputs only
+    // (!io->has_inputs()), fill_inputs must then copy nothing, and the bytes are read from here.
+    const InputPieces* input_pieces[3] = {nullptr, nullptr, nullptr};
     bool inject_device_fault = false;  // test hook, see JobOutput
   };
 

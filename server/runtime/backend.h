@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,6 +38,9 @@ struct PhaseTiming {
   int64_t d2h_us = 0;
 };
 
+/// Where a tensor's bytes are: spans of the memory they arrived in, in order.
+using InputPieces = std::vector<std::string_view>;
+
 /// Where a job's results go (host memory owned by the call) and how to run it.
 struct JobOutput {
   void* out = nullptr;   // out_bytes() bytes, dtype of the problem
@@ -44,6 +48,10 @@ struct JobOutput {
   // The problem's inputs and out/lse are page-locked (IoBuffers from the backend's pinned pool):
   // the GPU copies straight from and to them, no staging copy.
   bool pinned = false;
+  // Non-null (all three): q, k and v are these pieces of page-locked memory (the receive arena),
+  // which the backend copies to the device in place; problem.q/k/v are then unused. Only given
+  // when ReadsInPlace said yes.
+  const InputPieces* input_pieces[3] = {nullptr, nullptr, nullptr};
   // A job still waiting for a device when this passes is answered DEADLINE_EXCEEDED, not run.
   absl::Time deadline = absl::InfiniteFuture();
   // Test hook (--enable_fault_injection only): fault the device instead of computing.
@@ -93,6 +101,9 @@ class Backend {
   /// Where request buffers (IoBuffers) should come from: the pinned staging pool, or nullptr for
   /// heap memory. Thread-safe.
   virtual PinnedPool* staging_pool() { return nullptr; }
+  /// True when the backend can copy tensors lying in these pieces to the device without a host
+  /// copy (CUDA: every piece is inside the page-locked receive arena). Thread-safe.
+  virtual bool ReadsInPlace(const InputPieces* const pieces[3]) const { return false; }
 };
 
 }  // namespace flashserve

@@ -32,6 +32,7 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
     cuda_options.device_pool_release_threshold_bytes =
         uint64_t(options.device_pool_release_threshold_bytes);
     cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
+    cuda_options.receive_arena_bytes = options.receive_arena_bytes;
     cuda_options.max_device_bytes_per_request = options.max_device_bytes_per_request;
     cuda_options.autotune = options.autotune;
     cuda_options.tune_cache_path = options.tune_cache_path;

@@ -22,6 +22,7 @@ struct BackendOptions {
   int completion_spin_us = 200;
   int64_t device_pool_release_threshold_bytes = int64_t{4} << 30;
   int64_t pinned_pool_bytes = int64_t{2} << 30;
+  int64_t receive_arena_bytes = 0;
   int64_t max_device_bytes_per_request = 0;
   std::string autotune = "off";  // off | background | startup (CUDA only)
   std::string tune_cache_path;

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -12,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "autotune/cuda_tuning.h"
 #include "autotune/problem_class.h"
+#include "common/receive_arena.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/io_buffers.h"
 #include "spdlog/spdlog.h"
@@ -64,6 +66,58 @@ class CudaHostAllocator final : public HostAllocator {
   }
   void Free(void* pointer) override { cudaFreeHost(pointer); }
 };
+
+// Page-locks `bytes` for the receive arena and installs it, unless one is installed already (one
+// per process: its blocks may be freed until exit, so it is never replaced or released).
+void InstallReceiveArena(size_t bytes) {
+  if (ReceiveArena::Installed() != nullptr) return;
+  void* base = nullptr;
+  if (cudaError_t e = cudaHostAlloc(&base, bytes, cudaHostAllocPortable); e != cudaSuccess) {
+    cudaGetLastError();
+    spdlog::warn(
+        "--receive_arena_bytes: cannot page-lock {} bytes ({}); request tensors are copied into "
+        "pinned staging memory instead",
+        bytes, cudaGetErrorString(e));
+    return;
+  }
+  ReceiveArena::Install(new ReceiveArena(base, bytes, /*page_locked=*/true));
+  spdlog::info("receive arena: {} MiB of page-locked memory for gRPC's read buffers", bytes >> 20);
+}
+
+// Queues the copies of q, k and v from the receive arena's page-locked blocks (gRPC reads 64 KiB
+// at a time, so a 48 MiB request is ~770 pieces) to `base` + offsets: one batch call, which costs
+// the host far less than one cudaMemcpyAsync per piece; piece by piece where batches are not
+// supported.
+cudaError_t CopyPiecesToDevice(const InputPieces* const pieces[3], char* base,
+                               const std::array<size_t, 3>& offsets, cudaStream_t stream) {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (int i = 0; i < 3; ++i) {
+    char* dest = base + offsets[size_t(i)];
+    for (std::string_view piece : *pieces[i]) {
+      if (piece.empty()) continue;
+      dsts.push_back(dest);
+      srcs.push_back(piece.data());
+      sizes.push_back(piece.size());
+      dest += piece.size();
+    }
+  }
+  if (dsts.empty()) return cudaSuccess;
+  cudaMemcpyAttributes attributes = {};
+  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attribute_index = 0;
+  cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
+                                       &attributes, &attribute_index, 1, stream);
+  if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
+  cudaGetLastError();
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
 
 }  // namespace
 
@@ -213,6 +267,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     if (!pinned.ok()) return pinned.status();
     backend->pinned_ = std::move(*pinned);
   }
+  if (options.receive_arena_bytes > 0) InstallReceiveArena(size_t(options.receive_arena_bytes));
   if (absl::Status s = backend->StartAutotune(options); !s.ok()) return s;
   for (auto& device : backend->devices_) {
     for (auto& slot : device->slots) {
@@ -441,6 +496,18 @@ absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& 
   return result.status;
 }
 
+bool CudaBackend::ReadsInPlace(const InputPieces* const pieces[3]) const {
+  const ReceiveArena* arena = ReceiveArena::Installed();
+  if (arena == nullptr || !arena->page_locked()) return false;
+  for (int i = 0; i < 3; ++i) {
+    if (pieces[i] == nullptr) return false;
+    for (std::string_view piece : *pieces[i]) {
+      if (!arena->Contains(piece.data(), piece.size())) return false;
+    }
+  }
+  return true;
+}
+
 void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& output,
                            JobDone done) {
   auto fail = [&done](absl::Status status) {
@@ -490,7 +557,8 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   // overlaps the GPU work of the jobs already on the device. Without a staging buffer (pool at its
   // cap) the copies go straight from/to pageable memory: slower (the driver stages them itself),
   // but the request is still served rather than refused.
-  if (pinned_ && !output.pinned) {
+  const bool in_place = output.input_pieces[0] != nullptr;
+  if (pinned_ && !output.pinned && !in_place) {
     const absl::Time stage_start = absl::Now();
     job->staging = pinned_->Acquire(total);
     if (job->staging) {
@@ -559,10 +627,13 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
   // Host buffers in the device layout (IoBuffers or a staging buffer) move in one copy each way:
   // per-copy latency is what a small request's h2d/d2h mostly is.
-  const bool same_layout = host_k == host_q + k_offset && host_v == host_q + v_offset &&
+  const bool same_layout = !in_place && host_k == host_q + k_offset && host_v == host_q + v_offset &&
                            host_o == host_q + o_offset &&
                            (!problem.return_lse || host_lse == host_q + lse_offset);
-  if (same_layout) {
+  if (in_place) {
+    step(CopyPiecesToDevice(output.input_pieces, base, {0, k_offset, v_offset}, stream),
+         "H2D copy");
+  } else if (same_layout) {
     step(cudaMemcpyAsync(base, host_q, v_offset + kv_bytes, cudaMemcpyHostToDevice, stream),
          "H2D copy");
   } else {

@@ -40,6 +40,9 @@ struct CudaBackendOptions {
   uint64_t device_pool_release_threshold_bytes = uint64_t{4} << 30;
   // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).
   int64_t pinned_pool_bytes = int64_t{2} << 30;
+  // Page-locked memory for the receive arena (common/receive_arena.h), installed once per process;
+  // 0: none (requests are copied into the pinned staging pool).
+  int64_t receive_arena_bytes = 0;
   // A request needing more device memory than this gets RESOURCE_EXHAUSTED; 0: no limit.
   int64_t max_device_bytes_per_request = 0;
   // Autotuning (issue 4): "off" uses the cache read-only if given, else the heuristic default;
@@ -70,6 +73,7 @@ class CudaBackend final : public Backend {
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
   PinnedPool* staging_pool() override { return pinned_.get(); }
+  bool ReadsInPlace(const InputPieces* const pieces[3]) const override;
   bool can_launch_now() override;
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;

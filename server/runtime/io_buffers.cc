@@ -5,7 +5,17 @@
 namespace flashserve {
 
 std::shared_ptr<IoBuffers> IoBuffers::Allocate(const AttentionProblem& problem, PinnedPool* pool) {
-  const IoLayout layout = IoLayout::For(problem);
+  return AllocateLayout(IoLayout::For(problem), pool);
+}
+
+std::shared_ptr<IoBuffers> IoBuffers::AllocateOutputs(const AttentionProblem& problem,
+                                                      PinnedPool* pool) {
+  std::shared_ptr<IoBuffers> io = AllocateLayout(IoLayout::OutputsOnly(problem), pool);
+  if (io != nullptr) io->has_inputs_ = false;
+  return io;
+}
+
+std::shared_ptr<IoBuffers> IoBuffers::AllocateLayout(const IoLayout& layout, PinnedPool* pool) {
   std::shared_ptr<IoBuffers> io(new IoBuffers(layout));
   if (pool != nullptr) {
     io->pinned_ = pool->Acquire(layout.total);

@@ -34,6 +34,15 @@ struct IoLayout {
     l.total = l.lse_offset + align(l.lse_bytes);
     return l;
   }
+  /// Room for o | lse only (the inputs stay where they arrived): q/k/v offsets are 0, not usable.
+  static IoLayout OutputsOnly(const AttentionProblem& problem) {
+    IoLayout l = For(problem);
+    const size_t inputs = l.o_offset;
+    l.k_offset = l.v_offset = l.o_offset = 0;
+    l.lse_offset -= inputs;
+    l.total -= inputs;
+    return l;
+  }
 };
 
 /// One request's buffers. Not thread-safe; shared (shared_ptr) between the edge, the runtime and
@@ -44,11 +53,16 @@ class IoBuffers {
   /// the CPU backend's heap buffer pool), else freshly from the heap. nullptr only when the heap
   /// allocation fails.
   static std::shared_ptr<IoBuffers> Allocate(const AttentionProblem& problem, PinnedPool* pool);
+  /// The same with room for the outputs only, for a backend that reads the inputs in place.
+  static std::shared_ptr<IoBuffers> AllocateOutputs(const AttentionProblem& problem,
+                                                    PinnedPool* pool);
   ~IoBuffers();
   IoBuffers(const IoBuffers&) = delete;
   IoBuffers& operator=(const IoBuffers&) = delete;
 
   const IoLayout& layout() const { return layout_; }
+  /// False for AllocateOutputs buffers: q(), k(), v() must not be used.
+  bool has_inputs() const { return has_inputs_; }
   /// Page-locked: from a pool whose memory the GPU can copy from directly.
   bool pinned() const { return pinned_ && page_locked_; }
   char* q() const { return base_; }
@@ -61,11 +75,13 @@ class IoBuffers {
 
  private:
   explicit IoBuffers(const IoLayout& layout) : layout_(layout) {}
+  static std::shared_ptr<IoBuffers> AllocateLayout(const IoLayout& layout, PinnedPool* pool);
   const IoLayout layout_;
   PinnedPool::Buffer pinned_;  // from the pool (page-locked or not), else empty
   bool page_locked_ = false;
   char* base_ = nullptr;
   bool heap_ = false;
+  bool has_inputs_ = true;
 };
 
 }  // namespace flashserve

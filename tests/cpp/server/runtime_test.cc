@@ -27,6 +27,12 @@ class FakeBackend final : public Backend {
     runs++;
     if (gate.valid()) gate.wait();
     if (!fail.ok()) return fail;
+    for (int i = 0; i < 3; ++i) {  // what a reading-in-place backend would copy to the device
+      read_in_place[i].clear();
+      if (output.input_pieces[i] == nullptr) continue;
+      for (std::string_view piece : *output.input_pieces[i]) read_in_place[i] += piece;
+    }
+    inputs_given = problem.q != nullptr;
     // Recognizable output: every element = problem.seqlen_k.
     auto* out = static_cast<float*>(output.out);
     for (int64_t i = 0; i < problem.q_elements(); ++i) out[i] = float(problem.seqlen_k);
@@ -35,9 +41,13 @@ class FakeBackend final : public Backend {
     *kernel = "fake_kernel";
     return absl::OkStatus();
   }
+  bool ReadsInPlace(const InputPieces* const[3]) const override { return reads_in_place; }
   std::atomic<int> runs{0};
   std::shared_future<void> gate;
   absl::Status fail;
+  bool reads_in_place = false;
+  std::string read_in_place[3];  // the last job's input pieces, joined
+  bool inputs_given = false;     // the last job's problem.q was set
 
  private:
   BackendCapabilities caps_;
@@ -205,6 +215,59 @@ TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
   EXPECT_EQ(response.out().shape_size(), 4);
   EXPECT_EQ(response.lse().shape_size(), 3);
   EXPECT_EQ(response.kernel(), "fake_kernel");
+}
+
+// The same request when the backend reads the inputs in place (CUDA with the receive arena): the
+// buffers get room for the outputs only, fill_inputs copies nothing, and the backend sees the
+// pieces, not problem.q/k/v.
+TEST(AttentionRuntime, InputsReadInPlaceAreNotCopied) {
+  for (const bool in_place : {true, false}) {
+    Harness h;
+    h.backend.reads_in_place = in_place;
+    v1::AttentionRequest header = Request();
+    std::string data[3];
+    InputPieces pieces[3];
+    v1::Tensor* tensors[3] = {header.mutable_q(), header.mutable_k(), header.mutable_v()};
+    for (int i = 0; i < 3; ++i) {
+      data[i] = tensors[i]->data();
+      for (size_t j = 0; j < data[i].size(); ++j) data[i][j] = char(j * 5 + i);
+      tensors[i]->clear_data();
+      const std::string_view all(data[i]);
+      pieces[i] = {all.substr(0, 7), all.substr(7, 1), all.substr(8)};  // split anywhere
+    }
+    std::shared_ptr<IoBuffers> kept;
+    int copies = 0;
+    auto promise = std::make_shared<std::promise<absl::Status>>();
+    v1::AttentionResponse response;
+    AttentionRuntime::Call call;
+    call.request = &header;
+    call.response = &response;
+    call.received = absl::Now();
+    for (int i = 0; i < 3; ++i) {
+      call.data_bytes[i] = int64_t(data[i].size());
+      call.input_pieces[i] = &pieces[i];
+    }
+    call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
+      kept = io;
+      if (!io->has_inputs()) return;
+      copies++;
+      char* dest[3] = {io->q(), io->k(), io->v()};
+      for (int i = 0; i < 3; ++i) std::memcpy(dest[i], data[i].data(), data[i].size());
+    };
+    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+    h.runtime->Submit(std::move(call));
+    ASSERT_TRUE(promise->get_future().get().ok()) << in_place;
+    ASSERT_NE(kept, nullptr);
+    EXPECT_EQ(kept->has_inputs(), !in_place);
+    EXPECT_EQ(copies, in_place ? 0 : 1);
+    EXPECT_EQ(h.backend.inputs_given, !in_place);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(h.backend.read_in_place[i], in_place ? data[i] : "");
+    // o is 3 * 2 * 4 floats (one 256-byte unit), no lse; the inputs would need three more units.
+    EXPECT_EQ(kept->layout().total, in_place ? 256u : 4 * 256u);
+    float first;
+    std::memcpy(&first, kept->o(), 4);
+    EXPECT_EQ(first, 5.f);
+  }
 }
 
 TEST(AttentionRuntime, ExternalInputsOfTheWrongSizeAreRejectedBeforeAllocation) {

@@ -1,0 +1,96 @@
+// A region of (page-locked) memory that serves the process's buffer-sized malloc calls, so gRPC's
+// socket reads land where the GPU can copy from directly.
+//
+// Why: gRPC 1.51 reads every message into buffers it mallocs (64 KiB each, plus a slice header,
+// once a connection carries big messages) and offers no hook to allocate them elsewhere. A
+// request's tensors then had to be copied once into pinned memory before the H2D copy, and that
+// copy is what kept the service short of the raw gRPC echo: measured on an H100 host, skipping it
+// took medium requests at 16 concurrent clients from 0.66x to 0.82-0.89x of the echo, and the
+// small request's copy costs 31-46 us (bench/results/service-h100-2026-11-22-arena.md). With
+// malloc_interpose.cc linked into the server, mallocs of a read buffer's size come from this arena;
+// when all of a request's tensor bytes lie in it the backend copies them to the device in place.
+//
+// Blocks come in seven classes (64 KiB .. 4 MiB, each with a page of room for gRPC's slice
+// header), carved from the region on first use and kept on per-class free lists afterwards
+// (never merged; a request for an empty class takes a free block of a larger class, which goes back
+// to its own class when freed). When nothing fits, Allocate returns nullptr and the caller falls
+// back to the ordinary heap: the arena is an accelerator, never a limit.
+//
+// Thread-safe; never calls malloc (it runs inside it).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+#include "absl/status/status.h"
+
+namespace flashserve {
+
+class ReceiveArena {
+ public:
+  static constexpr int kClasses = 7;
+  static constexpr size_t kMinBlock = size_t{64} << 10;
+  static constexpr size_t kSlack = 4096;   // room for an allocator header beyond a power of two
+  static constexpr size_t kHeader = 64;    // before every block: its class (keeps 64-byte alignment)
+  /// The largest request the arena serves, and the smallest it bothers with.
+  static constexpr size_t kMaxRequest = (kMinBlock << (kClasses - 1)) + kSlack - kHeader;
+  static constexpr size_t kMinRequest = kMinBlock / 2 + 1;
+
+  /// Serves blocks from [base, base + bytes). `page_locked`: the region is registered with CUDA.
+  ReceiveArena(void* base, size_t bytes, bool page_locked);
+  ReceiveArena(const ReceiveArena&) = delete;
+  ReceiveArena& operator=(const ReceiveArena&) = delete;
+
+  /// nullptr when `bytes` is outside [kMinRequest, kMaxRequest] or no block is left.
+  void* Allocate(size_t bytes);
+  /// `pointer` must come from Allocate.
+  void Free(void* pointer);
+  /// Bytes usable at `pointer` (from Allocate): its block's size less the header.
+  size_t UsableSize(const void* pointer) const;
+
+  bool Owns(const void* pointer) const {
+    const auto p = reinterpret_cast<uintptr_t>(pointer);
+    return p >= begin_ && p < end_;
+  }
+  /// [data, data + bytes) lies inside the region.
+  bool Contains(const void* data, size_t bytes) const {
+    const auto p = reinterpret_cast<uintptr_t>(data);
+    return p >= begin_ && p <= end_ && bytes <= end_ - p;
+  }
+  bool page_locked() const { return page_locked_; }
+  size_t capacity() const { return end_ - begin_; }
+  /// Bytes in blocks handed out now (headers included).
+  int64_t used_bytes() const { return used_.load(std::memory_order_relaxed); }
+  /// The most used_bytes() has been (what sizing the arena needs).
+  int64_t peak_bytes() const { return peak_.load(std::memory_order_relaxed); }
+  /// Allocations it could not serve for want of a block (the heap served them).
+  int64_t misses() const { return misses_.load(std::memory_order_relaxed); }
+
+  /// The arena the server's malloc consults; null until one is installed (once, at startup; never
+  /// uninstalled, since blocks may be freed at any time until exit).
+  static ReceiveArena* Installed() { return installed_.load(std::memory_order_acquire); }
+  static void Install(ReceiveArena* arena) { installed_.store(arena, std::memory_order_release); }
+  /// Installs an arena of ordinary (not page-locked) memory: the CPU backend gains nothing from
+  /// it, but the whole server then runs on arena-allocated read buffers, which the tests use.
+  static absl::Status InstallOnHeap(size_t bytes);
+
+ private:
+  struct FreeBlock {
+    FreeBlock* next;
+  };
+  static size_t BlockBytes(int cls) { return (kMinBlock << cls) + kSlack; }
+
+  const uintptr_t begin_, end_;
+  const bool page_locked_;
+  std::mutex mu_;
+  uintptr_t bump_;                        // guarded by mu_: start of the never-used tail
+  FreeBlock* free_[kClasses] = {};        // guarded by mu_
+  std::atomic<int64_t> used_{0};
+  std::atomic<int64_t> peak_{0};
+  std::atomic<int64_t> misses_{0};
+  static std::atomic<ReceiveArena*> installed_;
+};
+
+}  // namespace flashserve

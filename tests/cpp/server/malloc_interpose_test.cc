@@ -1,0 +1,110 @@
+// The server's malloc replacement (server/common/malloc_interpose.cc, linked into this test as into
+// the server): before an arena is installed everything is glibc's; afterwards read-buffer-sized
+// malloc and operator new come from the arena, other sizes and calloc do not, and free, realloc
+// (grow, shrink, to zero), reallocarray and malloc_usable_size handle both kinds of block.
+#include <malloc.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "common/receive_arena.h"
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+constexpr size_t kReadBuffer = (64 << 10) + 40;
+
+// The calls must not be optimized away (the compiler may pair a malloc with its free).
+void* volatile g_sink;
+void* Malloc(size_t n) { return g_sink = std::malloc(n); }
+// Called through pointers so that the compiler does not reason about (and warn on) pointers
+// passed to realloc that these tests use afterwards on purpose.
+void* (*volatile Realloc)(void*, size_t) = std::realloc;
+void* (*volatile ReallocArray)(void*, size_t, size_t) = reallocarray;
+
+TEST(MallocInterpose, ServesReadBuffersFromTheInstalledArenaOnly) {
+  // Before: glibc's.
+  void* before = Malloc(kReadBuffer);
+  ASSERT_NE(before, nullptr);
+  ASSERT_EQ(ReceiveArena::Installed(), nullptr);
+
+  ASSERT_TRUE(ReceiveArena::InstallOnHeap(size_t(64) << 20).ok());
+  ReceiveArena* arena = ReceiveArena::Installed();
+  ASSERT_NE(arena, nullptr);
+  EXPECT_FALSE(arena->Owns(before));
+  std::free(before);  // a glibc block freed while an arena exists goes back to glibc
+
+  const int64_t used0 = arena->used_bytes();
+  char* p = static_cast<char*>(Malloc(kReadBuffer));
+  ASSERT_NE(p, nullptr);
+  EXPECT_TRUE(arena->Owns(p));
+  EXPECT_GT(arena->used_bytes(), used0);
+  EXPECT_EQ(malloc_usable_size(p), arena->UsableSize(p));
+  for (size_t i = 0; i < kReadBuffer; ++i) p[i] = char(i * 7);
+
+  // Other sizes, calloc and aligned allocations are glibc's; malloc_usable_size still works.
+  void* small = Malloc(1000);
+  void* huge = Malloc(size_t(8) << 20);
+  auto* zeroed = static_cast<unsigned char*>(std::calloc(1, kReadBuffer));
+  void* aligned = nullptr;
+  ASSERT_EQ(posix_memalign(&aligned, 4096, kReadBuffer), 0);
+  for (void* q : {small, huge, static_cast<void*>(zeroed), aligned}) {
+    ASSERT_NE(q, nullptr);
+    EXPECT_FALSE(arena->Owns(q));
+  }
+  EXPECT_GE(malloc_usable_size(huge), size_t(8) << 20);
+  for (size_t i = 0; i < kReadBuffer; i += 4093) EXPECT_EQ(zeroed[i], 0);
+  std::free(small);
+  std::free(huge);
+  std::free(zeroed);
+  std::free(aligned);
+
+  // operator new (std::vector) reaches malloc.
+  {
+    auto v = std::make_unique<std::vector<char>>(kReadBuffer);
+    EXPECT_TRUE(arena->Owns(v->data()));
+  }
+
+  // realloc within the block keeps it; beyond, moves the bytes and frees the block.
+  EXPECT_EQ(Realloc(p, kReadBuffer - 1000), p);
+  char* grown = static_cast<char*>(Realloc(p, size_t(300) << 10));
+  ASSERT_NE(grown, nullptr);
+  EXPECT_NE(grown, p);
+  for (size_t i = 0; i < kReadBuffer; i += 997) ASSERT_EQ(grown[i], char(i * 7)) << i;
+  char* beyond = static_cast<char*>(Realloc(grown, size_t(16) << 20));  // to glibc
+  ASSERT_NE(beyond, nullptr);
+  EXPECT_FALSE(arena->Owns(beyond));
+  for (size_t i = 0; i < kReadBuffer; i += 997) ASSERT_EQ(beyond[i], char(i * 7)) << i;
+  std::free(beyond);
+
+  // reallocarray: overflow is ENOMEM and leaves the block alone; realloc to 0 frees it.
+  void* q = Malloc(kReadBuffer);
+  ASSERT_TRUE(arena->Owns(q));
+  errno = 0;
+  EXPECT_EQ(ReallocArray(q, SIZE_MAX / 2, 4), nullptr);
+  EXPECT_EQ(errno, ENOMEM);
+  EXPECT_EQ(Realloc(q, 0), nullptr);
+  EXPECT_EQ(arena->used_bytes(), used0);
+
+  // An exhausted arena is no limit: glibc serves.
+  std::vector<void*> blocks;
+  for (size_t n = 0; n < (size_t(80) << 20) / kReadBuffer; ++n) blocks.push_back(Malloc(kReadBuffer));
+  size_t in_arena = 0;
+  for (void* b : blocks) {
+    ASSERT_NE(b, nullptr);
+    in_arena += arena->Owns(b) ? 1 : 0;
+  }
+  EXPECT_GT(in_arena, 0u);
+  EXPECT_LT(in_arena, blocks.size());
+  EXPECT_GT(arena->misses(), 0);
+  for (void* b : blocks) std::free(b);
+  EXPECT_EQ(arena->used_bytes(), used0);
+}
+
+}  // namespace
+}  // namespace flashserve
