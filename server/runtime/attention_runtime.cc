@@ -100,7 +100,6 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
           call.input_pieces[0] != nullptr && backend_->ReadsInPlace(call.input_pieces);
       call.io = in_place ? IoBuffers::AllocateOutputs(*problem, backend_->staging_pool())
                          : IoBuffers::Allocate(*problem, backend_->staging_pool());
-      if (metrics_ != nullptr && call.input_pieces[0] != nullptr) metrics_->RecordInputPath(in_place);
       if (call.io == nullptr) {
         inflight_bytes_.fetch_sub(bytes);
         call.done(absl::ResourceExhaustedError(
@@ -108,6 +107,7 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
                          " bytes of host memory for this request")));
         return;
       }
+      if (metrics_ != nullptr && call.input_pieces[0] != nullptr) metrics_->RecordInputPath(in_place);
       const absl::Time copy_start = absl::Now();
       call.fill_inputs(call.io);
       stage_us = absl::ToInt64Microseconds(absl::Now() - copy_start);
@@ -181,6 +181,7 @@ void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<
     output.out = call->io->o();
     output.lse = call->io->lse();
     output.pinned = call->io->pinned();
+    output.outputs_in_one_buffer = true;
     if (!call->io->has_inputs()) {
       for (int i = 0; i < 3; ++i) output.input_pieces[i] = call->input_pieces[i];
     }

@@ -48,6 +48,8 @@ struct JobOutput {
   // The problem's inputs and out/lse are page-locked (IoBuffers from the backend's pinned pool):
   // the GPU copies straight from and to them, no staging copy.
   bool pinned = false;
+  // out and lse lie in one buffer laid out like the device's (IoBuffers): one D2H copy serves both.
+  bool outputs_in_one_buffer = false;
   // Non-null (all three): q, k and v are these pieces of page-locked memory (the receive arena),
   // which the backend copies to the device in place; problem.q/k/v are then unused. Only given
   // when ReadsInPlace said yes.

@@ -630,6 +630,11 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   const bool same_layout = !in_place && host_k == host_q + k_offset && host_v == host_q + v_offset &&
                            host_o == host_q + o_offset &&
                            (!problem.return_lse || host_lse == host_q + lse_offset);
+  // O and LSE in one host buffer as on the device (a staging buffer, or IoBuffers -- with or
+  // without room for the inputs): one D2H copy.
+  const bool outputs_together =
+      !problem.return_lse || ((job->staging || output.outputs_in_one_buffer) &&
+                              host_lse == host_o + (lse_offset - o_offset));
   if (in_place) {
     step(CopyPiecesToDevice(output.input_pieces, base, {0, k_offset, v_offset}, stream),
          "H2D copy");
@@ -649,7 +654,7 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   } else if (job->launch_error == cudaSuccess &&
       step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
-    if (same_layout) {
+    if (outputs_together) {
       const size_t out_end = problem.return_lse ? lse_offset + lse_bytes : o_offset + q_bytes;
       step(cudaMemcpyAsync(host_o, base + o_offset, out_end - o_offset, cudaMemcpyDeviceToHost,
                            stream),

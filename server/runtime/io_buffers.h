@@ -2,8 +2,9 @@
 // part 256-byte aligned (the CUDA backend mirrors the layout on the device, one allocation).
 //
 // An edge that parses requests itself copies the tensor bytes from gRPC's receive slices straight
-// into these buffers (the only host copy on the way in) and sends O and LSE out of them as slices
-// (no copy on the way out). When the backend has a pinned staging pool the buffers come from it,
+// into these buffers (the only host copy on the way in) -- or, when the backend reads them in place
+// from the receive arena, gets buffers with room for the outputs only -- and sends O and LSE out of
+// them as slices (no copy on the way out). When the backend has a pinned staging pool the buffers come from it,
 // so the GPU copies directly from and to them; otherwise they are ordinary heap memory.
 #pragma once
 
