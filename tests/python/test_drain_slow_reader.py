@@ -7,7 +7,6 @@ and no longer."""
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 
@@ -15,83 +14,14 @@ import numpy as np
 import pytest
 
 import flashserve
+from tcp_proxy import ThrottlingProxy
 from test_kserve_grpc import infer_request, oip, outputs_of, stub_for  # noqa: F401 - oip is a fixture
 from test_kserve_rest import binary_request, decode
 
 pytestmark = pytest.mark.e2e
 
-RATE_BYTES_PER_S = 4 << 20
 # 16 MiB of output (q's size) for very little compute: seqlen_k is tiny.
 Q_SHAPE, KV_SHAPE = (1, 8192, 4, 128), (1, 8, 4, 128)
-
-
-class ThrottlingProxy:
-    """Loopback TCP proxy to 127.0.0.1:port. Server -> client bytes pass at RATE_BYTES_PER_S, read through a small
-    receive buffer, so the server's writes back up behind it. Client -> server bytes pass at full speed, or, with
-    upload_limit, only the first upload_limit bytes of each connection (then the upload stalls)."""
-
-    def __init__(self, port: int, upload_limit: int | None = None):
-        self.port_to = port
-        self.upload_limit = upload_limit
-        self.to_client = 0  # bytes passed server -> client, all connections
-        self.to_server = 0  # bytes passed client -> server, all connections
-        self._lock = threading.Lock()
-        self._sockets = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket()
-            upstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # before connect: sets the window
-            upstream.connect(("127.0.0.1", self.port_to))
-            with self._lock:
-                self._sockets += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src, dst, throttled):
-        started, passed = time.monotonic(), 0
-        try:
-            while True:
-                data = src.recv(16 << 10)
-                if not data:
-                    break
-                if not throttled and self.upload_limit is not None:
-                    data = data[:max(0, self.upload_limit - passed)]
-                    passed += len(data)
-                    with self._lock:
-                        self.to_server += len(data)
-                    if not data:  # the upload stalls here; keep the connection open
-                        time.sleep(0.05)
-                        continue
-                dst.sendall(data)
-                if throttled:
-                    passed += len(data)
-                    with self._lock:
-                        self.to_client += len(data)
-                    ahead = passed / RATE_BYTES_PER_S - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self):
-        self._listener.close()
-        with self._lock:
-            for s in self._sockets:
-                s.close()
 
 
 def _inputs():

@@ -23,6 +23,7 @@ from flashserve import reference, tensors
 
 from conftest import free_port, http_get
 from metrics_helpers import scrape
+from tcp_proxy import ThrottlingProxy
 
 pytestmark = pytest.mark.e2e
 
@@ -267,7 +268,10 @@ def test_sigterm_while_a_request_is_still_uploading(start_server):
     wire = as_request(q, k, v, "uploading").SerializeToString()  # serialized first: the send starts at once
     options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     result = {}
-    with grpc.insecure_channel(server.address, options=options) as channel:
+    # The upload passes a proxy at 50 MB/s (~4 s for 200 MB), so SIGTERM can wait until the call has surely reached
+    # the server and still come while most of the request is on its way.
+    proxy = ThrottlingProxy(server.grpc_port, upload_rate=50_000_000)
+    with grpc.insecure_channel(proxy.address, options=options) as channel:
         grpc.channel_ready_future(channel).result(timeout=10)
         attention = channel.unary_unary("/flashserve.v1.AttentionService/Attention",
                                         response_deserializer=pb.AttentionResponse.FromString)
@@ -281,11 +285,15 @@ def test_sigterm_while_a_request_is_still_uploading(start_server):
 
         thread = threading.Thread(target=call)
         thread.start()
-        time.sleep(0.03)
+        deadline = time.monotonic() + 20
+        while proxy.to_server < (2 << 20) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.2)  # ~10 MB more: the server has read the call's headers and admitted it
         sigterm_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         thread.join(timeout=120)
     code = server.proc.wait(timeout=70)
+    proxy.close()
     assert "error" not in result, f"the uploading request failed: {result.get('error')}\n{server.logs()}"
     response = result["response"]
     # The server's clock starts when the whole request is in: it must have started after the signal, or the
