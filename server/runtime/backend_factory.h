@@ -18,7 +18,7 @@ struct BackendOptions {
   int cpu_threads = 0;           // CPU backend compute threads; 0: all cores
   std::vector<int> devices;      // CUDA devices to use; empty: all visible
   // CUDA backend: see CudaBackendOptions.
-  int streams_per_device = 2;
+  int streams_per_device = 4;
   int completion_spin_us = 200;
   int64_t device_pool_release_threshold_bytes = int64_t{4} << 30;
   int64_t pinned_pool_bytes = int64_t{2} << 30;

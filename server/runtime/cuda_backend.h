@@ -31,7 +31,7 @@ namespace flashserve {
 
 struct CudaBackendOptions {
   std::vector<int> devices;    // empty: every visible device
-  int streams_per_device = 2;  // jobs in flight per device (>= 1)
+  int streams_per_device = 4;  // jobs in flight per device (>= 1)
   // A completion thread polls its job's last event for up to this long before it blocks on it:
   // a blocking wait wakes tens of microseconds late, which dominates a small request; polling
   // costs a core only while a job that short is on the device. 0: always block.
