@@ -84,15 +84,26 @@ void InstallReceiveArena(size_t bytes) {
   spdlog::info("receive arena: {} MiB of page-locked memory for gRPC's read buffers", bytes >> 20);
 }
 
+// The argument arrays of one batch copy, kept by a slot so that launches reuse their memory.
+struct BatchCopy {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+};
+
 // Queues the copies of q, k and v from the receive arena's page-locked blocks (gRPC reads 64 KiB
 // at a time, so a 48 MiB request is ~770 pieces) to `base` + offsets: one batch call, which costs
 // the host far less than one cudaMemcpyAsync per piece; piece by piece where batches are not
 // supported.
 cudaError_t CopyPiecesToDevice(const InputPieces* const pieces[3], char* base,
-                               const std::array<size_t, 3>& offsets, cudaStream_t stream) {
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
+                               const std::array<size_t, 3>& offsets, cudaStream_t stream,
+                               BatchCopy* batch) {
+  std::vector<void*>& dsts = batch->dsts;
+  std::vector<const void*>& srcs = batch->srcs;
+  std::vector<size_t>& sizes = batch->sizes;
+  dsts.clear();
+  srcs.clear();
+  sizes.clear();
   for (int i = 0; i < 3; ++i) {
     char* dest = base + offsets[size_t(i)];
     for (std::string_view piece : *pieces[i]) {
@@ -149,6 +160,7 @@ struct CudaBackend::Slot {
   std::unique_ptr<Job> job;  // guarded by mu: handed over by the launching worker
   bool exiting = false;      // guarded by mu
   std::thread completer;
+  BatchCopy batch;  // used by the launching thread while it holds the slot
 };
 
 struct CudaBackend::Device {
@@ -636,7 +648,8 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
       !problem.return_lse || ((job->staging || output.outputs_in_one_buffer) &&
                               host_lse == host_o + (lse_offset - o_offset));
   if (in_place) {
-    step(CopyPiecesToDevice(output.input_pieces, base, {0, k_offset, v_offset}, stream),
+    step(CopyPiecesToDevice(output.input_pieces, base, {0, k_offset, v_offset}, stream,
+                            &slot->batch),
          "H2D copy");
   } else if (same_layout) {
     step(cudaMemcpyAsync(base, host_q, v_offset + kv_bytes, cudaMemcpyHostToDevice, stream),
