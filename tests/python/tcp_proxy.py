@@ -74,6 +74,15 @@ class ThrottlingProxy:
                 except OSError:
                     pass
 
+    def wait_to_server(self, n: int, timeout: float) -> bool:
+        """Waits until at least n bytes have passed client -> server; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.to_server < n:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def close(self):
         self._listener.close()
         with self._lock:

@@ -116,9 +116,7 @@ def test_sigterm_with_a_stalled_upload_waits_out_the_grace_period(start_server):
     thread = threading.Thread(target=run)
     try:
         thread.start()
-        deadline = time.monotonic() + 30
-        while proxy.to_server < (2 << 20) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        proxy.wait_to_server(2 << 20, timeout=30)
         assert proxy.to_server == 2 << 20, "the upload never reached the stall point"
         time.sleep(0.3)  # the server reads what the proxy passed on
         sigterm_at = time.monotonic()

@@ -285,9 +285,7 @@ def test_sigterm_while_a_request_is_still_uploading(start_server):
 
         thread = threading.Thread(target=call)
         thread.start()
-        deadline = time.monotonic() + 20
-        while proxy.to_server < (2 << 20) and time.monotonic() < deadline:
-            time.sleep(0.005)
+        assert proxy.wait_to_server(2 << 20, timeout=20), "the upload did not start"
         time.sleep(0.2)  # ~10 MB more: the server has read the call's headers and admitted it
         sigterm_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)

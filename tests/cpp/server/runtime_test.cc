@@ -57,6 +57,37 @@ using runtime_testing::Request;
 
 struct Harness : runtime_testing::Harness<FakeBackend> {
   explicit Harness(int capacity = 4) : runtime_testing::Harness<FakeBackend>(capacity) {}
+  /// Submits `call` (its done is replaced) and waits for the answer.
+  absl::Status Run(AttentionRuntime::Call call) {
+    auto promise = std::make_shared<std::promise<absl::Status>>();
+    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+    runtime->Submit(std::move(call));
+    return promise->get_future().get();
+  }
+};
+
+// A request whose tensor bytes travel outside it, as the zero-copy edges send them: `header` has
+// dtype and shape but no data; `data` holds the bytes (a pattern that differs per tensor).
+struct ExternalRequest {
+  explicit ExternalRequest(v1::AttentionRequest request, int seed) : header(std::move(request)) {
+    v1::Tensor* tensors[3] = {header.mutable_q(), header.mutable_k(), header.mutable_v()};
+    for (int i = 0; i < 3; ++i) {
+      data[i] = tensors[i]->data();
+      for (size_t j = 0; j < data[i].size(); ++j) data[i][j] = char(j * seed + i);
+      tensors[i]->clear_data();
+    }
+  }
+  /// A call for it with data_bytes set; the caller adds fill_inputs (and input_pieces).
+  AttentionRuntime::Call Call(v1::AttentionResponse* response) const {
+    AttentionRuntime::Call call;
+    call.request = &header;
+    call.response = response;
+    call.received = absl::Now();
+    for (int i = 0; i < 3; ++i) call.data_bytes[i] = int64_t(data[i].size());
+    return call;
+  }
+  v1::AttentionRequest header;
+  std::string data[3];
 };
 
 TEST(AttentionRuntime, FillsResponse) {
@@ -175,33 +206,18 @@ TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
   Harness h;
   v1::AttentionRequest full = Request();
   full.set_return_lse(true);
-  v1::AttentionRequest header = full;
-  int64_t sizes[3];
-  std::string data[3];
-  v1::Tensor* tensors[3] = {header.mutable_q(), header.mutable_k(), header.mutable_v()};
-  for (int i = 0; i < 3; ++i) {
-    data[i] = tensors[i]->data();
-    for (size_t j = 0; j < data[i].size(); ++j) data[i][j] = char(j * 3 + i);
-    sizes[i] = int64_t(data[i].size());
-    tensors[i]->clear_data();
-  }
+  const ExternalRequest external(full, 3);
+  const std::string* data = external.data;
   std::shared_ptr<IoBuffers> kept;
-  auto promise = std::make_shared<std::promise<absl::Status>>();
   v1::AttentionResponse response;
-  AttentionRuntime::Call call;
-  call.request = &header;
-  call.response = &response;
-  call.received = absl::Now();
-  std::copy(sizes, sizes + 3, call.data_bytes);
+  AttentionRuntime::Call call = external.Call(&response);
   call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
     kept = io;
     std::memcpy(io->q(), data[0].data(), data[0].size());
     std::memcpy(io->k(), data[1].data(), data[1].size());
     std::memcpy(io->v(), data[2].data(), data[2].size());
   };
-  call.done = [promise](const absl::Status& s) { promise->set_value(s); };
-  h.runtime->Submit(std::move(call));
-  ASSERT_TRUE(promise->get_future().get().ok());
+  ASSERT_TRUE(h.Run(std::move(call)).ok());
   ASSERT_NE(kept, nullptr);
   EXPECT_FALSE(kept->pinned());  // the fake backend has no pinned pool
   EXPECT_EQ(std::string(kept->q(), data[0].size()), data[0]);
@@ -224,29 +240,18 @@ TEST(AttentionRuntime, InputsReadInPlaceAreNotCopied) {
   for (const bool in_place : {true, false}) {
     Harness h;
     h.backend.reads_in_place = in_place;
-    v1::AttentionRequest header = Request();
-    std::string data[3];
+    const ExternalRequest external(Request(), 5);
+    const std::string* data = external.data;
     InputPieces pieces[3];
-    v1::Tensor* tensors[3] = {header.mutable_q(), header.mutable_k(), header.mutable_v()};
     for (int i = 0; i < 3; ++i) {
-      data[i] = tensors[i]->data();
-      for (size_t j = 0; j < data[i].size(); ++j) data[i][j] = char(j * 5 + i);
-      tensors[i]->clear_data();
       const std::string_view all(data[i]);
       pieces[i] = {all.substr(0, 7), all.substr(7, 1), all.substr(8)};  // split anywhere
     }
     std::shared_ptr<IoBuffers> kept;
     int copies = 0;
-    auto promise = std::make_shared<std::promise<absl::Status>>();
     v1::AttentionResponse response;
-    AttentionRuntime::Call call;
-    call.request = &header;
-    call.response = &response;
-    call.received = absl::Now();
-    for (int i = 0; i < 3; ++i) {
-      call.data_bytes[i] = int64_t(data[i].size());
-      call.input_pieces[i] = &pieces[i];
-    }
+    AttentionRuntime::Call call = external.Call(&response);
+    for (int i = 0; i < 3; ++i) call.input_pieces[i] = &pieces[i];
     call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
       kept = io;
       if (!io->has_inputs()) return;
@@ -254,9 +259,7 @@ TEST(AttentionRuntime, InputsReadInPlaceAreNotCopied) {
       char* dest[3] = {io->q(), io->k(), io->v()};
       for (int i = 0; i < 3; ++i) std::memcpy(dest[i], data[i].data(), data[i].size());
     };
-    call.done = [promise](const absl::Status& s) { promise->set_value(s); };
-    h.runtime->Submit(std::move(call));
-    ASSERT_TRUE(promise->get_future().get().ok()) << in_place;
+    ASSERT_TRUE(h.Run(std::move(call)).ok()) << in_place;
     ASSERT_NE(kept, nullptr);
     EXPECT_EQ(kept->has_inputs(), !in_place);
     EXPECT_EQ(copies, in_place ? 0 : 1);
