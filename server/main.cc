@@ -27,15 +27,15 @@
 #include "absl/time/clock.h"
 #include "autotune/tune_grid.h"
 #include "common/auth.h"
-#include "common/heap_retention.h"
+#include "memory/heap_retention.h"
 #include "common/logging.h"
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 #include "common/version.h"
-#include "edge/grpc_edge.h"
-#include "edge/http_edge.h"
-#include "edge/kserve_grpc.h"
-#include "edge/kserve_rest.h"
-#include "edge/stream_edge.h"
+#include "edge/grpc/grpc_edge.h"
+#include "edge/http/http_edge.h"
+#include "edge/grpc/kserve_grpc.h"
+#include "edge/http/kserve_rest.h"
+#include "edge/grpc/stream_edge.h"
 #include "metrics/metrics_http.h"
 #include "metrics/server_metrics.h"
 #include "runtime/attention_runtime.h"
@@ -519,7 +519,7 @@ int Serve() {
                absl::GetFlag(FLAGS_shutdown_grace_seconds));
   (*grpc_edge)->SetServing(false);
   runtime.StopAccepting();  // new requests: UNAVAILABLE
-  // Native Attention calls are admitted when they start (edge/attention_call.h), so WaitIdle also
+  // Native Attention calls are admitted when they start (edge/grpc/attention_call.h), so WaitIdle also
   // waits for requests still uploading; gRPC's Shutdown would cancel those. Then the answers
   // handed to gRPC -- native, KServe and striped downloads alike -- must still be written: a large
   // one to a slow reader can take seconds, and Shutdown's deadline would cut it off.

@@ -16,7 +16,7 @@
 #include "flashserve/v1/attention.pb.h"
 #include "metrics/server_metrics.h"
 #include "runtime/backend.h"
-#include "runtime/io_buffers.h"
+#include "memory/io_buffers.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {

@@ -6,7 +6,7 @@
 #include "absl/status/statusor.h"
 #include "flashserve/kernels/cpu_attention.h"
 #include "runtime/backend.h"
-#include "runtime/pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 namespace flashserve {
 

@@ -13,9 +13,9 @@
 #include "absl/time/clock.h"
 #include "autotune/cuda_tuning.h"
 #include "autotune/problem_class.h"
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 #include "flashserve/kernels/cuda_attention.h"
-#include "runtime/io_buffers.h"
+#include "memory/io_buffers.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {

@@ -25,7 +25,7 @@
 #include "autotune/tune_grid.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/backend.h"
-#include "runtime/pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 namespace flashserve {
 
@@ -40,7 +40,7 @@ struct CudaBackendOptions {
   uint64_t device_pool_release_threshold_bytes = uint64_t{4} << 30;
   // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).
   int64_t pinned_pool_bytes = int64_t{2} << 30;
-  // Page-locked memory for the receive arena (common/receive_arena.h), installed once per process;
+  // Page-locked memory for the receive arena (memory/receive_arena.h), installed once per process;
   // 0: none (requests are copied into the pinned staging pool).
   int64_t receive_arena_bytes = 0;
   // A request needing more device memory than this gets RESOURCE_EXHAUSTED; 0: no limit.

@@ -1,4 +1,4 @@
-// libFuzzer target for the KServe v2 gRPC infer path (server/edge/kserve_convert.h): raw bytes ->
+// libFuzzer target for the KServe v2 gRPC infer path (server/edge/kserve/kserve_model.h): raw bytes ->
 // inference::ModelInferRequest::ParseFromArray -> GrpcInferToAttention -> ValidateAttentionRequest
 // -> CPU backend (small problems) -> AttentionToGrpcInfer, whose outputs must match the request.
 #include <cstddef>
@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "edge/kserve_convert.h"
+#include "edge/grpc/kserve_grpc_convert.h"
 #include "fuzz_check.h"
 
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {

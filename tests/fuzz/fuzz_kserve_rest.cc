@@ -1,4 +1,4 @@
-// libFuzzer target for the KServe v2 REST infer body (server/edge/kserve_convert.h):
+// libFuzzer target for the KServe v2 REST infer body (server/edge/kserve/kserve_model.h):
 // input = JSON header [ '\0' binary bytes ], i.e. the body with Inference-Header-Content-Length
 // at the first NUL (JSON text cannot contain a raw NUL); no NUL: the whole body is JSON. A second
 // NUL right after the first stands for a chunked body (binary length unknown).
@@ -10,7 +10,7 @@
 #include <cstring>
 #include <string>
 
-#include "edge/kserve_convert.h"
+#include "edge/http/kserve_json.h"
 #include "fuzz_check.h"
 #include "nlohmann/json.hpp"
 

@@ -257,7 +257,7 @@ def test_sigterm_under_load(start_server):
 
 def test_sigterm_while_a_request_is_still_uploading(start_server):
     """A native Attention call whose ~200 MB request is still on its way when SIGTERM arrives is received, computed and
-    answered correctly, and the process then exits 0: the call is admitted when it starts (edge/attention_call.h), so
+    answered correctly, and the process then exits 0: the call is admitted when it starts (edge/grpc/attention_call.h), so
     the drain waits for its upload instead of gRPC's shutdown cancelling it."""
     server = start_server("--shutdown_grace_seconds=60", name="upload_sigterm")
     rng = np.random.default_rng(21)

@@ -1,7 +1,7 @@
 // HeapRetention: while big requests keep coming, gRPC-sized receive buffers come from the heap and
 // stay there after they are freed; once they stop, such buffers are mmaps again and the heap is
 // trimmed (checked through the main heap's size, mallinfo2().arena).
-#include "common/heap_retention.h"
+#include "memory/heap_retention.h"
 
 #include <malloc.h>
 
@@ -14,7 +14,7 @@
 namespace flashserve {
 namespace {
 
-constexpr size_t kChunk = 1 << 20;  // within gRPC's read chunk sizes (server/edge/grpc_edge.cc)
+constexpr size_t kChunk = 1 << 20;  // within gRPC's read chunk sizes (server/edge/grpc/grpc_edge.cc)
 constexpr int64_t kBaseMmapThreshold = 128 << 10;  // the server's --malloc_mmap_threshold_bytes
 
 // Allocates and frees `bytes` of 1 MiB chunks, as one request's receive buffers; returns the size

@@ -1,7 +1,7 @@
 // HotLane: a job handed over runs exactly once on the lane's own thread; a busy lane refuses
 // (leaving the job with the caller); a lane that went to sleep still wakes for the next job; the
 // destructor runs a job already handed over.
-#include "common/hot_lane.h"
+#include "edge/grpc/hot_lane.h"
 
 #include <atomic>
 #include <chrono>

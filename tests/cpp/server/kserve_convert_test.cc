@@ -1,5 +1,7 @@
 // KServe v2 / Open Inference Protocol conversions, without a server.
-#include "edge/kserve_convert.h"
+#include "edge/grpc/kserve_grpc_convert.h"
+#include "edge/http/kserve_json.h"
+#include "edge/kserve/kserve_model.h"
 
 #include <cstring>
 #include <functional>

@@ -1,4 +1,4 @@
-// The server's malloc replacement (server/common/malloc_interpose.cc, linked into this test as into
+// The server's malloc replacement (server/memory/malloc_interpose.cc, linked into this test as into
 // the server): before an arena is installed everything is glibc's; afterwards read-buffer-sized
 // malloc and operator new come from the arena, other sizes and calloc do not, and free, realloc
 // (grow, shrink, to zero), reallocarray and malloc_usable_size handle both kinds of block.
@@ -11,7 +11,7 @@
 #include <memory>
 #include <vector>
 
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {

@@ -1,6 +1,6 @@
 // ParallelCopier: every byte lands where it should, whatever the piece sizes, helper count and
 // number of concurrent callers.
-#include "common/parallel_copy.h"
+#include "memory/parallel_copy.h"
 
 #include <random>
 #include <string>

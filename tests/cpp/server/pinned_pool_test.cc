@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "runtime/pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 namespace flashserve {
 namespace {

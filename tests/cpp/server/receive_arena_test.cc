@@ -2,7 +2,7 @@
 // (nullptr, counted, recovers after a free), larger free blocks serving smaller requests once the
 // region is carved up, usage/peak accounting, and many threads allocating, writing and freeing
 // without two live blocks overlapping.
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 
 #include <cstring>
 #include <random>

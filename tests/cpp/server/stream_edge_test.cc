@@ -1,5 +1,5 @@
 // Reassembly and chunk validation of the striped streaming edge (pure logic, no gRPC server).
-#include "edge/stream_edge.h"
+#include "edge/grpc/stream_edge.h"
 
 #include <cstring>
 #include <string>

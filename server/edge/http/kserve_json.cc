@@ -1,4 +1,5 @@
-#include "edge/kserve_convert.h"
+// KServe v2 REST: JSON request headers and responses, metadata documents, HTTP status codes.
+#include "edge/http/kserve_json.h"
 
 #include <cmath>
 #include <cstring>
@@ -17,47 +18,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kInputNames[3] = {"Q", "K", "V"};
 constexpr int kMaxJsonDataDepth = 32;
-
-// A request parameter's value, from JSON or from an InferParameter.
-struct ParamValue {
-  enum Type { kBool, kInt, kDouble, kString, kOther };
-  Type type = kOther;
-  bool b = false;
-  int64_t i = 0;  // kInt
-  double d = 0;   // kInt and kDouble
-};
-
-absl::Status ApplyParameter(absl::string_view key, const ParamValue& value, InferOptions* options) {
-  auto need_bool = [&](bool* target) {
-    if (value.type != ParamValue::kBool) {
-      return absl::InvalidArgumentError(absl::StrCat("parameters.", key, ": must be a boolean"));
-    }
-    *target = value.b;
-    return absl::OkStatus();
-  };
-  if (key == "causal") return need_bool(&options->causal);
-  if (key == "return_lse") return need_bool(&options->return_lse);
-  if (key == "binary_data_output") return need_bool(&options->binary_data_output);
-  if (key == "softmax_scale") {
-    if (value.type != ParamValue::kInt && value.type != ParamValue::kDouble) {
-      return absl::InvalidArgumentError("parameters.softmax_scale: must be a number");
-    }
-    options->has_softmax_scale = true;
-    options->softmax_scale = value.d;
-    return absl::OkStatus();
-  }
-  if (key == "timeout") {  // Triton's name: microseconds the server may take
-    if (value.type != ParamValue::kInt || value.i < 0) {
-      return absl::InvalidArgumentError(
-          "parameters.timeout: must be an integer >= 0 (microseconds)");
-    }
-    options->timeout_us = value.i;
-    return absl::OkStatus();
-  }
-  return absl::OkStatus();  // other parameters (priority, sequence_id, ...) do not apply here
-}
 
 ParamValue FromJson(const json& value) {
   ParamValue v;
@@ -83,118 +44,6 @@ ParamValue FromJson(const json& value) {
   }
   return v;
 }
-
-ParamValue FromGrpc(const inference::InferParameter& p) {
-  ParamValue v;
-  switch (p.parameter_choice_case()) {
-    case inference::InferParameter::kBoolParam:
-      v.type = ParamValue::kBool;
-      v.b = p.bool_param();
-      break;
-    case inference::InferParameter::kInt64Param:
-      v.type = ParamValue::kInt;
-      v.i = p.int64_param();
-      v.d = double(v.i);
-      break;
-    case inference::InferParameter::kUint64Param:
-      v.type = ParamValue::kInt;
-      v.i = p.uint64_param() > uint64_t(std::numeric_limits<int64_t>::max())
-                ? std::numeric_limits<int64_t>::max()
-                : int64_t(p.uint64_param());
-      v.d = double(p.uint64_param());
-      break;
-    case inference::InferParameter::kDoubleParam:
-      v.type = ParamValue::kDouble;
-      v.d = p.double_param();
-      break;
-    case inference::InferParameter::kStringParam:
-      v.type = ParamValue::kString;
-      break;
-    case inference::InferParameter::PARAMETER_CHOICE_NOT_SET:
-      break;
-  }
-  return v;
-}
-
-struct RequestedOutput {
-  std::string name;
-  int binary = -1;  // -1: not said; else 0/1
-};
-
-absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(
-    const std::vector<RequestedOutput>& requested, const InferOptions& options) {
-  std::vector<OutputSpec> outputs;
-  if (requested.empty()) {
-    outputs.push_back({OutputSpec::kOut, options.binary_data_output});
-    if (options.return_lse) outputs.push_back({OutputSpec::kLse, options.binary_data_output});
-    return outputs;
-  }
-  bool seen[2] = {false, false};
-  for (size_t i = 0; i < requested.size(); ++i) {
-    const RequestedOutput& r = requested[i];
-    OutputSpec spec;
-    if (r.name == "O") {
-      spec.kind = OutputSpec::kOut;
-    } else if (r.name == "LSE") {
-      spec.kind = OutputSpec::kLse;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("outputs[", i, "].name: unknown output \"",
-                                                     r.name, "\" (this model has O and LSE)"));
-    }
-    if (seen[spec.kind]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("outputs[", i, "].name: \"", r.name, "\" requested twice"));
-    }
-    seen[spec.kind] = true;
-    spec.binary = r.binary < 0 ? options.binary_data_output : r.binary == 1;
-    outputs.push_back(spec);
-  }
-  return outputs;
-}
-
-bool WantsLse(const std::vector<OutputSpec>& outputs) {
-  for (const OutputSpec& o : outputs) {
-    if (o.kind == OutputSpec::kLse) return true;
-  }
-  return false;
-}
-
-void ApplyOptions(const InferOptions& options, const std::vector<OutputSpec>& outputs,
-                  v1::AttentionRequest* request) {
-  request->set_causal(options.causal);
-  if (options.has_softmax_scale) {
-    // Out-of-range doubles become inf/0 here and are refused by validation.
-    request->set_softmax_scale(static_cast<float>(options.softmax_scale));
-  }
-  request->set_return_lse(WantsLse(outputs));
-}
-
-int InputSlot(absl::string_view name) {
-  for (int i = 0; i < 3; ++i) {
-    if (name == kInputNames[i]) return i;
-  }
-  return -1;
-}
-
-v1::Tensor* TensorAt(v1::AttentionRequest* request, int slot) {
-  return slot == 0 ? request->mutable_q() : slot == 1 ? request->mutable_k() : request->mutable_v();
-}
-
-absl::Status UnknownInput(absl::string_view field, absl::string_view name) {
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ".name: unknown input \"", name, "\" (this model takes Q, K and V)"));
-}
-
-absl::Status CheckAllInputs(const bool seen[3]) {
-  for (int i = 0; i < 3; ++i) {
-    if (!seen[i]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("inputs: ", kInputNames[i], " missing (a request carries Q, K and V)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
 // Counts the numbers of a (possibly nested) JSON array; INVALID_ARGUMENT for anything else.
 absl::Status CountJsonNumbers(const json& data, absl::string_view field, int depth,
                               int64_t* count) {
@@ -239,45 +88,7 @@ json TensorDataJson(const v1::Tensor& tensor) {
 json TensorMetadataJson(absl::string_view name, absl::string_view datatype, int rank) {
   return json{{"name", name}, {"datatype", datatype}, {"shape", std::vector<int64_t>(rank, -1)}};
 }
-
-absl::string_view FirstDatatype(const ModelInfo& model) {
-  return model.dtypes.empty() ? absl::string_view("FP16") : DatatypeName(model.dtypes.front());
-}
-
 }  // namespace
-
-absl::string_view DatatypeName(v1::DType dtype) {
-  switch (dtype) {
-    case v1::FLOAT16:
-      return "FP16";
-    case v1::BFLOAT16:
-      return "BF16";
-    case v1::FLOAT32:
-      return "FP32";
-    default:
-      return "";
-  }
-}
-
-absl::StatusOr<v1::DType> ParseDatatype(absl::string_view datatype, absl::string_view field) {
-  if (datatype == "FP16") return v1::FLOAT16;
-  if (datatype == "BF16") return v1::BFLOAT16;
-  if (datatype == "FP32") return v1::FLOAT32;
-  return absl::InvalidArgumentError(absl::StrCat(field, ".datatype: \"", datatype,
-                                                 "\" is not supported (use FP16, BF16 or FP32)"));
-}
-
-absl::Status CheckModel(const ModelInfo& model, absl::string_view name, absl::string_view version) {
-  if (name != model.name) {
-    return absl::NotFoundError(
-        absl::StrCat("unknown model \"", name, "\" (this server serves \"", model.name, "\")"));
-  }
-  if (!version.empty() && version != model.version) {
-    return absl::NotFoundError(absl::StrCat("unknown version \"", version, "\" of model \"", name,
-                                            "\" (available: \"", model.version, "\")"));
-  }
-  return absl::OkStatus();
-}
 
 int HttpStatusFor(const absl::Status& status) {
   switch (status.code()) {
@@ -497,115 +308,6 @@ RestInferResponse BuildRestInferResponse(const ModelInfo& model, const RestInfer
   result.header = body.dump(-1, ' ', false, json::error_handler_t::replace);
   return result;
 }
-
-absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::AttentionRequest* out,
-                                  std::vector<OutputSpec>* outputs, int64_t* timeout_us) {
-  InferOptions options;
-  for (const auto& [key, value] : request->parameters()) {
-    RETURN_IF_ERROR(ApplyParameter(key, FromGrpc(value), &options));
-  }
-  *timeout_us = options.timeout_us;
-  const int raw_count = request->raw_input_contents_size();
-  if (raw_count > 0 && raw_count != request->inputs_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("raw_input_contents: ", raw_count,
-                                                   " entries for ", request->inputs_size(),
-                                                   " inputs (one per input, in order)"));
-  }
-  bool seen[3] = {false, false, false};
-  for (int i = 0; i < request->inputs_size(); ++i) {
-    const inference::ModelInferRequest::InferInputTensor& input = request->inputs(i);
-    const std::string field = absl::StrCat("inputs[", i, "]");
-    const int slot = InputSlot(input.name());
-    if (slot < 0) return UnknownInput(field, input.name());
-    if (seen[slot]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".name: input ", kInputNames[slot], " given twice"));
-    }
-    seen[slot] = true;
-    ASSIGN_OR_RETURN(const v1::DType dtype, ParseDatatype(input.datatype(), field));
-    v1::Tensor* tensor = TensorAt(out, slot);
-    tensor->set_dtype(dtype);
-    tensor->mutable_shape()->CopyFrom(input.shape());
-    if (raw_count > 0) {
-      if (input.has_contents()) {
-        return absl::InvalidArgumentError(
-            field + ": contents given together with raw_input_contents (use one)");
-      }
-      tensor->mutable_data()->swap(*request->mutable_raw_input_contents(i));
-    } else if (input.has_contents()) {
-      if (dtype != v1::FLOAT32) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": ", input.datatype(),
-                         " has no typed contents field; send it in raw_input_contents"));
-      }
-      const auto& values = input.contents().fp32_contents();
-      tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
-                                     size_t(values.size()) * sizeof(float));
-    } else {
-      return absl::InvalidArgumentError(
-          field + ": no data (give raw_input_contents or contents.fp32_contents)");
-    }
-  }
-  RETURN_IF_ERROR(CheckAllInputs(seen));
-  std::vector<RequestedOutput> requested;
-  for (const auto& output : request->outputs()) requested.push_back({output.name(), -1});
-  ASSIGN_OR_RETURN(*outputs, ResolveOutputs(requested, options));
-  ApplyOptions(options, *outputs, out);
-  out->set_request_id(request->id());
-  return absl::OkStatus();
-}
-
-void AttentionToGrpcInfer(const ModelInfo& model, const std::string& id,
-                          const std::vector<OutputSpec>& outputs, v1::AttentionResponse* response,
-                          inference::ModelInferResponse* out) {
-  out->set_model_name(model.name);
-  out->set_model_version(model.version);
-  out->set_id(id);
-  auto& params = *out->mutable_parameters();
-  params["kernel"].set_string_param(response->kernel());
-  const v1::Timing& t = response->timing();
-  params["queue_us"].set_int64_param(t.queue_us());
-  params["h2d_us"].set_int64_param(t.h2d_us());
-  params["compute_us"].set_int64_param(t.compute_us());
-  params["d2h_us"].set_int64_param(t.d2h_us());
-  params["total_us"].set_int64_param(t.total_us());
-  for (const OutputSpec& spec : outputs) {
-    v1::Tensor* tensor =
-        spec.kind == OutputSpec::kOut ? response->mutable_out() : response->mutable_lse();
-    auto* output = out->add_outputs();
-    output->set_name(spec.kind == OutputSpec::kOut ? "O" : "LSE");
-    output->set_datatype(std::string(DatatypeName(tensor->dtype())));
-    output->mutable_shape()->CopyFrom(tensor->shape());
-    out->add_raw_output_contents()->swap(*tensor->mutable_data());
-  }
-}
-
-void FillGrpcModelMetadata(const ModelInfo& model, inference::ModelMetadataResponse* out) {
-  out->set_name(model.name);
-  out->add_versions(model.version);
-  out->set_platform(model.platform);
-  const std::string datatype(FirstDatatype(model));
-  for (const char* name : kInputNames) {
-    auto* input = out->add_inputs();
-    input->set_name(name);
-    input->set_datatype(datatype);
-    for (int d = 0; d < 4; ++d) input->add_shape(-1);
-  }
-  auto* o = out->add_outputs();
-  o->set_name("O");
-  o->set_datatype(datatype);
-  for (int d = 0; d < 4; ++d) o->add_shape(-1);
-  auto* lse = out->add_outputs();
-  lse->set_name("LSE");
-  lse->set_datatype("FP32");
-  for (int d = 0; d < 3; ++d) lse->add_shape(-1);
-}
-
-const std::vector<std::string>& Extensions() {
-  static const std::vector<std::string> extensions = {"binary_tensor_data"};
-  return extensions;
-}
-
 std::string ServerMetadataJson(const ModelInfo& model) {
   return json{
       {"name", model.server_name}, {"version", model.server_version}, {"extensions", Extensions()}}
@@ -630,5 +332,4 @@ std::string ModelReadyJson(const ModelInfo& model, bool ready) {
   return json{{"name", model.name}, {"ready", ready}}.dump(-1, ' ', false,
                                                            json::error_handler_t::replace);
 }
-
 }  // namespace flashserve::kserve

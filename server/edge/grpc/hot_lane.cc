@@ -1,4 +1,4 @@
-#include "common/hot_lane.h"
+#include "edge/grpc/hot_lane.h"
 
 #include <chrono>
 

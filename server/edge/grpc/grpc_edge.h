@@ -10,7 +10,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/auth.h"
-#include "common/heap_retention.h"
+#include "memory/heap_retention.h"
 #include "runtime/attention_runtime.h"
 
 namespace grpc {
@@ -59,7 +59,7 @@ class GrpcEdge {
   int port() const;
   /// Health status of "" and "flashserve.v1.AttentionService".
   void SetServing(bool serving);
-  /// Waits until gRPC has finished every call that carries tensors (edge/live_calls.h: its
+  /// Waits until gRPC has finished every call that carries tensors (edge/grpc/live_calls.h: its
   /// response written), or until `deadline`; false if calls were left. A drained runtime has only
   /// handed the responses over.
   bool WaitForDataCalls(absl::Time deadline);

@@ -1,4 +1,4 @@
-#include "edge/stream_edge.h"
+#include "edge/grpc/stream_edge.h"
 
 #include <algorithm>
 #include <climits>
@@ -11,9 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
-#include "edge/grpc_auth.h"
-#include "edge/grpc_status.h"
-#include "edge/live_calls.h"
+#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"

@@ -13,7 +13,7 @@
 #include <cstddef>
 #include <cstring>
 
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 
 extern "C" {
 void* __libc_malloc(size_t size);

@@ -1,6 +1,6 @@
 // Whether big requests' receive buffers come from malloc's heap and stay there between requests.
 //
-// gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc_edge.cc). Above glibc's
+// gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc/grpc_edge.cc). Above glibc's
 // mmap threshold (--malloc_mmap_threshold_bytes, 128 KiB) each chunk is its own mmap: zero-filled
 // and page-faulted in while the request arrives, unmapped when it has been served. For a 50 MB
 // request that was ~10 ms of its ~40 ms on the GPU hosts

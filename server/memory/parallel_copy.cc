@@ -1,4 +1,4 @@
-#include "common/parallel_copy.h"
+#include "memory/parallel_copy.h"
 
 #include <algorithm>
 #include <atomic>

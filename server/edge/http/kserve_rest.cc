@@ -1,4 +1,4 @@
-#include "edge/kserve_rest.h"
+#include "edge/http/kserve_rest.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "runtime/pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 #include <new>
 #include <utility>

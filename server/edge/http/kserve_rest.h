@@ -8,7 +8,7 @@
 // {"error": "..."} with the HTTP status of kserve::HttpStatusFor.
 #pragma once
 
-#include "edge/kserve_convert.h"
+#include "edge/http/kserve_json.h"
 #include "runtime/attention_runtime.h"
 
 namespace httplib {

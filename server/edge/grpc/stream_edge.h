@@ -32,7 +32,7 @@
 #include "common/auth.h"
 #include "flashserve/v1/attention.pb.h"
 #include "runtime/attention_runtime.h"
-#include "runtime/io_buffers.h"
+#include "memory/io_buffers.h"
 
 namespace google::protobuf::io {
 class ZeroCopyInputStream;

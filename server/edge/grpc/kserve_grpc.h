@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "common/auth.h"
-#include "edge/kserve_convert.h"
+#include "edge/grpc/kserve_grpc_convert.h"
 #include "grpcpp/impl/service_type.h"
 #include "runtime/attention_runtime.h"
 

@@ -1,4 +1,4 @@
-#include "runtime/io_buffers.h"
+#include "memory/io_buffers.h"
 
 #include <new>
 

@@ -1,4 +1,4 @@
-#include "edge/attention_call.h"
+#include "edge/grpc/attention_call.h"
 
 #include <chrono>
 #include <string>
@@ -10,9 +10,9 @@
 #include "api/request_wire.h"
 #include "api/response_wire.h"
 #include "common/logging.h"
-#include "edge/grpc_auth.h"
-#include "edge/grpc_status.h"
-#include "edge/live_calls.h"
+#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {

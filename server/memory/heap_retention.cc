@@ -1,4 +1,4 @@
-#include "common/heap_retention.h"
+#include "memory/heap_retention.h"
 
 #include <malloc.h>
 

@@ -1,4 +1,4 @@
-#include "edge/http_edge.h"
+#include "edge/http/http_edge.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"

@@ -1,4 +1,4 @@
-#include "common/receive_arena.h"
+#include "memory/receive_arena.h"
 
 #include <sys/mman.h>
 

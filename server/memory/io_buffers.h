@@ -13,7 +13,7 @@
 #include <memory>
 
 #include "api/attention_problem.h"
-#include "runtime/pinned_pool.h"
+#include "memory/pinned_pool.h"
 
 namespace flashserve {
 

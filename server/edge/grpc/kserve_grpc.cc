@@ -1,4 +1,4 @@
-#include "edge/kserve_grpc.h"
+#include "edge/grpc/kserve_grpc.h"
 
 #include <chrono>
 #include <string>
@@ -7,9 +7,9 @@
 
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "edge/grpc_auth.h"
-#include "edge/grpc_status.h"
-#include "edge/live_calls.h"
+#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/message_allocator.h"
 #include "inference/open_inference_grpc.grpc.pb.h"

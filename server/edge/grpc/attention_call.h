@@ -12,9 +12,9 @@
 #include <memory>
 
 #include "common/auth.h"
-#include "common/heap_retention.h"
-#include "common/hot_lane.h"
-#include "common/parallel_copy.h"
+#include "memory/heap_retention.h"
+#include "edge/grpc/hot_lane.h"
+#include "memory/parallel_copy.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "runtime/attention_runtime.h"
 
@@ -29,7 +29,7 @@ struct AttentionCallOptions {
   bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
   int copy_threads = 4;              // ParallelCopier helpers for large requests
   // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
-  // (common/hot_lane.h); 0: on the gRPC thread that received them.
+  // (edge/grpc/hot_lane.h); 0: on the gRPC thread that received them.
   int64_t hot_lane_spin_us = 0;
   HeapRetention* heap_retention = nullptr;  // told each request's size; may be null
 };

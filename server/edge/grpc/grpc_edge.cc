@@ -1,4 +1,4 @@
-#include "edge/grpc_edge.h"
+#include "edge/grpc/grpc_edge.h"
 
 #include <climits>
 #include <fstream>
@@ -7,10 +7,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
-#include "edge/attention_call.h"
-#include "edge/grpc_auth.h"
-#include "edge/grpc_status.h"
-#include "edge/live_calls.h"
+#include "edge/grpc/attention_call.h"
+#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -22,7 +22,7 @@ namespace {
 
 constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
 
-// Attention is served by AttentionRouter (edge/attention_call.h) through the generic callback API,
+// Attention is served by AttentionRouter (edge/grpc/attention_call.h) through the generic callback API,
 // so it is marked generic here; GetServerInfo is an ordinary typed method.
 using AttentionServiceBase = v1::AttentionService::WithGenericMethod_Attention<
     v1::AttentionService::WithCallbackMethod_GetServerInfo<v1::AttentionService::Service>>;
@@ -193,7 +193,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
   // Asks for socket reads of 256 KiB to 4 MiB; gRPC 1.51's TCP reader ignores these and reads into
-  // 64 KiB buffers (measured with a malloc histogram), which common/receive_arena.h serves.
+  // 64 KiB buffers (measured with a malloc histogram), which memory/receive_arena.h serves.
   builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
   builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
   impl->server = builder.BuildAndStart();

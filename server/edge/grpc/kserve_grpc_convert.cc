@@ -1,0 +1,148 @@
+// KServe v2 gRPC (inference.GRPCInferenceService): ModelInfer request/response conversion.
+#include "edge/grpc/kserve_grpc_convert.h"
+
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace flashserve::kserve {
+namespace {
+
+ParamValue FromGrpc(const inference::InferParameter& p) {
+  ParamValue v;
+  switch (p.parameter_choice_case()) {
+    case inference::InferParameter::kBoolParam:
+      v.type = ParamValue::kBool;
+      v.b = p.bool_param();
+      break;
+    case inference::InferParameter::kInt64Param:
+      v.type = ParamValue::kInt;
+      v.i = p.int64_param();
+      v.d = double(v.i);
+      break;
+    case inference::InferParameter::kUint64Param:
+      v.type = ParamValue::kInt;
+      v.i = p.uint64_param() > uint64_t(std::numeric_limits<int64_t>::max())
+                ? std::numeric_limits<int64_t>::max()
+                : int64_t(p.uint64_param());
+      v.d = double(p.uint64_param());
+      break;
+    case inference::InferParameter::kDoubleParam:
+      v.type = ParamValue::kDouble;
+      v.d = p.double_param();
+      break;
+    case inference::InferParameter::kStringParam:
+      v.type = ParamValue::kString;
+      break;
+    case inference::InferParameter::PARAMETER_CHOICE_NOT_SET:
+      break;
+  }
+  return v;
+}
+}  // namespace
+
+absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::AttentionRequest* out,
+                                  std::vector<OutputSpec>* outputs, int64_t* timeout_us) {
+  InferOptions options;
+  for (const auto& [key, value] : request->parameters()) {
+    RETURN_IF_ERROR(ApplyParameter(key, FromGrpc(value), &options));
+  }
+  *timeout_us = options.timeout_us;
+  const int raw_count = request->raw_input_contents_size();
+  if (raw_count > 0 && raw_count != request->inputs_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("raw_input_contents: ", raw_count,
+                                                   " entries for ", request->inputs_size(),
+                                                   " inputs (one per input, in order)"));
+  }
+  bool seen[3] = {false, false, false};
+  for (int i = 0; i < request->inputs_size(); ++i) {
+    const inference::ModelInferRequest::InferInputTensor& input = request->inputs(i);
+    const std::string field = absl::StrCat("inputs[", i, "]");
+    const int slot = InputSlot(input.name());
+    if (slot < 0) return UnknownInput(field, input.name());
+    if (seen[slot]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".name: input ", kInputNames[slot], " given twice"));
+    }
+    seen[slot] = true;
+    ASSIGN_OR_RETURN(const v1::DType dtype, ParseDatatype(input.datatype(), field));
+    v1::Tensor* tensor = TensorAt(out, slot);
+    tensor->set_dtype(dtype);
+    tensor->mutable_shape()->CopyFrom(input.shape());
+    if (raw_count > 0) {
+      if (input.has_contents()) {
+        return absl::InvalidArgumentError(
+            field + ": contents given together with raw_input_contents (use one)");
+      }
+      tensor->mutable_data()->swap(*request->mutable_raw_input_contents(i));
+    } else if (input.has_contents()) {
+      if (dtype != v1::FLOAT32) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ": ", input.datatype(),
+                         " has no typed contents field; send it in raw_input_contents"));
+      }
+      const auto& values = input.contents().fp32_contents();
+      tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
+                                     size_t(values.size()) * sizeof(float));
+    } else {
+      return absl::InvalidArgumentError(
+          field + ": no data (give raw_input_contents or contents.fp32_contents)");
+    }
+  }
+  RETURN_IF_ERROR(CheckAllInputs(seen));
+  std::vector<RequestedOutput> requested;
+  for (const auto& output : request->outputs()) requested.push_back({output.name(), -1});
+  ASSIGN_OR_RETURN(*outputs, ResolveOutputs(requested, options));
+  ApplyOptions(options, *outputs, out);
+  out->set_request_id(request->id());
+  return absl::OkStatus();
+}
+
+void AttentionToGrpcInfer(const ModelInfo& model, const std::string& id,
+                          const std::vector<OutputSpec>& outputs, v1::AttentionResponse* response,
+                          inference::ModelInferResponse* out) {
+  out->set_model_name(model.name);
+  out->set_model_version(model.version);
+  out->set_id(id);
+  auto& params = *out->mutable_parameters();
+  params["kernel"].set_string_param(response->kernel());
+  const v1::Timing& t = response->timing();
+  params["queue_us"].set_int64_param(t.queue_us());
+  params["h2d_us"].set_int64_param(t.h2d_us());
+  params["compute_us"].set_int64_param(t.compute_us());
+  params["d2h_us"].set_int64_param(t.d2h_us());
+  params["total_us"].set_int64_param(t.total_us());
+  for (const OutputSpec& spec : outputs) {
+    v1::Tensor* tensor =
+        spec.kind == OutputSpec::kOut ? response->mutable_out() : response->mutable_lse();
+    auto* output = out->add_outputs();
+    output->set_name(spec.kind == OutputSpec::kOut ? "O" : "LSE");
+    output->set_datatype(std::string(DatatypeName(tensor->dtype())));
+    output->mutable_shape()->CopyFrom(tensor->shape());
+    out->add_raw_output_contents()->swap(*tensor->mutable_data());
+  }
+}
+
+void FillGrpcModelMetadata(const ModelInfo& model, inference::ModelMetadataResponse* out) {
+  out->set_name(model.name);
+  out->add_versions(model.version);
+  out->set_platform(model.platform);
+  const std::string datatype(FirstDatatype(model));
+  for (const char* name : kInputNames) {
+    auto* input = out->add_inputs();
+    input->set_name(name);
+    input->set_datatype(datatype);
+    for (int d = 0; d < 4; ++d) input->add_shape(-1);
+  }
+  auto* o = out->add_outputs();
+  o->set_name("O");
+  o->set_datatype(datatype);
+  for (int d = 0; d < 4; ++d) o->add_shape(-1);
+  auto* lse = out->add_outputs();
+  lse->set_name("LSE");
+  lse->set_datatype("FP32");
+  for (int d = 0; d < 3; ++d) lse->add_shape(-1);
+}
+}  // namespace flashserve::kserve

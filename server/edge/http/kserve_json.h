@@ -1,0 +1,59 @@
+// KServe v2 REST (JSON) conversions: the infer request's JSON header, the response, metadata
+// documents and the HTTP status of an absl::Status. Pure functions: no server needed to test them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "edge/kserve/kserve_model.h"
+#include "flashserve/v1/attention.pb.h"
+
+namespace flashserve::kserve {
+
+/// HTTP status for a failed request: 400 INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE,
+/// 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED naming a size
+/// limit flag (--max_tensor_elements, --max_request_bytes), 503 other RESOURCE_EXHAUSTED (queue
+/// full, in-flight bytes, device memory: overload) and UNAVAILABLE / CANCELLED / ABORTED,
+/// 504 DEADLINE_EXCEEDED, 501 UNIMPLEMENTED, 500 otherwise.
+int HttpStatusFor(const absl::Status& status);
+/// `{"error":"<message>"}`.
+std::string ErrorJson(absl::string_view message);
+
+/// One REST infer request's JSON header, converted. Binary inputs have their data strings sized
+/// already; the caller fills them, in order, from the bytes after the header.
+struct RestInferRequest {
+  v1::AttentionRequest request;
+  std::vector<std::string*> binary_targets;  // into request.{q,k,v}.data, in input order
+  std::vector<OutputSpec> outputs;
+  std::string id;
+  bool has_id = false;
+  int64_t timeout_us = 0;
+};
+
+/// Parses the JSON header of POST .../infer. `binary_bytes` is the number of bytes that follow
+/// the header (-1 when unknown: chunked body); the inputs' binary_data_size must add up to it
+/// (to at most `max_binary_bytes` when unknown) before anything is allocated.
+absl::Status ParseRestInferHeader(absl::string_view json, int64_t binary_bytes,
+                                  int64_t max_binary_bytes, RestInferRequest* out);
+
+/// The response of a finished REST inference: `header` is the JSON; `binary` lists the tensor
+/// byte ranges to append after it, in order (they point into `response`).
+struct RestInferResponse {
+  std::string header;
+  std::vector<absl::string_view> binary;
+  bool has_binary() const { return !binary.empty(); }
+  int64_t binary_bytes() const;
+};
+RestInferResponse BuildRestInferResponse(const ModelInfo& model, const RestInferRequest& request,
+                                         const v1::AttentionResponse& response);
+
+/// JSON body of GET /v2, and of GET /v2/models/<name>.
+std::string ServerMetadataJson(const ModelInfo& model);
+std::string ModelMetadataJson(const ModelInfo& model);
+/// {"name": <model>, "ready": <ready>} of GET /v2/models/<name>/ready.
+std::string ModelReadyJson(const ModelInfo& model, bool ready);
+
+}  // namespace flashserve::kserve
