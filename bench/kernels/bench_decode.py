@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Decode benchmark: flashserve's split-KV decode kernel (flashserve_decode_forward in
+libflashserve_kernels_capi.so, through ctypes) on dense and paged K/V, against PyTorch SDPA's
+FLASH_ATTENTION and CUDNN_ATTENTION backends on the dense equivalent, in one process, same GPU.
+
+Timing: CUDA events around each call, median over --reps calls after --warmup calls; every call
+uses the next of several input sets totalling > 3x the L2 cache (one set when a set alone is
+larger), so no call finds K/V in L2; a ~20 ms GPU sleep is queued before the timed calls so the
+CPU queues them all ahead and launch gaps do not enter short kernels' times. Bandwidth = K and V
+bytes (2 * B * Sk * Hkv * d * 2) / time; fraction of the GPU's peak (H100 SXM 3.35 TB/s, H200
+4.8 TB/s). All runs are non-causal (torch's is_causal is top-left aligned, which is not decode's
+mask); with Sq <= 16 the bottom-right causal mask would drop at most 15 keys of >= 1024.
+
+  python3 bench/kernels/bench_decode.py --lib build/kernels/cuda/libflashserve_kernels_capi.so
+"""
+import argparse
+import ctypes
+import datetime
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2}
+PEAK_TBS = {"H100": 3.35, "H200": 4.8}
+
+
+class Ours:
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        f = self.lib.flashserve_decode_forward
+        f.restype = ctypes.c_int
+        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 +
+                      [ctypes.POINTER(ctypes.c_int64)] + [ctypes.c_void_p] * 4 +
+                      [ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
+        g = self.lib.flashserve_decode_num_splits
+        g.restype = ctypes.c_int
+        g.argtypes = [ctypes.c_int] * 8
+        w = self.lib.flashserve_decode_workspace_bytes
+        w.restype = ctypes.c_size_t
+        w.argtypes = [ctypes.c_int] * 5
+
+    def splits(self, dtype, b, sq, sk, hq, hkv, d, sms):
+        return self.lib.flashserve_decode_num_splits(DTYPE_CODE[dtype], b, sq, sk, hq, hkv, d, sms)
+
+    def workspace(self, dtype, total_q, hq, d, splits):
+        n = self.lib.flashserve_decode_workspace_bytes(DTYPE_CODE[dtype], total_q, hq, d, splits)
+        return torch.empty(max(n, 16), dtype=torch.uint8, device="cuda")
+
+    def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None):
+        """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
+        b, sq, hq, d = q.shape
+        hkv = k.shape[2]
+        sk = k.shape[1] if table is None else table.shape[1] * page
+        strides = (ctypes.c_int64 * 12)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                                        *o.stride()[:3])
+        err = self.lib.flashserve_decode_forward(
+            DTYPE_CODE[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), None,
+            b, sq, sk, 0, hq, hkv, d, strides, None, None,
+            seqlens.data_ptr() if seqlens is not None else None,
+            table.data_ptr() if table is not None else None,
+            table.shape[1] if table is not None else 0, page, 1.0 / math.sqrt(d), 0, 0,
+            workspace.data_ptr() if workspace is not None else None,
+            workspace.numel() if workspace is not None else 0,
+            torch.cuda.current_stream().cuda_stream)
+        if err != 0:
+            raise RuntimeError(f"flashserve_decode_forward failed: cudaError {err}")
+
+
+def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes, pages):
+    """Input sets: dense q/k/v/o plus, per page size, a shuffled page pool holding the same K/V."""
+    one = 2 * b * sk * hkv * d * 2 * (1 + len(pages))
+    n = max(1, math.ceil(3 * l2_bytes / one))
+    sets = []
+    for _ in range(n):
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
+        paged = {}
+        for ps in pages:
+            per_seq = sk // ps
+            perm = torch.randperm(b * per_seq, device="cuda")
+            kp = torch.empty(b * per_seq, ps, hkv, d, device="cuda", dtype=dtype)
+            vp = torch.empty_like(kp)
+            kp[perm] = k.view(b * per_seq, ps, hkv, d)
+            vp[perm] = v.view(b * per_seq, ps, hkv, d)
+            table = perm.view(b, per_seq).to(torch.int32)
+            paged[ps] = (kp, vp, table)
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+        sets.append(dict(q=q, k=k, v=v, o=torch.empty_like(q), paged=paged, seqlens=seqlens))
+    return sets
+
+
+def time_fn(fn, sets, warmup, reps):
+    for i in range(warmup):
+        fn(sets[i % len(sets)])
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(40_000_000)  # ~20 ms of GPU time: the calls below queue up behind it
+    for i in range(reps):
+        s = sets[i % len(sets)]
+        starts[i].record()
+        fn(s)
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(st.elapsed_time(en) for st, en in zip(starts, ends)) * 1e-3
+
+
+def sdpa(backend, gqa):
+    def fn(s):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(
+                s["q"].transpose(1, 2), s["k"].transpose(1, 2), s["v"].transpose(1, 2),
+                enable_gqa=gqa).transpose(1, 2)
+    return fn
+
+
+def shapes(quick, mem_budget):
+    models = [("d128 GQA 32:8", 128, 32, 8), ("d64 MHA 32:32", 64, 32, 32)]
+    out = []
+    for name, d, hq, hkv in models:
+        for b in (1, 8, 64, 256):
+            for sk in (1024, 8192, 32768, 131072):
+                kv = 2 * b * sk * hkv * d * 2
+                if kv * 3 > mem_budget:  # dense + two page pools
+                    continue
+                for sq in (1, 4, 16):
+                    if quick and not ((b, sk) in ((64, 8192), (1, 131072), (8, 32768)) and
+                                      (sq == 1 or (sq == 16 and b == 8))):
+                        continue
+                    out.append((name, d, hq, hkv, b, sq, sk))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lib", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--out", help="also write the markdown here")
+    args = ap.parse_args()
+    assert args.reps >= 30, "median over at least 30 repetitions"
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    ours = Ours(args.lib)
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    sms = props.multi_processor_count
+    peak = next((v for k, v in PEAK_TBS.items() if k in props.name), None)
+    budget = int(props.total_memory * 0.55)
+    lines = []
+    emit = lambda s="": (print(s, flush=True), lines.append(s))
+    emit(f"# flashserve split-KV decode vs torch SDPA on {props.name}")
+    emit()
+    emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "
+         f"{torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB; dtype {args.dtype}; "
+         f"peak bandwidth used for the fraction: {peak} TB/s")
+    emit(f"- command: `{' '.join(sys.argv)}`")
+    emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "
+         f"behind a GPU sleep, inputs rotated over sets totalling > 3x L2; non-causal; paged pools "
+         f"hold the same K/V as the dense tensors in shuffled pages; torch runs on the dense tensors "
+         f"(enable_gqa for GQA). TB/s = K+V bytes / time.")
+    emit()
+    emit("| model | B | Sq | Sk | layout | splits | ours ms | TB/s | % peak | flash ms | cudnn ms | "
+         "ours/flash | ours/cudnn | max diff |")
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (name, d, hq, hkv, b, sq, sk) in shapes(args.quick, budget):
+        pages = (64, 16) if sq == 1 else (64,)
+        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
+        kv_bytes = 2 * b * sk * hkv * d * 2
+        splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        ws = ours.workspace(dtype, b * sq, hq, d, splits)
+        ref = None
+        torch_t = {}
+        for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            fn = sdpa(backend, hq != hkv)
+            try:
+                out = fn(sets[0])
+                if ref is None:
+                    ref = out.float()
+                torch_t[tname] = time_fn(fn, sets, args.warmup, args.reps)
+            except RuntimeError as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                print(f"{tname} refused {name} B{b} Sq{sq} Sk{sk}: {msg}", file=sys.stderr)
+                torch_t[tname] = None
+        if ref is None:
+            with sdpa_kernel([SDPBackend.MATH]):
+                ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
+        layouts = [("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws))]
+        for ps in pages:
+            layouts.append((f"paged {ps}", lambda s, ps=ps: ours(
+                s["q"], s["paged"][ps][0], s["paged"][ps][1], s["o"], seqlens=s["seqlens"],
+                table=s["paged"][ps][2], page=ps, workspace=ws)))
+        for lname, fn in layouts:
+            s0 = sets[0]
+            s0["o"].fill_(float("nan"))
+            fn(s0)
+            torch.cuda.synchronize()
+            diff = (s0["o"].float() - ref).abs().max().item()
+            t = time_fn(fn, sets, args.warmup, args.reps)
+            tbs = kv_bytes / t / 1e12
+            f = lambda x: f"{x * 1e3:.3f}" if x else "refused"
+            r = lambda x: f"{x / t:.2f}" if x else "n/a"
+            emit(f"| {name} | {b} | {sq} | {sk} | {lname} | {splits} | {t * 1e3:.3f} | {tbs:.2f} | "
+                 f"{100 * tbs / peak if peak else float('nan'):.0f}% | {f(torch_t['flash'])} | "
+                 f"{f(torch_t['cudnn'])} | {r(torch_t['flash'])} | {r(torch_t['cudnn'])} | {diff:.1e} |")
+        del sets, ref, ws
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+// C ABI over the decode kernels for ctypes (bench/kernels/bench_decode.py). Linked into
+// flashserve_kernels_capi beside capi.cc. Raw pointers in; cudaError_t values (0 = success) out.
+#include <cstddef>
+#include <cstdint>
+
+#include "flashserve/kernels/decode_attention.h"
+
+namespace {
+
+namespace fk = flashserve::kernels::cuda;
+using flashserve::kernels::DType;
+
+struct DecodeArgs {
+  int dtype, batch, seqlen_q, seqlen_k, total_q, heads_q, heads_kv, head_dim, causal;
+};
+
+// strides: 12 element strides, (batch or page, row, head) for q, k, v, o in that order.
+fk::DecodeParams make_params(const DecodeArgs& a, const int64_t* strides, float softmax_scale) {
+  fk::DecodeParams p = fk::make_dense_decode_params(static_cast<DType>(a.dtype), a.batch,
+                                                    a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv,
+                                                    a.head_dim, a.causal != 0, softmax_scale);
+  p.total_q = a.total_q;
+  if (strides != nullptr) {
+    p.q_batch_stride = strides[0], p.q_row_stride = strides[1], p.q_head_stride = strides[2];
+    p.k_batch_stride = strides[3], p.k_row_stride = strides[4], p.k_head_stride = strides[5];
+    p.v_batch_stride = strides[6], p.v_row_stride = strides[7], p.v_head_stride = strides[8];
+    p.o_batch_stride = strides[9], p.o_row_stride = strides[10], p.o_head_stride = strides[11];
+  }
+  return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+/// Decode attention (flashserve::kernels::cuda::run_decode). cu_seqlens_q / cu_seqlens_k /
+/// seqlens_k / block_table: device int32 arrays or null (DecodeParams says when each is used);
+/// page_size and block_table_stride only when paged. num_splits 0 = heuristic. workspace may be
+/// null (allocated stream-ordered). stream: a cudaStream_t. Returns cudaError_t.
+__attribute__((visibility("default"))) int flashserve_decode_forward(
+    int dtype, const void* q, const void* k, const void* v, void* o, float* lse, int batch,
+    int seqlen_q, int seqlen_k, int total_q, int heads_q, int heads_kv, int head_dim,
+    const int64_t* strides, const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
+    const int32_t* seqlens_k, const int32_t* block_table, int64_t block_table_stride,
+    int page_size, float softmax_scale, int causal, int num_splits, void* workspace,
+    size_t workspace_bytes, void* stream) {
+  fk::DecodeParams p = make_params(
+      {dtype, batch, seqlen_q, seqlen_k, total_q, heads_q, heads_kv, head_dim, causal}, strides,
+      softmax_scale);
+  p.q = q, p.k = k, p.v = v, p.o = o, p.lse = lse;
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.cu_seqlens_k = cu_seqlens_k;
+  p.seqlens_k = seqlens_k;
+  p.block_table = block_table;
+  p.block_table_stride = block_table_stride;
+  p.page_size = page_size;
+  p.num_splits = num_splits;
+  p.workspace = workspace;
+  p.workspace_bytes = workspace_bytes;
+  return static_cast<int>(fk::run_decode(p, static_cast<cudaStream_t>(stream)));
+}
+
+/// Splits the heuristic picks (decode_num_splits) for a problem of these sizes.
+__attribute__((visibility("default"))) int flashserve_decode_num_splits(
+    int dtype, int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim,
+    int sm_count) {
+  const fk::DecodeParams p = make_params(
+      {dtype, batch, seqlen_q, seqlen_k, 0, heads_q, heads_kv, head_dim, 0}, nullptr, 1.0f);
+  return fk::decode_num_splits(p, sm_count);
+}
+
+/// Workspace bytes for num_splits splits over total_q query rows.
+__attribute__((visibility("default"))) size_t flashserve_decode_workspace_bytes(
+    int dtype, int total_q, int heads_q, int head_dim, int num_splits) {
+  const fk::DecodeParams p =
+      make_params({dtype, 1, 1, 1, total_q, heads_q, heads_q, head_dim, 0}, nullptr, 1.0f);
+  fk::DecodeParams varlen = p;
+  static const int32_t kMarker = 0;
+  varlen.cu_seqlens_q = &kMarker;  // only tells decode_workspace_bytes to use total_q
+  return fk::decode_workspace_bytes(varlen, num_splits);
+}
+
+}  // extern "C"

@@ -1,0 +1,219 @@
+// Runtime -> compile-time dispatch of the decode kernels: the table of compiled split kernels,
+// decode_supported(), the split heuristic, workspace sizing and run_decode().
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "decode_traits.h"
+#include "flashserve/kernels/decode_attention.h"
+
+namespace flashserve::kernels::cuda::decode {
+FLASHSERVE_DECODE_INSTANCES(extern, 32)
+FLASHSERVE_DECODE_INSTANCES(extern, 64)
+FLASHSERVE_DECODE_INSTANCES(extern, 96)
+FLASHSERVE_DECODE_INSTANCES(extern, 128)
+FLASHSERVE_DECODE_INSTANCES(extern, 256)
+}  // namespace flashserve::kernels::cuda::decode
+
+namespace flashserve::kernels::cuda {
+namespace {
+
+using decode::DecodeKernel;
+using decode::DecodeLaunch;
+
+constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
+constexpr int kMaxSplits = 128;
+constexpr int kMaxGridYZ = 65535;
+constexpr int kBlockN = 64;          // keys per tile (DecodeTraits::kBlockN)
+constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue and partials
+
+template <typename Element, int kHeadDim>
+DecodeKernel kernel_for_rows(int rows) {
+  if (rows <= 16) return decode::decode_kernel<Element, kHeadDim, 1>();
+  if (rows <= 32) return decode::decode_kernel<Element, kHeadDim, 2>();
+  return decode::decode_kernel<Element, kHeadDim, 4>();
+}
+
+template <typename Element>
+DecodeKernel kernel_for(int head_dim, int rows) {
+  switch (head_dim) {
+    case 32: return kernel_for_rows<Element, 32>(rows);
+    case 64: return kernel_for_rows<Element, 64>(rows);
+    case 96: return kernel_for_rows<Element, 96>(rows);
+    case 128: return kernel_for_rows<Element, 128>(rows);
+    case 256: return kernel_for_rows<Element, 256>(rows);
+    default: return DecodeKernel{};
+  }
+}
+
+/// The split kernel for p: packed rows per (sequence, KV head) choose 16, 32 or 64-row blocks.
+DecodeKernel select_kernel(const DecodeParams& p) {
+  const int rows = (p.heads_q / p.heads_kv) * std::max(p.seqlen_q, 1);
+  return p.dtype == DType::kBFloat16 ? kernel_for<__nv_bfloat16>(p.head_dim, rows)
+                                     : kernel_for<__half>(p.head_dim, rows);
+}
+
+int row_blocks(const DecodeParams& p, const DecodeKernel& k) {
+  const int rows = (p.heads_q / p.heads_kv) * std::max(p.seqlen_q, 1);
+  return (rows + k.block_m - 1) / k.block_m;
+}
+
+int total_q_rows(const DecodeParams& p) {
+  return p.cu_seqlens_q != nullptr ? p.total_q : p.batch * p.seqlen_q;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+std::string check_strides(const char* name, int64_t batch, int64_t row, int64_t head) {
+  if (batch % 8 != 0 || row % 8 != 0 || head % 8 != 0)
+    return std::string(name) + " strides must be multiples of 8 elements (16 bytes)";
+  return "";
+}
+
+std::string check_paging(const DecodeParams& p) {
+  if (p.block_table == nullptr) return "";
+  if (p.seqlens_k == nullptr) return "paged K/V needs seqlens_k";
+  if (p.cu_seqlens_k != nullptr) return "cu_seqlens_k is for dense K/V; paged K/V uses seqlens_k";
+  if (p.page_size < 1) return "page_size must be >= 1";
+  if (p.block_table_stride < 1) return "block_table_stride must be >= 1";
+  return "";
+}
+
+std::string check_sizes(const DecodeParams& p) {
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.total_q < 0)
+    return "sizes must be >= 0";
+  if (p.heads_q < 1 || p.heads_kv < 1) return "heads_q and heads_kv must be >= 1";
+  if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
+  if (p.cu_seqlens_q == nullptr && int64_t{p.batch} * p.seqlen_q > INT32_MAX)
+    return "batch * seqlen_q must fit in int32";
+  if (int64_t{p.heads_q / p.heads_kv} * p.seqlen_q > INT32_MAX / 2) return "seqlen_q too large";
+  if (p.batch > kMaxGridYZ) return "batch must be <= 65535";
+  if (p.num_splits < 0 || p.num_splits > kMaxSplits) return "num_splits must be in 0..128";
+  if (!(p.softmax_scale > 0.f) || !std::isfinite(p.softmax_scale))
+    return "softmax_scale must be a positive finite number";
+  return "";
+}
+
+int sm_count_of_current_device() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  return std::max(sms, 1);
+}
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+}  // namespace
+
+DecodeParams make_dense_decode_params(DType dtype, int batch, int seqlen_q, int seqlen_k,
+                                      int heads_q, int heads_kv, int head_dim, bool causal,
+                                      float softmax_scale) {
+  DecodeParams p;
+  p.dtype = dtype;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.head_dim = head_dim;
+  p.causal = causal;
+  p.softmax_scale = softmax_scale;
+  p.q_head_stride = p.o_head_stride = head_dim;
+  p.q_row_stride = p.o_row_stride = int64_t{heads_q} * head_dim;
+  p.q_batch_stride = p.o_batch_stride = p.q_row_stride * seqlen_q;
+  p.k_head_stride = p.v_head_stride = head_dim;
+  p.k_row_stride = p.v_row_stride = int64_t{heads_kv} * head_dim;
+  p.k_batch_stride = p.v_batch_stride = p.k_row_stride * seqlen_k;
+  return p;
+}
+
+std::vector<int> decode_head_dims() { return std::vector<int>(std::begin(kHeadDims), std::end(kHeadDims)); }
+
+std::string decode_supported(const DecodeParams& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16)
+    return "decode kernels support fp16 and bf16 only";
+  if (std::find(std::begin(kHeadDims), std::end(kHeadDims), p.head_dim) == std::end(kHeadDims))
+    return "head_dim " + std::to_string(p.head_dim) +
+           " is not supported by the decode kernels (supported: 32, 64, 96, 128, 256)";
+  if (std::string s = check_sizes(p); !s.empty()) return s;
+  if (std::string s = check_paging(p); !s.empty()) return s;
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.o == nullptr)
+    return "q, k, v and o must be set";
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
+    return "q, k, v and o must be 16-byte aligned";
+  for (std::string s : {check_strides("q", p.q_batch_stride, p.q_row_stride, p.q_head_stride),
+                        check_strides("k", p.k_batch_stride, p.k_row_stride, p.k_head_stride),
+                        check_strides("v", p.v_batch_stride, p.v_row_stride, p.v_head_stride),
+                        check_strides("o", p.o_batch_stride, p.o_row_stride, p.o_head_stride)})
+    if (!s.empty()) return s;
+  const DecodeKernel k = select_kernel(p);
+  if (int64_t{p.heads_kv} * row_blocks(p, k) > kMaxGridYZ)
+    return "heads_kv * row blocks exceeds the grid limit (65535)";
+  return "";
+}
+
+int decode_num_splits(const DecodeParams& p, int sm_count) {
+  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return 1;
+  const DecodeKernel k = select_kernel(p);
+  if (k.launch == nullptr) return 1;
+  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
+  const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * std::max(k.blocks_per_sm(), 1);
+  const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
+  // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
+  // 85% of the best (FlashAttention's num_splits_heuristic, with our blocks per SM).
+  std::vector<double> eff(max_splits + 1, 0.0);
+  double best = 0;
+  for (int s = 1; s <= max_splits; ++s) {
+    const double waves = double(base * s) / double(slots);
+    eff[s] = waves / std::ceil(waves);
+    best = std::max(best, eff[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s)
+    if (eff[s] >= 0.85 * best) return s;
+  return 1;
+}
+
+size_t decode_workspace_bytes(const DecodeParams& p, int num_splits) {
+  if (num_splits <= 1) return 0;
+  const size_t rows = size_t(num_splits) * size_t(std::max(total_q_rows(p), 0)) * p.heads_q;
+  return align256(rows * p.head_dim * 4) + align256(rows * 4);
+}
+
+cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
+  if (!decode_supported(p).empty()) return cudaErrorInvalidValue;
+  const int total_q = total_q_rows(p);
+  if (p.batch == 0 || total_q == 0) return cudaSuccess;
+  const DecodeKernel k = select_kernel(p);
+  DecodeLaunch L;
+  L.p = p;
+  L.group = p.heads_q / p.heads_kv;
+  L.row_blocks = row_blocks(p, k);
+  L.total_q = total_q;
+  L.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
+  const int splits = p.num_splits > 0 ? p.num_splits : decode_num_splits(p, sm_count_of_current_device());
+  L.num_splits = std::max(1, std::min(splits, tiles));
+  if (L.num_splits == 1) return k.launch(L, stream);
+
+  const size_t bytes = decode_workspace_bytes(p, L.num_splits);
+  void* workspace = p.workspace;
+  if (workspace != nullptr && p.workspace_bytes < bytes) return cudaErrorInvalidValue;
+  if (workspace == nullptr) {
+    if (cudaError_t err = cudaMallocAsync(&workspace, bytes, stream); err != cudaSuccess) return err;
+  }
+  const size_t rows = size_t(L.num_splits) * total_q * p.heads_q;
+  L.o_partial = static_cast<float*>(workspace);
+  L.lse_partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align256(rows * p.head_dim * 4));
+  cudaError_t err = k.launch(L, stream);
+  if (err == cudaSuccess) err = decode::launch_decode_combine(L, stream);
+  if (p.workspace == nullptr) {
+    const cudaError_t free_err = cudaFreeAsync(workspace, stream);
+    if (err == cudaSuccess) err = free_err;
+  }
+  return err;
+}
+
+}  // namespace flashserve::kernels::cuda

@@ -1,0 +1,225 @@
+// The split-KV decode kernel: block (split, KV head x row block, sequence) walks its share of
+// the sequence's key tiles through a cp.async pipeline, computes S = Q K^T and O += P V on
+// mma.sync with an online softmax per warp, merges its warps, and writes either the final O/LSE
+// (one split) or an fp32 partial O and its LSE for decode_combine.cu.
+#pragma once
+
+#include <cstdint>
+
+#include "decode_tile_io.h"
+#include "decode_traits.h"
+#include "ptx.h"
+
+namespace flashserve::kernels::cuda::decode {
+
+/// The softmax state and O accumulator of one warp's 16 rows (two rows per lane: g, g + 8).
+template <typename T>
+struct WarpState {
+  float o[T::kDTiles][4];
+  float m[2];  // running max of the scaled scores (log2 domain); -inf: no key seen yet
+  float l[2];  // this lane's part of the running row sum (reduced over the quad at the end)
+};
+
+/// S = Q K^T for the warp's 16 rows and kWarpN keys of the tile in shared memory.
+template <typename T>
+__device__ __forceinline__ void warp_qk(float (&s)[T::kNTiles][4], uint32_t q_addr,
+                                        uint32_t k_addr) {
+#pragma unroll
+  for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < T::kHeadDim / 16; ++ks) {
+    uint32_t a[4];
+    ptx::ldmatrix_x4(a, q_addr + ks * 32);
+#pragma unroll
+    for (int np = 0; np < T::kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, k_addr + ks * 32 + np * 16 * T::kRowElems * 2);
+      ptx::mma_m16n8k16<typename T::Element>(s[2 * np], a, b[0], b[1]);
+      ptx::mma_m16n8k16<typename T::Element>(s[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+/// O += P V with P = s (exponentiated) packed to 16 bits per k16 step of keys.
+template <typename T>
+__device__ __forceinline__ void warp_pv(WarpState<T>& st, const float (&s)[T::kNTiles][4],
+                                        uint32_t v_addr) {
+  using Element = typename T::Element;
+#pragma unroll
+  for (int ks = 0; ks < T::kWarpN / 16; ++ks) {
+    uint32_t a[4];
+    a[0] = ptx::pack2<Element>(s[2 * ks][0], s[2 * ks][1]);
+    a[1] = ptx::pack2<Element>(s[2 * ks][2], s[2 * ks][3]);
+    a[2] = ptx::pack2<Element>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+    a[3] = ptx::pack2<Element>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+#pragma unroll
+    for (int dp = 0; dp < T::kHeadDim / 16; ++dp) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, v_addr + ks * 16 * T::kRowElems * 2 + dp * 32);
+      ptx::mma_m16n8k16<Element>(st.o[2 * dp], a, b[0], b[1]);
+      ptx::mma_m16n8k16<Element>(st.o[2 * dp + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+/// Scales s to the log2 domain, masks keys past limit[row] (when mask), moves the running max,
+/// rescales O and the row sums, and turns s into P = 2^(s - max).
+template <typename T>
+__device__ __forceinline__ void online_softmax(WarpState<T>& st, float (&s)[T::kNTiles][4],
+                                               float scale_log2, bool mask, int key0,
+                                               const int (&limit)[2], int lane) {
+  float mx[2] = {st.m[0], st.m[1]};
+#pragma unroll
+  for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[nt][e] * scale_log2;
+      if (mask && key0 + nt * 8 + 2 * (lane % 4) + (e & 1) > limit[e / 2]) x = -INFINITY;
+      s[nt][e] = x;
+      mx[e / 2] = fmaxf(mx[e / 2], x);
+    }
+  float base[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    // A row that has seen no key yet keeps max -inf; subtract 0 so P = 2^-inf = 0, not NaN.
+    base[i] = mx[i] == -INFINITY ? 0.f : mx[i];
+    const float alpha = ptx::exp2_approx(st.m[i] - base[i]);  // 2^-inf = 0 on the first key
+    st.m[i] = mx[i];
+    st.l[i] *= alpha;
+#pragma unroll
+    for (int dt = 0; dt < T::kDTiles; ++dt) {
+      st.o[dt][2 * i] *= alpha;
+      st.o[dt][2 * i + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < T::kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = ptx::exp2_approx(s[nt][e] - base[e / 2]);
+      st.l[e / 2] += s[nt][e];
+    }
+}
+
+/// Merges the kWarpsN warps of each row block through shared memory and writes the block's
+/// normalized O (final dtype, or fp32 partial) and its LSE.
+template <typename T>
+__device__ void write_block_result(WarpState<T>& st, const DecodeLaunch& L, const BlockWork& w,
+                                   char* smem) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp % T::kWarpsM, wn = warp / T::kWarpsM;
+  float* s_o = reinterpret_cast<float*>(smem);                    // [kWarpsN][kBlockM][d]
+  float* s_m = s_o + T::kWarpsN * T::kBlockM * T::kHeadDim;       // [kWarpsN][kBlockM]
+  float* s_l = s_m + T::kWarpsN * T::kBlockM;                     // [kWarpsN][kBlockM]
+  float* s_lse = s_l + T::kWarpsN * T::kBlockM;                   // [kBlockM]
+  const int row[2] = {wm * 16 + lane / 4, wm * 16 + lane / 4 + 8};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    st.l[i] += __shfl_xor_sync(0xffffffffu, st.l[i], 1);
+    st.l[i] += __shfl_xor_sync(0xffffffffu, st.l[i], 2);
+    if (lane % 4 == 0) {
+      s_m[wn * T::kBlockM + row[i]] = st.m[i];
+      s_l[wn * T::kBlockM + row[i]] = st.l[i];
+    }
+  }
+  __syncthreads();
+  float factor[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < T::kWarpsN; ++j) m_all = fmaxf(m_all, s_m[j * T::kBlockM + row[i]]);
+    float l_all = 0.f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int j = 0; j < T::kWarpsN; ++j)
+        l_all += s_l[j * T::kBlockM + row[i]] *
+                 ptx::exp2_approx(s_m[j * T::kBlockM + row[i]] - m_all);
+    }
+    const bool seen = l_all > 0.f;
+    factor[i] = seen ? ptx::exp2_approx(st.m[i] - m_all) / l_all : 0.f;
+    if (wn == 0 && lane % 4 == 0)
+      s_lse[row[i]] = seen ? (m_all + __log2f(l_all)) * 0.6931471805599453f : -INFINITY;
+  }
+  float* my_o = s_o + wn * T::kBlockM * T::kHeadDim;
+#pragma unroll
+  for (int dt = 0; dt < T::kDTiles; ++dt) {
+    const int col = dt * 8 + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(my_o + row[0] * T::kHeadDim + col) =
+        make_float2(st.o[dt][0] * factor[0], st.o[dt][1] * factor[0]);
+    *reinterpret_cast<float2*>(my_o + row[1] * T::kHeadDim + col) =
+        make_float2(st.o[dt][2] * factor[1], st.o[dt][3] * factor[1]);
+  }
+  __syncthreads();
+  store_rows<T>(L, w, s_o, s_lse);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads)
+    decode_split_kernel(const __grid_constant__ DecodeLaunch L) {
+  extern __shared__ __align__(128) char smem[];
+  using Element = typename T::Element;
+  const BlockWork w = block_work<T>(L);
+  if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int wm = warp % T::kWarpsM, wn = warp / T::kWarpsM;
+  Element* s_q = reinterpret_cast<Element*>(smem);
+  Element* s_kv = s_q + T::kQElems;  // stage i: K at 2i tiles, V at 2i + 1
+  const uint32_t q_base = ptx::smem_addr(s_q), kv_base = ptx::smem_addr(s_kv);
+  constexpr uint32_t kTileBytes = T::kTileElems * 2;
+
+  // Prologue: Q with the first tile in group 0, then tiles 1 .. kStages - 2 one group each.
+  load_q_rows<T>(L, w, s_q);
+  const int n_tiles = w.tile_end - w.tile_begin;
+#pragma unroll
+  for (int st = 0; st < T::kStages - 1; ++st) {
+    if (st < n_tiles)
+      load_kv_tile<T>(L, w, (w.tile_begin + st) * T::kBlockN, kv_base + 2 * st * kTileBytes);
+    ptx::cp_async_commit();
+  }
+
+  WarpState<T> st;
+#pragma unroll
+  for (int dt = 0; dt < T::kDTiles; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) st.o[dt][i] = 0.f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+
+  // Per-lane ldmatrix addresses (bytes): Q rows wm*16 + lane%16, chunk lane/16; K rows
+  // (lane/16)*8 + lane%8, chunk (lane/8)%2; V rows ((lane/8)%2)*8 + lane%8, chunk lane/16.
+  const uint32_t q_addr = q_base + ((wm * 16 + lane % 16) * T::kRowElems + (lane / 16) * 8) * 2;
+  const uint32_t k_lane = ((wn * T::kWarpN + (lane / 16) * 8 + lane % 8) * T::kRowElems +
+                           ((lane / 8) % 2) * 8) * 2;
+  const uint32_t v_lane = ((wn * T::kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * T::kRowElems +
+                           (lane / 16) * 8) * 2;
+  int limit[2];
+  row_key_limits<T>(L, w, wm * 16 + lane / 4, limit);
+
+  for (int t = 0; t < n_tiles; ++t) {
+    ptx::cp_async_wait<T::kStages - 2>();
+    __syncthreads();
+    const int next = t + T::kStages - 1;
+    if (next < n_tiles)
+      load_kv_tile<T>(L, w, (w.tile_begin + next) * T::kBlockN,
+                      kv_base + 2 * (next % T::kStages) * kTileBytes);
+    ptx::cp_async_commit();
+
+    const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;
+    const int key0 = (w.tile_begin + t) * T::kBlockN;
+    float s[T::kNTiles][4];
+    warp_qk<T>(s, q_addr, k_tile + k_lane);
+    const bool mask = key0 + T::kBlockN > w.mask_from;
+    online_softmax<T>(st, s, L.scale_log2, mask, key0 + wn * T::kWarpN, limit, lane);
+    warp_pv<T>(st, s, k_tile + kTileBytes + v_lane);
+  }
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the pipeline's memory
+  write_block_result<T>(st, L, w, smem);
+}
+
+}  // namespace flashserve::kernels::cuda::decode

@@ -1,0 +1,89 @@
+// Compile-time shape of one decode kernel and the runtime arguments every decode launch shares.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstddef>
+
+#include "flashserve/kernels/decode_attention.h"
+
+namespace flashserve::kernels::cuda::decode {
+
+/// A block has 4 warps over a tile of kBlockM packed query rows x kBlockN keys. Packed row r of
+/// a KV head is (query position r / group, query head r % group), so the rows of one block share
+/// that KV head and K/V are read once per block. kWarpsM warps are stacked over rows (16 each),
+/// kWarpsN = 4 / kWarpsM side by side over keys (kWarpN keys each); the kWarpsN partial softmax
+/// states are merged once, after the last tile. Decode (<= 16 rows) uses kWarpsM = 1: four
+/// warps split each 64-key tile; speculative decode with many rows uses kWarpsM = 2 or 4.
+template <typename Element_, int kHeadDim_, int kWarpsM_>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kWarpsM = kWarpsM_;
+  static constexpr int kWarpsN = kWarps / kWarpsM;
+  static constexpr int kBlockM = 16 * kWarpsM;
+  static constexpr int kBlockN = 64;
+  static constexpr int kWarpN = kBlockN / kWarpsN;
+  static constexpr int kNTiles = kWarpN / 8;     // n8 tiles of S per warp
+  static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
+  static constexpr int kChunks = kHeadDim / 8;   // 16-byte chunks per row
+  // Shared rows are padded by 16 bytes: consecutive rows then start 4 banks apart (mod 32) for
+  // every head dim here, so ldmatrix's 8 row addresses hit distinct banks without a swizzle
+  // (the family's XOR swizzle needs 8 chunks per row, which d32 / d96 do not have).
+  static constexpr int kRowElems = kHeadDim + 8;
+  // Deep enough that each SM keeps >= 64 KB of K/V loads in flight (memory speed needs ~25 KB
+  // per SM on an H100), shallow enough for two blocks per SM up to d128.
+  static constexpr int kStages = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2);
+  static constexpr int kTileElems = kBlockN * kRowElems;
+  static constexpr int kQElems = kBlockM * kRowElems;
+  static constexpr size_t kPipelineBytes = size_t(kQElems + 2 * kStages * kTileElems) * 2;
+  // Epilogue (reuses the pipeline's memory): kWarpsN slices of O rows in fp32, the per-warp row
+  // max and sum, and the block's LSE per row.
+  static constexpr size_t kEpilogueBytes =
+      size_t(kWarpsN * kBlockM * kHeadDim + 2 * kWarpsN * kBlockM + kBlockM) * 4;
+  static constexpr size_t kSmemBytes =
+      kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
+
+  static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(kWarpN % 16 == 0, "each warp needs whole k16 steps of keys");
+  static_assert((kBlockN * kChunks) % kThreads == 0, "tile loads must divide over the threads");
+};
+
+/// Runtime arguments of the split and combine kernels (passed by value, __grid_constant__).
+struct DecodeLaunch {
+  DecodeParams p;
+  int num_splits = 1;
+  int group = 1;        // heads_q / heads_kv
+  int row_blocks = 1;   // blocks over the packed rows of one (sequence, KV head)
+  int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
+  float scale_log2 = 0.f;
+  float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
+  float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
+};
+
+/// A compiled split kernel: queue it, and how many of its blocks fit on one SM.
+struct DecodeKernel {
+  cudaError_t (*launch)(const DecodeLaunch&, cudaStream_t) = nullptr;
+  int (*blocks_per_sm)() = nullptr;
+  int block_m = 16;
+};
+
+/// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files.
+template <typename Element, int kHeadDim, int kWarpsM>
+DecodeKernel decode_kernel();
+
+/// Combine kernel for the output dtype of launch.p (decode_combine.cu).
+cudaError_t launch_decode_combine(const DecodeLaunch& launch, cudaStream_t stream);
+
+#define FLASHSERVE_DECODE_INSTANCES(EXTERN, HEAD_DIM)                                  \
+  EXTERN template DecodeKernel decode_kernel<__half, HEAD_DIM, 1>();                   \
+  EXTERN template DecodeKernel decode_kernel<__half, HEAD_DIM, 2>();                   \
+  EXTERN template DecodeKernel decode_kernel<__half, HEAD_DIM, 4>();                   \
+  EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 1>();            \
+  EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 2>();            \
+  EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 4>();
+
+}  // namespace flashserve::kernels::cuda::decode

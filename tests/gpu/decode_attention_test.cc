@@ -1,0 +1,451 @@
+// Correctness of the split-KV decode kernels (kernels/cuda/decode) against fp64 and
+// dtype-emulating CPU references, on fresh random inputs: dense, dense varlen and paged K/V
+// (odd page sizes, shuffled pages, sequences ending mid-page, empty sequences, huge block
+// tables), Sq 1..16 with causal, GQA groups 1..16, forced and heuristic split counts.
+// Unused page-pool rows and unused block-table entries are poisoned (NaN rows, out-of-range page
+// ids), so reading past a sequence shows up as NaN output or a sanitizer error; outputs are
+// NaN-poisoned before every run. Tolerance: the kernel's error against fp64 may be at most twice
+// that of the worse of two same-precision emulations (P rounded against the final row max, and
+// against a running max over 16-key blocks, as one warp of the kernel does), as in
+// cuda_attention_test.cc.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashserve/kernels/attention_params.h"
+#include "flashserve/kernels/decode_attention.h"
+#include "flashserve/kernels/float_convert.h"
+#include "flashserve/kernels/reference_attention.h"
+#include "gpu_test_util.h"
+
+namespace flashserve::kernels {
+namespace {
+
+namespace fk = cuda;
+using testing_util::gpu_available;
+
+uint64_t fresh_seed() {
+  static const uint64_t seed = [] {
+    std::random_device rd;
+    const uint64_t s = (uint64_t(rd()) << 32) ^ rd();
+    std::printf("decode_attention_test seed: %llu\n", static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  template <typename T>
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+};
+
+enum class Layout { kDense, kDenseVarlen, kPaged };
+
+struct DecodeCase {
+  std::string tag;       // part of the test name ("san" marks the sanitizer's subset)
+  Layout layout;
+  std::vector<int> sq;   // per sequence (kDense and fixed paged: all equal)
+  std::vector<int> sk;   // per sequence (kDense: all equal)
+  int heads_q, heads_kv, head_dim;
+  bool causal;
+  int page_size = 0;         // kPaged
+  bool varlen_q = false;     // kPaged: cu_seqlens_q instead of a fixed seqlen_q
+  int extra_table = 0;       // kPaged: unused block-table entries per sequence
+  float input_scale = 1.f;   // > 1: large logits
+  DType dtype = DType::kBFloat16;
+};
+
+std::string case_name(const DecodeCase& c) {
+  const char* layout = c.layout == Layout::kDense ? "dense"
+                       : c.layout == Layout::kDenseVarlen ? "varlen" : "paged";
+  return c.tag + "_" + layout + "_" + (c.dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
+         std::to_string(c.head_dim) + "_h" + std::to_string(c.heads_q) + "x" +
+         std::to_string(c.heads_kv) + (c.causal ? "_causal" : "") +
+         (c.page_size ? "_p" + std::to_string(c.page_size) : "");
+}
+
+struct ErrorStats {
+  double max_abs = 0, rel_l2 = 0;
+};
+
+ErrorStats error_vs(const std::vector<double>& x, const std::vector<double>& ref) {
+  ErrorStats e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double d = x[i] - ref[i];
+    e.max_abs = std::max(e.max_abs, std::abs(d));
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  e.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return e;
+}
+
+// Host copy of one problem: per-sequence dense Q/K/V (for the references) and the kernel's
+// layout of the same values.
+struct HostProblem {
+  int batch = 0, total_q = 0, max_sq = 0, max_sk = 0;
+  std::vector<int> q_start, k_start;               // prefix sums of sq, sk
+  std::vector<std::vector<uint16_t>> q, k, v;      // per sequence [S, heads, d]
+  std::vector<uint16_t> q_all;                     // [total_q, heads_q, d]
+  std::vector<uint16_t> k_all, v_all;              // dense [B, max_sk, ..] / packed / page pool
+  std::vector<int32_t> block_table;                // paged
+  int table_stride = 0, num_pages = 0;
+};
+
+uint16_t to_bits(float f, DType dtype) {
+  return dtype == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f);
+}
+
+// Fills the page pool with poison, then places each sequence's keys in shuffled pages.
+void build_paged(const DecodeCase& c, std::mt19937_64& rng, HostProblem* hp) {
+  const int hkv = c.heads_kv, d = c.head_dim, ps = c.page_size;
+  std::vector<int> pages_of(hp->batch);
+  int needed = 0;
+  for (int b = 0; b < hp->batch; ++b) needed += pages_of[b] = (c.sk[b] + ps - 1) / ps;
+  hp->num_pages = needed + 3;  // three pages no sequence owns
+  hp->table_stride = std::max(1, *std::max_element(pages_of.begin(), pages_of.end())) + c.extra_table;
+  std::vector<int> order(hp->num_pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  const size_t page_elems = size_t(ps) * hkv * d;
+  hp->k_all.assign(hp->num_pages * page_elems, 0xFFFF);  // NaN in fp16 and bf16
+  hp->v_all.assign(hp->num_pages * page_elems, 0xFFFF);
+  // Unused entries hold page ids far out of range: a read through one faults under the sanitizer.
+  hp->block_table.assign(size_t(hp->batch) * hp->table_stride, 1 << 28);
+  int next = 0;
+  for (int b = 0; b < hp->batch; ++b)
+    for (int pg = 0; pg < pages_of[b]; ++pg) {
+      const int page = order[next++];
+      hp->block_table[size_t(b) * hp->table_stride + pg] = page;
+      for (int r = 0; r < ps && pg * ps + r < c.sk[b]; ++r) {
+        const size_t src = size_t(pg * ps + r) * hkv * d;
+        const size_t dst = page * page_elems + size_t(r) * hkv * d;
+        std::copy_n(hp->k[b].begin() + src, size_t(hkv) * d, hp->k_all.begin() + dst);
+        std::copy_n(hp->v[b].begin() + src, size_t(hkv) * d, hp->v_all.begin() + dst);
+      }
+    }
+}
+
+HostProblem make_problem(const DecodeCase& c, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  HostProblem hp;
+  hp.batch = static_cast<int>(c.sq.size());
+  const int hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
+  auto random = [&](size_t n, float scale) {
+    std::vector<uint16_t> t(n);
+    for (auto& x : t) x = to_bits(normal(rng) * scale, c.dtype);
+    return t;
+  };
+  for (int b = 0; b < hp.batch; ++b) {
+    hp.q_start.push_back(hp.total_q);
+    hp.k_start.push_back(b == 0 ? 0 : hp.k_start.back() + c.sk[b - 1]);
+    hp.total_q += c.sq[b];
+    hp.max_sq = std::max(hp.max_sq, c.sq[b]);
+    hp.max_sk = std::max(hp.max_sk, c.sk[b]);
+    hp.q.push_back(random(size_t(c.sq[b]) * hq * d, c.input_scale));
+    hp.k.push_back(random(size_t(c.sk[b]) * hkv * d, c.input_scale));
+    hp.v.push_back(random(size_t(c.sk[b]) * hkv * d, 1.f));
+    hp.q_all.insert(hp.q_all.end(), hp.q[b].begin(), hp.q[b].end());
+  }
+  if (c.layout == Layout::kPaged) {
+    build_paged(c, rng, &hp);
+  } else {  // dense: [B, max_sk] (all equal) or packed varlen: the same concatenation
+    for (int b = 0; b < hp.batch; ++b) {
+      hp.k_all.insert(hp.k_all.end(), hp.k[b].begin(), hp.k[b].end());
+      hp.v_all.insert(hp.v_all.end(), hp.v[b].begin(), hp.v[b].end());
+    }
+  }
+  return hp;
+}
+
+// References in the kernel's output layout: out [total_q, heads_q, d]; LSE fixed
+// [B, heads_q, sq] or varlen [heads_q, total_q].
+struct References {
+  std::vector<double> out, lse;
+  std::vector<std::vector<double>> emu_out, emu_lse;  // per emulation
+};
+
+References compute_references(const DecodeCase& c, const HostProblem& hp, bool varlen_lse) {
+  const int hq = c.heads_q, d = c.head_dim;
+  References r;
+  r.out.assign(size_t(hp.total_q) * hq * d, 0.0);
+  r.lse.assign(size_t(hp.total_q) * hq, 0.0);
+  std::vector<reference::EmulationOptions> emulations(2);
+  emulations[1].block_n = 16;
+  emulations[1].backwards = false;
+  r.emu_out.assign(2, r.out);
+  r.emu_lse.assign(2, r.lse);
+  auto place = [&](int b, const std::vector<double>& o, const std::vector<double>& l,
+                   std::vector<double>* out, std::vector<double>* lse) {
+    std::copy(o.begin(), o.end(), out->begin() + size_t(hp.q_start[b]) * hq * d);
+    for (int h = 0; h < hq; ++h)
+      for (int i = 0; i < c.sq[b]; ++i) {
+        const size_t at = varlen_lse ? size_t(h) * hp.total_q + hp.q_start[b] + i
+                                     : (size_t(b) * hq + h) * c.sq[b] + i;
+        (*lse)[at] = l[size_t(h) * c.sq[b] + i];
+      }
+  };
+  for (int b = 0; b < hp.batch; ++b) {
+    if (c.sq[b] == 0) continue;
+    AttentionParams p = make_contiguous_params(c.dtype, 1, c.sq[b], c.sk[b], hq, c.heads_kv, d,
+                                               c.causal, 1.f / std::sqrt(float(d)));
+    static const uint16_t kNone[1] = {0};
+    p.q = hp.q[b].data();
+    p.k = c.sk[b] ? hp.k[b].data() : kNone;
+    p.v = c.sk[b] ? hp.v[b].data() : kNone;
+    std::vector<double> o, l;
+    reference::attention_fp64(p, &o, &l);
+    place(b, o, l, &r.out, &r.lse);
+    for (size_t e = 0; e < emulations.size(); ++e) {
+      reference::attention_emulated(p, emulations[e], &o, &l);
+      place(b, o, l, &r.emu_out[e], &r.emu_lse[e]);
+    }
+  }
+  return r;
+}
+
+// Device copies of a problem and the DecodeParams pointing at them.
+struct DeviceProblem {
+  DeviceBuffer q, k, v, o, lse, cu_q, cu_k, seqlens_k, table;
+  fk::DecodeParams p;
+  size_t out_elems, lse_elems;
+
+  DeviceProblem(const DecodeCase& c, const HostProblem& hp)
+      : q(hp.q_all.size() * 2), k(hp.k_all.size() * 2), v(hp.v_all.size() * 2),
+        o(hp.q_all.size() * 2), lse(size_t(hp.total_q) * c.heads_q * 4),
+        cu_q((hp.batch + 1) * 4), cu_k((hp.batch + 1) * 4), seqlens_k(hp.batch * 4),
+        table(std::max<size_t>(hp.block_table.size(), 1) * 4) {
+    out_elems = hp.q_all.size();
+    lse_elems = size_t(hp.total_q) * c.heads_q;
+    q.upload(hp.q_all);
+    k.upload(hp.k_all);
+    v.upload(hp.v_all);
+    std::vector<int32_t> cu_q_h{0}, cu_k_h{0}, sk_h(c.sk.begin(), c.sk.end());
+    for (int b = 0; b < hp.batch; ++b) {
+      cu_q_h.push_back(cu_q_h.back() + c.sq[b]);
+      cu_k_h.push_back(cu_k_h.back() + c.sk[b]);
+    }
+    cu_q.upload(cu_q_h);
+    cu_k.upload(cu_k_h);
+    seqlens_k.upload(sk_h);
+    if (!hp.block_table.empty()) table.upload(hp.block_table);
+
+    const int hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
+    p = fk::make_dense_decode_params(c.dtype, hp.batch, hp.max_sq, hp.max_sk, hq, hkv, d,
+                                     c.causal, 1.f / std::sqrt(float(d)));
+    p.q = q.ptr, p.k = k.ptr, p.v = v.ptr, p.o = o.ptr;
+    p.lse = static_cast<float*>(lse.ptr);
+    const bool varlen_q = c.layout == Layout::kDenseVarlen || c.varlen_q;
+    if (varlen_q) {
+      p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.ptr);
+      p.total_q = hp.total_q;
+    }
+    if (c.layout == Layout::kDenseVarlen) p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.ptr);
+    if (c.layout == Layout::kPaged) {
+      p.seqlens_k = static_cast<const int32_t*>(seqlens_k.ptr);
+      p.block_table = static_cast<const int32_t*>(table.ptr);
+      p.block_table_stride = hp.table_stride;
+      p.page_size = c.page_size;
+      p.k_batch_stride = p.v_batch_stride = int64_t{c.page_size} * hkv * d;
+    }
+  }
+};
+
+bool uses_varlen_lse(const DecodeCase& c) {
+  return c.layout == Layout::kDenseVarlen || c.varlen_q;
+}
+
+// Runs the case with the heuristic's split count and with forced ones; checks each result.
+void check_case(const DecodeCase& c) {
+  std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  ErrorStats emu;
+  double emu_lse = 0;
+  for (size_t e = 0; e < ref.emu_out.size(); ++e) {
+    const ErrorStats s = error_vs(ref.emu_out[e], ref.out);
+    emu.max_abs = std::max(emu.max_abs, s.max_abs);
+    emu.rel_l2 = std::max(emu.rel_l2, s.rel_l2);
+    for (size_t i = 0; i < ref.lse.size(); ++i)
+      if (std::isfinite(ref.lse[i]))
+        emu_lse = std::max(emu_lse, std::abs(ref.emu_lse[e][i] - ref.lse[i]));
+  }
+  DeviceProblem dev(c, hp);
+  ASSERT_EQ(fk::decode_supported(dev.p), "");
+  std::vector<uint16_t> out(dev.out_elems);
+  std::vector<float> lse(dev.lse_elems);
+  std::vector<double> got(dev.out_elems);
+  for (int splits : {0, 1, 3, 16}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    fk::DecodeParams p = dev.p;
+    p.num_splits = splits;
+    ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
+    ASSERT_EQ(cudaMemset(dev.lse.ptr, 0xFF, dev.lse_elems * 4), cudaSuccess);
+    ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(out.data(), dev.o.ptr, dev.out_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(lse.data(), dev.lse.ptr, dev.lse_elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    size_t bad = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      got[i] = c.dtype == DType::kFloat16 ? half_to_float(out[i]) : bf16_to_float(out[i]);
+      if (!std::isfinite(got[i])) ++bad;
+    }
+    ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
+    double lse_excess = 0;
+    for (size_t i = 0; i < lse.size(); ++i) {
+      if (std::isinf(ref.lse[i])) {
+        ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "row " << i << " sees no key: LSE must be -inf, got " << lse[i];
+      } else {
+        ASSERT_TRUE(std::isfinite(lse[i])) << "LSE " << i << " = " << lse[i];
+        const double allowed = 2 * emu_lse + 1e-4 + 4e-6 * std::abs(ref.lse[i]);
+        lse_excess = std::max(lse_excess, std::abs(lse[i] - ref.lse[i]) - allowed);
+      }
+    }
+    const ErrorStats err = error_vs(got, ref.out);
+    EXPECT_LE(err.max_abs, 2 * emu.max_abs + 1e-6)
+        << "max abs error " << err.max_abs << " vs emulated " << emu.max_abs;
+    EXPECT_LE(err.rel_l2, 2 * emu.rel_l2 + 1e-6)
+        << "relative L2 error " << err.rel_l2 << " vs emulated " << emu.rel_l2;
+    EXPECT_LE(lse_excess, 0.0) << "LSE error exceeds its allowance by " << lse_excess;
+  }
+}
+
+std::vector<DecodeCase> all_cases() {
+  std::vector<DecodeCase> cs;
+  const auto dense = Layout::kDense, varlen = Layout::kDenseVarlen, paged = Layout::kPaged;
+  // Decode, dense, GQA 32:8 and MHA, both dtypes; one sequence long enough for many splits.
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    cs.push_back({"decode", dense, {1, 1, 1}, {1000, 1000, 1000}, 32, 8, 128, false, 0, false, 0, 1.f, dt});
+    cs.push_back({"decode", dense, {1, 1}, {4099, 4099}, 8, 8, 64, true, 0, false, 0, 1.f, dt});
+    cs.push_back({"long", paged, {1}, {20000}, 8, 2, 128, true, 0, false, 0, 1.f, dt});
+  }
+  cs.back().page_size = 64;
+  cs[2].page_size = 16;
+  // Paged: odd page sizes, sequences ending mid-page / on a page edge, empty ones, shuffled.
+  for (int ps : {16, 33, 64, 100, 256})
+    cs.push_back({"san", paged, {1, 1, 1, 1, 1}, {1, ps - 1, ps, ps + 1, 3 * ps + 7}, 8, 2, 128,
+                  false, ps, false, 5});
+  cs.push_back({"empty", paged, {1, 1, 1}, {0, 77, 0}, 4, 4, 64, false, 16});
+  cs.push_back({"empty", paged, {2, 2}, {0, 1}, 4, 1, 64, true, 16});  // Sq > Sk: unseen rows
+  // Huge block table: 70000 keys in 1094 pages of 64, table rows of 4096 entries.
+  cs.push_back({"bigtable", paged, {1, 1}, {70000, 5}, 4, 1, 128, false, 64, false, 4096 - 1094});
+  // Sq > 1 with causal over GQA groups 1..16 (rows per block 16, 32, 64 and several blocks).
+  for (int group : {1, 2, 4, 8, 16})
+    for (int sq : {4, 16})
+      cs.push_back({"spec", paged, {sq, sq, sq}, {sq, 300, 1500}, 16, 16 / group, 128, true, 64});
+  cs.push_back({"spec", dense, {16}, {5000}, 32, 8, 128, true, 0});
+  cs.push_back({"spec", dense, {3}, {2}, 8, 2, 64, true, 0});  // causal Sq > Sk
+  // Varlen: dense packed and paged with cu_seqlens_q (including an empty query sequence).
+  cs.push_back({"san", varlen, {1, 4, 0, 16, 3, 1}, {5000, 17, 9, 64, 0, 300}, 8, 2, 128, true, 0});
+  cs.push_back({"varlen", varlen, {1, 1, 1, 1}, {1, 63, 65, 2000}, 32, 32, 64, false, 0});
+  cs.push_back({"varlen", paged, {5, 1, 16, 0}, {700, 1, 16, 40}, 12, 4, 128, true, 48, true, 3});
+  // Head dims 32, 96, 256.
+  for (int d : {32, 96, 256}) {
+    cs.push_back({"dims", paged, {1, 1, 1}, {500, 77, 3000}, 16, 4, d, false, 32});
+    cs.push_back({"dims", varlen, {8, 8}, {300, 1000}, 8, 2, d, true, 0});
+  }
+  cs.back().tag = "san";
+  // Large logits.
+  cs.push_back({"large", paged, {1, 4}, {3000, 1025}, 8, 2, 128, true, 64, true, 0, 8.f});
+  cs.push_back({"large", dense, {1}, {2000}, 4, 4, 64, false, 0, false, 0, 8.f, DType::kFloat16});
+  return cs;
+}
+
+class DecodeAttention : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeAttention, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  check_case(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttention, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<DecodeCase>& param_info) {
+                           return case_name(param_info.param) + "_" + std::to_string(param_info.index);
+                         });
+
+// An empty sequence alone, one split: O = 0 and LSE = -inf straight from the split kernel.
+TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
+  SKIP_WITHOUT_GPU();
+  check_case({"allempty", Layout::kPaged, {1, 3}, {0, 0}, 8, 2, 128, false, 16});
+}
+
+TEST(DecodeAttentionApi, RunRejectsUnsupported) {
+  SKIP_WITHOUT_GPU();
+  fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 16, 2, 2, 48, false, 0.1f);
+  EXPECT_EQ(fk::run_decode(p, nullptr), cudaErrorInvalidValue);
+}
+
+// The checks below touch no GPU and run everywhere.
+TEST(DecodeAttentionApi, SupportedNamesTheField) {
+  static const uint16_t kBuf[64] __attribute__((aligned(16))) = {};
+  auto with_ptrs = [](fk::DecodeParams p) {
+    p.q = p.k = p.v = kBuf;
+    p.o = const_cast<uint16_t*>(kBuf);
+    return p;
+  };
+  fk::DecodeParams p =
+      with_ptrs(fk::make_dense_decode_params(DType::kBFloat16, 2, 1, 100, 8, 2, 128, true, 0.1f));
+  EXPECT_EQ(fk::decode_supported(p), "");
+  p.head_dim = 48;
+  EXPECT_NE(fk::decode_supported(p).find("head_dim 48"), std::string::npos);
+  p = with_ptrs(fk::make_dense_decode_params(DType::kBFloat16, 2, 1, 100, 6, 4, 128, true, 0.1f));
+  EXPECT_NE(fk::decode_supported(p).find("multiple of heads_kv"), std::string::npos);
+  p = with_ptrs(fk::make_dense_decode_params(DType::kFloat16, 2, 1, 100, 8, 2, 64, false, 0.1f));
+  static const int32_t kTable[4] = {};
+  p.block_table = kTable;
+  p.block_table_stride = 2;
+  p.page_size = 16;
+  EXPECT_NE(fk::decode_supported(p).find("seqlens_k"), std::string::npos);
+  p.seqlens_k = kTable;
+  EXPECT_EQ(fk::decode_supported(p), "");
+  p.page_size = 0;
+  EXPECT_NE(fk::decode_supported(p).find("page_size"), std::string::npos);
+  p = with_ptrs(fk::make_dense_decode_params(DType::kFloat16, 1, 1, 100, 8, 2, 64, false, 0.1f));
+  p.num_splits = 129;
+  EXPECT_NE(fk::decode_supported(p).find("num_splits"), std::string::npos);
+  p.num_splits = 0;
+  p.k_row_stride = 100;
+  EXPECT_NE(fk::decode_supported(p).find("k strides"), std::string::npos);
+}
+
+TEST(DecodeAttentionApi, WorkspaceBytes) {
+  fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, 3, 2, 100, 8, 2, 128, false, 0.1f);
+  EXPECT_EQ(fk::decode_workspace_bytes(p, 1), 0u);
+  // 4 splits x 6 rows x 8 heads: O 128 floats each, LSE one float each (256-byte aligned).
+  EXPECT_EQ(fk::decode_workspace_bytes(p, 4), size_t(4 * 6 * 8 * 128 * 4) + 768u);
+}
+
+TEST(DecodeAttentionApi, SplitHeuristicFillsTheGpu) {
+  SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
+  // One sequence, 128k keys, 8 KV heads on 132 SMs: many splits; 64 x 8k x 8 heads: few.
+  fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 8, 128, false, 0.1f);
+  const int long_one = fk::decode_num_splits(p, 132);
+  EXPECT_GE(long_one, 16);
+  EXPECT_LE(long_one, 128);
+  p = fk::make_dense_decode_params(DType::kBFloat16, 64, 1, 8192, 32, 8, 128, false, 0.1f);
+  EXPECT_LE(fk::decode_num_splits(p, 132), 2);
+  p = fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 64, 32, 8, 128, false, 0.1f);
+  EXPECT_EQ(fk::decode_num_splits(p, 132), 1);  // one tile: nothing to split
+}
+
+}  // namespace
+}  // namespace flashserve::kernels
