@@ -4,6 +4,7 @@
 #   bench/kernels/run_on_gpu.sh [all|build|test|sanitize|bench|autotune|profile|sass]...   (default: all;
 #   autotune, profile and sass run only when named)
 # Needs a GoogleTest source tree at .deps/googletest (a copy of /usr/src/googletest).
+# CUDA_ARCHS (default "80;90") and BUILD_TARGETS (default: all) narrow the build.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -18,8 +19,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 if want build; then
   start=$(date +%s)
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHSERVE_BUILD_SERVER=OFF \
-    -DFLASHSERVE_GTEST_SOURCE_DIR=$PWD/.deps/googletest > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  cmake --build "$BUILD" -j 16 >> "$OUT/build.log" 2>&1 || { grep -B2 -A10 -m5 "error" "$OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; }
+    -DFLASHSERVE_GTEST_SOURCE_DIR=$PWD/.deps/googletest -DFLASHSERVE_CUDA_ARCHS="${CUDA_ARCHS:-80;90}" > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cmake --build "$BUILD" -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} >> "$OUT/build.log" 2>&1 || { grep -B2 -A10 -m5 "error" "$OUT/build.log"; tail -20 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"; grep -i "warning" "$OUT/build.log" | head -20
 fi
 if want test; then
@@ -34,6 +35,15 @@ if want sanitize; then
     timeout ${SANITIZE_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" --gtest_filter="$f" > "$OUT/sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-$tool.log" | tail -1)"
   done
+  # The sm90 family (skips off sm_90): small shapes through the TMA/mbarrier/wgmma pipeline.
+  t="$BUILD/tests/gpu/sm90_attention_test"
+  f='Grid/Sm90Attention.MatchesFp64Reference/bf16_d128_b1_sq129_sk129_h3x3_causal:Grid/Sm90Attention.MatchesFp64Reference/fp16_d64_b2_sq77_sk77_h4x2_causal_pad8:Grid/Sm90Attention.MatchesFp64Reference/bf16_d64_b1_sq200_sk17_h2x1_causal:Grid/Sm90Attention.MatchesFp64Reference/fp16_d128_b2_sq97_sk300_h8x1'
+  if [ -x "$t" ]; then
+    for tool in memcheck racecheck synccheck; do
+      timeout ${SANITIZE_TIMEOUT:-120} compute-sanitizer --tool $tool --error-exitcode 9 "$t" --gtest_filter="$f" > "$OUT/sanitizer-sm90-$tool.log" 2>&1
+      echo "compute-sanitizer sm90 $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|Tests|PASSED|FAILED' "$OUT/sanitizer-sm90-$tool.log" | tail -2 | tr '\n' ' ')"
+    done
+  fi
 fi
 if want bench; then
   PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-400} python3 bench/kernels/bench_vs_torch.py --lib "$BUILD/kernels/cuda/libflashserve_kernels_capi.so" \
@@ -51,7 +61,7 @@ if named profile; then
   ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for causal in 0 1; do
     rep="$OUT/ncu-d128-s4096-c$causal"
-    timeout ${PROFILE_TIMEOUT:-200} "$ncu" --clock-control none -k regex:flash_fwd_kernel --launch-skip 5 --launch-count 1 \
+    timeout ${PROFILE_TIMEOUT:-200} "$ncu" --clock-control none -k regex:'flash_fwd_kernel|sm90_fwd_kernel' --launch-skip 5 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis_Tables --section SourceCounters --section LaunchStats --section Occupancy \
       -f -o "$rep" "$BUILD/bench/kernels/kernel_bench" --d 128 --causal $causal --b 16 --h 16 --hkv 16 --sq 4096 --sk 4096 \

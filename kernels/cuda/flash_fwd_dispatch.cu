@@ -1,6 +1,7 @@
 // All runtime -> compile-time dispatch of the forward kernels: the table of compiled
-// configurations (expanded from the generated registry.inc), supported(), candidates(),
-// select() and run().
+// configurations (the sm80 family expanded from the generated registry.inc; the sm90 family from
+// sm90/registry.h when FLASHSERVE_HAVE_SM90), supported(), candidates(), select() and run().
+// sm90 configurations are offered and picked only on a compute-capability 9.0 device.
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -8,6 +9,13 @@
 
 #include "flash_fwd_launch.h"
 #include "flashserve/kernels/cuda_attention.h"
+#if FLASHSERVE_HAVE_SM90
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "sm90/registry.h"
+#include "sm90/tensor_map.h"
+#endif
 
 // extern template declarations of every generated instance.
 #define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, \
@@ -37,9 +45,76 @@ const Entry kEntries[] = {
 #undef FLASHSERVE_FWD_CONFIG
 };
 
+#if FLASHSERVE_HAVE_SM90
+const Entry kSm90Entries[] = {
+#define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_N, STAGES) \
+  {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES),          \
+   &sm90::launch_sm90<sm90::Sm90Traits<ELEMENT, HEAD_DIM, BLOCK_N, STAGES>>},
+    FLASHSERVE_SM90_CONFIGS(FLASHSERVE_SM90_ENTRY)
+#undef FLASHSERVE_SM90_ENTRY
+};
+#endif
+
+// Whether the current device runs sm_90a code (compute capability exactly 9.0).
+bool device_is_sm90() {
+#if FLASHSERVE_HAVE_SM90
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();  // no device: not an error worth keeping
+    return false;
+  }
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+// The sm90 entries usable on the current device (empty elsewhere or when not compiled).
+std::vector<const Entry*> sm90_entries() {
+  std::vector<const Entry*> out;
+#if FLASHSERVE_HAVE_SM90
+  if (device_is_sm90())
+    for (const Entry& e : kSm90Entries) out.push_back(&e);
+#endif
+  return out;
+}
+
+// Whether the sm90 kernels' tensor maps can describe p's q/k/v (positive, 16-byte strides).
+bool sm90_can_run(const AttentionParams& p) {
+#if FLASHSERVE_HAVE_SM90
+  const sm90::TensorView q{p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+                           p.q_row_stride, p.q_head_stride, p.q_batch_stride};
+  const sm90::TensorView k{p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                           p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+  const sm90::TensorView v{p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+                           p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+  return sm90::tensor_map_strides_ok(q) &&
+         (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
+#else
+  return false;
+#endif
+}
+
 const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
+  if (cfg.family == KernelFamily::kSm90) {
+    for (const Entry* e : sm90_entries())
+      if (e->dtype == dtype && e->head_dim == head_dim && e->config == cfg) return e;
+    return nullptr;
+  }
   for (const Entry& e : kEntries)
     if (e.dtype == dtype && e.head_dim == head_dim && e.config == cfg) return &e;
+  return nullptr;
+}
+
+// The sm90 configuration for (dtype, head_dim) on this device, if any.
+const Entry* sm90_preferred(DType dtype, int head_dim) {
+  for (const Entry* e : sm90_entries())
+    if (e->dtype == dtype && e->head_dim == head_dim) return e;
   return nullptr;
 }
 
@@ -153,6 +228,10 @@ std::string supported(const AttentionParams& p) {
 
 std::vector<KernelConfig> candidates(DType dtype, int head_dim, bool causal) {
   std::vector<KernelConfig> out;
+  if (!has_entries(dtype, head_dim)) return out;
+  // On sm_90 the sm90 family comes first (the heuristic default for large problems).
+  for (const Entry* e : sm90_entries())
+    if (e->dtype == dtype && e->head_dim == head_dim) out.push_back(e->config);
   const KernelConfig first = preferred(head_dim, causal);
   if (find_entry(dtype, head_dim, first) != nullptr) out.push_back(first);
   for (const Entry& e : kEntries)
@@ -160,10 +239,28 @@ std::vector<KernelConfig> candidates(DType dtype, int head_dim, bool causal) {
   return out;
 }
 
+namespace {
+// The sm80 family's heuristic choice (below: select() prefers sm90 where it wins).
+KernelConfig select_sm80(const AttentionParams& p, int sm_count);
+}  // namespace
+
 KernelConfig select(const AttentionParams& p, int sm_count) {
-  const std::vector<KernelConfig> all = candidates(p.dtype, p.head_dim, p.causal);
-  if (all.empty()) return preferred(p.head_dim, p.causal);
-  KernelConfig best = all.front();
+  if (const Entry* e = sm90_preferred(p.dtype, p.head_dim); e != nullptr && sm90_can_run(p))
+    return e->config;
+  return select_sm80(p, sm_count);
+}
+
+namespace {
+KernelConfig select_sm80(const AttentionParams& p, int sm_count) {
+  if (!has_entries(p.dtype, p.head_dim)) return preferred(p.head_dim, p.causal);
+  KernelConfig best = preferred(p.head_dim, p.causal);
+  if (find_entry(p.dtype, p.head_dim, best) == nullptr) {
+    for (const Entry& e : kEntries)
+      if (e.dtype == p.dtype && e.head_dim == p.head_dim) {
+        best = e.config;
+        break;
+      }
+  }
   // d=64 with short queries: keeping Q in registers (m128n64w4s2q) was the tuner's pick at every
   // seqlen_q <= 1024 point of the H200 grid (+2 to +5%, bench/results/autotune-h200-2026-11-22.md).
   if (p.head_dim == 64 && p.seqlen_q <= 1024) {
@@ -178,11 +275,13 @@ KernelConfig select(const AttentionParams& p, int sm_count) {
   }
   return best;
 }
+}  // namespace
 
 cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream) {
   if (!supported(p).empty()) return cudaErrorInvalidValue;
   const Entry* e = find_entry(p.dtype, p.head_dim, cfg);
   if (e == nullptr) return cudaErrorInvalidValue;
+  if (cfg.family == KernelFamily::kSm90 && !sm90_can_run(p)) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;
   return e->launch(p, stream);
 }

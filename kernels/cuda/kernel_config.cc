@@ -6,8 +6,12 @@
 
 namespace flashserve::kernels::cuda {
 
+namespace {
+constexpr std::string_view kSm90Prefix = "sm90";
+}  // namespace
+
 std::string KernelConfig::name() const {
-  return "m" + std::to_string(block_m) + "n" + std::to_string(block_n) + "w" +
+  return std::string(family == KernelFamily::kSm90 ? kSm90Prefix : "") + "m" + std::to_string(block_m) + "n" + std::to_string(block_n) + "w" +
          std::to_string(num_warps) + "s" + std::to_string(kv_stages) + (q_in_regs ? "q" : "") +
          (lazy_rescale ? "l" : "");
 }
@@ -33,6 +37,10 @@ bool parse_field(std::string_view text, size_t& pos, char tag, int& value) {
 std::optional<KernelConfig> KernelConfig::parse(std::string_view text) {
   KernelConfig cfg;
   size_t pos = 0;
+  if (text.substr(0, kSm90Prefix.size()) == kSm90Prefix) {
+    cfg.family = KernelFamily::kSm90;
+    pos = kSm90Prefix.size();
+  }
   if (!parse_field(text, pos, 'm', cfg.block_m) || !parse_field(text, pos, 'n', cfg.block_n) ||
       !parse_field(text, pos, 'w', cfg.num_warps) || !parse_field(text, pos, 's', cfg.kv_stages))
     return std::nullopt;

@@ -1,4 +1,5 @@
-// One point of the sm80 flash-attention forward kernel family's configuration space.
+// One point of the forward kernels' configuration space: the sm80 family (mma.sync, any GPU from
+// sm_80 on) or the sm90 family (wgmma + TMA + warp specialization, sm_90a only).
 // Plain C++ (no CUDA headers): the autotuner cache and the server use it without nvcc.
 #pragma once
 
@@ -7,6 +8,12 @@
 #include <string_view>
 
 namespace flashserve::kernels::cuda {
+
+/// Kernel family: the instruction set a configuration is built on.
+enum class KernelFamily {
+  kSm80,  ///< kernels/cuda/*.h: FlashAttention-2 style, mma.sync; runs on sm_80 and later
+  kSm90,  ///< kernels/cuda/sm90/: FlashAttention-3 style, wgmma + TMA; runs on sm_90 only
+};
 
 /// A compiled configuration of the forward kernel. The fields become template parameters
 /// (see kernels/cuda/kernel_traits.h); only the configurations that
@@ -22,6 +29,9 @@ struct KernelConfig {
   /// log2 domain); P is computed against the stale max meanwhile, so it can reach 2^threshold
   /// before it is rounded to the element type. false: exact rescale on every K/V tile (FA2).
   bool lazy_rescale = false;
+  /// sm90: block_m is 128 (2 consumer warpgroups), num_warps 12 (with the producer warpgroup),
+  /// q_in_regs false and lazy_rescale true; block_n and kv_stages vary.
+  KernelFamily family = KernelFamily::kSm80;
 
   /// The lazy rescale's threshold: rescale when (new max - running max) * scale * log2(e) > 8.
   /// 2^8 keeps P, O and the row sums far from fp16/fp32 overflow.
@@ -30,7 +40,7 @@ struct KernelConfig {
   float rescale_threshold_log2() const { return lazy_rescale ? kLazyRescaleThresholdLog2 : 0.f; }
 
   /// Stable text form, e.g. "m128n64w4s2", "m128n64w8s2q" or "m128n64w4s2l" (lazy rescale);
-  /// the autotuner cache stores it.
+  /// sm90 configurations carry a prefix: "sm90m128n128w12s2l". The autotuner cache stores it.
   std::string name() const;
   /// Inverse of name(); nullopt for text that is not a well-formed name.
   static std::optional<KernelConfig> parse(std::string_view name);
@@ -38,8 +48,15 @@ struct KernelConfig {
   friend bool operator==(const KernelConfig& a, const KernelConfig& b) {
     return a.block_m == b.block_m && a.block_n == b.block_n && a.num_warps == b.num_warps &&
            a.kv_stages == b.kv_stages && a.q_in_regs == b.q_in_regs &&
-           a.lazy_rescale == b.lazy_rescale;
+           a.lazy_rescale == b.lazy_rescale && a.family == b.family;
   }
+  /// The sm90 configuration with block_n keys per step and kv_stages K/V buffers.
+  static KernelConfig sm90(int block_n, int kv_stages) {
+    KernelConfig c{128, block_n, 12, kv_stages, false, true};
+    c.family = KernelFamily::kSm90;
+    return c;
+  }
+
   friend bool operator!=(const KernelConfig& a, const KernelConfig& b) { return !(a == b); }
 };
 

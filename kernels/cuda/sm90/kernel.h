@@ -1,0 +1,311 @@
+// The sm90 flash-attention forward kernel (FlashAttention-3 structure, written from scratch in
+// raw PTX): one thread block of 3 warpgroups per (128-row query tile, head, batch).
+//  - Warpgroup 0 (producer, setmaxnreg 24): one thread issues TMA copies of the Q tile and of
+//    the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each copy
+//    completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
+//    "empty" mbarrier.
+//  - Warpgroups 1 and 2 (consumers, setmaxnreg 240) each own 64 query rows: S = Q K^T by wgmma
+//    with both operands in shared memory, the online softmax (lazy rescale) in registers, and
+//    O += P V by wgmma with P from registers. Within a warpgroup the softmax of tile j runs while
+//    the tensor cores do P V of tile j + 1 (issued just before it), and the two consumer
+//    warpgroups interleave on the tensor cores on their own.
+// K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
+// (key tail, causal diagonal) come first; TMA fills rows past the sequence ends with zeros.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "../mask.h"
+#include "../ptx.h"
+#include "flashserve/kernels/attention_params.h"
+#include "ptx_sm90.h"
+#include "softmax_sm90.h"
+#include "traits.h"
+#include "wgmma_ops.h"
+
+namespace flashserve::kernels::cuda::sm90 {
+
+/// Shared-memory addresses of one block's Q tile, K/V ring and mbarriers.
+template <typename T>
+struct SmemMap {
+  uint32_t q, k, v, bars;
+  __device__ explicit SmemMap(uint32_t base)
+      : q(base + T::kQOffset), k(base + T::kKOffset), v(base + T::kVOffset),
+        bars(base + T::kBarOffset) {}
+  __device__ uint32_t q_loaded() const { return bars; }
+  __device__ uint32_t k_full(int s) const { return bars + 8 * (1 + s); }
+  __device__ uint32_t v_full(int s) const { return bars + 8 * (1 + T::kStages + s); }
+  __device__ uint32_t k_empty(int s) const { return bars + 8 * (1 + 2 * T::kStages + s); }
+  __device__ uint32_t v_empty(int s) const { return bars + 8 * (1 + 3 * T::kStages + s); }
+  __device__ uint32_t k_stage(int s) const { return k + s * T::kKVBytes; }
+  __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
+};
+
+/// The block's work: which query tile of which (batch, head), and how many K/V tiles it sees.
+struct BlockWork {
+  int m_block, head, head_kv, batch, n_blocks;
+};
+
+template <typename T>
+__device__ __forceinline__ BlockWork block_work(const AttentionParams& p) {
+  BlockWork w;
+  // Causal: the heaviest tiles (last rows) launch first.
+  w.m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  w.head = blockIdx.y;
+  w.batch = blockIdx.z;
+  w.head_kv = w.head / (p.heads_q / p.heads_kv);
+  w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  if (p.causal) {  // one past the last column the tile's last row may see
+    const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
+    w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
+  }
+  return w;
+}
+
+/// Producer: one thread issues every TMA copy. Order: Q, K[last], then K[j - 1], V[j] pairs, so
+/// the consumers' next S = Q K^T never waits behind a V copy.
+template <typename T>
+__device__ void produce(const SmemMap<T>& sm, const BlockWork& w, const CUtensorMap* tm_q,
+                        const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
+  tma_prefetch_descriptor(tm_q);
+  tma_prefetch_descriptor(tm_k);
+  tma_prefetch_descriptor(tm_v);
+  mbarrier_arrive_expect_tx(sm.q_loaded(), T::kQBytes);
+#pragma unroll
+  for (int cb = 0; cb < T::kColBlocks; ++cb)
+    tma_load_4d(sm.q + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(), cb * 64,
+                w.m_block * T::kBlockM, w.head, w.batch);
+  auto load = [&](const CUtensorMap* tm, uint32_t dst, uint32_t full, uint32_t empty,
+                  uint32_t parity, int n_block) {
+    mbarrier_wait(empty, parity);
+    mbarrier_arrive_expect_tx(full, T::kKVBytes);
+#pragma unroll
+    for (int cb = 0; cb < T::kColBlocks; ++cb)
+      tma_load_4d(dst + cb * T::kBlockN * T::kRowBytes, tm, full, cb * 64, n_block * T::kBlockN,
+                  w.head_kv, w.batch);
+  };
+  // Tile i (0 = the last K/V tile) uses stage i % kStages in round i / kStages; a fresh empty
+  // barrier counts as having completed the round before round 0 (parity 1).
+  auto load_k = [&](int i) {
+    const int s = i % T::kStages;
+    load(tm_k, sm.k_stage(s), sm.k_full(s), sm.k_empty(s), ((i / T::kStages) & 1) ^ 1,
+         w.n_blocks - 1 - i);
+  };
+  auto load_v = [&](int i) {
+    const int s = i % T::kStages;
+    load(tm_v, sm.v_stage(s), sm.v_full(s), sm.v_empty(s), ((i / T::kStages) & 1) ^ 1,
+         w.n_blocks - 1 - i);
+  };
+  load_k(0);
+  for (int i = 1; i < w.n_blocks; ++i) {
+    load_k(i);
+    load_v(i - 1);
+  }
+  load_v(w.n_blocks - 1);
+}
+
+/// Consumer warpgroup cw (0 or 1): its 64 query rows against every K/V tile of the block.
+template <typename T>
+__device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
+                        int cw) {
+  using Element = typename T::Element;
+  constexpr int kN = T::kBlockN, kD = T::kHeadDim;
+  const int lane = threadIdx.x % 32;
+  const int warp_in_wg = (threadIdx.x / 32) % 4;
+  const int row0 = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + warp_in_wg * 16 + lane / 4;
+  const Mask mask{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.causal};
+  const int col_limit[2] = {mask.col_limit(row0), mask.col_limit(row0 + 8)};
+  const float scale_log2 = p.softmax_scale_log2;
+
+  // Descriptors: Q (A, K-major) and K (B, K-major) step 32 bytes per k16 inside a 128-byte
+  // row and jump a column block every 4 steps; V (B, N-major) steps 16 rows (2048 bytes).
+  auto q_desc = [&](int ks) {
+    return smem_desc_sw128(sm.q + (ks / 4) * T::kBlockM * T::kRowBytes +
+                               cw * T::kRowsPerConsumer * T::kRowBytes + (ks % 4) * 32,
+                           16, 1024);
+  };
+  auto k_desc = [&](int s, int ks) {
+    return smem_desc_sw128(sm.k_stage(s) + (ks / 4) * kN * T::kRowBytes + (ks % 4) * 32, 16,
+                           1024);
+  };
+  auto v_desc = [&](int s, int ks) {
+    return smem_desc_sw128(sm.v_stage(s) + ks * 16 * T::kRowBytes, kN * T::kRowBytes, 1024);
+  };
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  uint32_t pa[kN / 16][4];  // P of the previous tile as wgmma A fragments
+  Sm90Softmax<kN, kD> softmax;
+
+  auto issue_s = [&](float (&s)[kN / 2], int i) {
+    const int stage = i % T::kStages;
+    mbarrier_wait(sm.k_full(stage), (i / T::kStages) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks)
+      Wgmma<Element, kN>::ss(s, q_desc(ks), k_desc(stage, ks), ks > 0);
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int i) {
+    const int stage = i % T::kStages;
+    mbarrier_wait(sm.v_full(stage), (i / T::kStages) & 1);
+#pragma unroll
+    for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kN / 16; ++ks) Wgmma<Element, kD>::rs(o, pa[ks], v_desc(stage, ks));
+    wgmma_commit();
+  };
+  auto release = [&](uint32_t empty_bar) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(empty_bar);
+  };
+  auto apply_mask = [&](float (&s)[kN / 2], int n_block) {
+    const int col0 = n_block * kN + 2 * (lane % 4);
+#pragma unroll
+    for (int i = 0; i < kN / 8; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (col0 + 8 * i + j >= col_limit[h]) s[4 * i + 2 * h + j] = -INFINITY;
+  };
+  auto to_pa = [&](const float (&s)[kN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        pa[kk][r] = ptx::pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+  };
+
+  mbarrier_wait(sm.q_loaded(), 0);
+  {  // Tile 0 (the last K/V tile): masked, no rescale.
+    float s[kN / 2];
+    issue_s(s, 0);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) fence_operand(s[i]);
+    release(sm.k_empty(0));
+    apply_mask(s, w.n_blocks - 1);
+    float alpha[2];
+    softmax.template scale_and_exp<true>(s, scale_log2, alpha);
+    to_pa(s);
+  }
+  // Tile i: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together; the softmax of S_i runs
+  // while P V is still on the tensor cores; O is rescaled once P V has completed.
+  auto step = [&](int i, auto mask_tag) {
+    float s[kN / 2];
+    issue_s(s, i);
+    issue_pv(i - 1);
+    wgmma_wait<1>();  // S_i done
+#pragma unroll
+    for (int i2 = 0; i2 < kN / 2; ++i2) fence_operand(s[i2]);
+    release(sm.k_empty(i % T::kStages));
+    if constexpr (decltype(mask_tag)::value) apply_mask(s, w.n_blocks - 1 - i);
+    float alpha[2];
+    const bool moves = softmax.template scale_and_exp<false>(s, scale_log2, alpha);
+    wgmma_wait<0>();  // P_{i-1} V_{i-1} done: O and pa are ours again
+#pragma unroll
+    for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) fence_operand(pa[kk][r]);
+    release(sm.v_empty((i - 1) % T::kStages));
+    if (__any_sync(0xffffffffu, moves)) Sm90Softmax<kN, kD>::rescale_o(o, alpha);
+    to_pa(s);
+  };
+  int i = 1;
+  for (; i < w.n_blocks && mask.tile_needs_mask(w.m_block, T::kBlockM, w.n_blocks - 1 - i, kN); ++i)
+    step(i, std::true_type{});
+  for (; i < w.n_blocks; ++i) step(i, std::false_type{});
+  issue_pv(w.n_blocks - 1);
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) fence_operand(pa[kk][r]);
+  release(sm.v_empty((w.n_blocks - 1) % T::kStages));
+
+  // Epilogue: normalize, LSE, and O straight from registers (each quad writes 16 contiguous
+  // bytes per 8 columns).
+  float lse[2];
+  softmax.finalize(o, p.softmax_scale, lse);
+  Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row >= p.seqlen_q) continue;
+    Element* out_row = out + row * p.o_row_stride + 2 * (lane % 4);
+#pragma unroll
+    for (int i2 = 0; i2 < kD / 8; ++i2)
+      *reinterpret_cast<uint32_t*>(out_row + 8 * i2) =
+          ptx::pack2<Element>(o[4 * i2 + 2 * h], o[4 * i2 + 2 * h + 1]);
+    if (p.lse != nullptr && lane % 4 == 0)
+      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row] = lse[h];
+  }
+}
+
+/// A tile no row of which sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+template <typename T>
+__device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w) {
+  using Element = typename T::Element;
+  const int rows = min(T::kBlockM, p.seqlen_q - w.m_block * T::kBlockM);
+  constexpr int kChunks = T::kHeadDim / 8;
+  Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride +
+                 w.head * p.o_head_stride + int64_t(w.m_block) * T::kBlockM * p.o_row_stride;
+  for (int idx = threadIdx.x; idx < rows * kChunks; idx += T::kNThreads)
+    *reinterpret_cast<uint4*>(out + (idx / kChunks) * p.o_row_stride + (idx % kChunks) * 8) =
+        make_uint4(0, 0, 0, 0);
+  if (p.lse != nullptr)
+    for (int r = threadIdx.x; r < rows; r += T::kNThreads)
+      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + w.m_block * T::kBlockM + r] =
+          -INFINITY;
+}
+
+/// grid = (ceil(seqlen_q / kBlockM), heads_q, batch), block = kNThreads, dynamic shared memory
+/// T::kSmemBytes. The tensor maps (tensor_map.h) view q/k/v as [batch][heads][seqlen][head_dim]
+/// with p's strides and 128-byte-swizzled boxes of [rows][64].
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads, 1)
+    sm90_fwd_kernel(const __grid_constant__ AttentionParams p,
+                    const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k,
+                    const __grid_constant__ CUtensorMap tm_v) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const SmemMap<T> sm((ptx::smem_addr(smem_raw) + 1023u) & ~1023u);
+  const BlockWork w = block_work<T>(p);
+  if (w.n_blocks <= 0) {
+    write_empty_tile<T>(p, w);
+    return;
+  }
+  const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_loaded(), 1);
+    for (int s = 0; s < T::kStages; ++s) {
+      mbarrier_init(sm.k_full(s), 1);
+      mbarrier_init(sm.v_full(s), 1);
+      mbarrier_init(sm.k_empty(s), 4 * T::kConsumers);  // one arrival per consumer warp
+      mbarrier_init(sm.v_empty(s), 4 * T::kConsumers);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    setmaxnreg_dec<T::kProducerRegs>();
+    if (threadIdx.x == 0) produce<T>(sm, w, &tm_q, &tm_k, &tm_v);
+  } else {
+    setmaxnreg_inc<T::kConsumerRegs>();
+    consume<T>(p, sm, w, warpgroup - 1);
+  }
+#endif
+}
+
+}  // namespace flashserve::kernels::cuda::sm90

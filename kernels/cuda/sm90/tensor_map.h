@@ -1,0 +1,32 @@
+// TMA tensor maps for the sm90 kernels, built on the host per launch.
+// cuTensorMapEncodeTiled is a driver-API function; it is looked up at run time through
+// cudaGetDriverEntryPointByVersion so that nothing links libcuda (the library links only the
+// static CUDA runtime, as before; the driver is loaded by the runtime anyway).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "flashserve/kernels/dtype.h"
+
+namespace flashserve::kernels::cuda::sm90 {
+
+/// One operand as TMA sees it: [batch][heads][seqlen][head_dim] (innermost last) with element
+/// strides; boxes of [box_rows][64] elements, 128-byte swizzled, zero-filled out of bounds.
+struct TensorView {
+  const void* base;
+  DType dtype;
+  int head_dim, seqlen, heads, batch;
+  int64_t row_stride, head_stride, batch_stride;
+};
+
+/// cudaSuccess, or cudaErrorInvalidValue when the view cannot be a tensor map (e.g. a zero or
+/// negative stride over more than one row/head/batch), or the driver lookup's error.
+cudaError_t make_tensor_map(const TensorView& view, int box_rows, CUtensorMap* map);
+
+/// Whether make_tensor_map accepts these strides (the host-side part of sm90 support).
+bool tensor_map_strides_ok(const TensorView& view);
+
+}  // namespace flashserve::kernels::cuda::sm90

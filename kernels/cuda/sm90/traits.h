@@ -1,0 +1,46 @@
+// Compile-time shape of one sm90 forward kernel: tile sizes, warpgroup roles, register split
+// and the shared-memory map (Q tile, a ring of K and V stages, the mbarriers).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashserve::kernels::cuda::sm90 {
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct Sm90Traits {
+  using Element = Element_;
+  static_assert(sizeof(Element) == 2, "fp16/bf16 only");
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 elements per row block");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n / k granularity");
+
+  // Warpgroup 0 produces (TMA), warpgroups 1..kConsumers each own 64 query rows.
+  static constexpr int kConsumers = 2;
+  static constexpr int kRowsPerConsumer = 64;  // wgmma m64
+  static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
+  static constexpr int kNThreads = 128 * (kConsumers + 1);
+  // setmaxnreg: the producer needs a handful; the consumers hold S, P and O in registers.
+  // 24 * 128 + 240 * 256 = 64512 <= 65536 registers per SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  // Tiles are stored as kColBlocks column blocks of [rows][64 elements] (128-byte rows), the
+  // layout one TMA box with SWIZZLE_128B writes and wgmma reads with a 128B-swizzle descriptor.
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr uint32_t kRowBytes = 128;
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kQOffset = 0;
+  static constexpr uint32_t kKOffset = kQOffset + kQBytes;
+  static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
+  static constexpr uint32_t kBarOffset = kVOffset + kStages * kKVBytes;
+  static constexpr int kNumBarriers = 1 + 4 * kStages;  // Q, full/empty x K/V per stage
+  // + 1024: the dynamic shared-memory base is aligned up to 1024 bytes (swizzle atom) in-kernel.
+  static constexpr size_t kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm_90 shared-memory limit per block");
+};
+
+}  // namespace flashserve::kernels::cuda::sm90
