@@ -16,7 +16,7 @@
 // to its own class when freed). When nothing fits, Allocate returns nullptr and the caller falls
 // back to the ordinary heap: the arena is an accelerator, never a limit.
 //
-// Thread-safe; never calls malloc (it runs inside it).
+// Thread-safe; never calls malloc (it runs inside it), except Install/InstallOnHeap (startup).
 #pragma once
 
 #include <atomic>
@@ -45,9 +45,13 @@ class ReceiveArena {
 
   /// nullptr when `bytes` is outside [kMinRequest, kMaxRequest] or no block is left.
   void* Allocate(size_t bytes);
-  /// `pointer` must come from Allocate.
+  /// Returns a block from Allocate to its class. Anything else (a second free of the same block,
+  /// a pointer Allocate did not return) is reported on stderr and traps: the check and the state
+  /// change happen under the lock, so of two racing frees of one block exactly one succeeds.
   void Free(void* pointer);
-  /// Bytes usable at `pointer` (from Allocate): its block's size less the header.
+  /// Free without the trap: false (and nothing changed) when `pointer` is not a live block.
+  bool TryFree(void* pointer);
+  /// Bytes usable at `pointer` (a live block from Allocate): its block's size less the header.
   size_t UsableSize(const void* pointer) const;
 
   bool Owns(const void* pointer) const {
@@ -71,26 +75,42 @@ class ReceiveArena {
   /// The arena the server's malloc consults; null until one is installed (once, at startup; never
   /// uninstalled, since blocks may be freed at any time until exit).
   static ReceiveArena* Installed() { return installed_.load(std::memory_order_acquire); }
-  static void Install(ReceiveArena* arena) { installed_.store(arena, std::memory_order_release); }
+  /// Makes `arena` the process's arena and registers fork handlers that hold its lock across
+  /// fork() (so a child never inherits it locked). Returns false, and installs nothing, when an
+  /// arena is installed already or installing is refused (then logs a warning); the caller keeps
+  /// `arena` and its memory.
+  static bool Install(ReceiveArena* arena);
   /// Installs an arena of ordinary (not page-locked) memory: the CPU backend gains nothing from
   /// it, but the whole server then runs on arena-allocated read buffers, which the tests use.
+  /// When installing is refused, logs a warning, maps nothing and returns OK (the server runs
+  /// without the arena).
   static absl::Status InstallOnHeap(size_t bytes);
 
+  /// Called by the malloc replacement (malloc_interpose.cc) when the process's allocator is not
+  /// glibc's (e.g. jemalloc or tcmalloc preloaded): from then on Install refuses. `reason` must
+  /// be a string that lives forever. Safe inside malloc (one atomic store).
+  static void RefuseInstall(const char* reason) { refusal_.store(reason, std::memory_order_release); }
+  /// Why installing is refused, or nullptr when it is allowed. Callers that must prepare memory
+  /// for an arena (page-locking a region) check this first.
+  static const char* InstallRefusal() { return refusal_.load(std::memory_order_acquire); }
+
  private:
-  struct FreeBlock {
-    FreeBlock* next;
-  };
+  struct BlockHeader;  // at the start of every block, kHeader bytes (receive_arena.cc)
   static size_t BlockBytes(int cls) { return (kMinBlock << cls) + kSlack; }
+  BlockHeader* HeaderOf(const void* pointer) const;
+  static void LockForFork();
+  static void UnlockAfterFork();
 
   const uintptr_t begin_, end_;
   const bool page_locked_;
   std::mutex mu_;
   uintptr_t bump_;                        // guarded by mu_: start of the never-used tail
-  FreeBlock* free_[kClasses] = {};        // guarded by mu_
+  BlockHeader* free_[kClasses] = {};      // guarded by mu_, as is every block header
   std::atomic<int64_t> used_{0};
   std::atomic<int64_t> peak_{0};
   std::atomic<int64_t> misses_{0};
   static std::atomic<ReceiveArena*> installed_;
+  static std::atomic<const char*> refusal_;
 };
 
 }  // namespace flashserve

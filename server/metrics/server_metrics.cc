@@ -116,6 +116,7 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
     phases_[size_t(p)] = phase_duration_->Labels({PhaseName(Phase(p))});
   }
   PoolGauges(pinned_pool_, nullptr);  // zero until a backend reports a pinned pool
+  for (std::string_view result : kAutotuneResults) autotune_->Labels({result});
   for (const char* state : {"used", "peak", "capacity"}) receive_arena_->Labels({state})->Set(0);
   build_info.Labels({options.version, options.cuda, options.arch})->Set(1.0);
 

@@ -21,6 +21,10 @@ inline constexpr int kNumPhases = 4;
 /// "queue", "h2d", "compute", "d2h": the `phase` label values.
 std::string_view PhaseName(Phase phase);
 
+/// The `result` label values of autotune_total, as the background tuner reports them: exported at 0
+/// from startup so a dashboard shows 0, not "No data", before the first event.
+inline constexpr std::string_view kAutotuneResults[] = {"hit", "miss", "tuned", "failed"};
+
 /// The gRPC status code name for a code number ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for
 /// numbers outside 0..16). absl::StatusCode uses the same numbers: GrpcCodeName(int(s.code())).
 std::string_view GrpcCodeName(int code);
@@ -65,7 +69,8 @@ class ServerMetrics {
   void RecordPhase(Phase phase, double seconds);
   /// kernel_tflops{kernel} observes the throughput of one launch (NaN/negative/inf ignored).
   void ObserveKernel(std::string_view kernel, double tflops);
-  /// autotune_total{result} += 1; results such as "hit", "miss", "tuned", "failed", "loaded".
+  /// autotune_total{result} += 1; kAutotuneResults exist from the start, any other result string
+  /// gets its series on first use.
   void RecordAutotune(std::string_view result);
   /// hot_lane_requests_total{result}: "lane" (processed on the hot lane) or "busy" (the lane was
   /// busy; processed on the gRPC thread). Only requests small enough for the lane are counted.

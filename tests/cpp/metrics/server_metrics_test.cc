@@ -1,6 +1,7 @@
 // ServerMetrics: the DESIGN.md §6 families and what each typed method records.
 #include "metrics/server_metrics.h"
 
+#include <algorithm>
 #include <string>
 #include <thread>
 #include <vector>
@@ -80,6 +81,52 @@ TEST(ServerMetricsTest, SeriesThatExistFromTheStart) {
   EXPECT_EQ(
       Sample(text, R"(flashserve_request_duration_seconds_bucket{method="Attention",le="10"})"),
       "0");
+}
+
+// Every labelled family whose label values are known before any traffic has a zero series for
+// each of them from startup, so dashboards show 0 instead of "No data" (issue 17, item 7).
+TEST(ServerMetricsTest, KnownLabelValuesAreExportedAtZeroFromTheStart) {
+  ServerMetrics m(TestOptions());
+  const std::string text = m.Render();
+  for (std::string_view result : kAutotuneResults) {
+    EXPECT_EQ(Sample(text, "flashserve_autotune_total{result=\"" + std::string(result) + "\"}"), "0")
+        << result;
+  }
+  for (const char* result : {"lane", "busy"}) {
+    EXPECT_EQ(Sample(text, std::string("flashserve_hot_lane_requests_total{result=\"") + result + "\"}"),
+              "0")
+        << result;
+  }
+  for (const char* path : {"in_place", "copied"}) {
+    EXPECT_EQ(Sample(text, std::string("flashserve_request_inputs_total{path=\"") + path + "\"}"), "0")
+        << path;
+  }
+  for (const char* state : {"used", "peak", "capacity"}) {
+    EXPECT_EQ(Sample(text, std::string("flashserve_receive_arena_bytes{state=\"") + state + "\"}"), "0")
+        << state;
+  }
+  EXPECT_EQ(Sample(text, R"(flashserve_request_duration_seconds_count{method="GetServerInfo"})"), "0");
+  EXPECT_EQ(Sample(text, R"(flashserve_requests_total{method="GetServerInfo",status="OK"})"), "0");
+}
+
+// Any family with a label has at least one series at startup, except those whose label values
+// exist only at run time (kernel names; CUDA device numbers, set when a GPU backend reports).
+// A new family added without its zero series fails here.
+TEST(ServerMetricsTest, NoLabelledFamilyStartsEmpty) {
+  ServerMetrics m(TestOptions());
+  const std::string text = m.Render();
+  const std::vector<std::string> runtime_only = {"flashserve_kernel_tflops",
+                                                 "flashserve_device_memory_pool_bytes"};
+  size_t pos = 0, checked = 0;
+  while ((pos = text.find("# TYPE ", pos)) != std::string::npos) {
+    const size_t name_start = pos + 7;
+    const std::string name = text.substr(name_start, text.find(' ', name_start) - name_start);
+    pos = name_start;
+    if (std::find(runtime_only.begin(), runtime_only.end(), name) != runtime_only.end()) continue;
+    ++checked;
+    EXPECT_NE(text.find("\n" + name), std::string::npos) << name << " has no series at startup";
+  }
+  EXPECT_GE(checked, 12u);
 }
 
 TEST(ServerMetricsTest, RecordRequestCountsByMethodAndStatus) {

@@ -1,14 +1,19 @@
 // The server's malloc replacement (server/memory/malloc_interpose.cc, linked into this test as into
 // the server): before an arena is installed everything is glibc's; afterwards read-buffer-sized
 // malloc and operator new come from the arena, other sizes and calloc do not, and free, realloc
-// (grow, shrink, to zero), reallocarray and malloc_usable_size handle both kinds of block.
+// (grow, shrink, to zero), reallocarray and malloc_usable_size handle both kinds of block; the
+// memalign family goes through the replacement to the real allocator; with a foreign allocator
+// preloaded (the ctest malloc_interpose_jemalloc_test runs this binary under Debian's jemalloc)
+// the arena is refused and every entry point still works.
 #include <malloc.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "memory/receive_arena.h"
@@ -26,6 +31,35 @@ void* Malloc(size_t n) { return g_sink = std::malloc(n); }
 // passed to realloc that these tests use afterwards on purpose.
 void* (*volatile Realloc)(void*, size_t) = std::realloc;
 void* (*volatile ReallocArray)(void*, size_t, size_t) = reallocarray;
+
+bool ForeignAllocatorPreloaded() {
+  const char* preload = std::getenv("LD_PRELOAD");
+  const std::string p = preload != nullptr ? preload : "";
+  return p.find("jemalloc") != std::string::npos || p.find("tcmalloc") != std::string::npos;
+}
+
+// Runs first (before the next test installs an arena on glibc).
+TEST(MallocInterposeAllocator, ArenaRefusedExactlyWhenTheAllocatorIsForeign) {
+  if (!ForeignAllocatorPreloaded()) {
+    EXPECT_EQ(ReceiveArena::InstallRefusal(), nullptr);
+    return;
+  }
+  ASSERT_NE(ReceiveArena::InstallRefusal(), nullptr);
+  EXPECT_TRUE(ReceiveArena::InstallOnHeap(size_t(64) << 20).ok());  // the server runs on...
+  EXPECT_EQ(ReceiveArena::Installed(), nullptr);                     // ...without the arena
+  // Blocks of every entry point go back through free without glibc seeing them (before the fix:
+  // "free(): invalid pointer" at the first aligned block).
+  void* aligned = nullptr;
+  ASSERT_EQ(posix_memalign(&aligned, 64, kReadBuffer), 0);
+  std::free(aligned);
+  std::free(memalign(4096, 100));
+  std::free(aligned_alloc(256, 4096));
+  std::free(valloc(kReadBuffer));
+  std::free(pvalloc(10));
+  void* p = Malloc(kReadBuffer);
+  EXPECT_GE(malloc_usable_size(p), kReadBuffer);
+  std::free(ReallocArray(p, 3, kReadBuffer));
+}
 
 TEST(MallocInterpose, ServesReadBuffersFromTheInstalledArenaOnly) {
   // Before: glibc's.
@@ -104,6 +138,66 @@ TEST(MallocInterpose, ServesReadBuffersFromTheInstalledArenaOnly) {
   EXPECT_GT(arena->misses(), 0);
   for (void* b : blocks) std::free(b);
   EXPECT_EQ(arena->used_bytes(), used0);
+}
+
+bool Aligned(const void* p, size_t alignment) {
+  return reinterpret_cast<uintptr_t>(p) % alignment == 0;
+}
+
+// memalign, posix_memalign, aligned_alloc, valloc, pvalloc: aligned, writable, sized, never in the
+// arena (installed on glibc by MallocInterpose above, refused under jemalloc), freed and
+// reallocated through the replacement.
+TEST(MallocInterposeAligned, MemalignFamilyGoesToTheRealAllocator) {
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  ReceiveArena* arena = ReceiveArena::Installed();
+  EXPECT_EQ(arena == nullptr, ForeignAllocatorPreloaded());
+  std::vector<std::pair<void*, size_t>> blocks;
+  for (size_t alignment : {size_t(16), size_t(64), size_t(4096), size_t(1) << 16}) {
+    for (size_t size : {size_t(1), size_t(1000), kReadBuffer, size_t(3) << 20}) {
+      void* m = memalign(alignment, size);
+      void* pm = nullptr;
+      ASSERT_EQ(posix_memalign(&pm, alignment, size), 0);
+      void* aa = aligned_alloc(alignment, (size + alignment - 1) / alignment * alignment);
+      for (void* q : {m, pm, aa}) {
+        ASSERT_NE(q, nullptr);
+        EXPECT_TRUE(Aligned(q, alignment)) << alignment;
+        EXPECT_GE(malloc_usable_size(q), size);
+        blocks.push_back({q, size});
+      }
+    }
+  }
+  blocks.push_back({valloc(kReadBuffer), kReadBuffer});
+  blocks.push_back({pvalloc(page + 1), 2 * page});
+  blocks.push_back({pvalloc(0), page});
+  for (auto [q, size] : blocks) {
+    ASSERT_NE(q, nullptr);
+    if (arena != nullptr) {
+      EXPECT_FALSE(arena->Owns(q));
+    }
+    std::memset(q, 0xab, size);
+  }
+  EXPECT_TRUE(Aligned(blocks[blocks.size() - 3].first, page));
+  EXPECT_GE(malloc_usable_size(blocks[blocks.size() - 2].first), 2 * page);
+  // Errors as glibc reports them.
+  int sentinel = 0;
+  void* untouched = &sentinel;
+  void* out = untouched;
+  EXPECT_EQ(posix_memalign(&out, 24, 100), EINVAL);
+  EXPECT_EQ(posix_memalign(&out, 2, 100), EINVAL);  // less than a pointer
+  EXPECT_EQ(out, untouched);
+  void* rounded = memalign(24, 100);  // glibc rounds the alignment up to a power of two
+  ASSERT_NE(rounded, nullptr);
+  EXPECT_TRUE(Aligned(rounded, 32));
+  blocks.push_back({rounded, 100});
+  errno = 0;
+  EXPECT_EQ(memalign(SIZE_MAX, 100), nullptr);
+  EXPECT_EQ(errno, EINVAL);
+  // realloc of an aligned block keeps its bytes.
+  auto* grown = static_cast<unsigned char*>(Realloc(blocks[0].first, size_t(1) << 20));
+  ASSERT_NE(grown, nullptr);
+  EXPECT_EQ(grown[0], 0xab);
+  blocks[0].first = grown;
+  for (auto [q, size] : blocks) std::free(q);
 }
 
 }  // namespace

@@ -1,9 +1,16 @@
 // ReceiveArena over ordinary memory: size classes and bounds, reuse of freed blocks, exhaustion
 // (nullptr, counted, recovers after a free), larger free blocks serving smaller requests once the
-// region is carved up, usage/peak accounting, and many threads allocating, writing and freeing
-// without two live blocks overlapping.
+// region is carved up, usage/peak accounting, many threads allocating, writing and freeing
+// without two live blocks overlapping, double and invalid frees (also racing), and fork() while
+// other threads hold the arena's lock.
 #include "memory/receive_arena.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -95,6 +102,111 @@ TEST(ReceiveArenaDeathTest, DoubleFreeTraps) {
   void* p = arena.Allocate(kReadBuffer);
   arena.Free(p);
   EXPECT_DEATH(arena.Free(p), "");
+}
+
+TEST(ReceiveArena, InvalidFreesAreRefused) {
+  Region region(size_t(1) << 20);
+  ReceiveArena arena(region.data(), region.size(), false);
+  char* p = static_cast<char*>(arena.Allocate(kReadBuffer));
+  ASSERT_NE(p, nullptr);
+  EXPECT_FALSE(arena.TryFree(p + 64));     // inside the block: no block starts there
+  EXPECT_FALSE(arena.TryFree(p + 1));      // not even aligned
+  EXPECT_FALSE(arena.TryFree(region.data() + region.size() - 64));  // never handed out
+  int outside = 0;
+  EXPECT_FALSE(arena.TryFree(&outside));
+  EXPECT_TRUE(arena.TryFree(p));
+  EXPECT_FALSE(arena.TryFree(p));          // the second free of the same block
+  EXPECT_EQ(arena.UsableSize(p), 0u);      // a freed block has no usable bytes
+  EXPECT_EQ(arena.used_bytes(), 0);
+}
+
+// Threads released together free the same block: exactly one succeeds, every other is refused
+// (Free would trap), and the block is on its free list once (two allocations get two blocks).
+TEST(ReceiveArena, RacingDoubleFreesExactlyOneWins) {
+  Region region(size_t(8) << 20);
+  ReceiveArena arena(region.data(), region.size(), false);
+  constexpr int kThreads = 4, kRounds = 200;
+  for (int round = 0; round < kRounds; ++round) {
+    void* p = arena.Allocate(kReadBuffer);
+    ASSERT_NE(p, nullptr);
+    std::atomic<int> ready{0}, wins{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&] {
+        ready.fetch_add(1);
+        while (ready.load() < kThreads) std::this_thread::yield();
+        if (arena.TryFree(p)) wins.fetch_add(1);
+      });
+    }
+    for (auto& th : threads) th.join();
+    ASSERT_EQ(wins.load(), 1) << "round " << round;
+    void* a = arena.Allocate(kReadBuffer);
+    void* b = arena.Allocate(kReadBuffer);
+    ASSERT_NE(a, b);
+    arena.Free(a);
+    arena.Free(b);
+  }
+  EXPECT_EQ(arena.used_bytes(), 0);
+}
+
+TEST(ReceiveArenaDeathTest, RacingDoubleFreeTrapsTheLoser) {
+  Region region(size_t(1) << 20);
+  ReceiveArena arena(region.data(), region.size(), false);
+  void* p = arena.Allocate(kReadBuffer);
+  EXPECT_DEATH(
+      {
+        std::thread a([&] { arena.Free(p); });
+        std::thread b([&] { arena.Free(p); });
+        a.join();
+        b.join();
+      },
+      "double free or invalid pointer");
+}
+
+// fork() from a process whose installed arena is busy on other threads: every child allocates
+// and frees from the arena and exits. Without the fork handlers a child forked while another
+// thread held the lock would hang (caught by the deadline below).
+TEST(ReceiveArena, ForkWhileOtherThreadsUseTheInstalledArena) {
+  ASSERT_TRUE(ReceiveArena::InstallOnHeap(size_t(32) << 20).ok());
+  ReceiveArena* arena = ReceiveArena::Installed();
+  ASSERT_NE(arena, nullptr);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> users;
+  for (int t = 0; t < 3; ++t) {
+    users.emplace_back([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        if (void* p = arena->Allocate(kReadBuffer)) arena->Free(p);
+      }
+    });
+  }
+  constexpr int kForks = 200;
+  int hung = 0, failed = 0;
+  for (int i = 0; i < kForks; ++i) {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      void* p = arena->Allocate(kReadBuffer);
+      if (p == nullptr) _exit(3);
+      std::memset(p, 1, kReadBuffer);
+      _exit(arena->TryFree(p) ? 0 : 4);
+    }
+    int status = 0;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (waitpid(child, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(child, SIGKILL);
+        waitpid(child, &status, 0);
+        ++hung;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  stop = true;
+  for (auto& th : users) th.join();
+  EXPECT_EQ(hung, 0);
+  EXPECT_EQ(failed, 0);
 }
 
 TEST(ReceiveArena, ThreadsGetDisjointBlocks) {
