@@ -40,6 +40,8 @@ class Ours:
         g = self.lib.flashserve_decode_num_splits
         g.restype = ctypes.c_int
         g.argtypes = [ctypes.c_int] * 8
+        self.lib.flashserve_decode_set_l2_prefetch.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_l2_prefetch.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -51,7 +53,10 @@ class Ours:
         n = self.lib.flashserve_decode_workspace_bytes(DTYPE_CODE[dtype], total_q, hq, d, splits)
         return torch.empty(max(n, 16), dtype=torch.uint8, device="cuda")
 
-    def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None):
+    def set_l2_prefetch(self, nbytes):
+        self.lib.flashserve_decode_set_l2_prefetch(nbytes)
+
+    def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
         b, sq, hq, d = q.shape
         hkv = k.shape[2]
@@ -63,7 +68,7 @@ class Ours:
             b, sq, sk, 0, hq, hkv, d, strides, None, None,
             seqlens.data_ptr() if seqlens is not None else None,
             table.data_ptr() if table is not None else None,
-            table.shape[1] if table is not None else 0, page, 1.0 / math.sqrt(d), 0, 0,
+            table.shape[1] if table is not None else 0, page, 1.0 / math.sqrt(d), 0, splits,
             workspace.data_ptr() if workspace is not None else None,
             workspace.numel() if workspace is not None else 0,
             torch.cuda.current_stream().cuda_stream)
@@ -137,6 +142,32 @@ def shapes(quick, mem_budget):
     return out
 
 
+def sweep(ours, dtype, l2, sms, args):
+    """Times ours (paged, page 64) on the target shapes over split counts and prefetch hints."""
+    for (d, hq, hkv, b, sq, sk) in ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072),
+                                     (128, 32, 8, 8, 16, 32768), (64, 32, 32, 1, 1, 131072)):
+        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+        kv_bytes = 2 * b * sk * hkv * d * 2
+        heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        ws = ours.workspace(dtype, b * sq, hq, d, 128)
+        for hint in (0, 128, 256):
+            ours.set_l2_prefetch(hint)
+            row = []
+            for splits in sorted({1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 66, 96, 128, heur}):
+                if splits > sk // 64:
+                    continue
+                fn = lambda s, n=splits: ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"],
+                                              seqlens=s["seqlens"], table=s["paged"][64][2], page=64,
+                                              workspace=ws, splits=n)
+                t = time_fn(fn, sets, args.warmup, args.reps)
+                row.append(f"{splits}:{kv_bytes / t / 1e12:.2f}")
+            print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} l2 {hint}: TB/s by splits "
+                  + " ".join(row), flush=True)
+        ours.set_l2_prefetch(-1)
+        del sets, ws
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
@@ -145,6 +176,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time paged-64 target shapes over split counts and L2 prefetch hints")
     args = ap.parse_args()
     assert args.reps >= 30, "median over at least 30 repetitions"
     torch.manual_seed(0)
@@ -157,6 +190,8 @@ def main():
     budget = int(props.total_memory * 0.55)
     lines = []
     emit = lambda s="": (print(s, flush=True), lines.append(s))
+    if args.sweep:
+        return sweep(ours, dtype, l2, sms, args)
     emit(f"# flashserve split-KV decode vs torch SDPA on {props.name}")
     emit()
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "

@@ -26,6 +26,10 @@
 #include "flashserve/kernels/reference_attention.h"
 #include "gpu_test_util.h"
 
+namespace flashserve::kernels::cuda::decode {
+int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knob)
+}  // namespace flashserve::kernels::cuda::decode
+
 namespace flashserve::kernels {
 namespace {
 
@@ -385,7 +389,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttention, ::testing::ValuesIn(all_cases())
 // An empty sequence alone, one split: O = 0 and LSE = -inf straight from the split kernel.
 TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
   SKIP_WITHOUT_GPU();
-  check_case({"allempty", Layout::kPaged, {1, 3}, {0, 0}, 8, 2, 128, false, 16});
+  check_case({"allempty", Layout::kPaged, {3, 3}, {0, 0}, 8, 2, 128, false, 16});
+  check_case({"allempty", Layout::kDenseVarlen, {1, 2}, {0, 0}, 8, 8, 64, true, 0});
 }
 
 TEST(DecodeAttentionApi, RunRejectsUnsupported) {
@@ -425,6 +430,17 @@ TEST(DecodeAttentionApi, SupportedNamesTheField) {
   p.num_splits = 0;
   p.k_row_stride = 100;
   EXPECT_NE(fk::decode_supported(p).find("k strides"), std::string::npos);
+}
+
+// Every L2 prefetch hint the benchmark's knob can select computes the same result.
+TEST(DecodeAttentionEdge, PrefetchHintsAgree) {
+  SKIP_WITHOUT_GPU();
+  for (int bytes : {0, 128, 256}) {
+    SCOPED_TRACE("l2 prefetch " + std::to_string(bytes));
+    fk::decode::l2_prefetch_override() = bytes;
+    check_case({"hint", Layout::kPaged, {1, 1}, {900, 33}, 8, 2, 128, true, 16});
+  }
+  fk::decode::l2_prefetch_override() = -1;
 }
 
 TEST(DecodeAttentionApi, WorkspaceBytes) {

@@ -5,6 +5,10 @@
 
 #include "flashserve/kernels/decode_attention.h"
 
+namespace flashserve::kernels::cuda::decode {
+int& l2_prefetch_override();  // decode_dispatch.cu
+}  // namespace flashserve::kernels::cuda::decode
+
 namespace {
 
 namespace fk = flashserve::kernels::cuda;
@@ -78,6 +82,12 @@ __attribute__((visibility("default"))) size_t flashserve_decode_workspace_bytes(
   static const int32_t kMarker = 0;
   varlen.cu_seqlens_q = &kMarker;  // only tells decode_workspace_bytes to use total_q
   return fk::decode_workspace_bytes(varlen, num_splits);
+}
+
+/// Benchmarking knob: the L2 prefetch hint of the decode kernels' K/V loads (0, 128 or 256
+/// bytes; -1 restores the default). Not thread-safe against concurrent launches.
+__attribute__((visibility("default"))) void flashserve_decode_set_l2_prefetch(int bytes) {
+  flashserve::kernels::cuda::decode::l2_prefetch_override() = bytes;
 }
 
 }  // extern "C"

@@ -12,6 +12,7 @@ namespace flashserve::kernels::cuda::decode {
 namespace {
 
 constexpr int kCombineWarps = 4;
+constexpr int kSplitsPerLane = 4;  // 128 splits (kMaxSplits) over 32 lanes
 
 __device__ __forceinline__ float warp_max(float x) {
   for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
@@ -35,15 +36,26 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const int64_t split_stride = int64_t{L.total_q} * p.heads_q;
   const float* lse_s = L.lse_partial + item;
 
+  // Lane l holds the LSEs of splits l, l + 32, l + 64, l + 96 (num_splits <= 128).
+  float lse_l[kSplitsPerLane];
   float m = -INFINITY;
-  for (int s = lane; s < L.num_splits; s += 32) m = fmaxf(m, lse_s[s * split_stride]);
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i) {
+    const int s = lane + 32 * i;
+    lse_l[i] = s < L.num_splits ? lse_s[s * split_stride] : -INFINITY;
+    m = fmaxf(m, lse_l[i]);
+  }
   m = warp_max(m);
   float sum = 0.f;
   if (m != -INFINITY)
-    for (int s = lane; s < L.num_splits; s += 32) sum += __expf(lse_s[s * split_stride] - m);
+#pragma unroll
+    for (int i = 0; i < kSplitsPerLane; ++i) sum += __expf(lse_l[i] - m);
   sum = warp_sum(sum);
   const bool seen = m != -INFINITY && sum > 0.f;
   const float lse = seen ? m + __logf(sum) : -INFINITY;
+  float weight_l[kSplitsPerLane];  // exp(LSE_s - LSE); 0 for an empty split (LSE_s = -inf)
+#pragma unroll
+  for (int i = 0; i < kSplitsPerLane; ++i) weight_l[i] = seen ? __expf(lse_l[i] - lse) : 0.f;
 
   int b = 0, qi = 0;
   int64_t o_off = 0;
@@ -58,12 +70,25 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   const float* o_s = L.o_partial + item * p.head_dim;
   for (int c = lane * 4; c < p.head_dim; c += 128) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (seen) {
-      for (int s = 0; s < L.num_splits; ++s) {
-        const float weight = __expf(lse_s[s * split_stride] - lse);  // exp(-inf) = 0
-        if (weight == 0.f) continue;  // an empty split's O is 0: skip its read
-        const float4 x = *reinterpret_cast<const float4*>(o_s + s * split_stride * p.head_dim + c);
-        acc.x += weight * x.x, acc.y += weight * x.y, acc.z += weight * x.z, acc.w += weight * x.w;
+    // kBatch splits' loads issued before their first use: the combine is latency-bound (one
+    // warp per row), and a load per split in turn would serialize num_splits DRAM trips.
+    constexpr int kBatch = 8;
+    for (int s0 = 0; seen && s0 < L.num_splits; s0 += kBatch) {
+      float4 x[kBatch];
+      float weight[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int s = s0 + j;
+        const float mine = s < 32 ? weight_l[0] : s < 64 ? weight_l[1] : s < 96 ? weight_l[2] : weight_l[3];
+        weight[j] = __shfl_sync(0xffffffffu, mine, s % 32);  // s is warp-uniform
+        x[j] = weight[j] > 0.f  // exp(-inf) = 0: an empty split's O is 0, skip its read
+                   ? *reinterpret_cast<const float4*>(o_s + s * split_stride * p.head_dim + c)
+                   : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        acc.x += weight[j] * x[j].x, acc.y += weight[j] * x[j].y;
+        acc.z += weight[j] * x[j].z, acc.w += weight[j] * x[j].w;
       }
     }
     store4(o + c, acc);

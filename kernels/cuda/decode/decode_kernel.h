@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(T::kThreads)
 #pragma unroll
   for (int st = 0; st < T::kStages - 1; ++st) {
     if (st < n_tiles)
-      load_kv_tile<T>(L, w, (w.tile_begin + st) * T::kBlockN, kv_base + 2 * st * kTileBytes);
+      load_kv<T>(L, w, (w.tile_begin + st) * T::kBlockN, kv_base + 2 * st * kTileBytes);
     ptx::cp_async_commit();
   }
 
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(T::kThreads)
     __syncthreads();
     const int next = t + T::kStages - 1;
     if (next < n_tiles)
-      load_kv_tile<T>(L, w, (w.tile_begin + next) * T::kBlockN,
+      load_kv<T>(L, w, (w.tile_begin + next) * T::kBlockN,
                       kv_base + 2 * (next % T::kStages) * kTileBytes);
     ptx::cp_async_commit();
 

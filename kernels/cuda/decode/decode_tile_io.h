@@ -97,7 +97,24 @@ __device__ __forceinline__ void load_q_rows(const DecodeLaunch& L, const BlockWo
 
 /// Keys key0 .. key0 + kBlockN - 1 of K into the tile at k_tile and of V into k_tile + tile
 /// bytes; keys past sk become zeros (P is 0 there, and 0 * garbage could be NaN).
-template <typename T>
+/// cp.async of 16 bytes (zeros when !valid) with an L2 prefetch hint of kPrefetch bytes: K/V
+/// rows of one head are 128-512 contiguous bytes, so a wider L2 fill than the 32-byte sector
+/// keeps more DRAM bursts whole.
+template <int kPrefetch>
+__device__ __forceinline__ void cp_async_kv(uint32_t smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  if constexpr (kPrefetch == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem),
+                 "l"(gmem), "r"(src_bytes));
+  } else if constexpr (kPrefetch == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem),
+                 "l"(gmem), "r"(src_bytes));
+  } else {
+    ptx::cp_async_16_zfill(smem, gmem, valid);
+  }
+}
+
+template <typename T, int kPrefetch>
 __device__ __forceinline__ void load_kv_tile(const DecodeLaunch& L, const BlockWork& w, int key0,
                                              uint32_t k_tile) {
   using Element = typename T::Element;
@@ -123,9 +140,22 @@ __device__ __forceinline__ void load_kv_tile(const DecodeLaunch& L, const BlockW
       v_row = key * p.v_row_stride;
     }
     const uint32_t dst = k_tile + (r * T::kRowElems + ch * 8) * 2;
-    ptx::cp_async_16_zfill(dst, valid ? k + w.k_off + k_row + ch * 8 : k, valid);
-    ptx::cp_async_16_zfill(dst + T::kTileElems * 2, valid ? v + w.v_off + v_row + ch * 8 : v,
+    cp_async_kv<kPrefetch>(dst, valid ? k + w.k_off + k_row + ch * 8 : k, valid);
+    cp_async_kv<kPrefetch>(dst + T::kTileElems * 2, valid ? v + w.v_off + v_row + ch * 8 : v,
                            valid);
+  }
+}
+
+/// load_kv_tile with the launch's L2 prefetch hint (uniform branch).
+template <typename T>
+__device__ __forceinline__ void load_kv(const DecodeLaunch& L, const BlockWork& w, int key0,
+                                        uint32_t k_tile) {
+  if (L.l2_prefetch == 256) {
+    load_kv_tile<T, 256>(L, w, key0, k_tile);
+  } else if (L.l2_prefetch == 128) {
+    load_kv_tile<T, 128>(L, w, key0, k_tile);
+  } else {
+    load_kv_tile<T, 0>(L, w, key0, k_tile);
   }
 }
 

@@ -25,7 +25,9 @@ struct DecodeTraits {
   static constexpr int kWarpsM = kWarpsM_;
   static constexpr int kWarpsN = kWarps / kWarpsM;
   static constexpr int kBlockM = 16 * kWarpsM;
-  static constexpr int kBlockN = 64;
+  // 64 keys per tile; 32 when four warps are stacked over 64 rows, so that the 64-row blocks
+  // still fit two per SM at d128 with four stages.
+  static constexpr int kBlockN = kWarpsM == 4 ? 32 : 64;
   static constexpr int kWarpN = kBlockN / kWarpsN;
   static constexpr int kNTiles = kWarpN / 8;     // n8 tiles of S per warp
   static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
@@ -36,7 +38,7 @@ struct DecodeTraits {
   static constexpr int kRowElems = kHeadDim + 8;
   // Deep enough that each SM keeps >= 64 KB of K/V loads in flight (memory speed needs ~25 KB
   // per SM on an H100), shallow enough for two blocks per SM up to d128.
-  static constexpr int kStages = kHeadDim <= 64 ? 4 : (kHeadDim <= 128 ? 3 : 2);
+  static constexpr int kStages = (kHeadDim <= 64 || kBlockN == 32) ? 4 : (kHeadDim <= 128 ? 3 : 2);
   static constexpr int kTileElems = kBlockN * kRowElems;
   static constexpr int kQElems = kBlockM * kRowElems;
   static constexpr size_t kPipelineBytes = size_t(kQElems + 2 * kStages * kTileElems) * 2;
@@ -60,6 +62,7 @@ struct DecodeLaunch {
   int row_blocks = 1;   // blocks over the packed rows of one (sequence, KV head)
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
+  int l2_prefetch = 256;         // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
 };
@@ -74,6 +77,10 @@ struct DecodeKernel {
 /// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files.
 template <typename Element, int kHeadDim, int kWarpsM>
 DecodeKernel decode_kernel();
+
+/// The L2 prefetch size run_decode passes to the kernels (a benchmarking knob; see
+/// flashserve_decode_set_l2_prefetch in decode_capi.cc). -1: the default.
+int& l2_prefetch_override();
 
 /// Combine kernel for the output dtype of launch.p (decode_combine.cu).
 cudaError_t launch_decode_combine(const DecodeLaunch& launch, cudaStream_t stream);
