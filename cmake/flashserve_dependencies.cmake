@@ -35,13 +35,17 @@ if(NOT FLASHSERVE_BUILD_SERVER STREQUAL "OFF")
   find_package(nlohmann_json CONFIG ${_req})
   find_package(PkgConfig ${_req})
   if(PkgConfig_FOUND)
-    pkg_check_modules(HTTPLIB ${_req} IMPORTED_TARGET cpp-httplib)
+    # The HTTP edge and metrics port: GNU libmicrohttpd (Debian: libmicrohttpd-dev), for its
+    # epoll threads, connection caps and suspend/resume (server/README.md, "HTTP edge").
+    pkg_check_modules(MICROHTTPD ${_req} IMPORTED_TARGET libmicrohttpd>=0.9.75)
+    # cpp-httplib: only the C++ tests' HTTP client (optional).
+    pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)
   endif()
   find_program(FLASHSERVE_GRPC_CPP_PLUGIN grpc_cpp_plugin)
   if(Protobuf_FOUND AND gRPC_FOUND AND absl_FOUND AND spdlog_FOUND AND nlohmann_json_FOUND
-     AND HTTPLIB_FOUND AND FLASHSERVE_GRPC_CPP_PLUGIN)
+     AND MICROHTTPD_FOUND AND FLASHSERVE_GRPC_CPP_PLUGIN)
     set(FLASHSERVE_HAVE_SERVER_DEPS ON)
   else()
-    message(WARNING "gRPC/protobuf/absl/spdlog/nlohmann-json/cpp-httplib not all found: the server is not built (run scripts/setup)")
+    message(WARNING "gRPC/protobuf/absl/spdlog/nlohmann-json/libmicrohttpd not all found: the server is not built (run scripts/setup)")
   endif()
 endif()

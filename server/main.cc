@@ -459,9 +459,7 @@ int Serve() {
   http_options.auth = auth.get();
   http_options.open_health = absl::GetFlag(FLAGS_auth_open_health);
   absl::StatusOr<std::unique_ptr<HttpEdge>> http_edge =
-      HttpEdge::Create(http_options, &runtime, [&](httplib::Server& server) {
-        RegisterKServeRoutes(server, &runtime, kserve_options);
-      });
+      HttpEdge::Create(http_options, &runtime, kserve_options);
   if (!http_edge.ok()) {
     spdlog::error("{}", std::string(http_edge.status().message()));
     return 1;

@@ -1,9 +1,10 @@
 #include "edge/http/http_edge.h"
 
-#include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
+#include <utility>
+#include <vector>
+
 #include "common/http_listener.h"
-#include "httplib.h"
+#include "edge/http/kserve_rest.h"
 
 namespace flashserve {
 
@@ -11,50 +12,64 @@ HttpEdge::HttpEdge(std::unique_ptr<HttpListener> listener) : listener_(std::move
 
 HttpEdge::~HttpEdge() { Stop(); }
 
-absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(
-    const HttpOptions& options, AttentionRuntime* runtime,
-    const std::function<void(httplib::Server&)>& register_routes) {
-  HttpListenerOptions listener_options;
-  listener_options.name = "HTTP";
-  listener_options.host = options.host;
-  listener_options.port = options.port;
-  listener_options.threads = options.threads;
-  listener_options.payload_max_length = size_t(options.max_request_bytes);
-  listener_options.tls_cert_file = options.tls_cert_file;
-  listener_options.tls_key_file = options.tls_key_file;
-  listener_options.auth = options.auth;
-  if (options.open_health) {
-    listener_options.open_path = [](const std::string& path) {
-      return absl::StartsWith(path, "/v2/health/");
-    };
-  }
+namespace {
+
+std::vector<HttpRoute> HealthRoutes(AttentionRuntime* runtime, bool open) {
+  HttpRoute live;
+  live.pattern = "/v2/health/live";
+  live.open = open;
+  live.get = [](const HttpRequest&) -> HttpAnswer {
+    return HttpResponse::Json(200, R"({"live":true})");
+  };
+  HttpRoute ready;
+  ready.pattern = "/v2/health/ready";
+  ready.open = open;
+  ready.get = [runtime](const HttpRequest&) -> HttpAnswer {
+    const bool ok = runtime->ready();
+    return HttpResponse::Json(ok ? 200 : 503, ok ? R"({"ready":true})" : R"({"ready":false})");
+  };
+  return {std::move(live), std::move(ready)};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& options,
+                                                           AttentionRuntime* runtime,
+                                                           const kserve::KServeOptions& kserve) {
+  HttpListenerOptions listener;
+  listener.name = "HTTP";
+  listener.host = options.host;
+  listener.port = options.port;
+  listener.threads = options.threads;
+  listener.max_connections = options.max_connections;
+  listener.max_connections_per_ip = options.max_connections_per_ip;
+  listener.max_header_bytes = options.max_header_bytes;
+  listener.idle_timeout_s = options.idle_timeout_s;
+  listener.header_timeout_s = options.header_timeout_s;
+  listener.body_timeout_s = options.body_timeout_s;
+  listener.tls_cert_file = options.tls_cert_file;
+  listener.tls_key_file = options.tls_key_file;
+  listener.auth = options.auth;
   if (ServerMetrics* metrics = runtime->metrics()) {
-    listener_options.on_unauthenticated = [metrics] {
-      metrics->RecordRequest("HTTP", 16 /* UNAUTHENTICATED */, 0.0, 0, 0);
+    listener.on_finished = [metrics](const HttpCallRecord& call) {
+      metrics->RecordRequest(call.metric, static_cast<int>(call.status.code()), call.seconds,
+                             call.bytes_in, call.bytes_out);
     };
   }
-  absl::StatusOr<std::unique_ptr<HttpListener>> listener =
-      HttpListener::Start(listener_options, [&](httplib::Server& server) {
-        server.Get("/v2/health/live", [](const httplib::Request&, httplib::Response& res) {
-          res.set_content(R"({"live":true})", "application/json");
-        });
-        server.Get("/v2/health/ready", [runtime](const httplib::Request&, httplib::Response& res) {
-          const bool ready = runtime->ready();
-          res.status = ready ? 200 : 503;
-          res.set_content(ready ? R"({"ready":true})" : R"({"ready":false})", "application/json");
-        });
-        if (register_routes) register_routes(server);
-        server.set_error_handler([](const httplib::Request&, httplib::Response& res) {
-          if (res.body.empty()) {
-            const char* what = res.status == 413   ? "request body exceeds --max_request_bytes"
-                               : res.status == 404 ? "not found"
-                                                   : "HTTP error";
-            res.set_content(absl::StrCat(R"({"error":")", what, R"("})"), "application/json");
-          }
-        });
-      });
-  if (!listener.ok()) return listener.status();
-  return std::unique_ptr<HttpEdge>(new HttpEdge(std::move(*listener)));
+  std::vector<HttpRoute> routes = HealthRoutes(runtime, options.open_health);
+  KServeRestLimits limits;
+  limits.max_request_bytes = options.max_request_bytes;
+  limits.max_json_bytes = options.max_json_bytes;
+  limits.budget = std::make_shared<ReceiveBudget>(options.max_receive_bytes);
+  kserve::KServeOptions rest = kserve;
+  rest.max_request_bytes = options.max_request_bytes;
+  for (HttpRoute& route : KServeRestRoutes(runtime, rest, limits)) {
+    routes.push_back(std::move(route));
+  }
+  absl::StatusOr<std::unique_ptr<HttpListener>> started =
+      HttpListener::Start(listener, std::move(routes));
+  if (!started.ok()) return started.status();
+  return std::unique_ptr<HttpEdge>(new HttpEdge(*std::move(started)));
 }
 
 int HttpEdge::port() const { return listener_->port(); }

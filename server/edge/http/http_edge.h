@@ -1,19 +1,16 @@
-// The HTTP edge (cpp-httplib, port 8000): /v2/health/live, /v2/health/ready, plus routes other
-// modules register (the KServe v2 REST API).
+// The HTTP edge (port 8000, libmicrohttpd through common/http_listener.h): /v2/health/live,
+// /v2/health/ready and the KServe v2 REST API (edge/http/kserve_rest.h), all through the
+// listener's one middleware (auth, request metrics, failure log, status conversion).
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "common/auth.h"
+#include "edge/kserve/kserve_model.h"
 #include "runtime/attention_runtime.h"
-
-namespace httplib {
-class Server;
-}  // namespace httplib
 
 namespace flashserve {
 
@@ -22,20 +19,28 @@ class HttpListener;
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8000;                               // 0: pick a free port
-  int threads = 4;                               // connection handler threads
+  int threads = 4;                               // epoll threads (connections spread over them)
   int64_t max_request_bytes = int64_t{1} << 30;  // request bodies above this get 413
   std::string tls_cert_file, tls_key_file;       // both set: HTTPS
   const BearerAuth* auth = nullptr;              // set: requests need "Authorization: Bearer"
   bool open_health = true;                       // /v2/health/* without a token
+  // Hostile networks (server/README.md, "HTTP edge"):
+  int max_connections = 2048;             // per HTTP port; more are closed on accept
+  int max_connections_per_ip = 0;         // 0: no per-address cap (load balancers share one)
+  int max_header_bytes = 16 << 10;        // request line + headers (431 / 414 beyond)
+  int idle_timeout_s = 30;                // connection silent this long: closed
+  int header_timeout_s = 10;              // request line to end of headers: closed beyond
+  int body_timeout_s = 300;               // end of headers to end of body: 408 beyond
+  int64_t max_json_bytes = int64_t{64} << 20;     // JSON part of an infer body (413 beyond)
+  int64_t max_receive_bytes = int64_t{4} << 30;  // body bytes held at once, all requests (503)
 };
 
 /// Thread-safe. Serves on its own threads from Create until Stop or destruction.
 class HttpEdge {
  public:
-  /// register_routes adds further endpoints (e.g. the KServe v2 REST API) before listening.
-  static absl::StatusOr<std::unique_ptr<HttpEdge>> Create(
-      const HttpOptions& options, AttentionRuntime* runtime,
-      const std::function<void(httplib::Server&)>& register_routes = {});
+  static absl::StatusOr<std::unique_ptr<HttpEdge>> Create(const HttpOptions& options,
+                                                          AttentionRuntime* runtime,
+                                                          const kserve::KServeOptions& kserve);
   ~HttpEdge();
   int port() const;
   void Stop();

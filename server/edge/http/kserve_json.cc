@@ -90,47 +90,61 @@ json TensorMetadataJson(absl::string_view name, absl::string_view datatype, int 
 }
 }  // namespace
 
-int HttpStatusFor(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kOk:
-      return 200;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-      return 400;
-    case absl::StatusCode::kUnauthenticated:
-      return 401;
-    case absl::StatusCode::kPermissionDenied:
-      return 403;
-    case absl::StatusCode::kNotFound:
-      return 404;
-    case absl::StatusCode::kResourceExhausted:
-      // A request over a configured size limit (the message names the flag) is 413 whatever
-      // the server's load; every other RESOURCE_EXHAUSTED (queue full, --max_inflight_bytes,
-      // device memory or streams) is overload: 503, retry later.
-      return absl::StrContains(status.message(), "--max_tensor_elements") ||
-                     absl::StrContains(status.message(), "--max_request_bytes")
-                 ? 413
-                 : 503;
-    case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kCancelled:
-    case absl::StatusCode::kAborted:
-      return 503;
-    case absl::StatusCode::kDeadlineExceeded:
-      return 504;
-    case absl::StatusCode::kUnimplemented:
-      return 501;
-    default:
-      return 500;
-  }
-}
-
 std::string ErrorJson(absl::string_view message) {
   return json{{"error", message}}.dump(-1, ' ', false, json::error_handler_t::replace);
 }
 
+absl::Status ScanJson(absl::string_view text, int64_t max_values) {
+  int depth = 0;
+  int64_t separators = 0;  // commas and colons: a bound on the values, without parsing
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    switch (c) {
+      case '"':
+        in_string = true;
+        break;
+      case '[':
+      case '{':
+        if (++depth > kMaxJsonDepth) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("request body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+        }
+        break;
+      case ']':
+      case '}':
+        --depth;
+        break;
+      case ',':
+        if (++separators > max_values) {
+          return absl::ResourceExhaustedError(absl::StrCat(
+              "request body: more than ", max_values,
+              " JSON values (three tensors of --max_tensor_elements and the rest)"));
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
-                                  int64_t max_binary_bytes, RestInferRequest* out) {
+                                  int64_t max_binary_bytes, RestInferRequest* out,
+                                  const RestHeaderChecks& checks) {
+  if (checks.validation != nullptr) {
+    RETURN_IF_ERROR(ScanJson(text, 3 * checks.validation->max_tensor_elements + 4096));
+  } else {
+    RETURN_IF_ERROR(ScanJson(text, std::numeric_limits<int64_t>::max()));
+  }
   const json body = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) {
     return absl::InvalidArgumentError("request body: not valid JSON");
@@ -267,6 +281,20 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
   }
   ASSIGN_OR_RETURN(out->outputs, ResolveOutputs(requested, options));
   ApplyOptions(options, out->outputs, &out->request);
+  if (checks.validation != nullptr) {
+    // Shapes, dtypes and sizes as the native API checks them, before the allocation.
+    int64_t data_bytes[3];
+    for (int slot = 0; slot < 3; ++slot) {
+      const v1::Tensor* tensor = TensorAt(&out->request, slot);
+      data_bytes[slot] = int64_t(tensor->data().size());
+      for (const auto& [target, size] : binary) {
+        if (target == &tensor->data()) data_bytes[slot] = size;
+      }
+    }
+    RETURN_IF_ERROR(
+        ValidateAttentionRequest(out->request, *checks.validation, data_bytes).status());
+  }
+  if (checks.reserve) RETURN_IF_ERROR(checks.reserve(binary_total));
   // Everything checks out: allocate the binary inputs (bounded by the body's size).
   for (auto& [target, size] : binary) {
     target->resize(size_t(size));

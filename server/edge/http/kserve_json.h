@@ -3,22 +3,21 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "api/validation.h"
+#include "common/http_listener.h"
 #include "edge/kserve/kserve_model.h"
 #include "flashserve/v1/attention.pb.h"
 
 namespace flashserve::kserve {
 
-/// HTTP status for a failed request: 400 INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE,
-/// 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 413 RESOURCE_EXHAUSTED naming a size
-/// limit flag (--max_tensor_elements, --max_request_bytes), 503 other RESOURCE_EXHAUSTED (queue
-/// full, in-flight bytes, device memory: overload) and UNAVAILABLE / CANCELLED / ABORTED,
-/// 504 DEADLINE_EXCEEDED, 501 UNIMPLEMENTED, 500 otherwise.
-int HttpStatusFor(const absl::Status& status);
+/// The HTTP middleware's status conversion (common/http_listener.h), for the REST code and tests.
+inline int HttpStatusFor(const absl::Status& status) { return flashserve::HttpStatusFor(status); }
 /// `{"error":"<message>"}`.
 std::string ErrorJson(absl::string_view message);
 
@@ -33,11 +32,30 @@ struct RestInferRequest {
   int64_t timeout_us = 0;
 };
 
+/// What ParseRestInferHeader checks before it allocates a binary input.
+struct RestHeaderChecks {
+  /// Set: the request's shapes, dtypes and sizes (binary_data_size, JSON data) are validated
+  /// with ValidateAttentionRequest, as the native API does, before any binary input is allocated.
+  const ValidationLimits* validation = nullptr;
+  /// Set: called with the binary inputs' total size right before they are allocated; an error
+  /// (e.g. the edge's receive budget is spent) is returned and nothing is allocated.
+  std::function<absl::Status(int64_t bytes)> reserve;
+};
+
+/// Largest nesting of a REST JSON header (objects and arrays together).
+inline constexpr int kMaxJsonDepth = 40;
+
+/// A linear pass over JSON text before it is parsed: INVALID_ARGUMENT if it nests deeper than
+/// kMaxJsonDepth, RESOURCE_EXHAUSTED naming --max_tensor_elements if it holds more than
+/// `max_values` values (the DOM would be built for nothing). Strings are skipped correctly.
+absl::Status ScanJson(absl::string_view json, int64_t max_values);
+
 /// Parses the JSON header of POST .../infer. `binary_bytes` is the number of bytes that follow
 /// the header (-1 when unknown: chunked body); the inputs' binary_data_size must add up to it
 /// (to at most `max_binary_bytes` when unknown) before anything is allocated.
 absl::Status ParseRestInferHeader(absl::string_view json, int64_t binary_bytes,
-                                  int64_t max_binary_bytes, RestInferRequest* out);
+                                  int64_t max_binary_bytes, RestInferRequest* out,
+                                  const RestHeaderChecks& checks = {});
 
 /// The response of a finished REST inference: `header` is the JSON; `binary` lists the tensor
 /// byte ranges to append after it, in order (they point into `response`).

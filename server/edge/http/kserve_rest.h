@@ -5,21 +5,50 @@
 //   GET  /v2/models/<model>[/versions/<v>]/ready  model readiness (200 / 503)
 //   POST /v2/models/<model>[/versions/<v>]/infer  inference (JSON and/or binary tensors)
 // (/v2/health/live and /v2/health/ready are the HTTP edge's own.) Errors are
-// {"error": "..."} with the HTTP status of kserve::HttpStatusFor.
+// {"error": "..."} with the HTTP status of HttpStatusFor (common/http_listener.h).
+//
+// An infer body is read as it arrives: its JSON header (at most --http_max_json_bytes, scanned
+// for depth and value count before it is parsed), then the binary inputs straight into their
+// tensors, which are allocated only once the header's shapes, dtypes and sizes passed
+// ValidateAttentionRequest and the edge's receive budget (--http_max_receive_bytes) had room.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/http_listener.h"
 #include "edge/http/kserve_json.h"
 #include "runtime/attention_runtime.h"
 
-namespace httplib {
-class Server;
-}  // namespace httplib
-
 namespace flashserve {
 
-/// Adds the routes to `server` (before it listens). `runtime` must outlive the server. The
-/// handlers are thread-safe; an infer handler blocks its HTTP thread until the answer is ready.
-void RegisterKServeRoutes(httplib::Server& server, AttentionRuntime* runtime,
-                          const kserve::KServeOptions& options);
+/// The bytes of request bodies the HTTP edge holds at once (JSON text and binary inputs, from
+/// their arrival until the request is answered). Thread-safe.
+class ReceiveBudget {
+ public:
+  explicit ReceiveBudget(int64_t limit) : limit_(limit) {}
+  /// RESOURCE_EXHAUSTED (503: retry later) when `bytes` more would pass the limit.
+  absl::Status Take(int64_t bytes);
+  void Give(int64_t bytes) { used_.fetch_sub(bytes); }
+  int64_t used() const { return used_.load(); }
+
+ private:
+  const int64_t limit_;
+  std::atomic<int64_t> used_{0};
+};
+
+struct KServeRestLimits {
+  int64_t max_request_bytes = int64_t{1} << 30;  // whole body (413 beyond)
+  int64_t max_json_bytes = int64_t{64} << 20;    // JSON part of a body (413 beyond)
+  std::shared_ptr<ReceiveBudget> budget;         // may be null: no edge-wide bound
+};
+
+/// The routes, for the HTTP edge's listener. `runtime` must outlive the listener. Inferences
+/// never hold a listener thread while they compute.
+std::vector<HttpRoute> KServeRestRoutes(AttentionRuntime* runtime,
+                                        const kserve::KServeOptions& options,
+                                        const KServeRestLimits& limits);
 
 }  // namespace flashserve
