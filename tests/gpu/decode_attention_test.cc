@@ -298,7 +298,7 @@ void check_case(const DecodeCase& c) {
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
   std::vector<double> got(dev.out_elems);
-  for (int splits : {0, 1, 3, 16}) {
+  for (int splits : {0, 1, 3, 16, 40}) {
     SCOPED_TRACE("num_splits " + std::to_string(splits));
     fk::DecodeParams p = dev.p;
     p.num_splits = splits;

@@ -68,7 +68,11 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
   }
   Element* o = static_cast<Element*>(p.o) + o_off + h * p.o_head_stride;
   const float* o_s = L.o_partial + item * p.head_dim;
-  for (int c = lane * 4; c < p.head_dim; c += 128) {
+  // Every lane runs every step (the weights come by shuffle), loading and storing only where
+  // its 4 columns exist: at head_dim < 128 some lanes have none.
+  for (int c0 = 0; c0 < p.head_dim; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool mine = c < p.head_dim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // kBatch splits' loads issued before their first use: the combine is latency-bound (one
     // warp per row), and a load per split in turn would serialize num_splits DRAM trips.
@@ -78,10 +82,10 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
       float weight[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int s = s0 + j;
-        const float mine = s < 32 ? weight_l[0] : s < 64 ? weight_l[1] : s < 96 ? weight_l[2] : weight_l[3];
-        weight[j] = __shfl_sync(0xffffffffu, mine, s % 32);  // s is warp-uniform
-        x[j] = weight[j] > 0.f  // exp(-inf) = 0: an empty split's O is 0, skip its read
+        const int s = s0 + j;  // warp-uniform
+        const float held = s < 32 ? weight_l[0] : s < 64 ? weight_l[1] : s < 96 ? weight_l[2] : weight_l[3];
+        weight[j] = s < L.num_splits ? __shfl_sync(0xffffffffu, held, s % 32) : 0.f;
+        x[j] = weight[j] > 0.f && mine  // an empty split (weight 0) has O = 0: skip its read
                    ? *reinterpret_cast<const float4*>(o_s + s * split_stride * p.head_dim + c)
                    : make_float4(0.f, 0.f, 0.f, 0.f);
       }
@@ -91,6 +95,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
         acc.z += weight[j] * x[j].z, acc.w += weight[j] * x[j].w;
       }
     }
+    if (!mine) continue;
     store4(o + c, acc);
   }
   if (lane == 0 && p.lse != nullptr) {

@@ -167,7 +167,9 @@ int decode_num_splits(const DecodeParams& p, int sm_count) {
   if (k.launch == nullptr) return 1;
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
-  const int64_t slots = int64_t{std::max(sm_count, 1)} * std::max(k.blocks_per_sm(), 1);
+  // At most two resident blocks per SM count: the H100 sweep (kernels/NOTES.md) found a third
+  // adds no bandwidth, while filling it takes 50% more splits (more partials, smaller splits).
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * std::clamp(k.blocks_per_sm(), 1, 2);
   const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
   // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
   // 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
@@ -201,6 +203,10 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   L.row_blocks = row_blocks(p, k);
   L.total_q = total_q;
   L.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+  if (p.block_table != nullptr && (p.page_size & (p.page_size - 1)) == 0) {
+    L.page_shift = 0;
+    while ((1 << L.page_shift) < p.page_size) ++L.page_shift;
+  }
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
   const int splits = p.num_splits > 0 ? p.num_splits : decode_num_splits(p, sm_count_of_current_device());

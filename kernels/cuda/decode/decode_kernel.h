@@ -175,12 +175,18 @@ __global__ void __launch_bounds__(T::kThreads)
   // Prologue: Q with the first tile in group 0, then tiles 1 .. kStages - 2 one group each.
   load_q_rows<T>(L, w, s_q);
   const int n_tiles = w.tile_end - w.tile_begin;
+  TileRows<T> rows;
 #pragma unroll
   for (int st = 0; st < T::kStages - 1; ++st) {
-    if (st < n_tiles)
-      load_kv<T>(L, w, (w.tile_begin + st) * T::kBlockN, kv_base + 2 * st * kTileBytes);
+    if (st < n_tiles) {
+      lookup_rows<T>(L, w, (w.tile_begin + st) * T::kBlockN, rows);
+      load_kv<T>(L, w, rows, kv_base + 2 * st * kTileBytes);
+    }
     ptx::cp_async_commit();
   }
+  // rows always holds the lookup of the next tile to load (index t + kStages - 1 at step t).
+  if (T::kStages - 1 < n_tiles)
+    lookup_rows<T>(L, w, (w.tile_begin + T::kStages - 1) * T::kBlockN, rows);
 
   WarpState<T> st;
 #pragma unroll
@@ -204,9 +210,10 @@ __global__ void __launch_bounds__(T::kThreads)
     ptx::cp_async_wait<T::kStages - 2>();
     __syncthreads();
     const int next = t + T::kStages - 1;
-    if (next < n_tiles)
-      load_kv<T>(L, w, (w.tile_begin + next) * T::kBlockN,
-                      kv_base + 2 * (next % T::kStages) * kTileBytes);
+    if (next < n_tiles) {
+      load_kv<T>(L, w, rows, kv_base + 2 * (next % T::kStages) * kTileBytes);
+      if (next + 1 < n_tiles) lookup_rows<T>(L, w, (w.tile_begin + next + 1) * T::kBlockN, rows);
+    }
     ptx::cp_async_commit();
 
     const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;

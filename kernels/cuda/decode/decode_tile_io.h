@@ -114,31 +114,61 @@ __device__ __forceinline__ void cp_async_kv(uint32_t smem, const void* gmem, boo
   }
 }
 
+/// Where this thread's rows of one K/V tile live: row it of the thread is key key0 + row(it),
+/// at page[it] * page stride + in_page[it] * row stride (dense: page 0, in_page = key). Looked
+/// up one tile ahead of the loads that use it, so the block-table reads' latency hides behind a
+/// tile of compute instead of delaying the next cp.async.
+template <typename T>
+struct TileRows {
+  static constexpr int kIters = T::kBlockN * T::kChunks / T::kThreads;
+  int key0 = 0;
+  int page[kIters];
+  int in_page[kIters];
+};
+
+template <typename T>
+__device__ __forceinline__ int tile_row(int it) {
+  return (threadIdx.x + it * T::kThreads) / T::kChunks;
+}
+
+template <typename T>
+__device__ __forceinline__ void lookup_rows(const DecodeLaunch& L, const BlockWork& w, int key0,
+                                            TileRows<T>& rows) {
+  const DecodeParams& p = L.p;
+  rows.key0 = key0;
+#pragma unroll
+  for (int it = 0; it < TileRows<T>::kIters; ++it) {
+    const int key = key0 + tile_row<T>(it);
+    if (p.block_table == nullptr) {
+      rows.page[it] = 0;
+      rows.in_page[it] = key;
+    } else {
+      const int kk = key < w.sk ? key : 0;  // rows past the end read nothing; any page will do
+      const int slot = L.page_shift >= 0 ? kk >> L.page_shift : kk / p.page_size;
+      rows.in_page[it] = L.page_shift >= 0 ? kk & (p.page_size - 1) : kk % p.page_size;
+      rows.page[it] = __ldg(p.block_table + w.b * p.block_table_stride + slot);
+    }
+  }
+}
+
+/// Keys rows.key0 .. + kBlockN - 1 of K into the tile at k_tile and of V into k_tile + tile
+/// bytes; keys past sk become zeros (P is 0 there, and 0 * garbage could be NaN).
 template <typename T, int kPrefetch>
-__device__ __forceinline__ void load_kv_tile(const DecodeLaunch& L, const BlockWork& w, int key0,
-                                             uint32_t k_tile) {
+__device__ __forceinline__ void load_kv_tile(const DecodeLaunch& L, const BlockWork& w,
+                                             const TileRows<T>& rows, uint32_t k_tile) {
   using Element = typename T::Element;
   const DecodeParams& p = L.p;
   const Element* k = static_cast<const Element*>(p.k);
   const Element* v = static_cast<const Element*>(p.v);
-  constexpr int kIters = T::kBlockN * T::kChunks / T::kThreads;
+  const int64_t k_page = p.block_table != nullptr ? p.k_batch_stride : 0;
+  const int64_t v_page = p.block_table != nullptr ? p.v_batch_stride : 0;
 #pragma unroll
-  for (int it = 0; it < kIters; ++it) {
+  for (int it = 0; it < TileRows<T>::kIters; ++it) {
     const int i = threadIdx.x + it * T::kThreads;
     const int r = i / T::kChunks, ch = i % T::kChunks;
-    const int key = key0 + r;
-    const bool valid = key < w.sk;
-    int64_t k_row, v_row;
-    if (p.block_table != nullptr) {
-      const int kk = valid ? key : 0;
-      const int64_t page = __ldg(p.block_table + w.b * p.block_table_stride + kk / p.page_size);
-      const int in_page = kk % p.page_size;
-      k_row = page * p.k_batch_stride + in_page * p.k_row_stride;
-      v_row = page * p.v_batch_stride + in_page * p.v_row_stride;
-    } else {
-      k_row = key * p.k_row_stride;
-      v_row = key * p.v_row_stride;
-    }
+    const bool valid = rows.key0 + r < w.sk;
+    const int64_t k_row = rows.page[it] * k_page + rows.in_page[it] * p.k_row_stride;
+    const int64_t v_row = rows.page[it] * v_page + rows.in_page[it] * p.v_row_stride;
     const uint32_t dst = k_tile + (r * T::kRowElems + ch * 8) * 2;
     cp_async_kv<kPrefetch>(dst, valid ? k + w.k_off + k_row + ch * 8 : k, valid);
     cp_async_kv<kPrefetch>(dst + T::kTileElems * 2, valid ? v + w.v_off + v_row + ch * 8 : v,
@@ -148,14 +178,14 @@ __device__ __forceinline__ void load_kv_tile(const DecodeLaunch& L, const BlockW
 
 /// load_kv_tile with the launch's L2 prefetch hint (uniform branch).
 template <typename T>
-__device__ __forceinline__ void load_kv(const DecodeLaunch& L, const BlockWork& w, int key0,
-                                        uint32_t k_tile) {
+__device__ __forceinline__ void load_kv(const DecodeLaunch& L, const BlockWork& w,
+                                        const TileRows<T>& rows, uint32_t k_tile) {
   if (L.l2_prefetch == 256) {
-    load_kv_tile<T, 256>(L, w, key0, k_tile);
+    load_kv_tile<T, 256>(L, w, rows, k_tile);
   } else if (L.l2_prefetch == 128) {
-    load_kv_tile<T, 128>(L, w, key0, k_tile);
+    load_kv_tile<T, 128>(L, w, rows, k_tile);
   } else {
-    load_kv_tile<T, 0>(L, w, key0, k_tile);
+    load_kv_tile<T, 0>(L, w, rows, k_tile);
   }
 }
 

@@ -62,7 +62,8 @@ struct DecodeLaunch {
   int row_blocks = 1;   // blocks over the packed rows of one (sequence, KV head)
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
-  int l2_prefetch = 256;         // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
+  int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
+  int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
 };
