@@ -5,10 +5,8 @@
 // the daemon itself enforces the connection cap, the per-address cap, the idle timeout and the
 // per-connection memory limit that bounds the request line and headers (431/414 beyond); bodies
 // come to us piece by piece as they arrive; suspend/resume lets a request wait for its compute
-// without a thread; TLS is GnuTLS. Its HTTP parser has been fuzzed for years and serves hostile
-// networks (GNUnet, systemd-journal-remote). libevent's evhttp (Triton's choice) has the limits but
-// one event loop per server and no way to stop a body read half way without closing; Boost.Beast
-// would leave the connection handling, timeouts and caps to us. See server/README.md, "HTTP edge".
+// without a thread; TLS is GnuTLS. With libevent's evhttp or Boost.Beast more of that bookkeeping
+// would be ours to write. See server/edge/http/README.md.
 #include "common/http_listener.h"
 
 #include <microhttpd.h>
@@ -120,6 +118,9 @@ bool HttpRequest::has_header(absl::string_view name) const {
 
 namespace {
 
+// Body bytes read and dropped past the size limit before a refused upload is cut off.
+constexpr int64_t kDrainBytes = int64_t{16} << 20;
+
 // Where a connection is, for the timeout sweeper.
 enum class Phase { kAwaiting, kHeaders, kBody, kBusy };
 
@@ -149,6 +150,7 @@ struct RequestState {
   int64_t bytes_in = 0;
   std::unique_ptr<HttpUpload> upload;
   absl::Status failed;  // the upload was refused: the rest of the body is dropped
+  absl::Status closed_because;  // why the connection was cut off without an answer
   std::shared_ptr<PendingAnswer> pending;  // set once OnComplete ran
   std::vector<std::string> get_matches;    // a GET route's groups, until it is answered
 };
@@ -395,24 +397,30 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
   return MHD_YES;
 }
 
+// libmicrohttpd takes an answer before the body (first call) or after it, not in the middle: a
+// refusal found in the body is answered once the body has ended (the rest is read and dropped),
+// and a body that does not end in time is cut off.
 MHD_Result HttpListener::Impl::Body(MHD_Connection* connection, RequestState* st,
                                     absl::string_view piece) {
   st->bytes_in += int64_t(piece.size());
-  if (!st->failed.ok() || st->upload == nullptr) return MHD_YES;  // dropping the rest
+  if (st->upload == nullptr) return MHD_YES;
   const HttpRoute& route = st->route->route;
   if (absl::Now() - st->started > absl::Seconds(options.body_timeout_s)) {
-    // A trickled body: answered now, and the connection closes (its body is not read further).
-    return Respond(connection, st,
-                   HttpTimeoutError(absl::StrCat("the body did not arrive within ",
-                                                 options.body_timeout_s, " s")),
-                   route.metric);
+    st->closed_because = HttpTimeoutError(
+        absl::StrCat("the body did not arrive within ", options.body_timeout_s, " s"));
+    spdlog::debug("{}: {}; connection closed", options.name,
+                  std::string(st->closed_because.message()));
+    return MHD_NO;  // closes the connection
+  }
+  if (!st->failed.ok()) {
+    if (st->bytes_in <= route.max_body_bytes + kDrainBytes) return MHD_YES;
+    st->closed_because = st->failed;
+    return MHD_NO;
   }
   if (st->bytes_in > route.max_body_bytes) {
-    // Chunked and over the limit: answered now, no point reading further.
-    return Respond(connection, st,
-                   absl::ResourceExhaustedError(absl::StrCat(
-                       "request body exceeds ", route.body_limit_flag, "=", route.max_body_bytes)),
-                   route.metric);
+    st->failed = absl::ResourceExhaustedError(
+        absl::StrCat("request body exceeds ", route.body_limit_flag, "=", route.max_body_bytes));
+    return MHD_YES;
   }
   st->failed = st->upload->OnBody(piece);
   return MHD_YES;
@@ -488,8 +496,10 @@ void OnCompleted(void* cls, MHD_Connection* connection, void** request_context,
         impl->options.on_finished) {
       HttpCallRecord record;
       record.metric = st->route->route.metric;
-      record.status = absl::CancelledError(
-          code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED ? "timed out" : "connection closed");
+      record.status = !st->closed_because.ok() ? st->closed_because
+                      : code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
+                          ? HttpTimeoutError("idle")
+                          : absl::CancelledError("connection closed");
       record.http_status = 0;
       record.seconds = absl::ToDoubleSeconds(absl::Now() - st->started);
       record.bytes_in = st->bytes_in;
@@ -518,6 +528,16 @@ void OnConnection(void* cls, MHD_Connection* connection, void** socket_context,
     impl->connections.insert(state);
   } else if (*socket_context != nullptr) {  // closed: before the descriptor is
     auto* state = static_cast<ConnectionState*>(*socket_context);
+    // A close with unread input makes the kernel send a reset, which can destroy an answer the
+    // client has not read yet (a refused upload it is still sending): drop what is queued.
+    const MHD_ConnectionInfo* info =
+        MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (info != nullptr) {
+      char sink[16384];
+      for (int i = 0; i < 256 && recv(info->connect_fd, sink, sizeof(sink), MSG_DONTWAIT) > 0;) {
+        ++i;
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(impl->mu);
       impl->connections.erase(state);
@@ -539,6 +559,13 @@ void LogFromMhd(void* cls, const char* format, va_list args) {
 
 absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
     const HttpListenerOptions& options, std::vector<HttpRoute> routes) {
+  if (options.max_connections < 1 || options.max_connections_per_ip < 0 ||
+      options.max_header_bytes < 1024 || options.max_headers < 1 || options.idle_timeout_s < 1 ||
+      options.header_timeout_s < 1 || options.body_timeout_s < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        options.name, ": --http_max_connections must be >= 1, --http_max_connections_per_ip >= 0, "
+                      "--http_max_header_bytes >= 1024 and the --http_*_timeout_s >= 1"));
+  }
   auto listener = std::unique_ptr<HttpListener>(new HttpListener());
   listener->impl_ = std::make_unique<Impl>();
   Impl& impl = *listener->impl_;
@@ -581,8 +608,8 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
 
   RaiseOpenFileLimit(options.name, options.max_connections);
   std::vector<MHD_OptionItem> items = {
+      {MHD_OPTION_EXTERNAL_LOGGER, intptr_t(&LogFromMhd), &impl},  // first: it logs the others
       {MHD_OPTION_SOCK_ADDR, 0, &address},
-      {MHD_OPTION_THREAD_POOL_SIZE, options.threads > 1 ? options.threads : 1, nullptr},
       {MHD_OPTION_CONNECTION_LIMIT, options.max_connections, nullptr},
       {MHD_OPTION_PER_IP_CONNECTION_LIMIT, options.max_connections_per_ip, nullptr},
       {MHD_OPTION_CONNECTION_TIMEOUT, options.idle_timeout_s, nullptr},
@@ -592,8 +619,8 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
       {MHD_OPTION_NOTIFY_COMPLETED, intptr_t(&OnCompleted), &impl},
       {MHD_OPTION_NOTIFY_CONNECTION, intptr_t(&OnConnection), &impl},
       {MHD_OPTION_URI_LOG_CALLBACK, intptr_t(&OnRequestLine), &impl},
-      {MHD_OPTION_EXTERNAL_LOGGER, intptr_t(&LogFromMhd), &impl},
   };
+  if (options.threads > 1) items.push_back({MHD_OPTION_THREAD_POOL_SIZE, options.threads, nullptr});
   if (tls) {
     items.push_back({MHD_OPTION_HTTPS_MEM_CERT, 0, impl.tls_cert.data()});
     items.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, impl.tls_key.data()});

@@ -36,6 +36,10 @@ std::vector<HttpRoute> HealthRoutes(AttentionRuntime* runtime, bool open) {
 absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& options,
                                                            AttentionRuntime* runtime,
                                                            const kserve::KServeOptions& kserve) {
+  if (options.max_json_bytes < 1024 || options.max_receive_bytes < 1) {
+    return absl::InvalidArgumentError(
+        "--http_max_json_bytes must be >= 1024 and --http_max_receive_bytes >= 1");
+  }
   HttpListenerOptions listener;
   listener.name = "HTTP";
   listener.host = options.host;

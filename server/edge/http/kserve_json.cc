@@ -297,8 +297,13 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
   if (checks.reserve) RETURN_IF_ERROR(checks.reserve(binary_total));
   // Everything checks out: allocate the binary inputs (bounded by the body's size).
   for (auto& [target, size] : binary) {
-    target->resize(size_t(size));
+    if (checks.capacity_only) {
+      target->reserve(size_t(size));
+    } else {
+      target->resize(size_t(size));
+    }
     out->binary_targets.push_back(target);
+    out->binary_sizes.push_back(size);
   }
   return absl::OkStatus();
 }

@@ -26,6 +26,7 @@ std::string ErrorJson(absl::string_view message);
 struct RestInferRequest {
   v1::AttentionRequest request;
   std::vector<std::string*> binary_targets;  // into request.{q,k,v}.data, in input order
+  std::vector<int64_t> binary_sizes;         // their binary_data_size, in the same order
   std::vector<OutputSpec> outputs;
   std::string id;
   bool has_id = false;
@@ -40,6 +41,9 @@ struct RestHeaderChecks {
   /// Set: called with the binary inputs' total size right before they are allocated; an error
   /// (e.g. the edge's receive budget is spent) is returned and nothing is allocated.
   std::function<absl::Status(int64_t bytes)> reserve;
+  /// Binary inputs get their capacity, not their size: the caller appends the bytes as they come,
+  /// so memory is touched (and counts in RSS) only as the body arrives.
+  bool capacity_only = false;
 };
 
 /// Largest nesting of a REST JSON header (objects and arrays together).

@@ -99,9 +99,8 @@ class InferBodyReader {
             "request body: more bytes than the inputs' binary_data_size add up to");
       }
       std::string* target = request_.binary_targets[target_];
-      const size_t take = std::min(n, target->size() - filled_);
-      std::memcpy(target->data() + filled_, data, take);
-      filled_ += take;
+      const size_t take = std::min(n, size_t(request_.binary_sizes[target_]) - target->size());
+      target->append(data, take);  // into the reserved capacity: pages touched as bytes come
       data += take;
       n -= take;
       SkipFilledTargets();
@@ -149,6 +148,7 @@ class InferBodyReader {
     kserve::RestHeaderChecks checks;
     checks.validation = validation_;
     checks.reserve = [this](int64_t bytes) { return hold_->Take(bytes); };
+    checks.capacity_only = true;
     absl::Status s = kserve::ParseRestInferHeader(
         header_, binary_bytes, limits_.max_request_bytes - header_bytes, &request_, checks);
     std::string().swap(header_);
@@ -160,9 +160,8 @@ class InferBodyReader {
 
   void SkipFilledTargets() {
     while (target_ < request_.binary_targets.size() &&
-           filled_ == request_.binary_targets[target_]->size()) {
+           int64_t(request_.binary_targets[target_]->size()) == request_.binary_sizes[target_]) {
       ++target_;
-      filled_ = 0;
     }
   }
 
@@ -176,7 +175,6 @@ class InferBodyReader {
   int64_t received_ = 0;
   kserve::RestInferRequest request_;
   size_t target_ = 0;  // binary input being filled
-  size_t filled_ = 0;  // bytes of it filled so far
 };
 
 // Per-route state shared by the handlers (read-only after registration).

@@ -1,0 +1,408 @@
+"""The HTTP ports against hostile clients (issue 17 items 1, 2 and 7; issue 16's HTTP middleware).
+
+(a) 1,000 slow or idle connections on the HTTP port and 1,000 on the metrics port: health and /metrics still answer
+    within 100 ms p99 (over fresh connections, measured and printed), and inference over other connections is right.
+(b) 80 concurrent hostile uploads (oversized binary_data_size claims, trickled bodies, JSON bombs, chunked bodies
+    with a lying Inference-Header-Content-Length, valid bodies over the receive budget): each refused with its
+    status (a trickled body is cut off at --http_body_timeout_s), none crashes the server, and its peak RSS (VmHWM)
+    stays under a bound derived from the flags.
+(c) A bearer token containing '%' works over HTTP (header values are never percent-decoded).
+Plus the header limits (count, size) and the header timeout.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import resource
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from flashserve import reference
+
+pytestmark = pytest.mark.e2e
+
+SLOW_PER_PORT = 1000
+MiB = 1 << 20
+
+
+def raise_open_file_limit(need: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"open-file hard limit {hard} < {need}: raise ulimit -Hn to run this test")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def connect(port: int, timeout: float = 10.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+
+def status_of(sock: socket.socket, timeout: float = 30.0) -> int:
+    """The status code of the response on `sock` (0 if the server closed without one)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    if not data.startswith(b"HTTP/1."):
+        return 0
+    return int(data.split(b" ", 2)[1])
+
+
+def rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def json_infer(server, rng):
+    q = rng.standard_normal((1, 7, 2, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 5, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((1, 5, 2, 16)).astype(np.float32)
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
+                       for n, x in (("Q", q), ("K", k), ("V", v))]}
+    r = requests.post(f"{server.http}/v2/models/attention/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    out = np.array(r.json()["outputs"][0]["data"], dtype=np.float64).reshape(q.shape)
+    want = reference.attention(q, k, v)
+    assert not np.isnan(out).any()
+    assert np.abs(out - want).max() < 1e-5
+
+
+def latencies(port: int, path: str, n: int) -> np.ndarray:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", path)
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        times.append(time.perf_counter() - start)
+        assert response.status == 200, (path, response.status)
+    return np.array(times)
+
+
+def test_slow_and_idle_connections_do_not_starve_health_or_metrics(start_server, rng):
+    raise_open_file_limit(4 * SLOW_PER_PORT + 512)
+    server = start_server("--http_header_timeout_s=300", "--http_idle_timeout_s=300")
+    held = []
+    try:
+        for port in (server.http_port, server.metrics_port):
+            for i in range(SLOW_PER_PORT):
+                s = connect(port)
+                if i % 2 == 0:  # a slowloris: half a header line, then nothing
+                    s.sendall(b"GET / HTTP/1.1\r\nX: ")
+                else:  # an idle keep-alive connection after one answered request
+                    s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+                held.append((s, i % 2 == 1))
+        for s, answered in held:
+            if answered:
+                assert status_of(s) in (200, 404)
+        time.sleep(0.5)
+        results = {}
+        for port, path in ((server.http_port, "/v2/health/live"), (server.http_port, "/v2/health/ready"),
+                           (server.metrics_port, "/metrics")):
+            t = latencies(port, path, 200)
+            results[path] = t
+            print(f"{path} with {SLOW_PER_PORT} slow/idle connections on its port: "
+                  f"p50 {np.percentile(t, 50) * 1e3:.2f} ms, p99 {np.percentile(t, 99) * 1e3:.2f} ms, "
+                  f"max {t.max() * 1e3:.2f} ms (200 fresh connections)")
+        for _ in range(3):
+            json_infer(server, rng)
+        for path, t in results.items():
+            assert np.percentile(t, 99) < 0.100, f"{path}: p99 {np.percentile(t, 99) * 1e3:.1f} ms"
+        # Every held connection is still open (none was dropped to make room).
+        assert server.proc.poll() is None
+    finally:
+        for s, _ in held:
+            s.close()
+
+
+def test_headers_over_the_limits_are_refused(start_server):
+    server = start_server("--http_max_header_bytes=4096")
+    s = connect(server.http_port)
+    s.sendall(b"GET /v2/health/live HTTP/1.1\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(150)) + b"\r\n")
+    assert status_of(s) == 431
+    s.close()
+    s = connect(server.http_port)
+    s.sendall(b"GET /v2/health/live HTTP/1.1\r\nX-Big: " + b"a" * 64000 + b"\r\n\r\n")
+    assert status_of(s) in (431, 0)  # libmicrohttpd answers 431 or closes once its buffer is full
+    s.close()
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_header_timeout_closes_a_slowloris(start_server):
+    server = start_server("--http_header_timeout_s=1", "--http_idle_timeout_s=30")
+    s = connect(server.http_port)
+    s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+    start = time.monotonic()
+    s.settimeout(10)
+    try:
+        while True:  # trickle a header byte at a time, faster than the idle timeout
+            s.sendall(b"X")
+            time.sleep(0.2)
+            if time.monotonic() - start > 8:
+                break
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    elapsed = time.monotonic() - start
+    s.close()
+    assert elapsed < 4, f"a trickled header kept its connection for {elapsed:.1f} s (header timeout 1 s)"
+
+
+# --- (b) hostile uploads --------------------------------------------------------------------------------------------
+
+HOSTILE_FLAGS = {
+    "max_request_bytes": 256 * MiB,
+    "http_max_receive_bytes": 128 * MiB,
+    "http_max_json_bytes": 1 * MiB,
+    "http_body_timeout_s": 3,
+    "http_idle_timeout_s": 10,
+    "max_tensor_elements": 32 * MiB,
+}
+LISTENER_THREADS = 4  # HttpOptions.threads: JSON headers are parsed on these, one at a time each
+
+
+def rss_bound_kib(base_kib: int, connections: int) -> int:
+    """What the flags let the HTTP edge hold at once, on top of the idle server:
+    - request-body bytes (JSON text and binary inputs, allocated only after validation): --http_max_receive_bytes;
+    - JSON headers being parsed: one per listener thread, each at most --http_max_json_bytes of text, its DOM at
+      most 16x that (nlohmann: 16 bytes per value, at least 2 bytes of text each, vector growth 2x);
+    - per connection: the header pool (--http_max_header_bytes + 16 KiB) and socket buffers (say 64 KiB);
+    - 64 MiB for the allocator's slack and thread stacks."""
+    f = HOSTILE_FLAGS
+    held = f["http_max_receive_bytes"] + LISTENER_THREADS * 16 * f["http_max_json_bytes"]
+    held += connections * ((16 << 10) + (16 << 10) + (64 << 10)) + 64 * MiB
+    return base_kib + held // 1024
+
+
+def binary_header(shapes, sizes, dtype="FP32", parameters=None):
+    header = {"inputs": [
+        {"name": n, "datatype": dtype, "shape": shape, "parameters": {"binary_data_size": size}}
+        for n, shape, size in zip("QKV", shapes, sizes)]}
+    if parameters:
+        header["parameters"] = parameters
+    return json.dumps(header).encode()
+
+
+def post_head(path, headers, content_length=None, chunked=False):
+    lines = [f"POST {path} HTTP/1.1", "Host: x"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    elif content_length is not None:
+        lines.append(f"Content-Length: {content_length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
+INFER = "/v2/models/attention/infer"
+
+
+def oversized_claim(port, i):
+    """Three 256 MiB inputs claimed by Content-Length (413 before any body byte is read), or three 60 MiB inputs
+    with a body that does not hold them (400: the sizes do not add up; nothing allocated)."""
+    header = binary_header([[1, 8192, 32, 256]] * 3, [256 * MiB] * 3)
+    s = connect(port)
+    if i % 2 == 0:
+        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+                            content_length=len(header) + 3 * 256 * MiB) + header)
+        want = {413}
+    else:
+        header = binary_header([[1, 3840, 32, 128]] * 3, [60 * MiB] * 3)
+        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+                            content_length=len(header) + 10) + header + b"x" * 10)
+        want = {400}
+    return s, want
+
+
+TRICKLE_Q = [1, 1280, 32, 128]  # FP32: 20 MiB
+TRICKLE_KV = [1, 640, 32, 128]  # 10 MiB each
+TRICKLE_SIZES = [int(np.prod(TRICKLE_Q)) * 4] + [int(np.prod(TRICKLE_KV)) * 4] * 2
+ZEROS = bytes(max(TRICKLE_SIZES))
+
+
+def valid_claim(port, wrong_shape=False):
+    if wrong_shape:  # K's shape does not match its binary_data_size: 400 before anything is allocated
+        header = binary_header([TRICKLE_Q, [1, 640, 32, 64], TRICKLE_KV], TRICKLE_SIZES)
+    else:
+        # A 1 us deadline: an admitted request expires in the queue (504), so no compute memory muddies the bound.
+        header = binary_header([TRICKLE_Q, TRICKLE_KV, TRICKLE_KV], TRICKLE_SIZES, parameters={"timeout": 1})
+    s = connect(port)
+    s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+                        content_length=len(header) + sum(TRICKLE_SIZES)) + header)
+    return s
+
+
+def over_budget(port, i):
+    """40 MiB of valid inputs at full speed, 16 at once: the receive budget (128 MiB) admits three at a time (they
+    expire in the queue: 504), the others get 503 (retry later) without their tensors being allocated; a wrong
+    shape gets 400."""
+    s = valid_claim(port, wrong_shape=(i % 4 == 3))
+    try:
+        for size in TRICKLE_SIZES:
+            s.sendall(memoryview(ZEROS)[:size])
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return s, ({400} if i % 4 == 3 else {504, 503})
+
+
+def trickled_body(port, i):
+    """Valid shapes, 40 MiB claimed, then one byte every 0.3 s: cut off at --http_body_timeout_s (0: closed
+    without an answer; libmicrohttpd answers only before or after a body). Checked for the time it took."""
+    return valid_claim(port), {0}
+
+
+def json_bomb(port, i):
+    """Deep nesting (400 before any DOM is built), a 2 MiB array by Content-Length (413 before it is read) and a
+    chunked one (413: --http_max_json_bytes)."""
+    s = connect(port)
+    if i % 3 == 0:
+        body = b'{"inputs":' + b"[" * 200000 + b"]" * 200000 + b"}"
+        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, content_length=len(body)) + body)
+        want = {400, 413}  # 400k bytes: under the JSON limit, refused for its depth
+    elif i % 3 == 1:
+        body = b'{"inputs":[{"name":"Q","datatype":"FP32","shape":[1],"data":[' + b"0," * MiB + b"0]}]}"
+        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, content_length=len(body)))
+        try:
+            s.sendall(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        want = {413}
+    else:  # chunked, 2 MiB: refused once it passes the limit, answered when it ends
+        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, chunked=True))
+        try:
+            for _ in range(64):
+                s.sendall(chunk(b"[" + b"1," * 16383 + b"1]"))
+            s.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        want = {413}
+    return s, want
+
+
+def lying_chunked(port, i):
+    """Chunked bodies whose Inference-Header-Content-Length lies: 2^40 (413 at once, nothing reserved) or longer
+    than the JSON that follows (400 when the body ends inside the 'header')."""
+    s = connect(port)
+    if i % 2 == 0:
+        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": 1 << 40}, chunked=True))
+        want = {413}
+    else:
+        header = binary_header([[1, 4, 2, 16]] * 3, [512] * 3)
+        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header) + 5000}, chunked=True)
+                  + chunk(header) + b"0\r\n\r\n")
+        want = {400}
+    return s, want
+
+
+def test_hostile_uploads_are_refused_within_a_memory_bound(start_server, rng):
+    raise_open_file_limit(1024)
+    server = start_server(*[f"--{k}={v}" for k, v in HOSTILE_FLAGS.items()])
+    pid = server.proc.pid
+    json_infer(server, rng)  # warm: the idle server's RSS includes one answered request
+    base = rss_kib(pid, "VmRSS")
+    kinds = [oversized_claim, trickled_body, json_bomb, lying_chunked, over_budget]
+    n = 80  # 16 of each
+    results = [None] * n
+    started = threading.Barrier(n)
+
+    def attack(i):
+        started.wait()
+        kind = kinds[i % len(kinds)]
+        begin = time.monotonic()
+        s, want = kind(server.http_port, i // len(kinds))
+        stop = time.monotonic() + 8
+        if kind is trickled_body:
+            s.setblocking(False)
+            while time.monotonic() < stop:
+                try:
+                    s.send(b"\0")
+                except BlockingIOError:
+                    pass
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                try:
+                    if s.recv(1, socket.MSG_PEEK):
+                        break
+                except BlockingIOError:
+                    pass
+                except ConnectionResetError:
+                    break
+                time.sleep(0.3)
+            s.setblocking(True)
+        got = status_of(s, timeout=20)
+        s.close()
+        elapsed = time.monotonic() - begin
+        if kind is trickled_body and elapsed < HOSTILE_FLAGS["http_body_timeout_s"] - 0.5:
+            got = f"cut off after {elapsed:.1f} s"
+        results[i] = (kind.__name__, got, want)
+
+    threads = [threading.Thread(target=attack, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert server.proc.poll() is None, server.logs()
+    peak = rss_kib(pid, "VmHWM")
+    bound = rss_bound_kib(base, n)
+    print(f"hostile uploads: RSS before {base / 1024:.0f} MiB, peak {peak / 1024:.0f} MiB, "
+          f"bound {bound / 1024:.0f} MiB")
+    wrong = [r for r in results if r is None or r[1] not in r[2]]
+    assert not wrong, wrong
+    assert peak < bound, f"peak RSS {peak} KiB over the bound {bound} KiB"
+    json_infer(server, rng)  # still serving
+
+
+# --- (c) a token containing '%' ----------------------------------------------------------------------------------
+
+
+def test_token_with_percent_works_over_http(start_server, tmp_path):
+    token = "abc%41def%zz-0123456789"
+    (tmp_path / "token").write_text(token + "\n")
+    server = start_server(f"--auth_token_file={tmp_path / 'token'}")
+    url = f"{server.http}/v2/models/attention"
+    assert requests.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+    decoded = token.replace("%41", "A")
+    assert requests.get(url, headers={"Authorization": f"Bearer {decoded}"}, timeout=5).status_code == 401
+    assert requests.get(url, timeout=5).status_code == 401
+    metrics = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    assert requests.get(metrics, headers={"Authorization": f"Bearer {token}"}, timeout=5).status_code == 200
+
+
+def test_claimed_inputs_cost_memory_only_as_they_arrive(start_server):
+    """Issue 17's case with default flags: a 1 KB header claiming three valid 256 MiB inputs, then a trickle. The
+    shapes are validated first; the inputs get capacity, not zero-filled bytes, so RSS follows what arrived."""
+    server = start_server()
+    pid = server.proc.pid
+    base = rss_kib(pid, "VmRSS")
+    shape = [1, 8192, 32, 256]  # FP32: 256 MiB each
+    header = binary_header([shape] * 3, [256 * MiB] * 3)
+    s = connect(server.http_port)
+    s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+                        content_length=len(header) + 3 * 256 * MiB) + header)
+    for _ in range(10):
+        s.sendall(b"\0" * 1024)
+        time.sleep(0.1)
+    grown = rss_kib(pid, "VmRSS") - base
+    s.close()
+    print(f"RSS growth after a 768 MiB claim and 10 KiB of body: {grown / 1024:.1f} MiB")
+    assert grown < 64 * 1024, f"RSS grew by {grown} KiB"
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
