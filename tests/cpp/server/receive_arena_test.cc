@@ -191,7 +191,7 @@ TEST(ReceiveArena, ForkWhileOtherThreadsUseTheInstalledArena) {
       _exit(arena->TryFree(p) ? 0 : 4);
     }
     int status = 0;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (waitpid(child, &status, WNOHANG) == 0) {
       if (std::chrono::steady_clock::now() > deadline) {
         kill(child, SIGKILL);
@@ -201,6 +201,7 @@ TEST(ReceiveArena, ForkWhileOtherThreadsUseTheInstalledArena) {
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
+    if (hung > 0) break;  // one is enough (without the handlers about a third of the forks hang)
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
   }
   stop = true;
