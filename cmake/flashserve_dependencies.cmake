@@ -36,7 +36,7 @@ if(NOT FLASHSERVE_BUILD_SERVER STREQUAL "OFF")
   find_package(PkgConfig ${_req})
   if(PkgConfig_FOUND)
     # The HTTP edge and metrics port: GNU libmicrohttpd (Debian: libmicrohttpd-dev), for its
-    # epoll threads, connection caps and suspend/resume (server/README.md, "HTTP edge").
+    # epoll threads, connection caps and suspend/resume (server/edge/http/README.md).
     pkg_check_modules(MICROHTTPD ${_req} IMPORTED_TARGET libmicrohttpd>=0.9.75)
     # cpp-httplib: only the C++ tests' HTTP client (optional).
     pkg_check_modules(HTTPLIB QUIET IMPORTED_TARGET cpp-httplib)

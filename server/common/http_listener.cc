@@ -33,45 +33,6 @@
 
 namespace flashserve {
 
-int HttpStatusFor(const absl::Status& status) {
-  switch (status.code()) {
-    case absl::StatusCode::kOk:
-      return 200;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-      return 400;
-    case absl::StatusCode::kUnauthenticated:
-      return 401;
-    case absl::StatusCode::kPermissionDenied:
-      return 403;
-    case absl::StatusCode::kNotFound:
-      return 404;
-    case absl::StatusCode::kResourceExhausted:
-      // A request over a configured size limit (the message names the flag) is 413 whatever the
-      // server's load; every other RESOURCE_EXHAUSTED is overload: 503, retry later.
-      for (const char* flag :
-           {"--max_tensor_elements", "--max_request_bytes", "--http_max_json_bytes"}) {
-        if (absl::StrContains(status.message(), flag)) return 413;
-      }
-      return 503;
-    case absl::StatusCode::kUnavailable:
-    case absl::StatusCode::kCancelled:
-    case absl::StatusCode::kAborted:
-      return 503;
-    case absl::StatusCode::kDeadlineExceeded:
-      return absl::StartsWith(status.message(), "request timeout:") ? 408 : 504;
-    case absl::StatusCode::kUnimplemented:
-      return 501;
-    default:
-      return 500;
-  }
-}
-
-absl::Status HttpTimeoutError(absl::string_view what) {
-  return absl::DeadlineExceededError(absl::StrCat("request timeout: ", what));
-}
-
 std::string HttpErrorJson(absl::string_view message) {
   std::string out = R"({"error":")";
   for (unsigned char c : message) {

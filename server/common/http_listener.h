@@ -21,23 +21,15 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/auth.h"
+#include "common/http_status.h"
 
 struct MHD_Connection;
 struct MHD_Daemon;
 
 namespace flashserve {
 
-/// HTTP status for a failed request: 400 INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE,
-/// 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED while the
-/// request was still being received (see HttpTimeoutError), 413 RESOURCE_EXHAUSTED naming a size
-/// limit flag (--max_tensor_elements, --max_request_bytes, --http_max_json_bytes), 503 other
-/// RESOURCE_EXHAUSTED (queue full, in-flight bytes, device memory, receive budget: overload) and
-/// UNAVAILABLE / CANCELLED / ABORTED, 504 DEADLINE_EXCEEDED, 501 UNIMPLEMENTED, 500 otherwise.
-int HttpStatusFor(const absl::Status& status);
 /// `{"error":"<message>"}` (control and non-ASCII bytes escaped or replaced: always valid JSON).
 std::string HttpErrorJson(absl::string_view message);
-/// DEADLINE_EXCEEDED for a request whose body did not arrive in time (answered 408, not 504).
-absl::Status HttpTimeoutError(absl::string_view what);
 
 /// A request as its handler sees it. Valid only during the handler call.
 class HttpRequest {

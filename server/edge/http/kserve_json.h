@@ -10,13 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "api/validation.h"
-#include "common/http_listener.h"
+#include "common/http_status.h"
 #include "edge/kserve/kserve_model.h"
 #include "flashserve/v1/attention.pb.h"
 
 namespace flashserve::kserve {
 
-/// The HTTP middleware's status conversion (common/http_listener.h), for the REST code and tests.
+/// The HTTP middleware's status conversion (common/http_status.h), for the REST code and tests.
 inline int HttpStatusFor(const absl::Status& status) { return flashserve::HttpStatusFor(status); }
 /// `{"error":"<message>"}`.
 std::string ErrorJson(absl::string_view message);

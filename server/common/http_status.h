@@ -1,0 +1,58 @@
+// Status conversion of the HTTP middleware (common/http_listener.h): absl::Status -> HTTP code.
+// Header-only, so that code which only converts (the REST JSON fuzz target) needs no HTTP server.
+#pragma once
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace flashserve {
+
+/// HTTP status for a failed request: 400 INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE,
+/// 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED while the
+/// request was still being received (HttpTimeoutError), 413 RESOURCE_EXHAUSTED naming a size limit
+/// flag (--max_tensor_elements, --max_request_bytes, --http_max_json_bytes), 503 other
+/// RESOURCE_EXHAUSTED (queue full, in-flight bytes, device memory, receive budget: overload) and
+/// UNAVAILABLE / CANCELLED / ABORTED, 504 DEADLINE_EXCEEDED, 501 UNIMPLEMENTED, 500 otherwise.
+inline int HttpStatusFor(const absl::Status& status) {
+  switch (status.code()) {
+    case absl::StatusCode::kOk:
+      return 200;
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+      // A request over a configured size limit (the message names the flag) is 413 whatever the
+      // server's load; every other RESOURCE_EXHAUSTED is overload: 503, retry later.
+      for (const char* flag :
+           {"--max_tensor_elements", "--max_request_bytes", "--http_max_json_bytes"}) {
+        if (absl::StrContains(status.message(), flag)) return 413;
+      }
+      return 503;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kCancelled:
+    case absl::StatusCode::kAborted:
+      return 503;
+    case absl::StatusCode::kDeadlineExceeded:
+      return absl::StartsWith(status.message(), "request timeout:") ? 408 : 504;
+    case absl::StatusCode::kUnimplemented:
+      return 501;
+    default:
+      return 500;
+  }
+}
+
+/// DEADLINE_EXCEEDED for a request whose body did not arrive in time (408, not 504).
+inline absl::Status HttpTimeoutError(absl::string_view what) {
+  return absl::DeadlineExceededError(absl::StrCat("request timeout: ", what));
+}
+
+}  // namespace flashserve
