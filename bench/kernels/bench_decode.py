@@ -42,6 +42,8 @@ class Ours:
         g.argtypes = [ctypes.c_int] * 8
         self.lib.flashserve_decode_set_l2_prefetch.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_l2_prefetch.restype = None
+        self.lib.flashserve_decode_set_copy.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_copy.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -55,6 +57,9 @@ class Ours:
 
     def set_l2_prefetch(self, nbytes):
         self.lib.flashserve_decode_set_l2_prefetch(nbytes)
+
+    def set_copy(self, mode):
+        self.lib.flashserve_decode_set_copy(mode)
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -150,8 +155,9 @@ def sweep(ours, dtype, l2, sms, args):
         kv_bytes = 2 * b * sk * hkv * d * 2
         heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, 128)
-        for hint in (0, 128, 256):
+        for copy, hint in ((0, 0), (0, 128), (0, 256), (1, 128)):
             ours.set_l2_prefetch(hint)
+            ours.set_copy(copy)
             row = []
             for splits in sorted({1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 66, 96, 128, heur}):
                 if splits > sk // 64:
@@ -161,9 +167,11 @@ def sweep(ours, dtype, l2, sms, args):
                                               workspace=ws, splits=n)
                 t = time_fn(fn, sets, args.warmup, args.reps)
                 row.append(f"{splits}:{kv_bytes / t / 1e12:.2f}")
-            print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} l2 {hint}: TB/s by splits "
+            print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} "
+                  f"{'bulk' if copy else 'cp.async l2 %d' % hint}: TB/s by splits "
                   + " ".join(row), flush=True)
         ours.set_l2_prefetch(-1)
+        ours.set_copy(-1)
         del sets, ws
         torch.cuda.empty_cache()
 
@@ -176,6 +184,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", help="also write the markdown here")
+    ap.add_argument("--copy", type=int, default=-1,
+                    help="K/V copy of ours: -1 default, 0 cp.async, 1 cp.async.bulk (sm_90)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time paged-64 target shapes over split counts and L2 prefetch hints")
     args = ap.parse_args()
@@ -192,11 +202,13 @@ def main():
     emit = lambda s="": (print(s, flush=True), lines.append(s))
     if args.sweep:
         return sweep(ours, dtype, l2, sms, args)
+    ours.set_copy(args.copy)
     emit(f"# flashserve split-KV decode vs torch SDPA on {props.name}")
     emit()
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "
          f"{torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB; dtype {args.dtype}; "
-         f"peak bandwidth used for the fraction: {peak} TB/s")
+         f"peak bandwidth used for the fraction: {peak} TB/s; K/V copy: "
+         f"{ {-1: 'default', 0: 'cp.async', 1: 'cp.async.bulk'}[args.copy] }")
     emit(f"- command: `{' '.join(sys.argv)}`")
     emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "
          f"behind a GPU sleep, inputs rotated over sets totalling > 3x L2; non-causal; paged pools "

@@ -27,7 +27,8 @@
 #include "gpu_test_util.h"
 
 namespace flashserve::kernels::cuda::decode {
-int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knob)
+int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knobs)
+int& copy_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -298,8 +299,12 @@ void check_case(const DecodeCase& c) {
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
   std::vector<double> got(dev.out_elems);
-  for (int splits : {0, 1, 3, 16, 40}) {
-    SCOPED_TRACE("num_splits " + std::to_string(splits));
+  // Every split count, through both K/V copy paths (cp.async; cp.async.bulk on sm_90+).
+  for (int run = 0; run < 10; ++run) {
+    const int splits = std::vector<int>{0, 1, 3, 16, 40}[run % 5];
+    const int copy = run / 5;
+    SCOPED_TRACE("num_splits " + std::to_string(splits) + (copy ? ", bulk copy" : ", cp.async"));
+    fk::decode::copy_override() = copy;
     fk::DecodeParams p = dev.p;
     p.num_splits = splits;
     ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
@@ -331,6 +336,7 @@ void check_case(const DecodeCase& c) {
         << "relative L2 error " << err.rel_l2 << " vs emulated " << emu.rel_l2;
     EXPECT_LE(lse_excess, 0.0) << "LSE error exceeds its allowance by " << lse_excess;
   }
+  fk::decode::copy_override() = -1;
 }
 
 std::vector<DecodeCase> all_cases() {

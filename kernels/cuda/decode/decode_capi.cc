@@ -7,6 +7,7 @@
 
 namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // decode_dispatch.cu
+int& copy_override();         // decode_dispatch.cu
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -88,6 +89,12 @@ __attribute__((visibility("default"))) size_t flashserve_decode_workspace_bytes(
 /// bytes; -1 restores the default). Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_l2_prefetch(int bytes) {
   flashserve::kernels::cuda::decode::l2_prefetch_override() = bytes;
+}
+
+/// Benchmarking knob: the decode kernels' K/V copy: 0 cp.async, 1 cp.async.bulk (sm_90 and
+/// later; ignored elsewhere), -1 the default. Not thread-safe against concurrent launches.
+__attribute__((visibility("default"))) void flashserve_decode_set_copy(int mode) {
+  flashserve::kernels::cuda::decode::copy_override() = mode;
 }
 
 }  // extern "C"

@@ -23,6 +23,10 @@ int& l2_prefetch_override() {
   static int value = -1;
   return value;
 }
+int& copy_override() {
+  static int value = -1;
+  return value;
+}
 }  // namespace decode
 
 namespace {
@@ -108,6 +112,14 @@ int sm_count_of_current_device() {
   if (cudaGetDevice(&device) != cudaSuccess) return 1;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
   return std::max(sms, 1);
+}
+
+/// Compute capability major of the current device (0 on error).
+int device_major() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return 0;
+  return major;
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
@@ -207,6 +219,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
     L.page_shift = 0;
     while ((1 << L.page_shift) < p.page_size) ++L.page_shift;
   }
+  L.bulk_copy = decode::copy_override() == 1 && device_major() >= 9;
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
   const int splits = p.num_splits > 0 ? p.num_splits : decode_num_splits(p, sm_count_of_current_device());

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "decode_bulk.h"
 #include "decode_tile_io.h"
 #include "decode_traits.h"
 #include "ptx.h"
@@ -158,13 +159,27 @@ __device__ void write_block_result(WarpState<T>& st, const DecodeLaunch& L, cons
   store_rows<T>(L, w, s_o, s_lse);
 }
 
+/// Pipeline of the split kernel on 16-byte cp.async (every architecture).
 template <typename T>
-__global__ void __launch_bounds__(T::kThreads)
-    decode_split_kernel(const __grid_constant__ DecodeLaunch L) {
-  extern __shared__ __align__(128) char smem[];
+struct AsyncPipe {
+  const DecodeLaunch& L;
+  const BlockWork& w;
+  TileRows<T> rows;
+  __device__ __forceinline__ AsyncPipe(const DecodeLaunch& l, const BlockWork& wk) : L(l), w(wk) {}
+  __device__ __forceinline__ void lookup(int key0) { lookup_rows<T>(L, w, key0, rows); }
+  __device__ __forceinline__ void issue(int /*stage*/, uint32_t k_tile) {
+    load_kv<T>(L, w, rows, k_tile);
+  }
+  __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
+  /// Waits for the tile of step t: at most kStages - 2 younger groups still in flight.
+  __device__ __forceinline__ void wait(int /*t*/) { ptx::cp_async_wait<T::kStages - 2>(); }
+};
+
+/// The split kernel's body over a K/V pipeline (AsyncPipe, or BulkPipe on sm_90).
+template <typename T, typename Pipe>
+__device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWork& w, Pipe& pipe,
+                                           char* smem) {
   using Element = typename T::Element;
-  const BlockWork w = block_work<T>(L);
-  if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp % T::kWarpsM, wn = warp / T::kWarpsM;
   Element* s_q = reinterpret_cast<Element*>(smem);
@@ -175,18 +190,16 @@ __global__ void __launch_bounds__(T::kThreads)
   // Prologue: Q with the first tile in group 0, then tiles 1 .. kStages - 2 one group each.
   load_q_rows<T>(L, w, s_q);
   const int n_tiles = w.tile_end - w.tile_begin;
-  TileRows<T> rows;
 #pragma unroll
   for (int st = 0; st < T::kStages - 1; ++st) {
     if (st < n_tiles) {
-      lookup_rows<T>(L, w, (w.tile_begin + st) * T::kBlockN, rows);
-      load_kv<T>(L, w, rows, kv_base + 2 * st * kTileBytes);
+      pipe.lookup((w.tile_begin + st) * T::kBlockN);
+      pipe.issue(st, kv_base + 2 * st * kTileBytes);
     }
-    ptx::cp_async_commit();
+    pipe.commit();
   }
-  // rows always holds the lookup of the next tile to load (index t + kStages - 1 at step t).
-  if (T::kStages - 1 < n_tiles)
-    lookup_rows<T>(L, w, (w.tile_begin + T::kStages - 1) * T::kBlockN, rows);
+  // The pipe always holds the lookup of the next tile to load (index t + kStages - 1 at step t).
+  if (T::kStages - 1 < n_tiles) pipe.lookup((w.tile_begin + T::kStages - 1) * T::kBlockN);
 
   WarpState<T> st;
 #pragma unroll
@@ -207,14 +220,14 @@ __global__ void __launch_bounds__(T::kThreads)
   row_key_limits<T>(L, w, wm * 16 + lane / 4, limit);
 
   for (int t = 0; t < n_tiles; ++t) {
-    ptx::cp_async_wait<T::kStages - 2>();
-    __syncthreads();
+    pipe.wait(t);
+    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
     const int next = t + T::kStages - 1;
     if (next < n_tiles) {
-      load_kv<T>(L, w, rows, kv_base + 2 * (next % T::kStages) * kTileBytes);
-      if (next + 1 < n_tiles) lookup_rows<T>(L, w, (w.tile_begin + next + 1) * T::kBlockN, rows);
+      pipe.issue(next % T::kStages, kv_base + 2 * (next % T::kStages) * kTileBytes);
+      if (next + 1 < n_tiles) pipe.lookup((w.tile_begin + next + 1) * T::kBlockN);
     }
-    ptx::cp_async_commit();
+    pipe.commit();
 
     const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;
     const int key0 = (w.tile_begin + t) * T::kBlockN;
@@ -227,6 +240,24 @@ __global__ void __launch_bounds__(T::kThreads)
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the pipeline's memory
   write_block_result<T>(st, L, w, smem);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kThreads)
+    decode_split_kernel(const __grid_constant__ DecodeLaunch L) {
+  extern __shared__ __align__(128) char smem[];
+  const BlockWork w = block_work<T>(L);
+  if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ __align__(8) uint64_t bars[T::kStages];
+  if (L.bulk_copy) {
+    BulkPipe<T> pipe(L, w, bars);
+    split_body<T>(L, w, pipe, smem);
+    return;
+  }
+#endif
+  AsyncPipe<T> pipe(L, w);
+  split_body<T>(L, w, pipe, smem);
 }
 
 }  // namespace flashserve::kernels::cuda::decode

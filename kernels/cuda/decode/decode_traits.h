@@ -63,6 +63,7 @@ struct DecodeLaunch {
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
   int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
+  bool bulk_copy = false;  // sm_90: K/V rows by cp.async.bulk on mbarriers (decode_bulk.h)
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
@@ -82,6 +83,10 @@ DecodeKernel decode_kernel();
 /// The L2 prefetch size run_decode passes to the kernels (a benchmarking knob; see
 /// flashserve_decode_set_l2_prefetch in decode_capi.cc). -1: the default.
 int& l2_prefetch_override();
+
+/// Which K/V copy run_decode asks for (a benchmarking knob, flashserve_decode_set_copy):
+/// -1 default, 0 cp.async, 1 cp.async.bulk (used only on sm_90 and later).
+int& copy_override();
 
 /// Combine kernel for the output dtype of launch.p (decode_combine.cu).
 cudaError_t launch_decode_combine(const DecodeLaunch& launch, cudaStream_t stream);
