@@ -85,6 +85,10 @@ class AttentionRuntime {
 
   /// Live and able to serve: backend healthy and not shutting down.
   bool ready() const { return accepting_.load() && backend_->healthy(); }
+  /// Worth keeping: false for good once the backend is unhealthy (a sticky device fault). The
+  /// process then drains and exits to be restarted (config/serve_loop.h); /v2/health/live and
+  /// KServe ServerLive report this, so a liveness probe restarts it too. Thread-safe.
+  bool live() const { return backend_->healthy(); }
   /// Refuse new work with UNAVAILABLE from now on (work already queued still runs).
   void StopAccepting();
   /// Waits until every accepted request has been answered (queued, running and, on an

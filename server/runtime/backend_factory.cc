@@ -7,6 +7,53 @@
 #endif
 
 namespace flashserve {
+namespace {
+
+absl::Status OutOfRange(absl::string_view flag, int64_t value, int64_t low, int64_t high) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be in [", low, ", ", high, "], got ", value));
+}
+
+}  // namespace
+
+absl::Status CudaBackendOptions::Check() const {
+  for (int device : devices) {
+    if (device < 0) return absl::InvalidArgumentError(absl::StrCat("--devices: bad index ", device));
+  }
+  if (streams_per_device < 1 || streams_per_device > 64) {
+    return OutOfRange("streams_per_device", streams_per_device, 1, 64);
+  }
+  if (completion_spin_us < 0 || completion_spin_us > 1000000) {
+    return OutOfRange("completion_spin_us", completion_spin_us, 0, 1000000);
+  }
+  if (device_pool_release_threshold_bytes < 0) {
+    return absl::InvalidArgumentError("--device_pool_release_threshold_bytes must be >= 0");
+  }
+  if (pinned_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
+  if (max_device_bytes_per_request < 0) {
+    return absl::InvalidArgumentError("--max_device_bytes_per_request must be >= 0");
+  }
+  if (autotune != "off" && autotune != "background" && autotune != "startup") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--autotune must be off, background or startup, got \"", autotune, "\""));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackendOptions::Check() const {
+  if (num_threads < 0) return absl::InvalidArgumentError("--worker_threads must be >= 0");
+  if (buffer_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
+  return absl::OkStatus();
+}
+
+absl::Status BackendOptions::Check() const {
+  if (kind != "auto" && kind != "cuda" && kind != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be auto, cuda or cpu, got \"", kind, "\""));
+  }
+  if (absl::Status s = cuda.Check(); !s.ok()) return s;
+  return cpu.Check();
+}
 
 bool CudaBackendCompiledIn() {
 #ifdef FLASHSERVE_WITH_CUDA
@@ -17,28 +64,12 @@ bool CudaBackendCompiledIn() {
 }
 
 absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
-  if (options.kind != "auto" && options.kind != "cuda" && options.kind != "cpu") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend must be auto, cuda or cpu, got \"", options.kind, "\""));
-  }
+  if (absl::Status s = options.Check(); !s.ok()) return s;
   CreatedBackend created;
   std::string cuda_problem = "this binary was built without CUDA";
 #ifdef FLASHSERVE_WITH_CUDA
   if (options.kind != "cpu") {
-    CudaBackendOptions cuda_options;
-    cuda_options.devices = options.devices;
-    cuda_options.streams_per_device = options.streams_per_device;
-    cuda_options.completion_spin_us = options.completion_spin_us;
-    cuda_options.device_pool_release_threshold_bytes =
-        uint64_t(options.device_pool_release_threshold_bytes);
-    cuda_options.pinned_pool_bytes = options.pinned_pool_bytes;
-    cuda_options.receive_arena_bytes = options.receive_arena_bytes;
-    cuda_options.max_device_bytes_per_request = options.max_device_bytes_per_request;
-    cuda_options.autotune = options.autotune;
-    cuda_options.tune_cache_path = options.tune_cache_path;
-    cuda_options.startup_grid = options.startup_grid;
-    cuda_options.on_autotune_event = options.on_autotune_event;
-    absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(cuda_options);
+    absl::StatusOr<std::unique_ptr<CudaBackend>> cuda = CudaBackend::Create(options.cuda);
     if (cuda.ok()) {
       created.scheduler_workers = (*cuda)->recommended_concurrency();
       created.backend = std::move(*cuda);
@@ -53,10 +84,7 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
     return absl::FailedPreconditionError(
         absl::StrCat("--backend=cuda but the CUDA backend is unavailable: ", cuda_problem));
   }
-  CpuBackendOptions cpu_options;
-  cpu_options.num_threads = options.cpu_threads;
-  cpu_options.buffer_pool_bytes = options.pinned_pool_bytes;
-  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(cpu_options);
+  absl::StatusOr<std::unique_ptr<CpuBackend>> cpu = CpuBackend::Create(options.cpu);
   if (!cpu.ok()) return cpu.status();
   created.backend = std::move(*cpu);
   created.reason = options.kind == "auto" ? absl::StrCat("auto: no usable GPU (", cuda_problem, ")")

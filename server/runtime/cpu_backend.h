@@ -6,16 +6,12 @@
 #include "absl/status/statusor.h"
 #include "flashserve/kernels/cpu_attention.h"
 #include "runtime/backend.h"
+#include "runtime/backend_options.h"
 #include "memory/pinned_pool.h"
 
 namespace flashserve {
 
-struct CpuBackendOptions {
-  int num_threads = 0;  // 0: all cores
-  // Cap of the pool of request buffers (IoBuffers), reused between requests: a fresh buffer costs
-  // page faults on every request (its memory comes from mmap). 0: no pool.
-  int64_t buffer_pool_bytes = int64_t{2} << 30;
-};
+// CpuBackendOptions: runtime/backend_options.h.
 
 /// Thread-safe.
 class CpuBackend final : public Backend {

@@ -67,23 +67,6 @@ class CudaHostAllocator final : public HostAllocator {
   void Free(void* pointer) override { cudaFreeHost(pointer); }
 };
 
-// Page-locks `bytes` for the receive arena and installs it, unless one is installed already (one
-// per process: its blocks may be freed until exit, so it is never replaced or released).
-void InstallReceiveArena(size_t bytes) {
-  if (ReceiveArena::Installed() != nullptr) return;
-  void* base = nullptr;
-  if (cudaError_t e = cudaHostAlloc(&base, bytes, cudaHostAllocPortable); e != cudaSuccess) {
-    cudaGetLastError();
-    spdlog::warn(
-        "--receive_arena_bytes: cannot page-lock {} bytes ({}); request tensors are copied into "
-        "pinned staging memory instead",
-        bytes, cudaGetErrorString(e));
-    return;
-  }
-  ReceiveArena::Install(new ReceiveArena(base, bytes, /*page_locked=*/true));
-  spdlog::info("receive arena: {} MiB of page-locked memory for gRPC's read buffers", bytes >> 20);
-}
-
 // The argument arrays of one batch copy, kept by a slot so that launches reuse their memory.
 struct BatchCopy {
   std::vector<void*> dsts;
@@ -279,7 +262,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     if (!pinned.ok()) return pinned.status();
     backend->pinned_ = std::move(*pinned);
   }
-  if (options.receive_arena_bytes > 0) InstallReceiveArena(size_t(options.receive_arena_bytes));
   if (absl::Status s = backend->StartAutotune(options); !s.ok()) return s;
   for (auto& device : backend->devices_) {
     for (auto& slot : device->slots) {

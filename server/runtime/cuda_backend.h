@@ -25,34 +25,12 @@
 #include "autotune/tune_grid.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/backend.h"
+#include "runtime/backend_options.h"
 #include "memory/pinned_pool.h"
 
 namespace flashserve {
 
-struct CudaBackendOptions {
-  std::vector<int> devices;    // empty: every visible device
-  int streams_per_device = 4;  // jobs in flight per device (>= 1)
-  // A completion thread polls its job's last event for up to this long before it blocks on it:
-  // a blocking wait wakes tens of microseconds late, which dominates a small request; polling
-  // costs a core only while a job that short is on the device. 0: always block.
-  int completion_spin_us = 200;
-  // Bytes of freed device memory the stream-ordered pool keeps instead of returning to the driver.
-  uint64_t device_pool_release_threshold_bytes = uint64_t{4} << 30;
-  // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).
-  int64_t pinned_pool_bytes = int64_t{2} << 30;
-  // Page-locked memory for the receive arena (memory/receive_arena.h), installed once per process;
-  // 0: none (requests are copied into the pinned staging pool).
-  int64_t receive_arena_bytes = 0;
-  // A request needing more device memory than this gets RESOURCE_EXHAUSTED; 0: no limit.
-  int64_t max_device_bytes_per_request = 0;
-  // Autotuning (issue 4): "off" uses the cache read-only if given, else the heuristic default;
-  // "background" tunes unseen classes off the request path; "startup" tunes startup_grid in
-  // Create, before the server reports ready, then continues as "background".
-  std::string autotune = "off";
-  std::string tune_cache_path;  // "" keeps tuning results in memory only
-  TuneGrid startup_grid;
-  BackgroundTuner::EventFn on_autotune_event;  // "hit", "miss", "tuned", "failed"; may be empty
-};
+// CudaBackendOptions: runtime/backend_options.h.
 
 /// Thread-safe.
 class CudaBackend final : public Backend {

@@ -18,7 +18,13 @@ namespace flashserve {
 
 struct SchedulerOptions {
   int queue_capacity = 64;  // jobs waiting (not counting running ones); full -> RESOURCE_EXHAUSTED
-  int num_workers = 1;      // jobs running at once
+  int num_workers = 1;      // jobs running at once (the backend's choice, not a flag)
+
+  /// INVALID_ARGUMENT naming --queue_capacity when it is < 1.
+  absl::Status Check() const {
+    return queue_capacity >= 1 ? absl::OkStatus()
+                               : absl::InvalidArgumentError("--queue_capacity must be >= 1");
+  }
 };
 
 /// Thread-safe. Every accepted job runs exactly once, on a worker thread; a job decides

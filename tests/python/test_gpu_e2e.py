@@ -430,8 +430,9 @@ def test_sticky_device_fault_stops_the_server(flashserve_bin, tmp_path, rng, dev
     INTERNAL, turns gRPC health NOT_SERVING and HTTP ready 503 within ~1 s, and later requests get UNAVAILABLE at once
     instead of running on a dead context. With two devices the other one is not used either: a sticky error makes CUDA
     unusable in the whole process (every call on the other device failed too on two H200s; see
-    bench/service/sticky_error_probe.cu), so it must not produce INTERNAL errors from a device that looks healthy. The
-    process still exits 0 on SIGTERM."""
+    bench/service/sticky_error_probe.cu), so it must not produce INTERNAL errors from a device that looks healthy.
+    /v2/health/live answers 503 too, and after --shutdown_grace_seconds the process exits by itself with code 3 (so that
+    its supervisor restarts it with a fresh CUDA context) instead of holding the GPU forever."""
     import urllib.error
     import urllib.request
 
@@ -439,8 +440,9 @@ def test_sticky_device_fault_stops_the_server(flashserve_bin, tmp_path, rng, dev
     wanted = len(devices.split(","))
     if _gpu_count() < wanted:
         pytest.skip(f"this machine has {_gpu_count()} GPU(s): the fault test with --devices={devices} needs {wanted}")
-    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", f"--devices={devices}", "--enable_fault_injection"],
-                      name="fault").start()
+    grace_s = 6
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", f"--devices={devices}", "--enable_fault_injection",
+                                                 f"--shutdown_grace_seconds={grace_s}"], name="fault").start()
     try:
         with flashserve.Client(s.address, timeout=120) as c:
             q, k, v = _problem(rng, "bfloat16", 1, 333, 517, 4, 2, 128)
@@ -458,10 +460,18 @@ def test_sticky_device_fault_stops_the_server(flashserve_bin, tmp_path, rng, dev
             for _ in range(4):  # whichever device the load balancer would have picked
                 with pytest.raises(flashserve.UnavailableError, match="faulted"):
                     c.attention(q, k, v)
+            with pytest.raises(urllib.error.HTTPError) as live:
+                urllib.request.urlopen(f"{s.http}/v2/health/live", timeout=5)
+            assert live.value.code == 503
+        try:  # no signal: the process ends itself once the grace period is over
+            code = s.proc.wait(timeout=grace_s + 20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the faulted server still runs {grace_s + 20} s after its fault\n{s.logs()}")
         logs = s.logs(limit=20000)
+        assert code == 3, f"exit code {code}, expected 3 (backend unhealthy)\n{logs}"
         assert logs.count("CUDA is unusable in this process") == 1, logs
     finally:
-        _stop_and_check(s)
+        s.stop()
 
 
 def test_real_device_out_of_memory_then_normal_service(flashserve_bin, tmp_path, rng):

@@ -1,0 +1,65 @@
+#include "config/serve_loop.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <csignal>
+#include <ctime>
+
+#include "absl/time/clock.h"
+#include "config/server_config.h"
+
+namespace flashserve {
+namespace {
+
+sigset_t ShutdownSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  return signals;
+}
+
+// A shutdown signal if one arrives within `wait` (then its number), else 0.
+int TakeSignal(absl::Duration wait) {
+  const sigset_t signals = ShutdownSignals();
+  const timespec timeout = absl::ToTimespec(std::max(wait, absl::ZeroDuration()));
+  const int taken = sigtimedwait(&signals, nullptr, &timeout);
+  return taken > 0 ? taken : 0;
+}
+
+}  // namespace
+
+void BlockShutdownSignals() {
+  const sigset_t signals = ShutdownSignals();
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+}
+
+StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick) {
+  StopEvent event;
+  for (;;) {
+    if (int taken = TakeSignal(tick); taken != 0) {
+      event.signal_number = taken;
+      return event;
+    }
+    if (!live()) {
+      event.reason = StopReason::kBackendUnhealthy;
+      return event;
+    }
+  }
+}
+
+bool WaitForSignalUntil(absl::Time deadline) {
+  for (;;) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) return false;
+    if (TakeSignal(std::min(left, absl::Seconds(1))) != 0) return true;
+  }
+}
+
+int ExitCodeFor(StopReason reason) {
+  return reason == StopReason::kBackendUnhealthy ? ShutdownOptions::kExitBackendUnhealthy
+                                                 : ShutdownOptions::kExitOk;
+}
+
+}  // namespace flashserve

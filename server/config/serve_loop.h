@@ -1,0 +1,36 @@
+// How the serving process waits for its end and what it exits with: a shutdown signal (drain,
+// exit 0) or a backend that turned unhealthy (a sticky device fault: drain, exit 3, so that the
+// supervisor -- Kubernetes, systemd, docker --restart -- starts a fresh process with a working GPU
+// context instead of keeping a zombie that holds the GPU and answers nothing).
+#pragma once
+
+#include <functional>
+
+#include "absl/time/time.h"
+
+namespace flashserve {
+
+enum class StopReason {
+  kSignal,            // SIGINT or SIGTERM
+  kBackendUnhealthy,  // live() turned false
+};
+
+struct StopEvent {
+  StopReason reason = StopReason::kSignal;
+  int signal_number = 0;  // with kSignal
+};
+
+/// Blocks SIGINT and SIGTERM in the calling thread, and so in every thread it starts later: only
+/// the waits below take them. Call first thing in main.
+void BlockShutdownSignals();
+
+/// Waits for SIGINT/SIGTERM or for `live` to return false, asking it every `tick`.
+StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick = absl::Seconds(1));
+
+/// Waits until `deadline` or a shutdown signal, whichever comes first; true on a signal.
+bool WaitForSignalUntil(absl::Time deadline);
+
+/// The process's exit code for how it stopped (ShutdownOptions::kExit*).
+int ExitCodeFor(StopReason reason);
+
+}  // namespace flashserve

@@ -1,0 +1,284 @@
+#include "config/server.h"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/version.h"
+#include "config/host_memory.h"
+#include "edge/grpc/stream_edge.h"
+#include "memory/receive_arena.h"
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+namespace {
+
+kserve::KServeOptions KServeOptionsFor(const ServerConfig& config) {
+  kserve::KServeOptions kserve;
+  kserve.model_name = config.model.model_name;
+  kserve.server_version = kVersion;
+  kserve.max_request_bytes = config.limits.max_request_bytes;
+  return kserve;
+}
+
+// The bearer token of --auth_token_file, else of $FLASHSERVE_AUTH_TOKEN; null: no auth.
+absl::StatusOr<std::unique_ptr<BearerAuth>> LoadAuth(const NetworkOptions& network) {
+  absl::StatusOr<std::unique_ptr<BearerAuth>> auth;
+  if (!network.auth_token_file.empty()) {
+    auth = BearerAuth::FromFile(network.auth_token_file);
+  } else if (!network.auth_token.empty()) {
+    auth = BearerAuth::FromToken(network.auth_token);
+  } else {
+    return std::unique_ptr<BearerAuth>();
+  }
+  if (!auth.ok()) return absl::InvalidArgumentError(auth.status().message());
+  return auth;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config) {
+  if (absl::Status s = ConfigureLogging(config.log.level, config.log.format); !s.ok()) {
+    return absl::InvalidArgumentError(s.message());
+  }
+  ApplyMallocOptions(config.memory.malloc);  // before any thread: arenas are made per thread
+  auto server = std::unique_ptr<Server>(new Server(config));
+  if (absl::Status s = server->StartBackend(); !s.ok()) return s;
+  server->StartMetrics();
+  if (absl::Status s = server->StartRuntime(); !s.ok()) return s;
+  if (absl::Status s = server->StartGrpc(); !s.ok()) return s;
+  if (absl::Status s = server->StartHttp(); !s.ok()) return s;
+  server->LogServing();
+  return server;
+}
+
+Server::~Server() {
+  if (autotune_relay_ != nullptr) autotune_relay_->store(nullptr);
+}
+
+absl::Status Server::StartBackend() {
+  const MallocOptions& malloc = config_.memory.malloc;
+  heap_retention_ = std::make_unique<HeapRetention>(
+      malloc.trim_threshold_bytes, malloc.mmap_threshold_bytes, malloc.retention_hold);
+  BackendOptions backend_options = config_.ResolvedBackend();
+  autotune_relay_ = std::make_shared<std::atomic<ServerMetrics*>>(nullptr);
+  backend_options.cuda.on_autotune_event = [relay = autotune_relay_](const char* event) {
+    if (ServerMetrics* metrics = relay->load()) metrics->RecordAutotune(event);
+  };
+  absl::StatusOr<CreatedBackend> created = CreateBackend(backend_options);
+  if (!created.ok()) {
+    return absl::Status(created.status().code(),
+                        absl::StrCat("backend: ", created.status().message()));
+  }
+  backend_ = *std::move(created);
+  const std::string& name = backend_.backend->capabilities().name;
+  if (name != "cuda" && backend_options.cuda.autotune != "off") {
+    spdlog::warn("--autotune={} has no effect on the {} backend", backend_options.cuda.autotune,
+                 name);
+  }
+  if (absl::Status s = InstallReceiveArena(config_.memory, name); !s.ok()) return s;
+  SchedulerOptions scheduler_options = config_.scheduler;
+  scheduler_options.num_workers = backend_.scheduler_workers;
+  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler = Scheduler::Create(scheduler_options);
+  if (!scheduler.ok()) return scheduler.status();
+  scheduler_ = *std::move(scheduler);
+  return absl::OkStatus();
+}
+
+void Server::StartMetrics() {
+  ServerMetricsOptions options;
+  options.version = kVersion;
+  options.cuda = kCudaVersion;
+  options.arch = kCudaArchs;
+  options.methods.insert(options.methods.end(), {"ModelInfer", "KServeInfer"});
+  metrics_ = std::make_unique<ServerMetrics>(options);
+  Scheduler* scheduler = scheduler_.get();
+  metrics_->SetQueueDepthCallback([scheduler] { return double(scheduler->queue_depth()); });
+  Backend* backend = backend_.backend.get();
+  for (const DeviceDescription& device : backend->capabilities().devices) {
+    const int index = device.index;
+    metrics_->SetDevicePoolCallback(index, [backend, index] {
+      PoolBytes bytes;
+      backend->DevicePoolBytes(index, &bytes.used, &bytes.reserved);
+      return bytes;
+    });
+  }
+  metrics_->SetPinnedPoolCallback([backend] {
+    PoolBytes bytes;
+    backend->PinnedPoolBytes(&bytes.used, &bytes.reserved);
+    return bytes;
+  });
+  metrics_->SetReceiveArenaCallback([] {
+    ServerMetrics::ArenaBytes bytes;
+    if (const ReceiveArena* arena = ReceiveArena::Installed()) {
+      bytes.used = arena->used_bytes();
+      bytes.peak = arena->peak_bytes();
+      bytes.capacity = int64_t(arena->capacity());
+    }
+    return bytes;
+  });
+  autotune_relay_->store(metrics_.get());
+}
+
+absl::Status Server::StartRuntime() {
+  const BackendCapabilities& caps = backend_.backend->capabilities();
+  ValidationLimits limits = config_.limits.validation;
+  limits.dtypes = caps.dtypes;
+  limits.head_dims = caps.head_dims;
+  limits.max_head_dim = caps.max_head_dim;
+  limits.backend_name = caps.name;
+  runtime_ = std::make_unique<AttentionRuntime>(backend_.backend.get(), scheduler_.get(), limits,
+                                                metrics_.get(), config_.limits.max_inflight_bytes);
+  absl::StatusOr<std::unique_ptr<BearerAuth>> auth = LoadAuth(config_.network);
+  if (!auth.ok()) return auth.status();
+  auth_ = *std::move(auth);
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartGrpc() {
+  const NetworkOptions& network = config_.network;
+  const std::string& backend_name = backend_.backend->capabilities().name;
+  // The token is passed to the services too while the gRPC edge moves its check in front of
+  // every service (edge/grpc/grpc_auth.h); they ignore it once it has.
+  kserve_grpc_ = CreateKServeGrpcService(runtime_.get(), KServeOptionsFor(config_), auth_.get());
+  StreamLimits stream;
+  stream.max_sessions = config_.stream.max_sessions;
+  stream.max_session_bytes = config_.limits.max_request_bytes;
+  stream.max_total_bytes = config_.limits.max_inflight_bytes;
+  stream.max_tensor_elements = config_.limits.validation.max_tensor_elements;
+  stream.idle_timeout = std::chrono::milliseconds(config_.stream.session_timeout_ms);
+  stream_grpc_ = CreateStreamService(runtime_.get(), stream, auth_.get());
+
+  GrpcOptions grpc;
+  grpc.host = network.host;
+  grpc.port = network.grpc_port;
+  grpc.max_request_bytes = config_.limits.max_request_bytes;
+  grpc.memory_quota_bytes = network.grpc_memory_quota_bytes;
+  grpc.tls_cert_file = network.tls_cert_file;
+  grpc.tls_key_file = network.tls_key_file;
+  grpc.auth = auth_.get();
+  grpc.enable_fault_injection = config_.test_hooks.enable_fault_injection;
+  grpc.copy_threads = config_.request_threads.copy_threads;
+  grpc.hot_lane_spin_us =
+      config_.request_threads.HotLaneSpinUsFor(backend_name, std::thread::hardware_concurrency());
+  grpc.heap_retention = heap_retention_.get();
+  ServerIdentity identity;
+  identity.version = kVersion;
+  identity.build = kBuildSummary;
+  const int cpu_threads = config_.backend.cpu.num_threads;
+  identity.worker_threads =
+      cpu_threads > 0 ? cpu_threads : int(std::thread::hardware_concurrency());
+  identity.queue_capacity = config_.scheduler.queue_capacity;
+  identity.max_request_bytes = config_.limits.max_request_bytes;
+  absl::StatusOr<std::unique_ptr<GrpcEdge>> edge = GrpcEdge::Create(
+      grpc, runtime_.get(), identity, {kserve_grpc_.get(), stream_grpc_.get()});
+  if (!edge.ok()) return edge.status();
+  grpc_edge_ = *std::move(edge);
+  return absl::OkStatus();
+}
+
+absl::Status Server::StartHttp() {
+  const NetworkOptions& network = config_.network;
+  const HttpLimitsOptions& limits = config_.http;
+  HttpOptions http;
+  http.host = network.host;
+  http.port = network.http_port;
+  http.max_request_bytes = config_.limits.max_request_bytes;
+  http.tls_cert_file = network.tls_cert_file;
+  http.tls_key_file = network.tls_key_file;
+  http.auth = auth_.get();
+  http.open_health = network.auth_open_health;
+  http.max_connections = limits.max_connections;
+  http.max_connections_per_ip = limits.max_connections_per_ip;
+  http.max_header_bytes = limits.max_header_bytes;
+  http.idle_timeout_s = limits.idle_timeout_s;
+  http.header_timeout_s = limits.header_timeout_s;
+  http.body_timeout_s = limits.body_timeout_s;
+  http.max_json_bytes = limits.max_json_bytes;
+  http.max_receive_bytes = limits.max_receive_bytes;
+  absl::StatusOr<std::unique_ptr<HttpEdge>> edge =
+      HttpEdge::Create(http, runtime_.get(), KServeOptionsFor(config_));
+  if (!edge.ok()) return edge.status();
+  http_edge_ = *std::move(edge);
+
+  MetricsHttpOptions scrape;
+  scrape.host = network.host;
+  scrape.port = network.metrics_port;
+  scrape.tls_cert_file = network.tls_cert_file;
+  scrape.tls_key_file = network.tls_key_file;
+  scrape.auth = auth_.get();
+  scrape.max_connections = limits.max_connections;
+  scrape.max_connections_per_ip = limits.max_connections_per_ip;
+  scrape.max_header_bytes = limits.max_header_bytes;
+  scrape.idle_timeout_s = limits.idle_timeout_s;
+  scrape.header_timeout_s = limits.header_timeout_s;
+  absl::StatusOr<std::unique_ptr<MetricsHttpServer>> metrics_http =
+      MetricsHttpServer::Create(scrape, metrics_.get());
+  if (!metrics_http.ok()) return metrics_http.status();
+  metrics_http_ = *std::move(metrics_http);
+  return absl::OkStatus();
+}
+
+void Server::LogServing() const {
+  const BackendCapabilities& caps = backend_.backend->capabilities();
+  std::vector<std::string> devices;
+  for (const DeviceDescription& d : caps.devices) {
+    devices.push_back(absl::StrCat(d.index, ":", d.name, " (sm_", d.cc_major, d.cc_minor, ")"));
+  }
+  const std::string& host = config_.network.host;
+  spdlog::info(
+      "flashserve {} serving: backend={} ({}) devices=[{}] grpc={}:{} http={}:{} metrics={}:{} "
+      "queue={} tls={} auth={}",
+      kVersion, caps.name, backend_.reason, absl::StrJoin(devices, ", "), host, grpc_edge_->port(),
+      host, http_edge_->port(), host, metrics_http_->port(), config_.scheduler.queue_capacity,
+      config_.network.tls_cert_file.empty() ? "off" : "on", auth_ ? "bearer" : "off");
+}
+
+StopEvent Server::WaitForStop() {
+  const StopEvent stop = flashserve::WaitForStop([this] { return runtime_->live(); });
+  if (stop.reason == StopReason::kBackendUnhealthy) {
+    grpc_edge_->SetServing(false);
+    spdlog::error(
+        "backend unhealthy: gRPC health NOT_SERVING, HTTP ready and live 503; exiting with code {} "
+        "after the grace period ({} s) so that the process is restarted",
+        ExitCodeFor(stop.reason), config_.shutdown.grace_seconds);
+  }
+  return stop;
+}
+
+bool Server::Drain(const StopEvent& stop) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(config_.shutdown.grace_seconds);
+  grpc_edge_->SetServing(false);
+  if (stop.reason == StopReason::kSignal) {
+    spdlog::info("{} received: draining (grace {}s)", strsignal(stop.signal_number),
+                 config_.shutdown.grace_seconds);
+    runtime_->StopAccepting();  // new requests: UNAVAILABLE
+  }
+  // Native Attention calls are admitted when they start (edge/grpc/attention_call.h), so WaitIdle
+  // also waits for requests still uploading; gRPC's Shutdown would cancel those. Then the answers
+  // handed to gRPC -- native, KServe and striped downloads alike -- must still be written: a large
+  // one to a slow reader can take seconds, and Shutdown's deadline would cut it off.
+  const bool drained = runtime_->WaitIdle(deadline) && grpc_edge_->WaitForDataCalls(deadline);
+  if (stop.reason == StopReason::kBackendUnhealthy) {
+    // Requests meanwhile get UNAVAILABLE from the backend, naming the fault.
+    if (WaitForSignalUntil(deadline)) spdlog::info("signal received: stopping now");
+    runtime_->StopAccepting();
+  }
+  if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
+  grpc_edge_->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
+  spdlog::debug("shutdown: gRPC stopped");
+  http_edge_->Stop();
+  spdlog::debug("shutdown: HTTP stopped");
+  metrics_http_->Stop();  // before the scheduler its queue-depth callback reads goes away
+  spdlog::info("stopped");
+  return drained;
+}
+
+}  // namespace flashserve

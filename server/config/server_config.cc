@@ -1,0 +1,156 @@
+#include "config/server_config.h"
+
+#include <climits>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace flashserve {
+namespace {
+
+absl::Status OutOfRange(absl::string_view flag, int64_t value, int64_t low, int64_t high) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, " must be in [", low, ", ", high, "], got ", value));
+}
+
+absl::Status CheckPort(absl::string_view flag, int port) {
+  return port >= 0 && port <= 65535 ? absl::OkStatus() : OutOfRange(flag, port, 0, 65535);
+}
+
+}  // namespace
+
+absl::Status NetworkOptions::Check() const {
+  if (absl::Status s = CheckPort("grpc_port", grpc_port); !s.ok()) return s;
+  if (absl::Status s = CheckPort("http_port", http_port); !s.ok()) return s;
+  if (absl::Status s = CheckPort("metrics_port", metrics_port); !s.ok()) return s;
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
+  }
+  if (grpc_memory_quota_bytes < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--grpc_memory_quota_bytes must be -1 (auto), 0 (gRPC's default) or a byte count, got ",
+        grpc_memory_quota_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HttpLimitsOptions::Check() const {
+  for (auto [flag, value] : {std::pair{"http_max_connections", int64_t{max_connections}},
+                             std::pair{"http_max_header_bytes", int64_t{max_header_bytes}},
+                             std::pair{"http_idle_timeout_s", int64_t{idle_timeout_s}},
+                             std::pair{"http_header_timeout_s", int64_t{header_timeout_s}},
+                             std::pair{"http_body_timeout_s", int64_t{body_timeout_s}},
+                             std::pair{"http_max_json_bytes", max_json_bytes},
+                             std::pair{"http_max_receive_bytes", max_receive_bytes}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be >= 1"));
+  }
+  if (max_connections_per_ip < 0) {
+    return absl::InvalidArgumentError("--http_max_connections_per_ip must be >= 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MallocOptions::Check() const {
+  // glibc caps M_MMAP_THRESHOLD at 32 MiB (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit).
+  if (mmap_threshold_bytes < 0 || mmap_threshold_bytes > (int64_t{32} << 20)) {
+    return OutOfRange("malloc_mmap_threshold_bytes", mmap_threshold_bytes, 0, int64_t{32} << 20);
+  }
+  if (trim_threshold_bytes < 0 || trim_threshold_bytes > (int64_t{1} << 30)) {
+    return OutOfRange("malloc_trim_threshold_bytes", trim_threshold_bytes, 0, int64_t{1} << 30);
+  }
+  if (arena_max < 0 || arena_max > 1024) return OutOfRange("malloc_arena_max", arena_max, 0, 1024);
+  return absl::OkStatus();
+}
+
+absl::Status MemoryOptions::Check() const {
+  if (receive_arena_bytes < kAuto) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--receive_arena_bytes must be -1 (default), 0 or a byte count, got ", receive_arena_bytes));
+  }
+  if (pinned_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
+  return malloc.Check();
+}
+
+int64_t MemoryOptions::ReceiveArenaBytesFor(const std::string& backend_name) const {
+  if (receive_arena_bytes != kAuto) return receive_arena_bytes;
+  // On the CPU backend the arena gains nothing (it only serves tests of the mechanism).
+  return backend_name == "cuda" ? kCudaReceiveArenaBytes : 0;
+}
+
+absl::Status RequestThreadOptions::Check() const {
+  if (copy_threads < 0 || copy_threads > 64) return OutOfRange("copy_threads", copy_threads, 0, 64);
+  if (hot_lane_spin_us < kAuto || hot_lane_spin_us > 1000000) {
+    return OutOfRange("hot_lane_spin_us", hot_lane_spin_us, kAuto, 1000000);
+  }
+  return absl::OkStatus();
+}
+
+int64_t RequestThreadOptions::HotLaneSpinUsFor(const std::string& backend_name,
+                                               unsigned cores) const {
+  if (hot_lane_spin_us != kAuto) return hot_lane_spin_us;
+  // CPU-backend requests take milliseconds, and on 2-3 cores a polling thread costs too much.
+  return backend_name == "cuda" && cores >= 4 ? 1000 : 0;
+}
+
+absl::Status LimitsOptions::Check() const {
+  const int64_t elements = validation.max_tensor_elements;
+  if (elements < 1 || elements > kMaxTensorElementsBound) {
+    return OutOfRange("max_tensor_elements", elements, 1, kMaxTensorElementsBound);
+  }
+  if (max_request_bytes < 1 || max_request_bytes > INT_MAX) {
+    return OutOfRange("max_request_bytes", max_request_bytes, 1, INT_MAX);
+  }
+  if (max_inflight_bytes < 0) return absl::InvalidArgumentError("--max_inflight_bytes must be >= 0");
+  return absl::OkStatus();
+}
+
+absl::Status StreamOptions::Check() const {
+  if (max_sessions < 1) return absl::InvalidArgumentError("--stream_max_sessions must be >= 1");
+  if (session_timeout_ms < 1) {
+    return absl::InvalidArgumentError("--stream_session_timeout_ms must be >= 1");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelOptions::Check() const {
+  if (model_name.empty() || absl::StrContains(model_name, '/')) {
+    return absl::InvalidArgumentError("--model_name must be non-empty and without '/'");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LogOptions::Check() const {
+  for (absl::string_view known : {"trace", "debug", "info", "warn", "warning", "error", "err", "critical", "off"}) {
+    if (level == known) {
+      if (format == "text" || format == "json") return absl::OkStatus();
+      return absl::InvalidArgumentError(
+          absl::StrCat("--log_format must be text or json, got \"", format, "\""));
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--log_level must be trace, debug, info, warn, error, critical or off, got \"", level, "\""));
+}
+
+absl::Status ShutdownOptions::Check() const {
+  if (grace_seconds < 0) return absl::InvalidArgumentError("--shutdown_grace_seconds must be >= 0");
+  return absl::OkStatus();
+}
+
+absl::Status ServerConfig::Check() const {
+  for (absl::Status s : {network.Check(), http.Check(), memory.Check(), backend.Check(), scheduler.Check(),
+                         limits.Check(), request_threads.Check(), stream.Check(), model.Check(),
+                         log.Check(), shutdown.Check()}) {
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+BackendOptions ServerConfig::ResolvedBackend() const {
+  BackendOptions resolved = backend;
+  resolved.cuda.pinned_pool_bytes = memory.pinned_pool_bytes;
+  resolved.cpu.buffer_pool_bytes = memory.pinned_pool_bytes;
+  return resolved;
+}
+
+}  // namespace flashserve

@@ -1,0 +1,157 @@
+// ServerConfig: everything the server is started from, one options struct per concern. Each
+// field's default is written once (here, or in the struct of the layer that uses it: BackendOptions,
+// SchedulerOptions, ValidationLimits) and each struct's range checks are its Check(), whose
+// message names the flag. server/config/flags.cc fills a ServerConfig from the flags; nothing
+// below config/ reads a flag.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "api/validation.h"
+#include "edge/http/http_edge.h"
+#include "runtime/backend_options.h"
+#include "runtime/scheduler.h"
+
+namespace flashserve {
+
+/// Listening addresses, TLS and bearer-token auth of the gRPC, HTTP and metrics ports.
+struct NetworkOptions {
+  std::string host = "127.0.0.1";
+  int grpc_port = 8001;  // 0 everywhere: pick a free port
+  int http_port = 8000;
+  int metrics_port = 8002;
+  std::string tls_cert_file, tls_key_file;  // both set: TLS on every port
+  // gRPC's resource quota for its buffers (received messages included). -1: sized from the host
+  // by the gRPC edge; 0: gRPC's default (no bound).
+  int64_t grpc_memory_quota_bytes = -1;
+  std::string auth_token_file;  // set: calls need "authorization: Bearer <token>"
+  std::string auth_token;       // used when auth_token_file is empty ($FLASHSERVE_AUTH_TOKEN)
+  bool auth_open_health = true;  // /v2/health/* without a token
+
+  absl::Status Check() const;
+};
+
+/// The HTTP and metrics ports against hostile clients (server/README.md, "HTTP edge"); the
+/// defaults are the HTTP edge's own (HttpOptions).
+struct HttpLimitsOptions {
+  int max_connections = HttpOptions{}.max_connections;  // per port
+  int max_connections_per_ip = HttpOptions{}.max_connections_per_ip;  // 0: no cap
+  int max_header_bytes = HttpOptions{}.max_header_bytes;
+  int idle_timeout_s = HttpOptions{}.idle_timeout_s;
+  int header_timeout_s = HttpOptions{}.header_timeout_s;
+  int body_timeout_s = HttpOptions{}.body_timeout_s;
+  int64_t max_json_bytes = HttpOptions{}.max_json_bytes;
+  int64_t max_receive_bytes = HttpOptions{}.max_receive_bytes;
+
+  absl::Status Check() const;
+};
+
+/// glibc malloc tuning (memory/heap_retention.h says why; README "Server flags").
+struct MallocOptions {
+  int64_t mmap_threshold_bytes = int64_t{128} << 10;  // 0: glibc's dynamic default
+  int64_t trim_threshold_bytes = int64_t{64} << 20;   // while retaining big requests; 0: never
+  int arena_max = 0;                                  // 0: glibc's default (8 per core)
+  absl::Duration retention_hold = absl::Seconds(10);  // retain this long after a big request
+
+  absl::Status Check() const;
+};
+
+/// Host memory: the receive arena, the request-buffer pool, malloc.
+struct MemoryOptions {
+  static constexpr int64_t kAuto = -1;
+  static constexpr int64_t kCudaReceiveArenaBytes = int64_t{1} << 30;  // what kAuto means on CUDA
+  int64_t receive_arena_bytes = kAuto;  // kAuto: kCudaReceiveArenaBytes on CUDA, none on CPU; 0: none
+  int64_t pinned_pool_bytes = kDefaultRequestPoolBytes;  // both backends' request-buffer pool
+  MallocOptions malloc;
+
+  absl::Status Check() const;
+  /// The arena size for a backend ("cuda" or "cpu"): kAuto resolved.
+  int64_t ReceiveArenaBytesFor(const std::string& backend_name) const;
+};
+
+/// Threads the gRPC edge adds beside its own.
+struct RequestThreadOptions {
+  static constexpr int64_t kAuto = -1;
+  int copy_threads = 4;                // helpers copying a large request; 0: none
+  int64_t hot_lane_spin_us = kAuto;    // kAuto: 1000 on CUDA with >= 4 cores, else 0 (no lane)
+
+  absl::Status Check() const;
+  int64_t HotLaneSpinUsFor(const std::string& backend_name, unsigned cores) const;
+};
+
+/// Size limits of requests. validation.max_tensor_elements has its default in api/validation.h.
+struct LimitsOptions {
+  // Q, K, V, O and LSE of elements this large, at 4 bytes each, stay far inside int64 (2^40 * 20
+  // bytes < 2^45), so no size computed from a valid shape can overflow.
+  static constexpr int64_t kMaxTensorElementsBound = int64_t{1} << 40;
+  ValidationLimits validation;
+  int64_t max_request_bytes = int64_t{1} << 30;   // at most INT32_MAX (gRPC's message limit)
+  int64_t max_inflight_bytes = int64_t{4} << 30;  // 0: no limit
+
+  absl::Status Check() const;
+};
+
+/// The striped streaming API (flashserve.v1.AttentionStreamService).
+struct StreamOptions {
+  int max_sessions = 16;
+  int64_t session_timeout_ms = 60000;
+
+  absl::Status Check() const;
+};
+
+/// The KServe v2 / Open Inference Protocol model both edges present.
+struct ModelOptions {
+  std::string model_name = "attention";
+
+  absl::Status Check() const;
+};
+
+struct LogOptions {
+  std::string level = "info";   // trace, debug, info, warn, error, critical, off
+  std::string format = "text";  // text or json
+
+  absl::Status Check() const;
+};
+
+/// The process's end. Exit codes: kExitOk after a drain on SIGINT/SIGTERM; kExitBadConfig for a
+/// refused flag or file; kExitStartFailed when a listener or the backend cannot start;
+/// kExitBackendUnhealthy after a sticky device fault (the process drains and exits so that its
+/// supervisor restarts it with a fresh CUDA context).
+struct ShutdownOptions {
+  static constexpr int kExitOk = 0;
+  static constexpr int kExitStartFailed = 1;
+  static constexpr int kExitBadConfig = 2;
+  static constexpr int kExitBackendUnhealthy = 3;
+  int grace_seconds = 10;  // in-flight requests may finish for this long, then are cancelled
+
+  absl::Status Check() const;
+};
+
+struct TestHookOptions {
+  bool enable_fault_injection = false;  // see --enable_fault_injection; never in production
+};
+
+struct ServerConfig {
+  NetworkOptions network;
+  HttpLimitsOptions http;
+  MemoryOptions memory;
+  BackendOptions backend;  // its pool sizes are memory.pinned_pool_bytes (ResolvedBackend)
+  SchedulerOptions scheduler;
+  LimitsOptions limits;
+  RequestThreadOptions request_threads;
+  StreamOptions stream;
+  ModelOptions model;
+  LogOptions log;
+  ShutdownOptions shutdown;
+  TestHookOptions test_hooks;
+
+  /// Every struct's Check, in the order above: the first refusal.
+  absl::Status Check() const;
+  /// `backend` with both backends' request-buffer pools set to memory.pinned_pool_bytes.
+  BackendOptions ResolvedBackend() const;
+};
+
+}  // namespace flashserve
