@@ -24,6 +24,8 @@
 #include <sstream>
 #include <thread>
 
+#include <unistd.h>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -607,8 +609,23 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
 
 HttpListener::~HttpListener() { Stop(); }
 
-void HttpListener::Stop() {
+void HttpListener::Stop(absl::Duration finish_answers) {
   if (impl_ == nullptr) return;
+  if (impl_->daemon != nullptr) {
+    // No new connections; answers being written (a large one to a slow reader) may finish.
+    const MHD_socket listen = MHD_quiesce_daemon(impl_->daemon);
+    if (listen != MHD_INVALID_SOCKET) close(listen);
+    const absl::Time deadline = absl::Now() + finish_answers;
+    while (absl::Now() < deadline) {
+      {
+        std::lock_guard<std::mutex> lock(impl_->mu);
+        bool busy = false;
+        for (const ConnectionState* c : impl_->connections) busy |= c->phase == Phase::kBusy;
+        if (!busy) break;
+      }
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->stop = true;

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "common/auth.h"
 #include "common/http_status.h"
 
@@ -133,8 +134,9 @@ class HttpListener {
   HttpListener& operator=(const HttpListener&) = delete;
 
   int port() const { return port_; }
-  /// Stops listening, closes every connection and joins the threads; idempotent.
-  void Stop();
+  /// Stops listening, lets answers being written finish (up to `finish_answers`), then closes
+  /// every connection and joins the threads; idempotent.
+  void Stop(absl::Duration finish_answers = absl::Seconds(10));
 
   struct Impl;  // http_listener.cc
 

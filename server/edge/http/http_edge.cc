@@ -18,8 +18,10 @@ std::vector<HttpRoute> HealthRoutes(AttentionRuntime* runtime, bool open) {
   HttpRoute live;
   live.pattern = "/v2/health/live";
   live.open = open;
-  live.get = [](const HttpRequest&) -> HttpAnswer {
-    return HttpResponse::Json(200, R"({"live":true})");
+  // Not live after a sticky device fault: a liveness probe then restarts the process.
+  live.get = [runtime](const HttpRequest&) -> HttpAnswer {
+    const bool ok = runtime->live();
+    return HttpResponse::Json(ok ? 200 : 503, ok ? R"({"live":true})" : R"({"live":false})");
   };
   HttpRoute ready;
   ready.pattern = "/v2/health/ready";
