@@ -11,6 +11,7 @@ import pytest
 import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import attention_pb2_grpc as pb_grpc
+from metrics_helpers import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -157,3 +158,41 @@ def test_abandoned_sessions_are_dropped(start_server):
         assert stub.OpenSession(_header(), timeout=10).session_id  # room again
         assert "dropped after 300 ms idle" in s.logs()
     assert s.stop() == 0
+
+
+def test_striped_calls_are_counted_like_every_call(server, rng, make_qkv):
+    """Each call of the striped API lands in flashserve_requests_total{method,status}, its duration histogram and
+    request_bytes_total, through the same wrapper as Attention and ModelInfer (server/edge/grpc/grpc_call.h)."""
+    if server.metrics_port is None:
+        pytest.skip("this server binary has no --metrics_port")
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    stripes = 3
+    q, k, v = make_qkv(rng, 1, 97, 65, 2, 1, 16, "float32")
+    before = scrape(url)
+    with flashserve.StripedClient(server.address, stripes=stripes, chunk_bytes=4096, timeout=60,
+                                  inline_output_bytes=0) as client:
+        client.attention(q, k, v)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Compute(pb.ComputeRequest(session_id="no-such-session"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.CloseSession(pb.CloseSessionRequest(session_id="no-such-session"), timeout=10)
+    after = scrape(url)
+
+    def delta(name, **labels):
+        return after.value(name, **labels) - before.value(name, **labels)
+
+    requests = "flashserve_requests_total"
+    assert delta(requests, method="OpenSession", status="OK") == 1
+    assert delta(requests, method="Upload", status="OK") == stripes
+    assert delta(requests, method="Compute", status="OK") == 1
+    assert delta(requests, method="Compute", status="NOT_FOUND") == 1
+    assert delta(requests, method="Download", status="OK") == stripes
+    assert delta(requests, method="CloseSession", status="OK") == 1
+    assert delta("flashserve_request_duration_seconds_count", method="Compute") == 2
+    assert delta("flashserve_request_duration_seconds_count", method="Upload") == stripes
+    # Every tensor byte came in on an Upload and O went out on the Downloads (plus the chunks' framing).
+    tensor_bytes = q.nbytes + k.nbytes + v.nbytes
+    assert tensor_bytes <= delta("flashserve_request_bytes_total", direction="in") < tensor_bytes + 4096
+    assert q.nbytes <= delta("flashserve_request_bytes_total", direction="out") < q.nbytes + 4096

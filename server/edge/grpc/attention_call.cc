@@ -10,7 +10,7 @@
 #include "api/request_wire.h"
 #include "api/response_wire.h"
 #include "common/logging.h"
-#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
 #include "spdlog/spdlog.h"
@@ -57,11 +57,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
                 ParallelCopier* copier, HotLane* hot_lane,
                 grpc::GenericCallbackServerContext* context)
       : runtime_(runtime), options_(options), copier_(copier), hot_lane_(hot_lane),
-        context_(context) {
-    if (!GrpcCallAuthorized(options_.auth, context)) {
-      Answer(absl::UnauthenticatedError(kUnauthenticatedMessage));
-      return;
-    }
+        context_(context), call_(runtime->metrics(), grpc_methods::kAttention) {
     // Admitted now, while the request may still be uploading: the shutdown drain waits for it.
     admission_ = runtime_->Admit();
     if (!admission_) {
@@ -76,8 +72,10 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
       Answer(absl::InvalidArgumentError("AttentionRequest: no complete message was received"));
       return;
     }
-    received_ = absl::Now();  // the server's clock (Timing.total_us) starts with the whole request
+    // The server's clock (Timing.total_us, request_duration_seconds) starts with the whole request.
     request_size_ = int64_t(request_.Length());
+    call_.Start(request_size_);
+    received_ = call_.started();
     if (options_.heap_retention != nullptr) options_.heap_retention->Observe(request_size_);
     if (hot_lane_ != nullptr && request_size_ < kSmallRequestBytes) {
       ServerMetrics* metrics = runtime_->metrics();
@@ -95,10 +93,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
  private:
   // Parses the received request and submits it; runs on the gRPC thread or on the hot lane.
   void Process() {
-    if (ServerMetrics* metrics = runtime_->metrics()) {
-      metrics->InflightInc();
-      counted_inflight_ = true;
-    }
     absl::Status parsed = absl::InvalidArgumentError("AttentionRequest: unreadable message");
     if (request_.Dump(&slices_).ok()) {
       std::vector<std::string_view> views;
@@ -152,26 +146,15 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 
-  // Sends the response (or the error), records metrics and logs; called exactly once.
+  // Sends the response (or the error) through the call's GrpcCall; called exactly once.
   void Answer(const absl::Status& status) {
-    int64_t response_size = 0;
     if (status.ok()) {
       response_bytes_ = ResponseBytes(response_, io_);
-      response_size = int64_t(response_bytes_.Length());
-    }
-    if (ServerMetrics* metrics = runtime_->metrics()) {
-      if (counted_inflight_) metrics->InflightDec();
-      const double seconds = received_ == absl::InfinitePast()
-                                 ? 0.0
-                                 : absl::ToDoubleSeconds(absl::Now() - received_);
-      metrics->RecordRequest("Attention", static_cast<int>(status.code()), seconds, request_size_,
-                             response_size);
+      call_.AddBytesOut(int64_t(response_bytes_.Length()));
     }
     const std::string& request_id = wire_.header.request_id();
-    if (!status.ok()) {
-      spdlog::warn("Attention failed: request_id=\"{}\" code={} message=\"{}\"", LogSafe(request_id),
-                   absl::StatusCodeToString(status.code()), std::string(status.message()));
-    } else if (spdlog::should_log(spdlog::level::debug)) {
+    call_.set_request_id(request_id);
+    if (status.ok() && spdlog::should_log(spdlog::level::debug)) {
       const v1::Timing& t = response_.timing();
       spdlog::debug(
           "Attention ok: request_id=\"{}\" kernel={} total_us={} queue_us={} stage_us={} h2d_us={} "
@@ -179,10 +162,12 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
           LogSafe(request_id), response_.kernel(), t.total_us(), t.queue_us(), t.stage_us(),
           t.h2d_us(), t.compute_us(), t.d2h_us());
     }
+    // Before the answer goes out: once it has, gRPC may delete `this` at any moment.
+    const grpc::Status finished = call_.Finish(status);
     if (status.ok()) {
-      StartWriteAndFinish(&response_bytes_, grpc::WriteOptions(), grpc::Status::OK);
+      StartWriteAndFinish(&response_bytes_, grpc::WriteOptions(), finished);
     } else {
-      Finish(ToGrpcStatus(status));
+      Finish(finished);
     }
   }
 
@@ -201,7 +186,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   grpc::ByteBuffer response_bytes_;
   absl::Time received_ = absl::InfinitePast();
   int64_t request_size_ = 0;
-  bool counted_inflight_ = false;
+  GrpcCall call_;  // metrics, failure log, status conversion
 };
 
 }  // namespace
@@ -216,7 +201,7 @@ AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallO
 
 grpc::ServerGenericBidiReactor* AttentionRouter::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
-  if (context->method() == kAttentionMethod) {
+  if (context->method() == grpc_methods::kAttention.path) {
     return new AttentionCall(runtime_, options_, &copier_, hot_lane_.get(), context);
   }
   return grpc::CallbackGenericService::CreateReactor(context);  // UNIMPLEMENTED

@@ -4,6 +4,9 @@
 // start while draining are refused with UNAVAILABLE before their bytes are read. The wire format is
 // unary (one request message, one response); only the server-side handler is streaming-shaped.
 //
+// Metrics, the failure log line and the status conversion are the call's GrpcCall
+// (edge/grpc/grpc_call.h).
+//
 // Zero copy: the request is parsed from gRPC's receive slices (server/api/request_wire.h), its Q/K/V
 // copied once into the backend's (pinned) IoBuffers, and O/LSE are sent as slices that point into
 // those buffers (server/api/response_wire.h).
@@ -11,7 +14,6 @@
 
 #include <memory>
 
-#include "common/auth.h"
 #include "memory/heap_retention.h"
 #include "edge/grpc/hot_lane.h"
 #include "memory/parallel_copy.h"
@@ -20,12 +22,11 @@
 
 namespace flashserve {
 
-inline constexpr char kAttentionMethod[] = "/flashserve.v1.AttentionService/Attention";
 // With AttentionCallOptions::fault_injection, a request with this request_id faults its GPU.
 inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
 
+// The bearer token is checked before a call reaches the router (edge/grpc/grpc_auth.h).
 struct AttentionCallOptions {
-  const BearerAuth* auth = nullptr;  // set: calls need the token
   bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
   int copy_threads = 4;              // ParallelCopier helpers for large requests
   // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
@@ -34,7 +35,8 @@ struct AttentionCallOptions {
   HeapRetention* heap_retention = nullptr;  // told each request's size; may be null
 };
 
-/// Routes kAttentionMethod to its reactor; every other unregistered method gets UNIMPLEMENTED.
+/// Routes grpc_methods::kAttention (edge/grpc/grpc_call.h) to its reactor; every other
+/// unregistered method gets UNIMPLEMENTED.
 /// Register with ServerBuilder::RegisterCallbackGenericService; it must outlive the server.
 class AttentionRouter final : public grpc::CallbackGenericService {
  public:

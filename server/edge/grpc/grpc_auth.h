@@ -1,23 +1,53 @@
-// Bearer-token check for gRPC handlers (metadata "authorization: Bearer <token>").
+// Who may call the gRPC port: TLS (optional) and the bearer-token gate (optional), both in the
+// listening port's credentials.
+//
+// The gate is a gRPC auth metadata processor: gRPC core runs it on a call's headers (metadata
+// "authorization: Bearer <token>") as soon as they arrive, before the call reaches any handler
+// and before its message is read, on every service of the port alike -- native, KServe v2,
+// striped streams, reflection, and paths nobody serves. A refused call is failed inside gRPC
+// with UNAUTHENTICATED; no handler runs, no message is assembled, nothing reaches the runtime.
+// It is counted in flashserve_requests_total{method,status="UNAUTHENTICATED"} (edge/grpc/
+// grpc_call.h). Health stays open: grpc.health.v1.Health and KServe's ServerLive / ServerReady.
+//
+// What gRPC 1.51 still reads of a refused call: the bytes the client sent before the refusal
+// reached it, at most the stream's flow-control window (64 KiB initially; BDP probing may raise
+// the window of new streams, up to GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 MiB, on a connection
+// that has carried large messages). Those bytes pass through the transport's read buffers and are
+// dropped as they arrive (the connection's window is kept open for other calls); none of them is
+// kept for the call. tests/python/test_grpc_auth_gate.py sends 256 MiB without a token and checks
+// the server's peak RSS.
+//
+// gRPC's C++ API refuses a metadata processor on insecure credentials (it asserts), although
+// gRPC core runs one on plaintext connections as well; so the port's credentials are made with
+// gRPC core's C API here, the same for TLS and plaintext.
 #pragma once
 
+#include <memory>
 #include <string>
+#include <string_view>
 
+#include "absl/status/statusor.h"
 #include "common/auth.h"
-#include "grpcpp/server_context.h"
+#include "grpcpp/security/server_credentials.h"
+#include "metrics/server_metrics.h"
 
 namespace flashserve {
 
-/// True when no token is configured or the call carries the right one. Handlers that get false
-/// finish the call with UNAUTHENTICATED before reading the request.
-inline bool GrpcCallAuthorized(const BearerAuth* auth, const grpc::CallbackServerContext* context) {
-  if (auth == nullptr) return true;
-  const auto& metadata = context->client_metadata();
-  auto it = metadata.find("authorization");
-  if (it == metadata.end()) return false;
-  return auth->Allows(absl::string_view(it->second.data(), it->second.size()));
-}
-
 inline constexpr const char kUnauthenticatedMessage[] = "missing or invalid bearer token";
+
+struct GrpcCredentialsOptions {
+  std::string tls_cert_file, tls_key_file;  // both set: TLS; neither: plaintext
+  const BearerAuth* auth = nullptr;         // set: every call but health needs the token
+  ServerMetrics* metrics = nullptr;         // counts refused calls; may be null
+};
+
+/// The listening port's credentials. `auth` and `metrics` must outlive the server.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeGrpcServerCredentials(
+    const GrpcCredentialsOptions& options);
+
+/// The gate's decision for a call to `path` with `authorization` (empty when absent): OK, or
+/// UNAUTHENTICATED. Exposed for tests; the gate also records and logs a refusal.
+absl::Status CheckGrpcCallToken(const BearerAuth* auth, std::string_view path,
+                                std::string_view authorization);
 
 }  // namespace flashserve

@@ -1,14 +1,14 @@
 #include "edge/grpc/grpc_edge.h"
 
 #include <climits>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "edge/grpc/attention_call.h"
 #include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_call.h"
+#include "edge/grpc/grpc_memory_quota.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -29,28 +29,23 @@ using AttentionServiceBase = v1::AttentionService::WithGenericMethod_Attention<
 
 class AttentionServiceImpl final : public AttentionServiceBase {
  public:
-  AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity,
-                       const BearerAuth* auth)
-      : runtime_(runtime), identity_(identity), auth_(auth) {}
-
-  // Finishes unauthorized calls with UNAUTHENTICATED (counted under `method`); true if it did.
-  bool RejectUnauthorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
-                          const char* method) {
-    if (GrpcCallAuthorized(auth_, context)) return false;
-    if (ServerMetrics* metrics = runtime_->metrics()) {
-      metrics->RecordRequest(method, 16 /* UNAUTHENTICATED */, 0.0, 0, 0);
-    }
-    spdlog::warn("{} rejected: {}", method, kUnauthenticatedMessage);
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage));
-    return true;
-  }
+  AttentionServiceImpl(AttentionRuntime* runtime, const ServerIdentity& identity)
+      : runtime_(runtime), identity_(identity) {}
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* /*request*/,
                                           v1::ServerInfo* info) override {
-    const absl::Time received = absl::Now();
+    GrpcCall call(runtime_->metrics(), grpc_methods::kGetServerInfo);
+    call.Start();
+    FillServerInfo(info);
+    call.AddBytesOut(int64_t(info->ByteSizeLong()));
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    if (RejectUnauthorized(context, reactor, "GetServerInfo")) return reactor;
+    reactor->Finish(call.Finish(absl::OkStatus()));
+    return reactor;
+  }
+
+ private:
+  void FillServerInfo(v1::ServerInfo* info) {
     const BackendCapabilities& caps = runtime_->backend().capabilities();
     info->set_version(identity_.version);
     info->set_build(identity_.build);
@@ -71,43 +66,50 @@ class AttentionServiceImpl final : public AttentionServiceBase {
     limits->set_max_request_bytes(identity_.max_request_bytes);
     limits->set_max_tensor_elements(runtime_->limits().max_tensor_elements);
     limits->set_queue_capacity(identity_.queue_capacity);
-    reactor->Finish(grpc::Status::OK);
-    if (ServerMetrics* metrics = runtime_->metrics()) {
-      metrics->RecordRequest("GetServerInfo", 0, absl::ToDoubleSeconds(absl::Now() - received), 0,
-                             int64_t(info->ByteSizeLong()));
-    }
-    return reactor;
   }
 
- private:
   AttentionRuntime* runtime_;
   const ServerIdentity identity_;
-  const BearerAuth* const auth_;
 };
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(
-    const GrpcOptions& options) {
-  if (options.tls_cert_file.empty() && options.tls_key_file.empty()) {
-    return grpc::InsecureServerCredentials();
+// Message limits, the memory quota and the HTTP/2 settings of the listening port.
+void ConfigureTransport(const GrpcOptions& options, int64_t memory_quota_bytes,
+                        grpc::ServerBuilder* builder) {
+  // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
+  // before we see it); a response is at most the size of its request plus the LSE.
+  builder->SetMaxReceiveMessageSize(int(options.max_request_bytes));
+  builder->SetMaxSendMessageSize(INT_MAX);
+  // Reflection is a sync service: its pollers wake every CQ_TIMEOUT_MSEC (default 10 s) and
+  // Server::Wait() at shutdown waits for them. 200 ms keeps SIGTERM exits prompt.
+  builder->SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
+  if (memory_quota_bytes > 0) {
+    // Bounds the memory gRPC may use for buffers (received messages included); see
+    // edge/grpc/grpc_memory_quota.h for the default and what gRPC does when it is reached.
+    grpc::ResourceQuota quota("flashserve");
+    quota.Resize(size_t(memory_quota_bytes));
+    builder->SetResourceQuota(quota);
+    spdlog::info("gRPC memory quota: {} MiB{}", memory_quota_bytes >> 20,
+                 options.memory_quota_bytes == kGrpcMemoryQuotaAuto ? " (auto)" : "");
+  } else {
+    spdlog::warn(
+        "gRPC memory quota: none (--grpc_memory_quota_bytes=0): gRPC may buffer "
+        "without bound");
   }
-  if (options.tls_cert_file.empty() || options.tls_key_file.empty()) {
-    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
-  }
-  absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file, "--tls_cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadFile(options.tls_key_file, "--tls_key");
-  if (!key.ok()) return key.status();
-  grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
-  return grpc::SslServerCredentials(ssl);
+  // A second process must not be able to bind the same port and take half the calls.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Large messages (README "Large messages"): tensors are MiB..GiB, so let one HTTP/2 frame carry
+  // up to 16 MiB - 1 (the protocol maximum; default 16 KiB means a thousand frame headers per
+  // 16 MiB), read the socket in chunks of up to 4 MiB, and let one stream's flow-control window
+  // grow to 64 MiB ahead of the application (BDP probing, on by default, sizes it dynamically up
+  // to that). Measured on the GPU machine (ENVIRONMENT.md) these barely move one connection's
+  // throughput (~0.7 GB/s, bound by gRPC's per-connection processing); several connections scale.
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
+  // Asks for socket reads of 256 KiB to 4 MiB; gRPC 1.51's TCP reader ignores these and reads into
+  // 64 KiB buffers (measured with a malloc histogram), which memory/receive_arena.h serves.
+  builder->AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
+  builder->AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
 }
 
 }  // namespace
@@ -132,15 +134,23 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
                                                    options.max_request_bytes));
   }
   auto impl = std::make_unique<Impl>();
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials = MakeCredentials(options);
+  GrpcCredentialsOptions credentials_options;
+  credentials_options.tls_cert_file = options.tls_cert_file;
+  credentials_options.tls_key_file = options.tls_key_file;
+  credentials_options.auth = options.auth;
+  credentials_options.metrics = runtime->metrics();
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeGrpcServerCredentials(credentials_options);
   if (!credentials.ok()) return credentials.status();
+  absl::StatusOr<int64_t> quota = ResolveGrpcMemoryQuota(
+      options.memory_quota_bytes, options.max_request_bytes, HostMemoryBytes());
+  if (!quota.ok()) return quota.status();
   if (options.copy_threads < 0 || options.copy_threads > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat("--copy_threads must be in [0, 64], got ", options.copy_threads));
   }
-  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity, options.auth);
+  impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity);
   AttentionCallOptions call_options;
-  call_options.auth = options.auth;
   call_options.fault_injection = options.enable_fault_injection;
   call_options.copy_threads = options.copy_threads;
   call_options.hot_lane_spin_us = options.hot_lane_spin_us;
@@ -167,35 +177,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   builder.RegisterService(impl->service.get());
   builder.RegisterCallbackGenericService(impl->router.get());
   for (grpc::Service* service : extra_services) builder.RegisterService(service);
-  // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
-  // before we see it); a response is at most the size of its request plus the LSE.
-  builder.SetMaxReceiveMessageSize(int(options.max_request_bytes));
-  builder.SetMaxSendMessageSize(INT_MAX);
-  // Reflection is a sync service: its pollers wake every CQ_TIMEOUT_MSEC (default 10 s) and
-  // Server::Wait() at shutdown waits for them. 200 ms keeps SIGTERM exits prompt.
-  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
-  if (options.memory_quota_bytes > 0) {
-    // Bounds the memory gRPC may use for buffers (received messages included); over it, new
-    // calls are refused with RESOURCE_EXHAUSTED instead of growing the process.
-    grpc::ResourceQuota quota("flashserve");
-    quota.Resize(size_t(options.memory_quota_bytes));
-    builder.SetResourceQuota(quota);
-  }
-  // A second process must not be able to bind the same port and take half the calls.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  // Large messages (README "Large messages"): tensors are MiB..GiB, so let one HTTP/2 frame carry
-  // up to 16 MiB - 1 (the protocol maximum; default 16 KiB means a thousand frame headers per
-  // 16 MiB), read the socket in chunks of up to 4 MiB, and let one stream's flow-control window
-  // grow to 64 MiB ahead of the application (BDP probing, on by default, sizes it dynamically up
-  // to that). Measured on the GPU machine (ENVIRONMENT.md) these barely move one connection's
-  // throughput (~0.7 GB/s, bound by gRPC's per-connection processing); several connections scale.
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (16 << 20) - 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 20);
-  // Asks for socket reads of 256 KiB to 4 MiB; gRPC 1.51's TCP reader ignores these and reads into
-  // 64 KiB buffers (measured with a malloc histogram), which memory/receive_arena.h serves.
-  builder.AddChannelArgument(GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10);
-  builder.AddChannelArgument(GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20);
+  ConfigureTransport(options, *quota, &builder);
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));

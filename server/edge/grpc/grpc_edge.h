@@ -23,9 +23,13 @@ struct GrpcOptions {
   std::string host = "127.0.0.1";
   int port = 8001;  // 0: pick a free port
   int64_t max_request_bytes = int64_t{1} << 30;
-  int64_t memory_quota_bytes = 0;           // gRPC resource quota for buffers; 0: gRPC's default
+  // gRPC resource quota for its buffers: -1 auto (sized from the host), 0 gRPC's default
+  // (unbounded), > 0 bytes; edge/grpc/grpc_memory_quota.h has the rule.
+  int64_t memory_quota_bytes = -1;
   std::string tls_cert_file, tls_key_file;  // both set: TLS
-  const BearerAuth* auth = nullptr;         // set: AttentionService calls need the token
+  // Set: every call but health needs the token, checked before its message is read
+  // (edge/grpc/grpc_auth.h), on every service of the port.
+  const BearerAuth* auth = nullptr;
   // Test hook (--enable_fault_injection): an Attention request whose request_id is
   // kInjectDeviceFaultRequestId faults its GPU instead of computing (sticky error path).
   bool enable_fault_injection = false;

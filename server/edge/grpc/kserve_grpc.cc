@@ -6,22 +6,18 @@
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "common/logging.h"
-#include "edge/grpc/grpc_auth.h"
+#include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/message_allocator.h"
 #include "inference/open_inference_grpc.grpc.pb.h"
-#include "spdlog/spdlog.h"
 
 namespace flashserve {
 namespace {
 
 using inference::ModelInferRequest;
 using inference::ModelInferResponse;
-
-constexpr const char kMethod[] = "ModelInfer";  // the `method` label of gRPC inferences
 
 // ModelInfer's messages are ours, not gRPC's, so the handler may move the raw input bytes out of
 // the request into the AttentionRequest instead of copying them. gRPC releases them when it has
@@ -49,19 +45,19 @@ class InferAllocator final : public grpc::MessageAllocator<ModelInferRequest, Mo
 
 // One ModelInfer in flight: the native request/response it becomes. Deleted by its done callback.
 struct InferCall {
+  explicit InferCall(ServerMetrics* metrics) : call(metrics, grpc_methods::kModelInfer) {}
   v1::AttentionRequest request;
   v1::AttentionResponse response;
   std::vector<kserve::OutputSpec> outputs;
   std::string id;
-  int64_t bytes_in = 0;
   absl::Time received;
+  GrpcCall call;  // metrics, failure log, status conversion
 };
 
 class KServeGrpcService final : public inference::GRPCInferenceService::CallbackService {
  public:
-  KServeGrpcService(AttentionRuntime* runtime, const kserve::KServeOptions& options,
-                    const BearerAuth* auth)
-      : runtime_(runtime), auth_(auth) {
+  KServeGrpcService(AttentionRuntime* runtime, const kserve::KServeOptions& options)
+      : runtime_(runtime) {
     model_.name = options.model_name;
     model_.server_version = options.server_version;
     for (kernels::DType dtype : runtime->limits().dtypes) {
@@ -70,87 +66,76 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     SetMessageAllocatorFor_ModelInfer(&allocator_);
   }
 
+  // Health: open without a token and not counted (edge/grpc/grpc_auth.h, grpc_call.h).
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* /*request*/,
                                        inference::ServerLiveResponse* response) override {
     response->set_live(true);
-    return Finish(context, grpc::Status::OK);
+    return FinishHealth(context);
   }
 
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
                                         const inference::ServerReadyRequest* /*request*/,
                                         inference::ServerReadyResponse* response) override {
     response->set_ready(runtime_->ready());
-    return Finish(context, grpc::Status::OK);
+    return FinishHealth(context);
   }
 
   grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
                                        const inference::ModelReadyRequest* request,
                                        inference::ModelReadyResponse* response) override {
-    if (!GrpcCallAuthorized(auth_, context)) return Unauthenticated(context);
+    GrpcCall call(runtime_->metrics(), grpc_methods::kModelReady);
+    call.Start();
     absl::Status s = kserve::CheckModel(model_, request->name(), request->version());
     if (s.ok()) response->set_ready(runtime_->ready());
-    return Finish(context, ToGrpcStatus(s));
+    return Finish(context, &call, s, *response);
   }
 
   grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
                                            const inference::ServerMetadataRequest* /*request*/,
                                            inference::ServerMetadataResponse* response) override {
-    if (!GrpcCallAuthorized(auth_, context)) return Unauthenticated(context);
+    GrpcCall call(runtime_->metrics(), grpc_methods::kServerMetadata);
+    call.Start();
     response->set_name(model_.server_name);
     response->set_version(model_.server_version);
     for (const std::string& extension : kserve::Extensions()) response->add_extensions(extension);
-    return Finish(context, grpc::Status::OK);
+    return Finish(context, &call, absl::OkStatus(), *response);
   }
 
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
                                           const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) override {
-    if (!GrpcCallAuthorized(auth_, context)) return Unauthenticated(context);
+    GrpcCall call(runtime_->metrics(), grpc_methods::kModelMetadata);
+    call.Start();
     absl::Status s = kserve::CheckModel(model_, request->name(), request->version());
     if (s.ok()) kserve::FillGrpcModelMetadata(model_, response);
-    return Finish(context, ToGrpcStatus(s));
+    return Finish(context, &call, s, *response);
   }
 
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
                                        const ModelInferRequest* /*request*/,
                                        ModelInferResponse* response) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    ServerMetrics* metrics = runtime_->metrics();
-    if (!GrpcCallAuthorized(auth_, context)) {
-      if (metrics != nullptr) metrics->RecordRequest(kMethod, 16 /* UNAUTHENTICATED */, 0.0, 0, 0);
-      reactor->Finish(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage));
-      return reactor;
-    }
     // The allocator made the messages: the request is ours to take the raw bytes from.
     ModelInferRequest* request =
         static_cast<grpc::MessageHolder<ModelInferRequest, ModelInferResponse>*>(
             context->GetRpcAllocatorState())
             ->request();
-    auto* call_state = new InferCall;
-    call_state->received = absl::Now();
-    call_state->bytes_in = int64_t(request->ByteSizeLong());
+    auto* call_state = new InferCall(runtime_->metrics());
+    call_state->call.Start(int64_t(request->ByteSizeLong()));
+    call_state->received = call_state->call.started();
     call_state->id = request->id();
-    if (metrics != nullptr) metrics->InflightInc();
+    call_state->call.set_request_id(request->id());
 
-    auto done = [this, reactor, response, metrics, call_state](const absl::Status& status) {
+    auto done = [this, reactor, response, call_state](const absl::Status& status) {
       if (status.ok()) {
         kserve::AttentionToGrpcInfer(model_, call_state->id, call_state->outputs,
                                      &call_state->response, response);
-      } else {
-        spdlog::warn("{} failed: id=\"{}\" code={} message=\"{}\"", kMethod,
-                     LogSafe(call_state->id), absl::StatusCodeToString(status.code()),
-                     std::string(status.message()));
+        call_state->call.AddBytesOut(int64_t(response->ByteSizeLong()));
       }
-      if (metrics != nullptr) {
-        metrics->InflightDec();
-        metrics->RecordRequest(kMethod, static_cast<int>(status.code()),
-                               absl::ToDoubleSeconds(absl::Now() - call_state->received),
-                               call_state->bytes_in,
-                               status.ok() ? int64_t(response->ByteSizeLong()) : 0);
-      }
+      const grpc::Status finished = call_state->call.Finish(status);
       delete call_state;
-      reactor->Finish(ToGrpcStatus(status));
+      reactor->Finish(finished);
     };
 
     int64_t timeout_us = 0;
@@ -180,19 +165,22 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
   }
 
  private:
-  static grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
-                                          const grpc::Status& status) {
+  static grpc::ServerUnaryReactor* FinishHealth(grpc::CallbackServerContext* context) {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(status);
+    reactor->Finish(grpc::Status::OK);
     return reactor;
   }
-  static grpc::ServerUnaryReactor* Unauthenticated(grpc::CallbackServerContext* context) {
-    return Finish(context,
-                  grpc::Status(grpc::StatusCode::UNAUTHENTICATED, kUnauthenticatedMessage));
+  // Ends a unary call with `status` (its response counted as sent when ok).
+  static grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, GrpcCall* call,
+                                          const absl::Status& status,
+                                          const google::protobuf::MessageLite& response) {
+    if (status.ok()) call->AddBytesOut(int64_t(response.ByteSizeLong()));
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(call->Finish(status));
+    return reactor;
   }
 
   AttentionRuntime* const runtime_;
-  const BearerAuth* const auth_;
   kserve::ModelInfo model_;
   InferAllocator allocator_;
 };
@@ -201,8 +189,8 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
 
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
                                                        const kserve::KServeOptions& options,
-                                                       const BearerAuth* auth) {
-  return std::make_unique<KServeGrpcService>(runtime, options, auth);
+                                                       const BearerAuth* /*auth*/) {
+  return std::make_unique<KServeGrpcService>(runtime, options);
 }
 
 }  // namespace flashserve

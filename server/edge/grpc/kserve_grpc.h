@@ -14,10 +14,12 @@
 namespace flashserve {
 
 /// Thread-safe callback service; register it with GrpcEdge::Create's extra_services. It must
-/// outlive the gRPC server, and `runtime` must outlive it. With `auth`, every RPC but ServerLive
-/// and ServerReady (health) needs "authorization: Bearer <token>".
+/// outlive the gRPC server, and `runtime` must outlive it. The bearer token is checked by the
+/// edge for every service on its port (GrpcOptions::auth, edge/grpc/grpc_auth.h): every RPC but
+/// ServerLive and ServerReady (health) needs it. The third argument is ignored (kept until
+/// main.cc stops passing it).
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
                                                        const kserve::KServeOptions& options,
-                                                       const BearerAuth* auth = nullptr);
+                                                       const BearerAuth* unused_auth = nullptr);
 
 }  // namespace flashserve

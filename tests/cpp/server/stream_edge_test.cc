@@ -1,14 +1,26 @@
-// Reassembly and chunk validation of the striped streaming edge (pure logic, no gRPC server).
-#include "edge/grpc/stream_edge.h"
-
+// Reassembly, header validation, session ids and chunk parsing of the striped streaming edge
+// (pure logic, no gRPC server).
+#include <atomic>
 #include <cstring>
+#include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "edge/grpc/stream_chunk.h"
+#include "edge/grpc/stream_session.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {
 namespace {
+
+// What a CPU server accepts (the runtime's limits, which sessions are checked against).
+ValidationLimits Accepted() {
+  ValidationLimits limits;
+  limits.dtypes = {kernels::DType::kFloat16, kernels::DType::kBFloat16, kernels::DType::kFloat32};
+  return limits;
+}
 
 v1::AttentionRequest Header(int64_t b = 1, int64_t s = 4, int64_t h = 2, int64_t d = 8,
                             bool lse = false) {
@@ -74,7 +86,7 @@ TEST(CheckRangeTest, NeverOverflows) {
 }
 
 TEST(SessionTableTest, ReassemblesOutOfOrderChunksExactly) {
-  SessionTable table(StreamLimits{});
+  SessionTable table(StreamLimits{}, Accepted());
   auto session = table.Open(Header());
   ASSERT_TRUE(session.ok()) << session.status();
   StreamSession& s = **session;
@@ -111,7 +123,7 @@ TEST(SessionTableTest, ReassemblesOutOfOrderChunksExactly) {
 }
 
 TEST(SessionTableTest, RejectsBadChunksWithoutWriting) {
-  SessionTable table(StreamLimits{});
+  SessionTable table(StreamLimits{}, Accepted());
   auto session = table.Open(Header());
   ASSERT_TRUE(session.ok());
   StreamSession& s = **session;
@@ -162,7 +174,7 @@ TEST(SessionTableTest, EnforcesLimitsAndReapsIdleSessions) {
   limits.max_sessions = 2;
   limits.max_session_bytes = 1000;
   limits.idle_timeout = std::chrono::milliseconds(50);
-  SessionTable table(limits);
+  SessionTable table(limits, Accepted());
   EXPECT_EQ(table.Open(Header(1, 64, 2, 8)).status().code(),
             absl::StatusCode::kResourceExhausted);  // 3 x 2048 bytes > 1000
   v1::AttentionRequest with_data = Header();
@@ -175,9 +187,11 @@ TEST(SessionTableTest, EnforcesLimitsAndReapsIdleSessions) {
   zero.mutable_v()->set_shape(1, 0);
   EXPECT_EQ(table.Open(zero).status().code(), absl::StatusCode::kInvalidArgument);
   v1::AttentionRequest huge = Header();
-  huge.mutable_q()->set_shape(1, int64_t{1} << 40);
-  huge.mutable_q()->set_shape(2, int64_t{1} << 40);
+  huge.mutable_q()->set_shape(1, int64_t{1} << 20);
+  huge.mutable_q()->set_shape(2, int64_t{1} << 20);
   EXPECT_EQ(table.Open(huge).status().code(), absl::StatusCode::kResourceExhausted);
+  huge.mutable_q()->set_shape(1, int64_t{1} << 40);  // past int32: malformed, as in Attention
+  EXPECT_EQ(table.Open(huge).status().code(), absl::StatusCode::kInvalidArgument);
 
   auto a = table.Open(Header());
   auto b = table.Open(Header());
@@ -205,7 +219,7 @@ TEST(SessionTableTest, EnforcesLimitsAndReapsIdleSessions) {
 }
 
 TEST(SessionTableTest, DownloadsEachOutputByteOnce) {
-  SessionTable table(StreamLimits{});
+  SessionTable table(StreamLimits{}, Accepted());
   auto session = table.Open(Header(1, 4, 2, 8, /*lse=*/true));
   ASSERT_TRUE(session.ok());
   StreamSession& s = **session;
@@ -245,6 +259,145 @@ TEST(AppendChunkHeaderTest, MatchesProtobuf) {
   EXPECT_EQ(chunk.tensor(), v1::TENSOR_OUT);
   EXPECT_EQ(chunk.offset(), 300);
   EXPECT_EQ(chunk.data(), "hello");
+}
+
+// Counts the page-locked (here: heap) allocations a pool makes.
+class CountingAllocator final : public HostAllocator {
+ public:
+  explicit CountingAllocator(std::atomic<int>* count) : count_(count) {}
+  void* Allocate(size_t bytes) override {
+    count_->fetch_add(1);
+    return heap_.Allocate(bytes);
+  }
+  void Free(void* pointer) override { heap_.Free(pointer); }
+
+ private:
+  std::atomic<int>* count_;
+  HeapAllocator heap_;
+};
+
+// Headers the native API refuses; OpenSession must refuse each before allocating anything.
+std::vector<std::pair<const char*, v1::AttentionRequest>> BadHeaders() {
+  std::vector<std::pair<const char*, v1::AttentionRequest>> bad;
+  v1::AttentionRequest h = Header(1, 16, 3, 8);
+  h.mutable_k()->set_shape(2, 2);
+  h.mutable_v()->set_shape(2, 2);
+  bad.emplace_back("heads_q % heads_kv != 0", h);
+  h = Header(1, 16, 2, 300);
+  bad.emplace_back("head_dim over the maximum", h);
+  h = Header();
+  h.mutable_k()->set_dtype(v1::FLOAT16);
+  bad.emplace_back("k dtype differs from q", h);
+  h = Header();
+  h.mutable_v()->set_shape(1, 5);
+  bad.emplace_back("v shape differs from k", h);
+  h = Header();
+  h.mutable_k()->set_shape(0, 2);
+  h.mutable_v()->set_shape(0, 2);
+  bad.emplace_back("batch differs", h);
+  h = Header();
+  h.mutable_q()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  bad.emplace_back("no dtype", h);
+  h = Header();
+  h.set_softmax_scale(-1.f);
+  bad.emplace_back("negative softmax_scale", h);
+  h = Header();
+  h.mutable_q()->set_shape(1, int64_t{1} << 25);  // 2^31 elements > 2^28
+  bad.emplace_back("q over --max_tensor_elements", h);
+  h = Header(1, 4096, 8, 128);  // 3 x 8 MiB > max_session_bytes below
+  bad.emplace_back("session over max_session_bytes", h);
+  return bad;
+}
+
+TEST(SessionTableTest, ValidatesTheHeaderBeforeAllocating) {
+  std::atomic<int> allocations{0};
+  PinnedPoolOptions options;
+  options.capacity_bytes = size_t{64} << 20;
+  absl::StatusOr<std::unique_ptr<PinnedPool>> pool =
+      PinnedPool::Create(options, std::make_unique<CountingAllocator>(&allocations));
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  StreamLimits limits;
+  limits.max_session_bytes = int64_t{16} << 20;
+  SessionTable table(limits, Accepted(), pool->get());
+  for (const auto& [why, header] : BadHeaders()) {
+    const absl::Status status = table.Open(header).status();
+    EXPECT_FALSE(status.ok()) << why;
+    EXPECT_EQ(allocations.load(), 0) << why << ": allocated before refusing (" << status << ")";
+  }
+  EXPECT_EQ((*pool)->stats().allocations, 0);
+  EXPECT_EQ(table.size(), 0u);
+  EXPECT_EQ(table.total_bytes(), 0);
+  auto good = table.Open(Header(1, 16, 4, 8));
+  ASSERT_TRUE(good.ok()) << good.status();
+  EXPECT_EQ(allocations.load(), 1);
+  EXPECT_TRUE((*good)->io()->pinned());
+}
+
+// OpenSession says what Attention says about the same header (one validation, api/validation.h).
+TEST(SessionTableTest, RefusesWithTheNativeApisMessages) {
+  SessionTable table(StreamLimits{}, Accepted());
+  for (const auto& [why, header] : BadHeaders()) {
+    if (std::string(why) == "session over max_session_bytes") continue;  // a stream-only limit
+    v1::AttentionRequest request = header;
+    for (v1::Tensor* t : {request.mutable_q(), request.mutable_k(), request.mutable_v()}) {
+      int64_t bytes = t->dtype() == v1::FLOAT32 ? 4 : 2;
+      for (int64_t d : t->shape()) bytes *= d;
+      if (bytes < (int64_t{1} << 24)) t->set_data(std::string(size_t(bytes), '\0'));
+    }
+    const absl::Status native = ValidateAttentionRequest(request, Accepted()).status();
+    const absl::Status stream = table.Open(header).status();
+    ASSERT_FALSE(native.ok()) << why;
+    EXPECT_EQ(stream.code(), native.code()) << why;
+    EXPECT_EQ(stream.message(), native.message()) << why;
+  }
+}
+
+TEST(SessionIdTest, Is128RandomBitsInHex) {
+  constexpr int kIds = 2000;
+  std::set<std::string> ids;
+  int ones[128] = {};
+  for (int i = 0; i < kIds; ++i) {
+    absl::StatusOr<std::string> id = NewSessionId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    ASSERT_EQ(id->size(), 32u) << *id;
+    for (int c = 0; c < 32; ++c) {
+      const char x = (*id)[size_t(c)];
+      ASSERT_TRUE((x >= '0' && x <= '9') || (x >= 'a' && x <= 'f')) << *id;
+      const int nibble = x <= '9' ? x - '0' : x - 'a' + 10;
+      for (int b = 0; b < 4; ++b) ones[c * 4 + b] += (nibble >> b) & 1;
+    }
+    ids.insert(*id);
+  }
+  EXPECT_EQ(ids.size(), size_t(kIds));
+  // Every bit varies and is set about half the time (binomial(2000, 1/2): mean 1000, sd 22); a
+  // counter, a 32-bit seed spread thin or a constant half would leave bits stuck or skewed.
+  for (int bit = 0; bit < 128; ++bit) {
+    EXPECT_GT(ones[bit], 850) << "bit " << bit;
+    EXPECT_LT(ones[bit], 1150) << "bit " << bit;
+  }
+  // The table hands out such ids.
+  SessionTable table(StreamLimits{}, Accepted());
+  auto session = table.Open(Header());
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ((*session)->id().size(), 32u);
+}
+
+TEST(SessionTableTest, ConcurrentOpensStayUnderTheSessionCap) {
+  StreamLimits limits;
+  limits.max_sessions = 3;
+  SessionTable table(limits, Accepted());
+  std::atomic<int> opened{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 50; ++i) {
+        if (table.Open(Header(1, 64, 2, 64)).ok()) opened.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(opened.load(), 3);
+  EXPECT_EQ(table.size(), 3u);
 }
 
 }  // namespace

@@ -1,0 +1,210 @@
+#include "edge/grpc/stream_transfer.h"
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "edge/grpc/grpc_call.h"
+#include "edge/grpc/live_calls.h"
+#include "edge/grpc/stream_chunk.h"
+#include "flashserve/v1/attention.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+
+namespace flashserve {
+namespace {
+
+void SerializeTo(const google::protobuf::MessageLite& message, grpc::ByteBuffer* out) {
+  const std::string bytes = message.SerializeAsString();
+  grpc::Slice slice(bytes);
+  *out = grpc::ByteBuffer(&slice, 1);
+}
+
+class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  UploadReactor(grpc::CallbackServerContext* context, SessionTable* table,
+                grpc::ByteBuffer* response, ServerMetrics* metrics)
+      : context_(context),
+        table_(table),
+        response_(response),
+        call_(metrics, grpc_methods::kUpload) {
+    call_.Start();
+    StartRead(&buffer_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client finished sending, or the call broke (then Finish is moot)
+      if (context_->IsCancelled()) {
+        Finish(call_.Finish(absl::CancelledError("upload cancelled")));
+        return;
+      }
+      v1::UploadAck ack;
+      ack.set_bytes_received(received_);
+      SerializeTo(ack, response_);
+      call_.AddBytesOut(int64_t(response_->Length()));
+      Finish(call_.Finish(absl::OkStatus()));
+      return;
+    }
+    call_.AddBytesIn(int64_t(buffer_.Length()));
+    Chunk();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Copies the chunk just read into its session; reads the next one or ends the call.
+  void Chunk() {
+    ChunkHeader header;
+    bool reserved = false;
+    absl::Status status;
+    {
+      grpc::ProtoBufferReader reader(&buffer_);
+      status = ParseChunk(
+          &reader,
+          [&](const ChunkHeader& h) -> absl::StatusOr<char*> {
+            if (!session_) {
+              if (h.session_id.empty()) {
+                return absl::InvalidArgumentError(
+                    "AttentionChunk.session_id: required in the first chunk of an Upload");
+              }
+              absl::StatusOr<std::shared_ptr<StreamSession>> found = table_->Find(h.session_id);
+              if (!found.ok()) return found.status();
+              session_ = std::move(*found);
+              call_.set_session_id(session_->id());
+            } else if (!h.session_id.empty() && h.session_id != session_->id()) {
+              return absl::InvalidArgumentError(
+                  "AttentionChunk.session_id: one Upload call carries one session");
+            }
+            absl::StatusOr<char*> dest = session_->Reserve(h.tensor, h.offset, h.length);
+            reserved = dest.ok();
+            return dest;
+          },
+          &header);
+    }
+    buffer_.Clear();
+    if (reserved) {
+      session_->Commit(status.ok() ? header.length : 0);
+      // A reserved range that was not filled cannot be sent again: the session is unusable.
+      if (!status.ok()) table_->Erase(session_->id());
+    }
+    if (!status.ok()) {
+      Finish(call_.Finish(status));
+      return;
+    }
+    received_ += header.length;
+    StartRead(&buffer_);
+  }
+
+  grpc::CallbackServerContext* const context_;
+  SessionTable* const table_;
+  grpc::ByteBuffer* const response_;
+  grpc::ByteBuffer buffer_;
+  std::shared_ptr<StreamSession> session_;
+  int64_t received_ = 0;
+  GrpcCall call_;  // metrics, failure log, status conversion
+  LiveCall live_;  // until gRPC has finished the call (OnDone)
+};
+
+class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  static constexpr int64_t kDefaultChunk = int64_t{4} << 20;
+
+  DownloadReactor(const grpc::ByteBuffer* request, SessionTable* table, ServerMetrics* metrics)
+      : table_(table), call_(metrics, grpc_methods::kDownload) {
+    call_.Start(int64_t(request->Length()));
+    if (absl::Status s = Begin(request); !s.ok()) {
+      Finish(call_.Finish(s));
+      return;
+    }
+    NextWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(call_.Finish(absl::CancelledError("download interrupted")));
+      return;
+    }
+    session_->Touch();
+    NextWrite();
+  }
+
+  void OnDone() override {
+    if (session_ && session_->FullyDownloaded()) table_->Erase(session_->id());
+    delete this;
+  }
+
+ private:
+  // Parses the request and reserves the range it asks for.
+  absl::Status Begin(const grpc::ByteBuffer* request) {
+    v1::DownloadRequest parsed;
+    grpc::ByteBuffer copy(*request);
+    grpc::ProtoBufferReader reader(&copy);
+    if (!parsed.ParseFromZeroCopyStream(&reader)) {
+      return absl::InvalidArgumentError("malformed DownloadRequest");
+    }
+    call_.set_session_id(parsed.session_id());
+    absl::StatusOr<std::shared_ptr<StreamSession>> found = table_->Find(parsed.session_id());
+    if (!found.ok()) return found.status();
+    session_ = std::move(*found);
+    absl::StatusOr<std::pair<const char*, int64_t>> span =
+        session_->ReserveDownload(parsed.tensor(), parsed.offset(), parsed.length());
+    if (!span.ok()) return span.status();
+    tensor_ = parsed.tensor();
+    base_offset_ = parsed.offset();
+    data_ = span->first;
+    length_ = span->second;
+    chunk_ = parsed.chunk_bytes() <= 0
+                 ? kDefaultChunk
+                 : std::clamp<int64_t>(parsed.chunk_bytes(), 4096, int64_t{64} << 20);
+    return absl::OkStatus();
+  }
+
+  void NextWrite() {
+    if (pos_ >= length_) {
+      Finish(call_.Finish(absl::OkStatus()));
+      return;
+    }
+    const int64_t n = std::min(chunk_, length_ - pos_);
+    std::string header;
+    AppendChunkHeader(tensor_, base_offset_ + pos_, n, &header);
+    // The data slice points into the session's output; the slice keeps the session alive.
+    auto* keep = new std::shared_ptr<StreamSession>(session_);
+    grpc::Slice slices[2] = {
+        grpc::Slice(header),
+        grpc::Slice(
+            const_cast<char*>(data_ + pos_), size_t(n),
+            [](void* p) { delete static_cast<std::shared_ptr<StreamSession>*>(p); }, keep)};
+    buffer_ = grpc::ByteBuffer(slices, 2);
+    call_.AddBytesOut(int64_t(buffer_.Length()));
+    pos_ += n;
+    StartWrite(&buffer_);
+  }
+
+  SessionTable* const table_;
+  std::shared_ptr<StreamSession> session_;
+  int tensor_ = 0;
+  int64_t base_offset_ = 0;
+  const char* data_ = nullptr;
+  int64_t length_ = 0, pos_ = 0, chunk_ = kDefaultChunk;
+  grpc::ByteBuffer buffer_;
+  GrpcCall call_;  // metrics, failure log, status conversion
+  LiveCall live_;  // until gRPC has finished the call (OnDone)
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewUploadReactor(grpc::CallbackServerContext* context,
+                                                            SessionTable* table,
+                                                            grpc::ByteBuffer* response,
+                                                            ServerMetrics* metrics) {
+  return new UploadReactor(context, table, response, metrics);
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(const grpc::ByteBuffer* request,
+                                                               SessionTable* table,
+                                                               ServerMetrics* metrics) {
+  return new DownloadReactor(request, table, metrics);
+}
+
+}  // namespace flashserve

@@ -1,0 +1,34 @@
+// The striped stream's byte-moving calls, registered raw so chunks never become a temporary
+// message: Upload (client-streaming AttentionChunks, each copied once from gRPC's receive slices
+// into its session's buffers) and Download (server-streaming chunks whose data are slices of the
+// session's output, no copy). Each call's metrics, failure log and status go through its GrpcCall
+// (edge/grpc/grpc_call.h).
+#pragma once
+
+#include "edge/grpc/stream_session.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/server_callback.h"
+#include "metrics/server_metrics.h"
+
+namespace grpc {
+class CallbackServerContext;
+}  // namespace grpc
+
+namespace flashserve {
+
+/// The reactor of one Upload call: reads chunks into their sessions' buffers until the client
+/// ends the stream, then answers an UploadAck (serialized into `response`). Deletes itself when
+/// gRPC is done. `table` must outlive it; `metrics` may be null.
+grpc::ServerReadReactor<grpc::ByteBuffer>* NewUploadReactor(grpc::CallbackServerContext* context,
+                                                            SessionTable* table,
+                                                            grpc::ByteBuffer* response,
+                                                            ServerMetrics* metrics);
+
+/// The reactor of one Download call (`request`: a serialized DownloadRequest): writes the range
+/// asked for in chunks; the session is dropped once every output byte was downloaded. Deletes
+/// itself when gRPC is done. `table` must outlive it; `metrics` may be null.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(const grpc::ByteBuffer* request,
+                                                               SessionTable* table,
+                                                               ServerMetrics* metrics);
+
+}  // namespace flashserve
