@@ -136,6 +136,9 @@ def grid(quick):
         for causal in (False, True):
             h = 16 if d == 128 else 32
             pts.append(("odd S", torch.bfloat16, 16, 4000, 4000, h, h, d, causal))
+    for (b, s) in ((1, 128), (2, 256), (1, 1024)):  # a few blocks: where dispatch may keep sm80
+        for d in (64, 128):
+            pts.append(("small", torch.bfloat16, b, s, s, 16, 16, d, False))
     if quick:
         pts = [p for p in pts if p[3] in (1024, 4096) or p[0] != "grid"]
     return pts
@@ -149,6 +152,7 @@ def main():
     ap.add_argument("--all-configs", action="store_true", help="also time every candidate config")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--efficient", action="store_true", help="also time EFFICIENT_ATTENTION")
+    ap.add_argument("--sm90-configs", action="store_true", help="also time every sm90 candidate")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
     assert args.reps >= 30, "median over at least 30 repetitions"
@@ -207,9 +211,9 @@ def main():
                       file=sys.stderr)
                 times[name] = None
         best = ""
-        if args.all_configs:
+        if args.all_configs or args.sm90_configs:
             per = {}
-            for c in cands:
+            for c in (cands if args.all_configs else [c for c in cands if c.startswith("sm90")]):
                 per[c] = time_fn(lambda q, k, v, o, c=c: ours(q, k, v, o, causal, c), sets, args.warmup, args.reps)
             bc = min(per, key=per.get)
             best = f"{bc} ({tf(per[bc]):.0f}); " + ", ".join(f"{c}:{tf(t):.0f}" for c, t in per.items())

@@ -87,12 +87,7 @@ std::vector<const Entry*> sm90_entries() {
 // Whether the sm90 kernels' tensor maps can describe p's q/k/v (positive, 16-byte strides).
 bool sm90_can_run(const AttentionParams& p) {
 #if FLASHSERVE_HAVE_SM90
-  const sm90::TensorView q{p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-                           p.q_row_stride, p.q_head_stride, p.q_batch_stride};
-  const sm90::TensorView k{p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                           p.k_row_stride, p.k_head_stride, p.k_batch_stride};
-  const sm90::TensorView v{p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-                           p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+  const sm90::TensorView q = sm90::q_view(p), k = sm90::k_view(p), v = sm90::v_view(p);
   return sm90::tensor_map_strides_ok(q) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
 #else
@@ -111,11 +106,26 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
   return nullptr;
 }
 
-// The sm90 configuration for (dtype, head_dim) on this device, if any.
-const Entry* sm90_preferred(DType dtype, int head_dim) {
-  for (const Entry* e : sm90_entries())
-    if (e->dtype == dtype && e->head_dim == head_dim) return e;
-  return nullptr;
+// The sm90 configuration for p on this device, if any (H100 measurements in
+// bench/results/kernels-sm90-h100-2026-11-24.md). d=128: 176-key steps beat 128 only for long
+// non-causal key sequences (S16k: 651 vs 615 TFLOPS; Sq1k/Sk8k: 595 vs 574); 128 elsewhere.
+const Entry* sm90_preferred(const AttentionParams& p) {
+  const Entry* first = nullptr;
+  for (const Entry* e : sm90_entries()) {
+    if (e->dtype != p.dtype || e->head_dim != p.head_dim) continue;
+    if (first == nullptr) first = e;
+    if (p.head_dim == 128 && !p.causal && p.seqlen_k >= 8192 && e->config.block_n == 176)
+      return e;
+  }
+  return first;
+}
+
+// Whether sm90 beats sm80 on p: not with less than half a wave of 128-row tiles (H100: S256 B2
+// H16 0.92-0.98x of sm80, S128 B1 0.98-1.04x; from one full wave on sm90 is 1.1x or more).
+bool sm90_worth_it(const AttentionParams& p, int sm_count) {
+  constexpr int kBlockM = 128;  // every sm90 configuration: 2 consumer warpgroups x 64 rows
+  const int64_t tiles = int64_t((p.seqlen_q + kBlockM - 1) / kBlockM) * p.heads_q * p.batch;
+  return sm_count <= 0 || 2 * tiles >= sm_count;
 }
 
 bool has_entries(DType dtype, int head_dim) {
@@ -245,8 +255,8 @@ KernelConfig select_sm80(const AttentionParams& p, int sm_count);
 }  // namespace
 
 KernelConfig select(const AttentionParams& p, int sm_count) {
-  if (const Entry* e = sm90_preferred(p.dtype, p.head_dim); e != nullptr && sm90_can_run(p))
-    return e->config;
+  const Entry* e = sm90_preferred(p);
+  if (e != nullptr && sm90_can_run(p) && sm90_worth_it(p, sm_count)) return e->config;
   return select_sm80(p, sm_count);
 }
 

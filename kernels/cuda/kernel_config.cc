@@ -11,9 +11,9 @@ constexpr std::string_view kSm90Prefix = "sm90";
 }  // namespace
 
 std::string KernelConfig::name() const {
-  return std::string(family == KernelFamily::kSm90 ? kSm90Prefix : "") + "m" + std::to_string(block_m) + "n" + std::to_string(block_n) + "w" +
-         std::to_string(num_warps) + "s" + std::to_string(kv_stages) + (q_in_regs ? "q" : "") +
-         (lazy_rescale ? "l" : "");
+  return std::string(family == KernelFamily::kSm90 ? kSm90Prefix : "") + "m" +
+         std::to_string(block_m) + "n" + std::to_string(block_n) + "w" + std::to_string(num_warps) +
+         "s" + std::to_string(kv_stages) + (q_in_regs ? "q" : "") + (lazy_rescale ? "l" : "");
 }
 
 namespace {

@@ -37,16 +37,24 @@ uint64_t fresh_seed() {
   return seed;
 }
 
-// The sm90 configuration compiled for (dtype, head_dim), when this device can run it.
-std::optional<fk::KernelConfig> sm90_config(DType dtype, int head_dim) {
+// The sm90 configurations compiled for (dtype, head_dim), when this device can run them.
+std::vector<fk::KernelConfig> sm90_configs(DType dtype, int head_dim) {
+  std::vector<fk::KernelConfig> out;
   for (const fk::KernelConfig& c : fk::candidates(dtype, head_dim, false))
-    if (c.family == fk::KernelFamily::kSm90) return c;
-  return std::nullopt;
+    if (c.family == fk::KernelFamily::kSm90) out.push_back(c);
+  return out;
 }
 
-#define SKIP_WITHOUT_SM90(dtype, head_dim)                                                 \
-  SKIP_WITHOUT_GPU();                                                                      \
-  if (!sm90_config(dtype, head_dim))                                                       \
+// The family's default for (dtype, head_dim) (the first one listed).
+std::optional<fk::KernelConfig> sm90_config(DType dtype, int head_dim) {
+  const std::vector<fk::KernelConfig> all = sm90_configs(dtype, head_dim);
+  if (all.empty()) return std::nullopt;
+  return all.front();
+}
+
+#define SKIP_WITHOUT_SM90(dtype, head_dim)                                                  \
+  SKIP_WITHOUT_GPU();                                                                       \
+  if (!sm90_config(dtype, head_dim))                                                        \
   GTEST_SKIP() << "no sm90 kernel for this device/build (needs compute capability 9.0 and " \
                   "90 in FLASHSERVE_CUDA_ARCHS): skipping"
 
@@ -111,8 +119,8 @@ Problem make_problem(const Param& prm) {
   const int d = prm.head_dim;
   Problem pr;
   AttentionParams& p = pr.p;
-  p = make_contiguous_params(prm.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv,
-                             d, c.causal, 1.f / std::sqrt(float(d)));
+  p = make_contiguous_params(prm.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv, d,
+                             c.causal, 1.f / std::sqrt(float(d)));
   p.q_row_stride = p.o_row_stride = int64_t(c.heads_q + c.pad) * d;
   p.q_batch_stride = p.o_batch_stride = p.q_row_stride * (c.seqlen_q + c.pad);
   p.k_row_stride = p.v_row_stride = int64_t(c.heads_kv + c.pad) * d;
@@ -146,8 +154,8 @@ struct Result {
 // Runs cfg on the problem with NaN-poisoned O (including the padding) and LSE.
 void run_config(const Problem& pr, const fk::KernelConfig& cfg, Result* r) {
   const AttentionParams& hp = pr.p;
-  DeviceBuffer dq(pr.q_elems * 2), dk(pr.kv_elems * 2), dv(pr.kv_elems * 2),
-      dout(pr.q_elems * 2), dlse(pr.lse_elems * 4);
+  DeviceBuffer dq(pr.q_elems * 2), dk(pr.kv_elems * 2), dv(pr.kv_elems * 2), dout(pr.q_elems * 2),
+      dlse(pr.lse_elems * 4);
   ASSERT_EQ(cudaMemcpy(dq.ptr, pr.q.data(), pr.q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dk.ptr, pr.k.data(), pr.kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(dv.ptr, pr.v.data(), pr.kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
@@ -173,8 +181,8 @@ void run_config(const Problem& pr, const fk::KernelConfig& cfg, Result* r) {
     for (int i = 0; i < hp.seqlen_q; ++i)
       for (int h = 0; h < hp.heads_q; ++h)
         for (int c = 0; c < d; ++c)
-          r->out[((size_t(b) * hp.seqlen_q + i) * hp.heads_q + h) * d + c] = to_double(
-              hp.dtype, out[b * hp.o_batch_stride + i * hp.o_row_stride + h * d + c]);
+          r->out[((size_t(b) * hp.seqlen_q + i) * hp.heads_q + h) * d + c] =
+              to_double(hp.dtype, out[b * hp.o_batch_stride + i * hp.o_row_stride + h * d + c]);
   // Padding must stay poisoned: the kernel writes only its rows and heads.
   if (hp.o_row_stride > int64_t(hp.heads_q) * d) {
     const size_t pad_index = size_t(hp.heads_q) * d;  // first padding element of row 0
@@ -187,42 +195,44 @@ class Sm90Attention : public ::testing::TestWithParam<Param> {};
 TEST_P(Sm90Attention, MatchesFp64Reference) {
   const Param& prm = GetParam();
   SKIP_WITHOUT_SM90(prm.dtype, prm.head_dim);
-  const fk::KernelConfig cfg = *sm90_config(prm.dtype, prm.head_dim);
-  SCOPED_TRACE("config " + cfg.name());
   const Problem pr = make_problem(prm);
-  std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
+  std::vector<double> ref_out, ref_lse;
   reference::attention_fp64(pr.p, &ref_out, &ref_lse);
-  reference::EmulationOptions emu_options;
-  emu_options.block_n = cfg.block_n;
-  emu_options.backwards = true;
-  emu_options.rescale_threshold_log2 = cfg.rescale_threshold_log2();
-  reference::attention_emulated(pr.p, emu_options, &emu_out, &emu_lse);
+  for (const fk::KernelConfig& cfg : sm90_configs(prm.dtype, prm.head_dim)) {
+    SCOPED_TRACE("config " + cfg.name());
+    std::vector<double> emu_out, emu_lse;
+    reference::EmulationOptions emu_options;
+    emu_options.block_n = cfg.block_n;
+    emu_options.backwards = true;
+    emu_options.rescale_threshold_log2 = cfg.rescale_threshold_log2();
+    reference::attention_emulated(pr.p, emu_options, &emu_out, &emu_lse);
 
-  Result r;
-  ASSERT_NO_FATAL_FAILURE(run_config(pr, cfg, &r));
-  size_t bad = 0;
-  for (double x : r.out) bad += !std::isfinite(x);
-  ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
+    Result r;
+    ASSERT_NO_FATAL_FAILURE(run_config(pr, cfg, &r));
+    size_t bad = 0;
+    for (double x : r.out) bad += !std::isfinite(x);
+    ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
 
-  double max_abs = 0, emu_max_abs = 0;
-  const double err = rel_l2(r.out, ref_out, &max_abs);
-  const double emu_err = rel_l2(emu_out, ref_out, &emu_max_abs);
-  EXPECT_LE(max_abs, 2 * emu_max_abs + 1e-6) << "vs emulated " << emu_max_abs;
-  EXPECT_LE(err, 2 * emu_err + 1e-6) << "vs emulated " << emu_err;
-  // The plain check: relative L2 error within a few rounding units of the output dtype.
-  EXPECT_LE(err, prm.dtype == DType::kFloat16 ? 4e-3 : 2e-2);
+    double max_abs = 0, emu_max_abs = 0;
+    const double err = rel_l2(r.out, ref_out, &max_abs);
+    const double emu_err = rel_l2(emu_out, ref_out, &emu_max_abs);
+    EXPECT_LE(max_abs, 2 * emu_max_abs + 1e-6) << "vs emulated " << emu_max_abs;
+    EXPECT_LE(err, 2 * emu_err + 1e-6) << "vs emulated " << emu_err;
+    // The plain check: relative L2 error within a few rounding units of the output dtype.
+    EXPECT_LE(err, prm.dtype == DType::kFloat16 ? 4e-3 : 2e-2);
 
-  double emu_lse_err = 0;
-  for (size_t i = 0; i < ref_lse.size(); ++i)
-    if (std::isfinite(ref_lse[i]))
-      emu_lse_err = std::max(emu_lse_err, std::abs(emu_lse[i] - ref_lse[i]));
-  for (size_t i = 0; i < ref_lse.size(); ++i) {
-    if (std::isinf(ref_lse[i])) {
-      ASSERT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0) << "row " << i << " sees no key";
-    } else {
-      ASSERT_TRUE(std::isfinite(r.lse[i])) << "LSE row " << i << " = " << r.lse[i];
-      const double allowed = 2 * emu_lse_err + 1e-4 + 4e-6 * std::abs(ref_lse[i]);
-      ASSERT_LE(std::abs(r.lse[i] - ref_lse[i]), allowed) << "LSE row " << i;
+    double emu_lse_err = 0;
+    for (size_t i = 0; i < ref_lse.size(); ++i)
+      if (std::isfinite(ref_lse[i]))
+        emu_lse_err = std::max(emu_lse_err, std::abs(emu_lse[i] - ref_lse[i]));
+    for (size_t i = 0; i < ref_lse.size(); ++i) {
+      if (std::isinf(ref_lse[i])) {
+        ASSERT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0) << "row " << i << " sees no key";
+      } else {
+        ASSERT_TRUE(std::isfinite(r.lse[i])) << "LSE row " << i << " = " << r.lse[i];
+        const double allowed = 2 * emu_lse_err + 1e-4 + 4e-6 * std::abs(ref_lse[i]);
+        ASSERT_LE(std::abs(r.lse[i] - ref_lse[i]), allowed) << "LSE row " << i;
+      }
     }
   }
 }
@@ -257,18 +267,18 @@ std::vector<Param> all_params() {
     for (bool causal : {false, true}) cases.push_back({1, s, s, 3, 3, causal, 1.f});
   cases.push_back({1, 1025, 1025, 1, 1, true, 1.f});
   cases.push_back({1, 1000, 1000, 2, 2, false, 1.f});
-  cases.push_back({1, 2049, 2049, 1, 1, false, 1.f});   // 17 K/V tiles: the ring wraps 8 times
-  cases.push_back({2, 130, 130, 16, 16, false, 1.f});   // heads 16
-  cases.push_back({1, 257, 257, 32, 8, true, 1.f});     // GQA 32:8
-  cases.push_back({2, 97, 300, 8, 1, false, 1.f});      // MQA 8:1, Sq < Sk
-  cases.push_back({1, 65, 1025, 3, 3, true, 1.f});      // causal Sq < Sk
-  cases.push_back({1, 1025, 65, 3, 3, true, 1.f});      // causal Sq > Sk: rows see no key
-  cases.push_back({1, 200, 17, 2, 1, true, 1.f});       // causal Sq > Sk, short
-  cases.push_back({5, 63, 130, 3, 1, true, 1.f});       // batch 5
-  cases.push_back({1, 1, 4099, 3, 3, true, 1.f});       // decode-like
-  cases.push_back({1, 127, 1025, 3, 3, false, 8.f});    // large logits: lazy rescale moves
+  cases.push_back({1, 2049, 2049, 1, 1, false, 1.f});  // 17 K/V tiles: the ring wraps 8 times
+  cases.push_back({2, 130, 130, 16, 16, false, 1.f});  // heads 16
+  cases.push_back({1, 257, 257, 32, 8, true, 1.f});    // GQA 32:8
+  cases.push_back({2, 97, 300, 8, 1, false, 1.f});     // MQA 8:1, Sq < Sk
+  cases.push_back({1, 65, 1025, 3, 3, true, 1.f});     // causal Sq < Sk
+  cases.push_back({1, 1025, 65, 3, 3, true, 1.f});     // causal Sq > Sk: rows see no key
+  cases.push_back({1, 200, 17, 2, 1, true, 1.f});      // causal Sq > Sk, short
+  cases.push_back({5, 63, 130, 3, 1, true, 1.f});      // batch 5
+  cases.push_back({1, 1, 4099, 3, 3, true, 1.f});      // decode-like
+  cases.push_back({1, 127, 1025, 3, 3, false, 8.f});   // large logits: lazy rescale moves
   cases.push_back({2, 333, 333, 2, 1, true, 8.f});
-  cases.push_back({2, 77, 77, 4, 2, true, 1.f, 8});     // padded strides (rows, batches)
+  cases.push_back({2, 77, 77, 4, 2, true, 1.f, 8});  // padded strides (rows, batches)
   cases.push_back({2, 300, 520, 4, 2, false, 1.f, 3});
   std::vector<Param> params;
   for (DType dtype : {DType::kFloat16, DType::kBFloat16})
@@ -286,7 +296,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, Sm90Attention, ::testing::ValuesIn(all_params()),
 // select() falls back to the sm80 family and run() with an sm90 configuration refuses.
 TEST(Sm90Dispatch, FallsBackWhereTmaCannotRun) {
   SKIP_WITHOUT_SM90(DType::kBFloat16, 128);
-  AttentionParams p = make_contiguous_params(DType::kBFloat16, 1, 4096, 4096, 4, 4, 128, false, 0.1f);
+  AttentionParams p =
+      make_contiguous_params(DType::kBFloat16, 1, 4096, 4096, 4, 4, 128, false, 0.1f);
   alignas(16) static char dummy[16];
   p.q = p.k = p.v = dummy;
   p.o = dummy;

@@ -1,5 +1,7 @@
 // The sm90 flash-attention forward kernel (FlashAttention-3 structure, written from scratch in
-// raw PTX): one thread block of 3 warpgroups per (128-row query tile, head, batch).
+// raw PTX): a persistent grid of thread blocks of 3 warpgroups, each block walking a static list
+// of (128-row query tile, head, batch) tiles (TileScheduler); the producer loads the next tile's
+// Q and K/V while the consumers finish the current one.
 //  - Warpgroup 0 (producer, setmaxnreg 24): one thread issues TMA copies of the Q tile and of
 //    the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each copy
 //    completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
@@ -33,84 +35,100 @@ template <typename T>
 struct SmemMap {
   uint32_t q, k, v, bars;
   __device__ explicit SmemMap(uint32_t base)
-      : q(base + T::kQOffset), k(base + T::kKOffset), v(base + T::kVOffset),
+      : q(base + T::kQOffset),
+        k(base + T::kKOffset),
+        v(base + T::kVOffset),
         bars(base + T::kBarOffset) {}
   __device__ uint32_t q_loaded() const { return bars; }
-  __device__ uint32_t k_full(int s) const { return bars + 8 * (1 + s); }
-  __device__ uint32_t v_full(int s) const { return bars + 8 * (1 + T::kStages + s); }
-  __device__ uint32_t k_empty(int s) const { return bars + 8 * (1 + 2 * T::kStages + s); }
-  __device__ uint32_t v_empty(int s) const { return bars + 8 * (1 + 3 * T::kStages + s); }
+  __device__ uint32_t q_empty() const { return bars + 8; }
+  __device__ uint32_t k_full(int s) const { return bars + 8 * (2 + s); }
+  __device__ uint32_t v_full(int s) const { return bars + 8 * (2 + T::kStages + s); }
+  __device__ uint32_t k_empty(int s) const { return bars + 8 * (2 + 2 * T::kStages + s); }
+  __device__ uint32_t v_empty(int s) const { return bars + 8 * (2 + 3 * T::kStages + s); }
   __device__ uint32_t k_stage(int s) const { return k + s * T::kKVBytes; }
   __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
 };
 
-/// The block's work: which query tile of which (batch, head), and how many K/V tiles it sees.
+/// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
 struct BlockWork {
   int m_block, head, head_kv, batch, n_blocks;
 };
 
+/// The persistent grid's static schedule: block b takes tiles b, b + gridDim.x, ... of a linear
+/// order with the query tiles of one (batch, head) adjacent (they share K/V in L2), heaviest
+/// (last rows) first when causal. For causal problems the host picks gridDim.x coprime with the
+/// number of query tiles per head, so every block cycles through all tile weights.
 template <typename T>
-__device__ __forceinline__ BlockWork block_work(const AttentionParams& p) {
-  BlockWork w;
-  // Causal: the heaviest tiles (last rows) launch first.
-  w.m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  w.head = blockIdx.y;
-  w.batch = blockIdx.z;
-  w.head_kv = w.head / (p.heads_q / p.heads_kv);
-  w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-  if (p.causal) {  // one past the last column the tile's last row may see
-    const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
-    w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
-  }
-  return w;
-}
+struct TileScheduler {
+  int num_m, total;
+  __device__ explicit TileScheduler(const AttentionParams& p)
+      : num_m((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), total(num_m * p.heads_q * p.batch) {}
 
-/// Producer: one thread issues every TMA copy. Order: Q, K[last], then K[j - 1], V[j] pairs, so
-/// the consumers' next S = Q K^T never waits behind a V copy.
+  __device__ BlockWork work(const AttentionParams& p, int tile) const {
+    BlockWork w;
+    const int m_idx = tile % num_m, hb = tile / num_m;
+    w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
+    w.head = hb % p.heads_q;
+    w.batch = hb / p.heads_q;
+    w.head_kv = w.head / (p.heads_q / p.heads_kv);
+    w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+    if (p.causal) {  // one past the last column the tile's last row may see
+      const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
+      w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
+    }
+    return w;
+  }
+};
+
+/// Producer: one thread issues every TMA copy of every tile of the block. Per tile: Q (once the
+/// consumers are done with the previous tile's Q), K[last], then K[j + 1], V[j] pairs, so the
+/// consumers' next S = Q K^T never waits behind a V copy. kv_iter counts K/V tiles over all of
+/// the block's work: tile kv_iter uses stage kv_iter % kStages in round kv_iter / kStages.
 template <typename T>
-__device__ void produce(const SmemMap<T>& sm, const BlockWork& w, const CUtensorMap* tm_q,
+__device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_q,
                         const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
   tma_prefetch_descriptor(tm_q);
   tma_prefetch_descriptor(tm_k);
   tma_prefetch_descriptor(tm_v);
-  mbarrier_arrive_expect_tx(sm.q_loaded(), T::kQBytes);
-#pragma unroll
-  for (int cb = 0; cb < T::kColBlocks; ++cb)
-    tma_load_4d(sm.q + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(), cb * 64,
-                w.m_block * T::kBlockM, w.head, w.batch);
-  auto load = [&](const CUtensorMap* tm, uint32_t dst, uint32_t full, uint32_t empty,
-                  uint32_t parity, int n_block) {
-    mbarrier_wait(empty, parity);
-    mbarrier_arrive_expect_tx(full, T::kKVBytes);
+  const TileScheduler<T> sched(p);
+  int kv_iter = 0, q_iter = 0;
+  for (int tile = blockIdx.x; tile < sched.total; tile += gridDim.x) {
+    const BlockWork w = sched.work(p, tile);
+    if (w.n_blocks <= 0) continue;  // the consumers write it alone
+    // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
+    mbarrier_wait(sm.q_empty(), (q_iter & 1) ^ 1);
+    mbarrier_arrive_expect_tx(sm.q_loaded(), T::kQBytes);
 #pragma unroll
     for (int cb = 0; cb < T::kColBlocks; ++cb)
-      tma_load_4d(dst + cb * T::kBlockN * T::kRowBytes, tm, full, cb * 64, n_block * T::kBlockN,
-                  w.head_kv, w.batch);
-  };
-  // Tile i (0 = the last K/V tile) uses stage i % kStages in round i / kStages; a fresh empty
-  // barrier counts as having completed the round before round 0 (parity 1).
-  auto load_k = [&](int i) {
-    const int s = i % T::kStages;
-    load(tm_k, sm.k_stage(s), sm.k_full(s), sm.k_empty(s), ((i / T::kStages) & 1) ^ 1,
-         w.n_blocks - 1 - i);
-  };
-  auto load_v = [&](int i) {
-    const int s = i % T::kStages;
-    load(tm_v, sm.v_stage(s), sm.v_full(s), sm.v_empty(s), ((i / T::kStages) & 1) ^ 1,
-         w.n_blocks - 1 - i);
-  };
-  load_k(0);
-  for (int i = 1; i < w.n_blocks; ++i) {
-    load_k(i);
-    load_v(i - 1);
+      tma_load_4d(sm.q + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(), cb * 64,
+                  w.m_block * T::kBlockM, w.head, w.batch);
+    auto load = [&](const CUtensorMap* tm, bool is_k, int j) {
+      const int g = kv_iter + j, s = g % T::kStages;
+      mbarrier_wait(is_k ? sm.k_empty(s) : sm.v_empty(s), ((g / T::kStages) & 1) ^ 1);
+      const uint32_t full = is_k ? sm.k_full(s) : sm.v_full(s);
+      const uint32_t dst = is_k ? sm.k_stage(s) : sm.v_stage(s);
+      mbarrier_arrive_expect_tx(full, T::kKVBytes);
+#pragma unroll
+      for (int cb = 0; cb < T::kColBlocks; ++cb)
+        tma_load_4d(dst + cb * T::kBlockN * T::kRowBytes, tm, full, cb * 64,
+                    (w.n_blocks - 1 - j) * T::kBlockN, w.head_kv, w.batch);
+    };
+    load(tm_k, true, 0);
+    for (int j = 1; j < w.n_blocks; ++j) {
+      load(tm_k, true, j);
+      load(tm_v, false, j - 1);
+    }
+    load(tm_v, false, w.n_blocks - 1);
+    kv_iter += w.n_blocks;
+    ++q_iter;
   }
-  load_v(w.n_blocks - 1);
 }
 
 /// Consumer warpgroup cw (0 or 1): its 64 query rows against every K/V tile of the block.
+/// kv_iter / q_iter: the block's K/V tiles and Q tiles consumed before this tile (as produce()).
 template <typename T>
-__device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
-                        int cw) {
+__device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
+                             int cw, int kv_iter, int q_iter) {
   using Element = typename T::Element;
   constexpr int kN = T::kBlockN, kD = T::kHeadDim;
   const int lane = threadIdx.x % 32;
@@ -128,8 +146,7 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
                            16, 1024);
   };
   auto k_desc = [&](int s, int ks) {
-    return smem_desc_sw128(sm.k_stage(s) + (ks / 4) * kN * T::kRowBytes + (ks % 4) * 32, 16,
-                           1024);
+    return smem_desc_sw128(sm.k_stage(s) + (ks / 4) * kN * T::kRowBytes + (ks % 4) * 32, 16, 1024);
   };
   auto v_desc = [&](int s, int ks) {
     return smem_desc_sw128(sm.v_stage(s) + ks * 16 * T::kRowBytes, kN * T::kRowBytes, 1024);
@@ -141,18 +158,19 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
   uint32_t pa[kN / 16][4];  // P of the previous tile as wgmma A fragments
   Sm90Softmax<kN, kD> softmax;
 
-  auto issue_s = [&](float (&s)[kN / 2], int i) {
-    const int stage = i % T::kStages;
-    mbarrier_wait(sm.k_full(stage), (i / T::kStages) & 1);
+  // j: the tile's j-th K/V tile (key block n_blocks - 1 - j); g: its index over the block's work.
+  auto issue_s = [&](float(&s)[kN / 2], int j) {
+    const int g = kv_iter + j, stage = g % T::kStages;
+    mbarrier_wait(sm.k_full(stage), (g / T::kStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
       Wgmma<Element, kN>::ss(s, q_desc(ks), k_desc(stage, ks), ks > 0);
     wgmma_commit();
   };
-  auto issue_pv = [&](int i) {
-    const int stage = i % T::kStages;
-    mbarrier_wait(sm.v_full(stage), (i / T::kStages) & 1);
+  auto issue_pv = [&](int j) {
+    const int g = kv_iter + j, stage = g % T::kStages;
+    mbarrier_wait(sm.v_full(stage), (g / T::kStages) & 1);
 #pragma unroll
     for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
     wgmma_fence();
@@ -160,11 +178,15 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
     for (int ks = 0; ks < kN / 16; ++ks) Wgmma<Element, kD>::rs(o, pa[ks], v_desc(stage, ks));
     wgmma_commit();
   };
+  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1 + cw),
+  // so one warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
+  auto take_turn = [&] { named_barrier_sync(1 + cw, 2 * 128); };
+  auto pass_turn = [&] { named_barrier_arrive(1 + (cw ^ 1), 2 * 128); };
   auto release = [&](uint32_t empty_bar) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_bar);
   };
-  auto apply_mask = [&](float (&s)[kN / 2], int n_block) {
+  auto apply_mask = [&](float(&s)[kN / 2], int n_block) {
     const int col0 = n_block * kN + 2 * (lane % 4);
 #pragma unroll
     for (int i = 0; i < kN / 8; ++i)
@@ -174,7 +196,7 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
         for (int j = 0; j < 2; ++j)
           if (col0 + 8 * i + j >= col_limit[h]) s[4 * i + 2 * h + j] = -INFINITY;
   };
-  auto to_pa = [&](const float (&s)[kN / 2]) {
+  auto to_pa = [&](const float(&s)[kN / 2]) {
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
@@ -182,14 +204,17 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
         pa[kk][r] = ptx::pack2<Element>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
   };
 
-  mbarrier_wait(sm.q_loaded(), 0);
+  auto stage_of = [&](int j) { return (kv_iter + j) % T::kStages; };
+  mbarrier_wait(sm.q_loaded(), q_iter & 1);
   {  // Tile 0 (the last K/V tile): masked, no rescale.
     float s[kN / 2];
+    take_turn();
     issue_s(s, 0);
+    pass_turn();
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) fence_operand(s[i]);
-    release(sm.k_empty(0));
+    release(sm.k_empty(stage_of(0)));
     apply_mask(s, w.n_blocks - 1);
     float alpha[2];
     softmax.template scale_and_exp<true>(s, scale_log2, alpha);
@@ -199,12 +224,14 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
   // while P V is still on the tensor cores; O is rescaled once P V has completed.
   auto step = [&](int i, auto mask_tag) {
     float s[kN / 2];
+    take_turn();
     issue_s(s, i);
     issue_pv(i - 1);
+    pass_turn();
     wgmma_wait<1>();  // S_i done
 #pragma unroll
     for (int i2 = 0; i2 < kN / 2; ++i2) fence_operand(s[i2]);
-    release(sm.k_empty(i % T::kStages));
+    release(sm.k_empty(stage_of(i)));
     if constexpr (decltype(mask_tag)::value) apply_mask(s, w.n_blocks - 1 - i);
     float alpha[2];
     const bool moves = softmax.template scale_and_exp<false>(s, scale_log2, alpha);
@@ -215,7 +242,7 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
     for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) fence_operand(pa[kk][r]);
-    release(sm.v_empty((i - 1) % T::kStages));
+    release(sm.v_empty(stage_of(i - 1)));
     if (__any_sync(0xffffffffu, moves)) Sm90Softmax<kN, kD>::rescale_o(o, alpha);
     to_pa(s);
   };
@@ -223,7 +250,10 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
   for (; i < w.n_blocks && mask.tile_needs_mask(w.m_block, T::kBlockM, w.n_blocks - 1 - i, kN); ++i)
     step(i, std::true_type{});
   for (; i < w.n_blocks; ++i) step(i, std::false_type{});
+  release(sm.q_empty());  // every S = Q K^T of the tile is done: the next Q may load
+  take_turn();
   issue_pv(w.n_blocks - 1);
+  pass_turn();
   wgmma_wait<0>();
 #pragma unroll
   for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
@@ -231,7 +261,7 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
   for (int kk = 0; kk < kN / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) fence_operand(pa[kk][r]);
-  release(sm.v_empty((w.n_blocks - 1) % T::kStages));
+  release(sm.v_empty(stage_of(w.n_blocks - 1)));
 
   // Epilogue: normalize, LSE, and O straight from registers (each quad writes 16 contiguous
   // bytes per 8 columns).
@@ -253,23 +283,48 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const Bl
 }
 
 /// A tile no row of which sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
+/// Written by the consumer threads (thread index t of kThreads).
 template <typename T>
-__device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w) {
+__device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, int t) {
+  constexpr int kThreads = 128 * T::kConsumers;
   using Element = typename T::Element;
   const int rows = min(T::kBlockM, p.seqlen_q - w.m_block * T::kBlockM);
   constexpr int kChunks = T::kHeadDim / 8;
   Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride +
                  w.head * p.o_head_stride + int64_t(w.m_block) * T::kBlockM * p.o_row_stride;
-  for (int idx = threadIdx.x; idx < rows * kChunks; idx += T::kNThreads)
+  for (int idx = t; idx < rows * kChunks; idx += kThreads)
     *reinterpret_cast<uint4*>(out + (idx / kChunks) * p.o_row_stride + (idx % kChunks) * 8) =
         make_uint4(0, 0, 0, 0);
   if (p.lse != nullptr)
-    for (int r = threadIdx.x; r < rows; r += T::kNThreads)
+    for (int r = t; r < rows; r += kThreads)
       p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + w.m_block * T::kBlockM + r] =
           -INFINITY;
 }
 
-/// grid = (ceil(seqlen_q / kBlockM), heads_q, batch), block = kNThreads, dynamic shared memory
+/// Consumer warpgroup cw's share of every tile of the block.
+template <typename T>
+__device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, int cw) {
+  static_assert(T::kConsumers == 2, "the GEMM turn-taking below is for two warpgroups");
+  const TileScheduler<T> sched(p);
+  // Warpgroup 0 has the first turn: warpgroup 1 hands it over before its own first wait.
+  if (cw == 1) named_barrier_arrive(1, 2 * 128);
+  int kv_iter = 0, q_iter = 0;
+  for (int tile = blockIdx.x; tile < sched.total; tile += gridDim.x) {
+    const BlockWork w = sched.work(p, tile);
+    if (w.n_blocks <= 0) {
+      write_empty_tile<T>(p, w, int(threadIdx.x) - 128);
+      continue;
+    }
+    consume_tile<T>(p, sm, w, cw, kv_iter, q_iter);
+    kv_iter += w.n_blocks;
+    ++q_iter;
+  }
+  // Warpgroup 1 handed over one turn more than warpgroup 0 took: take it, so that no barrier
+  // is left half-arrived when the block exits.
+  if (cw == 0) named_barrier_sync(1, 2 * 128);
+}
+
+/// Persistent: grid = (launch_sm90's block count), block = kNThreads, dynamic shared memory
 /// T::kSmemBytes. The tensor maps (tensor_map.h) view q/k/v as [batch][heads][seqlen][head_dim]
 /// with p's strides and 128-byte-swizzled boxes of [rows][64].
 template <typename T>
@@ -281,18 +336,14 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SmemMap<T> sm((ptx::smem_addr(smem_raw) + 1023u) & ~1023u);
-  const BlockWork w = block_work<T>(p);
-  if (w.n_blocks <= 0) {
-    write_empty_tile<T>(p, w);
-    return;
-  }
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   if (threadIdx.x == 0) {
     mbarrier_init(sm.q_loaded(), 1);
+    mbarrier_init(sm.q_empty(), 4 * T::kConsumers);  // one arrival per consumer warp
     for (int s = 0; s < T::kStages; ++s) {
       mbarrier_init(sm.k_full(s), 1);
       mbarrier_init(sm.v_full(s), 1);
-      mbarrier_init(sm.k_empty(s), 4 * T::kConsumers);  // one arrival per consumer warp
+      mbarrier_init(sm.k_empty(s), 4 * T::kConsumers);
       mbarrier_init(sm.v_empty(s), 4 * T::kConsumers);
     }
     fence_barrier_init();
@@ -300,10 +351,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
   __syncthreads();
   if (warpgroup == 0) {
     setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x == 0) produce<T>(sm, w, &tm_q, &tm_k, &tm_v);
+    if (threadIdx.x == 0) produce<T>(p, sm, &tm_q, &tm_k, &tm_v);
   } else {
     setmaxnreg_inc<T::kConsumerRegs>();
-    consume<T>(p, sm, w, warpgroup - 1);
+    consume<T>(p, sm, warpgroup - 1);
   }
 #endif
 }

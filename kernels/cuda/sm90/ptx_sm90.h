@@ -20,8 +20,7 @@ __device__ __forceinline__ void fence_barrier_init() {
 
 /// Arrives once and adds tx_bytes to the transaction count the phase waits for (TMA bytes).
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint32_t bar, uint32_t tx_bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(tx_bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(tx_bytes)
                : "memory");
 }
 
@@ -72,6 +71,11 @@ __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+/// Arrives on named barrier id without waiting (the producer side of a handoff).
+__device__ __forceinline__ void named_barrier_arrive(int id, int nthreads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
+}
+
 /// Barrier among the nthreads threads (a multiple of 32) that name barrier id (1..15).
 __device__ __forceinline__ void named_barrier_sync(int id, int nthreads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(nthreads) : "memory");
@@ -95,9 +99,7 @@ __device__ __forceinline__ void wgmma_wait() {
 /// Pins a register operand of an in-flight wgmma: the compiler may neither move nor reuse it
 /// across this point (the tensor core reads/writes it asynchronously).
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
-__device__ __forceinline__ void fence_operand(uint32_t& x) {
-  asm volatile("" : "+r"(x)::"memory");
-}
+__device__ __forceinline__ void fence_operand(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
 
 // ---- shared-memory matrix descriptor -----------------------------------------------------------
 

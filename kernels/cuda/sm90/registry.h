@@ -1,18 +1,21 @@
 // The compiled sm90 configurations (instances/*.cu), seen by the dispatch table
 // (flash_fwd_dispatch.cu). Plain host declarations: no sm_90a code is needed to include it.
 // X(DTYPE, ELEMENT, HEAD_DIM, BLOCK_N, STAGES): one instance per line; only what
-// select()/candidates() can pick is instantiated (each instance costs build time).
+// select()/candidates() can pick is instantiated (each instance costs build time). The first
+// line for a (dtype, head_dim) is the family's default there.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "flashserve/kernels/attention_params.h"
 
-#define FLASHSERVE_SM90_CONFIGS(X)              \
-  X(kFloat16, __half, 64, 128, 2)               \
-  X(kBFloat16, __nv_bfloat16, 64, 128, 2)       \
-  X(kFloat16, __half, 128, 128, 2)              \
-  X(kBFloat16, __nv_bfloat16, 128, 128, 2)
+#define FLASHSERVE_SM90_CONFIGS(X)         \
+  X(kFloat16, __half, 64, 128, 2)          \
+  X(kBFloat16, __nv_bfloat16, 64, 128, 2)  \
+  X(kFloat16, __half, 128, 128, 2)         \
+  X(kBFloat16, __nv_bfloat16, 128, 128, 2) \
+  X(kFloat16, __half, 128, 176, 2)         \
+  X(kBFloat16, __nv_bfloat16, 128, 176, 2)
 
 namespace flashserve::kernels::cuda::sm90 {
 
@@ -21,8 +24,5 @@ struct Sm90Traits;
 
 template <typename T>
 cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream);
-
-/// Rows per query tile of every sm90 configuration (2 consumer warpgroups x 64).
-constexpr int kSm90BlockM = 128;
 
 }  // namespace flashserve::kernels::cuda::sm90

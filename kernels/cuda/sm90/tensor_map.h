@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/dtype.h"
 
 namespace flashserve::kernels::cuda::sm90 {
@@ -21,6 +22,20 @@ struct TensorView {
   int head_dim, seqlen, heads, batch;
   int64_t row_stride, head_stride, batch_stride;
 };
+
+/// The views of p's q, k and v.
+inline TensorView q_view(const AttentionParams& p) {
+  return {p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
+          p.q_row_stride, p.q_head_stride, p.q_batch_stride};
+}
+inline TensorView k_view(const AttentionParams& p) {
+  return {p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+          p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+}
+inline TensorView v_view(const AttentionParams& p) {
+  return {p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
+          p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+}
 
 /// cudaSuccess, or cudaErrorInvalidValue when the view cannot be a tensor map (e.g. a zero or
 /// negative stride over more than one row/head/batch), or the driver lookup's error.

@@ -37,7 +37,7 @@ struct Sm90Traits {
   static constexpr uint32_t kKOffset = kQOffset + kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr uint32_t kBarOffset = kVOffset + kStages * kKVBytes;
-  static constexpr int kNumBarriers = 1 + 4 * kStages;  // Q, full/empty x K/V per stage
+  static constexpr int kNumBarriers = 2 + 4 * kStages;  // Q full/empty, full/empty x K/V per stage
   // + 1024: the dynamic shared-memory base is aligned up to 1024 bytes (swizzle atom) in-kernel.
   static constexpr size_t kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm_90 shared-memory limit per block");
