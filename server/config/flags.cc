@@ -158,7 +158,7 @@ ABSL_FLAG(int, stream_max_sessions, flashserve::StreamOptions{}.max_sessions,
 ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.session_timeout_ms,
           "Striped streaming API: a session idle for this long is dropped");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format, "Log format: text, or json (one JSON object per line)");
-// The HTTP ports (8000 and 8002) against hostile clients: server/README.md, "HTTP edge".
+// The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.
 ABSL_FLAG(int, http_max_connections, flashserve::HttpLimitsOptions{}.max_connections,
           "HTTP and metrics ports: open connections each; more are closed on accept (the server "
           "raises its open-file soft limit toward the hard limit to fit them)");
@@ -171,7 +171,8 @@ ABSL_FLAG(int, http_idle_timeout_s, flashserve::HttpLimitsOptions{}.idle_timeout
 ABSL_FLAG(int, http_header_timeout_s, flashserve::HttpLimitsOptions{}.header_timeout_s,
           "HTTP: the headers must arrive within this long of the request line, else closed");
 ABSL_FLAG(int, http_body_timeout_s, flashserve::HttpLimitsOptions{}.body_timeout_s,
-          "HTTP: a request body must arrive within this long of its headers, else 408");
+          "HTTP: a request body must arrive within this long of its headers, else the "
+          "connection is cut off");
 ABSL_FLAG(int64_t, http_max_json_bytes, flashserve::HttpLimitsOptions{}.max_json_bytes,
           "HTTP: the JSON part of a KServe infer body (413 beyond)");
 ABSL_FLAG(int64_t, http_max_receive_bytes, flashserve::HttpLimitsOptions{}.max_receive_bytes,
