@@ -27,6 +27,7 @@ std::string_view View(const grpc_slice& slice) {
                           GRPC_SLICE_LENGTH(slice));
 }
 
+// The processor's state: immutable, read by every gRPC thread that receives headers.
 struct TokenGate {
   const BearerAuth* auth;
   ServerMetrics* metrics;

@@ -131,7 +131,7 @@ class StreamService final : public StreamServiceBase {
     return reactor;
   }
 
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* Download(grpc::CallbackServerContext* context,
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Download(grpc::CallbackServerContext* /*context*/,
                                                        const grpc::ByteBuffer* request) override {
     return NewDownloadReactor(request, &table_, runtime_->metrics());
   }
