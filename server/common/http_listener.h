@@ -110,7 +110,7 @@ struct HttpListenerOptions {
   std::string host = "127.0.0.1";
   int port = 0;     // 0: pick a free port
   int threads = 2;  // epoll threads; connections are spread over them
-  int max_connections = 2048;           // beyond this, new connections are closed at once
+  int max_connections = 2048;           // at the cap, new connections wait in the backlog
   int max_connections_per_ip = 0;       // 0: no per-address limit
   int max_header_bytes = 16 << 10;      // request line + headers (431 / 414 beyond)
   int max_headers = 100;                // header fields (431 beyond)

@@ -406,3 +406,36 @@ def test_claimed_inputs_cost_memory_only_as_they_arrive(start_server):
     print(f"RSS growth after a 768 MiB claim and 10 KiB of body: {grown / 1024:.1f} MiB")
     assert grown < 64 * 1024, f"RSS grew by {grown} KiB"
     assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_token_is_checked_before_the_body_is_read(start_server, tmp_path):
+    """A POST claiming 100 MiB without a token gets 401 at once: nothing of its body is waited for."""
+    token = "token-0123456789abcdef"
+    (tmp_path / "token").write_text(token)
+    server = start_server(f"--auth_token_file={tmp_path / 'token'}")
+    s = connect(server.http_port)
+    start = time.monotonic()
+    s.sendall(post_head(INFER, {}, content_length=100 * MiB))
+    assert status_of(s, timeout=5) == 401
+    assert time.monotonic() - start < 2
+    s.close()
+
+
+def test_connection_cap(start_server):
+    """At --http_max_connections the server stops accepting: a further connection waits in the listen backlog,
+    unanswered, until a held one closes; then it is served."""
+    server = start_server("--http_max_connections=20")
+    held = [connect(server.http_port) for _ in range(20)]
+    for s in held:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(s) == 200
+    extra = connect(server.http_port)
+    extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    extra.settimeout(1.0)
+    with pytest.raises(socket.timeout):
+        extra.recv(1)
+    held.pop().close()
+    assert status_of(extra, timeout=5) == 200
+    extra.close()
+    for s in held:
+        s.close()

@@ -25,7 +25,7 @@ struct HttpOptions {
   const BearerAuth* auth = nullptr;              // set: requests need "Authorization: Bearer"
   bool open_health = true;                       // /v2/health/* without a token
   // Hostile networks (server/edge/http/README.md):
-  int max_connections = 2048;             // per HTTP port; more are closed on accept
+  int max_connections = 2048;             // per HTTP port; more wait in the listen backlog
   int max_connections_per_ip = 0;         // 0: no per-address cap (load balancers share one)
   int max_header_bytes = 16 << 10;        // request line + headers (431 / 414 beyond)
   int idle_timeout_s = 30;                // connection silent this long: closed
