@@ -456,6 +456,21 @@ TEST(DecodeAttentionApi, WorkspaceBytes) {
   EXPECT_EQ(fk::decode_workspace_bytes(p, 4), size_t(4 * 6 * 8 * 128 * 4) + 768u);
 }
 
+// Runs everywhere: without a GPU the kernels' occupancy reads as one block per SM.
+TEST(DecodeAttentionApi, SplitCandidates) {
+  fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 8, 128, false, 0.1f);
+  const std::vector<int> c = fk::decode_split_candidates(p, 132);
+  ASSERT_FALSE(c.empty());
+  EXPECT_EQ(c.front(), 1);
+  EXPECT_TRUE(std::is_sorted(c.begin(), c.end()));
+  EXPECT_EQ(std::adjacent_find(c.begin(), c.end()), c.end()) << "duplicates";
+  EXPECT_NE(std::find(c.begin(), c.end(), fk::decode_num_splits(p, 132)), c.end());
+  EXPECT_LE(c.back(), 128);
+  EXPECT_GE(c.size(), 3u);  // 1, and the 1- and 2-wave counts (17 or 33, 33 or 66 here)
+  p.seqlen_k = 100;  // two key tiles: at most two splits
+  for (int s : fk::decode_split_candidates(p, 132)) EXPECT_LE(s, 2);
+}
+
 TEST(DecodeAttentionApi, SplitHeuristicFillsTheGpu) {
   SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
   // One sequence, 128k keys, 8 KV heads on 132 SMs: many splits; 64 x 8k x 8 heads: few.

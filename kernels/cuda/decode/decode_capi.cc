@@ -2,6 +2,7 @@
 // flashserve_kernels_capi beside capi.cc. Raw pointers in; cudaError_t values (0 = success) out.
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "flashserve/kernels/decode_attention.h"
 
@@ -72,6 +73,17 @@ __attribute__((visibility("default"))) int flashserve_decode_num_splits(
   const fk::DecodeParams p = make_params(
       {dtype, batch, seqlen_q, seqlen_k, 0, heads_q, heads_kv, head_dim, 0}, nullptr, 1.0f);
   return fk::decode_num_splits(p, sm_count);
+}
+
+/// decode_split_candidates: writes up to `capacity` split counts into out; returns how many exist.
+__attribute__((visibility("default"))) int flashserve_decode_split_candidates(
+    int dtype, int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim,
+    int sm_count, int* out, int capacity) {
+  const fk::DecodeParams p = make_params(
+      {dtype, batch, seqlen_q, seqlen_k, 0, heads_q, heads_kv, head_dim, 0}, nullptr, 1.0f);
+  const std::vector<int> all = fk::decode_split_candidates(p, sm_count);
+  for (int i = 0; i < static_cast<int>(all.size()) && i < capacity; ++i) out[i] = all[i];
+  return static_cast<int>(all.size());
 }
 
 /// Workspace bytes for num_splits splits over total_q query rows.

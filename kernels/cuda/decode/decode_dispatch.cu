@@ -198,6 +198,25 @@ int decode_num_splits(const DecodeParams& p, int sm_count) {
   return 1;
 }
 
+std::vector<int> decode_split_candidates(const DecodeParams& p, int sm_count) {
+  std::vector<int> out{1};
+  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return out;
+  const DecodeKernel k = select_kernel(p);
+  if (k.launch == nullptr) return out;
+  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
+  const int limit = std::min(tiles, kMaxSplits);
+  const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * std::clamp(k.blocks_per_sm(), 1, 2);
+  out.push_back(decode_num_splits(p, sm_count));
+  for (int waves : {1, 2, 4}) out.push_back(static_cast<int>((waves * slots + base - 1) / base));
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  out.erase(std::remove_if(out.begin(), out.end(), [&](int s) { return s < 1 || s > limit; }),
+            out.end());
+  if (out.empty() || out.front() != 1) out.insert(out.begin(), 1);
+  return out;
+}
+
 size_t decode_workspace_bytes(const DecodeParams& p, int num_splits) {
   if (num_splits <= 1) return 0;
   const size_t rows = size_t(num_splits) * size_t(std::max(total_q_rows(p), 0)) * p.heads_q;

@@ -89,6 +89,12 @@ std::string decode_supported(const DecodeParams& p);
 /// waves, each split at least a few key tiles long.
 int decode_num_splits(const DecodeParams& p, int sm_count);
 
+/// The autotuner's search space over split counts for p on sm_count SMs: 1, the heuristic's
+/// choice, and the counts that fill 1, 2 and 4 waves of resident blocks, each kept only if the
+/// sequence (p.seqlen_k) has at least one key tile per split; ascending, no duplicates. Time
+/// run_decode with p.num_splits set to each and keep the fastest.
+std::vector<int> decode_split_candidates(const DecodeParams& p, int sm_count);
+
 /// Bytes of workspace for p with num_splits splits (0 when num_splits <= 1).
 size_t decode_workspace_bytes(const DecodeParams& p, int num_splits);
 
