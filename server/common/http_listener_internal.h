@@ -1,0 +1,102 @@
+// Inside HttpListener (common/http_listener.h): the per-connection and per-request state shared by
+// the middleware (http_listener.cc) and the libmicrohttpd daemon (http_listener_daemon.cc).
+// Not for use elsewhere.
+#pragma once
+
+#include <microhttpd.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <regex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "common/http_listener.h"
+
+namespace flashserve::http_internal {
+
+// Body bytes read and dropped past the size limit before a refused upload is cut off.
+inline constexpr int64_t kDrainBytes = int64_t{16} << 20;
+
+// Where a connection is, for the timeout sweeper.
+enum class Phase { kAwaiting, kHeaders, kBody, kBusy };
+
+struct ConnectionState {
+  int fd = -1;
+  Phase phase = Phase::kAwaiting;
+  absl::Time since = absl::Now();
+};
+
+// A suspended request's answer, handed over from whichever thread computes it.
+struct PendingAnswer {
+  std::mutex mu;
+  MHD_Connection* connection = nullptr;  // null once the request is over (closed, shut down)
+  std::optional<HttpAnswer> answer;
+};
+
+struct CompiledRoute {
+  HttpRoute route;
+  std::regex pattern;
+};
+
+struct RequestState {
+  bool begun = false;  // headers in, the middleware ran
+  bool answered = false;
+  const CompiledRoute* route = nullptr;
+  absl::Time started;  // end of the headers
+  int64_t bytes_in = 0;
+  std::unique_ptr<HttpUpload> upload;
+  absl::Status failed;  // the upload was refused: the rest of the body is dropped
+  absl::Status closed_because;  // why the connection was cut off without an answer
+  std::shared_ptr<PendingAnswer> pending;  // set once OnComplete ran
+  std::vector<std::string> get_matches;    // a GET route's groups, until it is answered
+};
+
+}  // namespace flashserve::http_internal
+
+namespace flashserve {
+
+using http_internal::CompiledRoute;
+using http_internal::kDrainBytes;
+using http_internal::PendingAnswer;
+using http_internal::ConnectionState;
+using http_internal::Phase;
+using http_internal::RequestState;
+
+struct HttpListener::Impl {
+  HttpListenerOptions options;
+  std::vector<CompiledRoute> routes;
+  MHD_Daemon* daemon = nullptr;
+  std::string tls_cert, tls_key;  // must outlive the daemon
+
+  std::mutex mu;  // guards connections and stop
+  std::set<ConnectionState*> connections;
+  bool stop = false;
+  std::condition_variable stop_cv;
+  std::thread sweeper;
+
+  // The timeouts (http_listener_daemon.cc).
+  void SetPhase(MHD_Connection* connection, Phase phase);
+  void Sweep();
+
+  // The middleware (http_listener.cc).
+  const CompiledRoute* Find(absl::string_view method, const std::string& path,
+                            std::vector<std::string>* matches) const;
+  absl::Status CheckHeaders(MHD_Connection* connection) const;
+  MHD_Result Respond(MHD_Connection* connection, RequestState* st, HttpAnswer answer,
+                     absl::string_view metric, int forced_status = 0);
+  MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
+                   RequestState* st);
+  MHD_Result Body(MHD_Connection* connection, RequestState* st, absl::string_view piece);
+  MHD_Result Finish(MHD_Connection* connection, const char* url, const char* method,
+                    RequestState* st);
+};
+
+}  // namespace flashserve
