@@ -439,3 +439,38 @@ def test_connection_cap(start_server):
     extra.close()
     for s in held:
         s.close()
+
+
+def test_health_answers_while_every_inference_computes(start_server, rng):
+    """REST inferences that keep the workers busy wait suspended (no listener thread held): health and /metrics
+    still answer. On a 2-core CI machine the compute takes the cores, hence the looser bound than (a)'s."""
+    server = start_server("--queue_capacity=64")
+    q = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
+    header = binary_header([list(q.shape)] * 3, [q.nbytes] * 3)
+    body = header + q.tobytes() + k.tobytes() + v.tobytes()
+    statuses = []
+    stop = threading.Event()
+
+    def infer():
+        while not stop.is_set():
+            r = requests.post(f"{server.http}{INFER}", data=body, timeout=120,
+                              headers={"Inference-Header-Content-Length": str(len(header))})
+            statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=infer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(1.0)
+        live = latencies(server.http_port, "/v2/health/live", 50)
+        scrape = latencies(server.metrics_port, "/metrics", 50)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    print(f"with 8 REST inferences computing: /v2/health/live p99 {np.percentile(live, 99) * 1e3:.1f} ms, "
+          f"/metrics p99 {np.percentile(scrape, 99) * 1e3:.1f} ms")
+    assert statuses and set(statuses) == {200}, statuses
+    assert np.percentile(live, 99) < 0.5 and np.percentile(scrape, 99) < 0.5
