@@ -61,6 +61,21 @@ def test_server_serves_with_jemalloc_preloaded(jemalloc_preloaded, start_server,
     assert "invalid pointer" not in stderr
 
 
+ENTRY_POINTS = ["malloc", "free", "calloc", "realloc", "reallocarray", "memalign", "posix_memalign", "aligned_alloc",
+                "valloc", "pvalloc", "malloc_usable_size", "cfree"]
+
+
+def test_the_replacement_exports_every_entry_point_or_none(flashserve_bin):
+    # Each shared library's call must reach the same allocator: the executable's dynamic symbol table has all of
+    # malloc's entry points (the replacement) or none of them (a build without it, e.g. sanitized).
+    result = subprocess.run(["nm", "-D", "--defined-only", str(flashserve_bin)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    defined = {line.split()[-1] for line in result.stdout.splitlines() if line.strip()}
+    present = [name for name in ENTRY_POINTS if name in defined]
+    assert present in ([], ENTRY_POINTS), f"only some of malloc's entry points are exported: {present}"
+
+
 def test_server_without_arena_flag_runs_with_jemalloc(jemalloc_preloaded, start_server, make_qkv, check_answer):
     # The default command line (no arena on the CPU backend): nothing to refuse, the server just runs.
     server = start_server()
