@@ -250,7 +250,9 @@ class InferUpload : public HttpUpload {
   }
 
   std::string LogContext() const override {
-    const std::string& id = exchange_->infer.id;
+    // Before OnComplete the request is still the reader's.
+    const std::string& id =
+        exchange_->infer.has_id ? exchange_->infer.id : exchange_->body.request().id;
     return id.empty() ? std::string() : absl::StrCat("id=\"", LogSafe(id), "\" ");
   }
 
