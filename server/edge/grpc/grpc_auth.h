@@ -10,12 +10,13 @@
 // grpc_call.h). Health stays open: grpc.health.v1.Health and KServe's ServerLive / ServerReady.
 //
 // What gRPC 1.51 still reads of a refused call: the bytes the client sent before the refusal
-// reached it, at most the stream's flow-control window (64 KiB initially; BDP probing may raise
-// the window of new streams, up to GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 MiB, on a connection
-// that has carried large messages). Those bytes pass through the transport's read buffers and are
-// dropped as they arrive (the connection's window is kept open for other calls); none of them is
-// kept for the call. tests/python/test_grpc_auth_gate.py sends 256 MiB without a token and checks
-// the server's peak RSS.
+// reached it, at most what HTTP/2 flow control let it send: the stream's window (64 KiB
+// initially; gRPC's BDP probing grows windows on busy connections, and grpc_edge.cc lets a
+// stream's lookahead reach 64 MiB, GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES). Those bytes pass through
+// the transport's read buffers and are dropped; none of them is assembled into a message.
+// tests/python/test_grpc_auth_gate.py sends 256 MiB without a token, twice, to ModelInfer,
+// OpenSession and Attention and checks the server's peak RSS: it grew by 1-6 MiB here (by 680-740
+// MiB for ModelInfer and OpenSession before the gate, when the handlers checked).
 //
 // gRPC's C++ API refuses a metadata processor on insecure credentials (it asserts), although
 // gRPC core runs one on plaintext connections as well; so the port's credentials are made with
