@@ -41,20 +41,25 @@ bool ReadFile(const std::string& path, std::string* out) {
   return true;
 }
 
-// Each connection is one file descriptor: make room for `connections` more under the hard limit.
-void RaiseOpenFileLimit(const std::string& name, int connections) {
+// Each connection is one file descriptor: raises the soft open-file limit toward the hard one to
+// fit `connections` on this port, as many on the other and room for gRPC. When the hard limit is
+// too low, returns a smaller cap (a third of what is left above 256 descriptors), with a warning,
+// rather than let accept() fail for every port once the descriptors run out.
+int FitConnections(const std::string& name, int connections) {
   rlimit limit{};
-  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
-  const rlim_t want = limit.rlim_cur + rlim_t(connections);
-  if (limit.rlim_cur >= rlim_t(connections) * 2 + 256) return;
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return connections;
+  const rlim_t want = rlim_t(connections) * 3 + 256;
+  if (limit.rlim_cur >= want) return connections;
   rlimit raised = limit;
   raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? want : std::min(want, limit.rlim_max);
-  if (raised.rlim_cur > limit.rlim_cur) setrlimit(RLIMIT_NOFILE, &raised);
-  if (raised.rlim_cur < want) {
-    spdlog::warn("{}: open-file limit {} (hard {}) is below what {} connections need; raise "
-                 "ulimit -n or lower --http_max_connections",
-                 name, raised.rlim_cur, limit.rlim_max, connections);
-  }
+  if (raised.rlim_cur > limit.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) != 0) raised = limit;
+  if (raised.rlim_cur >= want) return connections;
+  const rlim_t spare = raised.rlim_cur > 256 ? raised.rlim_cur - 256 : 0;
+  const int fitted = int(std::max<rlim_t>(16, spare / 3));
+  spdlog::warn("{}: open-file limit {} (hard {}): at most {} connections instead of {} "
+               "(--http_max_connections); raise ulimit -n for more",
+               name, raised.rlim_cur, limit.rlim_max, fitted, connections);
+  return std::min(fitted, connections);
 }
 
 }  // namespace
@@ -238,11 +243,11 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
   if (resolved->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
   freeaddrinfo(resolved);
 
-  RaiseOpenFileLimit(options.name, options.max_connections);
+  const int max_connections = FitConnections(options.name, options.max_connections);
   std::vector<MHD_OptionItem> items = {
       {MHD_OPTION_EXTERNAL_LOGGER, intptr_t(&LogFromMhd), &impl},  // first: it logs the others
       {MHD_OPTION_SOCK_ADDR, 0, &address},
-      {MHD_OPTION_CONNECTION_LIMIT, options.max_connections, nullptr},
+      {MHD_OPTION_CONNECTION_LIMIT, max_connections, nullptr},
       {MHD_OPTION_PER_IP_CONNECTION_LIMIT, options.max_connections_per_ip, nullptr},
       {MHD_OPTION_CONNECTION_TIMEOUT, options.idle_timeout_s, nullptr},
       // Request line and headers live in this pool (431/414 beyond); the rest buffers the body.
