@@ -1,13 +1,14 @@
 // One HTTP/1.1 server for hostile networks, on GNU libmicrohttpd: epoll threads (no thread per
 // connection), a connection cap, bounded header memory and count, idle / header / body timeouts,
-// request bodies handed over piece by piece as they arrive, and a request whose answer is computed
-// elsewhere waits suspended (it holds no thread). Plain or TLS (GnuTLS), bound before Start returns.
-// Shared by the HTTP edge (port 8000) and the metrics endpoint (8002).
+// request bodies handed over piece by piece as they arrive, and a request whose answer is
+// computed elsewhere waits suspended (it holds no thread). Plain or TLS (GnuTLS), bound before
+// Start returns. Shared by the HTTP edge (port 8000) and the metrics endpoint (8002).
 //
-// Every request goes through one middleware (HttpListener::Serve*, http_listener.cc): route match,
-// header limits, the bearer token (checked as soon as the headers are in, before any body byte is
-// read), the body size limit, status conversion (absl::Status -> HTTP code + {"error": ...}), the
-// log line of a failure, and the per-request record handed to `on_finished` (request metrics).
+// Every request goes through one middleware (HttpListener::Impl::{Begin,Body,Finish,Respond},
+// http_listener.cc): header limits, route match, the bearer token (checked as soon as the headers
+// are in, before any body byte is read), the body size limit, status conversion (absl::Status ->
+// HTTP code + {"error": ...}), the log line of a failure, and the per-request record handed to
+// `on_finished` (request metrics). The daemon around it: http_listener_daemon.cc.
 #pragma once
 
 #include <cstdint>
