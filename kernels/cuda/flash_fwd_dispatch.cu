@@ -55,9 +55,9 @@ const Entry kSm90Entries[] = {
 };
 #endif
 
+#if FLASHSERVE_HAVE_SM90
 // Whether the current device runs sm_90a code (compute capability exactly 9.0).
 bool device_is_sm90() {
-#if FLASHSERVE_HAVE_SM90
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();  // no device: not an error worth keeping
@@ -69,10 +69,8 @@ bool device_is_sm90() {
     return false;
   }
   return major == 9 && minor == 0;
-#else
-  return false;
-#endif
 }
+#endif
 
 // The sm90 entries usable on the current device (empty elsewhere or when not compiled).
 std::vector<const Entry*> sm90_entries() {
@@ -91,6 +89,7 @@ bool sm90_can_run(const AttentionParams& p) {
   return sm90::tensor_map_strides_ok(q) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
 #else
+  (void)p;
   return false;
 #endif
 }

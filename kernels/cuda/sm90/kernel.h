@@ -1,16 +1,16 @@
 // The sm90 flash-attention forward kernel (FlashAttention-3 structure, written from scratch in
-// raw PTX): a persistent grid of thread blocks of 3 warpgroups, each block walking a static list
-// of (128-row query tile, head, batch) tiles (TileScheduler); the producer loads the next tile's
-// Q and K/V while the consumers finish the current one.
+// raw PTX): thread blocks of 3 warpgroups, each walking a static list of (128-row query tile,
+// head, batch) tiles (TileScheduler; persistent grid, or one block per tile, see launch.h); the
+// producer loads the next tile's Q and K/V while the consumers finish the current one.
 //  - Warpgroup 0 (producer, setmaxnreg 24): one thread issues TMA copies of the Q tile and of
 //    the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each copy
 //    completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
 //    "empty" mbarrier.
 //  - Warpgroups 1 and 2 (consumers, setmaxnreg 240) each own 64 query rows: S = Q K^T by wgmma
 //    with both operands in shared memory, the online softmax (lazy rescale) in registers, and
-//    O += P V by wgmma with P from registers. Within a warpgroup the softmax of tile j runs while
-//    the tensor cores do P V of tile j + 1 (issued just before it), and the two consumer
-//    warpgroups interleave on the tensor cores on their own.
+//    O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j runs
+//    while the tensor cores do P V of tile j - 1 (issued together with S_j), and the two
+//    consumer warpgroups take turns issuing their GEMMs (ping-pong on named barriers 1 and 2).
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
 // (key tail, causal diagonal) come first; TMA fills rows past the sequence ends with zeros.
 #pragma once
