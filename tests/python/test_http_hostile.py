@@ -445,9 +445,9 @@ def test_health_answers_while_every_inference_computes(start_server, rng):
     """REST inferences that keep the workers busy wait suspended (no listener thread held): health and /metrics
     still answer. On a 2-core CI machine the compute takes the cores, hence the looser bound than (a)'s."""
     server = start_server("--queue_capacity=64")
-    q = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
-    k = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
-    v = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 1024, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 1024, 8, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 1024, 8, 64)).astype(np.float32)
     header = binary_header([list(q.shape)] * 3, [q.nbytes] * 3)
     body = header + q.tobytes() + k.tobytes() + v.tobytes()
     statuses = []
@@ -455,9 +455,12 @@ def test_health_answers_while_every_inference_computes(start_server, rng):
 
     def infer():
         while not stop.is_set():
-            r = requests.post(f"{server.http}{INFER}", data=body, timeout=120,
-                              headers={"Inference-Header-Content-Length": str(len(header))})
-            statuses.append(r.status_code)
+            try:
+                r = requests.post(f"{server.http}{INFER}", data=body, timeout=120,
+                                  headers={"Inference-Header-Content-Length": str(len(header))})
+                statuses.append(r.status_code)
+            except requests.RequestException as e:
+                statuses.append(repr(e))
 
     threads = [threading.Thread(target=infer) for _ in range(8)]
     for t in threads:
