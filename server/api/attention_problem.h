@@ -1,5 +1,5 @@
-// A validated attention request: sizes, options and borrowed pointers to the request's tensor
-// bytes.
+// A validated attention request: sizes and options. Where its tensors' bytes are is said apart
+// (memory/tensor_bytes.h).
 #pragma once
 
 #include <cstdint>
@@ -15,12 +15,6 @@ struct AttentionProblem {
   bool causal = false;
   float softmax_scale = 0.f;
   bool return_lse = false;
-  // Borrowed from the request message, which outlives the job. Contiguous
-  // [batch, seqlen, heads, head_dim] in `dtype`.
-  const void* q = nullptr;
-  const void* k = nullptr;
-  const void* v = nullptr;
-
   int64_t q_elements() const { return int64_t{batch} * seqlen_q * heads_q * head_dim; }
   int64_t kv_elements() const { return int64_t{batch} * seqlen_k * heads_kv * head_dim; }
   int64_t q_bytes() const { return q_elements() * int64_t(kernels::dtype_size(dtype)); }

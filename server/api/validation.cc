@@ -191,11 +191,6 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
   problem.causal = request.causal();
   problem.softmax_scale = scale;
   problem.return_lse = request.return_lse();
-  if (data_bytes == nullptr) {
-    problem.q = q.data().data();
-    problem.k = k.data().data();
-    problem.v = v.data().data();
-  }
   return problem;
 }
 

@@ -28,7 +28,7 @@ inline constexpr float kMaxSoftmaxScale = 1e4f;
 /// Checks every field and returns the problem, or INVALID_ARGUMENT (malformed) /
 /// RESOURCE_EXHAUSTED (over a configured limit) with a message that starts with the field.
 /// `data_bytes` (q, k, v), when given, are the tensors' data sizes for a request whose data is
-/// held outside the message (zero-copy parsing); the problem's q/k/v pointers are then null.
+/// held outside the message (zero-copy parsing, shared memory); else their data fields' sizes.
 absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionRequest& request,
                                                           const ValidationLimits& limits,
                                                           const int64_t* data_bytes = nullptr);

@@ -134,8 +134,10 @@ absl::Status Server::StartRuntime() {
   limits.head_dims = caps.head_dims;
   limits.max_head_dim = caps.max_head_dim;
   limits.backend_name = caps.name;
+  copier_ = std::make_unique<ParallelCopier>(config_.request_threads.copy_threads);
   runtime_ = std::make_unique<AttentionRuntime>(backend_.backend.get(), scheduler_.get(), limits,
-                                                metrics_.get(), config_.limits.max_inflight_bytes);
+                                                metrics_.get(), config_.limits.max_inflight_bytes,
+                                                copier_.get());
   absl::StatusOr<std::unique_ptr<BearerAuth>> auth = LoadAuth(config_.network);
   if (!auth.ok()) return auth.status();
   auth_ = *std::move(auth);
@@ -145,16 +147,14 @@ absl::Status Server::StartRuntime() {
 absl::Status Server::StartGrpc() {
   const NetworkOptions& network = config_.network;
   const std::string& backend_name = backend_.backend->capabilities().name;
-  // The token is passed to the services too while the gRPC edge moves its check in front of
-  // every service (edge/grpc/grpc_auth.h); they ignore it once it has.
-  kserve_grpc_ = CreateKServeGrpcService(runtime_.get(), KServeOptionsFor(config_), auth_.get());
+  // The bearer token is checked by the gRPC edge in front of every service (edge/grpc/grpc_auth.h).
+  kserve_grpc_ = CreateKServeGrpcService(runtime_.get(), KServeOptionsFor(config_));
   StreamLimits stream;
   stream.max_sessions = config_.stream.max_sessions;
   stream.max_session_bytes = config_.limits.max_request_bytes;
   stream.max_total_bytes = config_.limits.max_inflight_bytes;
-  stream.max_tensor_elements = config_.limits.validation.max_tensor_elements;
   stream.idle_timeout = std::chrono::milliseconds(config_.stream.session_timeout_ms);
-  stream_grpc_ = CreateStreamService(runtime_.get(), stream, auth_.get());
+  stream_grpc_ = CreateStreamService(runtime_.get(), stream);
 
   GrpcOptions grpc;
   grpc.host = network.host;
@@ -165,7 +165,6 @@ absl::Status Server::StartGrpc() {
   grpc.tls_key_file = network.tls_key_file;
   grpc.auth = auth_.get();
   grpc.enable_fault_injection = config_.test_hooks.enable_fault_injection;
-  grpc.copy_threads = config_.request_threads.copy_threads;
   grpc.hot_lane_spin_us =
       config_.request_threads.HotLaneSpinUsFor(backend_name, std::thread::hardware_concurrency());
   grpc.heap_retention = heap_retention_.get();

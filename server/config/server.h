@@ -14,6 +14,7 @@
 #include "edge/grpc/kserve_grpc.h"
 #include "edge/http/http_edge.h"
 #include "memory/heap_retention.h"
+#include "memory/parallel_copy.h"
 #include "metrics/metrics_http.h"
 #include "metrics/server_metrics.h"
 #include "runtime/attention_runtime.h"
@@ -63,6 +64,7 @@ class Server {
   CreatedBackend backend_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<ParallelCopier> copier_;  // stages inputs the backend cannot read in place
   std::unique_ptr<AttentionRuntime> runtime_;
   std::unique_ptr<BearerAuth> auth_;
   std::unique_ptr<grpc::Service> kserve_grpc_;  // served by grpc_edge_, so they outlive it

@@ -1,7 +1,9 @@
 // ServerConfig: everything the server is started from, one options struct per concern. Each
-// field's default is written once (here, or in the struct of the layer that uses it: BackendOptions,
-// SchedulerOptions, ValidationLimits) and each struct's range checks are its Check(), whose
-// message names the flag. server/config/flags.cc fills a ServerConfig from the flags; nothing
+// field's default is written once: in the options struct of the layer that uses it (BackendOptions,
+// SchedulerOptions, ValidationLimits, the edges' GrpcOptions, HttpOptions, StreamLimits, ...),
+// which the structs here read, or here when only the server has it. Each struct's range checks
+// are its Check(), whose message names the flag. server/config/flags.cc fills a ServerConfig
+// from the flags; nothing
 // below config/ reads a flag.
 #pragma once
 
@@ -11,7 +13,11 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "api/validation.h"
+#include "edge/grpc/grpc_edge.h"
+#include "edge/grpc/stream_edge.h"
 #include "edge/http/http_edge.h"
+#include "edge/kserve/kserve_model.h"
+#include "metrics/metrics_http.h"
 #include "runtime/backend_options.h"
 #include "runtime/scheduler.h"
 
@@ -19,17 +25,17 @@ namespace flashserve {
 
 /// Listening addresses, TLS and bearer-token auth of the gRPC, HTTP and metrics ports.
 struct NetworkOptions {
-  std::string host = "127.0.0.1";
-  int grpc_port = 8001;  // 0 everywhere: pick a free port
-  int http_port = 8000;
-  int metrics_port = 8002;
+  std::string host = GrpcOptions{}.host;
+  int grpc_port = GrpcOptions{}.port;  // 0 everywhere: pick a free port
+  int http_port = HttpOptions{}.port;
+  int metrics_port = MetricsHttpOptions{}.port;
   std::string tls_cert_file, tls_key_file;  // both set: TLS on every port
   // gRPC's resource quota for its buffers (received messages included). -1: sized from the host
   // by the gRPC edge; 0: gRPC's default (no bound).
-  int64_t grpc_memory_quota_bytes = -1;
+  int64_t grpc_memory_quota_bytes = GrpcOptions{}.memory_quota_bytes;
   std::string auth_token_file;  // set: calls need "authorization: Bearer <token>"
   std::string auth_token;       // used when auth_token_file is empty ($FLASHSERVE_AUTH_TOKEN)
-  bool auth_open_health = true;  // /v2/health/* without a token
+  bool auth_open_health = HttpOptions{}.open_health;  // /v2/health/* without a token
 
   absl::Status Check() const;
 };
@@ -75,7 +81,7 @@ struct MemoryOptions {
 /// Threads the gRPC edge adds beside its own.
 struct RequestThreadOptions {
   static constexpr int64_t kAuto = -1;
-  int copy_threads = 4;                // helpers copying a large request; 0: none
+  int copy_threads = 4;  // helpers copying a large request; 0: none
   int64_t hot_lane_spin_us = kAuto;    // kAuto: 1000 on CUDA with >= 4 cores, else 0 (no lane)
 
   absl::Status Check() const;
@@ -88,7 +94,7 @@ struct LimitsOptions {
   // bytes < 2^45), so no size computed from a valid shape can overflow.
   static constexpr int64_t kMaxTensorElementsBound = int64_t{1} << 40;
   ValidationLimits validation;
-  int64_t max_request_bytes = int64_t{1} << 30;   // at most INT32_MAX (gRPC's message limit)
+  int64_t max_request_bytes = GrpcOptions{}.max_request_bytes;  // at most INT32_MAX (gRPC's limit)
   int64_t max_inflight_bytes = int64_t{4} << 30;  // 0: no limit
 
   absl::Status Check() const;
@@ -96,15 +102,15 @@ struct LimitsOptions {
 
 /// The striped streaming API (flashserve.v1.AttentionStreamService).
 struct StreamOptions {
-  int max_sessions = 16;
-  int64_t session_timeout_ms = 60000;
+  int max_sessions = StreamLimits{}.max_sessions;
+  int64_t session_timeout_ms = StreamLimits{}.idle_timeout.count();
 
   absl::Status Check() const;
 };
 
 /// The KServe v2 / Open Inference Protocol model both edges present.
 struct ModelOptions {
-  std::string model_name = "attention";
+  std::string model_name = kserve::KServeOptions{}.model_name;
 
   absl::Status Check() const;
 };

@@ -6,9 +6,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "runtime/tensor_placement.h"
 
 namespace flashserve {
 namespace {
+
+// Staged inputs of requests under this size give back the memory they arrived in at once.
+constexpr int64_t kReleaseInputsEarlyBytes = int64_t{4} << 20;
 
 void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<int64_t> shape) {
   tensor->set_dtype(dtype);
@@ -18,10 +23,20 @@ void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<
 
 }  // namespace
 
+// One accepted call from validation to its answer.
+struct AttentionRuntime::Job {
+  Call call;
+  AttentionProblem problem;
+  TensorPlacement placement;
+  absl::Time enqueued;
+};
+
 AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
-                                   ServerMetrics* metrics, int64_t max_inflight_bytes)
+                                   ServerMetrics* metrics, int64_t max_inflight_bytes,
+                                   ParallelCopier* copier)
     : backend_(backend),
       scheduler_(scheduler),
+      copier_(copier),
       limits_(std::move(limits)),
       metrics_(metrics),
       max_inflight_bytes_(max_inflight_bytes) {}
@@ -59,6 +74,22 @@ void AttentionRuntime::Leave() {
 
 void AttentionRuntime::Submit(Call call) { Submit(std::move(call), Admission()); }
 
+bool AttentionRuntime::AdmitBytes(Call& call, int64_t bytes) {
+  const int64_t before = inflight_bytes_.fetch_add(bytes);
+  if (max_inflight_bytes_ > 0 && before + bytes > max_inflight_bytes_ && before > 0) {
+    inflight_bytes_.fetch_sub(bytes);
+    call.done(absl::ResourceExhaustedError(
+        absl::StrCat("server busy: ", before, " tensor bytes in flight + ", bytes,
+                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
+    return false;
+  }
+  call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
+    inflight_bytes_.fetch_sub(bytes);
+    done(status);
+  };
+  return true;
+}
+
 void AttentionRuntime::Submit(Call call, Admission admission) {
   if (!admission) {
     admission = Admit();
@@ -73,65 +104,65 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
     done(status);
     Leave();
   };
-  const bool external = call.fill_inputs || call.io;
+  const bool external = !call.inputs[0].empty() || !call.inputs[1].empty() ||
+                        !call.inputs[2].empty() || call.io != nullptr;
+  int64_t data_bytes[3];
+  for (int i = 0; i < 3; ++i) data_bytes[i] = call.inputs[i].size();
   absl::StatusOr<AttentionProblem> problem =
-      ValidateAttentionRequest(*call.request, limits_, external ? call.data_bytes : nullptr);
+      ValidateAttentionRequest(*call.request, limits_, external ? data_bytes : nullptr);
   if (!problem.ok()) {
     call.done(problem.status());
     return;
   }
   // Admission by bytes: inputs (already received) plus the output this request will allocate.
-  const int64_t bytes = problem->q_bytes() + 2 * problem->kv_bytes() + problem->out_bytes() +
-                        problem->lse_elements() * int64_t(sizeof(float));
-  const int64_t before = inflight_bytes_.fetch_add(bytes);
-  if (max_inflight_bytes_ > 0 && before + bytes > max_inflight_bytes_ && before > 0) {
-    inflight_bytes_.fetch_sub(bytes);
-    call.done(absl::ResourceExhaustedError(
-        absl::StrCat("server busy: ", before, " tensor bytes in flight + ", bytes,
-                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
+  if (!AdmitBytes(call, problem->q_bytes() + 2 * problem->kv_bytes() + problem->out_bytes() +
+                            problem->lse_elements() * int64_t(sizeof(float)))) {
     return;
   }
-  int64_t stage_us = 0;
-  if (external) {
-    if (call.io == nullptr) {
-      // The one host copy on the way in, receive slices -> (pinned) request buffers, unless the
-      // backend copies the tensors to the device straight from where they arrived.
-      const bool in_place =
-          call.input_pieces[0] != nullptr && backend_->ReadsInPlace(call.input_pieces);
-      call.io = in_place ? IoBuffers::AllocateOutputs(*problem, backend_->staging_pool())
-                         : IoBuffers::Allocate(*problem, backend_->staging_pool());
-      if (call.io == nullptr) {
-        inflight_bytes_.fetch_sub(bytes);
-        call.done(absl::ResourceExhaustedError(
-            absl::StrCat("cannot allocate ", IoLayout::For(*problem).total,
-                         " bytes of host memory for this request")));
-        return;
-      }
-      if (metrics_ != nullptr && call.input_pieces[0] != nullptr) metrics_->RecordInputPath(in_place);
-      const absl::Time copy_start = absl::Now();
-      call.fill_inputs(call.io);
-      stage_us = absl::ToInt64Microseconds(absl::Now() - copy_start);
-    }
-    if (call.io->has_inputs()) {
-      problem->q = call.io->q();
-      problem->k = call.io->k();
-      problem->v = call.io->v();
-    }
+  auto job = std::make_shared<Job>();
+  job->problem = *problem;
+  absl::Status placed = Place(call, job.get());
+  if (!placed.ok()) {
+    call.done(placed);
+    return;
   }
-  call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
-    inflight_bytes_.fetch_sub(bytes);
-    done(status);
-  };
-  const absl::Time enqueued = absl::Now();
-  // The job owns the call; if Submit refuses it, the job is destroyed unrun and we answer here.
-  auto shared_call = std::make_shared<Call>(std::move(call));
-  Scheduler::Job job = [this, shared_call, problem = *problem, enqueued, stage_us] {
-    Execute(problem, shared_call, enqueued, stage_us);
-  };
+  job->enqueued = absl::Now();
+  job->call = std::move(call);
+  // The job owns the call; if the scheduler refuses it, the job is destroyed unrun and we answer.
+  Scheduler::Job run = [this, job] { Execute(job); };
   // A GPU launch with a stream free is quick: do it here rather than wake a worker for it.
-  absl::Status queued = backend_->can_launch_now() ? scheduler_->SubmitOrRunInline(std::move(job))
-                                                   : scheduler_->Submit(std::move(job));
-  if (!queued.ok()) shared_call->done(queued);
+  absl::Status queued = backend_->can_launch_now() ? scheduler_->SubmitOrRunInline(std::move(run))
+                                                   : scheduler_->Submit(std::move(run));
+  if (!queued.ok()) job->call.done(queued);
+}
+
+absl::Status AttentionRuntime::Place(Call& call, Job* job) {
+  const v1::AttentionRequest& request = *call.request;
+  TensorPlacementRequest where;
+  where.problem = &job->problem;
+  const v1::Tensor* messages[3] = {&request.q(), &request.k(), &request.v()};
+  for (int i = 0; i < 3; ++i) {
+    where.inputs[i] = call.inputs[i].empty() && call.io == nullptr
+                          ? TensorBytes::Contiguous(MemoryKind::kHeap, messages[i]->data().data(),
+                                                    messages[i]->data().size())
+                          : std::move(call.inputs[i]);
+  }
+  const bool from_receive_buffers = call.inputs_owner != nullptr;
+  where.outputs_in_buffers = call.outputs_in_buffers;
+  where.io = std::move(call.io);
+  where.response = call.response;
+  ASSIGN_OR_RETURN(job->placement, PlaceTensors(std::move(where), *backend_, copier_));
+  if (metrics_ != nullptr && from_receive_buffers) {
+    metrics_->RecordInputPath(!job->placement.inputs_copied);
+  }
+  // Staged inputs no longer need the memory they arrived in. Small requests give it back now
+  // (flat RSS under mixed traffic); large ones at the end, so freeing hundreds of MB of read
+  // buffers never delays their launch.
+  if (job->placement.inputs_copied && job->problem.q_bytes() < kReleaseInputsEarlyBytes) {
+    call.inputs_owner.reset();
+  }
+  if (call.buffers_out != nullptr) *call.buffers_out = job->placement.io;
+  return absl::OkStatus();
 }
 
 AttentionRuntime::~AttentionRuntime() {
@@ -150,61 +181,47 @@ bool AttentionRuntime::WaitIdle(absl::Time deadline) {
   return true;
 }
 
-void AttentionRuntime::Execute(const AttentionProblem& problem, std::shared_ptr<Call> call,
-                               absl::Time enqueued, int64_t stage_us) {
+void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
+  Call& call = job->call;
   const absl::Time started = absl::Now();
   // Deadline first: gRPC also reports a call whose deadline passed as cancelled, and it is the
   // deadline the client should hear about (and the metrics count).
-  if (started >= call->deadline) {
-    call->done(absl::DeadlineExceededError(
-        absl::StrCat("deadline expired after ", absl::ToInt64Microseconds(started - enqueued),
+  if (started >= call.deadline) {
+    call.done(absl::DeadlineExceededError(
+        absl::StrCat("deadline expired after ", absl::ToInt64Microseconds(started - job->enqueued),
                      " us in the queue; not run")));
     return;
   }
-  if (call->cancelled && call->cancelled()) {
-    call->done(absl::CancelledError("cancelled by the client"));
+  if (call.cancelled && call.cancelled()) {
+    call.done(absl::CancelledError("cancelled by the client"));
     return;
   }
-
-  v1::AttentionResponse* response = call->response;
+  const AttentionProblem& problem = job->problem;
   const auto dtype = static_cast<v1::DType>(problem.dtype);
-  v1::Tensor* out = response->mutable_out();
-  SetTensorHeader(out, dtype, {problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim});
+  SetTensorHeader(call.response->mutable_out(), dtype,
+                  {problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim});
   if (problem.return_lse) {
-    SetTensorHeader(response->mutable_lse(), v1::FLOAT32,
+    SetTensorHeader(call.response->mutable_lse(), v1::FLOAT32,
                     {problem.batch, problem.heads_q, problem.seqlen_q});
   }
-  JobOutput output;
-  output.deadline = call->deadline;
-  output.inject_device_fault = call->inject_device_fault;
-  if (call->io != nullptr) {
-    output.out = call->io->o();
-    output.lse = call->io->lse();
-    output.pinned = call->io->pinned();
-    output.outputs_in_one_buffer = true;
-    if (!call->io->has_inputs()) {
-      for (int i = 0; i < 3; ++i) output.input_pieces[i] = call->input_pieces[i];
-    }
-  } else {
-    out->mutable_data()->resize(size_t(problem.out_bytes()));
-    output.out = out->mutable_data()->data();
-    if (problem.return_lse) {
-      std::string* lse = response->mutable_lse()->mutable_data();
-      lse->resize(size_t(problem.lse_elements()) * sizeof(float));
-      output.lse = reinterpret_cast<float*>(lse->data());
-    }
-  }
-  // The call (request, response, io) stays alive until its done() runs, so the backend may keep
-  // writing into `output` after this worker returns.
-  backend_->RunAsync(problem, output,
-                     [this, call, problem, enqueued, started, stage_us](JobResult result) {
-                       result.timing.stage_us += stage_us;
-                       call->done(Finish(problem, *call, enqueued, started, std::move(result)));
-                     });
+  BackendJob backend_job;
+  backend_job.problem = problem;
+  backend_job.tensors = job->placement.tensors;
+  backend_job.deadline = call.deadline;
+  backend_job.inject_device_fault = call.inject_device_fault;
+  // The job (request, response, buffers, input owner) stays alive until its done() runs, so the
+  // backend may keep reading and writing its tensors after this worker returns.
+  backend_->RunAsync(backend_job, [this, job, started](JobResult result) {
+    result.timing.stage_us += job->placement.stage_us;
+    const absl::Status status = Finish(*job, started, std::move(result));
+    job->call.inputs_owner.reset();
+    job->call.done(status);
+  });
 }
 
-absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Call& call,
-                                      absl::Time enqueued, absl::Time started, JobResult result) {
+absl::Status AttentionRuntime::Finish(const Job& job, absl::Time started, JobResult result) {
+  const Call& call = job.call;
+  const AttentionProblem& problem = job.problem;
   v1::AttentionResponse* response = call.response;
   // A client that went away while its job ran gets CANCELLED (counted and logged as such),
   // not an OK nobody reads.
@@ -216,31 +233,34 @@ absl::Status AttentionRuntime::Finish(const AttentionProblem& problem, const Cal
     response->clear_lse();
     return result.status;
   }
+  if (job.placement.outputs_to_response) CopyOutputsToResponse(problem, job.placement, response);
   const PhaseTiming& phases = result.timing;
-  const std::string& kernel = result.kernel;
   v1::Timing* timing = response->mutable_timing();
-  timing->set_queue_us(absl::ToInt64Microseconds(started - enqueued));
+  timing->set_queue_us(absl::ToInt64Microseconds(started - job.enqueued));
   timing->set_stage_us(phases.stage_us);
   timing->set_h2d_us(phases.h2d_us);
   timing->set_compute_us(phases.compute_us);
   timing->set_d2h_us(phases.d2h_us);
   timing->set_total_us(absl::ToInt64Microseconds(absl::Now() - call.received));
-  response->set_kernel(kernel);
+  response->set_kernel(result.kernel);
   response->set_request_id(call.request->request_id());
-  if (metrics_ != nullptr) {
-    metrics_->RecordPhase(Phase::kQueue, timing->queue_us() * 1e-6);
-    if (timing->h2d_us() > 0 || timing->d2h_us() > 0) {
-      metrics_->RecordPhase(Phase::kH2D, timing->h2d_us() * 1e-6);
-      metrics_->RecordPhase(Phase::kD2H, timing->d2h_us() * 1e-6);
-    }
-    metrics_->RecordPhase(Phase::kCompute, phases.compute_us * 1e-6);
-    if (phases.compute_us > 0) {
-      kernels::AttentionParams params = problem.params();
-      metrics_->ObserveKernel(kernel,
-                              kernels::attention_flops(params) / (phases.compute_us * 1e-6) / 1e12);
-    }
-  }
+  if (metrics_ != nullptr) RecordPhases(problem, result, timing->queue_us());
   return absl::OkStatus();
+}
+
+void AttentionRuntime::RecordPhases(const AttentionProblem& problem, const JobResult& result,
+                                    int64_t queue_us) {
+  const PhaseTiming& phases = result.timing;
+  metrics_->RecordPhase(Phase::kQueue, queue_us * 1e-6);
+  if (phases.h2d_us > 0 || phases.d2h_us > 0) {
+    metrics_->RecordPhase(Phase::kH2D, phases.h2d_us * 1e-6);
+    metrics_->RecordPhase(Phase::kD2H, phases.d2h_us * 1e-6);
+  }
+  metrics_->RecordPhase(Phase::kCompute, phases.compute_us * 1e-6);
+  if (phases.compute_us > 0) {
+    metrics_->ObserveKernel(result.kernel, kernels::attention_flops(problem.params()) /
+                                               (phases.compute_us * 1e-6) / 1e12);
+  }
 }
 
 }  // namespace flashserve

@@ -17,6 +17,8 @@
 #include "metrics/server_metrics.h"
 #include "runtime/backend.h"
 #include "memory/io_buffers.h"
+#include "memory/parallel_copy.h"
+#include "memory/tensor_bytes.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {
@@ -32,28 +34,31 @@ class AttentionRuntime {
     std::function<bool()> cancelled;                // may be empty
     std::function<void(const absl::Status&)> done;  // called exactly once, maybe inline
 
-    // Zero-copy edges. The tensors' bytes are not in `request` (its q/k/v data are empty):
-    // `data_bytes` are their sizes, validated as data().size() would be, and either
-    // - `fill_inputs` copies them into the buffers the runtime allocates once the request is
-    //   admitted (the gRPC edge: straight from the receive slices), or
-    // - `io` already holds them (the striped stream edge reassembles into IoBuffers).
-    // The result then stays in `io`: the response gets out/lse dtype and shape but no data, and
-    // the edge sends O and LSE out of io->o() / io->lse().
-    int64_t data_bytes[3] = {0, 0, 0};
-    std::function<void(const std::shared_ptr<IoBuffers>& io)> fill_inputs;  // may keep io
+    // Where Q, K and V arrived; left empty: in the request's data fields (heap). With inputs
+    // given, the request's q/k/v data fields are ignored (they are empty on zero-copy edges).
+    TensorBytes inputs[3];
+    // Keeps the memory of `inputs` alive (e.g. gRPC's receive slices); the runtime drops it as
+    // soon as the inputs are no longer read: after they were staged, or when the call is done.
+    std::shared_ptr<void> inputs_owner;
+    // O and LSE stay in request buffers (`io`) that the edge sends as slices, instead of the
+    // response message's data fields (the response then gets their dtype and shape only).
+    bool outputs_in_buffers = false;
+    // In: buffers already holding the inputs (inputs[] point into them) with room for the
+    // outputs (the striped edge), or null. Out (outputs_in_buffers): the buffers O and LSE are in.
     std::shared_ptr<IoBuffers> io;
-    // With fill_inputs: where the tensors' bytes are (valid until done). When the backend reads
-    // them in place (Backend::ReadsInPlace), `io` gets room for the outputs only
-    // (!io->has_inputs()), fill_inputs must then copy nothing, and the bytes are read from here.
-    const InputPieces* input_pieces[3] = {nullptr, nullptr, nullptr};
-    bool inject_device_fault = false;  // test hook, see JobOutput
+    // Where the runtime stores `io` once placed, before done() (may be null): the edge sends O
+    // and LSE from there.
+    std::shared_ptr<IoBuffers>* buffers_out = nullptr;
+    bool inject_device_fault = false;  // test hook, see BackendJob
   };
 
   /// metrics may be null. max_inflight_bytes (0: no limit) bounds the tensor bytes (inputs and
   /// outputs) of all accepted, unfinished requests; a request that would pass it gets
   /// RESOURCE_EXHAUSTED before its output is allocated.
+  /// `copier` (may be null: copies on the calling thread) stages large requests' inputs.
   AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
-                   ServerMetrics* metrics = nullptr, int64_t max_inflight_bytes = 0);
+                   ServerMetrics* metrics = nullptr, int64_t max_inflight_bytes = 0,
+                   ParallelCopier* copier = nullptr);
   /// Waits (up to 10 s) for calls whose done() is still running on another thread: their
   /// completion wrapper touches this object after handing the answer back.
   ~AttentionRuntime();
@@ -102,16 +107,22 @@ class AttentionRuntime {
   int64_t inflight_bytes() const { return inflight_bytes_.load(); }
 
  private:
+  struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)
   void Leave();  // one accepted call answered
   // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
-  void Execute(const AttentionProblem& problem, std::shared_ptr<Call> call, absl::Time enqueued,
-               int64_t stage_us);
+  void Execute(std::shared_ptr<Job> job);
   // Fills the response from a finished job; the status to answer with.
-  absl::Status Finish(const AttentionProblem& problem, const Call& call, absl::Time enqueued,
-                      absl::Time started, JobResult result);
+  absl::Status Finish(const Job& job, absl::Time started, JobResult result);
+
+  // Counts the call against --max_inflight_bytes; false (answered) when over it.
+  bool AdmitBytes(Call& call, int64_t bytes);
+  // Decides where the job's tensors are (runtime/tensor_placement.h), staging them if needed.
+  absl::Status Place(Call& call, Job* job);
+  void RecordPhases(const AttentionProblem& problem, const JobResult& result, int64_t queue_us);
 
   Backend* backend_;
   Scheduler* scheduler_;
+  ParallelCopier* const copier_;
   const ValidationLimits limits_;
   ServerMetrics* const metrics_;
   const int64_t max_inflight_bytes_;

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "api/attention_problem.h"
+#include "memory/tensor_bytes.h"
 
 namespace flashserve {
 
@@ -38,22 +39,12 @@ struct PhaseTiming {
   int64_t d2h_us = 0;
 };
 
-/// Where a tensor's bytes are: spans of the memory they arrived in, in order.
-using InputPieces = std::vector<std::string_view>;
-
-/// Where a job's results go (host memory owned by the call) and how to run it.
-struct JobOutput {
-  void* out = nullptr;   // out_bytes() bytes, dtype of the problem
-  float* lse = nullptr;  // lse_elements() floats, or nullptr
-  // The problem's inputs and out/lse are page-locked (IoBuffers from the backend's pinned pool):
-  // the GPU copies straight from and to them, no staging copy.
-  bool pinned = false;
-  // out and lse lie in one buffer laid out like the device's (IoBuffers): one D2H copy serves both.
-  bool outputs_in_one_buffer = false;
-  // Non-null (all three): q, k and v are these pieces of page-locked memory (the receive arena),
-  // which the backend copies to the device in place; problem.q/k/v are then unused. Only given
-  // when ReadsInPlace said yes.
-  const InputPieces* input_pieces[3] = {nullptr, nullptr, nullptr};
+/// One job as a backend receives it: the problem, where its tensors are, and how to run it.
+struct BackendJob {
+  AttentionProblem problem;
+  // Inputs the backend reads directly (ReadsDirectly) and outputs it writes directly
+  // (WritesDirectly): the runtime has staged whatever it could not (runtime/tensor_placement.h).
+  JobTensors tensors;
   // A job still waiting for a device when this passes is answered DEADLINE_EXCEEDED, not run.
   absl::Time deadline = absl::InfiniteFuture();
   // Test hook (--enable_fault_injection only): fault the device instead of computing.
@@ -73,19 +64,24 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual const BackendCapabilities& capabilities() const = 0;
-  /// Computes the problem synchronously into `output`. `kernel` receives the name of
+  /// Computes the job synchronously into its output targets. `kernel` receives the name of
   /// what ran. RESOURCE_EXHAUSTED when memory for it cannot be had; INTERNAL on a device fault.
-  virtual absl::Status Run(const AttentionProblem& problem, const JobOutput& output,
-                           PhaseTiming* timing, std::string* kernel) = 0;
-  /// Starts the problem and returns; `done` is called exactly once when `output` holds the result
-  /// (or with the error), possibly inline, possibly on another thread. The problem's input bytes and
-  /// `output` must stay valid until then. The default runs Run() inline (the CPU backend: its
+  virtual absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) = 0;
+  /// Starts the job and returns; `done` is called exactly once when the outputs hold the result
+  /// (or with the error), possibly inline, possibly on another thread. The job's input and output
+  /// memory must stay valid until then. The default runs Run() inline (the CPU backend: its
   /// thread pool is the parallelism); the CUDA backend returns once the work is queued on a stream.
-  virtual void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) {
+  virtual void RunAsync(const BackendJob& job, JobDone done) {
     JobResult result;
-    result.status = Run(problem, output, &result.timing, &result.kernel);
+    result.status = Run(job, &result.timing, &result.kernel);
     done(std::move(result));
   }
+  /// Whether the backend reads an input in this memory as it is (else the runtime stages it into
+  /// staging_pool() buffers first). The default (CPU): any contiguous host memory. Thread-safe.
+  virtual bool ReadsDirectly(const TensorBytes& tensor) const { return tensor.contiguous(); }
+  /// Whether the backend writes outputs to this kind of memory well (else the runtime gives it
+  /// staging buffers and copies the result out). The default (CPU): any. Thread-safe.
+  virtual bool WritesDirectly(MemoryKind kind) const { return true; }
   /// True when RunAsync would start a job now without waiting (it only queues work on a device
   /// with a free stream): the runtime then launches on the caller's thread instead of handing the
   /// job to a scheduler worker. The default (CPU: RunAsync computes) is false. Thread-safe; a hint.
@@ -103,9 +99,6 @@ class Backend {
   /// Where request buffers (IoBuffers) should come from: the pinned staging pool, or nullptr for
   /// heap memory. Thread-safe.
   virtual PinnedPool* staging_pool() { return nullptr; }
-  /// True when the backend can copy tensors lying in these pieces to the device without a host
-  /// copy (CUDA: every piece is inside the page-locked receive arena). Thread-safe.
-  virtual bool ReadsInPlace(const InputPieces* const pieces[3]) const { return false; }
 };
 
 }  // namespace flashserve

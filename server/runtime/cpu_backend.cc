@@ -34,14 +34,17 @@ CpuBackend::CpuBackend(int num_threads)
   capabilities_.max_head_dim = kernels::cpu::kMaxHeadDim;
 }
 
-absl::Status CpuBackend::Run(const AttentionProblem& problem, const JobOutput& output,
-                             PhaseTiming* timing, std::string* kernel) {
-  kernels::AttentionParams params = problem.params();
-  params.q = problem.q;
-  params.k = problem.k;
-  params.v = problem.v;
-  params.o = output.out;
-  params.lse = output.lse;
+absl::Status CpuBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {
+  const JobTensors& t = job.tensors;
+  if (!t.q.contiguous() || !t.k.contiguous() || !t.v.contiguous()) {
+    return absl::InternalError("CPU backend: inputs must be contiguous (the runtime stages them)");
+  }
+  kernels::AttentionParams params = job.problem.params();
+  params.q = t.q.data();
+  params.k = t.k.data();
+  params.v = t.v.data();
+  params.o = t.o.data;
+  params.lse = reinterpret_cast<float*>(t.lse.data);
   if (std::string why = kernels::cpu::supported(params); !why.empty()) {
     return absl::InvalidArgumentError(why);
   }

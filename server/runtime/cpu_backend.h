@@ -19,8 +19,7 @@ class CpuBackend final : public Backend {
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
 
   const BackendCapabilities& capabilities() const override { return capabilities_; }
-  absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
-                   std::string* kernel) override;
+  absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   int num_threads() const { return pool_->num_threads(); }
   PinnedPool* staging_pool() override { return buffers_.get(); }
 

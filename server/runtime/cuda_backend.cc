@@ -11,11 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "autotune/cuda_tuning.h"
-#include "autotune/problem_class.h"
-#include "memory/receive_arena.h"
+#include "autotune/kernel_choice.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "memory/io_buffers.h"
+#include "runtime/cuda_transfer.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -67,67 +66,26 @@ class CudaHostAllocator final : public HostAllocator {
   void Free(void* pointer) override { cudaFreeHost(pointer); }
 };
 
-// The argument arrays of one batch copy, kept by a slot so that launches reuse their memory.
-struct BatchCopy {
-  std::vector<void*> dsts;
-  std::vector<const void*> srcs;
-  std::vector<size_t> sizes;
-};
-
-// Queues the copies of q, k and v from the receive arena's page-locked blocks (gRPC reads 64 KiB
-// at a time, so a 48 MiB request is ~770 pieces) to `base` + offsets: one batch call, which costs
-// the host far less than one cudaMemcpyAsync per piece; piece by piece where batches are not
-// supported.
-cudaError_t CopyPiecesToDevice(const InputPieces* const pieces[3], char* base,
-                               const std::array<size_t, 3>& offsets, cudaStream_t stream,
-                               BatchCopy* batch) {
-  std::vector<void*>& dsts = batch->dsts;
-  std::vector<const void*>& srcs = batch->srcs;
-  std::vector<size_t>& sizes = batch->sizes;
-  dsts.clear();
-  srcs.clear();
-  sizes.clear();
-  for (int i = 0; i < 3; ++i) {
-    char* dest = base + offsets[size_t(i)];
-    for (std::string_view piece : *pieces[i]) {
-      if (piece.empty()) continue;
-      dsts.push_back(dest);
-      srcs.push_back(piece.data());
-      sizes.push_back(piece.size());
-      dest += piece.size();
-    }
-  }
-  if (dsts.empty()) return cudaSuccess;
-  cudaMemcpyAttributes attributes = {};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  size_t attribute_index = 0;
-  cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), dsts.size(),
-                                       &attributes, &attribute_index, 1, stream);
-  if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue) return e;
-  cudaGetLastError();
-  for (size_t i = 0; i < dsts.size(); ++i) {
-    e = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 }  // namespace
 
 // One request between launch and completion. Byte layout of both the device buffer and the
-// pinned staging buffer: IoLayout (q | k | v | o | lse, each part 256-byte aligned).
+// request buffers: IoLayout (q | k | v | o | lse, each part 256-byte aligned).
 struct CudaBackend::Job {
-  AttentionProblem problem;
-  JobOutput output;
+  BackendJob spec;
+  IoLayout layout;  // of the device buffer
   JobDone done;
-  int64_t device_bytes = 0;
-  PinnedPool::Buffer staging;  // empty: copies straight from/to the caller's memory
-  int64_t stage_us = 0;
-  size_t o_offset = 0, lse_offset = 0;
   kernels::cuda::KernelConfig config;
   cudaError_t launch_error = cudaSuccess;  // the first error while queueing the work
   const char* failed_step = "";
+
+  // Keeps the first failure of a queued step; true while none has failed.
+  bool Step(cudaError_t result, const char* what) {
+    if (result != cudaSuccess && launch_error == cudaSuccess) {
+      launch_error = result;
+      failed_step = what;
+    }
+    return launch_error == cudaSuccess;
+  }
 };
 
 // A stream with its timing events and the thread that completes its jobs, one job at a time.
@@ -149,7 +107,7 @@ struct CudaBackend::Slot {
 struct CudaBackend::Device {
   int index = 0;
   int sm_count = 0;
-  bool tuned = false;  // same model as the first device: uses the tuning cache
+  bool tuned = false;  // same model as the first device: uses the tuning cache (KernelChooser)
   std::vector<std::unique_ptr<Slot>> slots;
   // Guarded by CudaBackend::mu_.
   std::vector<Slot*> free_slots;
@@ -167,14 +125,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     return absl::UnavailableError(e == cudaSuccess ? "no CUDA device visible"
                                                    : absl::StrCat("CUDA: ", cudaGetErrorString(e)));
   }
-  if (options.streams_per_device < 1 || options.streams_per_device > 64) {
-    return absl::InvalidArgumentError(absl::StrCat("--streams_per_device must be in [1, 64], got ",
-                                                   options.streams_per_device));
-  }
-  if (options.pinned_pool_bytes < 0 || options.max_device_bytes_per_request < 0) {
-    return absl::InvalidArgumentError(
-        "--pinned_pool_bytes and --max_device_bytes_per_request must be >= 0");
-  }
+  // Ranges were checked by CudaBackendOptions::Check (runtime/backend_options.h).
   std::vector<int> wanted = options.devices;
   if (wanted.empty()) {
     for (int i = 0; i < count; ++i) wanted.push_back(i);
@@ -249,10 +200,6 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
   }
   backend->max_device_bytes_per_request_ = options.max_device_bytes_per_request;
-  if (options.completion_spin_us < 0 || options.completion_spin_us > 1000000) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--completion_spin_us must be in [0, 1000000], got ", options.completion_spin_us));
-  }
   backend->completion_spin_us_ = options.completion_spin_us;
   if (options.pinned_pool_bytes > 0) {
     PinnedPoolOptions pinned_options;
@@ -262,7 +209,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     if (!pinned.ok()) return pinned.status();
     backend->pinned_ = std::move(*pinned);
   }
-  if (absl::Status s = backend->StartAutotune(options); !s.ok()) return s;
+  if (absl::Status s = backend->StartKernelChoice(options); !s.ok()) return s;
   for (auto& device : backend->devices_) {
     for (auto& slot : device->slots) {
       Slot* raw = slot.get();
@@ -273,87 +220,26 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   return backend;
 }
 
-absl::Status CudaBackend::StartAutotune(const CudaBackendOptions& options) {
-  const std::string& mode = options.autotune;
-  if (mode != "off" && mode != "background" && mode != "startup") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--autotune must be off, background or startup, got \"", mode, "\""));
-  }
-  if (mode == "off" && options.tune_cache_path.empty()) return absl::OkStatus();
-  Device& first = *devices_.front();
-  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(first.index);
-  if (!facts.ok()) return facts.status();
-  tuned_identity_ = facts->identity;
-  for (auto& device : devices_) {
-    const DeviceDescription& d = capabilities_.devices[size_t(&device - &devices_.front())];
-    device->tuned = d.name == tuned_identity_.name && d.cc_major == tuned_identity_.cc_major &&
-                    d.cc_minor == tuned_identity_.cc_minor;
-  }
-  tune_cache_ = std::make_unique<TuneCache>(CacheHeaderFor(tuned_identity_));
-  if (!options.tune_cache_path.empty()) {
-    if (absl::Status s = tune_cache_->Load(options.tune_cache_path); !s.ok()) {
-      spdlog::warn("autotune: ignoring the tuning cache: {}", std::string(s.message()));
-    } else {
-      spdlog::info("autotune: {} tuned classes loaded from {}", tune_cache_->size(),
-                   options.tune_cache_path);
-    }
-  }
-  if (mode == "off") return absl::OkStatus();
-
-  // Tuning runs on its own stream at the lowest priority, one class at a time.
-  cudaSetDevice(first.index);
-  int least = 0, greatest = 0;
-  cudaDeviceGetStreamPriorityRange(&least, &greatest);
-  if (cudaError_t e = cudaStreamCreateWithPriority(&tune_stream_, cudaStreamNonBlocking, least);
-      e != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("CUDA tuning stream: ", cudaGetErrorString(e)));
-  }
-  const int device_index = first.index;
-  const int sm_count = first.sm_count;
-  cudaStream_t stream = tune_stream_;
-  BackgroundTuner::Options tuner_options;
-  tuner_options.cache_path = options.tune_cache_path;
-  tuner_ = std::make_unique<BackgroundTuner>(
-      tune_cache_.get(),
-      [device_index, sm_count, stream](const ProblemClass& c) {
-        cudaSetDevice(device_index);
-        return TuneProblemClass(c, sm_count, stream);
-      },
-      tuner_options, options.on_autotune_event);
-  if (mode == "startup") {
-    const std::vector<ProblemClass> classes = GridClasses(options.startup_grid, tuned_identity_);
-    spdlog::info("autotune: tuning {} classes before reporting ready", classes.size());
-    for (const ProblemClass& c : classes) tuner_->Enqueue(c);
-    tuner_->WaitIdle(absl::InfiniteDuration());
-    spdlog::info("autotune: startup tuning done ({} classes cached)", tune_cache_->size());
+absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {
+  KernelChoiceOptions choice;
+  choice.autotune = options.autotune;
+  choice.tune_cache_path = options.tune_cache_path;
+  choice.startup_grid = options.startup_grid;
+  choice.on_event = options.on_autotune_event;
+  const Device& first = *devices_.front();
+  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
+      KernelChooser::Create(choice, first.index, first.sm_count);
+  if (!chooser.ok()) return chooser.status();
+  chooser_ = std::move(*chooser);
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    const DeviceDescription& d = capabilities_.devices[i];
+    devices_[i]->tuned = chooser_->Covers(d.name, d.cc_major, d.cc_minor);
   }
   return absl::OkStatus();
 }
 
-kernels::cuda::KernelConfig CudaBackend::ChooseConfig(const kernels::AttentionParams& params,
-                                                      const Device& device) {
-  const kernels::cuda::KernelConfig fallback = kernels::cuda::select(params, device.sm_count);
-  if (!device.tuned || !tune_cache_) return fallback;
-  const ProblemClass c = ClassOf(params, tuned_identity_);
-  std::optional<std::string> name;
-  if (tuner_) {
-    name = tuner_->Lookup(c);
-  } else if (std::optional<TuneRecord> record = tune_cache_->Find(c.key())) {
-    name = record->config;
-  }
-  if (!name) return fallback;
-  std::optional<kernels::cuda::KernelConfig> tuned = kernels::cuda::KernelConfig::parse(*name);
-  if (!tuned) return fallback;
-  for (const auto& candidate :
-       kernels::cuda::candidates(params.dtype, params.head_dim, params.causal)) {
-    if (candidate == *tuned) return *tuned;
-  }
-  return fallback;  // a cached name this build does not have
-}
-
 CudaBackend::~CudaBackend() {
-  tuner_.reset();  // joins the tuning thread before its stream goes away
-  if (tune_stream_ != nullptr) cudaStreamDestroy(tune_stream_);
+  chooser_.reset();  // joins the tuning thread before CUDA goes away
   // Completion threads finish the job they hold (the scheduler has drained before this).
   for (auto& device : devices_) {
     for (auto& slot : device->slots) {
@@ -479,31 +365,28 @@ absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char*
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::Status CudaBackend::Run(const AttentionProblem& problem, const JobOutput& output,
-                              PhaseTiming* timing, std::string* kernel) {
+absl::Status CudaBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {
   std::promise<JobResult> promise;
   std::future<JobResult> future = promise.get_future();
-  RunAsync(problem, output, [&promise](JobResult result) { promise.set_value(std::move(result)); });
+  RunAsync(job, [&promise](JobResult result) { promise.set_value(std::move(result)); });
   JobResult result = future.get();
   *timing = result.timing;
   *kernel = std::move(result.kernel);
   return result.status;
 }
 
-bool CudaBackend::ReadsInPlace(const InputPieces* const pieces[3]) const {
-  const ReceiveArena* arena = ReceiveArena::Installed();
-  if (arena == nullptr || !arena->page_locked()) return false;
-  for (int i = 0; i < 3; ++i) {
-    if (pieces[i] == nullptr) return false;
-    for (std::string_view piece : *pieces[i]) {
-      if (!arena->Contains(piece.data(), piece.size())) return false;
-    }
-  }
-  return true;
+bool CudaBackend::ReadsDirectly(const TensorBytes& tensor) const {
+  // Page-locked memory is DMA'd as it lies, in any number of pieces. Pageable memory could be
+  // copied too (the driver stages it), but at ~2.6x less bandwidth (21 vs 55 GB/s on an H200):
+  // the runtime stages it into the pinned pool instead, and only a full pool leaves it pageable.
+  return tensor.kind == MemoryKind::kPageLocked;
 }
 
-void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& output,
-                           JobDone done) {
+bool CudaBackend::WritesDirectly(MemoryKind kind) const {
+  return kind == MemoryKind::kPageLocked;
+}
+
+void CudaBackend::RunAsync(const BackendJob& spec, JobDone done) {
   auto fail = [&done](absl::Status status) {
     JobResult result;
     result.status = std::move(status);
@@ -512,168 +395,41 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
   if (!healthy()) {
     return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
-  kernels::AttentionParams params = problem.params();
-  {
-    // Shape, dtype and stride checks before taking a slot; supported() also wants non-null, aligned
-    // pointers (never dereferenced), which the device buffer below satisfies by construction.
-    alignas(256) static char probe[16];
-    kernels::AttentionParams check = params;
-    check.q = check.k = check.v = check.o = probe;
-    if (std::string why = kernels::cuda::supported(check); !why.empty()) {
-      return fail(absl::InvalidArgumentError(why));
-    }
-  }
-  const IoLayout layout = IoLayout::For(problem);
-  const size_t q_bytes = layout.q_bytes, kv_bytes = layout.kv_bytes, lse_bytes = layout.lse_bytes;
-  const size_t k_offset = layout.k_offset, v_offset = layout.v_offset;
-  const size_t o_offset = layout.o_offset, lse_offset = layout.lse_offset;
-  const size_t total = layout.total;
-  if (max_device_bytes_per_request_ > 0 && int64_t(total) > max_device_bytes_per_request_) {
+  auto job = std::make_unique<Job>();
+  job->spec = spec;
+  job->layout = IoLayout::For(spec.problem);
+  const int64_t device_bytes = int64_t(job->layout.total);
+  if (max_device_bytes_per_request_ > 0 && device_bytes > max_device_bytes_per_request_) {
     return fail(absl::ResourceExhaustedError(
-        absl::StrCat("request needs ", total, " bytes of device memory, over "
+        absl::StrCat("request needs ", device_bytes, " bytes of device memory, over "
                      "--max_device_bytes_per_request=",
                      max_device_bytes_per_request_)));
   }
-
-  auto job = std::make_unique<Job>();
-  job->problem = problem;
-  job->output = output;
-  job->device_bytes = int64_t(total);
-  job->o_offset = o_offset;
-  job->lse_offset = lse_offset;
-
-  const char* host_q = static_cast<const char*>(problem.q);
-  const char* host_k = static_cast<const char*>(problem.k);
-  const char* host_v = static_cast<const char*>(problem.v);
-  char* host_o = static_cast<char*>(output.out);
-  char* host_lse = reinterpret_cast<char*>(output.lse);
-  // Inputs not already pinned are staged in pinned memory before taking a slot: this host copy
-  // overlaps the GPU work of the jobs already on the device. Without a staging buffer (pool at its
-  // cap) the copies go straight from/to pageable memory: slower (the driver stages them itself),
-  // but the request is still served rather than refused.
-  const bool in_place = output.input_pieces[0] != nullptr;
-  if (pinned_ && !output.pinned && !in_place) {
-    const absl::Time stage_start = absl::Now();
-    job->staging = pinned_->Acquire(total);
-    if (job->staging) {
-      char* staging = job->staging.data();
-      std::memcpy(staging, problem.q, q_bytes);
-      std::memcpy(staging + k_offset, problem.k, kv_bytes);
-      std::memcpy(staging + v_offset, problem.v, kv_bytes);
-      host_q = staging;
-      host_k = staging + k_offset;
-      host_v = staging + v_offset;
-      host_o = staging + o_offset;
-      host_lse = staging + lse_offset;
-      job->stage_us = absl::ToInt64Microseconds(absl::Now() - stage_start);
-    } else {
-      spdlog::debug("pinned staging pool full: request served with pageable copies");
-    }
-  }
-
-  Slot* slot = AcquireSlot(job->device_bytes);
+  Slot* slot = AcquireSlot(device_bytes);
   if (slot == nullptr) {
     return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
-  Device* device = slot->device;
-  if (absl::Now() >= output.deadline) {
+  if (absl::Now() >= spec.deadline) {
     // It waited for a slot (every stream busy) past its deadline: not worth the device time.
-    job->staging.reset();
-    ReleaseSlot(slot, job->device_bytes);
+    ReleaseSlot(slot, device_bytes);
     return fail(absl::DeadlineExceededError("deadline expired waiting for a GPU stream; not run"));
   }
-  cudaSetDevice(device->index);
-  cudaStream_t stream = slot->stream;
-
+  cudaSetDevice(slot->device->index);
   char* base = nullptr;
-  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&base), total, stream);
-  if (e != cudaSuccess) {
-    absl::Status status;
-    if (e == cudaErrorMemoryAllocation) {
-      cudaGetLastError();
-      status = absl::ResourceExhaustedError(
-          absl::StrCat("GPU ", device->index, " out of memory for ", total, " bytes"));
-    } else {
-      status = DeviceError(device, e, "cudaMallocAsync");
-    }
-    job->staging.reset();
-    ReleaseSlot(slot, job->device_bytes);
-    return fail(std::move(status));
+  kernels::AttentionParams params;
+  if (absl::Status s = PrepareDeviceBuffer(slot, *job, &base, &params); !s.ok()) {
+    ReleaseSlot(slot, device_bytes);
+    return fail(std::move(s));
   }
   // Only now: every early return above answers through `fail`, which needs `done`.
   job->done = std::move(done);
-  params.q = base;
-  params.k = base + k_offset;
-  params.v = base + v_offset;
-  params.o = base + o_offset;
-  params.lse = problem.return_lse ? reinterpret_cast<float*>(base + lse_offset) : nullptr;
-  job->config = ChooseConfig(params, *device);
-
-  // Everything below is queued on the stream; the first failure is kept and reported by the
-  // completion thread, which waits for whatever was queued before it.
-  auto step = [&job](cudaError_t result, const char* what) {
-    if (result != cudaSuccess && job->launch_error == cudaSuccess) {
-      job->launch_error = result;
-      job->failed_step = what;
-    }
-    return job->launch_error == cudaSuccess;
-  };
-  step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
-  // Host buffers in the device layout (IoBuffers or a staging buffer) move in one copy each way:
-  // per-copy latency is what a small request's h2d/d2h mostly is.
-  const bool same_layout = !in_place && host_k == host_q + k_offset && host_v == host_q + v_offset &&
-                           host_o == host_q + o_offset &&
-                           (!problem.return_lse || host_lse == host_q + lse_offset);
-  // O and LSE in one host buffer as on the device (a staging buffer, or IoBuffers -- with or
-  // without room for the inputs): one D2H copy.
-  const bool outputs_together =
-      !problem.return_lse || ((job->staging || output.outputs_in_one_buffer) &&
-                              host_lse == host_o + (lse_offset - o_offset));
-  if (in_place) {
-    step(CopyPiecesToDevice(output.input_pieces, base, {0, k_offset, v_offset}, stream,
-                            &slot->batch),
-         "H2D copy");
-  } else if (same_layout) {
-    step(cudaMemcpyAsync(base, host_q, v_offset + kv_bytes, cudaMemcpyHostToDevice, stream),
-         "H2D copy");
-  } else {
-    step(cudaMemcpyAsync(base, host_q, q_bytes, cudaMemcpyHostToDevice, stream), "H2D copy");
-    step(cudaMemcpyAsync(base + k_offset, host_k, kv_bytes, cudaMemcpyHostToDevice, stream),
-         "H2D copy");
-    step(cudaMemcpyAsync(base + v_offset, host_v, kv_bytes, cudaMemcpyHostToDevice, stream),
-         "H2D copy");
-  }
-  step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
-  if (output.inject_device_fault && job->launch_error == cudaSuccess) {
-    step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
-  } else if (job->launch_error == cudaSuccess &&
-      step(kernels::cuda::run(params, job->config, stream), "kernel")) {
-    step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
-    if (outputs_together) {
-      const size_t out_end = problem.return_lse ? lse_offset + lse_bytes : o_offset + q_bytes;
-      step(cudaMemcpyAsync(host_o, base + o_offset, out_end - o_offset, cudaMemcpyDeviceToHost,
-                           stream),
-           "D2H copy");
-    } else {
-      step(cudaMemcpyAsync(host_o, base + o_offset, q_bytes, cudaMemcpyDeviceToHost, stream),
-           "D2H copy");
-      if (problem.return_lse) {
-        step(cudaMemcpyAsync(host_lse, base + lse_offset, lse_bytes, cudaMemcpyDeviceToHost,
-                             stream),
-             "D2H copy");
-      }
-    }
-  }
-  // Recorded even after a failure: the completion thread then waits for what was queued (the
-  // H2D copies still read the staging buffer) before the buffer goes back to the pool.
-  step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
-  step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
-  cudaFreeAsync(base, stream);
-
+  job->config = chooser_->Choose(params, slot->device->sm_count, slot->device->tuned);
+  QueueWork(slot, job.get(), base, params);
   // A job expected to finish within the polling window is completed right here: handing it to the
   // slot's completion thread would add that thread's wake-up (tens of microseconds on a loaded or
   // virtualized host) to a request that takes about as long on the GPU.
-  if (completion_spin_us_ > 0 && PredictedDeviceUs(problem, layout) * 2 <= completion_spin_us_) {
+  if (completion_spin_us_ > 0 &&
+      PredictedDeviceUs(spec.problem, job->layout) * 2 <= completion_spin_us_) {
     Complete(slot, std::move(job));
     return;
   }
@@ -682,6 +438,56 @@ void CudaBackend::RunAsync(const AttentionProblem& problem, const JobOutput& out
     slot->job = std::move(job);
   }
   slot->cv.notify_one();
+}
+
+absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char** base,
+                                              kernels::AttentionParams* params) {
+  Device* device = slot->device;
+  const IoLayout& layout = job.layout;
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(base), layout.total, slot->stream);
+  if (e == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("GPU ", device->index, " out of memory for ", layout.total, " bytes"));
+  }
+  if (e != cudaSuccess) return DeviceError(device, e, "cudaMallocAsync");
+  *params = job.spec.problem.params();
+  params->q = *base;
+  params->k = *base + layout.k_offset;
+  params->v = *base + layout.v_offset;
+  params->o = *base + layout.o_offset;
+  params->lse =
+      job.spec.problem.return_lse ? reinterpret_cast<float*>(*base + layout.lse_offset) : nullptr;
+  // The request was validated at the edge (dtype, head_dim, sizes); this is the kernels' own
+  // word on what is left (grid limits), with the real device pointers.
+  if (std::string why = kernels::cuda::supported(*params); !why.empty()) {
+    cudaFreeAsync(*base, slot->stream);
+    return absl::InvalidArgumentError(why);
+  }
+  return absl::OkStatus();
+}
+
+void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
+                            const kernels::AttentionParams& params) {
+  // Everything is queued on the stream; the first failure is kept and reported by the completion
+  // thread, which waits for whatever was queued before it.
+  cudaStream_t stream = slot->stream;
+  const JobTensors& tensors = job->spec.tensors;
+  job->Step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
+  job->Step(QueueInputCopies(tensors, job->layout, base, stream, &slot->batch), "H2D copy");
+  job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
+  if (job->spec.inject_device_fault && job->launch_error == cudaSuccess) {
+    job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
+  } else if (job->launch_error == cudaSuccess &&
+             job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
+    job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
+    job->Step(QueueOutputCopies(tensors, job->layout, base, stream), "D2H copy");
+  }
+  // Recorded even after a failure: the completion thread then waits for what was queued (the
+  // H2D copies still read the request's memory) before the job's buffers are released.
+  job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
+  job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
+  cudaFreeAsync(base, stream);
 }
 
 void CudaBackend::CompletionLoop(Slot* slot) {
@@ -716,33 +522,22 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
   if (job->launch_error != cudaSuccess) {
     e = job->launch_error;
     what = job->failed_step;
-    // Wait for what did get queued before the staging buffer is reused.
+    // Wait for what did get queued before the job's buffers go back to their owners.
     cudaStreamSynchronize(slot->stream);
   }
   if (e == cudaSuccess) {
-    result.timing.stage_us = job->stage_us;
     result.timing.h2d_us = ElapsedUs(slot->events[0], slot->events[1]);
     result.timing.compute_us = ElapsedUs(slot->events[1], slot->events[2]);
     result.timing.d2h_us = ElapsedUs(slot->events[2], slot->events[3]);
-    const AttentionProblem& problem = job->problem;
-    if (job->staging) {
-      // The one host copy on the way out: pinned staging -> the response's bytes.
-      std::memcpy(job->output.out, job->staging.data() + job->o_offset,
-                  size_t(problem.out_bytes()));
-      if (problem.return_lse) {
-        std::memcpy(job->output.lse, job->staging.data() + job->lse_offset,
-                    size_t(problem.lse_elements()) * sizeof(float));
-      }
-    }
+    const AttentionProblem& problem = job->spec.problem;
     result.kernel = absl::StrCat("sm80_fwd_", std::string(kernels::dtype_name(problem.dtype)),
                                  "_d", problem.head_dim, problem.causal ? "_causal_" : "_",
                                  job->config.name());
   } else {
     result.status = DeviceError(device, e, what);
   }
-  job->staging.reset();
   JobDone done = std::move(job->done);
-  const int64_t device_bytes = job->device_bytes;
+  const int64_t device_bytes = int64_t(job->layout.total);
   job.reset();
   ReleaseSlot(slot, device_bytes);
   done(std::move(result));

@@ -1,13 +1,13 @@
 // The CUDA backend: every usable GPU (or those of --devices) gets `streams_per_device` slots (a
 // stream, its events and a completion thread). A job is dispatched to the device with the fewest
-// outstanding bytes that has a free slot. Its inputs are in pinned memory already (IoBuffers from
-// staging_pool(), filled by a zero-copy edge) or are copied once into a pinned staging buffer
-// (PinnedPool); then H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream, and the
+// outstanding bytes that has a free slot. Its tensors are where the runtime placed them
+// (runtime/tensor_placement.h: page-locked memory, or pageable when the pinned pool is full);
+// H2D -> kernel -> D2H -> free run stream-ordered on the slot's stream (runtime/cuda_transfer.h
+// picks the copies), the kernel configuration comes from autotune/kernel_choice.h, and the
 // scheduler worker returns at once. The slot's completion thread waits for the job's last event
-// (polling briefly, then blocking), copies the result out of a staging buffer if there was one and
-// calls the job's done callback, so neither gRPC threads nor scheduler workers wait on the GPU --
-// except for jobs predicted to take under half the polling window, which the launching thread
-// completes itself (a thread hand-off would cost as much as the job).
+// (polling briefly, then blocking) and calls the job's done callback, so neither gRPC threads nor
+// scheduler workers wait on the GPU -- except for jobs predicted to take under half the polling
+// window, which the launching thread completes itself (a thread hand-off would cost as much).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -20,9 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autotune/background_tuner.h"
-#include "autotune/tune_cache.h"
-#include "autotune/tune_grid.h"
+#include "autotune/kernel_choice.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/backend.h"
 #include "runtime/backend_options.h"
@@ -41,17 +39,18 @@ class CudaBackend final : public Backend {
 
   const BackendCapabilities& capabilities() const override { return capabilities_; }
   /// Blocking wrapper of RunAsync (tools and tests).
-  absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
-                   std::string* kernel) override;
+  absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   /// Returns once the job is queued on a stream (waits for a free slot if every one is busy).
-  void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) override;
+  void RunAsync(const BackendJob& job, JobDone done) override;
+  /// Page-locked memory only: the runtime stages pageable inputs into the pinned pool.
+  bool ReadsDirectly(const TensorBytes& tensor) const override;
+  bool WritesDirectly(MemoryKind kind) const override;
   /// False once any device had a sticky error: CUDA is then unusable in the whole process, so no
   /// device takes jobs any more and readiness reports false (the orchestrator replaces it).
   bool healthy() const override { return healthy_.load(); }
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
   PinnedPool* staging_pool() override { return pinned_.get(); }
-  bool ReadsInPlace(const InputPieces* const pieces[3]) const override;
   bool can_launch_now() override;
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
@@ -70,17 +69,17 @@ class CudaBackend final : public Backend {
   // INTERNAL for `e`; marks the backend unhealthy when `e` is sticky.
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
 
-  absl::Status StartAutotune(const CudaBackendOptions& options);
-  kernels::cuda::KernelConfig ChooseConfig(const kernels::AttentionParams& params,
-                                           const Device& device);
+  absl::Status StartKernelChoice(const CudaBackendOptions& options);
+  // Allocates the job's device buffer on the slot's stream and points `params` at it;
+  // INVALID_ARGUMENT when the kernels cannot run the problem (nothing allocated then).
+  absl::Status PrepareDeviceBuffer(Slot* slot, const Job& job, char** base,
+                                   kernels::AttentionParams* params);
+  // Queues H2D, the kernel, D2H, the timing events and the free on the slot's stream.
+  void QueueWork(Slot* slot, Job* job, char* base, const kernels::AttentionParams& params);
 
   BackendCapabilities capabilities_;
   std::vector<std::unique_ptr<Device>> devices_;
-  // Tuning applies to devices identical to the first one (the cache belongs to one model).
-  DeviceIdentity tuned_identity_;
-  std::unique_ptr<TuneCache> tune_cache_;
-  std::unique_ptr<BackgroundTuner> tuner_;
-  cudaStream_t tune_stream_ = nullptr;
+  std::unique_ptr<KernelChooser> chooser_;  // tuned configurations for the first device's model
   std::unique_ptr<PinnedPool> pinned_;  // null: pinned staging disabled
   int64_t max_device_bytes_per_request_ = 0;
   int completion_spin_us_ = 0;

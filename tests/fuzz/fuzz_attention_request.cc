@@ -22,7 +22,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     absl::StatusOr<AttentionProblem> problem = ValidateAttentionRequest(request, limits);
     fuzz::CheckValidationResult(request, problem, limits);
     if (&limits == &limit_sets[0] && problem.ok()) {
-      fuzz::RunAndCheck(fuzz::SharedBackend(), *problem);
+      fuzz::RunAndCheck(fuzz::SharedBackend(), *problem, request);
     }
   }
   return 0;

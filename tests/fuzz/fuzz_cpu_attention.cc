@@ -74,6 +74,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(set_scale && !scale_ok, problem.status().ToString());
     return 0;
   }
-  fuzz::RunAndCheck(fuzz::SharedBackend(), *problem);
+  fuzz::RunAndCheck(fuzz::SharedBackend(), *problem, parsed);
   return 0;
 }

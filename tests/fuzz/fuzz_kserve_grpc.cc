@@ -35,7 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::CheckValidationResult(request, problem, limits);
   if (!problem.ok()) return 0;
   fuzz::RunOutput run;
-  if (!fuzz::RunAndCheck(fuzz::SharedBackend(), *problem, &run)) return 0;
+  if (!fuzz::RunAndCheck(fuzz::SharedBackend(), *problem, request, &run)) return 0;
   v1::AttentionResponse response;
   fuzz::FillResponse(*problem, std::move(run), &response);
   const size_t out_bytes = response.out().data().size();

@@ -56,9 +56,10 @@ def test_server_answers_right_on_arena_read_buffers(start_server, make_qkv, chec
     assert m.value(ARENA, state="capacity") == 64 << 20
     assert m.value(ARENA, state="peak") >= 1 << 20, "gRPC's read buffers did not come from the arena"
     assert m.value(ARENA, state="used") <= m.value(ARENA, state="peak") <= 64 << 20
-    # The CPU backend computes from request buffers: every request was copied once, none read in place.
-    assert m.value(INPUTS, path="copied") == n
-    assert m.value(INPUTS, path="in_place") == 0
+    # The CPU backend reads contiguous memory only: a tensor that arrived in one read buffer is read
+    # where it is, one split over several buffers is copied once. Every request is counted once.
+    assert m.value(INPUTS, path="copied") + m.value(INPUTS, path="in_place") == n
+    assert m.value(INPUTS, path="copied") > 0, "multi-buffer requests must be gathered"
     server.stop()
     assert server.proc.returncode == 0, server.logs()
 

@@ -54,9 +54,9 @@ grpc::ByteBuffer ResponseBytes(const v1::AttentionResponse& header,
 class AttentionCall final : public grpc::ServerGenericBidiReactor {
  public:
   AttentionCall(AttentionRuntime* runtime, const AttentionCallOptions& options,
-                ParallelCopier* copier, HotLane* hot_lane,
+                HotLane* hot_lane,
                 grpc::GenericCallbackServerContext* context)
-      : runtime_(runtime), options_(options), copier_(copier), hot_lane_(hot_lane),
+      : runtime_(runtime), options_(options), hot_lane_(hot_lane),
         context_(context), call_(runtime->metrics(), grpc_methods::kAttention) {
     // Admitted now, while the request may still be uploading: the shutdown drain waits for it.
     admission_ = runtime_->Admit();
@@ -113,33 +113,14 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.received = received_;
     call.deadline = ToAbslTime(context_->deadline());
     call.cancelled = [context = context_] { return context->IsCancelled(); };
+    // The tensors stay in gRPC's receive slices (page-locked when they came from the receive
+    // arena); the runtime copies them only if the backend cannot read them there.
     for (int i = 0; i < 3; ++i) {
-      call.data_bytes[i] = wire_.data[i].bytes;
-      call.input_pieces[i] = &wire_.data[i].pieces;
+      call.inputs[i] = TensorBytes::FromReceiveBuffers(std::move(wire_.data[i].pieces));
     }
-    // Small requests give their receive buffers back as soon as Submit returns (after the copy;
-    // `this` may be gone by then, so they move to a local): that keeps the RSS flat under mixed
-    // traffic. Large ones keep them until the call is done, so freeing hundreds of MB of mmap'd
-    // chunks never delays an answer -- and so do requests whose tensors the backend reads in place.
-    std::vector<grpc::Slice> release;
-    if (request_size_ < kSmallRequestBytes) release.swap(slices_);
-    // Called inside Submit (while `release` exists), or never.
-    call.fill_inputs = [this, &release](const std::shared_ptr<IoBuffers>& io) {
-      io_ = io;
-      if (!io->has_inputs()) {  // read in place: the slices must live until the call is done
-        if (!release.empty()) slices_.swap(release);
-        return;
-      }
-      std::vector<CopyPiece> pieces;
-      char* dest[3] = {io->q(), io->k(), io->v()};
-      for (int i = 0; i < 3; ++i) {
-        for (std::string_view piece : wire_.data[i].pieces) {
-          pieces.push_back({dest[i], piece.data(), piece.size()});
-          dest[i] += piece.size();
-        }
-      }
-      copier_->Copy(pieces);
-    };
+    call.inputs_owner = std::make_shared<std::vector<grpc::Slice>>(std::move(slices_));
+    call.outputs_in_buffers = true;  // O and LSE leave as slices of the request buffers
+    call.buffers_out = &io_;
     call.inject_device_fault =
         options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
     call.done = [this](const absl::Status& status) { Answer(status); };
@@ -173,7 +154,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 
   AttentionRuntime* const runtime_;
   const AttentionCallOptions& options_;
-  ParallelCopier* const copier_;
   HotLane* const hot_lane_;  // null: no lane
   grpc::GenericCallbackServerContext* const context_;
   LiveCall live_;  // until gRPC has finished the call (deletes this)
@@ -194,7 +174,6 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallOptions& options)
     : runtime_(runtime),
       options_(options),
-      copier_(options.copy_threads),
       hot_lane_(options.hot_lane_spin_us > 0
                     ? std::make_unique<HotLane>(absl::Microseconds(options.hot_lane_spin_us))
                     : nullptr) {}
@@ -202,7 +181,7 @@ AttentionRouter::AttentionRouter(AttentionRuntime* runtime, const AttentionCallO
 grpc::ServerGenericBidiReactor* AttentionRouter::CreateReactor(
     grpc::GenericCallbackServerContext* context) {
   if (context->method() == grpc_methods::kAttention.path) {
-    return new AttentionCall(runtime_, options_, &copier_, hot_lane_.get(), context);
+    return new AttentionCall(runtime_, options_, hot_lane_.get(), context);
   }
   return grpc::CallbackGenericService::CreateReactor(context);  // UNIMPLEMENTED
 }

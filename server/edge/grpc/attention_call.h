@@ -16,7 +16,6 @@
 
 #include "memory/heap_retention.h"
 #include "edge/grpc/hot_lane.h"
-#include "memory/parallel_copy.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "runtime/attention_runtime.h"
 
@@ -28,7 +27,6 @@ inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-de
 // The bearer token is checked before a call reaches the router (edge/grpc/grpc_auth.h).
 struct AttentionCallOptions {
   bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
-  int copy_threads = 4;              // ParallelCopier helpers for large requests
   // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
   // (edge/grpc/hot_lane.h); 0: on the gRPC thread that received them.
   int64_t hot_lane_spin_us = 0;
@@ -46,8 +44,7 @@ class AttentionRouter final : public grpc::CallbackGenericService {
  private:
   AttentionRuntime* const runtime_;
   const AttentionCallOptions options_;
-  ParallelCopier copier_;
-  std::unique_ptr<HotLane> hot_lane_;  // declared last: joined before the copier goes
+  std::unique_ptr<HotLane> hot_lane_;
 };
 
 }  // namespace flashserve

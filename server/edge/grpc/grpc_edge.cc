@@ -145,14 +145,9 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   absl::StatusOr<int64_t> quota = ResolveGrpcMemoryQuota(
       options.memory_quota_bytes, options.max_request_bytes, HostMemoryBytes());
   if (!quota.ok()) return quota.status();
-  if (options.copy_threads < 0 || options.copy_threads > 64) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--copy_threads must be in [0, 64], got ", options.copy_threads));
-  }
   impl->service = std::make_unique<AttentionServiceImpl>(runtime, identity);
   AttentionCallOptions call_options;
   call_options.fault_injection = options.enable_fault_injection;
-  call_options.copy_threads = options.copy_threads;
   call_options.hot_lane_spin_us = options.hot_lane_spin_us;
   call_options.heap_retention = options.heap_retention;
   if (options.hot_lane_spin_us > 0) {

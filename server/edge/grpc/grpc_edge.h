@@ -33,9 +33,6 @@ struct GrpcOptions {
   // Test hook (--enable_fault_injection): an Attention request whose request_id is
   // kInjectDeviceFaultRequestId faults its GPU instead of computing (sticky error path).
   bool enable_fault_injection = false;
-  // Helper threads that copy large requests (>= 4 MiB) from the receive slices into the backend's
-  // buffers beside the gRPC thread; 0: the gRPC thread copies alone.
-  int copy_threads = 4;
   // > 0: small Attention requests run on a warm thread that polls this long between them.
   int64_t hot_lane_spin_us = 0;
   HeapRetention* heap_retention = nullptr;  // told each Attention request's size; may be null

@@ -87,10 +87,16 @@ class StreamService final : public StreamServiceBase {
     AttentionRuntime::Call call;
     call.request = &session->request;
     call.response = inline_output ? response : &session->response;
+    // The inputs are where the uploads reassembled them; O and LSE go to the same buffers
+    // (unless the runtime has to stage the inputs, then to new ones it puts in the session).
+    const IoBuffers& io = *session->io();
+    const MemoryKind kind = io.pinned() ? MemoryKind::kPageLocked : MemoryKind::kHeap;
+    call.inputs[0] = TensorBytes::Contiguous(kind, io.q(), io.layout().q_bytes);
+    call.inputs[1] = TensorBytes::Contiguous(kind, io.k(), io.layout().kv_bytes);
+    call.inputs[2] = TensorBytes::Contiguous(kind, io.v(), io.layout().kv_bytes);
     call.io = session->io();
-    const IoLayout& layout = session->io()->layout();
-    call.data_bytes[0] = int64_t(layout.q_bytes);
-    call.data_bytes[1] = call.data_bytes[2] = int64_t(layout.kv_bytes);
+    call.outputs_in_buffers = true;
+    call.buffers_out = session->io_for_compute();
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };

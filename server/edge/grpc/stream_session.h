@@ -92,6 +92,9 @@ class StreamSession {
   v1::AttentionResponse response;
   /// The tensors: inputs as uploaded, outputs after Compute. Set by SessionTable::Open.
   const std::shared_ptr<IoBuffers>& io() const { return io_; }
+  /// While computing only (no upload or download touches io_ then): where the runtime puts the
+  /// buffers holding the outputs, which are new ones if it had to stage the inputs.
+  std::shared_ptr<IoBuffers>* io_for_compute() { return &io_; }
 
  private:
   friend class SessionTable;

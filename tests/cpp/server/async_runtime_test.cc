@@ -35,18 +35,18 @@ class AsyncFakeBackend final : public Backend {
     completer_.join();
   }
   const BackendCapabilities& capabilities() const override { return caps_; }
-  absl::Status Run(const AttentionProblem&, const JobOutput&, PhaseTiming*, std::string*) override {
+  absl::Status Run(const BackendJob&, PhaseTiming*, std::string*) override {
     return absl::InternalError("synchronous Run must not be used");
   }
-  void RunAsync(const AttentionProblem& problem, const JobOutput& output, JobDone done) override {
-    if (problem.seqlen_k == 13) {  // "does not fit in device memory"
+  void RunAsync(const BackendJob& job, JobDone done) override {
+    if (job.problem.seqlen_k == 13) {  // "does not fit in device memory"
       JobResult result;
       result.status = absl::ResourceExhaustedError("GPU 0 out of memory");
       done(std::move(result));
       return;
     }
     std::lock_guard<std::mutex> lock(mu_);
-    pending_.push_back({problem, output, std::move(done)});
+    pending_.push_back({job, std::move(done)});
     launched_++;
     cv_.notify_all();
   }
@@ -67,29 +67,29 @@ class AsyncFakeBackend final : public Backend {
 
  private:
   struct Pending {
-    AttentionProblem problem;
-    JobOutput output;
+    BackendJob job;
     JobDone done;
   };
   void Loop() {
     for (;;) {
-      Pending job;
+      Pending pending;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return exiting_ || (releases_ > 0 && !pending_.empty()); });
         if (pending_.empty() || releases_ == 0) return;
-        job = std::move(pending_.front());
+        pending = std::move(pending_.front());
         pending_.pop_front();
         releases_--;
       }
-      auto* out = static_cast<float*>(job.output.out);
+      const BackendJob& job = pending.job;
+      auto* out = reinterpret_cast<float*>(job.tensors.o.data);
       for (int64_t i = 0; i < job.problem.q_elements(); ++i) out[i] = float(job.problem.seqlen_k);
       JobResult result;
       result.timing.h2d_us = 1;
       result.timing.compute_us = 2;
       result.timing.d2h_us = 3;
       result.kernel = "async_fake";
-      job.done(std::move(result));
+      pending.done(std::move(result));
     }
   }
   BackendCapabilities caps_;

@@ -22,32 +22,37 @@ class FakeBackend final : public Backend {
     caps_.max_head_dim = 8;
   }
   const BackendCapabilities& capabilities() const override { return caps_; }
-  absl::Status Run(const AttentionProblem& problem, const JobOutput& output, PhaseTiming* timing,
-                   std::string* kernel) override {
+  absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override {
     runs++;
     if (gate.valid()) gate.wait();
     if (!fail.ok()) return fail;
-    for (int i = 0; i < 3; ++i) {  // what a reading-in-place backend would copy to the device
-      read_in_place[i].clear();
-      if (output.input_pieces[i] == nullptr) continue;
-      for (std::string_view piece : *output.input_pieces[i]) read_in_place[i] += piece;
+    const TensorBytes* inputs[3] = {&job.tensors.q, &job.tensors.k, &job.tensors.v};
+    for (int i = 0; i < 3; ++i) {  // what a backend reading the inputs where they are would see
+      seen_bytes[i].clear();
+      for (std::string_view piece : inputs[i]->pieces) seen_bytes[i] += piece;
+      seen_pieces[i] = inputs[i]->pieces.size();
     }
-    inputs_given = problem.q != nullptr;
     // Recognizable output: every element = problem.seqlen_k.
-    auto* out = static_cast<float*>(output.out);
+    const AttentionProblem& problem = job.problem;
+    auto* out = reinterpret_cast<float*>(job.tensors.o.data);
     for (int64_t i = 0; i < problem.q_elements(); ++i) out[i] = float(problem.seqlen_k);
-    for (int64_t i = 0; i < problem.lse_elements(); ++i) output.lse[i] = -1.f;
+    auto* lse = reinterpret_cast<float*>(job.tensors.lse.data);
+    for (int64_t i = 0; i < problem.lse_elements(); ++i) lse[i] = -1.f;
+    output_kind = job.tensors.o.kind;
     timing->compute_us = 7;
     *kernel = "fake_kernel";
     return absl::OkStatus();
   }
-  bool ReadsInPlace(const InputPieces* const[3]) const override { return reads_in_place; }
+  bool ReadsDirectly(const TensorBytes& t) const override { return reads_pieces || t.contiguous(); }
+  bool WritesDirectly(MemoryKind kind) const override { return writes_heap; }
   std::atomic<int> runs{0};
   std::shared_future<void> gate;
   absl::Status fail;
-  bool reads_in_place = false;
-  std::string read_in_place[3];  // the last job's input pieces, joined
-  bool inputs_given = false;     // the last job's problem.q was set
+  bool reads_pieces = false;  // reads inputs in many pieces (CUDA: page-locked ones)
+  bool writes_heap = true;    // false: wants its outputs in request buffers (CUDA)
+  std::string seen_bytes[3];  // the last job's inputs, joined
+  size_t seen_pieces[3] = {0, 0, 0};
+  MemoryKind output_kind = MemoryKind::kHeap;
 
  private:
   BackendCapabilities caps_;
@@ -77,13 +82,21 @@ struct ExternalRequest {
       tensors[i]->clear_data();
     }
   }
-  /// A call for it with data_bytes set; the caller adds fill_inputs (and input_pieces).
-  AttentionRuntime::Call Call(v1::AttentionResponse* response) const {
+  /// A call for it, each tensor in three pieces split anywhere, the outputs left in buffers
+  /// that land in `*buffers`.
+  AttentionRuntime::Call Call(v1::AttentionResponse* response,
+                              std::shared_ptr<IoBuffers>* buffers) const {
     AttentionRuntime::Call call;
     call.request = &header;
     call.response = response;
     call.received = absl::Now();
-    for (int i = 0; i < 3; ++i) call.data_bytes[i] = int64_t(data[i].size());
+    for (int i = 0; i < 3; ++i) {
+      const std::string_view all(data[i]);
+      call.inputs[i].kind = MemoryKind::kPageLocked;
+      call.inputs[i].pieces = {all.substr(0, 7), all.substr(7, 1), all.substr(8)};
+    }
+    call.outputs_in_buffers = true;
+    call.buffers_out = buffers;
     return call;
   }
   v1::AttentionRequest header;
@@ -200,9 +213,9 @@ TEST(AttentionRuntime, DeadlineWinsOverCancelledInTheQueue) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
 }
 
-// The zero-copy path: tensor data outside the request, copied by fill_inputs into IoBuffers the
-// runtime allocates after admission; the result stays in the buffers.
-TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
+// The zero-copy path: tensor data outside the request, in pieces the backend cannot read as they
+// are: the runtime stages them into request buffers; the result stays in the buffers.
+TEST(AttentionRuntime, ExternalInputsAreStagedAndOutputStaysInBuffers) {
   Harness h;
   v1::AttentionRequest full = Request();
   full.set_return_lse(true);
@@ -210,18 +223,16 @@ TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
   const std::string* data = external.data;
   std::shared_ptr<IoBuffers> kept;
   v1::AttentionResponse response;
-  AttentionRuntime::Call call = external.Call(&response);
-  call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
-    kept = io;
-    std::memcpy(io->q(), data[0].data(), data[0].size());
-    std::memcpy(io->k(), data[1].data(), data[1].size());
-    std::memcpy(io->v(), data[2].data(), data[2].size());
-  };
-  ASSERT_TRUE(h.Run(std::move(call)).ok());
+  ASSERT_TRUE(h.Run(external.Call(&response, &kept)).ok());
   ASSERT_NE(kept, nullptr);
   EXPECT_FALSE(kept->pinned());  // the fake backend has no pinned pool
+  ASSERT_TRUE(kept->has_inputs());
   EXPECT_EQ(std::string(kept->q(), data[0].size()), data[0]);
   EXPECT_EQ(std::string(kept->v(), data[2].size()), data[2]);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(h.backend.seen_bytes[i], data[i]);
+    EXPECT_EQ(h.backend.seen_pieces[i], 1u);  // gathered into one contiguous span
+  }
   // Output in the buffers, headers (no data) in the response.
   float first;
   std::memcpy(&first, kept->o(), 4);
@@ -233,38 +244,22 @@ TEST(AttentionRuntime, ExternalInputsAreFilledAndOutputStaysInBuffers) {
   EXPECT_EQ(response.kernel(), "fake_kernel");
 }
 
-// The same request when the backend reads the inputs in place (CUDA with the receive arena): the
-// buffers get room for the outputs only, fill_inputs copies nothing, and the backend sees the
-// pieces, not problem.q/k/v.
+// The same request when the backend reads the pieces where they are (CUDA with the receive
+// arena): the buffers get room for the outputs only and nothing is copied on the host.
 TEST(AttentionRuntime, InputsReadInPlaceAreNotCopied) {
   for (const bool in_place : {true, false}) {
     Harness h;
-    h.backend.reads_in_place = in_place;
+    h.backend.reads_pieces = in_place;
     const ExternalRequest external(Request(), 5);
-    const std::string* data = external.data;
-    InputPieces pieces[3];
-    for (int i = 0; i < 3; ++i) {
-      const std::string_view all(data[i]);
-      pieces[i] = {all.substr(0, 7), all.substr(7, 1), all.substr(8)};  // split anywhere
-    }
     std::shared_ptr<IoBuffers> kept;
-    int copies = 0;
     v1::AttentionResponse response;
-    AttentionRuntime::Call call = external.Call(&response);
-    for (int i = 0; i < 3; ++i) call.input_pieces[i] = &pieces[i];
-    call.fill_inputs = [&](const std::shared_ptr<IoBuffers>& io) {
-      kept = io;
-      if (!io->has_inputs()) return;
-      copies++;
-      char* dest[3] = {io->q(), io->k(), io->v()};
-      for (int i = 0; i < 3; ++i) std::memcpy(dest[i], data[i].data(), data[i].size());
-    };
-    ASSERT_TRUE(h.Run(std::move(call)).ok()) << in_place;
+    ASSERT_TRUE(h.Run(external.Call(&response, &kept)).ok()) << in_place;
     ASSERT_NE(kept, nullptr);
     EXPECT_EQ(kept->has_inputs(), !in_place);
-    EXPECT_EQ(copies, in_place ? 0 : 1);
-    EXPECT_EQ(h.backend.inputs_given, !in_place);
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(h.backend.read_in_place[i], in_place ? data[i] : "");
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(h.backend.seen_bytes[i], external.data[i]);
+      EXPECT_EQ(h.backend.seen_pieces[i], in_place ? 3u : 1u);
+    }
     // o is 3 * 2 * 4 floats (one 256-byte unit), no lse; the inputs would need three more units.
     EXPECT_EQ(kept->layout().total, in_place ? 256u : 4 * 256u);
     float first;
@@ -273,28 +268,35 @@ TEST(AttentionRuntime, InputsReadInPlaceAreNotCopied) {
   }
 }
 
+// A backend that writes only to its own buffers (CUDA: page-locked) serving a request whose
+// answer goes in the response message (KServe): outputs are staged, then copied into the message.
+TEST(AttentionRuntime, OutputsStagedForTheBackendAreCopiedIntoTheResponse) {
+  Harness h;
+  h.backend.writes_heap = false;
+  v1::AttentionRequest request = Request();
+  request.set_return_lse(true);
+  v1::AttentionResponse response;
+  ASSERT_TRUE(h.Submit(&request, &response).get().ok());
+  EXPECT_EQ(h.backend.seen_bytes[1], request.k().data());  // inputs read from the message
+  ASSERT_EQ(response.out().data().size(), 3u * 2 * 4 * 4);
+  float first, lse;
+  std::memcpy(&first, response.out().data().data(), 4);
+  std::memcpy(&lse, response.lse().data().data(), 4);
+  EXPECT_EQ(first, 5.f);
+  EXPECT_EQ(lse, -1.f);
+}
+
 TEST(AttentionRuntime, ExternalInputsOfTheWrongSizeAreRejectedBeforeAllocation) {
   Harness h;
-  v1::AttentionRequest header = Request();
-  for (v1::Tensor* t : {header.mutable_q(), header.mutable_k(), header.mutable_v()}) {
-    t->clear_data();
-  }
-  bool filled = false;
-  auto promise = std::make_shared<std::promise<absl::Status>>();
+  const ExternalRequest external(Request(), 2);
+  std::shared_ptr<IoBuffers> kept;
   v1::AttentionResponse response;
-  AttentionRuntime::Call call;
-  call.request = &header;
-  call.response = &response;
-  call.data_bytes[0] = 3 * 2 * 4 * 4;
-  call.data_bytes[1] = 5 * 4 * 4 - 1;  // one byte short
-  call.data_bytes[2] = 5 * 4 * 4;
-  call.fill_inputs = [&](const std::shared_ptr<IoBuffers>&) { filled = true; };
-  call.done = [promise](const absl::Status& s) { promise->set_value(s); };
-  h.runtime->Submit(std::move(call));
-  absl::Status s = promise->get_future().get();
+  AttentionRuntime::Call call = external.Call(&response, &kept);
+  call.inputs[1].pieces.back().remove_suffix(1);  // one byte short
+  absl::Status s = h.Run(std::move(call));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("k.data: expected 80 bytes"), std::string::npos) << s;
-  EXPECT_FALSE(filled);
+  EXPECT_EQ(kept, nullptr);
   EXPECT_EQ(h.backend.runs.load(), 0);
 }
 

@@ -1,0 +1,99 @@
+#include "autotune/kernel_choice.h"
+
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "autotune/cuda_tuning.h"
+#include "flashserve/kernels/cuda_attention.h"
+#include "spdlog/spdlog.h"
+
+namespace flashserve {
+
+absl::StatusOr<std::unique_ptr<KernelChooser>> KernelChooser::Create(
+    const KernelChoiceOptions& options, int device_index, int sm_count) {
+  const std::string& mode = options.autotune;
+  if (mode != "off" && mode != "background" && mode != "startup") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--autotune must be off, background or startup, got \"", mode, "\""));
+  }
+  auto chooser = std::unique_ptr<KernelChooser>(new KernelChooser());
+  if (mode == "off" && options.tune_cache_path.empty()) return chooser;
+  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(device_index);
+  if (!facts.ok()) return facts.status();
+  chooser->identity_ = facts->identity;
+  chooser->cache_ = std::make_unique<TuneCache>(CacheHeaderFor(chooser->identity_));
+  if (!options.tune_cache_path.empty()) {
+    if (absl::Status s = chooser->cache_->Load(options.tune_cache_path); !s.ok()) {
+      spdlog::warn("autotune: ignoring the tuning cache: {}", std::string(s.message()));
+    } else {
+      spdlog::info("autotune: {} tuned classes loaded from {}", chooser->cache_->size(),
+                   options.tune_cache_path);
+    }
+  }
+  if (mode == "off") return chooser;
+  if (absl::Status s = chooser->StartTuner(options, device_index, sm_count); !s.ok()) return s;
+  return chooser;
+}
+
+absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int device_index,
+                                       int sm_count) {
+  // Tuning runs on its own stream at the lowest priority, one class at a time.
+  cudaSetDevice(device_index);
+  int least = 0, greatest = 0;
+  cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (cudaError_t e = cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, least);
+      e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA tuning stream: ", cudaGetErrorString(e)));
+  }
+  cudaStream_t stream = stream_;
+  BackgroundTuner::Options tuner_options;
+  tuner_options.cache_path = options.tune_cache_path;
+  tuner_ = std::make_unique<BackgroundTuner>(
+      cache_.get(),
+      [device_index, sm_count, stream](const ProblemClass& c) {
+        cudaSetDevice(device_index);
+        return TuneProblemClass(c, sm_count, stream);
+      },
+      tuner_options, options.on_event);
+  if (options.autotune == "startup") {
+    const std::vector<ProblemClass> classes = GridClasses(options.startup_grid, identity_);
+    spdlog::info("autotune: tuning {} classes before reporting ready", classes.size());
+    for (const ProblemClass& c : classes) tuner_->Enqueue(c);
+    tuner_->WaitIdle(absl::InfiniteDuration());
+    spdlog::info("autotune: startup tuning done ({} classes cached)", cache_->size());
+  }
+  return absl::OkStatus();
+}
+
+KernelChooser::~KernelChooser() {
+  tuner_.reset();  // joins the tuning thread before its stream goes away
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+bool KernelChooser::Covers(const std::string& name, int cc_major, int cc_minor) const {
+  return cache_ != nullptr && name == identity_.name && cc_major == identity_.cc_major &&
+         cc_minor == identity_.cc_minor;
+}
+
+kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams& params,
+                                                  int sm_count, bool covered) const {
+  const kernels::cuda::KernelConfig fallback = kernels::cuda::select(params, sm_count);
+  if (!covered || cache_ == nullptr) return fallback;
+  const ProblemClass c = ClassOf(params, identity_);
+  std::optional<std::string> name;
+  if (tuner_) {
+    name = tuner_->Lookup(c);
+  } else if (std::optional<TuneRecord> record = cache_->Find(c.key())) {
+    name = record->config;
+  }
+  if (!name) return fallback;
+  std::optional<kernels::cuda::KernelConfig> tuned = kernels::cuda::KernelConfig::parse(*name);
+  if (!tuned) return fallback;
+  for (const auto& candidate :
+       kernels::cuda::candidates(params.dtype, params.head_dim, params.causal)) {
+    if (candidate == *tuned) return *tuned;
+  }
+  return fallback;  // a cached name this build does not have
+}
+
+}  // namespace flashserve

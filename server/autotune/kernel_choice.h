@@ -1,0 +1,55 @@
+// Which kernel configuration serves a problem: the tuning cache's winner for its problem class
+// when there is one for this GPU model and kernel build, else the kernels' heuristic default.
+// Owns the tuning cache, the background tuner and its low-priority stream. CUDA builds only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "autotune/background_tuner.h"
+#include "autotune/problem_class.h"
+#include "autotune/tune_cache.h"
+#include "autotune/tune_grid.h"
+#include "flashserve/kernels/attention_params.h"
+#include "flashserve/kernels/kernel_config.h"
+
+namespace flashserve {
+
+struct KernelChoiceOptions {
+  // "off": the cache read-only if given, else the heuristic; "background": unseen classes are
+  // tuned off the request path; "startup": startup_grid is tuned in Create, then "background".
+  std::string autotune = "off";
+  std::string tune_cache_path;  // "": tuning results stay in memory
+  TuneGrid startup_grid;
+  BackgroundTuner::EventFn on_event;  // "hit", "miss", "tuned", "failed"; may be empty
+};
+
+/// Thread-safe.
+class KernelChooser {
+ public:
+  /// Tuning runs on device `device_index` (the first device served). INVALID_ARGUMENT for an
+  /// unknown mode; UNAVAILABLE when the device cannot be described or a stream made.
+  static absl::StatusOr<std::unique_ptr<KernelChooser>> Create(const KernelChoiceOptions& options,
+                                                               int device_index, int sm_count);
+  ~KernelChooser();
+
+  /// Whether the cache applies to a device of this model (the cache belongs to one model).
+  bool Covers(const std::string& name, int cc_major, int cc_minor) const;
+  /// The configuration for `params` on a device with `sm_count` SMs; `covered`: Covers() of it.
+  kernels::cuda::KernelConfig Choose(const kernels::AttentionParams& params, int sm_count,
+                                     bool covered) const;
+
+ private:
+  KernelChooser() = default;
+  absl::Status StartTuner(const KernelChoiceOptions& options, int device_index, int sm_count);
+
+  DeviceIdentity identity_;
+  std::unique_ptr<TuneCache> cache_;         // null: no tuning, no cache
+  std::unique_ptr<BackgroundTuner> tuner_;   // null: cache read-only
+  cudaStream_t stream_ = nullptr;            // the tuner's, lowest priority
+};
+
+}  // namespace flashserve

@@ -1,0 +1,32 @@
+// Host <-> device copies of one job, decided from where its tensors are (memory/tensor_bytes.h):
+// one copy for inputs laid out like the device buffer (request buffers: IoLayout), a batch copy
+// for inputs in many page-locked pieces (gRPC's receive buffers in the receive arena), one copy
+// per tensor otherwise; outputs in one copy when O and LSE sit as on the device. Everything is
+// queued on the caller's stream; nothing here waits.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <vector>
+
+#include "memory/io_buffers.h"
+#include "memory/tensor_bytes.h"
+
+namespace flashserve {
+
+/// The argument arrays of one batch copy, kept by a stream's slot so launches reuse their memory.
+struct BatchCopy {
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+};
+
+/// Queues the copies of q, k and v to `device` (laid out by `layout`).
+cudaError_t QueueInputCopies(const JobTensors& tensors, const IoLayout& layout, char* device,
+                             cudaStream_t stream, BatchCopy* batch);
+
+/// Queues the copies of O (and LSE when wanted) from `device` to their targets.
+cudaError_t QueueOutputCopies(const JobTensors& tensors, const IoLayout& layout,
+                              const char* device, cudaStream_t stream);
+
+}  // namespace flashserve
