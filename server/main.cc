@@ -38,5 +38,7 @@ int main(int argc, char** argv) {
   }
   const flashserve::StopEvent stop = (*server)->WaitForStop();
   (*server)->Drain(stop);
-  return flashserve::ExitCodeFor(stop.reason);
+  // A signal that came with (or just before) a device fault still ends in a restart.
+  return flashserve::ExitCodeFor((*server)->live() ? stop.reason
+                                                   : flashserve::StopReason::kBackendUnhealthy);
 }

@@ -40,10 +40,11 @@ ABSL_FLAG(int, completion_spin_us, flashserve::CudaBackendOptions{}.completion_s
           "CUDA backend: how long a stream's completion thread polls for its job to finish before "
           "it sleeps (a sleeping wait wakes tens of us late, which dominates small requests; "
           "polling uses a core only while such a job runs); 0: always sleep, max 1000000");
-ABSL_FLAG(int, copy_threads, flashserve::RequestThreadOptions{}.copy_threads,
-          "Helper threads that copy a large request (>= 4 MiB) from gRPC's receive buffers into the "
-          "backend's (pinned) buffers beside the gRPC thread, in [0, 64]; one thread copies ~6 GB/s "
-          "into pinned memory. 0: the gRPC thread copies alone");
+ABSL_FLAG(
+    int, copy_threads, flashserve::RequestThreadOptions{}.copy_threads,
+    "Helper threads that copy a large request (>= 4 MiB) from gRPC's receive buffers into the "
+    "backend's (pinned) buffers beside the gRPC thread, in [0, 64]; one thread copies ~6 GB/s "
+    "into pinned memory. 0: the gRPC thread copies alone");
 ABSL_FLAG(int64_t, hot_lane_spin_us, flashserve::RequestThreadOptions{}.hot_lane_spin_us,
           "Attention requests under 4 MiB are processed on one thread that polls for the next "
           "request this long (microseconds) after each one, keeping its core warm (one core busy "
@@ -56,14 +57,12 @@ ABSL_FLAG(bool, enable_fault_injection, false,
           "TEST ONLY: an Attention request whose request_id is "
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
           "computing, to exercise the unhealthy-device path. Never enable in production");
-ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes,
-          flashserve::MallocOptions{}.mmap_threshold_bytes,
+ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, flashserve::MallocOptions{}.mmap_threshold_bytes,
           "glibc malloc: allocations of at least this many bytes get their own mmap and go back "
           "to the system when freed. A fixed threshold stops glibc from raising it after large "
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
-ABSL_FLAG(int64_t, malloc_trim_threshold_bytes,
-          flashserve::MallocOptions{}.trim_threshold_bytes,
+ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, flashserve::MallocOptions{}.trim_threshold_bytes,
           "glibc malloc: while Attention requests of >= 16 MiB keep arriving (one in the last 10 "
           "s), gRPC's receive buffers (256 KiB-4 MiB chunks) come from malloc's heap instead of "
           "their own mmaps, and free memory at the top of a heap goes back to the system only "
@@ -132,14 +131,14 @@ ABSL_FLAG(std::string, auth_token_file, "",
 ABSL_FLAG(
     bool, auth_open_health, flashserve::NetworkOptions{}.auth_open_health,
     "With a token: leave /v2/health/* open (probes need no token); gRPC health is always open");
-ABSL_FLAG(int64_t, max_tensor_elements,
-          flashserve::ValidationLimits{}.max_tensor_elements,
+ABSL_FLAG(int64_t, max_tensor_elements, flashserve::ValidationLimits{}.max_tensor_elements,
           "Largest element count of one tensor (Q, K or V), in [1, 2^40]; larger ones get "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(
     int, queue_capacity, flashserve::SchedulerOptions{}.queue_capacity,
     "Requests that may wait for a worker; when full, new ones get RESOURCE_EXHAUSTED at once");
-ABSL_FLAG(int, worker_threads, flashserve::CpuBackendOptions{}.num_threads, "CPU backend compute threads; 0 uses every core");
+ABSL_FLAG(int, worker_threads, flashserve::CpuBackendOptions{}.num_threads,
+          "CPU backend compute threads; 0 uses every core");
 ABSL_FLAG(
     int, shutdown_grace_seconds, flashserve::ShutdownOptions{}.grace_seconds,
     "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled "
@@ -157,7 +156,8 @@ ABSL_FLAG(int, stream_max_sessions, flashserve::StreamOptions{}.max_sessions,
           "--max_inflight_bytes");
 ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.session_timeout_ms,
           "Striped streaming API: a session idle for this long is dropped");
-ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format, "Log format: text, or json (one JSON object per line)");
+ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
+          "Log format: text, or json (one JSON object per line)");
 // The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.
 ABSL_FLAG(int, http_max_connections, flashserve::HttpLimitsOptions{}.max_connections,
           "HTTP and metrics ports: open connections each; at the cap new ones wait unaccepted "
@@ -205,8 +205,8 @@ NetworkOptions NetworkFromFlags() {
   network.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   network.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
   network.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
-  if (const char* token = std::getenv("FLASHSERVE_AUTH_TOKEN"); network.auth_token_file.empty() &&
-                                                                token != nullptr) {
+  if (const char* token = std::getenv("FLASHSERVE_AUTH_TOKEN");
+      network.auth_token_file.empty() && token != nullptr) {
     network.auth_token = token;
   }
   network.auth_open_health = absl::GetFlag(FLAGS_auth_open_health);

@@ -44,12 +44,14 @@ void FreePageLocked(void* base) {
 void ApplyMallocOptions(const MallocOptions& options) {
   if (options.mmap_threshold_bytes != 0 &&
       mallopt(M_MMAP_THRESHOLD, int(options.mmap_threshold_bytes)) != 1) {
-    spdlog::warn("--malloc_mmap_threshold_bytes: the allocator refused mallopt(M_MMAP_THRESHOLD); "
-                 "not glibc's malloc?");
+    spdlog::warn(
+        "--malloc_mmap_threshold_bytes: the allocator refused mallopt(M_MMAP_THRESHOLD); "
+        "not glibc's malloc?");
   }
   if (options.arena_max != 0 && mallopt(M_ARENA_MAX, options.arena_max) != 1) {
-    spdlog::warn("--malloc_arena_max: the allocator refused mallopt(M_ARENA_MAX); not glibc's "
-                 "malloc?");
+    spdlog::warn(
+        "--malloc_arena_max: the allocator refused mallopt(M_ARENA_MAX); not glibc's "
+        "malloc?");
   }
 }
 

@@ -65,8 +65,9 @@ absl::Status MallocOptions::Check() const {
 
 absl::Status MemoryOptions::Check() const {
   if (receive_arena_bytes < kAuto) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--receive_arena_bytes must be -1 (default), 0 or a byte count, got ", receive_arena_bytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--receive_arena_bytes must be -1 (default), 0 or a byte count, got ",
+                     receive_arena_bytes));
   }
   if (pinned_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
   return malloc.Check();
@@ -101,7 +102,8 @@ absl::Status LimitsOptions::Check() const {
   if (max_request_bytes < 1 || max_request_bytes > INT_MAX) {
     return OutOfRange("max_request_bytes", max_request_bytes, 1, INT_MAX);
   }
-  if (max_inflight_bytes < 0) return absl::InvalidArgumentError("--max_inflight_bytes must be >= 0");
+  if (max_inflight_bytes < 0)
+    return absl::InvalidArgumentError("--max_inflight_bytes must be >= 0");
   return absl::OkStatus();
 }
 
@@ -121,7 +123,8 @@ absl::Status ModelOptions::Check() const {
 }
 
 absl::Status LogOptions::Check() const {
-  for (absl::string_view known : {"trace", "debug", "info", "warn", "warning", "error", "err", "critical", "off"}) {
+  for (absl::string_view known :
+       {"trace", "debug", "info", "warn", "warning", "error", "err", "critical", "off"}) {
     if (level == known) {
       if (format == "text" || format == "json") return absl::OkStatus();
       return absl::InvalidArgumentError(
@@ -138,9 +141,9 @@ absl::Status ShutdownOptions::Check() const {
 }
 
 absl::Status ServerConfig::Check() const {
-  for (absl::Status s : {network.Check(), http.Check(), memory.Check(), backend.Check(), scheduler.Check(),
-                         limits.Check(), request_threads.Check(), stream.Check(), model.Check(),
-                         log.Check(), shutdown.Check()}) {
+  for (absl::Status s : {network.Check(), http.Check(), memory.Check(), backend.Check(),
+                         scheduler.Check(), limits.Check(), request_threads.Check(), stream.Check(),
+                         model.Check(), log.Check(), shutdown.Check()}) {
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

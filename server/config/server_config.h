@@ -69,7 +69,8 @@ struct MallocOptions {
 struct MemoryOptions {
   static constexpr int64_t kAuto = -1;
   static constexpr int64_t kCudaReceiveArenaBytes = int64_t{1} << 30;  // what kAuto means on CUDA
-  int64_t receive_arena_bytes = kAuto;  // kAuto: kCudaReceiveArenaBytes on CUDA, none on CPU; 0: none
+  // kAuto: kCudaReceiveArenaBytes on CUDA, none on CPU; 0: none.
+  int64_t receive_arena_bytes = kAuto;
   int64_t pinned_pool_bytes = kDefaultRequestPoolBytes;  // both backends' request-buffer pool
   MallocOptions malloc;
 

@@ -18,7 +18,8 @@ absl::Status OutOfRange(absl::string_view flag, int64_t value, int64_t low, int6
 
 absl::Status CudaBackendOptions::Check() const {
   for (int device : devices) {
-    if (device < 0) return absl::InvalidArgumentError(absl::StrCat("--devices: bad index ", device));
+    if (device < 0)
+      return absl::InvalidArgumentError(absl::StrCat("--devices: bad index ", device));
   }
   if (streams_per_device < 1 || streams_per_device > 64) {
     return OutOfRange("streams_per_device", streams_per_device, 1, 64);

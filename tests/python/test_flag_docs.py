@@ -10,7 +10,7 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 def _help_flags(binary: str) -> set:
     text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30).stdout
-    # Only the flags flashserve defines (main.cc), not Abseil's own (--flagfile, --help, ...).
+    # Only the flags flashserve defines (server/config/flags.cc), not Abseil's own (--flagfile, ...).
     ours = text.split("Flags from ", 1)[1]
     ours = ours.split("\n\n  Flags from ", 1)[0]
     return set(re.findall(r"^    --([a-z0-9_]+) \(", ours, flags=re.M))

@@ -29,7 +29,8 @@ void SetFlag(const std::string& name, const std::string& value) {
   ASSERT_TRUE(flag->ParseFrom(value, &error)) << "--" << name << "=" << value << ": " << error;
 }
 
-absl::StatusOr<ServerConfig> ConfigWith(const std::vector<std::pair<std::string, std::string>>& flags) {
+absl::StatusOr<ServerConfig> ConfigWith(
+    const std::vector<std::pair<std::string, std::string>>& flags) {
   for (const auto& [name, value] : flags) SetFlag(name, value);
   return ServerConfigFromFlags();
 }
@@ -109,34 +110,60 @@ TEST_P(BadFlagTest, IsRefusedNamingTheFlag) {
   ASSERT_FALSE(config.ok()) << "--" << bad.flag << "=" << bad.value << " was accepted";
   EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
   // --tls_key alone is refused as "--tls_cert and --tls_key"; the tune grid as "--tune_*".
-  const std::string named = bad.flag.rfind("tune_", 0) == 0 && bad.flag != "tune_cache"
-                                ? "--tune_*"
-                                : "--" + bad.flag;
+  const std::string named =
+      bad.flag.rfind("tune_", 0) == 0 && bad.flag != "tune_cache" ? "--tune_*" : "--" + bad.flag;
   EXPECT_NE(config.status().message().find(named), std::string::npos) << config.status();
 }
 
 std::vector<BadValue> BadValues() {
   return {
-      {"grpc_port", "-1"}, {"http_port", "65536"}, {"metrics_port", "70000"},
-      {"tls_cert", "cert.pem"}, {"grpc_memory_quota_bytes", "-2"},
-      {"http_max_connections", "0"}, {"http_max_connections_per_ip", "-1"},
-      {"http_max_header_bytes", "0"}, {"http_idle_timeout_s", "0"}, {"http_header_timeout_s", "-5"},
-      {"http_body_timeout_s", "0"}, {"http_max_json_bytes", "0"}, {"http_max_receive_bytes", "0"},
-      {"receive_arena_bytes", "-2"}, {"pinned_pool_bytes", "-1"},
-      {"malloc_mmap_threshold_bytes", "33554433"}, {"malloc_mmap_threshold_bytes", "-1"},
-      {"malloc_trim_threshold_bytes", "1073741825"}, {"malloc_arena_max", "1025"},
-      {"backend", "tpu"}, {"devices", "0,x"}, {"devices", "-1"},
-      {"streams_per_device", "0"}, {"streams_per_device", "65"},
-      {"completion_spin_us", "-1"}, {"completion_spin_us", "1000001"},
-      {"device_pool_release_threshold_bytes", "-1"}, {"max_device_bytes_per_request", "-1"},
-      {"autotune", "sometimes"}, {"worker_threads", "-1"}, {"queue_capacity", "0"},
-      {"max_tensor_elements", "0"}, {"max_tensor_elements", "1099511627777"},
+      {"grpc_port", "-1"},
+      {"http_port", "65536"},
+      {"metrics_port", "70000"},
+      {"tls_cert", "cert.pem"},
+      {"grpc_memory_quota_bytes", "-2"},
+      {"http_max_connections", "0"},
+      {"http_max_connections_per_ip", "-1"},
+      {"http_max_header_bytes", "0"},
+      {"http_idle_timeout_s", "0"},
+      {"http_header_timeout_s", "-5"},
+      {"http_body_timeout_s", "0"},
+      {"http_max_json_bytes", "0"},
+      {"http_max_receive_bytes", "0"},
+      {"receive_arena_bytes", "-2"},
+      {"pinned_pool_bytes", "-1"},
+      {"malloc_mmap_threshold_bytes", "33554433"},
+      {"malloc_mmap_threshold_bytes", "-1"},
+      {"malloc_trim_threshold_bytes", "1073741825"},
+      {"malloc_arena_max", "1025"},
+      {"backend", "tpu"},
+      {"devices", "0,x"},
+      {"devices", "-1"},
+      {"streams_per_device", "0"},
+      {"streams_per_device", "65"},
+      {"completion_spin_us", "-1"},
+      {"completion_spin_us", "1000001"},
+      {"device_pool_release_threshold_bytes", "-1"},
+      {"max_device_bytes_per_request", "-1"},
+      {"autotune", "sometimes"},
+      {"worker_threads", "-1"},
+      {"queue_capacity", "0"},
+      {"max_tensor_elements", "0"},
+      {"max_tensor_elements", "1099511627777"},
       {"max_tensor_elements", "4611686018427387904"},  // 2^62: its byte sizes overflow int64
-      {"max_request_bytes", "0"}, {"max_request_bytes", "2147483648"},
-      {"max_inflight_bytes", "-1"}, {"copy_threads", "65"}, {"copy_threads", "-1"},
-      {"hot_lane_spin_us", "-2"}, {"hot_lane_spin_us", "1000001"},
-      {"stream_max_sessions", "0"}, {"stream_session_timeout_ms", "0"},
-      {"model_name", ""}, {"model_name", "a/b"}, {"log_level", "loud"}, {"log_format", "xml"},
+      {"max_request_bytes", "0"},
+      {"max_request_bytes", "2147483648"},
+      {"max_inflight_bytes", "-1"},
+      {"copy_threads", "65"},
+      {"copy_threads", "-1"},
+      {"hot_lane_spin_us", "-2"},
+      {"hot_lane_spin_us", "1000001"},
+      {"stream_max_sessions", "0"},
+      {"stream_session_timeout_ms", "0"},
+      {"model_name", ""},
+      {"model_name", "a/b"},
+      {"log_level", "loud"},
+      {"log_format", "xml"},
       {"shutdown_grace_seconds", "-1"},
   };
 }
@@ -145,7 +172,8 @@ INSTANTIATE_TEST_SUITE_P(AllChecks, BadFlagTest, testing::ValuesIn(BadValues()))
 
 TEST(BadFlagTest, TuneGridIsCheckedForStartupTuning) {
   absl::FlagSaver saver;
-  absl::StatusOr<ServerConfig> config = ConfigWith({{"autotune", "startup"}, {"tune_causal", "maybe"}});
+  absl::StatusOr<ServerConfig> config =
+      ConfigWith({{"autotune", "startup"}, {"tune_causal", "maybe"}});
   ASSERT_FALSE(config.ok());
   EXPECT_NE(config.status().message().find("--tune_*"), std::string::npos) << config.status();
 }
@@ -163,8 +191,8 @@ std::vector<std::pair<std::string, std::string>> ReadmeDefaults() {
   for (absl::string_view line : absl::StrSplit(all.substr(begin, end - begin), '\n')) {
     if (!absl::ConsumePrefix(&line, "| `--")) continue;
     std::vector<std::string> cells = absl::StrSplit(line, " | ");
-    std::vector<std::string> names = absl::StrSplit(cells[0], absl::ByAnyChar("`, -"),
-                                                    absl::SkipEmpty());
+    std::vector<std::string> names =
+        absl::StrSplit(cells[0], absl::ByAnyChar("`, -"), absl::SkipEmpty());
     std::vector<std::string> values = absl::StrSplit(cells[1], ", ");
     if (values.size() != names.size()) values.assign(names.size(), cells[1]);
     for (size_t i = 0; i < names.size(); ++i) {
