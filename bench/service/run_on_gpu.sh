@@ -31,9 +31,11 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
 # Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, a pinned
 # pool big enough for each of them (537 MB rounds up to a 1 GiB size class) and a receive arena that
-# holds the read buffers of medium requests at concurrency 64 (3 GiB) and of large ones at 16 (~8 GiB).
+# holds the read buffers of medium requests at concurrency 64 (3 GiB) and of large ones at 16 (~8 GiB). No gRPC
+# memory quota either (the default, a quarter of host memory up to 4 GiB, resets large uploads at c=16).
 ${SERVER_WRAP:-} "$BIN/flashserve" --backend=cuda --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
   --max_inflight_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((24 << 30)) --receive_arena_bytes=$((8 << 30)) \
+  --grpc_memory_quota_bytes=0 \
   --log_level=warn \
   ${SERVER_FLAGS:-} >"$OUT/server.log" 2>&1 &
 SERVER=$!

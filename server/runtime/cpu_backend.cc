@@ -35,6 +35,11 @@ CpuBackend::CpuBackend(int num_threads)
 }
 
 absl::Status CpuBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {
+  if (!healthy_.load()) return absl::UnavailableError("the backend faulted earlier; server not ready");
+  if (job.inject_device_fault) {
+    healthy_.store(false);
+    return absl::InternalError("injected fault (--enable_fault_injection): backend unusable");
+  }
   const JobTensors& t = job.tensors;
   if (!t.q.contiguous() || !t.k.contiguous() || !t.v.contiguous()) {
     return absl::InternalError("CPU backend: inputs must be contiguous (the runtime stages them)");

@@ -1,6 +1,8 @@
 // The CPU backend: tiled online-softmax attention on a thread pool (kernels/cpu).
 #pragma once
 
+#include <atomic>
+
 #include <memory>
 
 #include "absl/status/statusor.h"
@@ -22,12 +24,16 @@ class CpuBackend final : public Backend {
   absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   int num_threads() const { return pool_->num_threads(); }
   PinnedPool* staging_pool() override { return buffers_.get(); }
+  /// False once a job asked for a fault (--enable_fault_injection): the CPU twin of a sticky
+  /// CUDA error, so the fault -> not live -> drain -> exit 3 path is tested without a GPU.
+  bool healthy() const override { return healthy_.load(); }
 
  private:
   explicit CpuBackend(int num_threads);
   std::unique_ptr<kernels::cpu::ThreadPool> pool_;
   std::unique_ptr<PinnedPool> buffers_;  // heap memory; null when disabled
   BackendCapabilities capabilities_;
+  std::atomic<bool> healthy_{true};
 };
 
 }  // namespace flashserve

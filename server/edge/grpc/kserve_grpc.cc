@@ -70,7 +70,7 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* /*request*/,
                                        inference::ServerLiveResponse* response) override {
-    response->set_live(true);
+    response->set_live(runtime_->live());  // false once the backend is unusable (sticky fault)
     return FinishHealth(context);
   }
 
