@@ -149,6 +149,11 @@ bool Aligned(const void* p, size_t alignment) {
 // reallocated through the replacement.
 TEST(MallocInterposeAligned, MemalignFamilyGoesToTheRealAllocator) {
   const size_t page = size_t(sysconf(_SC_PAGESIZE));
+  // ctest runs each test in its own process: install the arena here unless an earlier test of
+  // this process did (InstallOnHeap refuses, and installs nothing, under a foreign allocator).
+  if (ReceiveArena::Installed() == nullptr) {
+    (void)ReceiveArena::InstallOnHeap(size_t(64) << 20);
+  }
   ReceiveArena* arena = ReceiveArena::Installed();
   EXPECT_EQ(arena == nullptr, ForeignAllocatorPreloaded());
   std::vector<std::pair<void*, size_t>> blocks;
