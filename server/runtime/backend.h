@@ -77,8 +77,12 @@ class Backend {
     done(std::move(result));
   }
   /// Whether the backend reads an input in this memory as it is (else the runtime stages it into
-  /// staging_pool() buffers first). The default (CPU): any contiguous host memory. Thread-safe.
-  virtual bool ReadsDirectly(const TensorBytes& tensor) const { return tensor.contiguous(); }
+  /// staging_pool() buffers first). The default (CPU): contiguous host memory, 16-byte aligned (the
+  /// kernels load elements through typed pointers; a gRPC receive slice may start at any byte).
+  /// Thread-safe.
+  virtual bool ReadsDirectly(const TensorBytes& tensor) const {
+    return tensor.contiguous() && reinterpret_cast<uintptr_t>(tensor.data()) % 16 == 0;
+  }
   /// Whether the backend writes outputs to this kind of memory well (else the runtime gives it
   /// staging buffers and copies the result out). The default (CPU): any. Thread-safe.
   virtual bool WritesDirectly(MemoryKind kind) const { return true; }

@@ -89,11 +89,11 @@ class StreamService final : public StreamServiceBase {
     call.response = inline_output ? response : &session->response;
     // The inputs are where the uploads reassembled them; O and LSE go to the same buffers
     // (unless the runtime has to stage the inputs, then to new ones it puts in the session).
-    const IoBuffers& io = *session->io();
-    const MemoryKind kind = io.pinned() ? MemoryKind::kPageLocked : MemoryKind::kHeap;
-    call.inputs[0] = TensorBytes::Contiguous(kind, io.q(), io.layout().q_bytes);
-    call.inputs[1] = TensorBytes::Contiguous(kind, io.k(), io.layout().kv_bytes);
-    call.inputs[2] = TensorBytes::Contiguous(kind, io.v(), io.layout().kv_bytes);
+    const IoBuffers& uploaded = *session->io();
+    const MemoryKind kind = uploaded.pinned() ? MemoryKind::kPageLocked : MemoryKind::kHeap;
+    call.inputs[0] = TensorBytes::Contiguous(kind, uploaded.q(), uploaded.layout().q_bytes);
+    call.inputs[1] = TensorBytes::Contiguous(kind, uploaded.k(), uploaded.layout().kv_bytes);
+    call.inputs[2] = TensorBytes::Contiguous(kind, uploaded.v(), uploaded.layout().kv_bytes);
     call.io = session->io();
     call.outputs_in_buffers = true;
     call.buffers_out = session->io_for_compute();
