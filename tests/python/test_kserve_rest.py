@@ -5,7 +5,9 @@ status, and a >= 64 MiB binary request with exact byte accounting in the metrics
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 
 import grpc
 import ml_dtypes
@@ -256,6 +258,14 @@ def test_errors_overloaded(private, rng):
     body, headers = binary_request(q, k, v)
     statuses = []
     try:
+        # Post only once one slow request waits in the queue: on a loaded machine the 12 MiB uploads can
+        # take longer than a small REST inference, which then found the queue empty (flaky in CI).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(f.done() for f in futures):
+            depth = re.search(r"^flashserve_queue_depth (\S+)$", requests.get(private.metrics_url, timeout=10).text, re.M)
+            if depth and float(depth.group(1)) >= 1:
+                break
+            time.sleep(0.005)
         while not all(f.done() for f in futures) and 503 not in statuses:
             r = requests.post(infer_url(private, model="flash"), data=body, headers=headers, timeout=60)
             statuses.append(r.status_code)
