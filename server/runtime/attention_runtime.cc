@@ -206,7 +206,13 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
   }
   BackendJob backend_job;
   backend_job.problem = problem;
-  backend_job.tensors = job->placement.tensors;
+  // The input pieces move (a large request has thousands); Finish needs only the outputs.
+  JobTensors& placed = job->placement.tensors;
+  backend_job.tensors.q = std::move(placed.q);
+  backend_job.tensors.k = std::move(placed.k);
+  backend_job.tensors.v = std::move(placed.v);
+  backend_job.tensors.o = placed.o;
+  backend_job.tensors.lse = placed.lse;
   backend_job.deadline = call.deadline;
   backend_job.inject_device_fault = call.inject_device_fault;
   // The job (request, response, buffers, input owner) stays alive until its done() runs, so the
