@@ -217,7 +217,7 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
   backend_job.inject_device_fault = call.inject_device_fault;
   // The job (request, response, buffers, input owner) stays alive until its done() runs, so the
   // backend may keep reading and writing its tensors after this worker returns.
-  backend_->RunAsync(backend_job, [this, job, started](JobResult result) {
+  backend_->RunAsync(std::move(backend_job), [this, job, started](JobResult result) {
     result.timing.stage_us += job->placement.stage_us;
     const absl::Status status = Finish(*job, started, std::move(result));
     job->call.inputs_owner.reset();

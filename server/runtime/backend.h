@@ -71,7 +71,8 @@ class Backend {
   /// (or with the error), possibly inline, possibly on another thread. The job's input and output
   /// memory must stay valid until then. The default runs Run() inline (the CPU backend: its
   /// thread pool is the parallelism); the CUDA backend returns once the work is queued on a stream.
-  virtual void RunAsync(const BackendJob& job, JobDone done) {
+  /// The job is taken by value: a large request's input pieces (thousands) move, not copy.
+  virtual void RunAsync(BackendJob job, JobDone done) {
     JobResult result;
     result.status = Run(job, &result.timing, &result.kernel);
     done(std::move(result));

@@ -5,12 +5,7 @@
 namespace flashserve {
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
-  if (options.num_threads < 0) {
-    return absl::InvalidArgumentError("worker_threads must be >= 0");
-  }
-  if (options.buffer_pool_bytes < 0) {
-    return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
-  }
+  if (absl::Status s = options.Check(); !s.ok()) return s;
   auto backend = std::unique_ptr<CpuBackend>(new CpuBackend(options.num_threads));
   if (options.buffer_pool_bytes > 0) {
     PinnedPoolOptions pool_options;

@@ -386,7 +386,7 @@ bool CudaBackend::WritesDirectly(MemoryKind kind) const {
   return kind == MemoryKind::kPageLocked;
 }
 
-void CudaBackend::RunAsync(const BackendJob& spec, JobDone done) {
+void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
   auto fail = [&done](absl::Status status) {
     JobResult result;
     result.status = std::move(status);
@@ -396,8 +396,8 @@ void CudaBackend::RunAsync(const BackendJob& spec, JobDone done) {
     return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
   auto job = std::make_unique<Job>();
-  job->spec = spec;
-  job->layout = IoLayout::For(spec.problem);
+  job->spec = std::move(spec);
+  job->layout = IoLayout::For(job->spec.problem);
   const int64_t device_bytes = int64_t(job->layout.total);
   if (max_device_bytes_per_request_ > 0 && device_bytes > max_device_bytes_per_request_) {
     return fail(absl::ResourceExhaustedError(
@@ -409,7 +409,7 @@ void CudaBackend::RunAsync(const BackendJob& spec, JobDone done) {
   if (slot == nullptr) {
     return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
   }
-  if (absl::Now() >= spec.deadline) {
+  if (absl::Now() >= job->spec.deadline) {
     // It waited for a slot (every stream busy) past its deadline: not worth the device time.
     ReleaseSlot(slot, device_bytes);
     return fail(absl::DeadlineExceededError("deadline expired waiting for a GPU stream; not run"));
@@ -429,7 +429,7 @@ void CudaBackend::RunAsync(const BackendJob& spec, JobDone done) {
   // slot's completion thread would add that thread's wake-up (tens of microseconds on a loaded or
   // virtualized host) to a request that takes about as long on the GPU.
   if (completion_spin_us_ > 0 &&
-      PredictedDeviceUs(spec.problem, job->layout) * 2 <= completion_spin_us_) {
+      PredictedDeviceUs(job->spec.problem, job->layout) * 2 <= completion_spin_us_) {
     Complete(slot, std::move(job));
     return;
   }

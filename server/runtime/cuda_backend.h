@@ -41,7 +41,7 @@ class CudaBackend final : public Backend {
   /// Blocking wrapper of RunAsync (tools and tests).
   absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   /// Returns once the job is queued on a stream (waits for a free slot if every one is busy).
-  void RunAsync(const BackendJob& job, JobDone done) override;
+  void RunAsync(BackendJob job, JobDone done) override;
   /// Page-locked memory only: the runtime stages pageable inputs into the pinned pool.
   bool ReadsDirectly(const TensorBytes& tensor) const override;
   bool WritesDirectly(MemoryKind kind) const override;

@@ -188,8 +188,7 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
 }  // namespace
 
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
-                                                       const kserve::KServeOptions& options,
-                                                       const BearerAuth* /*auth*/) {
+                                                       const kserve::KServeOptions& options) {
   return std::make_unique<KServeGrpcService>(runtime, options);
 }
 

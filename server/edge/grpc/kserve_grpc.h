@@ -6,7 +6,6 @@
 
 #include <memory>
 
-#include "common/auth.h"
 #include "edge/grpc/kserve_grpc_convert.h"
 #include "grpcpp/impl/service_type.h"
 #include "runtime/attention_runtime.h"
@@ -16,10 +15,8 @@ namespace flashserve {
 /// Thread-safe callback service; register it with GrpcEdge::Create's extra_services. It must
 /// outlive the gRPC server, and `runtime` must outlive it. The bearer token is checked by the
 /// edge for every service on its port (GrpcOptions::auth, edge/grpc/grpc_auth.h): every RPC but
-/// ServerLive and ServerReady (health) needs it. The third argument is ignored (kept until
-/// main.cc stops passing it).
+/// ServerLive and ServerReady (health) needs it.
 std::unique_ptr<grpc::Service> CreateKServeGrpcService(AttentionRuntime* runtime,
-                                                       const kserve::KServeOptions& options,
-                                                       const BearerAuth* unused_auth = nullptr);
+                                                       const kserve::KServeOptions& options);
 
 }  // namespace flashserve

@@ -185,8 +185,7 @@ class StreamService final : public StreamServiceBase {
 
 }  // namespace
 
-std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits,
-                                                   const BearerAuth* /*unused_auth*/) {
+std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits) {
   return std::make_unique<StreamService>(runtime, limits);
 }
 

@@ -21,7 +21,6 @@
 
 #include <memory>
 
-#include "common/auth.h"
 #include "edge/grpc/stream_session.h"
 #include "runtime/attention_runtime.h"
 
@@ -33,9 +32,7 @@ namespace flashserve {
 
 /// The gRPC service (raw Upload/Download, typed others). Reaps idle sessions on a background
 /// thread. Register it through GrpcEdge::Create(..., extra_services); it must outlive the edge.
-/// Headers are validated against runtime->limits(). The token is the edge's (GrpcOptions::auth);
-/// the third argument is ignored (kept until main.cc stops passing it).
-std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits,
-                                                   const BearerAuth* unused_auth = nullptr);
+/// Headers are validated against runtime->limits(). The token is the edge's (GrpcOptions::auth).
+std::unique_ptr<grpc::Service> CreateStreamService(AttentionRuntime* runtime, StreamLimits limits);
 
 }  // namespace flashserve

@@ -47,9 +47,7 @@ struct StreamLimits {
   int max_sessions = 16;                         // open sessions at a time
   int64_t max_session_bytes = int64_t{1} << 30;  // Q + K + V bytes of one session
   int64_t max_total_bytes = int64_t{8} << 30;    // inputs + outputs of all open sessions; 0: none
-  // Unused: a header is checked against the runtime's ValidationLimits, as a native request is.
-  // Kept until main.cc stops setting it.
-  int64_t max_tensor_elements = int64_t{1} << 28;
+  // Headers are checked against the runtime's ValidationLimits, as a native request is.
   std::chrono::milliseconds idle_timeout{60000};
 };
 

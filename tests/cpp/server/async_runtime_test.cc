@@ -38,7 +38,7 @@ class AsyncFakeBackend final : public Backend {
   absl::Status Run(const BackendJob&, PhaseTiming*, std::string*) override {
     return absl::InternalError("synchronous Run must not be used");
   }
-  void RunAsync(const BackendJob& job, JobDone done) override {
+  void RunAsync(BackendJob job, JobDone done) override {
     if (job.problem.seqlen_k == 13) {  // "does not fit in device memory"
       JobResult result;
       result.status = absl::ResourceExhaustedError("GPU 0 out of memory");
