@@ -82,11 +82,11 @@ std::vector<const Entry*> sm90_entries() {
   return out;
 }
 
-// Whether the sm90 kernels' tensor maps can describe p's q/k/v (positive, 16-byte strides).
+// Whether the sm90 kernels' tensor maps can describe p's q/k/v/o (positive, 16-byte strides).
 bool sm90_can_run(const AttentionParams& p) {
 #if FLASHSERVE_HAVE_SM90
   const sm90::TensorView q = sm90::q_view(p), k = sm90::k_view(p), v = sm90::v_view(p);
-  return sm90::tensor_map_strides_ok(q) &&
+  return sm90::tensor_map_strides_ok(q) && sm90::tensor_map_strides_ok(sm90::o_view(p)) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
 #else
   (void)p;

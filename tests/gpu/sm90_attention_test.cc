@@ -280,6 +280,10 @@ std::vector<Param> all_params() {
   cases.push_back({2, 333, 333, 2, 1, true, 8.f});
   cases.push_back({2, 77, 77, 4, 2, true, 1.f, 8});  // padded strides (rows, batches)
   cases.push_back({2, 300, 520, 4, 2, false, 1.f, 3});
+  // More tiles than SMs (300 / 320 on an H100): blocks of the persistent grid walk 2-3 tiles,
+  // so both Q buffers are reused (and their O stores awaited) in more than one round.
+  cases.push_back({3, 65, 65, 100, 4, false, 1.f});
+  cases.push_back({2, 130, 130, 80, 8, true, 1.f});
   std::vector<Param> params;
   for (DType dtype : {DType::kFloat16, DType::kBFloat16})
     for (int hd : {64, 128})
@@ -306,6 +310,53 @@ TEST(Sm90Dispatch, FallsBackWhereTmaCannotRun) {
   ASSERT_EQ(fk::supported(p), "");
   EXPECT_EQ(fk::select(p, 132).family, fk::KernelFamily::kSm80);
   EXPECT_EQ(fk::run(p, *sm90_config(DType::kBFloat16, 128), nullptr), cudaErrorInvalidValue);
+  // The same for the output, which the sm90 kernels write with TMA stores.
+  p.k_head_stride = p.v_head_stride = 128;
+  EXPECT_EQ(fk::select(p, 132).family, fk::KernelFamily::kSm90);
+  p.o_head_stride = 0;  // accepted by supported() (heads overwrite each other), not by TMA
+  ASSERT_EQ(fk::supported(p), "");
+  EXPECT_EQ(fk::select(p, 132).family, fk::KernelFamily::kSm80);
+  EXPECT_EQ(fk::run(p, *sm90_config(DType::kBFloat16, 128), nullptr), cudaErrorInvalidValue);
+}
+
+// The dynamic (causal) schedule takes a global counter slot per launch, round-robin over 1024
+// slots (kernels/cuda/sm90/scheduler.h), and each launch's last block resets its slot. Over 2100
+// launches every slot is reused twice: a slot left dirty would skip tiles and leave the
+// poisoned output in place. Runs of the same problem must also match bit for bit.
+TEST(Sm90Schedule, CausalSlotsAreReusedCleanly) {
+  SKIP_WITHOUT_SM90(DType::kBFloat16, 128);
+  Param prm{DType::kBFloat16, 128, {2, 300, 300, 4, 2, true, 1.f}};
+  const Problem pr = make_problem(prm);
+  const fk::KernelConfig cfg = *sm90_config(DType::kBFloat16, 128);
+  const size_t kv_bytes = pr.kv_elems * 2, o_bytes = pr.q_elems * 2;
+  DeviceBuffer dq(o_bytes), dk(kv_bytes), dv(kv_bytes), dout(o_bytes);
+  ASSERT_EQ(cudaMemcpy(dq.ptr, pr.q.data(), o_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk.ptr, pr.k.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv.ptr, pr.v.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  AttentionParams p = pr.p;
+  p.q = dq.ptr;
+  p.k = dk.ptr;
+  p.v = dv.ptr;
+  p.o = dout.ptr;
+  p.lse = nullptr;
+  auto run_poisoned = [&](std::vector<uint16_t>* out) {
+    ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, o_bytes), cudaSuccess);
+    ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
+    out->resize(pr.q_elems);
+    ASSERT_EQ(cudaMemcpy(out->data(), dout.ptr, o_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  };
+  std::vector<uint16_t> first, again;
+  ASSERT_NO_FATAL_FAILURE(run_poisoned(&first));
+  for (uint16_t x : first) ASSERT_FALSE(std::isnan(to_double(p.dtype, x))) << "unwritten output";
+  for (int i = 1; i <= 2100; ++i) {
+    if (i % 100 == 0) {
+      ASSERT_NO_FATAL_FAILURE(run_poisoned(&again));
+      ASSERT_TRUE(again == first) << "launch " << i << " differs from the first";
+    } else {
+      ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
+    }
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 // Needs no GPU: the sm90 names parse back and differ from every sm80 name.

@@ -1,16 +1,18 @@
 // The sm90 flash-attention forward kernel (FlashAttention-3 structure, written from scratch in
-// raw PTX): thread blocks of 3 warpgroups, each walking a static list of (128-row query tile,
-// head, batch) tiles (TileScheduler; persistent grid, or one block per tile, see launch.h); the
-// producer loads the next tile's Q and K/V while the consumers finish the current one.
-//  - Warpgroup 0 (producer, setmaxnreg 24): one thread issues TMA copies of the Q tile and of
+// raw PTX): a persistent grid of thread blocks of 3 warpgroups, each computing (128-row query
+// tile, head, batch) tiles in the order scheduler.h gives (static or dynamic, see launch.h); the
+// producer hands each tile's index to the consumers with its Q buffer (two where they fit) and
+// loads the next tile's Q and K/V while the consumers finish the current one.
+//  - Warpgroup 0 (producer, setmaxnreg 40): one thread issues TMA copies of the Q tile and of
 //    the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each copy
 //    completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
 //    "empty" mbarrier.
-//  - Warpgroups 1 and 2 (consumers, setmaxnreg 240) each own 64 query rows: S = Q K^T by wgmma
+//  - Warpgroups 1 and 2 (consumers, setmaxnreg 232) each own 64 query rows: S = Q K^T by wgmma
 //    with both operands in shared memory, the online softmax (lazy rescale) in registers, and
 //    O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j runs
 //    while the tensor cores do P V of tile j - 1 (issued together with S_j), and the two
 //    consumer warpgroups take turns issuing their GEMMs (ping-pong on named barriers 1 and 2).
+// Epilogue: O goes through the tile's Q buffer to TMA stores (store_o).
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
 // (key tail, causal diagonal) come first; TMA fills rows past the sequence ends with zeros.
 #pragma once
@@ -24,84 +26,56 @@
 #include "../ptx.h"
 #include "flashserve/kernels/attention_params.h"
 #include "ptx_sm90.h"
+#include "scheduler.h"
 #include "softmax_sm90.h"
 #include "traits.h"
 #include "wgmma_ops.h"
 
 namespace flashserve::kernels::cuda::sm90 {
 
-/// Shared-memory addresses of one block's Q tile, K/V ring and mbarriers.
+/// Shared-memory addresses of one block's Q buffers, K/V ring and mbarriers.
 template <typename T>
 struct SmemMap {
-  uint32_t q, k, v, bars;
+  static constexpr int kQB = T::kQBuffers;
+  uint32_t q0, k, v, bars;
   __device__ explicit SmemMap(uint32_t base)
-      : q(base + T::kQOffset),
+      : q0(base + T::kQOffset),
         k(base + T::kKOffset),
         v(base + T::kVOffset),
         bars(base + T::kBarOffset) {}
-  __device__ uint32_t q_loaded() const { return bars; }
-  __device__ uint32_t q_empty() const { return bars + 8; }
-  __device__ uint32_t k_full(int s) const { return bars + 8 * (2 + s); }
-  __device__ uint32_t v_full(int s) const { return bars + 8 * (2 + T::kStages + s); }
-  __device__ uint32_t k_empty(int s) const { return bars + 8 * (2 + 2 * T::kStages + s); }
-  __device__ uint32_t v_empty(int s) const { return bars + 8 * (2 + 3 * T::kStages + s); }
+  __device__ uint32_t q(int b) const { return q0 + b * T::kQBytes; }
+  __device__ uint32_t q_loaded(int b) const { return bars + 8 * b; }
+  __device__ uint32_t q_empty(int b) const { return bars + 8 * (kQB + b); }
+  __device__ uint32_t k_full(int s) const { return bars + 8 * (2 * kQB + s); }
+  __device__ uint32_t v_full(int s) const { return bars + 8 * (2 * kQB + T::kStages + s); }
+  __device__ uint32_t k_empty(int s) const { return bars + 8 * (2 * kQB + 2 * T::kStages + s); }
+  __device__ uint32_t v_empty(int s) const { return bars + 8 * (2 * kQB + 3 * T::kStages + s); }
+  // The tile index handed to the consumers with Q buffer b (-1: no more tiles).
+  __device__ uint32_t tile_slot(int b) const { return bars + 8 * T::kNumBarriers + 4 * b; }
   __device__ uint32_t k_stage(int s) const { return k + s * T::kKVBytes; }
   __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
 };
 
-/// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
-struct BlockWork {
-  int m_block, head, head_kv, batch, n_blocks;
-};
-
-/// The persistent grid's static schedule: block b takes tiles b, b + gridDim.x, ... of a linear
-/// order with the query tiles of one (batch, head) adjacent (they share K/V in L2), heaviest
-/// (last rows) first when causal. For causal problems the host picks gridDim.x coprime with the
-/// number of query tiles per head, so every block cycles through all tile weights.
-template <typename T>
-struct TileScheduler {
-  int num_m, total;
-  __device__ explicit TileScheduler(const AttentionParams& p)
-      : num_m((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), total(num_m * p.heads_q * p.batch) {}
-
-  __device__ BlockWork work(const AttentionParams& p, int tile) const {
-    BlockWork w;
-    const int m_idx = tile % num_m, hb = tile / num_m;
-    w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
-    w.head = hb % p.heads_q;
-    w.batch = hb / p.heads_q;
-    w.head_kv = w.head / (p.heads_q / p.heads_kv);
-    w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
-    if (p.causal) {  // one past the last column the tile's last row may see
-      const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
-      w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
-    }
-    return w;
-  }
-};
-
-/// Producer: one thread issues every TMA copy of every tile of the block. Per tile: Q (once the
-/// consumers are done with the previous tile's Q), K[last], then K[j + 1], V[j] pairs, so the
-/// consumers' next S = Q K^T never waits behind a V copy. kv_iter counts K/V tiles over all of
-/// the block's work: tile kv_iter uses stage kv_iter % kStages in round kv_iter / kStages.
+/// Producer: one thread issues every TMA copy of every tile of the block, in the order
+/// next_tile() gives (scheduler.h). Per tile: K[last] (its ring stage frees before a Q buffer
+/// does), then, once the consumers have stored the O that Q buffer q_iter % kQBuffers last
+/// staged, the tile's index into the buffer's slot and its Q copy, then K[j + 1], V[j] pairs, so
+/// the consumers' next S = Q K^T never waits behind a V copy. A tile no row of which sees a key
+/// is handed over without copies, and the end of the block's work as tile -1. kv_iter counts
+/// K/V tiles over all of the block's work: tile kv_iter uses stage kv_iter % kStages in round
+/// kv_iter / kStages.
 template <typename T>
 __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_q,
-                        const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
+                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sched_slot) {
   tma_prefetch_descriptor(tm_q);
   tma_prefetch_descriptor(tm_k);
   tma_prefetch_descriptor(tm_v);
   const TileScheduler<T> sched(p);
   int kv_iter = 0, q_iter = 0;
-  for (int tile = blockIdx.x; tile < sched.total; tile += gridDim.x) {
-    const BlockWork w = sched.work(p, tile);
-    if (w.n_blocks <= 0) continue;  // the consumers write it alone
-    // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
-    mbarrier_wait(sm.q_empty(), (q_iter & 1) ^ 1);
-    mbarrier_arrive_expect_tx(sm.q_loaded(), T::kQBytes);
-#pragma unroll
-    for (int cb = 0; cb < T::kColBlocks; ++cb)
-      tma_load_4d(sm.q + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(), cb * 64,
-                  w.m_block * T::kBlockM, w.head, w.batch);
+  for (int tile = next_tile(sched_slot, -1);; tile = next_tile(sched_slot, tile), ++q_iter) {
+    const bool done = tile >= sched.total;
+    const BlockWork w = sched.work(p, done ? 0 : tile);
+    const bool loads = !done && w.n_blocks > 0;
     auto load = [&](const CUtensorMap* tm, bool is_k, int j) {
       const int g = kv_iter + j, s = g % T::kStages;
       mbarrier_wait(is_k ? sm.k_empty(s) : sm.v_empty(s), ((g / T::kStages) & 1) ^ 1);
@@ -113,22 +87,88 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
         tma_load_4d(dst + cb * T::kBlockN * T::kRowBytes, tm, full, cb * 64,
                     (w.n_blocks - 1 - j) * T::kBlockN, w.head_kv, w.batch);
     };
-    load(tm_k, true, 0);
+    if (loads) load(tm_k, true, 0);
+    // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
+    const int qb = q_iter % T::kQBuffers;
+    mbarrier_wait(sm.q_empty(qb), ((q_iter / T::kQBuffers) & 1) ^ 1);
+    st_shared_b32(sm.tile_slot(qb), uint32_t(done ? -1 : tile));
+    if (!loads) {
+      mbarrier_arrive(sm.q_loaded(qb));  // releases the slot write; no copy to wait for
+      if (done) break;
+      continue;
+    }
+    mbarrier_arrive_expect_tx(sm.q_loaded(qb), T::kQBytes);
+#pragma unroll
+    for (int cb = 0; cb < T::kColBlocks; ++cb)
+      tma_load_4d(sm.q(qb) + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(qb), cb * 64,
+                  w.m_block * T::kBlockM, w.head, w.batch);
     for (int j = 1; j < w.n_blocks; ++j) {
       load(tm_k, true, j);
       load(tm_v, false, j - 1);
     }
     load(tm_v, false, w.n_blocks - 1);
     kv_iter += w.n_blocks;
-    ++q_iter;
   }
+  finish_dynamic_schedule(sched_slot);
+}
+
+/// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
+/// the tile's Q buffer qb (free: every S = Q K^T of the tile has completed) in the 128-byte
+/// swizzled layout, and one thread stores them with one TMA store per 64-column block (rows past
+/// seqlen_q are clipped by the tensor map). That thread releases the Q buffer once the store has
+/// read it: at once with one Q buffer, else at the next tile's first softmax (pending_release),
+/// so the warpgroup does not wait for the read here. LSE goes straight to global memory.
+template <typename T>
+__device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_o,
+                        const BlockWork& w, int cw, int qb, const float (&o)[T::kHeadDim / 2],
+                        const float (&lse)[2], uint32_t& pending_release) {
+  const int lane = threadIdx.x % 32;
+  const int row_in_wg = ((threadIdx.x / 32) % 4) * 16 + lane / 4;  // + 8 h
+  const uint32_t base = sm.q(qb) + cw * T::kRowsPerConsumer * T::kRowBytes;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = row_in_wg + 8 * h;  // r % 8 == lane / 4: the swizzle's XOR
+#pragma unroll
+    for (int i2 = 0; i2 < T::kHeadDim / 8; ++i2) {
+      const uint32_t addr = base + (i2 / 8) * T::kBlockM * T::kRowBytes + r * T::kRowBytes +
+                            (((i2 % 8) ^ (lane / 4)) * 16) + (lane % 4) * 4;
+      st_shared_b32(addr,
+                    ptx::pack2<typename T::Element>(o[4 * i2 + 2 * h], o[4 * i2 + 2 * h + 1]));
+    }
+    const int row = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + r;
+    if (p.lse != nullptr && lane % 4 == 0 && row < p.seqlen_q)
+      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row] = lse[h];
+  }
+  fence_proxy_async_smem();
+  named_barrier_sync(3 + cw, 128);  // the warpgroup's rows are all in shared memory
+  if (threadIdx.x % 128 != 0) return;
+#pragma unroll
+  for (int cb = 0; cb < T::kColBlocks; ++cb)
+    tma_store_4d(tm_o, base + cb * T::kBlockM * T::kRowBytes, cb * 64,
+                 w.m_block * T::kBlockM + cw * T::kRowsPerConsumer, w.head, w.batch);
+  bulk_commit_group();
+  if constexpr (T::kQBuffers == 1) {  // the producer waits for this buffer to load the next Q
+    bulk_wait_group_read0();
+    mbarrier_arrive(sm.q_empty(qb));
+  } else {
+    pending_release = sm.q_empty(qb);
+  }
+}
+
+/// The previous tile's Q buffer, once its O store has read it (store_o's pending_release).
+__device__ __forceinline__ void release_stored_q(uint32_t& pending_release) {
+  if (pending_release == 0) return;
+  bulk_wait_group_read0();
+  mbarrier_arrive(pending_release);
+  pending_release = 0;
 }
 
 /// Consumer warpgroup cw (0 or 1): its 64 query rows against every K/V tile of the block.
 /// kv_iter / q_iter: the block's K/V tiles and Q tiles consumed before this tile (as produce()).
 template <typename T>
-__device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
-                             int cw, int kv_iter, int q_iter) {
+__device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
+                             const CUtensorMap* tm_o, const BlockWork& w, int cw, int kv_iter,
+                             int q_iter, uint32_t& pending_release) {
   using Element = typename T::Element;
   constexpr int kN = T::kBlockN, kD = T::kHeadDim;
   const int lane = threadIdx.x % 32;
@@ -140,8 +180,9 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, con
 
   // Descriptors: Q (A, K-major) and K (B, K-major) step 32 bytes per k16 inside a 128-byte
   // row and jump a column block every 4 steps; V (B, N-major) steps 16 rows (2048 bytes).
+  const int qb = q_iter % T::kQBuffers;
   auto q_desc = [&](int ks) {
-    return smem_desc_sw128(sm.q + (ks / 4) * T::kBlockM * T::kRowBytes +
+    return smem_desc_sw128(sm.q(qb) + (ks / 4) * T::kBlockM * T::kRowBytes +
                                cw * T::kRowsPerConsumer * T::kRowBytes + (ks % 4) * 32,
                            16, 1024);
   };
@@ -205,7 +246,6 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, con
   };
 
   auto stage_of = [&](int j) { return (kv_iter + j) % T::kStages; };
-  mbarrier_wait(sm.q_loaded(), q_iter & 1);
   {  // Tile 0 (the last K/V tile): masked, no rescale.
     float s[kN / 2];
     take_turn();
@@ -220,6 +260,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, con
     softmax.template scale_and_exp<true>(s, scale_log2, alpha);
     to_pa(s);
   }
+  release_stored_q(pending_release);  // the previous tile's O store has long read its buffer
   // Tile i: S_i = Q K_i^T and O += P_{i-1} V_{i-1} in flight together; the softmax of S_i runs
   // while P V is still on the tensor cores; O is rescaled once P V has completed.
   auto step = [&](int i, auto mask_tag) {
@@ -250,7 +291,6 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, con
   for (; i < w.n_blocks && mask.tile_needs_mask(w.m_block, T::kBlockM, w.n_blocks - 1 - i, kN); ++i)
     step(i, std::true_type{});
   for (; i < w.n_blocks; ++i) step(i, std::false_type{});
-  release(sm.q_empty());  // every S = Q K^T of the tile is done: the next Q may load
   take_turn();
   issue_pv(w.n_blocks - 1);
   pass_turn();
@@ -263,23 +303,9 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm, con
     for (int r = 0; r < 4; ++r) fence_operand(pa[kk][r]);
   release(sm.v_empty(stage_of(w.n_blocks - 1)));
 
-  // Epilogue: normalize, LSE, and O straight from registers (each quad writes 16 contiguous
-  // bytes per 8 columns).
   float lse[2];
   softmax.finalize(o, p.softmax_scale, lse);
-  Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + 8 * h;
-    if (row >= p.seqlen_q) continue;
-    Element* out_row = out + row * p.o_row_stride + 2 * (lane % 4);
-#pragma unroll
-    for (int i2 = 0; i2 < kD / 8; ++i2)
-      *reinterpret_cast<uint32_t*>(out_row + 8 * i2) =
-          ptx::pack2<Element>(o[4 * i2 + 2 * h], o[4 * i2 + 2 * h + 1]);
-    if (p.lse != nullptr && lane % 4 == 0)
-      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row] = lse[h];
-  }
+  store_o<T>(p, sm, tm_o, w, cw, qb, o, lse, pending_release);
 }
 
 /// A tile no row of which sees a key (causal with seqlen_q > seqlen_k): O = 0, LSE = -inf.
@@ -301,45 +327,58 @@ __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, i
           -INFINITY;
 }
 
-/// Consumer warpgroup cw's share of every tile of the block.
+/// Consumer warpgroup cw's share of every tile the producer hands to the block.
 template <typename T>
-__device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, int cw) {
+__device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_o,
+                        int cw) {
   static_assert(T::kConsumers == 2, "the GEMM turn-taking below is for two warpgroups");
   const TileScheduler<T> sched(p);
   // Warpgroup 0 has the first turn: warpgroup 1 hands it over before its own first wait.
   if (cw == 1) named_barrier_arrive(1, 2 * 128);
-  int kv_iter = 0, q_iter = 0;
-  for (int tile = blockIdx.x; tile < sched.total; tile += gridDim.x) {
+  int kv_iter = 0;
+  uint32_t pending_release = 0;  // see store_o
+  for (int q_iter = 0;; ++q_iter) {
+    const int qb = q_iter % T::kQBuffers;
+    mbarrier_wait(sm.q_loaded(qb), (q_iter / T::kQBuffers) & 1);
+    const int tile = int(ld_shared_b32(sm.tile_slot(qb)));
+    if (tile < 0) break;
     const BlockWork w = sched.work(p, tile);
     if (w.n_blocks <= 0) {
+      release_stored_q(pending_release);
       write_empty_tile<T>(p, w, int(threadIdx.x) - 128);
+      named_barrier_sync(3 + cw, 128);  // every thread has read the slot
+      if (threadIdx.x % 128 == 0) mbarrier_arrive(sm.q_empty(qb));
       continue;
     }
-    consume_tile<T>(p, sm, w, cw, kv_iter, q_iter);
+    consume_tile<T>(p, sm, tm_o, w, cw, kv_iter, q_iter, pending_release);
     kv_iter += w.n_blocks;
-    ++q_iter;
   }
   // Warpgroup 1 handed over one turn more than warpgroup 0 took: take it, so that no barrier
   // is left half-arrived when the block exits.
   if (cw == 0) named_barrier_sync(1, 2 * 128);
+  if (threadIdx.x % 128 == 0) bulk_wait_group0();  // the last O stores have completed
 }
 
 /// Persistent: grid = (launch_sm90's block count), block = kNThreads, dynamic shared memory
-/// T::kSmemBytes. The tensor maps (tensor_map.h) view q/k/v as [batch][heads][seqlen][head_dim]
-/// with p's strides and 128-byte-swizzled boxes of [rows][64].
+/// T::kSmemBytes. The tensor maps (tensor_map.h) view q/k/v/o as [batch][heads][seqlen][head_dim]
+/// with p's strides and 128-byte-swizzled boxes of [rows][64] (o: 64-row boxes, one per
+/// consumer warpgroup).
 template <typename T>
 __global__ void __launch_bounds__(T::kNThreads, 1)
     sm90_fwd_kernel(const __grid_constant__ AttentionParams p,
                     const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
-                    const __grid_constant__ CUtensorMap tm_v) {
+                    const __grid_constant__ CUtensorMap tm_v,
+                    const __grid_constant__ CUtensorMap tm_o, int sched_slot) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SmemMap<T> sm((ptx::smem_addr(smem_raw) + 1023u) & ~1023u);
   const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   if (threadIdx.x == 0) {
-    mbarrier_init(sm.q_loaded(), 1);
-    mbarrier_init(sm.q_empty(), 4 * T::kConsumers);  // one arrival per consumer warp
+    for (int b = 0; b < T::kQBuffers; ++b) {
+      mbarrier_init(sm.q_loaded(b), 1);
+      mbarrier_init(sm.q_empty(b), T::kConsumers);  // each warpgroup's O store has read it
+    }
     for (int s = 0; s < T::kStages; ++s) {
       mbarrier_init(sm.k_full(s), 1);
       mbarrier_init(sm.v_full(s), 1);
@@ -351,10 +390,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
   __syncthreads();
   if (warpgroup == 0) {
     setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x == 0) produce<T>(p, sm, &tm_q, &tm_k, &tm_v);
+    if (threadIdx.x == 0) produce<T>(p, sm, &tm_q, &tm_k, &tm_v, sched_slot);
   } else {
     setmaxnreg_inc<T::kConsumerRegs>();
-    consume<T>(p, sm, warpgroup - 1);
+    consume<T>(p, sm, &tm_o, warpgroup - 1);
   }
 #endif
 }

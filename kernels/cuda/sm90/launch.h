@@ -1,11 +1,11 @@
-// launch_sm90<Traits>: builds the Q/K/V tensor maps and launches sm90_fwd_kernel. Included only
+// launch_sm90<Traits>: builds the Q/K/V/O tensor maps, picks the grid and its schedule and
+// launches sm90_fwd_kernel. Included only
 // by the instance files (compiled for sm_90a); the dispatch table sees registry.h.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <numeric>
 
 #include "kernel.h"
 #include "registry.h"
@@ -13,20 +13,27 @@
 
 namespace flashserve::kernels::cuda::sm90 {
 
-/// Blocks of the grid. Persistent (one block per SM, each walking a static list of tiles, the
-/// producer prefetching the next tile during the current one's last GEMM and epilogue) except
-/// for long causal problems, where tiles differ most in weight and the hardware's greedy
-/// block-by-block scheduling balances better than the static list (one block per tile, the
-/// heaviest first): H100, bench/results/kernels-sm90-h100-2026-11-24.md, causal d128 S16k
-/// 602 vs 505 TFLOPS; S <= 4k: persistent equal or up to 1.3x faster.
-/// For persistent causal grids, a block count coprime with the tiles per head makes each
-/// block's tiles b, b + grid, ... cycle through every weight.
-inline int grid_blocks(const AttentionParams& p, int tiles, int tiles_per_head, int sm_count) {
-  if (p.causal && int64_t(p.seqlen_q) * p.head_dim >= 8192 * 128) return tiles;
-  int grid = std::min(tiles, std::max(sm_count, 1));
-  if (p.causal)
-    while (grid > 1 && std::gcd(grid, tiles_per_head) != 1) --grid;
-  return grid;
+/// The grid and its schedule (scheduler.h): persistent, one block per SM (the producer loads
+/// the next tile while the consumers finish the current one). Non-causal problems take the
+/// static schedule (equal tiles), causal ones the dynamic schedule (a global tile counter).
+/// H100 A/B in one process (bench/results/kernels-sm90-h100-2026-11-24-b.md), d128 causal
+/// S4096 / S4000 / S8192: dynamic 573-611 / 546-563 / 605-611 TFLOPS, the static list (block
+/// count coprime with the tiles per head) 547-557 / 533 / -, one block per tile 531-537 /
+/// 498-502 / 575-585. The static list lets blocks drift apart in the tile order and thrash L2
+/// on long causal problems (S8192 516-544, S16k 499-500 in the first call).
+struct GridPlan {
+  int blocks;
+  bool dynamic;
+};
+
+inline GridPlan grid_plan(const AttentionParams& p, int tiles, int sm_count) {
+  return {std::min(tiles, std::max(sm_count, 1)), p.causal};
+}
+
+/// The counter slot of the next dynamic launch of this instance (scheduler.h).
+inline int next_sched_slot() {
+  static std::atomic<uint32_t> next{0};
+  return int(next.fetch_add(1, std::memory_order_relaxed) % kSchedSlots);
 }
 
 template <typename T>
@@ -44,11 +51,13 @@ cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
       return err;
     attribute_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  CUtensorMap tm_q, tm_k, tm_v;
-  const TensorView q = q_view(p), k = k_view(p), v = v_view(p);
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  const TensorView q = q_view(p), k = k_view(p), v = v_view(p), o = o_view(p);
   if (cudaError_t err = make_tensor_map(q, T::kBlockM, &tm_q); err != cudaSuccess) return err;
   if (cudaError_t err = make_tensor_map(k, T::kBlockN, &tm_k); err != cudaSuccess) return err;
   if (cudaError_t err = make_tensor_map(v, T::kBlockN, &tm_v); err != cudaSuccess) return err;
+  if (cudaError_t err = make_tensor_map(o, T::kRowsPerConsumer, &tm_o); err != cudaSuccess)
+    return err;
   int sm_count = 0;
   if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
       err != cudaSuccess)
@@ -56,8 +65,10 @@ cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
   const int tiles_per_head = (p.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   const int64_t tiles = int64_t(tiles_per_head) * p.heads_q * p.batch;
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  const int grid = grid_blocks(p, int(tiles), tiles_per_head, sm_count);
-  kernel<<<grid, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v);
+  const GridPlan plan = grid_plan(p, int(tiles), sm_count);
+  const int sched_slot = plan.dynamic ? next_sched_slot() : -1;
+  kernel<<<plan.blocks, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o,
+                                                               sched_slot);
   return cudaGetLastError();
 }
 

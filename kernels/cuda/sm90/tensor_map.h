@@ -23,18 +23,24 @@ struct TensorView {
   int64_t row_stride, head_stride, batch_stride;
 };
 
-/// The views of p's q, k and v.
+/// The views of p's q, k and v (read by TMA loads).
 inline TensorView q_view(const AttentionParams& p) {
-  return {p.q, p.dtype, p.head_dim, p.seqlen_q, p.heads_q, p.batch,
-          p.q_row_stride, p.q_head_stride, p.q_batch_stride};
+  return {p.q,     p.dtype,        p.head_dim,      p.seqlen_q,      p.heads_q,
+          p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride};
 }
 inline TensorView k_view(const AttentionParams& p) {
-  return {p.k, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-          p.k_row_stride, p.k_head_stride, p.k_batch_stride};
+  return {p.k,     p.dtype,        p.head_dim,      p.seqlen_k,      p.heads_kv,
+          p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride};
 }
 inline TensorView v_view(const AttentionParams& p) {
-  return {p.v, p.dtype, p.head_dim, p.seqlen_k, p.heads_kv, p.batch,
-          p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+  return {p.v,     p.dtype,        p.head_dim,      p.seqlen_k,      p.heads_kv,
+          p.batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+}
+
+/// The view of p's output o (written by TMA stores).
+inline TensorView o_view(const AttentionParams& p) {
+  return {p.o,     p.dtype,        p.head_dim,      p.seqlen_q,      p.heads_q,
+          p.batch, p.o_row_stride, p.o_head_stride, p.o_batch_stride};
 }
 
 /// cudaSuccess, or cudaErrorInvalidValue when the view cannot be a tensor map (e.g. a zero or

@@ -1,5 +1,5 @@
 // Compile-time shape of one sm90 forward kernel: tile sizes, warpgroup roles, register split
-// and the shared-memory map (Q tile, a ring of K and V stages, the mbarriers).
+// and the shared-memory map (one or two Q tiles, a ring of K and V stages, the mbarriers).
 #pragma once
 
 #include <cstddef>
@@ -22,10 +22,11 @@ struct Sm90Traits {
   static constexpr int kRowsPerConsumer = 64;  // wgmma m64
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
   static constexpr int kNThreads = 128 * (kConsumers + 1);
-  // setmaxnreg: the producer needs a handful; the consumers hold S, P and O in registers.
-  // 24 * 128 + 240 * 256 = 64512 <= 65536 registers per SM.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg: the producer needs a few dozen (40: the tile hand-over and dynamic schedule
+  // spilled at 24 and 32); the consumers hold S, P and O in registers (ptxas: no spills at 232).
+  // 40 * 128 + 232 * 256 = 64512 <= 65536 registers per SM.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
 
   // Tiles are stored as kColBlocks column blocks of [rows][64 elements] (128-byte rows), the
   // layout one TMA box with SWIZZLE_128B writes and wgmma reads with a 128B-swizzle descriptor.
@@ -33,13 +34,21 @@ struct Sm90Traits {
   static constexpr uint32_t kRowBytes = 128;
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kRingBytes = 2 * kStages * kKVBytes;  // K and V stages
+  // Two Q buffers where they fit (the next tile's Q loads during the current tile; the current
+  // tile's buffer then stages its O for the TMA store), else one (block_n 176 at d128).
+  static constexpr int kNumBarriersMax = 4 + 4 * kStages;
+  static constexpr int kQBuffers =
+      2 * kQBytes + kRingBytes + 8 * kNumBarriersMax + 8 + 1024 <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOffset = 0;
-  static constexpr uint32_t kKOffset = kQOffset + kQBytes;
+  static constexpr uint32_t kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr uint32_t kBarOffset = kVOffset + kStages * kKVBytes;
-  static constexpr int kNumBarriers = 2 + 4 * kStages;  // Q full/empty, full/empty x K/V per stage
-  // + 1024: the dynamic shared-memory base is aligned up to 1024 bytes (swizzle atom) in-kernel.
-  static constexpr size_t kSmemBytes = kBarOffset + 8 * kNumBarriers + 1024;
+  // Q loaded/empty per Q buffer, full/empty x K/V per stage.
+  static constexpr int kNumBarriers = 2 * kQBuffers + 4 * kStages;
+  // + 8: a tile index per Q buffer (scheduler.h); + 1024: the dynamic shared-memory base is
+  // aligned up to 1024 bytes (swizzle atom) in-kernel.
+  static constexpr size_t kSmemBytes = kBarOffset + 8 * kNumBarriers + 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm_90 shared-memory limit per block");
 };
 

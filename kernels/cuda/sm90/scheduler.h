@@ -1,0 +1,68 @@
+// Which tiles a block of the sm90 kernel computes, and in what order. Every schedule walks one
+// linear tile order (the query tiles of one (batch, head) adjacent: they share K/V in L2; the
+// heaviest, last rows first when causal); only the producer thread walks it and hands each tile
+// to the consumers through shared memory (kernel.h), so the consumers never compute a schedule.
+//  - static (sched_slot < 0): block b takes tiles b, b + gridDim.x, ...; used for non-causal
+//    problems (equal tiles) and for one block per tile (gridDim.x = tiles).
+//  - dynamic (sched_slot >= 0): each producer takes the next tile from a global counter when it
+//    starts loading one, so blocks stay close together in the order (L2 reuse) and the unequal
+//    causal tiles balance like a greedy longest-first list. The counters live in a per-module
+//    pool of kSchedSlots pairs {next tile, finished blocks}; the host hands each launch the next
+//    slot round-robin and the launch's last block resets its pair to 0. Two launches share a
+//    slot only with kSchedSlots - 1 other dynamic launches of the same instance in flight.
+#pragma once
+
+#include "flashserve/kernels/attention_params.h"
+
+namespace flashserve::kernels::cuda::sm90 {
+
+constexpr int kSchedSlots = 1024;
+// Zero at module load; each launch leaves its pair at zero again (finish_dynamic_schedule).
+static __device__ unsigned int g_sched_counters[2 * kSchedSlots];
+
+/// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
+struct BlockWork {
+  int m_block, head, head_kv, batch, n_blocks;
+};
+
+/// The linear tile order and the work of each tile.
+template <typename T>
+struct TileScheduler {
+  int num_m, total;
+  __device__ explicit TileScheduler(const AttentionParams& p)
+      : num_m((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), total(num_m * p.heads_q * p.batch) {}
+
+  __device__ BlockWork work(const AttentionParams& p, int tile) const {
+    BlockWork w;
+    const int m_idx = tile % num_m, hb = tile / num_m;
+    w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
+    w.head = hb % p.heads_q;
+    w.batch = hb / p.heads_q;
+    w.head_kv = w.head / (p.heads_q / p.heads_kv);
+    w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+    if (p.causal) {  // one past the last column the tile's last row may see
+      const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
+      w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
+    }
+    return w;
+  }
+};
+
+/// The producer's next tile after prev (-1: the first); >= total when the block is done.
+__device__ __forceinline__ int next_tile(int sched_slot, int prev) {
+  if (sched_slot < 0) return prev < 0 ? int(blockIdx.x) : prev + int(gridDim.x);
+  return int(atomicAdd(&g_sched_counters[2 * sched_slot], 1u));
+}
+
+/// Called by each block's producer after its last next_tile(): the last block to finish resets
+/// the slot's pair for a later launch (every block has taken its last tile by then).
+__device__ __forceinline__ void finish_dynamic_schedule(int sched_slot) {
+  if (sched_slot < 0) return;
+  __threadfence();  // this block's last atomicAdd on the tile counter comes first
+  if (atomicAdd(&g_sched_counters[2 * sched_slot + 1], 1u) == gridDim.x - 1) {
+    atomicExch(&g_sched_counters[2 * sched_slot], 0u);
+    atomicExch(&g_sched_counters[2 * sched_slot + 1], 0u);
+  }
+}
+
+}  // namespace flashserve::kernels::cuda::sm90
