@@ -1,5 +1,9 @@
-// Public API of the CUDA forward-attention kernels (family "sm80": mma.sync m16n8k16,
-// runs on sm_80 and every later GPU). Nothing here throws.
+// Public API of the CUDA forward-attention kernels, two families behind one dispatch table
+// (KernelConfig::family): "sm80" (mma.sync m16n8k16, FlashAttention-2 style; runs on sm_80 and
+// every later GPU) and "sm90" (wgmma + TMA + warp specialization, FlashAttention-3 style;
+// compute capability 9.0 only, compiled when 90 is in FLASHSERVE_CUDA_ARCHS). On an sm_90
+// device the sm90 family is offered and, where it wins, picked; elsewhere only sm80 exists.
+// kernels/README.md describes both. Nothing here throws.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -25,20 +29,26 @@ std::vector<DType> supported_dtypes();
 std::string supported(const AttentionParams& p);
 
 /// The autotuner's search space for one problem class: every compiled configuration for
-/// (dtype, head_dim), the heuristic default first. Empty when (dtype, head_dim) is unsupported.
+/// (dtype, head_dim) that the current device can run, the heuristic default first (on an
+/// sm_90 device the sm90 configurations come first, then the sm80 ones). Empty when (dtype,
+/// head_dim) is unsupported.
 std::vector<KernelConfig> candidates(DType dtype, int head_dim, bool causal);
 
 /// The heuristic default configuration for p on a GPU with sm_count multiprocessors
 /// (the one run(p, stream) uses). Always one of candidates(p.dtype, p.head_dim, p.causal)
-/// when supported(p) is empty.
+/// when supported(p) is empty. On an sm_90 device: an sm90 configuration unless the problem
+/// has less than half a wave of 128-row tiles or a q/k/v/o layout TMA cannot describe (a zero
+/// or negative stride over more than one row, head or batch); the sm80 family otherwise.
 KernelConfig select(const AttentionParams& p, int sm_count);
 
 /// Computes attention for p with configuration cfg on stream (asynchronous).
 ///   q: [batch, seqlen_q, heads_q, head_dim], k/v: [batch, seqlen_k, heads_kv, head_dim],
 ///   o: [batch, seqlen_q, heads_q, head_dim] (p.dtype), lse: [batch, heads_q, seqlen_q] fp32
 ///   contiguous or nullptr. Strides come from p (last dimension contiguous).
-/// Returns cudaErrorInvalidValue when supported(p) is not empty or cfg is not compiled for
-/// (p.dtype, p.head_dim); otherwise the launch's error (cudaSuccess when it was queued).
+/// Returns cudaErrorInvalidValue when supported(p) is not empty, cfg is not compiled for
+/// (p.dtype, p.head_dim) or not runnable on this device, or cfg is an sm90 configuration and
+/// p's layout is one TMA cannot describe (see select()); otherwise the launch's error
+/// (cudaSuccess when it was queued).
 cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream);
 
 /// Same as run(p, select(p, <current device's SM count>), stream).
