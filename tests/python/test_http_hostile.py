@@ -16,6 +16,7 @@ import http.client
 import json
 import resource
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 import requests
 
+from conftest import free_port
 from flashserve import reference
 
 pytestmark = pytest.mark.e2e
@@ -216,18 +218,18 @@ def chunk(data: bytes) -> bytes:
 INFER = "/v2/models/attention/infer"
 
 
-def oversized_claim(port, i):
+def oversized_claim(port, i, auth=()):
     """Three 256 MiB inputs claimed by Content-Length (413 before any body byte is read), or three 60 MiB inputs
     with a body that does not hold them (400: the sizes do not add up; nothing allocated)."""
     header = binary_header([[1, 8192, 32, 256]] * 3, [256 * MiB] * 3)
     s = connect(port)
     if i % 2 == 0:
-        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+        s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": len(header)},
                             content_length=len(header) + 3 * 256 * MiB) + header)
         want = {413}
     else:
         header = binary_header([[1, 3840, 32, 128]] * 3, [60 * MiB] * 3)
-        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+        s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": len(header)},
                             content_length=len(header) + 10) + header + b"x" * 10)
         want = {400}
     return s, want
@@ -239,23 +241,23 @@ TRICKLE_SIZES = [int(np.prod(TRICKLE_Q)) * 4] + [int(np.prod(TRICKLE_KV)) * 4] *
 ZEROS = bytes(max(TRICKLE_SIZES))
 
 
-def valid_claim(port, wrong_shape=False):
+def valid_claim(port, wrong_shape=False, auth=()):
     if wrong_shape:  # K's shape does not match its binary_data_size: 400 before anything is allocated
         header = binary_header([TRICKLE_Q, [1, 640, 32, 64], TRICKLE_KV], TRICKLE_SIZES)
     else:
         # A 1 us deadline: an admitted request expires in the queue (504), so no compute memory muddies the bound.
         header = binary_header([TRICKLE_Q, TRICKLE_KV, TRICKLE_KV], TRICKLE_SIZES, parameters={"timeout": 1})
     s = connect(port)
-    s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header)},
+    s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": len(header)},
                         content_length=len(header) + sum(TRICKLE_SIZES)) + header)
     return s
 
 
-def over_budget(port, i):
+def over_budget(port, i, auth=()):
     """40 MiB of valid inputs at full speed, 16 at once: the receive budget (128 MiB) admits three at a time (they
     expire in the queue: 504), the others get 503 (retry later) without their tensors being allocated; a wrong
     shape gets 400."""
-    s = valid_claim(port, wrong_shape=(i % 4 == 3))
+    s = valid_claim(port, wrong_shape=(i % 4 == 3), auth=auth)
     try:
         for size in TRICKLE_SIZES:
             s.sendall(memoryview(ZEROS)[:size])
@@ -264,30 +266,30 @@ def over_budget(port, i):
     return s, ({400} if i % 4 == 3 else {504, 503})
 
 
-def trickled_body(port, i):
+def trickled_body(port, i, auth=()):
     """Valid shapes, 40 MiB claimed, then one byte every 0.3 s: cut off at --http_body_timeout_s (0: closed
     without an answer; libmicrohttpd answers only before or after a body). Checked for the time it took."""
-    return valid_claim(port), {0}
+    return valid_claim(port, auth=auth), {0}
 
 
-def json_bomb(port, i):
+def json_bomb(port, i, auth=()):
     """Deep nesting (400 before any DOM is built), a 2 MiB array by Content-Length (413 before it is read) and a
     chunked one (413: --http_max_json_bytes)."""
     s = connect(port)
     if i % 3 == 0:
         body = b'{"inputs":' + b"[" * 200000 + b"]" * 200000 + b"}"
-        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, content_length=len(body)) + body)
+        s.sendall(post_head(INFER, {**dict(auth), "Content-Type": "application/json"}, content_length=len(body)) + body)
         want = {400, 413}  # 400k bytes: under the JSON limit, refused for its depth
     elif i % 3 == 1:
         body = b'{"inputs":[{"name":"Q","datatype":"FP32","shape":[1],"data":[' + b"0," * MiB + b"0]}]}"
-        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, content_length=len(body)))
+        s.sendall(post_head(INFER, {**dict(auth), "Content-Type": "application/json"}, content_length=len(body)))
         try:
             s.sendall(body)
         except (BrokenPipeError, ConnectionResetError):
             pass
         want = {413}
     else:  # chunked, 2 MiB: refused once it passes the limit, answered when it ends
-        s.sendall(post_head(INFER, {"Content-Type": "application/json"}, chunked=True))
+        s.sendall(post_head(INFER, {**dict(auth), "Content-Type": "application/json"}, chunked=True))
         try:
             for _ in range(64):
                 s.sendall(chunk(b"[" + b"1," * 16383 + b"1]"))
@@ -298,19 +300,56 @@ def json_bomb(port, i):
     return s, want
 
 
-def lying_chunked(port, i):
+def lying_chunked(port, i, auth=()):
     """Chunked bodies whose Inference-Header-Content-Length lies: 2^40 (413 at once, nothing reserved) or longer
     than the JSON that follows (400 when the body ends inside the 'header')."""
     s = connect(port)
     if i % 2 == 0:
-        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": 1 << 40}, chunked=True))
+        s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": 1 << 40}, chunked=True))
         want = {413}
     else:
         header = binary_header([[1, 4, 2, 16]] * 3, [512] * 3)
-        s.sendall(post_head(INFER, {"Inference-Header-Content-Length": len(header) + 5000}, chunked=True)
+        s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": len(header) + 5000}, chunked=True)
                   + chunk(header) + b"0\r\n\r\n")
         want = {400}
     return s, want
+
+
+def trickle_until_answered(s: socket.socket, seconds: float) -> None:
+    """One body byte every 0.3 s until the server answers or closes, or `seconds` pass."""
+    stop = time.monotonic() + seconds
+    s.setblocking(False)
+    while time.monotonic() < stop:
+        try:
+            s.send(b"\0")
+        except BlockingIOError:
+            pass
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        try:
+            if s.recv(1, socket.MSG_PEEK):
+                break
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            break
+        time.sleep(0.3)
+    s.setblocking(True)
+
+
+def run_upload(kind, port, i, auth=()):
+    """One hostile upload of `kind`: (kind name, status got, statuses wanted). A trickled body must be cut off no
+    sooner than --http_body_timeout_s (else its 'status' says how soon it was)."""
+    begin = time.monotonic()
+    s, want = kind(port, i, auth=auth)
+    if kind is trickled_body:
+        trickle_until_answered(s, 8)
+    got = status_of(s, timeout=20)
+    s.close()
+    elapsed = time.monotonic() - begin
+    if kind is trickled_body and elapsed < HOSTILE_FLAGS["http_body_timeout_s"] - 0.5:
+        got = f"cut off after {elapsed:.1f} s"
+    return kind.__name__, got, want
 
 
 def test_hostile_uploads_are_refused_within_a_memory_bound(start_server, rng):
@@ -326,34 +365,7 @@ def test_hostile_uploads_are_refused_within_a_memory_bound(start_server, rng):
 
     def attack(i):
         started.wait()
-        kind = kinds[i % len(kinds)]
-        begin = time.monotonic()
-        s, want = kind(server.http_port, i // len(kinds))
-        stop = time.monotonic() + 8
-        if kind is trickled_body:
-            s.setblocking(False)
-            while time.monotonic() < stop:
-                try:
-                    s.send(b"\0")
-                except BlockingIOError:
-                    pass
-                except (BrokenPipeError, ConnectionResetError):
-                    break
-                try:
-                    if s.recv(1, socket.MSG_PEEK):
-                        break
-                except BlockingIOError:
-                    pass
-                except ConnectionResetError:
-                    break
-                time.sleep(0.3)
-            s.setblocking(True)
-        got = status_of(s, timeout=20)
-        s.close()
-        elapsed = time.monotonic() - begin
-        if kind is trickled_body and elapsed < HOSTILE_FLAGS["http_body_timeout_s"] - 0.5:
-            got = f"cut off after {elapsed:.1f} s"
-        results[i] = (kind.__name__, got, want)
+        results[i] = run_upload(kinds[i % len(kinds)], server.http_port, i // len(kinds))
 
     threads = [threading.Thread(target=attack, args=(i,)) for i in range(n)]
     for t in threads:
@@ -477,3 +489,114 @@ def test_health_answers_while_every_inference_computes(start_server, rng):
           f"/metrics p99 {np.percentile(scrape, 99) * 1e3:.1f} ms")
     assert statuses and set(statuses) == {200}, statuses
     assert np.percentile(live, 99) < 0.5 and np.percentile(scrape, 99) < 0.5
+
+
+def test_request_line_over_the_limit(start_server):
+    """The request line and the headers share libmicrohttpd's per-connection pool of --http_max_header_bytes + 16 KiB
+    (the headers alone are held to --http_max_header_bytes by the server): a request line longer than the pool gets
+    414 (or 431, or the connection is closed once the buffer is full)."""
+    server = start_server("--http_max_header_bytes=4096")
+    s = connect(server.http_port)
+    s.sendall(b"GET /v2/health/live?" + b"a" * (4096 + 16384 + 1000) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = status_of(s)
+    s.close()
+    assert got in (414, 431, 0), got
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+
+
+def test_idle_connection_is_closed(start_server):
+    """A connection that sends nothing is closed after --http_idle_timeout_s (here 1 s), idle keep-alive too."""
+    server = start_server("--http_idle_timeout_s=1")
+    fresh = connect(server.http_port)
+    kept = connect(server.http_port)
+    kept.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(kept) == 200
+    for s in (fresh, kept):
+        start = time.monotonic()
+        s.settimeout(10)
+        try:
+            while s.recv(4096):  # the rest of an answer, then the close
+                pass
+        except ConnectionResetError:
+            pass
+        waited = time.monotonic() - start
+        s.close()
+        assert waited < 5, f"an idle connection stayed open {waited:.1f} s (idle timeout 1 s)"
+
+
+def test_connections_per_address_cap(start_server):
+    """--http_max_connections_per_ip=3: a fourth connection from the same address is closed unanswered; once one
+    closes, a new one is served."""
+    server = start_server("--http_max_connections_per_ip=3")
+    held = [connect(server.http_port) for _ in range(3)]
+    for s in held:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_of(s) == 200
+    extra = connect(server.http_port)
+    try:
+        extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert status_of(extra, timeout=5) == 0
+    extra.close()
+    held.pop().close()
+    time.sleep(0.2)
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+    for s in held:
+        s.close()
+
+
+def test_closed_health_and_unknown_paths_need_the_token(flashserve_bin, tmp_path):
+    """--auth_open_health=false: health needs the token too; and with a token an unknown path answers 401, not 404
+    (the token is checked before routing). Started here: conftest's readiness probe has no token."""
+    token = "health-token-0123456789"
+    (tmp_path / "token").write_text(token)
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([str(flashserve_bin), "--backend=cpu", f"--grpc_port={grpc_port}",
+                             f"--http_port={http_port}", f"--metrics_port={metrics_port}",
+                             f"--auth_token_file={tmp_path / 'token'}", "--auth_open_health=false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, auth = f"http://127.0.0.1:{http_port}", {"Authorization": f"Bearer {token}"}
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"{url}/v2/health/ready", headers=auth, timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server not ready"
+            time.sleep(0.1)
+        for path in ("/v2/health/live", "/v2/health/ready"):
+            assert requests.get(f"{url}{path}", timeout=5).status_code == 401
+            assert requests.get(f"{url}{path}", headers=auth, timeout=5).status_code == 200
+        assert requests.get(f"{url}/no/such/path", timeout=5).status_code == 401
+        assert requests.get(f"{url}/no/such/path", headers=auth, timeout=5).status_code == 404
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_chunked_body_over_max_request_bytes(start_server):
+    """A chunked body (no Content-Length to refuse it by) over --max_request_bytes (1 MiB here): 413 when it ends if
+    it ends within 16 MiB more; one that goes on is read and dropped up to that, then its connection is closed."""
+    server = start_server("--max_request_bytes=1048576")
+    piece = chunk(bytes(64 << 10))
+    s = connect(server.http_port)
+    s.sendall(post_head(INFER, {"Content-Type": "application/json"}, chunked=True) + piece * 32 + b"0\r\n\r\n")
+    assert status_of(s) == 413
+    s.close()
+    s = connect(server.http_port)
+    s.sendall(post_head(INFER, {"Content-Type": "application/json"}, chunked=True))
+    sent = 0
+    s.settimeout(10)
+    try:
+        while sent < 256 * MiB:
+            s.sendall(piece)
+            sent += len(piece)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    s.close()
+    print(f"a chunked body over --max_request_bytes=1MiB: connection closed after {sent / MiB:.1f} MiB sent")
+    assert sent < 1 * MiB + 16 * MiB + 16 * MiB, sent  # limit + drain + what socket buffers held
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200

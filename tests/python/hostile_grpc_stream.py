@@ -1,0 +1,163 @@
+"""A hostile gRPC client on raw HTTP/2 (the `h2` package): one call whose message claims `claim` bytes in its 5-byte
+gRPC prefix and whose body is streamed as fast as the server's flow control allows, generated lazily (a zero block
+sent again and again), so 64 clients claiming 1 GiB each cost the test almost no memory. It stops when the server
+ends or resets the stream (or the connection), when the whole claim is sent, or at `deadline_s`. As an attacker would,
+it does not wait for an answer while it may send: it reads the server's frames only when flow control blocks it.
+
+Used by tests/python/test_hostile_mixed.py. The status is taken from the server's answer: `grpc-status` of a
+trailers-only response or of the trailers, else the RST_STREAM code mapped as gRPC's HTTP/2 spec says
+(doc/PROTOCOL-HTTP2.md: ENHANCE_YOUR_CALM -> RESOURCE_EXHAUSTED, CANCEL -> CANCELLED, REFUSED_STREAM -> UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+
+BLOCK = bytes(1 << 20)
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def message_head(claim: int) -> bytes:
+    """The gRPC prefix claiming `claim` bytes and the start of a valid protobuf message of that size: one unknown
+    bytes field whose contents (zeros) fill the rest, so a message that arrives whole parses."""
+    tag = varint((2047 << 3) | 2)  # field 2047, length-delimited: no message of ours has it
+    length = next(claim - len(tag) - n for n in range(1, 11) if len(varint(claim - len(tag) - n)) == n)
+    return struct.pack(">BI", 0, claim) + tag + varint(length)
+
+
+RST_TO_GRPC = {0x8: "CANCELLED", 0x7: "UNAVAILABLE", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}
+CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+@dataclass
+class StreamResult:
+    status: str = ""  # gRPC status name, "" if the server never answered
+    sent: int = 0  # message bytes (prefix included) handed to the kernel: an upper bound on what the server read
+    seconds: float = 0.0  # from the call's headers to the server's answer
+    how: str = ""  # what ended it: "answer", "reset", "goaway", "closed", "deadline"
+    message: str = ""  # grpc-message of the answer
+
+
+class _Call:
+    def __init__(self, address: str, path: str, metadata, deadline_s: float):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=10)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.stream = self.conn.get_next_available_stream_id()
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", address),
+                   ("content-type", "application/grpc"), ("te", "trailers"), *metadata]
+        self.conn.send_headers(self.stream, headers)
+        self.flush()
+        self.result = StreamResult()
+        self.start = time.monotonic()
+        self.deadline = self.start + deadline_s
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def _finish(self, how: str, status: str = "") -> None:
+        if not self.result.how:
+            self.result.how, self.result.seconds = how, time.monotonic() - self.start
+            if status and not self.result.status:
+                self.result.status = status
+
+    def _on(self, event) -> None:
+        if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+            headers = dict(event.headers)
+            status = headers.get("grpc-status")
+            if status is not None:
+                self.result.message = headers.get("grpc-message", "")
+                self._finish("answer", CODE_NAMES.get(int(status), f"code {status}"))
+        elif isinstance(event, h2.events.StreamEnded):
+            self._finish("answer")
+        elif isinstance(event, h2.events.StreamReset):
+            self._finish("reset", RST_TO_GRPC.get(event.error_code, "INTERNAL"))
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self._finish("goaway", "UNAVAILABLE")
+        elif isinstance(event, h2.events.DataReceived):
+            self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+
+    def pump(self, wait_s: float) -> None:
+        """Reads and handles what the server sent, waiting at most `wait_s` for it."""
+        readable, _, _ = select.select([self.sock], [], [], wait_s)
+        if not readable:
+            return
+        try:
+            data = self.sock.recv(1 << 16)
+        except (ConnectionResetError, OSError):
+            data = b""
+        if not data:
+            self._finish("closed", "UNAVAILABLE")
+            return
+        for event in self.conn.receive_data(data):
+            self._on(event)
+        try:
+            self.flush()
+        except OSError:
+            self._finish("closed", "UNAVAILABLE")
+
+    def send_some(self, message: memoryview, remaining: int) -> int:
+        """Sends what flow control allows now (at most `remaining`); returns the bytes sent."""
+        window = min(self.conn.local_flow_control_window(self.stream), self.conn.max_outbound_frame_size,
+                     len(message), remaining)
+        if window <= 0:
+            return 0
+        end = remaining == window
+        self.conn.send_data(self.stream, message[:window], end_stream=end)
+        self.sock.sendall(self.conn.data_to_send())
+        return window
+
+
+def stream_claimed_message(address: str, path: str, claim: int, metadata=(), deadline_s: float = 30.0,
+                           body_limit: int | None = None) -> StreamResult:
+    """Claims `claim` message bytes and streams them (or `body_limit` of them) until the server answers."""
+    call = _Call(address, path, metadata, deadline_s)
+    total = 5 + (claim if body_limit is None else min(claim, body_limit))
+    head = message_head(claim)
+    try:
+        while not call.result.how and call.result.sent < total:
+            if time.monotonic() > call.deadline:
+                call._finish("deadline")
+                break
+            first = call.result.sent == 0
+            message = memoryview(head + BLOCK[: (1 << 20) - len(head)]) if first else memoryview(BLOCK)
+            try:
+                sent = call.send_some(message, total - call.result.sent)
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                call.pump(0.5)
+                break
+            except OSError:  # reset, broken pipe, or a send blocked for 10 s
+                call._finish("closed", "UNAVAILABLE")
+                break
+            call.result.sent += sent
+            if sent == 0:
+                call.pump(0.2)  # blocked by flow control: wait for WINDOW_UPDATE or the answer
+        while not call.result.how and time.monotonic() < call.deadline:
+            call.pump(0.2)  # everything sent (or the stream closed on our side): wait for the answer
+        if not call.result.how:
+            call._finish("deadline")
+    finally:
+        call.sock.close()
+    return call.result
