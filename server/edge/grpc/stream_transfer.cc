@@ -162,6 +162,9 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
 
   void NextWrite() {
     if (pos_ >= length_) {
+      // Before the status goes out (OnDone runs after the client may have it): a client that has
+      // the whole output must find the session gone.
+      if (session_->FullyDownloaded()) table_->Erase(session_->id());
       Finish(call_.Finish(absl::OkStatus()));
       return;
     }
