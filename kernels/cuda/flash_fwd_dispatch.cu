@@ -106,14 +106,16 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
 }
 
 // The sm90 configuration for p on this device, if any (H100 measurements in
-// bench/results/kernels-sm90-h100-2026-11-24.md). d=128: 176-key steps beat 128 only for long
-// non-causal key sequences (S16k: 651 vs 615 TFLOPS; Sq1k/Sk8k: 595 vs 574); 128 elsewhere.
+// bench/results/kernels-sm90-h100-2026-11-24*.md). d=128: 176-key steps beat 128 only for long
+// non-causal problems (S16k: 641-666 vs 631-635 TFLOPS); not for Sq1k/Sk8k (two Q buffers win
+// there: 586-624 vs 683-685, file -c), so both lengths count; 128 elsewhere.
 const Entry* sm90_preferred(const AttentionParams& p) {
   const Entry* first = nullptr;
   for (const Entry* e : sm90_entries()) {
     if (e->dtype != p.dtype || e->head_dim != p.head_dim) continue;
     if (first == nullptr) first = e;
-    if (p.head_dim == 128 && !p.causal && p.seqlen_k >= 8192 && e->config.block_n == 176)
+    if (p.head_dim == 128 && !p.causal && p.seqlen_q >= 8192 && p.seqlen_k >= 8192 &&
+        e->config.block_n == 176)
       return e;
   }
   return first;

@@ -319,6 +319,30 @@ TEST(Sm90Dispatch, FallsBackWhereTmaCannotRun) {
   EXPECT_EQ(fk::run(p, *sm90_config(DType::kBFloat16, 128), nullptr), cudaErrorInvalidValue);
 }
 
+// d=128 block_n: 176 (one Q buffer) only for long non-causal problems, both lengths >= 8k;
+// Sq1k/Sk8k keeps 128 (H100: 586-624 vs 683-685 TFLOPS, kernels-sm90-h100-2026-11-24-c.md);
+// d=64 keeps 128 although 192 is compiled.
+TEST(Sm90Dispatch, BlockNFollowsTheMeasuredRule) {
+  SKIP_WITHOUT_SM90(DType::kBFloat16, 128);
+  auto block_n = [](int d, int sq, int sk, bool causal) {
+    AttentionParams p =
+        make_contiguous_params(DType::kBFloat16, 4, sq, sk, 16, 16, d, causal, 0.1f);
+    alignas(16) static char dummy[16];  // select() looks at the layout, never at the data
+    p.q = p.k = p.v = p.o = dummy;
+    const fk::KernelConfig c = fk::select(p, 132);
+    EXPECT_EQ(c.family, fk::KernelFamily::kSm90) << d << " " << sq << " " << sk;
+    return c.block_n;
+  };
+  EXPECT_EQ(block_n(128, 8192, 8192, false), 176);
+  EXPECT_EQ(block_n(128, 16384, 16384, false), 176);
+  EXPECT_EQ(block_n(128, 1024, 8192, false), 128);
+  EXPECT_EQ(block_n(128, 8192, 8192, true), 128);
+  EXPECT_EQ(block_n(128, 4096, 4096, false), 128);
+  if (sm90_config(DType::kBFloat16, 64)) {
+    EXPECT_EQ(block_n(64, 8192, 8192, false), 128);
+  }
+}
+
 // The dynamic (causal) schedule takes a global counter slot per launch, round-robin over 1024
 // slots (kernels/cuda/sm90/scheduler.h), and each launch's last block resets its slot. Over 2100
 // launches every slot is reused twice: a slot left dirty would skip tiles and leave the

@@ -3,10 +3,10 @@
 // tile, head, batch) tiles in the order scheduler.h gives (static or dynamic, see launch.h); the
 // producer hands each tile's index to the consumers with its Q buffer (two where they fit) and
 // loads the next tile's Q and K/V while the consumers finish the current one.
-//  - Warpgroup 0 (producer, setmaxnreg 40): one thread issues TMA copies of the Q tile and of
-//    the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each copy
-//    completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
-//    "empty" mbarrier.
+//  - Warpgroup 0 (producer, setmaxnreg 40): its warp 0 hands each tile's index to the consumers
+//    (named barriers) and its lane 0 issues TMA copies of the Q tile and of the K and V tiles,
+//    last tile first, into a kStages-deep shared-memory ring; each copy completes on a "full"
+//    mbarrier, and a stage is reused once the consumers arrive on its "empty" mbarrier.
 //  - Warpgroups 1 and 2 (consumers, setmaxnreg 232) each own 64 query rows: S = Q K^T by wgmma
 //    with both operands in shared memory, the online softmax (lazy rescale) in registers, and
 //    O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j runs
@@ -56,29 +56,84 @@ struct SmemMap {
   __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
 };
 
-/// Producer: one thread issues every TMA copy of every tile of the block, in the order
-/// next_tile() gives (scheduler.h). Per tile: K[last] (its ring stage frees before a Q buffer
-/// does), then, once the consumers have stored the O that Q buffer q_iter % kQBuffers last
-/// staged, the tile's index into the buffer's slot and its Q copy, then K[j + 1], V[j] pairs, so
-/// the consumers' next S = Q K^T never waits behind a V copy. A tile no row of which sees a key
-/// is handed over without copies, and the end of the block's work as tile -1. kv_iter counts
-/// K/V tiles over all of the block's work: tile kv_iter uses stage kv_iter % kStages in round
-/// kv_iter / kStages.
+// Named barriers (bar.sync ids): 0 __syncthreads, 1-2 the consumers' GEMM turns, 3-4 each
+// consumer warpgroup's epilogue, then the tile-slot hand-over per (Q buffer b, consumer
+// warpgroup cw): "full" (the producer warp wrote the slot) and "empty" (the warpgroup read it).
+// The hand-over used to ride on the Q mbarriers only; that orders it in the PTX memory model,
+// but compute-sanitizer racecheck does not model an mbarrier wait as happens-before for plain
+// shared-memory accesses and reported the slot's write/read pair as 2 hazards. Named barriers
+// (FlashAttention-3's tile-count hand-over) are both correct and visible to racecheck.
+constexpr int kSlotBarThreads = 32 + 128;  // the producer warp + one consumer warpgroup
+__device__ __forceinline__ int slot_full_bar(int b, int cw) { return 5 + 2 * b + cw; }
+__device__ __forceinline__ int slot_empty_bar(int b, int cw) { return 9 + 2 * b + cw; }
+
+/// Producer warp: writes tile (or -1) into Q buffer b's slot once both consumer warpgroups
+/// have read the slot's previous value (round >= 1), and releases it to them.
+template <typename T>
+__device__ void hand_over_tile(const SmemMap<T>& sm, int b, int round, int tile) {
+  static_assert(T::kQBuffers <= 2, "slot barrier ids 5..12");
+  __syncwarp();
+  if (round > 0) {
+    named_barrier_sync(slot_empty_bar(b, 0), kSlotBarThreads);
+    named_barrier_sync(slot_empty_bar(b, 1), kSlotBarThreads);
+  }
+  if (threadIdx.x == 0) st_shared_b32(sm.tile_slot(b), uint32_t(tile));
+  __syncwarp();
+  named_barrier_arrive(slot_full_bar(b, 0), kSlotBarThreads);
+  named_barrier_arrive(slot_full_bar(b, 1), kSlotBarThreads);
+}
+
+/// Producer warp, after the last hand-over (q_iters slots written, the last one -1): waits for
+/// the consumers' reads it has not waited for yet, so no named barrier is left half-arrived.
+template <typename T>
+__device__ void drain_slot_reads(int q_iters) {
+  __syncwarp();
+  for (int it = q_iters - T::kQBuffers; it < q_iters - 1; ++it) {
+    if (it < 0) continue;
+    named_barrier_sync(slot_empty_bar(it % T::kQBuffers, 0), kSlotBarThreads);
+    named_barrier_sync(slot_empty_bar(it % T::kQBuffers, 1), kSlotBarThreads);
+  }
+}
+
+/// Consumer warpgroup cw: the tile handed over with Q buffer b (-1: no more tiles).
+template <typename T>
+__device__ int take_tile(const SmemMap<T>& sm, int b, int cw) {
+  __syncwarp();  // bar.sync is .aligned: the warp's lanes together (store_o diverges lane 0)
+  named_barrier_sync(slot_full_bar(b, cw), kSlotBarThreads);
+  const int tile = int(ld_shared_b32(sm.tile_slot(b)));
+  if (tile >= 0) named_barrier_arrive(slot_empty_bar(b, cw), kSlotBarThreads);
+  return tile;
+}
+
+/// Producer warp (warp 0): lane 0 issues every TMA copy of every tile of the block, in the
+/// order next_tile() gives (scheduler.h); the whole warp waits on the mbarriers and takes part
+/// in the tile hand-over (named barriers need whole warps). Per tile: K[last] (its ring stage
+/// frees before a Q buffer does), then, once the consumers have stored the O that Q buffer
+/// q_iter % kQBuffers last staged, the tile's index into the buffer's slot and its Q copy, then
+/// K[j + 1], V[j] pairs, so the consumers' next S = Q K^T never waits behind a V copy. A tile no
+/// row of which sees a key is handed over without copies, and the end of the block's work as
+/// tile -1. kv_iter counts K/V tiles over all of the block's work: tile kv_iter uses stage
+/// kv_iter % kStages in round kv_iter / kStages.
 template <typename T>
 __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_q,
                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sched_slot) {
-  tma_prefetch_descriptor(tm_q);
-  tma_prefetch_descriptor(tm_k);
-  tma_prefetch_descriptor(tm_v);
+  const bool leader = threadIdx.x == 0;
+  if (leader) {
+    tma_prefetch_descriptor(tm_q);
+    tma_prefetch_descriptor(tm_k);
+    tma_prefetch_descriptor(tm_v);
+  }
   const TileScheduler<T> sched(p);
   int kv_iter = 0, q_iter = 0;
-  for (int tile = next_tile(sched_slot, -1);; tile = next_tile(sched_slot, tile), ++q_iter) {
+  for (int tile = next_tile_warp(sched_slot, -1);;
+       tile = next_tile_warp(sched_slot, tile), ++q_iter) {
     const bool done = tile >= sched.total;
     const BlockWork w = sched.work(p, done ? 0 : tile);
     const bool loads = !done && w.n_blocks > 0;
     auto load = [&](const CUtensorMap* tm, bool is_k, int j) {
       const int g = kv_iter + j, s = g % T::kStages;
       mbarrier_wait(is_k ? sm.k_empty(s) : sm.v_empty(s), ((g / T::kStages) & 1) ^ 1);
+      if (!leader) return;
       const uint32_t full = is_k ? sm.k_full(s) : sm.v_full(s);
       const uint32_t dst = is_k ? sm.k_stage(s) : sm.v_stage(s);
       mbarrier_arrive_expect_tx(full, T::kKVBytes);
@@ -91,17 +146,19 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
     // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
     const int qb = q_iter % T::kQBuffers;
     mbarrier_wait(sm.q_empty(qb), ((q_iter / T::kQBuffers) & 1) ^ 1);
-    st_shared_b32(sm.tile_slot(qb), uint32_t(done ? -1 : tile));
+    hand_over_tile<T>(sm, qb, q_iter / T::kQBuffers, done ? -1 : tile);
     if (!loads) {
-      mbarrier_arrive(sm.q_loaded(qb));  // releases the slot write; no copy to wait for
+      if (leader) mbarrier_arrive(sm.q_loaded(qb));  // keeps the buffer's phases in step
       if (done) break;
       continue;
     }
-    mbarrier_arrive_expect_tx(sm.q_loaded(qb), T::kQBytes);
+    if (leader) {
+      mbarrier_arrive_expect_tx(sm.q_loaded(qb), T::kQBytes);
 #pragma unroll
-    for (int cb = 0; cb < T::kColBlocks; ++cb)
-      tma_load_4d(sm.q(qb) + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(qb), cb * 64,
-                  w.m_block * T::kBlockM, w.head, w.batch);
+      for (int cb = 0; cb < T::kColBlocks; ++cb)
+        tma_load_4d(sm.q(qb) + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(qb), cb * 64,
+                    w.m_block * T::kBlockM, w.head, w.batch);
+    }
     for (int j = 1; j < w.n_blocks; ++j) {
       load(tm_k, true, j);
       load(tm_v, false, j - 1);
@@ -109,7 +166,8 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
     load(tm_v, false, w.n_blocks - 1);
     kv_iter += w.n_blocks;
   }
-  finish_dynamic_schedule(sched_slot);
+  drain_slot_reads<T>(q_iter + 1);
+  if (leader) finish_dynamic_schedule(sched_slot);
 }
 
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
@@ -339,14 +397,14 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CU
   uint32_t pending_release = 0;  // see store_o
   for (int q_iter = 0;; ++q_iter) {
     const int qb = q_iter % T::kQBuffers;
-    mbarrier_wait(sm.q_loaded(qb), (q_iter / T::kQBuffers) & 1);
-    const int tile = int(ld_shared_b32(sm.tile_slot(qb)));
+    const int tile = take_tile<T>(sm, qb, cw);
     if (tile < 0) break;
+    mbarrier_wait(sm.q_loaded(qb), (q_iter / T::kQBuffers) & 1);
     const BlockWork w = sched.work(p, tile);
     if (w.n_blocks <= 0) {
       release_stored_q(pending_release);
       write_empty_tile<T>(p, w, int(threadIdx.x) - 128);
-      named_barrier_sync(3 + cw, 128);  // every thread has read the slot
+      named_barrier_sync(3 + cw, 128);  // the warpgroup is done with this tile
       if (threadIdx.x % 128 == 0) mbarrier_arrive(sm.q_empty(qb));
       continue;
     }
@@ -390,7 +448,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
   __syncthreads();
   if (warpgroup == 0) {
     setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x == 0) produce<T>(p, sm, &tm_q, &tm_k, &tm_v, sched_slot);
+    if (threadIdx.x < 32) produce<T>(p, sm, &tm_q, &tm_k, &tm_v, sched_slot);
   } else {
     setmaxnreg_inc<T::kConsumerRegs>();
     consume<T>(p, sm, &tm_o, warpgroup - 1);

@@ -3,7 +3,8 @@
 // X(DTYPE, ELEMENT, HEAD_DIM, BLOCK_N, STAGES): one instance per line; only what
 // select()/candidates() can pick is instantiated (each instance costs build time). The first
 // line for a (dtype, head_dim) is the family's default there. Three K/V stages (H100 run 4:
-// within +-3% of two, no pattern) are not instantiated; block_n 176 only for d=128.
+// within +-3% of two, no pattern) are not instantiated; block_n 176 only for d=128, block_n 192
+// only for d=64 (a candidate for the autotuner; dispatch picks 128 there).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -16,7 +17,9 @@
   X(kFloat16, __half, 128, 128, 2)         \
   X(kBFloat16, __nv_bfloat16, 128, 128, 2) \
   X(kFloat16, __half, 128, 176, 2)         \
-  X(kBFloat16, __nv_bfloat16, 128, 176, 2)
+  X(kBFloat16, __nv_bfloat16, 128, 176, 2) \
+  X(kFloat16, __half, 64, 192, 2)          \
+  X(kBFloat16, __nv_bfloat16, 64, 192, 2)
 
 namespace flashserve::kernels::cuda::sm90 {
 

@@ -1,6 +1,6 @@
 // Which tiles a block of the sm90 kernel computes, and in what order. Every schedule walks one
 // linear tile order (the query tiles of one (batch, head) adjacent: they share K/V in L2; the
-// heaviest, last rows first when causal); only the producer thread walks it and hands each tile
+// heaviest, last rows first when causal); only the producer warp walks it and hands each tile
 // to the consumers through shared memory (kernel.h), so the consumers never compute a schedule.
 //  - static (sched_slot < 0): block b takes tiles b, b + gridDim.x, ...; used for non-causal
 //    problems (equal tiles) and for one block per tile (gridDim.x = tiles).
@@ -52,6 +52,14 @@ struct TileScheduler {
 __device__ __forceinline__ int next_tile(int sched_slot, int prev) {
   if (sched_slot < 0) return prev < 0 ? int(blockIdx.x) : prev + int(gridDim.x);
   return int(atomicAdd(&g_sched_counters[2 * sched_slot], 1u));
+}
+
+/// next_tile() for the producer warp: lane 0 takes the tile, every lane gets it.
+__device__ __forceinline__ int next_tile_warp(int sched_slot, int prev) {
+  if (sched_slot < 0) return next_tile(sched_slot, prev);
+  int tile = 0;
+  if (threadIdx.x % 32 == 0) tile = next_tile(sched_slot, prev);
+  return __shfl_sync(0xffffffffu, tile, 0);
 }
 
 /// Called by each block's producer after its last next_tile(): the last block to finish resets
