@@ -48,7 +48,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="", help="substring filter on 'd<d> <label> c<0|1>'")
+    ap.add_argument("--only", default="",
+                    help="substring filter on 'd<d>_<label>_c<0|1>', e.g. d64_grid_c1")
     args = ap.parse_args()
     torch.manual_seed(0)
     ours = Ours(args.lib)
@@ -60,7 +61,7 @@ def main():
     print("| case | dtype | d | causal | B | H | Sq | Sk | variant TFLOPS (r1/r2...) | median / cudnn |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for (label, dtype, b, sq, sk, hq, hkv, d, causal, variants) in rows():
-        if args.only and args.only not in f"d{d} {label} c{int(causal)}":
+        if args.only and args.only not in f"d{d}_{label}_c{int(causal)}".replace(" ", "_"):
             continue
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2)
         flops = 4.0 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
