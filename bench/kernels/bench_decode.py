@@ -44,6 +44,8 @@ class Ours:
         self.lib.flashserve_decode_set_l2_prefetch.restype = None
         self.lib.flashserve_decode_set_copy.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_copy.restype = None
+        self.lib.flashserve_decode_set_pdl.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_pdl.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -60,6 +62,9 @@ class Ours:
 
     def set_copy(self, mode):
         self.lib.flashserve_decode_set_copy(mode)
+
+    def set_pdl(self, mode):
+        self.lib.flashserve_decode_set_pdl(mode)
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -155,11 +160,14 @@ def sweep(ours, dtype, l2, sms, args):
         kv_bytes = 2 * b * sk * hkv * d * 2
         heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, 128)
-        for copy, hint in ((0, 0), (0, 128), (0, 256), (1, 128)):
+        for copy, hint, pdl in ((0, 128, 0), (0, 128, 1), (1, 128, 1)):
             ours.set_l2_prefetch(hint)
             ours.set_copy(copy)
+            ours.set_pdl(pdl)
             row = []
             for splits in sorted({1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 66, 96, 128, heur}):
+                if b >= 64 and splits > 8:
+                    continue
                 if splits > sk // 64:
                     continue
                 fn = lambda s, n=splits: ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"],
@@ -168,10 +176,55 @@ def sweep(ours, dtype, l2, sms, args):
                 t = time_fn(fn, sets, args.warmup, args.reps)
                 row.append(f"{splits}:{kv_bytes / t / 1e12:.2f}")
             print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} "
-                  f"{'bulk' if copy else 'cp.async l2 %d' % hint}: TB/s by splits "
+                  f"{'bulk' if copy else 'cp.async l2 %d' % hint} pdl {pdl}: TB/s by splits "
                   + " ".join(row), flush=True)
         ours.set_l2_prefetch(-1)
         ours.set_copy(-1)
+        ours.set_pdl(-1)
+        del sets, ws
+        torch.cuda.empty_cache()
+
+
+def profile(ours, dtype, l2, sms, args):
+    """Kernel timeline (torch profiler) of ours (paged 64, PDL off/on) and cuDNN on two target
+    shapes: per kernel its grid, block and mean duration, and the mean span of one call."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    import json, os, tempfile
+    for (d, hq, hkv, b, sq, sk) in ((128, 32, 8, 1, 1, 131072), (128, 32, 8, 64, 1, 8192)):
+        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+        ws = ours.workspace(dtype, b * sq, hq, d, 128)
+        runs = []
+        for pdl in (0, 1):
+            runs.append((f"ours pdl {pdl}", pdl, lambda s: ours(
+                s["q"], s["paged"][64][0], s["paged"][64][1], s["o"], seqlens=s["seqlens"],
+                table=s["paged"][64][2], page=64, workspace=ws)))
+        runs.append(("cudnn", -1, sdpa(SDPBackend.CUDNN_ATTENTION, True)))
+        for label, pdl, fn in runs:
+            ours.set_pdl(pdl)
+            for i in range(5):
+                fn(sets[i % len(sets)])
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20_000_000)
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for i in range(10):
+                    fn(sets[i % len(sets)])
+                torch.cuda.synchronize()
+            path = os.path.join(tempfile.mkdtemp(), "trace.json")
+            prof.export_chrome_trace(path)
+            events = [e for e in json.load(open(path))["traceEvents"]
+                      if e.get("cat") == "kernel" and "sleep" not in e.get("name", "")]
+            events.sort(key=lambda e: e["ts"])
+            per = {}
+            for e in events:
+                key = (e["name"][:60], str(e["args"].get("grid")), str(e["args"].get("block")))
+                per.setdefault(key, []).append(e["dur"])
+            span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / 10 if events else 0
+            print(f"profile d{d} B{b} Sk{sk} {label}: {len(events)} kernels over 10 calls, "
+                  f"mean span per call {span:.1f} us", flush=True)
+            for (name, grid, block), durs in per.items():
+                print(f"  {name} grid {grid} block {block}: n {len(durs)} mean {sum(durs) / len(durs):.1f} us",
+                      flush=True)
+        ours.set_pdl(-1)
         del sets, ws
         torch.cuda.empty_cache()
 
@@ -186,6 +239,10 @@ def main():
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--copy", type=int, default=-1,
                     help="K/V copy of ours: -1 default, 0 cp.async, 1 cp.async.bulk (sm_90)")
+    ap.add_argument("--pdl", type=int, default=-1,
+                    help="programmatic dependent launch of ours: -1 default, 0 off, 1 on (sm_90)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only print kernel timelines (torch profiler) of two target shapes")
     ap.add_argument("--sweep", action="store_true",
                     help="only time paged-64 target shapes over split counts and L2 prefetch hints")
     args = ap.parse_args()
@@ -202,13 +259,17 @@ def main():
     emit = lambda s="": (print(s, flush=True), lines.append(s))
     if args.sweep:
         return sweep(ours, dtype, l2, sms, args)
+    if args.profile:
+        return profile(ours, dtype, l2, sms, args)
     ours.set_copy(args.copy)
+    ours.set_pdl(args.pdl)
     emit(f"# flashserve split-KV decode vs torch SDPA on {props.name}")
     emit()
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "
          f"{torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB; dtype {args.dtype}; "
          f"peak bandwidth used for the fraction: {peak} TB/s; K/V copy: "
-         f"{ {-1: 'default', 0: 'cp.async', 1: 'cp.async.bulk'}[args.copy] }")
+         f"{ {-1: 'default', 0: 'cp.async', 1: 'cp.async.bulk'}[args.copy] }; PDL: "
+         f"{ {-1: 'default', 0: 'off', 1: 'on'}[args.pdl] }")
     emit(f"- command: `{' '.join(sys.argv)}`")
     emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "
          f"behind a GPU sleep, inputs rotated over sets totalling > 3x L2; non-causal; paged pools "

@@ -24,11 +24,13 @@
 #include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/float_convert.h"
 #include "flashserve/kernels/reference_attention.h"
+#include "flashserve/kernels/tuner.h"
 #include "gpu_test_util.h"
 
 namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knobs)
 int& copy_override();
+int& pdl_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -299,12 +301,16 @@ void check_case(const DecodeCase& c) {
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
   std::vector<double> got(dev.out_elems);
-  // Every split count, through both K/V copy paths (cp.async; cp.async.bulk on sm_90+).
-  for (int run = 0; run < 10; ++run) {
+  // Every split count, through both K/V copy paths (cp.async; cp.async.bulk on sm_90+) and with
+  // programmatic dependent launch off and on (sm_90+; the combine then overlaps the split kernel's
+  // launch and must still see all of its partials).
+  for (int run = 0; run < 15; ++run) {
     const int splits = std::vector<int>{0, 1, 3, 16, 40}[run % 5];
-    const int copy = run / 5;
-    SCOPED_TRACE("num_splits " + std::to_string(splits) + (copy ? ", bulk copy" : ", cp.async"));
-    fk::decode::copy_override() = copy;
+    const int variant = run / 5;  // 0: cp.async, no PDL; 1: bulk copy; 2: cp.async with PDL
+    SCOPED_TRACE("num_splits " + std::to_string(splits) +
+                 (variant == 0 ? ", cp.async" : variant == 1 ? ", bulk copy" : ", cp.async + PDL"));
+    fk::decode::copy_override() = variant == 1 ? 1 : 0;
+    fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
     fk::DecodeParams p = dev.p;
     p.num_splits = splits;
     ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
@@ -337,6 +343,7 @@ void check_case(const DecodeCase& c) {
     EXPECT_LE(lse_excess, 0.0) << "LSE error exceeds its allowance by " << lse_excess;
   }
   fk::decode::copy_override() = -1;
+  fk::decode::pdl_override() = -1;
 }
 
 std::vector<DecodeCase> all_cases() {
@@ -469,6 +476,34 @@ TEST(DecodeAttentionApi, SplitCandidates) {
   EXPECT_GE(c.size(), 3u);  // 1, and the 1- and 2-wave counts (17 or 33, 33 or 66 here)
   p.seqlen_k = 100;  // two key tiles: at most two splits
   for (int s : fk::decode_split_candidates(p, 132)) EXPECT_LE(s, 2);
+}
+
+// The split-count autotuner: every candidate ran, matched the heuristic's output and was timed;
+// best is the fastest of them; an unsupported problem is refused before anything is allocated.
+TEST(DecodeAttentionTune, TimesEveryCheckedSplitCount) {
+  SKIP_WITHOUT_GPU();
+  fk::DecodeParams p =
+      fk::make_dense_decode_params(DType::kBFloat16, 2, 1, 20011, 8, 2, 128, false, 0.09f);
+  static const int32_t kMarker = 0;
+  p.block_table = &kMarker;  // only says "paged": the tuner builds its own pool and table
+  p.page_size = 64;
+  fk::TuneOptions options;
+  options.rotate_bytes = size_t{64} << 20;
+  fk::DecodeTuneReport report;
+  ASSERT_EQ(fk::tune_decode_splits(p, nullptr, options, &report), cudaSuccess);
+  ASSERT_GE(report.best, 0);
+  ASSERT_GE(report.heuristic_index, 0);
+  EXPECT_EQ(report.timings[report.heuristic_index].num_splits, report.heuristic);
+  EXPECT_GE(report.timings.size(), 3u);
+  for (const fk::DecodeSplitTiming& t : report.timings) {
+    SCOPED_TRACE("splits " + std::to_string(t.num_splits));
+    EXPECT_TRUE(t.ok) << t.error;
+    EXPECT_GT(t.median_ms, 0.0);
+    EXPECT_LE(report.timings[report.best].median_ms, t.median_ms);
+  }
+  p.head_dim = 80;
+  EXPECT_EQ(fk::tune_decode_splits(p, nullptr, options, &report), cudaErrorInvalidValue);
+  EXPECT_EQ(report.best, -1);
 }
 
 TEST(DecodeAttentionApi, SplitHeuristicFillsTheGpu) {

@@ -8,7 +8,8 @@
 
 namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // decode_dispatch.cu
-int& copy_override();         // decode_dispatch.cu
+int& copy_override();
+int& pdl_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -107,6 +108,12 @@ __attribute__((visibility("default"))) void flashserve_decode_set_l2_prefetch(in
 /// later; ignored elsewhere), -1 the default. Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_copy(int mode) {
   flashserve::kernels::cuda::decode::copy_override() = mode;
+}
+
+/// Benchmarking knob: programmatic dependent launch of the decode kernels (sm_90 and later;
+/// ignored elsewhere): 0 off, 1 on, -1 the default. Not thread-safe against concurrent launches.
+__attribute__((visibility("default"))) void flashserve_decode_set_pdl(int mode) {
+  flashserve::kernels::cuda::decode::pdl_override() = mode;
 }
 
 }  // extern "C"

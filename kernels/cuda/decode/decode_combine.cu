@@ -27,6 +27,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 template <typename Element>
 __global__ void __launch_bounds__(32 * kCombineWarps)
     decode_combine_kernel(const __grid_constant__ DecodeLaunch L) {
+  pdl_wait_then_release();  // the split kernel's partials are complete and visible after this
   const DecodeParams& p = L.p;
   const int lane = threadIdx.x % 32;
   const int64_t item = int64_t{blockIdx.x} * kCombineWarps + threadIdx.x / 32;
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(32 * kCombineWarps)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     // kBatch splits' loads issued before their first use: the combine is latency-bound (one
     // warp per row), and a load per split in turn would serialize num_splits DRAM trips.
-    constexpr int kBatch = 8;
+    constexpr int kBatch = 16;
     for (int s0 = 0; seen && s0 < L.num_splits; s0 += kBatch) {
       float4 x[kBatch];
       float weight[kBatch];
@@ -114,12 +115,10 @@ cudaError_t launch_decode_combine(const DecodeLaunch& L, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(blocks));
-  if (L.p.dtype == DType::kBFloat16) {
-    decode_combine_kernel<__nv_bfloat16><<<grid, 32 * kCombineWarps, 0, stream>>>(L);
-  } else {
-    decode_combine_kernel<__half><<<grid, 32 * kCombineWarps, 0, stream>>>(L);
-  }
-  return cudaGetLastError();
+  constexpr int kThreads = 32 * kCombineWarps;
+  if (L.p.dtype == DType::kBFloat16)
+    return launch_decode_grid(decode_combine_kernel<__nv_bfloat16>, grid, kThreads, 0, L, stream);
+  return launch_decode_grid(decode_combine_kernel<__half>, grid, kThreads, 0, L, stream);
 }
 
 }  // namespace flashserve::kernels::cuda::decode

@@ -246,6 +246,7 @@ template <typename T>
 __global__ void __launch_bounds__(T::kThreads)
     decode_split_kernel(const __grid_constant__ DecodeLaunch L) {
   extern __shared__ __align__(128) char smem[];
+  pdl_wait_then_release();  // before the first global read (q, lengths, block table)
   const BlockWork w = block_work<T>(L);
   if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

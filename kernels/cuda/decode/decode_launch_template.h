@@ -25,8 +25,7 @@ cudaError_t launch_split(const DecodeLaunch& L, cudaStream_t stream) {
     attribute_set.fetch_or(bit, std::memory_order_acq_rel);
   }
   const dim3 grid(L.num_splits, L.p.heads_kv * L.row_blocks, L.p.batch);
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(L);
-  return cudaGetLastError();
+  return launch_decode_grid(kernel, grid, T::kThreads, T::kSmemBytes, L, stream);
 }
 
 /// Resident blocks per SM (0 on error), for the split heuristic; computed once per process.

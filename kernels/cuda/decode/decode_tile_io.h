@@ -136,6 +136,16 @@ __device__ __forceinline__ void lookup_rows(const DecodeLaunch& L, const BlockWo
                                             TileRows<T>& rows) {
   const DecodeParams& p = L.p;
   rows.key0 = key0;
+  if (L.tile_in_page) {  // one block-table read for the whole tile
+    const int kk = key0 < w.sk ? key0 : 0;
+    const int page = __ldg(p.block_table + w.b * p.block_table_stride + (kk >> L.page_shift));
+#pragma unroll
+    for (int it = 0; it < TileRows<T>::kIters; ++it) {
+      rows.page[it] = page;
+      rows.in_page[it] = (kk & (p.page_size - 1)) + tile_row<T>(it);
+    }
+    return;
+  }
 #pragma unroll
   for (int it = 0; it < TileRows<T>::kIters; ++it) {
     const int key = key0 + tile_row<T>(it);

@@ -65,6 +65,8 @@ struct DecodeLaunch {
   int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
   bool bulk_copy = false;  // sm_90: K/V rows by cp.async.bulk on mbarriers (decode_bulk.h)
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
+  bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
+  bool pdl = false;       // sm_90: programmatic dependent launch (decode_launch_template.h)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
 };
@@ -87,6 +89,38 @@ int& l2_prefetch_override();
 /// Which K/V copy run_decode asks for (a benchmarking knob, flashserve_decode_set_copy):
 /// -1 default, 0 cp.async, 1 cp.async.bulk (used only on sm_90 and later).
 int& copy_override();
+
+/// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
+/// flashserve_decode_set_pdl): -1 default, 0 off, 1 on (used only on sm_90 and later).
+int& pdl_override();
+
+/// Programmatic dependent launch, device side (sm_90+; a no-op elsewhere and when the grid was
+/// launched without the attribute): wait until the grid queued before this one has finished and
+/// its writes are visible, then allow the grid queued after this one to launch, so that its
+/// launch and block scheduling overlap this grid's work instead of following it.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+/// Queues kernel(L) with the programmatic-serialization attribute when L.pdl is set.
+template <typename Kernel>
+cudaError_t launch_decode_grid(Kernel kernel, dim3 grid, int threads, size_t smem,
+                               const DecodeLaunch& L, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = L.pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, L);
+}
 
 /// Combine kernel for the output dtype of launch.p (decode_combine.cu).
 cudaError_t launch_decode_combine(const DecodeLaunch& launch, cudaStream_t stream);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "flashserve/kernels/attention_params.h"
+#include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/kernel_config.h"
 
 namespace flashserve::kernels::cuda {
@@ -46,5 +47,29 @@ struct TuneReport {
 /// if the buffers do not fit, or the first CUDA error; cudaSuccess with report->best >= 0 otherwise.
 cudaError_t tune(const AttentionParams& problem, cudaStream_t stream, const TuneOptions& options,
                  TuneReport* report);
+
+struct DecodeSplitTiming {
+  int num_splits = 1;
+  bool ok = false;          ///< ran and matched the heuristic's output
+  std::string error;        ///< why not ok
+  double median_ms = 0;
+  double max_abs_diff = 0;  ///< vs the heuristic's output
+};
+
+struct DecodeTuneReport {
+  int heuristic = 1;                       ///< decode_num_splits(problem, sm_count)
+  std::vector<DecodeSplitTiming> timings;  ///< decode_split_candidates() order (ascending)
+  int heuristic_index = -1;                ///< index of the heuristic's count in timings
+  int best = -1;                           ///< fastest ok candidate
+};
+
+/// Decode (kernels/cuda/decode/decode_tune.cu): times run_decode with every split count of
+/// decode_split_candidates(problem, sm_count) on the tuner's own random inputs with problem's
+/// sizes (fixed lengths: seqlen_q, seqlen_k; paged with problem.page_size when problem has a
+/// block table, else dense; problem's pointers are ignored), after checking each count's output
+/// against the heuristic's (4 ulps of max |O|, NaN fails). Same timing method as tune().
+/// cudaErrorInvalidValue for an unsupported problem; cudaSuccess with report->best >= 0 otherwise.
+cudaError_t tune_decode_splits(const DecodeParams& problem, cudaStream_t stream,
+                               const TuneOptions& options, DecodeTuneReport* report);
 
 }  // namespace flashserve::kernels::cuda
