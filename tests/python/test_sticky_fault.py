@@ -31,12 +31,23 @@ def _qkv(seed: int):
     return tuple(rng.standard_normal((1, 37, 2, 64)).astype(np.float32) for _ in range(3))
 
 
+def _kserve_server_live(address: str) -> bool:
+    """KServe v2 gRPC ServerLive, without stubs: the request is empty and the answer is `bool live = 1`."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ServerLive",
+                                   request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)
+        answer = call(b"", timeout=10)
+    assert answer in (b"", b"\x08\x00", b"\x08\x01"), answer
+    return answer == b"\x08\x01"
+
+
 def test_unhealthy_backend_fails_liveness_and_exits_3(start_server):
     grace_s = 3
     s = start_server("--enable_fault_injection", f"--shutdown_grace_seconds={grace_s}", name="fault")
     with flashserve.Client(s.address, timeout=60) as c:
         c.attention(*_qkv(1))  # healthy first
         assert http_get(f"{s.http}/v2/health/live")[0] == 200
+        assert _kserve_server_live(s.address)
         try:
             c.attention(*_qkv(2), request_id=FAULT_ID)
             pytest.skip("the CPU backend ignores --enable_fault_injection (the request was computed): the CPU path of "
@@ -49,6 +60,7 @@ def test_unhealthy_backend_fails_liveness_and_exits_3(start_server):
             time.sleep(0.05)
         assert http_get(f"{s.http}/v2/health/live")[0] == 503, "liveness still passes after the fault"
         assert http_get(f"{s.http}/v2/health/ready")[0] == 503
+        assert not _kserve_server_live(s.address), "KServe gRPC ServerLive still says live after the fault"
         while c.health_status() != "NOT_SERVING" and time.monotonic() < deadline:  # the server looks every second
             time.sleep(0.05)
         assert c.health_status() == "NOT_SERVING"
