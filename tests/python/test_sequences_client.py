@@ -124,7 +124,7 @@ def test_route_header_and_release(fakes, rng):
             seq.attend(0, _truth(rng).query())
 
 
-# --- three endpoints, one leaves ---------------------------------------------------------------------------------------
+# --- three endpoints, one leaves -----------------------------------------------------------------------------------
 
 
 def test_a_server_leaving_moves_only_its_sequences(fakes, rng):

@@ -11,9 +11,10 @@ header (deploy/proxy/) routes the same way when the client is given the proxy's 
 Recovery (``reprefill=True``): NOT_FOUND (evicted after --sequence_ttl_s, released elsewhere, server restarted) ->
 re-create the sequence with every row the client keeps (or ``prefix_source`` gives) and retry the call. UNAVAILABLE
 (the server left) -> mark the endpoint down for ``down_s`` seconds, re-create the sequence on the next endpoint of the
-ring, retry. A call that failed ambiguously (deadline, cancelled, internal) after sending rows marks the sequence
-uncertain: the next call first compares the server's lengths with the client's and re-creates on a mismatch. Every
-server call is all-or-nothing, so a retried step appends its rows exactly once: no wrong answer, only a slower one.
+ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed ambiguously (deadline, cancelled,
+internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
+client's and re-creates on a mismatch. Every server call is all-or-nothing, so a retried step appends its rows
+exactly once: no wrong answer, only a slower one.
 """
 
 from __future__ import annotations
@@ -198,6 +199,12 @@ class SequenceClient:
         elif isinstance(error, UnavailableError) and len(self.endpoints) > 1:
             self.mark_down(endpoint)
             lost = list(zip(seqs, ids))
+        elif isinstance(error, UnavailableError):
+            # One endpoint, e.g. a proxy that routes by x-sequence-key: it moves the key to another server, which
+            # answers NOT_FOUND on the retry, and that re-creates the sequence. A lone server that is down fails
+            # every retry and the error reaches the caller.
+            time.sleep(0.05)
+            return
         else:
             raise error
         for seq, failed_id in dict((id(s), (s, i)) for s, i in lost).values():

@@ -1,0 +1,122 @@
+"""deploy/proxy/nginx-sequences.conf: validated by nginx itself, then run in front of three Sequences servers
+(in-process fakes): each routing key reaches one server; when that server leaves, its keys move and the client
+re-creates their sequences through the proxy. Skips without an nginx binary (Debian: apt-get install nginx)."""
+
+from __future__ import annotations
+
+import collections
+import re
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import flashserve
+
+pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
+
+from conftest import REPO_ROOT, free_port  # noqa: E402
+from sequences_fake import FakeSequencesServer  # noqa: E402
+from sequences_truth import Truth  # noqa: E402
+
+CONFIG = REPO_ROOT / "deploy" / "proxy" / "nginx-sequences.conf"
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").is_file() else None)
+SHAPE = dict(num_layers=1, heads_q=4, heads_kv=1, head_dim=32, dtype="bfloat16")
+
+pytestmark = pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)")
+
+
+def _nginx_test(prefix: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([NGINX, "-t", "-p", str(prefix), "-c", "nginx.conf"], capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_shipped_config_passes_nginx_t(tmp_path):
+    shutil.copy(CONFIG, tmp_path / "nginx.conf")
+    result = _nginx_test(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "test is successful" in result.stderr
+
+
+def _local_config(backends, port: int) -> str:
+    """The shipped file with its example servers replaced by ``backends`` and its port by ``port``."""
+    text = CONFIG.read_text()
+    lines = "\n".join(f"    server {b} max_fails=1 fail_timeout=10s;" for b in backends)
+    text, n = re.subn(r"(    server 10\.0\.0\.\d:8001 max_fails=1 fail_timeout=10s;\n)+", lines + "\n", text)
+    assert n == 1, "the shipped config's Sequences upstream changed shape; update this test"
+    text, n = re.subn(r"(    server 10\.0\.0\.\d:8001;\n)+", "".join(f"    server {b};\n" for b in backends), text)
+    assert n == 1
+    return text.replace("listen 8001 http2;", f"listen 127.0.0.1:{port} http2;")
+
+
+@pytest.fixture
+def proxied_fakes(tmp_path):
+    fakes = [FakeSequencesServer() for _ in range(3)]
+    port = free_port()
+    (tmp_path / "nginx.conf").write_text(_local_config([f.address for f in fakes], port))
+    checked = _nginx_test(tmp_path)
+    assert checked.returncode == 0, checked.stderr
+    log = open(tmp_path / "nginx.log", "wb")
+    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", "nginx.conf", "-g", "daemon off;"],
+                            stdout=log, stderr=log)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            assert proc.poll() is None, (tmp_path / "nginx.log").read_text()
+            time.sleep(0.05)
+    yield fakes, f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+    log.close()
+    for f in fakes:
+        f.stop()
+
+
+def _owners(fakes):
+    """{routing key: set of fake indices that saw a call with that key}."""
+    seen = collections.defaultdict(set)
+    for index, fake in enumerate(fakes):
+        for md in fake.servicer.metadata_seen:
+            seen[md.get(flashserve.ROUTE_HEADER)].add(index)
+    return seen
+
+
+def _round(client, seqs, truth):
+    for seq in seqs:
+        q, (k, v) = truth.query(), truth.rows(1)
+        out = seq.step(0, q, k, v)
+        truth.add(seq.key, 0, k, v)
+        truth.check(out, q, seq.key, 0)
+
+
+def test_proxy_keeps_each_key_on_one_server_and_recovers_when_it_leaves(proxied_fakes, rng):
+    fakes, proxy = proxied_fakes
+    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    with flashserve.SequenceClient(proxy, timeout=10) as client:
+        seqs = []
+        for i in range(18):
+            k, v = truth.rows(3)
+            seqs.append(client.create(**SHAPE, prefix={0: (k, v)}, key=f"conversation-{i}"))
+            truth.add(seqs[-1].key, 0, k, v)
+        for _ in range(3):
+            _round(client, seqs, truth)
+        owners = _owners(fakes)
+        assert all(len(owners[s.key]) == 1 for s in seqs), owners
+        assert len({next(iter(owners[s.key])) for s in seqs}) == 3, "nginx used fewer than 3 servers"
+        victim = 1
+        fakes[victim].stop()
+        for fake in fakes:
+            fake.servicer.metadata_seen.clear()
+        for _ in range(3):
+            _round(client, seqs, truth)
+        after = _owners(fakes)
+        lost = [s for s in seqs if owners[s.key] == {victim}]
+        assert lost and all(s.reprefills == 1 for s in lost)
+        assert all(s.reprefills == 0 and after[s.key] == owners[s.key] for s in seqs if s not in lost)
+        assert all(len(after[s.key]) == 1 and victim not in after[s.key] for s in lost)
