@@ -114,8 +114,9 @@ def test_release_frees_pages_and_then_not_found(kv_server, rng):
 
 
 def test_pool_exhaustion_is_resource_exhausted_and_changes_nothing(start_server, rng):
-    # 1 MiB pool, pages of 16 tokens x 2 heads x 64 x 2 bytes = 4 KiB for K or V of one layer.
-    server = start_server("--kv_cache_bytes=1048576", "--kv_page_tokens=16", name="small_pool")
+    # 4 MiB pool (two 2 MiB slabs), pages of 16 tokens x 2 heads x 64 x 2 bytes = 4 KiB for K or V of one layer:
+    # a sequence of 200 rows holds 26 pages.
+    server = start_server("--kv_cache_bytes=4194304", "--kv_page_tokens=16", name="small_pool")
     truth = Truth(rng, 4, 2, 64, "float16")
     shape = _shape(1, "float16", 4, 2, 64)
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
