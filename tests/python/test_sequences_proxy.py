@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 import flashserve
@@ -52,28 +53,34 @@ def _local_config(backends, port: int) -> str:
     return text.replace("listen 8001 http2;", f"listen 127.0.0.1:{port} http2;")
 
 
-@pytest.fixture
-def proxied_fakes(tmp_path):
-    fakes = [FakeSequencesServer() for _ in range(3)]
+def _start_nginx(directory: Path, backends):
+    """nginx with the shipped config in front of ``backends``; returns (process, address)."""
     port = free_port()
-    (tmp_path / "nginx.conf").write_text(_local_config([f.address for f in fakes], port))
-    checked = _nginx_test(tmp_path)
+    (directory / "nginx.conf").write_text(_local_config(backends, port))
+    checked = _nginx_test(directory)
     assert checked.returncode == 0, checked.stderr
-    log = open(tmp_path / "nginx.log", "wb")
-    proc = subprocess.Popen([NGINX, "-p", str(tmp_path), "-c", "nginx.conf", "-g", "daemon off;"],
-                            stdout=log, stderr=log)
+    with open(directory / "nginx.log", "wb") as log:
+        proc = subprocess.Popen([NGINX, "-p", str(directory), "-c", "nginx.conf", "-g", "daemon off;"],
+                                stdout=log, stderr=log)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
+            return proc, f"127.0.0.1:{port}"
         except OSError:
-            assert proc.poll() is None, (tmp_path / "nginx.log").read_text()
+            assert proc.poll() is None, (directory / "nginx.log").read_text()
             time.sleep(0.05)
-    yield fakes, f"127.0.0.1:{port}"
+    proc.kill()
+    pytest.fail("nginx did not listen within 10 s")
+
+
+@pytest.fixture
+def proxied_fakes(tmp_path):
+    fakes = [FakeSequencesServer() for _ in range(3)]
+    proc, address = _start_nginx(tmp_path, [f.address for f in fakes])
+    yield fakes, address
     proc.terminate()
     proc.wait(timeout=10)
-    log.close()
     for f in fakes:
         f.stop()
 
@@ -120,3 +127,50 @@ def test_proxy_keeps_each_key_on_one_server_and_recovers_when_it_leaves(proxied_
         assert lost and all(s.reprefills == 1 for s in lost)
         assert all(s.reprefills == 0 and after[s.key] == owners[s.key] for s in seqs if s not in lost)
         assert all(len(after[s.key]) == 1 and victim not in after[s.key] for s in lost)
+
+
+def _holder(servers, seq):
+    """Index of the real server that holds seq's id (asked directly, not through the proxy)."""
+    holders = []
+    for index, server in enumerate(servers):
+        if server.proc.poll() is not None:
+            continue
+        with flashserve.SequenceClient(server.address, timeout=10, reprefill=False) as direct:
+            try:
+                direct.stub(server.address).GetSequenceInfo(
+                    flashserve.sequences_pb2.GetSequenceInfoRequest(sequence_id=seq.id), timeout=10)
+                holders.append(index)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.NOT_FOUND, e
+    assert len(holders) == 1, holders
+    return holders[0]
+
+
+@pytest.mark.e2e
+def test_proxy_in_front_of_real_servers_one_killed(start_server, tmp_path, rng):
+    servers = [start_server("--kv_cache_bytes=67108864", "--kv_page_tokens=16", name=f"px{i}") for i in range(3)]
+    proc, proxy = _start_nginx(tmp_path, [s.address for s in servers])
+    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    try:
+        with flashserve.SequenceClient(proxy, timeout=20) as client:
+            seqs = []
+            for i in range(12):
+                k, v = truth.rows(10 + i)
+                seqs.append(client.create(**SHAPE, prefix={0: (k, v)}, key=f"conversation-{i}"))
+                truth.add(seqs[-1].key, 0, k, v)
+            _round(client, seqs, truth)
+            where = {s.key: (_holder(servers, s), s.id) for s in seqs}
+            assert len({w for w, _ in where.values()}) >= 2, where
+            victim = where[seqs[0].key][0]
+            servers[victim].proc.kill()
+            servers[victim].proc.wait()
+            for _ in range(3):
+                _round(client, seqs, truth)
+            for seq in seqs:
+                lost = where[seq.key][0] == victim
+                assert seq.reprefills == int(lost)
+                assert (seq.id == where[seq.key][1]) != lost
+                assert _holder(servers, seq) != victim
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -39,6 +39,11 @@ ROUTE_HEADER = "x-sequence-key"
 # Failures after which the server may or may not have appended the rows it was sent.
 _AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL}
+# A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff; retries through a
+# single endpoint wait 0.1, 0.2, 0.4 ... s.
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                      ("grpc.max_reconnect_backoff_ms", 1000)]
+_UNAVAILABLE_BACKOFF_S = 0.1
 DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
 
 
@@ -83,7 +88,7 @@ class SequenceClient:
         self.max_attempts = max_attempts
         self._token = token
         self._credentials = credentials
-        self._options = _channel_options(options)
+        self._options = _channel_options(_RECONNECT_OPTIONS + list(options or []))
         self._channels: Dict[str, Tuple[grpc.Channel, Any]] = {}
         self._down: Dict[str, float] = {}
         self._lock = threading.Lock()
@@ -189,7 +194,7 @@ class SequenceClient:
     # --- recovery ----------------------------------------------------------------------------------------------------
 
     def _recover(self, error: FlashserveError, seqs: List[Sequence], ids: List[str], endpoint: str,
-                 timeout) -> None:
+                 timeout, attempt: int = 0) -> None:
         """Re-creates the sequences a failed call lost, or re-raises ``error`` when it is not a lost sequence."""
         if isinstance(error, NotFoundError):
             with self._lock:
@@ -201,9 +206,9 @@ class SequenceClient:
             lost = list(zip(seqs, ids))
         elif isinstance(error, UnavailableError):
             # One endpoint, e.g. a proxy that routes by x-sequence-key: it moves the key to another server, which
-            # answers NOT_FOUND on the retry, and that re-creates the sequence. A lone server that is down fails
-            # every retry and the error reaches the caller.
-            time.sleep(0.05)
+            # answers NOT_FOUND on the retry, and that re-creates the sequence; or a server restarting. A lone
+            # server that stays down fails every retry and the error reaches the caller.
+            time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** attempt)
             return
         else:
             raise error
@@ -249,7 +254,7 @@ class SequenceClient:
                     raise
                 if not self.reprefill or n + 1 == self.max_attempts:
                     raise
-                self._recover(e, seqs, ids, endpoint, timeout)
+                self._recover(e, seqs, ids, endpoint, timeout, n)
         raise AssertionError("unreachable")
 
     # --- calls -------------------------------------------------------------------------------------------------------
@@ -316,7 +321,7 @@ class SequenceClient:
                         seq.uncertain = True
                 if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
                     raise error
-                self._recover(error, seqs, ids, endpoint, timeout)
+                self._recover(error, seqs, ids, endpoint, timeout, n)
             pending = [i for (group, _, _), _ in failed for i in group]
         raise AssertionError("unreachable")
 
