@@ -104,6 +104,12 @@ def create_sequences(target: str, token, context: int, count: int, rng) -> List[
     return [s.id for s in seqs]
 
 
+def release(target: str, token, ids: List[str]) -> None:
+    with flashserve.SequenceClient(target, token=token, timeout=60) as client:
+        client.stub(target).Release(spb.ReleaseRequest(sequence_ids=ids), timeout=60,
+                                    metadata=client.metadata(""))
+
+
 def decode_requests(ids: List[str], concurrency: int, rng) -> List["spb.DecodeStepRequest"]:
     """One DecodeStep request per client for its share of the sequences; re-sent every step (one new token's q,
     k, v per sequence: encoding them is a copy, the same each step)."""
@@ -115,9 +121,9 @@ def decode_requests(ids: List[str], concurrency: int, rng) -> List["spb.DecodeSt
             for share in shares]
 
 
-def bench_sequences(target: str, token, context: int, sequences: int, concurrency: int, steps: int, warmup: int,
-                    rng) -> dict:
-    ids = create_sequences(target, token, context, sequences, rng)
+def bench_sequences(target: str, token, ids: List[str], concurrency: int, steps: int, warmup: int, rng) -> dict:
+    """DecodeSteps of `concurrency` clients over the sequences `ids` (each client its share)."""
+    sequences = len(ids)
     requests = decode_requests(ids, concurrency, rng)
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     channels = [grpc.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(concurrency)]
@@ -133,7 +139,6 @@ def bench_sequences(target: str, token, context: int, sequences: int, concurrenc
     try:
         latencies, wall = run_clients(concurrency, call, steps, warmup)
     finally:
-        stubs[0].Release(spb.ReleaseRequest(sequence_ids=ids), timeout=60, metadata=metadata)
         for c in channels:
             c.close()
     row = percentiles(latencies)
@@ -243,7 +248,7 @@ def parse_args(argv=None):
     p.add_argument("--contexts", default="1024,8192")
     p.add_argument("--sequences", type=int, default=64)
     p.add_argument("--concurrency", default="1,8")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="measured steps per row (each appends one token)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--full_kv_steps", type=int, default=5, help="0 skips (a)")
     p.add_argument("--full_kv_max_context", type=int, default=8192)
@@ -262,10 +267,14 @@ def run(args) -> List[dict]:
     rows = []
     for context in contexts:
         for label, address in targets:
-            for c in levels:
-                row = bench_sequences(address, args.token, context, args.sequences, c, args.steps, args.warmup, rng)
-                rows.append(dict(path=f"sequences ({label})", context=context, concurrency=c, **row))
-                print(json.dumps(rows[-1]), flush=True)
+            ids = create_sequences(address, args.token, context, args.sequences, rng)  # each level adds steps
+            try:
+                for c in levels:
+                    row = bench_sequences(address, args.token, ids, c, args.steps, args.warmup, rng)
+                    rows.append(dict(path=f"sequences ({label})", context=context, concurrency=c, **row))
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                release(address, args.token, ids)
         full_target = args.full_kv_target or (targets[0][1] if targets else "")
         if args.full_kv_steps and full_target and context <= args.full_kv_max_context:
             for c in levels:
