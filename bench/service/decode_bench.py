@@ -156,7 +156,8 @@ def full_kv_requests(batch: int, context: int, rng) -> List["pb.AttentionRequest
     """The step of `batch` sequences as Attention calls of [b, 1, 32, 128] q over [b, context, 8, 128] K/V, as few
     as fit under gRPC's message limit."""
     per_seq = 2 * context * HEADS_KV * HEAD_DIM * 2 + HEADS_Q * HEAD_DIM * 2
-    per_call = max(1, min(batch, (MAX_MESSAGE - (1 << 20)) // per_seq))
+    calls = -(-batch // max(1, (MAX_MESSAGE - (1 << 20)) // per_seq))
+    per_call = -(-batch // calls)  # as even as possible: 64 at 8k context -> 2 calls of 32
     k = bf16_rows(rng, per_call, context, HEADS_KV, HEAD_DIM)
     v = bf16_rows(rng, per_call, context, HEADS_KV, HEAD_DIM)
     q = bf16_rows(rng, per_call, 1, HEADS_Q, HEAD_DIM)
