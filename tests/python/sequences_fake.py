@@ -38,6 +38,8 @@ class FakeSequences(spb_grpc.SequencesServicer):
         self.lock = threading.Lock()
         self.calls: List[str] = []
         self.metadata_seen: List[dict] = []
+        # One-shot failures of the next DecodeStep: (grpc.StatusCode, whether the rows were appended first).
+        self.fail_next_step = None
 
     def forget_all(self):
         with self.lock:
@@ -114,11 +116,16 @@ class FakeSequences(spb_grpc.SequencesServicer):
             missing = [i.sequence_id for i in request.items if i.sequence_id not in self.seqs]
             if missing:
                 self._missing(context, list(dict.fromkeys(missing)))
+            failure, self.fail_next_step = self.fail_next_step, None
+            if failure is not None and not failure[1]:
+                context.abort(failure[0], "injected failure before the append")
             results = []
             for item in request.items:
                 seq = self.seqs[item.sequence_id]
                 self._append(seq, item.layer, item.k, item.v)
                 results.append(self._attend(seq, item.layer, item.q, request.causal, scale, request.return_lse))
+            if failure is not None:
+                context.abort(failure[0], "injected failure after the append")
         return spb.DecodeStepResponse(results=results, kernel="fake", batched_calls=1)
 
     def Release(self, request, context):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 
+import grpc
 import pytest
 
 import flashserve
@@ -111,6 +112,24 @@ def test_reprefill_off_shows_not_found_with_the_missing_ids(fakes, rng):
             client.decode_step([(a, 0, truth.query(), *truth.rows(1)), (b, 0, truth.query(), *truth.rows(1))])
         assert set(info.value.missing_ids) == {a.id, b.id}
         assert a.lengths == [0, 0]  # nothing acknowledged
+
+
+@pytest.mark.parametrize("appended", [True, False])
+def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended):
+    """A step that failed with INTERNAL may have appended its rows (the server says so): the next call compares the
+    server's lengths with the client's and re-creates the sequence only when they differ."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(6)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        fakes[0].servicer.fail_next_step = (grpc.StatusCode.INTERNAL, appended)
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.step(0, truth.query(), *truth.rows(1))
+        assert info.value.code == grpc.StatusCode.INTERNAL and seq.uncertain
+        _decode_rounds(client, [seq], truth, 3)
+        assert seq.reprefills == int(appended) and not seq.uncertain
+        assert len(fakes[0].servicer.seqs) == 1  # the inconsistent copy was released
 
 
 def test_route_header_and_release(fakes, rng):
