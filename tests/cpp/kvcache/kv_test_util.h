@@ -2,6 +2,7 @@
 // paged attention result against the fp64 reference over the mirror.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -50,13 +51,17 @@ struct DenseLayer {
 
 /// Checks out/lse of one item against the fp64 reference over the dense layer, with a tolerance
 /// of one unit in the last place of the output dtype (the CPU kernel accumulates in fp32 and
-/// rounds once) plus a small fp32 slack. Returns failures (first few reported).
+/// rounds once) plus a small fp32 slack; with `low_precision_p` (GPU kernels round P to the
+/// dtype before P @ V) plus twice the largest error of attention_emulated, the same-precision
+/// reference. Returns failures (first few reported).
 inline int CheckAgainstReference(const SequenceShape& s, const DenseLayer& layer, const Bits& q,
                                  int rows_q, bool causal, float scale, const Bits& out,
-                                 const std::vector<float>& lse, const std::string& where) {
+                                 const std::vector<float>& lse, const std::string& where,
+                                 bool low_precision_p = false) {
   const int64_t row = int64_t(s.heads_kv) * s.head_dim;
   const int length = int(layer.k.size() / size_t(row));
   std::vector<double> ref_o, ref_lse;
+  double emulated_error = 0;
   if (length > 0) {
     kernels::AttentionParams p = kernels::make_contiguous_params(
         s.dtype, 1, rows_q, length, s.heads_q, s.heads_kv, s.head_dim, causal, scale);
@@ -64,6 +69,13 @@ inline int CheckAgainstReference(const SequenceShape& s, const DenseLayer& layer
     p.k = layer.k.data();
     p.v = layer.v.data();
     kernels::reference::attention_fp64(p, &ref_o, &ref_lse);
+    if (low_precision_p) {
+      std::vector<double> emu_o, emu_lse;
+      kernels::reference::attention_emulated(p, &emu_o, &emu_lse);
+      for (size_t i = 0; i < emu_o.size(); ++i) {
+        emulated_error = std::max(emulated_error, std::abs(emu_o[i] - ref_o[i]));
+      }
+    }
   } else {
     ref_o.assign(out.size(), 0.0);
     ref_lse.assign(lse.size(), -std::numeric_limits<double>::infinity());
@@ -73,7 +85,7 @@ inline int CheckAgainstReference(const SequenceShape& s, const DenseLayer& layer
   for (size_t i = 0; i < out.size(); ++i) {
     const double o = s.dtype == kernels::DType::kFloat16 ? kernels::half_to_float(out[i])
                                                          : kernels::bf16_to_float(out[i]);
-    const double tol = ulp * std::abs(ref_o[i]) + 1e-5;
+    const double tol = ulp * std::abs(ref_o[i]) + 2 * emulated_error + 1e-5;
     if (!(std::abs(o - ref_o[i]) <= tol) && ++failures <= 3) {
       ADD_FAILURE() << where << ": out[" << i << "] = " << o << " vs " << ref_o[i];
     }
