@@ -11,18 +11,23 @@ Paths, per decode step (every sequence appends one token's k/v and attends its q
               in place, then attention over it), timed with CUDA events.
 Latency per step = wall time of one client's call (its share of the sequences); p50/p99 after --warmup steps.
 "seq-steps/s" = sequences advanced by one token per second, all clients together. "server us" = the server's own
-DecodeStep timing (total_us / compute_us, medians): what is not in it is transport and the Python client.
+DecodeStep timing (total_us / compute_us, medians): what is not in it is transport and the client.
 
     python3 bench/service/decode_bench.py --target w0=127.0.0.1:8001 --target w200=127.0.0.1:9001 \
-        --contexts 1024,8192 --concurrency 1,8 --md decode.md --json decode.json
+        --contexts 1024,8192 --concurrency 1,8 --cpp_loadgen build/bench/service/flashserve-decode-loadgen \
+        --md decode.md --json decode.json
 
-Python client (grpcio): its serialization is part of the measured latency, as it is for a Python model server.
+Clients: with --cpp_loadgen the Sequences and (a) rows come from the C++ client (decode_loadgen.cc: requests
+serialized once, one connection per client thread), which measures the server and the transport; without it (or
+with --python_client too) from this Python client (grpcio), whose serialization adds to the latency as it would
+for a Python model server.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -254,10 +259,57 @@ def parse_args(argv=None):
     p.add_argument("--full_kv_steps", type=int, default=5, help="0 skips (a)")
     p.add_argument("--full_kv_max_context", type=int, default=8192)
     p.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True, help="(c), needs torch + CUDA")
+    p.add_argument("--cpp_loadgen", default="", help="path of flashserve-decode-loadgen: the Sequences and (a) "
+                   "rows are measured by that C++ client")
+    p.add_argument("--python_client", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --cpp_loadgen: also measure the Sequences rows with this Python client")
     p.add_argument("--md", default="", help="write the markdown table here")
     p.add_argument("--json", default="", help="write every row as JSON here")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def python_sequence_rows(args, label, address, context, levels, rng) -> List[dict]:
+    ids = create_sequences(address, args.token, context, args.sequences, rng)  # each level adds steps
+    rows = []
+    try:
+        for c in levels:
+            row = bench_sequences(address, args.token, ids, c, args.steps, args.warmup, rng)
+            rows.append(dict(path=f"sequences ({label})", client="Python", context=context, concurrency=c, **row))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        release(address, args.token, ids)
+    return rows
+
+
+def cpp_rows(args, path, address, context, mode, steps, warmup) -> List[dict]:
+    """Rows measured by flashserve-decode-loadgen (bench/service/decode_loadgen.cc), one JSON line each."""
+    command = [args.cpp_loadgen, f"--target={address}", f"--context={context}", f"--sequences={args.sequences}",
+               f"--concurrency={args.concurrency}", f"--steps={steps}", f"--warmup={warmup}", f"--mode={mode}"]
+    if args.token:
+        command.append(f"--token={args.token}")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    rows = []
+    for line in done.stdout.splitlines():
+        row = json.loads(line)
+        row["path"] = path
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def full_kv_rows(args, address, context, levels, rng) -> List[dict]:
+    path = "(a) full K/V per call"
+    if args.cpp_loadgen:
+        return cpp_rows(args, path, address, context, "full_kv", args.full_kv_steps, 1)
+    rows = []
+    for c in levels:
+        row = bench_full_kv(address, args.token, context, args.sequences, c, args.full_kv_steps, 1, rng)
+        rows.append(dict(path=path, client="Python", context=context, concurrency=c, **row))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def run(args) -> List[dict]:
@@ -268,24 +320,18 @@ def run(args) -> List[dict]:
     rows = []
     for context in contexts:
         for label, address in targets:
-            ids = create_sequences(address, args.token, context, args.sequences, rng)  # each level adds steps
-            try:
-                for c in levels:
-                    row = bench_sequences(address, args.token, ids, c, args.steps, args.warmup, rng)
-                    rows.append(dict(path=f"sequences ({label})", context=context, concurrency=c, **row))
-                    print(json.dumps(rows[-1]), flush=True)
-            finally:
-                release(address, args.token, ids)
+            if args.cpp_loadgen:
+                rows += cpp_rows(args, f"sequences ({label})", address, context, "sequences", args.steps,
+                                 args.warmup)
+            if args.python_client or not args.cpp_loadgen:
+                rows += python_sequence_rows(args, label, address, context, levels, rng)
         full_target = args.full_kv_target or (targets[0][1] if targets else "")
         if args.full_kv_steps and full_target and context <= args.full_kv_max_context:
-            for c in levels:
-                row = bench_full_kv(full_target, args.token, context, args.sequences, c, args.full_kv_steps,
-                                    1, rng)
-                rows.append(dict(path="(a) full K/V per call", context=context, concurrency=c, **row))
-                print(json.dumps(rows[-1]), flush=True)
+            rows += full_kv_rows(args, full_target, context, levels, rng)
         if args.sdpa and _cuda_available():
             row = bench_sdpa(context, args.sequences, args.steps, args.warmup)
-            rows.append(dict(path="(c) torch SDPA, one process", context=context, concurrency=1, **row))
+            rows.append(dict(path="(c) torch SDPA, one process", client="-", context=context, concurrency=1,
+                             **row))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -303,15 +349,16 @@ def markdown(rows: List[dict], args) -> str:
              f"{args.sequences} sequences; {args.steps} measured steps after {args.warmup} warm-up "
              f"((a): {args.full_kv_steps} after 1). Latency = one client's call for its share of the sequences.",
              "",
-             "| context | path | clients | p50 ms | p99 ms | seq-steps/s | server total us (p50) | "
+             "| context | path | client | clients | p50 ms | p99 ms | seq-steps/s | server total us (p50) | "
              "server compute us (p50) | calls merged (mean) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        merged = f"{r['batched_calls_mean']:.2f}" if "batched_calls_mean" in r else ""
+        merged = f"{r['batched_calls_mean']:.2f}" if r["path"].startswith("sequences") else ""
         total = f"{r['server_total_us']:.0f}" if "server_total_us" in r else ""
         compute = f"{r['server_compute_us']:.0f}" if "server_compute_us" in r else ""
         p50 = f"{r['p50_ms']:.3f}" + (f" (queued {r['queued_mean_ms']:.3f})" if "queued_mean_ms" in r else "")
-        lines.append(f"| {r['context']} | {r['path']} | {r['concurrency']} | {p50} | {r['p99_ms']:.3f} | "
+        lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | {p50} | "
+                     f"{r['p99_ms']:.3f} | "
                      f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} |")
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,10 @@
 #   - the relocatable bundle made by scripts/bundle (tarball or tree under $BUNDLE_DIR, default .bundle-bench/),
 #     or $FLASHSERVE_BIN pointing at a CUDA-enabled server binary;
 #   - a Python client copy with stubs that load there: bench/service/make_py_stubs.sh build-decode-py
-#     (carry build-decode-py; $DECODE_PY overrides the path).
+#     (carry build-decode-py; $DECODE_PY overrides the path);
+#   - optional, the C++ client flashserve-decode-loadgen (built beside the server; scripts/bundle does not ship it:
+#     copy it into the bundle's bin/, or set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
+#     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows.
 # Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
 # writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100).
@@ -23,6 +26,11 @@ if [[ -z ${FLASHSERVE_BIN:-} ]]; then
   fi
   FLASHSERVE_BIN=$ROOT/bin/flashserve
 fi
+DECODE_LOADGEN=${DECODE_LOADGEN:-$(dirname "$FLASHSERVE_BIN")/flashserve-decode-loadgen}
+CLIENT_ARGS=()
+[[ -x $DECODE_LOADGEN ]] && CLIENT_ARGS+=(--cpp_loadgen "$DECODE_LOADGEN")
+[[ ${PYTHON_CLIENT:-0} == 1 ]] && CLIENT_ARGS+=(--python_client)
+echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 [[ -x $FLASHSERVE_BIN ]] || { echo "run_decode_on_gpu: no server binary at $FLASHSERVE_BIN"; exit 1; }
 export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
@@ -53,7 +61,8 @@ P0=$(start_server w0 0) || exit 1
 PW=$(start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}") || exit 1
 start=$(date +%s)
 python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
-  --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" "$@" \
+  --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \
+  "${CLIENT_ARGS[@]}" "$@" \
   2>"$OUT/decode_bench.log"
 status=$?
 echo "decode_bench: exit $status after $(( $(date +%s) - start )) s"
