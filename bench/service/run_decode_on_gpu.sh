@@ -9,7 +9,9 @@
 #     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows.
 # Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
-# writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100).
+# writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100); extra
+# server flags in $SERVER_FLAGS (a dry run on a machine without a GPU: SERVER_FLAGS=--backend=cpu
+# KV_CACHE_BYTES=1073741824 ... --contexts=128 --sequences=8).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-decode-bench}
@@ -45,10 +47,10 @@ start_server() {  # name window_us -> prints the gRPC port
   grpc=$(free_port); http=$(free_port); metrics=$(free_port)
   # KV pool 8 GiB (64 x 8k tokens of one layer = 2.1 GB); (a) needs requests up to 2 GiB and no inflight cap.
   "$FLASHSERVE_BIN" --backend=cuda --host=127.0.0.1 --grpc_port="$grpc" --http_port="$http" --metrics_port="$metrics" \
-    --kv_cache_bytes=$((8 << 30)) --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
+    --kv_cache_bytes=${KV_CACHE_BYTES:-$((8 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
     --max_request_bytes=2147483647 --max_tensor_elements=1099511627776 --max_inflight_bytes=0 \
     --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn \
-    >"$OUT/server-$name.log" 2>&1 &
+    ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 300); do
     python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=1).status == 200 else 1)" \
