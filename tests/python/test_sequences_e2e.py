@@ -27,6 +27,19 @@ def kv_server(flashserve_bin, tmp_path_factory):
     _stop_and_check(s)
 
 
+@pytest.fixture(scope="module")
+def batching_server(flashserve_bin, tmp_path_factory):
+    """DecodeStep calls arriving within 3 ms run as one launch."""
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_batching"),
+                      list(KV_FLAGS) + ["--batch_window_us=3000"], name="kv_batching").start()
+    yield s
+    _stop_and_check(s)
+
+
+def _server(request, kind):
+    return request.getfixturevalue("batching_server" if kind == "batching" else "kv_server")
+
+
 def _shape(num_layers, dtype, heads_q=8, heads_kv=2, head_dim=128):
     return dict(num_layers=num_layers, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
 
@@ -149,24 +162,36 @@ def test_max_sequences(start_server, rng):
         client.create(**_shape(1, "float16")).release()
 
 
-def test_concurrent_clients_on_disjoint_sequences(kv_server, rng, concurrently):
+@pytest.mark.parametrize("kind", ["unbatched", "batching"])
+def test_concurrent_clients_on_disjoint_sequences(request, kind, rng, concurrently):
+    server = _server(request, kind)
+    merged = []
+
     def worker(i):
         truth = Truth(np.random.default_rng(1000 + i), 8, 2, 128, "bfloat16")
-        with flashserve.SequenceClient(kv_server.address, timeout=120) as client:
+        with flashserve.SequenceClient(server.address, timeout=120) as client:
             seqs = [_create(client, truth, _shape(1, "bfloat16"), 10 + j) for j in range(3)]
             _steps(client, seqs, truth, 15)
             for seq in seqs:
                 seq.release()
+            merged.append(client.stats["max_batched_calls"])
 
     concurrently(worker, 6)
+    if kind == "batching":
+        assert max(merged) > 1, "no two DecodeStep calls ran in one launch"
+    else:
+        assert max(merged) == 1
 
 
-def test_concurrent_clients_on_shared_sequences(kv_server, rng, concurrently):
+@pytest.mark.parametrize("kind", ["unbatched", "batching"])
+def test_concurrent_clients_on_shared_sequences(request, kind, rng, concurrently):
     """Four threads share four sequences: each thread appends to its own layer of every sequence (one DecodeStep
-    per round), two more only attend to layer 0 while it grows (their reference is the length they were told)."""
+    per round), two more only attend to layer 0 while it grows. With batching, steps of different threads on the
+    same sequences run in one launch."""
+    server = _server(request, kind)
     truth = Truth(rng, 8, 2, 128, "float16")
     shape = _shape(4, "float16")
-    with flashserve.SequenceClient(kv_server.address, timeout=120) as shared:
+    with flashserve.SequenceClient(server.address, timeout=120) as shared:
         seqs = [_create(shared, truth, shape, 30, layers=[0, 1, 2, 3]) for _ in range(4)]
 
         def worker(i):

@@ -93,7 +93,8 @@ class SequenceClient:
         self._down: Dict[str, float] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
-        self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0}
+        # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
+        self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0}
 
     # --- endpoints ---------------------------------------------------------------------------------------------------
 
@@ -345,6 +346,8 @@ class SequenceClient:
         if softmax_scale is not None:
             request.softmax_scale = float(softmax_scale)
         response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+        with self._lock:
+            self.stats["max_batched_calls"] = max(self.stats["max_batched_calls"], int(response.batched_calls))
         if len(response.results) != len(group):
             raise error_for(grpc.StatusCode.INTERNAL,
                             f"DecodeStep answered {len(response.results)} results for {len(group)} items")
