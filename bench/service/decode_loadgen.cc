@@ -1,14 +1,16 @@
-// flashserve-decode-loadgen: decode-step latency of the Sequences API (issue 20) from a C++ client, so that
-// what is measured is the server and the transport, not a Python client's serialization.
+// flashserve-decode-loadgen: decode-step latency of the Sequences API (issue 20) from a C++ client,
+// so that what is measured is the server and the transport, not a Python client's serialization.
 //
-// One Llama-3-8B-like layer (32 q heads, 8 kv heads, d128, bf16). `--sequences` sequences are created with a
-// `--context`-token prefix; then for each concurrency c, c client threads (one connection each) each send
-// DecodeStep for their share of the sequences (one new token's q, k, v per sequence; the request serialized
-// once and re-sent), closed loop. `--mode=full_kv` sends the same step through AttentionService.Attention with
-// each sequence's whole K/V instead (split into calls under gRPC's 2 GiB limit). One JSON line per row on stdout
-// (decode_bench.py --cpp_loadgen reads them).
+// One Llama-3-8B-like layer (32 q heads, 8 kv heads, d128, bf16). `--sequences` sequences are
+// created with a
+// `--context`-token prefix; then for each concurrency c, c client threads (one connection each)
+// each send DecodeStep for their share of the sequences (one new token's q, k, v per sequence; the
+// request serialized once and re-sent), closed loop. `--mode=full_kv` sends the same step through
+// AttentionService.Attention with each sequence's whole K/V instead (split into calls under gRPC's
+// 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen reads them).
 //
-//   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64 --concurrency=1,8
+//   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
+//   --concurrency=1,8
 //     [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
 #include <algorithm>
 #include <cstdint>
@@ -50,8 +52,8 @@ struct Sample {
   int64_t total_us = 0, compute_us = 0, merged = 0;
 };
 
-// Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a minute to
-// draw one by one; the values do not change the timing).
+// Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
+// minute to draw one by one; the values do not change the timing).
 std::string RandomBf16(int64_t count, std::mt19937* rng) {
   constexpr int64_t kBlock = 1 << 16;
   std::normal_distribution<float> normal;
@@ -60,7 +62,8 @@ std::string RandomBf16(int64_t count, std::mt19937* rng) {
     const float f = normal(*rng);
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
-    const uint16_t bf = uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
+    const uint16_t bf =
+        uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
     std::memcpy(&block[i * 2], &bf, 2);
   }
   std::string bytes;
@@ -95,14 +98,16 @@ void Authorize(grpc::ClientContext* ctx, const Options& opt) {
 
 // --- sequences ----------------------------------------------------------------------------------
 
-std::vector<std::string> CreateSequences(v1::Sequences::Stub* stub, const Options& opt, std::mt19937* rng) {
+std::vector<std::string> CreateSequences(v1::Sequences::Stub* stub, const Options& opt,
+                                         std::mt19937* rng) {
   v1::CreateSequenceRequest request;
   request.set_num_layers(1);
   request.set_heads_q(int32_t(kHeadsQ));
   request.set_heads_kv(int32_t(kHeadsKv));
   request.set_head_dim(int32_t(kHeadDim));
   request.set_dtype(v1::BFLOAT16);
-  v1::LayerKV* prefix = request.add_prefix();  // the same rows for every sequence: contents do not matter
+  v1::LayerKV* prefix =
+      request.add_prefix();  // the same rows for every sequence: contents do not matter
   prefix->set_layer(0);
   *prefix->mutable_k() = Bf16Tensor({opt.context, kHeadsKv, kHeadDim}, rng);
   *prefix->mutable_v() = Bf16Tensor({opt.context, kHeadsKv, kHeadDim}, rng);
@@ -147,12 +152,13 @@ std::vector<v1::DecodeStepRequest> DecodeRequests(const std::vector<std::string>
 
 // --- the closed loop ----------------------------------------------------------------------------
 
-// Runs call(client, &sample) warmup + steps times on each of `clients` threads; returns the measured samples
-// and the wall seconds from the first measured step to the last.
+// Runs call(client, &sample) warmup + steps times on each of `clients` threads; returns the
+// measured samples and the wall seconds from the first measured step to the last.
 std::vector<Sample> RunClients(int clients, int steps, int warmup,
                                const std::function<void(int, Sample*)>& call, double* wall_s) {
   std::vector<std::vector<Sample>> per(static_cast<size_t>(clients));
-  std::vector<Clock::time_point> starts(static_cast<size_t>(clients)), ends(static_cast<size_t>(clients));
+  std::vector<Clock::time_point> starts(static_cast<size_t>(clients)),
+      ends(static_cast<size_t>(clients));
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
@@ -171,7 +177,8 @@ std::vector<Sample> RunClients(int clients, int steps, int warmup,
   }
   for (std::thread& t : threads) t.join();
   *wall_s = Micros(*std::max_element(ends.begin(), ends.end()) -
-                   *std::min_element(starts.begin(), starts.end())) / 1e6;
+                   *std::min_element(starts.begin(), starts.end())) /
+            1e6;
   std::vector<Sample> all;
   for (auto& v : per) all.insert(all.end(), v.begin(), v.end());
   return all;
@@ -186,8 +193,8 @@ double Percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
 }
 
-void PrintRow(const std::string& path, const Options& opt, int clients, const std::vector<Sample>& samples,
-              double wall_s, const std::string& extra) {
+void PrintRow(const std::string& path, const Options& opt, int clients,
+              const std::vector<Sample>& samples, double wall_s, const std::string& extra) {
   std::vector<double> latency, total, compute, merged;
   for (const Sample& s : samples) {
     latency.push_back(s.latency_us / 1e3);
@@ -197,16 +204,18 @@ void PrintRow(const std::string& path, const Options& opt, int clients, const st
   }
   double merged_mean = 0;
   for (double m : merged) merged_mean += m / double(merged.size());
-  std::printf("{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
-              "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
-              "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s}\n",
-              path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
-              Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
-              Percentile(total, 50), Percentile(compute, 50), merged_mean, extra.c_str());
+  std::printf(
+      "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
+      "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
+      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s}\n",
+      path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
+      Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
+      Percentile(total, 50), Percentile(compute, 50), merged_mean, extra.c_str());
   std::fflush(stdout);
 }
 
-// --- the two paths --------------------------------------------------------------------------------
+// --- the two paths
+// --------------------------------------------------------------------------------
 
 void BenchSequences(const Options& opt, std::mt19937* rng) {
   auto admin = v1::Sequences::NewStub(MakeChannel(opt.target, 1000));
@@ -214,7 +223,8 @@ void BenchSequences(const Options& opt, std::mt19937* rng) {
   for (int clients : opt.concurrency) {
     std::vector<v1::DecodeStepRequest> requests = DecodeRequests(ids, clients, rng);
     std::vector<std::unique_ptr<v1::Sequences::Stub>> stubs;
-    for (int c = 0; c < clients; ++c) stubs.push_back(v1::Sequences::NewStub(MakeChannel(opt.target, c)));
+    for (int c = 0; c < clients; ++c)
+      stubs.push_back(v1::Sequences::NewStub(MakeChannel(opt.target, c)));
     auto call = [&](int c, Sample* sample) {
       grpc::ClientContext ctx;
       Authorize(&ctx, opt);
@@ -232,9 +242,10 @@ void BenchSequences(const Options& opt, std::mt19937* rng) {
   Release(admin.get(), opt, ids);
 }
 
-// Client c's step through AttentionService: its share of the sequences with their whole K/V, in as few calls
-// as fit under gRPC's message limit.
-std::vector<v1::AttentionRequest> FullKvRequests(const Options& opt, int64_t batch, std::mt19937* rng) {
+// Client c's step through AttentionService: its share of the sequences with their whole K/V, in as
+// few calls as fit under gRPC's message limit.
+std::vector<v1::AttentionRequest> FullKvRequests(const Options& opt, int64_t batch,
+                                                 std::mt19937* rng) {
   const int64_t per_seq = 2 * opt.context * kHeadsKv * kHeadDim * 2 + kHeadsQ * kHeadDim * 2;
   const int64_t fit = std::max<int64_t>(1, (kMaxMessage - (int64_t(1) << 20)) / per_seq);
   const int64_t calls = (batch + fit - 1) / fit;
@@ -275,7 +286,8 @@ void BenchFullKv(const Options& opt, std::mt19937* rng) {
     };
     double wall_s = 0;
     const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);
-    PrintRow("full_kv", opt, clients, samples, wall_s, ", \"calls_per_step\": " + std::to_string(calls));
+    PrintRow("full_kv", opt, clients, samples, wall_s,
+             ", \"calls_per_step\": " + std::to_string(calls));
   }
 }
 
@@ -315,12 +327,14 @@ Options ParseOptions(int argc, char** argv) {
   opt.steps = std::atoi(get("steps", "200").c_str());
   opt.warmup = std::atoi(get("warmup", "20").c_str());
   const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
-                     !opt.concurrency.empty() && (opt.mode == "sequences" || opt.mode == "full_kv") &&
+                     !opt.concurrency.empty() &&
+                     (opt.mode == "sequences" || opt.mode == "full_kv") &&
                      std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
                                  [&](int c) { return c >= 1 && c <= opt.sequences; });
   if (!valid) {
-    std::fprintf(stderr, "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
-                         "sequences; mode sequences or full_kv)\n");
+    std::fprintf(stderr,
+                 "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
+                 "sequences; mode sequences or full_kv)\n");
     std::exit(2);
   }
   return opt;
