@@ -2,16 +2,14 @@
 // so that what is measured is the server and the transport, not a Python client's serialization.
 //
 // One Llama-3-8B-like layer (32 q heads, 8 kv heads, d128, bf16). `--sequences` sequences are
-// created with a
-// `--context`-token prefix; then for each concurrency c, c client threads (one connection each)
-// each send DecodeStep for their share of the sequences (one new token's q, k, v per sequence; the
-// request serialized once and re-sent), closed loop. `--mode=full_kv` sends the same step through
-// AttentionService.Attention with each sequence's whole K/V instead (split into calls under gRPC's
-// 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen reads them).
+// created with a `--context`-token prefix; then for each concurrency c, c client threads (one
+// connection each) each send DecodeStep for their share of the sequences (one new token's q, k, v
+// per sequence; the request serialized once and re-sent), closed loop. `--mode=full_kv` sends the
+// same step through AttentionService.Attention with each sequence's whole K/V instead (split into
+// calls under gRPC's 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen).
 //
 //   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
-//   --concurrency=1,8
-//     [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
+//       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
