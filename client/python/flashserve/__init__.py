@@ -39,11 +39,7 @@ __all__ = [
     "InvalidArgumentError",
     "Limits",
     "NotFoundError",
-    "ROUTE_HEADER",
     "ResourceExhaustedError",
-    "Sequence",
-    "SequenceClient",
-    "SequenceSpec",
     "ServerInfo",
     "StripedClient",
     "Timing",
@@ -54,3 +50,5 @@ __all__ = [
     "sequences_pb2_grpc",
     "reference",
 ]
+if sequences_pb2 is not None:
+    __all__ += ["ROUTE_HEADER", "Sequence", "SequenceClient", "SequenceSpec"]
