@@ -42,7 +42,8 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
 trap cleanup EXIT
-start_server() {  # name window_us -> prints the gRPC port
+# Not called in $(...): the server's pid must reach PIDS in this shell for the cleanup.
+start_server() {  # name window_us -> sets PORT to the server's gRPC port
   local name=$1 window=$2 grpc http metrics
   grpc=$(free_port); http=$(free_port); metrics=$(free_port)
   # KV pool 8 GiB (64 x 8k tokens of one layer = 2.1 GB); (a) needs requests up to 2 GiB and no inflight cap.
@@ -54,13 +55,15 @@ start_server() {  # name window_us -> prints the gRPC port
   PIDS+=($!)
   for _ in $(seq 1 300); do
     python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=1).status == 200 else 1)" \
-      2>/dev/null && { echo "$grpc"; echo "$metrics" >"$OUT/metrics-port-$name"; return 0; }
+      2>/dev/null && { PORT=$grpc; echo "$metrics" >"$OUT/metrics-port-$name"; return 0; }
     sleep 0.1
   done
   echo "server $name not ready:" >&2; cat "$OUT/server-$name.log" >&2; return 1
 }
-P0=$(start_server w0 0) || exit 1
-PW=$(start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}") || exit 1
+start_server w0 0 || exit 1
+P0=$PORT
+start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}" || exit 1
+PW=$PORT
 start=$(date +%s)
 python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
   --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \
