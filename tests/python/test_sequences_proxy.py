@@ -19,6 +19,7 @@ import flashserve
 
 pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
 
+import conftest  # noqa: E402
 from conftest import REPO_ROOT, free_port  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
@@ -42,10 +43,10 @@ def test_shipped_config_passes_nginx_t(tmp_path):
     assert "test is successful" in result.stderr
 
 
-def _local_config(backends, port: int) -> str:
+def _local_config(backends, port: int, fail_timeout: str = "10s") -> str:
     """The shipped file with its example servers replaced by ``backends`` and its port by ``port``."""
     text = CONFIG.read_text()
-    lines = "\n".join(f"    server {b} max_fails=1 fail_timeout=10s;" for b in backends)
+    lines = "\n".join(f"    server {b} max_fails=1 fail_timeout={fail_timeout};" for b in backends)
     text, n = re.subn(r"(    server 10\.0\.0\.\d:8001 max_fails=1 fail_timeout=10s;\n)+", lines + "\n", text)
     assert n == 1, "the shipped config's Sequences upstream changed shape; update this test"
     text, n = re.subn(r"(    server 10\.0\.0\.\d:8001;\n)+", "".join(f"    server {b};\n" for b in backends), text)
@@ -53,10 +54,10 @@ def _local_config(backends, port: int) -> str:
     return text.replace("listen 8001 http2;", f"listen 127.0.0.1:{port} http2;")
 
 
-def _start_nginx(directory: Path, backends):
+def _start_nginx(directory: Path, backends, fail_timeout: str = "10s"):
     """nginx with the shipped config in front of ``backends``; returns (process, address)."""
     port = free_port()
-    (directory / "nginx.conf").write_text(_local_config(backends, port))
+    (directory / "nginx.conf").write_text(_local_config(backends, port, fail_timeout))
     checked = _nginx_test(directory)
     assert checked.returncode == 0, checked.stderr
     with open(directory / "nginx.log", "wb") as log:
@@ -147,9 +148,11 @@ def _holder(servers, seq):
 
 
 @pytest.mark.e2e
-def test_proxy_in_front_of_real_servers_one_killed(start_server, tmp_path, rng):
+def test_proxy_in_front_of_real_servers_one_killed_then_back(start_server, tmp_path, rng, monkeypatch):
+    """A server killed: its keys move to the next server (re-prefill once). It restarts on the same port (empty):
+    after nginx's fail_timeout its keys come back to it, and are re-created there (re-prefill twice)."""
     servers = [start_server("--kv_cache_bytes=67108864", "--kv_page_tokens=16", name=f"px{i}") for i in range(3)]
-    proc, proxy = _start_nginx(tmp_path, [s.address for s in servers])
+    proc, proxy = _start_nginx(tmp_path, [s.address for s in servers], fail_timeout="1s")
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     try:
         with flashserve.SequenceClient(proxy, timeout=20) as client:
@@ -171,6 +174,18 @@ def test_proxy_in_front_of_real_servers_one_killed(start_server, tmp_path, rng):
                 assert seq.reprefills == int(lost)
                 assert (seq.id == where[seq.key][1]) != lost
                 assert _holder(servers, seq) != victim
+            back = servers[victim]
+            ports = [back.grpc_port, back.http_port] + ([back.metrics_port] if back.metrics_port else [])
+            monkeypatch.setattr(conftest, "free_port", iter(ports).__next__)
+            back.start(attempts=1)
+            monkeypatch.undo()
+            time.sleep(1.5)  # past fail_timeout: nginx tries the server again
+            for _ in range(2):
+                _round(client, seqs, truth)
+            for seq in seqs:
+                lost = where[seq.key][0] == victim
+                assert seq.reprefills == 2 * int(lost), (seq.key, seq.reprefills, lost)
+                assert (_holder(servers, seq) == victim) == lost
     finally:
         proc.terminate()
         proc.wait(timeout=10)
