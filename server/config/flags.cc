@@ -163,12 +163,14 @@ ABSL_FLAG(int64_t, kv_cache_bytes, flashserve::SequenceRuntimeOptions{}.cache.ca
           "0: the Sequences API is off (its calls get FAILED_PRECONDITION)");
 ABSL_FLAG(int, kv_page_tokens, flashserve::SequenceRuntimeOptions{}.cache.page_tokens,
           "Sequences API: tokens per KV page (a page holds K and V of one layer), in [1, 1024]");
-ABSL_FLAG(int64_t, sequence_ttl_s, absl::ToInt64Seconds(flashserve::SequenceRuntimeOptions{}.cache.ttl),
+ABSL_FLAG(int64_t, sequence_ttl_s,
+          absl::ToInt64Seconds(flashserve::SequenceRuntimeOptions{}.cache.ttl),
           "Sequences API: a sequence no call named for this long is evicted (its id then answers "
           "NOT_FOUND); 0: never");
 ABSL_FLAG(int, max_sequences, flashserve::SequenceRuntimeOptions{}.cache.max_sequences,
           "Sequences API: live sequences at most (CreateSequence beyond: RESOURCE_EXHAUSTED)");
-ABSL_FLAG(int64_t, max_sequence_tokens, flashserve::SequenceRuntimeOptions{}.cache.max_sequence_tokens,
+ABSL_FLAG(int64_t, max_sequence_tokens,
+          flashserve::SequenceRuntimeOptions{}.cache.max_sequence_tokens,
           "Sequences API: tokens per layer of one sequence at most (appends beyond: "
           "INVALID_ARGUMENT)");
 ABSL_FLAG(int64_t, batch_window_us, flashserve::SequenceRuntimeOptions{}.batch_window_us,

@@ -185,7 +185,8 @@ absl::Status Server::StartGrpc() {
   identity.queue_capacity = config_.scheduler.queue_capacity;
   identity.max_request_bytes = config_.limits.max_request_bytes;
   absl::StatusOr<std::unique_ptr<GrpcEdge>> edge = GrpcEdge::Create(
-      grpc, runtime_.get(), identity, {kserve_grpc_.get(), stream_grpc_.get(), sequences_grpc_.get()});
+      grpc, runtime_.get(), identity,
+      {kserve_grpc_.get(), stream_grpc_.get(), sequences_grpc_.get()});
   if (!edge.ok()) return edge.status();
   grpc_edge_ = *std::move(edge);
   return absl::OkStatus();

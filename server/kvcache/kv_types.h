@@ -54,8 +54,8 @@ struct LayerRows {
 struct PagedItem {
   const void* q = nullptr;  // host [rows_q, heads_q, head_dim], any alignment
   int rows_q = 0;
-  void* out = nullptr;      // host [rows_q, heads_q, head_dim]
-  float* lse = nullptr;     // host [heads_q, rows_q] or null
+  void* out = nullptr;   // host [rows_q, heads_q, head_dim]
+  float* lse = nullptr;  // host [heads_q, rows_q] or null
   std::vector<int32_t> pages;
   int64_t length = 0;
 };

@@ -12,13 +12,14 @@ namespace flashserve::kvcache {
 absl::Status KvCacheOptions::Check() const {
   if (capacity_bytes < 0) return absl::InvalidArgumentError("--kv_cache_bytes must be >= 0");
   if (capacity_bytes > 0 && capacity_bytes < PageAllocator::kSlabBytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv_cache_bytes must be 0 (off) or at least ", PageAllocator::kSlabBytes, " (one slab)"));
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_bytes must be 0 (off) or at least ",
+                                                   PageAllocator::kSlabBytes, " (one slab)"));
   }
   if (page_tokens < 1 || page_tokens > 1024) {
     return absl::InvalidArgumentError("--kv_page_tokens must be in [1, 1024]");
   }
-  if (ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("--sequence_ttl_s must be >= 0");
+  if (ttl < absl::ZeroDuration())
+    return absl::InvalidArgumentError("--sequence_ttl_s must be >= 0");
   if (max_sequences < 1) return absl::InvalidArgumentError("--max_sequences must be >= 1");
   if (max_sequence_tokens < 1 || max_sequence_tokens > (int64_t(1) << 30)) {
     return absl::InvalidArgumentError("--max_sequence_tokens must be in [1, 2^30]");
@@ -36,8 +37,7 @@ absl::StatusOr<std::unique_ptr<SequenceCache>> SequenceCache::Create(const KvCac
   return std::unique_ptr<SequenceCache>(new SequenceCache(options, store, metrics));
 }
 
-SequenceCache::SequenceCache(const KvCacheOptions& options, KvStore* store,
-                             KvCacheMetrics* metrics)
+SequenceCache::SequenceCache(const KvCacheOptions& options, KvStore* store, KvCacheMetrics* metrics)
     : options_(options), store_(store), metrics_(metrics), pages_(options.capacity_bytes) {
   absl::MutexLock lock(&mu_);
   last_sweep_ = Now();
@@ -53,9 +53,9 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
   }
   if (shape.heads_kv < 1 || shape.heads_q < 1 || shape.heads_q > kMaxHeads ||
       shape.heads_q % shape.heads_kv != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "heads_q (", shape.heads_q, ") must be a multiple of heads_kv (", shape.heads_kv,
-        "), both in [1, ", kMaxHeads, "]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("heads_q (", shape.heads_q, ") must be a multiple of heads_kv (",
+                     shape.heads_kv, "), both in [1, ", kMaxHeads, "]"));
   }
   if (shape.dtype != kernels::DType::kFloat16 && shape.dtype != kernels::DType::kBFloat16) {
     return absl::InvalidArgumentError("dtype must be FLOAT16 or BFLOAT16");
@@ -65,13 +65,12 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
                                    : std::count(dims.begin(), dims.end(), shape.head_dim) > 0;
   if (!dim_ok) {
     return absl::InvalidArgumentError(
-        absl::StrCat("head_dim ", shape.head_dim, " is not supported by the ", std::string(store_->kind()),
-                     " backend's KV cache"));
+        absl::StrCat("head_dim ", shape.head_dim, " is not supported by the ",
+                     std::string(store_->kind()), " backend's KV cache"));
   }
   if (request.max_tokens < 0 || request.max_tokens > options_.max_sequence_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("max_tokens must be in [0, ",
-                                                   options_.max_sequence_tokens,
-                                                   "] (--max_sequence_tokens)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens must be in [0, ", options_.max_sequence_tokens, "] (--max_sequence_tokens)"));
   }
   const PageFormat format = FormatFor(shape, options_.page_tokens);
   if (!PageAllocator::ValidPageBytes(format.page_bytes)) {
@@ -83,15 +82,15 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
   std::vector<bool> seen(size_t(shape.num_layers), false);
   for (const LayerRows& rows : request.prefix) {
     if (rows.layer < 0 || rows.layer >= shape.num_layers || seen[size_t(rows.layer)]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prefix layer ", rows.layer, " is out of range or given twice (num_layers ",
-          shape.num_layers, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("prefix layer ", rows.layer,
+                                                     " is out of range or given twice (num_layers ",
+                                                     shape.num_layers, ")"));
     }
     seen[size_t(rows.layer)] = true;
     if (absl::Status s = CheckKvRows(shape, rows.k, rows.v); !s.ok()) return s;
     if (rows.k.rows > limit) {
-      return absl::InvalidArgumentError(absl::StrCat("prefix of ", rows.k.rows,
-                                                     " tokens exceeds the limit of ", limit));
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix of ", rows.k.rows, " tokens exceeds the limit of ", limit));
     }
   }
   return absl::OkStatus();
@@ -119,8 +118,8 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
     if (int64_t(table_.size()) >= options_.max_sequences) EvictIdleLocked();
     if (int64_t(table_.size()) >= options_.max_sequences) {
       if (metrics_ != nullptr) metrics_->RecordRefused("max_sequences");
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "too many sequences: ", table_.size(), " live (--max_sequences); release some"));
+      return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
+                                                       " live (--max_sequences); release some"));
     }
     if (absl::Status s = TakePages(raw->format.page_bytes, count, &fresh); !s.ok()) return s;
     raw->pins = 1;  // hidden (not ready) and pinned while its prefix is written
@@ -159,11 +158,11 @@ absl::Status SequenceCache::TakePages(int64_t page_bytes, int64_t count,
   if (pages_.Available(page_bytes) < count) EvictIdleLocked();
   if (pages_.Allocate(page_bytes, count, offsets)) return absl::OkStatus();
   if (metrics_ != nullptr) metrics_->RecordRefused("pool_full");
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "KV cache full: ", count, " pages of ", page_bytes, " bytes needed, ",
-      pages_.Available(page_bytes), " free (", pages_.used_bytes(), " of ",
-      pages_.capacity_bytes(), " bytes in use, ", table_.size(),
-      " sequences; --kv_cache_bytes); release sequences or retry later"));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("KV cache full: ", count, " pages of ", page_bytes, " bytes needed, ",
+                   pages_.Available(page_bytes), " free (", pages_.used_bytes(), " of ",
+                   pages_.capacity_bytes(), " bytes in use, ", table_.size(),
+                   " sequences; --kv_cache_bytes); release sequences or retry later"));
 }
 
 absl::Status SequenceCache::WriteRows(Sequence* seq, int layer, const HostRows& k,

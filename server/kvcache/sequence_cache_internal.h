@@ -16,8 +16,8 @@ struct SequenceCache::Sequence {
   SequenceShape shape;
   PageFormat format;
   int64_t max_tokens = 0;
-  std::vector<int64_t> lengths;              // per layer: tokens written
-  std::vector<std::vector<int64_t>> pages;   // per layer: page offsets, in token order
+  std::vector<int64_t> lengths;             // per layer: tokens written
+  std::vector<std::vector<int64_t>> pages;  // per layer: page offsets, in token order
   absl::Time last_used;
   int pins = 0;        // running steps that read it
   bool ready = false;  // false while its prefix is written (invisible to lookups)
@@ -29,7 +29,8 @@ struct SequenceCache::Sequence {
   }
 };
 
-/// INVALID_ARGUMENT unless k and v are rows of `shape`'s K/V (dtype, heads_kv, head_dim, equal rows).
+/// INVALID_ARGUMENT unless k and v are rows of `shape`'s K/V (dtype, heads_kv, head_dim, equal
+/// rows).
 absl::Status CheckKvRows(const SequenceShape& shape, const HostRows& k, const HostRows& v);
 /// INVALID_ARGUMENT unless q is 1..kMaxQueryRows rows of `shape`'s queries.
 absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q);

@@ -14,9 +14,8 @@ absl::Status CheckRows(const SequenceShape& shape, const HostRows& rows, const c
         std::string(kernels::dtype_name(shape.dtype)), " (a sequence's dtype cannot change)"));
   }
   if (rows.heads != heads) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " has ", rows.heads,
-                                                   " heads but the sequence has ", heads_name,
-                                                   "=", heads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " has ", rows.heads, " heads but the sequence has ", heads_name, "=", heads));
   }
   if (rows.head_dim != shape.head_dim) {
     return absl::InvalidArgumentError(absl::StrCat(what, " has head_dim ", rows.head_dim,
@@ -33,8 +32,7 @@ absl::Status CheckKvRows(const SequenceShape& shape, const HostRows& k, const Ho
   if (absl::Status s = CheckRows(shape, k, "k", shape.heads_kv, "heads_kv"); !s.ok()) return s;
   if (absl::Status s = CheckRows(shape, v, "v", shape.heads_kv, "heads_kv"); !s.ok()) return s;
   if (k.rows != v.rows) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("k has ", k.rows, " rows but v has ", v.rows));
+    return absl::InvalidArgumentError(absl::StrCat("k has ", k.rows, " rows but v has ", v.rows));
   }
   return absl::OkStatus();
 }
@@ -53,8 +51,9 @@ absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {
       a.dtype != b.dtype) {
     return absl::InvalidArgumentError(absl::StrCat(
         "the sequences of one DecodeStep must share heads_q, heads_kv, head_dim and dtype: ",
-        a.heads_q, ":", a.heads_kv, ":", a.head_dim, ":", std::string(kernels::dtype_name(a.dtype)), " vs ",
-        b.heads_q, ":", b.heads_kv, ":", b.head_dim, ":", std::string(kernels::dtype_name(b.dtype))));
+        a.heads_q, ":", a.heads_kv, ":", a.head_dim, ":", std::string(kernels::dtype_name(a.dtype)),
+        " vs ", b.heads_q, ":", b.heads_kv, ":", b.head_dim, ":",
+        std::string(kernels::dtype_name(b.dtype))));
   }
   return absl::OkStatus();
 }

@@ -19,17 +19,17 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
   int64_t count = 0;
   for (const LayerRows& r : rows) {
     if (r.layer < 0 || r.layer >= seq->shape.num_layers || seen[size_t(r.layer)]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layer ", r.layer, " is out of range or given twice (num_layers ",
-          seq->shape.num_layers, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer,
+                                                     " is out of range or given twice (num_layers ",
+                                                     seq->shape.num_layers, ")"));
     }
     seen[size_t(r.layer)] = true;
     if (absl::Status s = CheckKvRows(seq->shape, r.k, r.v); !s.ok()) return s;
     const int64_t after = seq->lengths[size_t(r.layer)] + r.k.rows;
     if (after > seq->max_tokens) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
-          " tokens, past the sequence's limit of ", seq->max_tokens));
+      return absl::InvalidArgumentError(
+          absl::StrCat("appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
+                       " tokens, past the sequence's limit of ", seq->max_tokens));
     }
     count += PagesToGrow(*seq, r.layer, after);
   }
@@ -68,7 +68,8 @@ absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
   absl::MutexLock lock(&mu_);
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
-  if (seq == nullptr) return absl::NotFoundError(absl::StrCat("unknown or evicted sequence ", std::string(id)));
+  if (seq == nullptr)
+    return absl::NotFoundError(absl::StrCat("unknown or evicted sequence ", std::string(id)));
   SequenceStatus status = StatusOf(*seq);
   seq->last_used = Now();
   return status;
@@ -101,7 +102,8 @@ int64_t SequenceCache::EvictIdleLocked() {
   if (options_.ttl == absl::ZeroDuration()) return 0;
   std::vector<Sequence*> idle;
   for (auto& [id, seq] : table_) {
-    if (seq->ready && seq->pins == 0 && now - seq->last_used >= options_.ttl) idle.push_back(seq.get());
+    if (seq->ready && seq->pins == 0 && now - seq->last_used >= options_.ttl)
+      idle.push_back(seq.get());
   }
   for (Sequence* seq : idle) Remove(seq);
   evictions_ += int64_t(idle.size());

@@ -34,9 +34,9 @@ absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
   if (missing.empty()) return absl::OkStatus();
   if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
   const std::string joined = absl::StrJoin(missing, ",");
-  absl::Status status = absl::NotFoundError(
-      absl::StrCat("unknown or evicted sequence(s): ", joined.substr(0, 4096),
-                   " (re-create them with their prefix)"));
+  absl::Status status =
+      absl::NotFoundError(absl::StrCat("unknown or evicted sequence(s): ", joined.substr(0, 4096),
+                                       " (re-create them with their prefix)"));
   status.SetPayload(kMissingIdsPayload, absl::Cord(joined));
   return status;
 }
@@ -54,8 +54,8 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
                                                      seq.shape.num_layers, ")"));
     }
     if (!seen.insert({&seq, item.layer}).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "item ", i, ": sequence ", item.id, " layer ", item.layer, " appears twice in one call"));
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": sequence ", item.id, " layer ",
+                                                     item.layer, " appears twice in one call"));
     }
     if (absl::Status s = CheckQueryRows(seq.shape, item.q); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
@@ -107,7 +107,7 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
   for (size_t i = 0; i < items.size(); ++i) {
     Sequence* seq = found[i];
     if (absl::Status s = WriteRows(seq, items[i].layer, items[i].k, items[i].v, &fresh); !s.ok()) {
-      pages_.Free(seq->format.page_bytes, fresh);  // a device fault
+      pages_.Free(seq->format.page_bytes, fresh);                      // a device fault
       for (void* p : plan.pinned_) --static_cast<Sequence*>(p)->pins;  // under mu_ already
       plan.pinned_.clear();
       plan.cache_ = nullptr;

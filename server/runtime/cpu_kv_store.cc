@@ -41,8 +41,8 @@ absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map ", bytes, " bytes for the KV cache (--kv_cache_bytes): ",
-                     std::strerror(errno)));
+        absl::StrCat("cannot map ", bytes,
+                     " bytes for the KV cache (--kv_cache_bytes): ", std::strerror(errno)));
   }
   return std::unique_ptr<CpuKvStore>(new CpuKvStore(static_cast<char*>(base), bytes, pool));
 }
@@ -71,9 +71,9 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, std::string* k
       }
       continue;
     }
-    kernels::AttentionParams p = kernels::make_contiguous_params(
-        s.dtype, 1, item.rows_q, int(item.length), s.heads_q, s.heads_kv, s.head_dim,
-        batch.causal, batch.softmax_scale);
+    kernels::AttentionParams p =
+        kernels::make_contiguous_params(s.dtype, 1, item.rows_q, int(item.length), s.heads_q,
+                                        s.heads_kv, s.head_dim, batch.causal, batch.softmax_scale);
     char* q = Scratch::Aligned(&scratch.q, q_bytes);
     std::memcpy(q, item.q, size_t(q_bytes));
     char* k = Scratch::Aligned(&scratch.k, item.length * batch.format.row_bytes);

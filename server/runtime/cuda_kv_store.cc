@@ -31,8 +31,8 @@ struct CudaKvStore::Packed {
 absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, int device,
                                                                  int sm_count,
                                                                  ErrorHandler on_error) {
-  auto store = std::unique_ptr<CudaKvStore>(
-      new CudaKvStore(bytes, device, sm_count, std::move(on_error)));
+  auto store =
+      std::unique_ptr<CudaKvStore>(new CudaKvStore(bytes, device, sm_count, std::move(on_error)));
   cudaSetDevice(device);
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&store->pool_), size_t(bytes));
   if (e != cudaSuccess) {
@@ -86,8 +86,8 @@ absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int
                                : cudaHostAlloc(buffer, size_t(grown), cudaHostAllocDefault);
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("KV launch scratch of ", grown, " bytes: ",
-                                                     cudaGetErrorString(e)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV launch scratch of ", grown, " bytes: ", cudaGetErrorString(e)));
   }
   *capacity = grown;
   return absl::OkStatus();
@@ -165,8 +165,8 @@ absl::Status CudaKvStore::Launch(const kvcache::PagedBatch& batch, const Packed&
   p.block_table_stride = pk.max_pages;
   p.num_splits = kernels::cuda::decode_num_splits(p, sm_count_);
   const int64_t workspace = int64_t(kernels::cuda::decode_workspace_bytes(p, p.num_splits));
-  if (absl::Status st = Reserve(true, pk.workspace + workspace, &device_scratch_,
-                                &device_scratch_bytes_);
+  if (absl::Status st =
+          Reserve(true, pk.workspace + workspace, &device_scratch_, &device_scratch_bytes_);
       !st.ok()) {
     return st;
   }
@@ -188,7 +188,8 @@ absl::Status CudaKvStore::Launch(const kvcache::PagedBatch& batch, const Packed&
     return absl::InvalidArgumentError(absl::StrCat("the decode kernel cannot run this: ", why));
   }
   FillHost(batch, pk);
-  cudaError_t e = cudaMemcpyAsync(dev, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice, stream_);
+  cudaError_t e =
+      cudaMemcpyAsync(dev, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice, stream_);
   if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
   if (e == cudaSuccess) {
     e = cudaMemcpyAsync(host + pk.o, dev + pk.o, size_t(pk.outputs_end - pk.o),

@@ -8,7 +8,9 @@ namespace flashserve {
 
 DecodeBatcher::DecodeBatcher(absl::Duration window, int max_sequences,
                              std::function<void(Batch)> flush)
-    : window_(window), max_sequences_(max_sequences), flush_(std::move(flush)),
+    : window_(window),
+      max_sequences_(max_sequences),
+      flush_(std::move(flush)),
       thread_([this] { Loop(); }) {}
 
 DecodeBatcher::~DecodeBatcher() {
@@ -25,9 +27,10 @@ absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences)
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("server shutting down");
     if (pending_sequences_ + sequences > 4 * max_sequences_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "decode batch queue full (", pending_sequences_, " sequences waiting; "
-          "4 x --max_batch_sequences)"));
+      return absl::ResourceExhaustedError(absl::StrCat("decode batch queue full (",
+                                                       pending_sequences_,
+                                                       " sequences waiting; "
+                                                       "4 x --max_batch_sequences)"));
     }
     if (pending_.empty()) first_arrival_ = std::chrono::steady_clock::now();
     pending_.push_back(std::move(call));

@@ -60,8 +60,8 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
   if (metrics != nullptr) {
     runtime->metrics_ = std::make_unique<kvcache::KvCacheMetrics>(&metrics->registry());
   }
-  absl::StatusOr<std::unique_ptr<kvcache::SequenceCache>> cache = kvcache::SequenceCache::Create(
-      options.cache, runtime->store_.get(), runtime->metrics_.get());
+  absl::StatusOr<std::unique_ptr<kvcache::SequenceCache>> cache =
+      kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
   if (!cache.ok()) return cache.status();
   runtime->cache_ = std::move(*cache);
   if (options.batch_window_us > 0) {
@@ -81,9 +81,9 @@ SequenceRuntime::~SequenceRuntime() { batcher_.reset(); }
 void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
   const int n = int(call->items.size());
   if (n < 1 || n > options_.max_batch_sequences) {
-    call->done(absl::InvalidArgumentError(absl::StrCat(
-                   "a DecodeStep holds 1..", options_.max_batch_sequences,
-                   " items (--max_batch_sequences), got ", n)),
+    call->done(absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..",
+                                                       options_.max_batch_sequences,
+                                                       " items (--max_batch_sequences), got ", n)),
                {});
     return;
   }
@@ -143,9 +143,8 @@ void SequenceRuntime::RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls) {
   for (Prepared& p : ready) {
     const size_t n = p.plan.batch.items.size();
     size_t g = 0;
-    while (g < launches.size() &&
-           !(SameLaunch(launches[g][0]->plan.batch, p.plan.batch) &&
-             sizes[g] + n <= size_t(options_.max_batch_sequences))) {
+    while (g < launches.size() && !(SameLaunch(launches[g][0]->plan.batch, p.plan.batch) &&
+                                    sizes[g] + n <= size_t(options_.max_batch_sequences))) {
       ++g;
     }
     if (g == launches.size()) {
@@ -171,7 +170,8 @@ void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
   const absl::Time t0 = absl::Now();
   const absl::Status status = store_->Attend(merged, &kernel);
   const int64_t compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
-  if (metrics_ != nullptr) metrics_->RecordLaunch(int64_t(merged.items.size()), int64_t(launch.size()));
+  if (metrics_ != nullptr)
+    metrics_->RecordLaunch(int64_t(merged.items.size()), int64_t(launch.size()));
   for (Prepared* p : launch) {
     p->report.compute_us = compute_us;
     p->report.kernel = kernel;

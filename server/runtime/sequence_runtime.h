@@ -22,9 +22,9 @@
 namespace flashserve {
 
 struct SequenceRuntimeOptions {
-  kvcache::KvCacheOptions cache;  // capacity_bytes 0: the Sequences API is off
-  int64_t batch_window_us = 0;    // --batch_window_us; 0: every call runs alone
-  int max_batch_sequences = 1024; // --max_batch_sequences: sequences per launch (and per call)
+  kvcache::KvCacheOptions cache;   // capacity_bytes 0: the Sequences API is off
+  int64_t batch_window_us = 0;     // --batch_window_us; 0: every call runs alone
+  int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
 
   /// INVALID_ARGUMENT naming the flag.
   absl::Status Check() const;
@@ -36,7 +36,7 @@ struct DecodeReport {
   int64_t compute_us = 0;  // the launch (append excluded)
   int64_t append_us = 0;   // rows appended to the pool (host or device copies)
   std::string kernel;
-  int batched_calls = 1;   // calls that ran in the same launch
+  int batched_calls = 1;         // calls that ran in the same launch
   std::vector<int64_t> lengths;  // per item: the layer's length after the append
 };
 

@@ -19,8 +19,8 @@ absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const
     return absl::InvalidArgumentError(absl::StrCat(name, ": dtype must be FLOAT16 or BFLOAT16"));
   }
   if (tensor.shape_size() != 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(name, ": shape must be [rows, heads, head_dim], got rank ", tensor.shape_size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": shape must be [rows, heads, head_dim], got rank ", tensor.shape_size()));
   }
   for (int64_t dim : tensor.shape()) {
     if (dim < 0 || dim >= kMaxDim) {
@@ -37,9 +37,9 @@ absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const
                     rows.head_dim <= kMaxFactor;
   const int64_t row_bytes = sane ? rows.heads * rows.head_dim * 2 : 1;
   if (!sane || bytes % row_bytes != 0 || bytes / row_bytes != rows.rows) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ": ", bytes, " data bytes do not match shape [", rows.rows, ", ", rows.heads, ", ",
-        rows.head_dim, "] of 2-byte elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", bytes, " data bytes do not match shape [", rows.rows, ", ",
+                     rows.heads, ", ", rows.head_dim, "] of 2-byte elements"));
   }
   rows.data = tensor.data().data();
   return rows;

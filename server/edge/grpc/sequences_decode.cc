@@ -34,8 +34,8 @@ void AddOutputs(const kvcache::StepItem& item, bool return_lse, v1::Tensor* out,
   const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
   call->out.push_back(PrepareOutput(out, dtype, {item.q.rows, item.q.heads, item.q.head_dim}, 2));
   if (return_lse) {
-    call->lse.push_back(reinterpret_cast<float*>(
-        PrepareOutput(lse, v1::FLOAT32, {item.q.heads, item.q.rows}, 4)));
+    call->lse.push_back(
+        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {item.q.heads, item.q.rows}, 4)));
   }
 }
 
@@ -85,8 +85,8 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
     }
     call->items.push_back(*std::move(item));
   }
-  absl::StatusOr<float> scale = ScaleFrom(request.has_softmax_scale(), request.softmax_scale(),
-                                          call->items[0].q.head_dim);
+  absl::StatusOr<float> scale =
+      ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
   for (const kvcache::StepItem& item : call->items) {

@@ -151,11 +151,10 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
   grpc_call->Start(int64_t(request->ByteSizeLong()));
   grpc_call->set_session_id(request->sequence_id());
   const absl::Time received = grpc_call->started();
-  return Launch(context, grpc_call, BuildAttend(*request, response),
-                [response, received](const DecodeReport& report) {
-                  FillAttend(report, received, response);
-                },
-                response);
+  return Launch(
+      context, grpc_call, BuildAttend(*request, response),
+      [response, received](const DecodeReport& report) { FillAttend(report, received, response); },
+      response);
 }
 
 grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerContext* context,
@@ -165,11 +164,12 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   grpc_call->Start(int64_t(request->ByteSizeLong()));
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();
-  return Launch(context, grpc_call, BuildDecodeStep(*request, max_items, response),
-                [response, received](const DecodeReport& report) {
-                  FillDecodeStep(report, received, response);
-                },
-                response);
+  return Launch(
+      context, grpc_call, BuildDecodeStep(*request, max_items, response),
+      [response, received](const DecodeReport& report) {
+        FillDecodeStep(report, received, response);
+      },
+      response);
 }
 
 grpc::ServerUnaryReactor* SequencesService::GetSequenceInfo(
@@ -179,8 +179,7 @@ grpc::ServerUnaryReactor* SequencesService::GetSequenceInfo(
   call.Start(int64_t(request->ByteSizeLong()));
   absl::Status status = sequences_ == nullptr ? Disabled() : absl::OkStatus();
   if (status.ok()) {
-    absl::StatusOr<kvcache::SequenceStatus> info =
-        sequences_->cache().Info(request->sequence_id());
+    absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request->sequence_id());
     status = info.status();
     if (info.ok()) FillSequenceInfo(*info, response);
   }

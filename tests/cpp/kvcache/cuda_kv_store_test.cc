@@ -1,13 +1,14 @@
 // The KV cache on the CUDA store: appends through the SequenceCache, one paged split-KV launch per
 // step over sequences of different lengths (one empty), GQA, d64/d128, fp16/bf16, odd page sizes,
 // checked against the fp64 reference. Skips without a GPU (label "gpu"; the lead runs these).
+#include "runtime/cuda_kv_store.h"
+
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
 #include "flashserve/kernels/decode_attention.h"
 #include "kv_test_util.h"
 #include "kvcache/sequence_cache.h"
-#include "runtime/cuda_kv_store.h"
 
 namespace flashserve::kvcache {
 namespace {
@@ -49,8 +50,8 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   int faults = 0;
   int sm_count = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
-      64 << 20, 0, sm_count, [&faults](cudaError_t e, const char* what) {
+  absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
+      CudaKvStore::Create(64 << 20, 0, sm_count, [&faults](cudaError_t e, const char* what) {
         ++faults;
         return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
       });
@@ -69,8 +70,8 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
     dense[size_t(i)].Append(k, v);
     CreateRequest request;
     request.shape = s;
-    request.prefix.push_back({0, Rows(k, c.heads_kv, c.head_dim, c.dtype),
-                              Rows(v, c.heads_kv, c.head_dim, c.dtype)});
+    request.prefix.push_back(
+        {0, Rows(k, c.heads_kv, c.head_dim, c.dtype), Rows(v, c.heads_kv, c.head_dim, c.dtype)});
     absl::StatusOr<SequenceStatus> created = cache->CreateSequence(request);
     ASSERT_TRUE(created.ok()) << created.status();
     ids.push_back(created->id);
@@ -113,10 +114,11 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   EXPECT_EQ(faults, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Grid, CudaKvStoreTest,
-    ::testing::Values(Case{DType::kBFloat16, 32, 8, 128, 64}, Case{DType::kFloat16, 32, 8, 128, 16},
-                      Case{DType::kBFloat16, 8, 8, 64, 7}, Case{DType::kFloat16, 12, 4, 64, 64}));
+INSTANTIATE_TEST_SUITE_P(Grid, CudaKvStoreTest,
+                         ::testing::Values(Case{DType::kBFloat16, 32, 8, 128, 64},
+                                           Case{DType::kFloat16, 32, 8, 128, 16},
+                                           Case{DType::kBFloat16, 8, 8, 64, 7},
+                                           Case{DType::kFloat16, 12, 4, 64, 64}));
 
 }  // namespace
 }  // namespace flashserve::kvcache

@@ -80,7 +80,8 @@ inline int CheckAgainstReference(const SequenceShape& s, const DenseLayer& layer
     ref_o.assign(out.size(), 0.0);
     ref_lse.assign(lse.size(), -std::numeric_limits<double>::infinity());
   }
-  const double ulp = s.dtype == kernels::DType::kFloat16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+  const double ulp =
+      s.dtype == kernels::DType::kFloat16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
   int failures = 0;
   for (size_t i = 0; i < out.size(); ++i) {
     const double o = s.dtype == kernels::DType::kFloat16 ? kernels::half_to_float(out[i])

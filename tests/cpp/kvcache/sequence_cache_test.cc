@@ -12,11 +12,11 @@
 namespace flashserve::kvcache {
 namespace {
 
+using kernels::DType;
 using testing::Bits;
 using testing::DenseLayer;
 using testing::RandomRows;
 using testing::Rows;
-using kernels::DType;
 
 SequenceShape Shape(int layers, int hq, int hkv, int d, DType dtype) {
   SequenceShape s;
@@ -113,15 +113,16 @@ class SequenceCacheTest : public ::testing::Test {
 
 TEST_F(SequenceCacheTest, AppendThenAttendMatchesFp64OverManySteps) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
-    Make(16 << 20, 7);  // odd page size: rows straddle pages
+    Make(16 << 20, 7);                                  // odd page size: rows straddle pages
     const SequenceShape s = Shape(3, 6, 2, 40, dtype);  // GQA 3, odd head_dim
     std::vector<DenseLayer> a, b;
     const std::string id_a = NewSequence(s, &a, 5);
     const std::string id_b = NewSequence(s, &b, 0);  // starts empty
     for (int step = 0; step < 23; ++step) {
       const int layer = step % 3;
-      ASSERT_TRUE(Step(s, {id_a, id_b}, {layer, (layer + 1) % 3}, {&a, &b}, step % 4 == 3 ? 0 : 1,
-                       1, false).ok());
+      ASSERT_TRUE(
+          Step(s, {id_a, id_b}, {layer, (layer + 1) % 3}, {&a, &b}, step % 4 == 3 ? 0 : 1, 1, false)
+              .ok());
     }
     // Speculative verification: 3 new rows, 3 query rows, causal bottom-right.
     ASSERT_TRUE(Step(s, {id_a, id_b}, {0, 2}, {&a, &b}, 3, 3, true).ok());
@@ -246,8 +247,9 @@ TEST_F(SequenceCacheTest, BadInputsAreInvalidArgumentAndChangeNothing) {
       {"k head_dim", {{id, 0, good_q, wrong_heads, wrong_heads}}, "head_dim"},
       {"layer", {{id, 2, good_q, good_kv, good_kv}}, "out of range"},
       {"twice", {{id, 1, good_q, good_kv, good_kv}, {id, 1, good_q, good_kv, good_kv}}, "twice"},
-      {"past limit", {{id, 1, good_q, Rows(kv3, 2, 32, DType::kFloat16),
-                       Rows(kv3, 2, 32, DType::kFloat16)}}, "limit"},
+      {"past limit",
+       {{id, 1, good_q, Rows(kv3, 2, 32, DType::kFloat16), Rows(kv3, 2, 32, DType::kFloat16)}},
+       "limit"},
       {"q rows", {{id, 0, Rows(q17, 4, 32, DType::kFloat16), good_kv, good_kv}}, "rows"},
       {"k != v", {{id, 0, good_q, good_kv, Rows(kv3, 2, 32, DType::kFloat16)}}, "rows"},
   };

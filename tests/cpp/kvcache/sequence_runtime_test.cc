@@ -48,8 +48,8 @@ class SequenceRuntimeTest : public ::testing::Test {
     dense->Append(k, v);
     kvcache::CreateRequest request;
     request.shape = s;
-    request.prefix.push_back({0, Rows(k, s.heads_kv, s.head_dim, s.dtype),
-                              Rows(v, s.heads_kv, s.head_dim, s.dtype)});
+    request.prefix.push_back(
+        {0, Rows(k, s.heads_kv, s.head_dim, s.dtype), Rows(v, s.heads_kv, s.head_dim, s.dtype)});
     return runtime_->cache().CreateSequence(request)->id;
   }
 
@@ -126,8 +126,7 @@ TEST_F(SequenceRuntimeTest, CancelledAndExpiredCallsAppendNothing) {
   call = Call(s, id, &expired);
   call->deadline = absl::Now() - absl::Seconds(1);
   runtime_->Submit(call);
-  EXPECT_EQ(expired.answer.get_future().get().status.code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(expired.answer.get_future().get().status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(runtime_->cache().Info(id)->lengths[0], 6);
 }
 
@@ -139,12 +138,14 @@ TEST_F(SequenceRuntimeTest, AFullQueueRefusesAtOnce) {
   std::mutex mu;
   std::condition_variable cv;
   bool release = false, started = false;
-  ASSERT_TRUE(scheduler_->Submit([&] {  // occupies the one worker
-    std::unique_lock<std::mutex> lock(mu);
-    started = true;
-    cv.notify_all();
-    cv.wait(lock, [&] { return release; });
-  }).ok());
+  ASSERT_TRUE(scheduler_
+                  ->Submit([&] {  // occupies the one worker
+                    std::unique_lock<std::mutex> lock(mu);
+                    started = true;
+                    cv.notify_all();
+                    cv.wait(lock, [&] { return release; });
+                  })
+                  .ok());
   {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return started; });
@@ -152,8 +153,7 @@ TEST_F(SequenceRuntimeTest, AFullQueueRefusesAtOnce) {
   ASSERT_TRUE(scheduler_->Submit([] {}).ok());  // fills the queue of one
   Holder refused;
   runtime_->Submit(Call(s, id, &refused));
-  EXPECT_EQ(refused.answer.get_future().get().status.code(),
-            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.answer.get_future().get().status.code(), absl::StatusCode::kResourceExhausted);
   {
     std::lock_guard<std::mutex> lock(mu);
     release = true;
