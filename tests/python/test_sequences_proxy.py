@@ -138,8 +138,9 @@ def _holder(servers, seq):
             continue
         with flashserve.SequenceClient(server.address, timeout=10, reprefill=False) as direct:
             try:
-                direct.stub(server.address).GetSequenceInfo(
-                    flashserve.sequences_pb2.GetSequenceInfoRequest(sequence_id=seq.id), timeout=10)
+                direct.stub(server.address).GetSequenceInfo(  # wait_for_ready: a restarted server may still
+                    flashserve.sequences_pb2.GetSequenceInfoRequest(sequence_id=seq.id), timeout=10,  # connect
+                    wait_for_ready=True)
                 holders.append(index)
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.NOT_FOUND, e
@@ -179,7 +180,8 @@ def test_proxy_in_front_of_real_servers_one_killed_then_back(start_server, tmp_p
             monkeypatch.setattr(conftest, "free_port", iter(ports).__next__)
             back.start(attempts=1)
             monkeypatch.undo()
-            time.sleep(1.5)  # past fail_timeout: nginx tries the server again
+            # Past fail_timeout (nginx compares whole seconds: "now - checked <= 1" holds for up to 2.99 s).
+            time.sleep(3.0)
             for _ in range(2):
                 _round(client, seqs, truth)
             for seq in seqs:
