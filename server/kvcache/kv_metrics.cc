@@ -6,9 +6,10 @@ KvCacheMetrics::KvCacheMetrics(metrics::Registry* registry) {
   sequences_ = registry->AddGauge("flashserve_kv_sequences", "Live KV cache sequences").Get();
   auto& bytes =
       registry->AddGauge("flashserve_kv_pool_bytes",
-                         "KV pool bytes: held in pages (used) and in all (capacity)", {"state"});
+                         "KV pool bytes: held in pages (used), not held (free), in all (capacity)", {"state"});
   used_bytes_ = bytes.Labels({"used"});
   capacity_bytes_ = bytes.Labels({"capacity"});
+  free_bytes_ = bytes.Labels({"free"});
   pages_used_ = registry->AddGauge("flashserve_kv_pages_used", "KV pool pages held").Get();
   created_ =
       registry->AddCounter("flashserve_kv_sequences_created_total", "Sequences created").Get();
@@ -42,6 +43,7 @@ void KvCacheMetrics::SetPool(int64_t sequences, int64_t used_bytes, int64_t capa
   sequences_->Set(double(sequences));
   used_bytes_->Set(double(used_bytes));
   capacity_bytes_->Set(double(capacity_bytes));
+  free_bytes_->Set(double(capacity_bytes - used_bytes));
   pages_used_->Set(double(pages_used));
 }
 

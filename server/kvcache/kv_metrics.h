@@ -14,7 +14,7 @@ class KvCacheMetrics {
  public:
   explicit KvCacheMetrics(metrics::Registry* registry);
 
-  /// Gauges: live sequences, pool bytes used / capacity, pages held.
+  /// Gauges: live sequences, pool bytes used / free / capacity, pages held.
   void SetPool(int64_t sequences, int64_t used_bytes, int64_t capacity_bytes, int64_t pages_used);
   void RecordCreated() { created_->Increment(); }
   void RecordReleased(int64_t n) { released_->Increment(uint64_t(n)); }
@@ -28,6 +28,7 @@ class KvCacheMetrics {
   metrics::Gauge* sequences_;
   metrics::Gauge* used_bytes_;
   metrics::Gauge* capacity_bytes_;
+  metrics::Gauge* free_bytes_;
   metrics::Gauge* pages_used_;
   metrics::Counter* created_;
   metrics::Counter* released_;

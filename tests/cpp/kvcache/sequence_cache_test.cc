@@ -311,3 +311,39 @@ TEST_F(SequenceCacheTest, ConcurrentStepsOnSharedAndDisjointSequences) {
 
 }  // namespace
 }  // namespace flashserve::kvcache
+
+namespace flashserve::kvcache {
+namespace {
+
+TEST(KvCacheMetrics, FollowThePool) {
+  metrics::Registry registry;
+  KvCacheMetrics metrics(&registry);
+  kernels::cpu::ThreadPool pool(1);
+  std::unique_ptr<CpuKvStore> store = *CpuKvStore::Create(4 << 20, &pool);
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store.get(), &metrics);
+  CreateRequest request;
+  request.shape = {1, 2, 2, 64, kernels::DType::kFloat16};  // page: 16 x 2 x 256 B = 8 KiB
+  std::mt19937 rng(1);
+  testing::Bits k = testing::RandomRows(&rng, 20, 2, 64, kernels::DType::kFloat16);
+  request.prefix.push_back({0, testing::Rows(k, 2, 64, kernels::DType::kFloat16),
+                            testing::Rows(k, 2, 64, kernels::DType::kFloat16)});
+  const std::string id = cache->CreateSequence(request)->id;
+  std::string text = registry.Render();
+  EXPECT_NE(text.find("flashserve_kv_sequences 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flashserve_kv_pages_used 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flashserve_kv_pool_bytes{state=\"used\"} 16384\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_pool_bytes{state=\"free\"} 4177920\n"), std::string::npos);
+  EXPECT_TRUE(cache->Release({id}).empty());
+  EXPECT_FALSE(cache->Append(id, {}).ok());
+  text = registry.Render();
+  EXPECT_NE(text.find("flashserve_kv_sequences 0\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_sequences_released_total 1\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_refusals_total{reason=\"not_found\"} 1\n"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
