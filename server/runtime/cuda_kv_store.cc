@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "flashserve/kernels/decode_attention.h"
+#include "runtime/kv_scatter.h"
 
 namespace flashserve {
 
@@ -45,6 +46,21 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
   if ((e = cudaStreamCreateWithFlags(&store->stream_, cudaStreamNonBlocking)) != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
   }
+  static_assert(sizeof(KvScatterRange) == 24, "kRangeBytes assumes 24-byte ranges");
+  const size_t stage = size_t(kRangeBytes + kStageDataBytes);
+  e = cudaMalloc(reinterpret_cast<void**>(&store->stage_device_), stage);
+  for (int i = 0; i < 2 && e == cudaSuccess; ++i) {
+    e = cudaHostAlloc(reinterpret_cast<void**>(&store->stage_host_[i]), stage,
+                      cudaHostAllocDefault);
+    if (e == cudaSuccess) {
+      e = cudaEventCreateWithFlags(&store->stage_done_[i], cudaEventDisableTiming);
+    }
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache write stage: ", cudaGetErrorString(e)));
+  }
   return store;
 }
 
@@ -57,6 +73,11 @@ CudaKvStore::~CudaKvStore() {
   cudaFree(pool_);
   cudaFree(device_scratch_);
   cudaFreeHost(host_scratch_);
+  cudaFree(stage_device_);
+  for (int i = 0; i < 2; ++i) {
+    cudaFreeHost(stage_host_[i]);
+    if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
+  }
 }
 
 std::vector<int> CudaKvStore::head_dims() const { return kernels::cuda::decode_head_dims(); }
@@ -65,11 +86,47 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
   if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
     return absl::InternalError("KV store write outside the pool");
   }
+  std::lock_guard<std::mutex> lock(write_mu_);
   cudaSetDevice(device_);
-  // From pageable memory the driver stages the bytes before returning, so `src` may be reused.
-  const cudaError_t e =
-      cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyHostToDevice, stream_);
-  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
+  if (bytes >= kDirectWriteBytes) {
+    // After what is staged (the stream keeps the writes in order). From pageable memory the
+    // driver stages the bytes before returning, so `src` may be reused.
+    if (absl::Status s = FlushLocked(); !s.ok()) return s;
+    const cudaError_t e =
+        cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyHostToDevice, stream_);
+    return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
+  }
+  const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
+  if (staged_ranges_ == kMaxRanges || staged_bytes_ + padded > kStageDataBytes) {
+    if (absl::Status s = FlushLocked(); !s.ok()) return s;
+  }
+  char* host = stage_host_[stage_index_];
+  reinterpret_cast<KvScatterRange*>(host)[staged_ranges_++] = {offset, staged_bytes_, bytes};
+  std::memcpy(host + kRangeBytes + staged_bytes_, src, size_t(bytes));
+  staged_bytes_ += padded;
+  return absl::OkStatus();
+}
+
+absl::Status CudaKvStore::FlushLocked() {
+  if (staged_ranges_ == 0) return absl::OkStatus();
+  const char* host = stage_host_[stage_index_];
+  cudaError_t e = cudaMemcpyAsync(stage_device_, host, size_t(staged_ranges_) * 24,
+                                  cudaMemcpyHostToDevice, stream_);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(stage_device_ + kRangeBytes, host + kRangeBytes, size_t(staged_bytes_),
+                        cudaMemcpyHostToDevice, stream_);
+  }
+  if (e == cudaSuccess) {
+    e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_), staged_ranges_,
+                        stage_device_ + kRangeBytes, pool_, stream_);
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(stage_done_[stage_index_], stream_);
+  stage_index_ ^= 1;
+  staged_ranges_ = 0;
+  staged_bytes_ = 0;
+  // The other buffer is filled from now on: the copies that read it last must have finished.
+  if (e == cudaSuccess) e = cudaEventSynchronize(stage_done_[stage_index_]);
+  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write flush");
 }
 
 absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity) {
@@ -133,6 +190,10 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, std::string* 
   pk.workspace = Align(pk.outputs_end);
   std::lock_guard<std::mutex> lock(launch_mu_);
   cudaSetDevice(device_);
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);  // rows written so far land first
+    if (absl::Status st = FlushLocked(); !st.ok()) return st;
+  }
   if (absl::Status st = Launch(batch, pk); !st.ok()) return st;
   Scatter(batch, pk);
   *kernel = "decode_paged_splitkv";

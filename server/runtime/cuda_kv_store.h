@@ -4,9 +4,10 @@
 //
 // Writes and launches go to one stream of its own, in the order they are issued, so a launch
 // sees every row written before it started (the SequenceCache issues writes under its lock).
-// Launches are serialized (one set of scratch buffers); a batch of many sequences is one launch.
-// Known cost: each contiguous run of rows is one cudaMemcpyAsync from pageable memory (two per
-// item and step); a staged scatter (one copy + one kernel per step) is the next step.
+// Small writes (a decode step's rows) are staged in pinned memory and land in the pool by one
+// H2D copy and one scatter launch (runtime/kv_scatter.h) when the stage is flushed: before every
+// launch, before a large write, or when the stage is full; large writes (prefixes) are copied
+// directly. Launches are serialized (one set of scratch buffers); a batch is one launch.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -46,6 +47,8 @@ class CudaKvStore final : public kvcache::KvStore {
       : bytes_(bytes), device_(device), sm_count_(sm_count), on_error_(std::move(on_error)) {}
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
   absl::Status Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity);
+  // Queues the staged writes (ranges, data, scatter) and switches to the other stage buffer.
+  absl::Status FlushLocked();
   // Fills the pinned scratch with the packed queries and tables.
   void FillHost(const kvcache::PagedBatch& batch, const Packed& packed);
   // Queues the input copy, the decode kernel and the output copy; waits for them.
@@ -64,6 +67,19 @@ class CudaKvStore final : public kvcache::KvStore {
   int64_t device_scratch_bytes_ = 0;
   void* host_scratch_ = nullptr;  // pinned
   int64_t host_scratch_bytes_ = 0;
+
+  // The write stage: two pinned buffers used in turn ([ranges][data]), one device copy of them.
+  static constexpr int kMaxRanges = 8192;
+  static constexpr int64_t kRangeBytes = int64_t(kMaxRanges) * 24;  // sizeof(KvScatterRange)
+  static constexpr int64_t kStageDataBytes = int64_t(4) << 20;
+  static constexpr int64_t kDirectWriteBytes = int64_t(64) << 10;  // and larger: no staging
+  std::mutex write_mu_;  // guards the stage; taken after launch_mu_, never before
+  char* stage_host_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
+  char* stage_device_ = nullptr;
+  int stage_index_ = 0;
+  int staged_ranges_ = 0;
+  int64_t staged_bytes_ = 0;
 };
 
 }  // namespace flashserve
