@@ -39,7 +39,7 @@ absl::StatusOr<std::unique_ptr<SequenceCache>> SequenceCache::Create(const KvCac
 
 SequenceCache::SequenceCache(const KvCacheOptions& options, KvStore* store, KvCacheMetrics* metrics)
     : options_(options), store_(store), metrics_(metrics), pages_(options.capacity_bytes) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   last_sweep_ = Now();
   PublishLocked();
 }
@@ -113,7 +113,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   std::vector<int64_t> fresh;
   Sequence* raw = seq.get();
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     MaybeEvictLocked();
     if (int64_t(table_.size()) >= options_.max_sequences) EvictIdleLocked();
     if (int64_t(table_.size()) >= options_.max_sequences) {
@@ -132,7 +132,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   for (const LayerRows& rows : request.prefix) {
     if (written.ok()) written = WriteRows(raw, rows.layer, rows.k, rows.v, &fresh);
   }
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   raw->pins = 0;
   if (!written.ok()) {
     pages_.Free(raw->format.page_bytes, fresh);  // taken for layers not reached
@@ -216,7 +216,7 @@ void SequenceCache::Remove(Sequence* seq) {
 }
 
 void SequenceCache::Unpin(const std::vector<void*>& pinned) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (void* p : pinned) {
     Sequence* seq = static_cast<Sequence*>(p);
     if (--seq->pins > 0) continue;

@@ -9,15 +9,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvcache/kv_metrics.h"
 #include "kvcache/kv_store.h"
@@ -134,39 +133,41 @@ class SequenceCache {
   SequenceCache(const KvCacheOptions& options, KvStore* store, KvCacheMetrics* metrics);
 
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
-  Sequence* FindLocked(std::string_view id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Sequence* FindLocked(std::string_view id);  // needs mu_
   absl::Status ValidateCreate(const CreateRequest& request) const;
   absl::Status ValidateStep(const std::vector<StepItem>& items,
                             const std::vector<Sequence*>& found) const;
-  absl::Status FindAll(const std::vector<StepItem>& items, std::vector<Sequence*>* found)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status FindAll(const std::vector<StepItem>& items,
+                       std::vector<Sequence*>* found);  // needs mu_
   // Pages to add to `seq`'s layer for it to hold `new_length` tokens.
   int64_t PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const;
   // Takes `count` pages of `page_bytes`, evicting idle sequences first if that makes room.
-  absl::Status TakePages(int64_t page_bytes, int64_t count, std::vector<int64_t>* offsets)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status TakePages(int64_t page_bytes, int64_t count,
+                         std::vector<int64_t>* offsets);  // needs mu_
   // Appends rows at the layer's end, growing its page table from `fresh` (pages already taken).
   absl::Status WriteRows(Sequence* seq, int layer, const HostRows& k, const HostRows& v,
                          std::vector<int64_t>* fresh);
-  void Remove(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreePages(Sequence* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Remove(Sequence* seq);     // needs mu_
+  void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
-  void MaybeEvictLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t EvictIdleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void PublishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MaybeEvictLocked();    // needs mu_
+  int64_t EvictIdleLocked();  // needs mu_
+  void PublishLocked();       // needs mu_
   SequenceStatus StatusOf(const Sequence& seq) const;
   PagedItem ItemFor(const Sequence& seq, int layer, const HostRows& q) const;
 
   const KvCacheOptions options_;
   KvStore* const store_;
   KvCacheMetrics* const metrics_;
-  absl::Mutex mu_;
-  PageAllocator pages_ ABSL_GUARDED_BY(mu_);
-  std::unordered_map<std::string, std::unique_ptr<Sequence>> table_ ABSL_GUARDED_BY(mu_);
+  // A std::mutex (not absl::Mutex) so that ThreadSanitizer sees it: the system's Abseil is not
+  // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
+  std::mutex mu_;
+  PageAllocator pages_;
+  std::unordered_map<std::string, std::unique_ptr<Sequence>> table_;
   // Released or evicted while pinned: freed by the last Unpin.
-  std::unordered_map<Sequence*, std::unique_ptr<Sequence>> retired_ ABSL_GUARDED_BY(mu_);
-  absl::Time last_sweep_ ABSL_GUARDED_BY(mu_);
-  int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unordered_map<Sequence*, std::unique_ptr<Sequence>> retired_;
+  absl::Time last_sweep_;
+  int64_t evictions_ = 0;
 };
 
 }  // namespace flashserve::kvcache

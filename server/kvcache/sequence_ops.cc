@@ -8,7 +8,7 @@ namespace flashserve::kvcache {
 
 absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
                                                            const std::vector<LayerRows>& rows) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
   if (seq == nullptr) {
@@ -47,7 +47,7 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
 }
 
 std::vector<std::string> SequenceCache::Release(const std::vector<std::string>& ids) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::string> not_found;
   int64_t released = 0;
   for (const std::string& id : ids) {
@@ -65,7 +65,7 @@ std::vector<std::string> SequenceCache::Release(const std::vector<std::string>& 
 }
 
 absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
   if (seq == nullptr)
@@ -76,7 +76,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
 }
 
 CacheStats SequenceCache::Stats() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   CacheStats stats;
   stats.sequences = int64_t(table_.size());
   stats.used_bytes = pages_.used_bytes();
@@ -87,7 +87,7 @@ CacheStats SequenceCache::Stats() {
 }
 
 int64_t SequenceCache::EvictIdle() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return EvictIdleLocked();
 }
 

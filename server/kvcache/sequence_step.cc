@@ -86,7 +86,7 @@ PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows&
 
 absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items) {
   if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   MaybeEvictLocked();
   std::vector<Sequence*> found;
   if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
