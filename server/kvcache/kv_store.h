@@ -23,6 +23,9 @@ class KvStore {
   /// Copies `bytes` host bytes from `src` to the arena at `offset`. A Write that returned before
   /// an Attend was started is visible to it; `src` may be reused once Write returns.
   virtual absl::Status Write(int64_t offset, const void* src, int64_t bytes) = 0;
+  /// Pages were freed and may be written by another sequence next: a Write issued before this
+  /// call must land before any Write issued after it (a store that defers writes flushes here).
+  virtual void Fence() {}
   /// Attention of every item against its pages; returns once every out/lse is written.
   /// `kernel` receives the name of what ran. INTERNAL on a device fault.
   virtual absl::Status Attend(const PagedBatch& batch, std::string* kernel) = 0;

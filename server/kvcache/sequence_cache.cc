@@ -198,6 +198,8 @@ SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
 }
 
 void SequenceCache::FreePages(Sequence* seq) {
+  // Rows still deferred by the store must not land on the pages' next owner's rows.
+  if (seq->page_count() > 0) store_->Fence();
   for (std::vector<int64_t>& layer : seq->pages) {
     pages_.Free(seq->format.page_bytes, layer);
     layer.clear();

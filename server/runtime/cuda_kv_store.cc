@@ -107,6 +107,12 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
   return absl::OkStatus();
 }
 
+void CudaKvStore::Fence() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  cudaSetDevice(device_);
+  FlushLocked().IgnoreError();  // a failure was reported to the backend (on_error_)
+}
+
 absl::Status CudaKvStore::FlushLocked() {
   if (staged_ranges_ == 0) return absl::OkStatus();
   const char* host = stage_host_[stage_index_];

@@ -37,6 +37,9 @@ class CudaKvStore final : public kvcache::KvStore {
   std::string_view kind() const override { return "cuda"; }
   int64_t capacity_bytes() const override { return bytes_; }
   absl::Status Write(int64_t offset, const void* src, int64_t bytes) override;
+  /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
+  /// so a freed page's old rows and its next owner's must not share one.
+  void Fence() override;
   absl::Status Attend(const kvcache::PagedBatch& batch, std::string* kernel) override;
   std::vector<int> head_dims() const override;
 

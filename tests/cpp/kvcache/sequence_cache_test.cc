@@ -341,8 +341,49 @@ TEST(KvCacheMetrics, FollowThePool) {
   text = registry.Render();
   EXPECT_NE(text.find("flashserve_kv_sequences 0\n"), std::string::npos);
   EXPECT_NE(text.find("flashserve_kv_sequences_released_total 1\n"), std::string::npos);
-  EXPECT_NE(text.find("flashserve_kv_refusals_total{reason=\"not_found\"} 1\n"),
-            std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_refusals_total{reason=\"not_found\"} 1\n"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
+
+namespace flashserve::kvcache {
+namespace {
+
+// A store that only records what it is asked, in order.
+class RecordingStore final : public KvStore {
+ public:
+  std::string_view kind() const override { return "recording"; }
+  int64_t capacity_bytes() const override { return 4 << 20; }
+  absl::Status Write(int64_t offset, const void*, int64_t) override {
+    events.push_back(absl::StrCat("W", offset));
+    return absl::OkStatus();
+  }
+  void Fence() override { events.push_back("F"); }
+  absl::Status Attend(const PagedBatch&, std::string*) override { return absl::OkStatus(); }
+  std::vector<std::string> events;
+};
+
+TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
+  RecordingStore store;
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(3);
+  testing::Bits k = testing::RandomRows(&rng, 1, 1, 64, kernels::DType::kFloat16);
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, kernels::DType::kFloat16};
+  request.prefix.push_back({0, testing::Rows(k, 1, 64, kernels::DType::kFloat16),
+                            testing::Rows(k, 1, 64, kernels::DType::kFloat16)});
+  const std::string a = cache->CreateSequence(request)->id;
+  EXPECT_TRUE(cache->Release({a}).empty());
+  ASSERT_TRUE(cache->CreateSequence(request).ok());
+  // A's K and V rows, the fence of its release, then B's rows on the same page.
+  ASSERT_EQ(store.events.size(), 5u);
+  EXPECT_EQ(store.events[2], "F");
+  EXPECT_EQ(store.events[0], store.events[3])
+      << "B did not reuse A's page: the test proves nothing";
 }
 
 }  // namespace
