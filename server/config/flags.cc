@@ -156,6 +156,28 @@ ABSL_FLAG(int, stream_max_sessions, flashserve::StreamOptions{}.max_sessions,
           "--max_inflight_bytes");
 ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.session_timeout_ms,
           "Striped streaming API: a session idle for this long is dropped");
+// The Sequences API (flashserve.v1.Sequences): README.md, "Sequences".
+ABSL_FLAG(int64_t, kv_cache_bytes, flashserve::SequenceRuntimeOptions{}.cache.capacity_bytes,
+          "Sequences API: bytes of the KV cache pool (device memory on the CUDA backend, "
+          "reserved at startup; host memory on the CPU backend), rounded down to 2 MiB slabs; "
+          "0: the Sequences API is off (its calls get FAILED_PRECONDITION)");
+ABSL_FLAG(int, kv_page_tokens, flashserve::SequenceRuntimeOptions{}.cache.page_tokens,
+          "Sequences API: tokens per KV page (a page holds K and V of one layer), in [1, 1024]");
+ABSL_FLAG(int64_t, sequence_ttl_s,
+          absl::ToInt64Seconds(flashserve::SequenceRuntimeOptions{}.cache.ttl),
+          "Sequences API: a sequence no call named for this long is evicted (its id then answers "
+          "NOT_FOUND); 0: never");
+ABSL_FLAG(int, max_sequences, flashserve::SequenceRuntimeOptions{}.cache.max_sequences,
+          "Sequences API: live sequences at most (CreateSequence beyond: RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int64_t, max_sequence_tokens,
+          flashserve::SequenceRuntimeOptions{}.cache.max_sequence_tokens,
+          "Sequences API: tokens per layer of one sequence at most (appends beyond: "
+          "INVALID_ARGUMENT)");
+ABSL_FLAG(int64_t, batch_window_us, flashserve::SequenceRuntimeOptions{}.batch_window_us,
+          "Sequences API: DecodeStep/Attend calls arriving within this many microseconds of the "
+          "first waiting one run as one paged launch; 0: each call runs alone");
+ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_batch_sequences,
+          "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
           "Log format: text, or json (one JSON object per line)");
 // The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.
@@ -193,6 +215,18 @@ absl::StatusOr<std::vector<int>> ParseDevices(const std::string& text) {
     devices.push_back(device);
   }
   return devices;
+}
+
+SequenceRuntimeOptions SequencesFromFlags() {
+  SequenceRuntimeOptions sequences;
+  sequences.cache.capacity_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  sequences.cache.page_tokens = absl::GetFlag(FLAGS_kv_page_tokens);
+  sequences.cache.ttl = absl::Seconds(absl::GetFlag(FLAGS_sequence_ttl_s));
+  sequences.cache.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  sequences.cache.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  sequences.batch_window_us = absl::GetFlag(FLAGS_batch_window_us);
+  sequences.max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences);
+  return sequences;
 }
 
 NetworkOptions NetworkFromFlags() {
@@ -313,6 +347,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   config.request_threads.hot_lane_spin_us = absl::GetFlag(FLAGS_hot_lane_spin_us);
   config.stream.max_sessions = absl::GetFlag(FLAGS_stream_max_sessions);
   config.stream.session_timeout_ms = absl::GetFlag(FLAGS_stream_session_timeout_ms);
+  config.sequences = SequencesFromFlags();
   config.model.model_name = absl::GetFlag(FLAGS_model_name);
   config.log.level = absl::GetFlag(FLAGS_log_level);
   config.log.format = absl::GetFlag(FLAGS_log_format);

@@ -13,6 +13,7 @@
 #include "common/logging.h"
 #include "common/version.h"
 #include "config/host_memory.h"
+#include "edge/grpc/sequences_service.h"
 #include "edge/grpc/stream_edge.h"
 #include "memory/receive_arena.h"
 #include "spdlog/spdlog.h"
@@ -138,6 +139,12 @@ absl::Status Server::StartRuntime() {
   runtime_ = std::make_unique<AttentionRuntime>(backend_.backend.get(), scheduler_.get(), limits,
                                                 metrics_.get(), config_.limits.max_inflight_bytes,
                                                 copier_.get());
+  if (config_.sequences.cache.capacity_bytes > 0) {
+    absl::StatusOr<std::unique_ptr<SequenceRuntime>> sequences = SequenceRuntime::Create(
+        config_.sequences, backend_.backend.get(), scheduler_.get(), metrics_.get());
+    if (!sequences.ok()) return sequences.status();
+    sequences_ = *std::move(sequences);
+  }
   absl::StatusOr<std::unique_ptr<BearerAuth>> auth = LoadAuth(config_.network);
   if (!auth.ok()) return auth.status();
   auth_ = *std::move(auth);
@@ -155,6 +162,7 @@ absl::Status Server::StartGrpc() {
   stream.max_total_bytes = config_.limits.max_inflight_bytes;
   stream.idle_timeout = std::chrono::milliseconds(config_.stream.session_timeout_ms);
   stream_grpc_ = CreateStreamService(runtime_.get(), stream);
+  sequences_grpc_ = CreateSequencesService(runtime_.get(), sequences_.get());
 
   GrpcOptions grpc;
   grpc.host = network.host;
@@ -177,7 +185,8 @@ absl::Status Server::StartGrpc() {
   identity.queue_capacity = config_.scheduler.queue_capacity;
   identity.max_request_bytes = config_.limits.max_request_bytes;
   absl::StatusOr<std::unique_ptr<GrpcEdge>> edge = GrpcEdge::Create(
-      grpc, runtime_.get(), identity, {kserve_grpc_.get(), stream_grpc_.get()});
+      grpc, runtime_.get(), identity,
+      {kserve_grpc_.get(), stream_grpc_.get(), sequences_grpc_.get()});
   if (!edge.ok()) return edge.status();
   grpc_edge_ = *std::move(edge);
   return absl::OkStatus();

@@ -20,6 +20,7 @@
 #include "runtime/attention_runtime.h"
 #include "runtime/backend_factory.h"
 #include "runtime/scheduler.h"
+#include "runtime/sequence_runtime.h"
 
 namespace flashserve {
 
@@ -50,7 +51,7 @@ class Server {
   explicit Server(const ServerConfig& config) : config_(config) {}
   absl::Status StartBackend();     // heap retention, backend, receive arena, scheduler
   void StartMetrics();             // the metrics and the callbacks they read at scrape time
-  absl::Status StartRuntime();     // runtime and bearer auth
+  absl::Status StartRuntime();     // runtime, the Sequences API's KV cache, bearer auth
   absl::Status StartGrpc();        // the gRPC edge with the KServe and striped services
   absl::Status StartHttp();        // the HTTP edge and the metrics port
   void LogServing() const;
@@ -67,8 +68,10 @@ class Server {
   std::unique_ptr<ParallelCopier> copier_;  // stages inputs the backend cannot read in place
   std::unique_ptr<AttentionRuntime> runtime_;
   std::unique_ptr<BearerAuth> auth_;
+  std::unique_ptr<SequenceRuntime> sequences_;  // null without --kv_cache_bytes
   std::unique_ptr<grpc::Service> kserve_grpc_;  // served by grpc_edge_, so they outlive it
   std::unique_ptr<grpc::Service> stream_grpc_;
+  std::unique_ptr<grpc::Service> sequences_grpc_;
   std::unique_ptr<GrpcEdge> grpc_edge_;
   std::unique_ptr<HttpEdge> http_edge_;
   std::unique_ptr<MetricsHttpServer> metrics_http_;

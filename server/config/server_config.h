@@ -20,6 +20,7 @@
 #include "metrics/metrics_http.h"
 #include "runtime/backend_options.h"
 #include "runtime/scheduler.h"
+#include "runtime/sequence_runtime.h"
 
 namespace flashserve {
 
@@ -150,6 +151,7 @@ struct ServerConfig {
   LimitsOptions limits;
   RequestThreadOptions request_threads;
   StreamOptions stream;
+  SequenceRuntimeOptions sequences;  // the Sequences API's KV cache; capacity 0: off
   ModelOptions model;
   LogOptions log;
   ShutdownOptions shutdown;

@@ -3,13 +3,16 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "api/attention_problem.h"
+#include "kvcache/kv_store.h"
 #include "memory/tensor_bytes.h"
 
 namespace flashserve {
@@ -104,6 +107,11 @@ class Backend {
   /// Where request buffers (IoBuffers) should come from: the pinned staging pool, or nullptr for
   /// heap memory. Thread-safe.
   virtual PinnedPool* staging_pool() { return nullptr; }
+  /// The memory of the Sequences API's KV cache (`bytes` of it) and the paged attention over it
+  /// (server/kvcache/kv_store.h); UNIMPLEMENTED when the backend has none.
+  virtual absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) {
+    return absl::UnimplementedError("this backend has no KV cache");
+  }
 };
 
 }  // namespace flashserve

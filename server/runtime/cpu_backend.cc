@@ -1,6 +1,7 @@
 #include "runtime/cpu_backend.h"
 
 #include "absl/time/clock.h"
+#include "runtime/cpu_kv_store.h"
 
 namespace flashserve {
 
@@ -19,6 +20,12 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
     backend->buffers_ = std::move(*pool);
   }
   return backend;
+}
+
+absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CpuBackend::CreateKvStore(int64_t bytes) {
+  absl::StatusOr<std::unique_ptr<CpuKvStore>> store = CpuKvStore::Create(bytes, pool_.get());
+  if (!store.ok()) return store.status();
+  return std::unique_ptr<kvcache::KvStore>(std::move(*store));
 }
 
 CpuBackend::CpuBackend(int num_threads)

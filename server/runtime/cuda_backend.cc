@@ -14,6 +14,7 @@
 #include "autotune/kernel_choice.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "memory/io_buffers.h"
+#include "runtime/cuda_kv_store.h"
 #include "runtime/cuda_transfer.h"
 #include "spdlog/spdlog.h"
 
@@ -363,6 +364,15 @@ absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char*
   }
   cudaGetLastError();  // clear a non-sticky error so the next job on this thread starts clean
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
+}
+
+absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(int64_t bytes) {
+  Device* device = devices_.front().get();
+  absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
+      bytes, device->index, device->sm_count,
+      [this, device](cudaError_t e, const char* what) { return DeviceError(device, e, what); });
+  if (!store.ok()) return store.status();
+  return std::unique_ptr<kvcache::KvStore>(std::move(*store));
 }
 
 absl::Status CudaBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {

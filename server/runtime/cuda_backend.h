@@ -52,6 +52,8 @@ class CudaBackend final : public Backend {
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
   PinnedPool* staging_pool() override { return pinned_.get(); }
   bool can_launch_now() override;
+  /// Device memory of the first GPU (runtime/cuda_kv_store.h).
+  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) override;
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
 

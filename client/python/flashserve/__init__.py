@@ -14,11 +14,17 @@ from .errors import (
     DeadlineExceededError,
     FlashserveError,
     InvalidArgumentError,
+    NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from ._pb import attention_pb2, attention_pb2_grpc
+from ._pb import attention_pb2, attention_pb2_grpc, sequences_pb2, sequences_pb2_grpc
+from .hashring import HashRing
 from .striped import StripedClient
+
+if sequences_pb2 is not None:  # a checkout without proto/flashserve/v1/sequences.proto has no Sequences API
+    from .sequence_client import ROUTE_HEADER, SequenceClient
+    from .sequences import Sequence, SequenceSpec
 
 __version__ = "0.1.0"
 
@@ -29,8 +35,10 @@ __all__ = [
     "DeadlineExceededError",
     "DeviceInfo",
     "FlashserveError",
+    "HashRing",
     "InvalidArgumentError",
     "Limits",
+    "NotFoundError",
     "ResourceExhaustedError",
     "ServerInfo",
     "StripedClient",
@@ -38,5 +46,9 @@ __all__ = [
     "UnavailableError",
     "attention_pb2",
     "attention_pb2_grpc",
+    "sequences_pb2",
+    "sequences_pb2_grpc",
     "reference",
 ]
+if sequences_pb2 is not None:
+    __all__ += ["ROUTE_HEADER", "Sequence", "SequenceClient", "SequenceSpec"]

@@ -1,4 +1,5 @@
-"""Generates the Python gRPC stubs for ``flashserve/v1/attention.proto`` with grpcio-tools.
+"""Generates the Python gRPC stubs for ``flashserve/v1/attention.proto`` (and ``sequences.proto``, the server-side
+KV cache API, when the checkout has it) with grpcio-tools.
 
 Used in two places:
   * ``setup.py`` (build_py) when a wheel is built or an editable install is made;
@@ -12,8 +13,9 @@ Output layout (``out_dir`` is normally ``flashserve/_proto/``, git-ignored)::
 
     __init__.py
     attention_pb2.py, attention_pb2.pyi, attention_pb2_grpc.py
-    src/flashserve/v1/attention.proto     copy of the source, so an installed wheel can regenerate
-    STAMP.json                            sha256 of the .proto and the grpcio-tools/protobuf versions used
+    sequences_pb2.py, sequences_pb2.pyi, sequences_pb2_grpc.py   (when sequences.proto exists)
+    src/flashserve/v1/*.proto             copies of the sources, so an installed wheel can regenerate
+    STAMP.json                            sha256 of the .protos and the grpcio-tools/protobuf versions used
 """
 
 from __future__ import annotations
@@ -21,21 +23,41 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Tuple
 
 PROTO_REL = Path("flashserve") / "v1" / "attention.proto"
+# Optional protos beside attention.proto: generated when present (sequences.proto imports attention.proto).
+OPTIONAL_PROTO_RELS = (Path("flashserve") / "v1" / "sequences.proto",)
 STAMP_NAME = "STAMP.json"
 GENERATED_FILES = ("attention_pb2.py", "attention_pb2.pyi", "attention_pb2_grpc.py")
-# protoc names the module after the .proto path; our package is also called flashserve, so the absolute import
-# that the grpc plugin writes would resolve inside this package. Rewritten to a relative import.
+# protoc names the module after the .proto path; our package is also called flashserve, so the absolute imports
+# that protoc and the grpc plugin write would resolve inside this package. Rewritten to relative imports.
+_ABSOLUTE_IMPORT = re.compile(r"^from flashserve\.v1 import (\w+_pb2) as", re.MULTILINE)
 _GRPC_IMPORT = "from flashserve.v1 import attention_pb2 as"
-_GRPC_IMPORT_FIXED = "from . import attention_pb2 as"
+
+
+def proto_rels(proto_root: Path) -> List[Path]:
+    """attention.proto and every optional .proto that exists under proto_root."""
+    return [PROTO_REL] + [rel for rel in OPTIONAL_PROTO_RELS if (proto_root / rel).is_file()]
+
+
+def generated_files(rel: Path) -> Tuple[str, str, str]:
+    stem = rel.stem
+    return (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py")
 
 
 def proto_sha256(proto_root: Path) -> str:
-    return hashlib.sha256((proto_root / PROTO_REL).read_bytes()).hexdigest()
+    """sha256 of attention.proto alone (as before), or of every present .proto with its name when there are more."""
+    rels = proto_rels(proto_root)
+    if len(rels) == 1:
+        return hashlib.sha256((proto_root / PROTO_REL).read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    for rel in rels:
+        digest.update(str(rel).encode() + b"\0" + (proto_root / rel).read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def find_proto_root(package_dir: Path) -> Optional[Path]:
@@ -63,7 +85,11 @@ def read_stamp(out_dir: Path) -> dict:
 
 
 def stubs_present(out_dir: Path) -> bool:
-    return all((out_dir / name).is_file() for name in GENERATED_FILES) and (out_dir / "__init__.py").is_file()
+    """The attention stubs, and those of every .proto the stamp lists, are all there."""
+    names = list(GENERATED_FILES)
+    for rel in read_stamp(out_dir).get("protos", []):
+        names += generated_files(Path(rel))
+    return all((out_dir / name).is_file() for name in names) and (out_dir / "__init__.py").is_file()
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -82,10 +108,43 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def generate(proto_root: Path, out_dir: Path) -> None:
-    """Runs grpc_tools.protoc on ``proto_root/flashserve/v1/attention.proto`` and writes the stubs to ``out_dir``.
+    """Runs grpc_tools.protoc on ``proto_root/flashserve/v1/attention.proto`` (and the optional protos present) and
+    writes the stubs to ``out_dir``.
 
     Raises RuntimeError when grpcio-tools is missing or protoc fails.
     """
+    proto_root = Path(proto_root).resolve()
+    out_dir = Path(out_dir)
+    if not (proto_root / PROTO_REL).is_file():
+        raise RuntimeError(f"flashserve: {proto_root / PROTO_REL} not found")
+    rels = proto_rels(proto_root)
+    contents = _run_protoc(proto_root, rels)
+    if _GRPC_IMPORT not in contents["attention_pb2_grpc.py"].decode():
+        raise RuntimeError("flashserve: unexpected grpc_tools output; cannot find the attention_pb2 import to fix")
+    for name, data in contents.items():
+        contents[name] = _ABSOLUTE_IMPORT.sub(r"from . import \1 as", data.decode()).encode()
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "src" / PROTO_REL.parent).mkdir(parents=True, exist_ok=True)
+    if (out_dir / "src").resolve() != proto_root:
+        for rel in rels:
+            _atomic_write(out_dir / "src" / rel, (proto_root / rel).read_bytes())
+    _atomic_write(out_dir / "__init__.py",
+                  b'"""Generated by flashserve._codegen from proto/flashserve/v1; do not edit."""\n')
+    for name, data in contents.items():
+        _atomic_write(out_dir / name, data)
+    stamp = {
+        "proto_sha256": proto_sha256(proto_root),
+        "protos": [str(rel) for rel in rels],
+        "grpcio_tools": _dist_version("grpcio-tools"),
+        "protobuf_gencode": _gencode_version(contents["attention_pb2.py"]),
+    }
+    # Written last: a present stamp means a complete set of stubs.
+    _atomic_write(out_dir / STAMP_NAME, (json.dumps(stamp, indent=1) + "\n").encode())
+
+
+def _run_protoc(proto_root: Path, rels: List[Path]) -> dict:
+    """{generated file name: bytes} for every .proto in rels."""
     try:
         import grpc_tools
         from grpc_tools import protoc
@@ -94,49 +153,19 @@ def generate(proto_root: Path, out_dir: Path) -> None:
             "flashserve: the gRPC stubs are missing and grpcio-tools is not installed to generate them "
             "(pip install grpcio-tools)"
         ) from e
-
-    proto_root = Path(proto_root).resolve()
-    out_dir = Path(out_dir)
-    source = proto_root / PROTO_REL
-    if not source.is_file():
-        raise RuntimeError(f"flashserve: {source} not found")
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory(prefix="flashserve-protoc-") as tmp:
-        args = [
-            "grpc_tools.protoc",
-            f"-I{proto_root}",
-            f"-I{well_known}",
-            f"--python_out={tmp}",
-            f"--pyi_out={tmp}",
-            f"--grpc_python_out={tmp}",
-            str(source),
-        ]
+        args = ["grpc_tools.protoc", f"-I{proto_root}", f"-I{well_known}", f"--python_out={tmp}",
+                f"--pyi_out={tmp}", f"--grpc_python_out={tmp}"] + [str(proto_root / rel) for rel in rels]
         rc = protoc.main(args)
         if rc != 0:
-            raise RuntimeError(f"flashserve: grpc_tools.protoc failed with exit code {rc} on {source}")
-        generated_dir = Path(tmp) / PROTO_REL.parent
-        contents = {name: (generated_dir / name).read_bytes() for name in GENERATED_FILES}
-
-    grpc_module = contents["attention_pb2_grpc.py"].decode()
-    if _GRPC_IMPORT not in grpc_module:
-        raise RuntimeError("flashserve: unexpected grpc_tools output; cannot find the attention_pb2 import to fix")
-    contents["attention_pb2_grpc.py"] = grpc_module.replace(_GRPC_IMPORT, _GRPC_IMPORT_FIXED).encode()
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "src" / PROTO_REL.parent).mkdir(parents=True, exist_ok=True)
-    source_bytes = source.read_bytes()
-    if (out_dir / "src").resolve() != proto_root:
-        _atomic_write(out_dir / "src" / PROTO_REL, source_bytes)
-    _atomic_write(out_dir / "__init__.py", b'"""Generated by flashserve._codegen from attention.proto; do not edit."""\n')
-    for name, data in contents.items():
-        _atomic_write(out_dir / name, data)
-    stamp = {
-        "proto_sha256": hashlib.sha256(source_bytes).hexdigest(),
-        "grpcio_tools": _dist_version("grpcio-tools"),
-        "protobuf_gencode": _gencode_version(contents["attention_pb2.py"]),
-    }
-    # Written last: a present stamp means a complete set of stubs.
-    _atomic_write(out_dir / STAMP_NAME, (json.dumps(stamp, indent=1) + "\n").encode())
+            raise RuntimeError(f"flashserve: grpc_tools.protoc failed with exit code {rc} on {rels}")
+        contents = {}
+        for rel in rels:
+            generated_dir = Path(tmp) / rel.parent
+            for name in generated_files(rel):
+                contents[name] = (generated_dir / name).read_bytes()
+        return contents
 
 
 def _dist_version(name: str) -> str:

@@ -1,6 +1,7 @@
 """Loads the generated gRPC stubs, generating them first when needed.
 
-Exposes ``attention_pb2`` and ``attention_pb2_grpc`` (the modules protoc generates for attention.proto).
+Exposes ``attention_pb2`` and ``attention_pb2_grpc`` (the modules protoc generates for attention.proto), and
+``sequences_pb2`` / ``sequences_pb2_grpc`` for sequences.proto (None when the checkout has no sequences.proto).
 
 The stubs live in ``flashserve/_proto/`` (generated, git-ignored). They are (re)generated with grpcio-tools here when
   * they are absent (editable install whose build hook did not run, plain source checkout on PYTHONPATH);
@@ -41,7 +42,7 @@ def _drop_modules() -> None:
 
 
 def _import_from(out_dir: Path):
-    """Imports flashserve._proto.{attention_pb2, attention_pb2_grpc} from out_dir."""
+    """Imports flashserve._proto.{attention,sequences}_pb2{,_grpc} from out_dir (sequences: None if absent)."""
     _drop_modules()
     if out_dir != _PACKAGE_DIR / "_proto":
         spec = importlib.util.spec_from_file_location(
@@ -50,9 +51,14 @@ def _import_from(out_dir: Path):
         package = importlib.util.module_from_spec(spec)
         sys.modules["flashserve._proto"] = package
         spec.loader.exec_module(package)
-    pb2 = importlib.import_module("flashserve._proto.attention_pb2")
-    pb2_grpc = importlib.import_module("flashserve._proto.attention_pb2_grpc")
-    return pb2, pb2_grpc
+    modules = [importlib.import_module("flashserve._proto.attention_pb2"),
+               importlib.import_module("flashserve._proto.attention_pb2_grpc")]
+    if (out_dir / "sequences_pb2.py").is_file():
+        modules += [importlib.import_module("flashserve._proto.sequences_pb2"),
+                    importlib.import_module("flashserve._proto.sequences_pb2_grpc")]
+    else:
+        modules += [None, None]
+    return tuple(modules)
 
 
 def _load():
@@ -97,6 +103,6 @@ def _load():
     return _import_from(out_dir)
 
 
-attention_pb2, attention_pb2_grpc = _load()
+attention_pb2, attention_pb2_grpc, sequences_pb2, sequences_pb2_grpc = _load()
 
-__all__ = ["attention_pb2", "attention_pb2_grpc"]
+__all__ = ["attention_pb2", "attention_pb2_grpc", "sequences_pb2", "sequences_pb2_grpc"]

@@ -40,6 +40,18 @@ class UnavailableError(FlashserveError, ConnectionError):
     """UNAVAILABLE: the server cannot be reached or is shutting down."""
 
 
+class NotFoundError(FlashserveError, LookupError):
+    """NOT_FOUND: a sequence id the server does not hold (released, evicted after its TTL, or the server restarted).
+
+    ``missing_ids``: every missing id of the call when the server named them (DecodeStep's trailing metadata
+    ``flashserve-missing-sequence-ids``), else empty.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, request_id: Optional[str] = None, missing_ids=()):
+        super().__init__(code, message, request_id)
+        self.missing_ids = tuple(missing_ids)
+
+
 class DeadlineExceededError(FlashserveError, TimeoutError):
     """DEADLINE_EXCEEDED: the call's timeout passed before the answer came."""
 
@@ -49,7 +61,9 @@ _BY_CODE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
 }
+MISSING_IDS_KEY = "flashserve-missing-sequence-ids"
 
 
 def error_for(code: grpc.StatusCode, message: str, request_id: Optional[str] = None) -> FlashserveError:
@@ -61,4 +75,17 @@ def from_rpc_error(error: grpc.RpcError, request_id: Optional[str] = None) -> Fl
     """Converts a grpc.RpcError (sync) or grpc.aio.AioRpcError into the typed exception."""
     code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
-    return error_for(code, details or "", request_id)
+    result = error_for(code, details or "", request_id)
+    if isinstance(result, NotFoundError):
+        result.missing_ids = _missing_ids(error)
+    return result
+
+
+def _missing_ids(error) -> tuple:
+    """The ids in trailing metadata ``flashserve-missing-sequence-ids`` (comma-separated), if any."""
+    trailing = error.trailing_metadata() if callable(getattr(error, "trailing_metadata", None)) else None
+    for key, value in trailing or ():
+        if key == MISSING_IDS_KEY:
+            text = value.decode() if isinstance(value, bytes) else value
+            return tuple(i for i in text.split(",") if i)
+    return ()

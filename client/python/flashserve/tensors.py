@@ -72,9 +72,18 @@ def dtype_name(x: Any) -> str:
 
 def to_proto(x: Any, field: str) -> "pb.Tensor":
     """Encodes a 4-D numpy array or torch tensor (copied to host and made contiguous if needed)."""
+    return _encode(x, field, "[batch, seqlen, heads, head_dim]")
+
+
+def to_proto_rows(x: Any, field: str) -> "pb.Tensor":
+    """Encodes a 3-D [rows, heads, head_dim] array or tensor (the Sequences API's q, k, v)."""
+    return _encode(x, field, "[rows, heads, head_dim]")
+
+
+def _encode(x: Any, field: str, dims: str) -> "pb.Tensor":
     name = dtype_name(x)
-    if x.ndim != 4:
-        raise _invalid(f"{field}: expected 4 dimensions [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")
+    if x.ndim != dims.count(",") + 1:
+        raise _invalid(f"{field}: expected {dims.count(',') + 1} dimensions {dims}, got shape {tuple(x.shape)}")
     if is_torch(x):
         torch = _torch_module()
         t = x.detach()

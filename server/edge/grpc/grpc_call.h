@@ -55,6 +55,16 @@ inline constexpr GrpcMethod kCompute{"/flashserve.v1.AttentionStreamService/Comp
 inline constexpr GrpcMethod kDownload{"/flashserve.v1.AttentionStreamService/Download", "Download"};
 inline constexpr GrpcMethod kCloseSession{"/flashserve.v1.AttentionStreamService/CloseSession",
                                           "CloseSession"};
+inline constexpr GrpcMethod kCreateSequence{"/flashserve.v1.Sequences/CreateSequence",
+                                            "CreateSequence"};
+inline constexpr GrpcMethod kAppend{"/flashserve.v1.Sequences/Append", "Append"};
+inline constexpr GrpcMethod kAttend{"/flashserve.v1.Sequences/Attend", "Attend", true};
+inline constexpr GrpcMethod kDecodeStep{"/flashserve.v1.Sequences/DecodeStep", "DecodeStep", true};
+inline constexpr GrpcMethod kRelease{"/flashserve.v1.Sequences/Release", "Release"};
+inline constexpr GrpcMethod kGetSequenceInfo{"/flashserve.v1.Sequences/GetSequenceInfo",
+                                             "GetSequenceInfo"};
+inline constexpr GrpcMethod kGetKvPoolInfo{"/flashserve.v1.Sequences/GetKvPoolInfo",
+                                           "GetKvPoolInfo"};
 /// The label of calls to any other path (gRPC's reflection, unknown methods) refused by the
 /// token gate: a fixed label, so made-up paths cannot grow the series without bound.
 inline constexpr std::string_view kOtherLabel = "other";

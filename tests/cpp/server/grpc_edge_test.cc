@@ -9,6 +9,7 @@
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_memory_quota.h"
 #include "flashserve/v1/attention.pb.h"
+#include "flashserve/v1/sequences.pb.h"
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
 #include "inference/open_inference_grpc.pb.h"
@@ -72,10 +73,13 @@ TEST(GrpcMethodsTest, CoverEveryServedMethodOfTheProtos) {
   const google::protobuf::FileDescriptor* native = v1::AttentionRequest::descriptor()->file();
   const google::protobuf::FileDescriptor* kserve =
       inference::ModelInferRequest::descriptor()->file();
+  const google::protobuf::FileDescriptor* sequences =
+      v1::CreateSequenceRequest::descriptor()->file();
   const google::protobuf::ServiceDescriptor* services[] = {
       native->FindServiceByName("AttentionService"),
       native->FindServiceByName("AttentionStreamService"),
-      kserve->FindServiceByName("GRPCInferenceService")};
+      kserve->FindServiceByName("GRPCInferenceService"),
+      sequences->FindServiceByName("Sequences")};
   const std::set<std::string> health = {"/inference.GRPCInferenceService/ServerLive",
                                         "/inference.GRPCInferenceService/ServerReady"};
   std::set<std::string> served;

@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""Decode-step benchmark (issue 20): one Llama-3-8B-like attention layer (32 q heads, 8 kv heads, d128, bf16),
+``--sequences`` sequences at each ``--contexts`` length, ``--concurrency`` clients each driving its share of them.
+
+Paths, per decode step (every sequence appends one token's k/v and attends its q):
+  sequences   flashserve.v1.Sequences DecodeStep: the KV cache stays on the server, a step ships q, k, v (~0.8 MB
+              for 64 sequences) and gets O back. One row per --target (e.g. servers with different --batch_window_us).
+  full_kv     (a) the same step through AttentionService.Attention shipping each sequence's whole K/V every call
+              (split into several calls when one would pass gRPC's 2 GiB message limit).
+  sdpa        (c) torch.nn.functional.scaled_dot_product_attention on the local GPU in this process (cache appended
+              in place, then attention over it), timed with CUDA events.
+Latency per step = wall time of one client's call (its share of the sequences); p50/p99 after --warmup steps.
+"seq-steps/s" = sequences advanced by one token per second, all clients together. "server us" = the server's own
+DecodeStep timing (total_us / compute_us, medians): what is not in it is transport and the client.
+
+    python3 bench/service/decode_bench.py --target w0=127.0.0.1:8001 --target w200=127.0.0.1:9001 \
+        --contexts 1024,8192 --concurrency 1,8 --cpp_loadgen build/bench/service/flashserve-decode-loadgen \
+        --md decode.md --json decode.json
+
+Clients: with --cpp_loadgen the Sequences and (a) rows come from the C++ client (decode_loadgen.cc: requests
+serialized once, one connection per client thread), which measures the server and the transport; without it (or
+with --python_client too) from this Python client (grpcio), whose serialization adds to the latency as it would
+for a Python model server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+
+import grpc  # noqa: E402
+
+try:  # PYTHONPATH may name a prepared copy (bench/service/make_py_stubs.sh); else the repository's client
+    import flashserve
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "client" / "python"))
+    import flashserve
+from flashserve import attention_pb2 as pb, sequences_pb2 as spb, sequences_pb2_grpc as spb_grpc  # noqa: E402
+from flashserve import tensors  # noqa: E402
+
+HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 32, 8, 128, "bfloat16"
+MAX_MESSAGE = 2**31 - 1
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per client thread
+
+
+def percentiles(samples: List[float]) -> Dict[str, float]:
+    arr = np.asarray(samples) * 1e3
+    return {"p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)), "n": len(samples)}
+
+
+def bf16_rows(rng, *shape) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32).astype(tensors.numpy_dtype(DTYPE))
+
+
+def run_clients(concurrency: int, call, steps: int, warmup: int):
+    """Runs call(client_index) warmup+steps times on each of `concurrency` threads, started together; returns
+    (latencies of the measured steps, wall seconds of the measured part)."""
+    latencies: List[List[float]] = [[] for _ in range(concurrency)]
+    barrier = threading.Barrier(concurrency + 1)
+    errors: List[BaseException] = []
+
+    def worker(i):
+        try:
+            for _ in range(warmup):
+                call(i)
+            barrier.wait()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                call(i)
+                latencies[i].append(time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001 - reported after join
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [x for per in latencies for x in per], time.perf_counter() - start
+
+
+# --- the Sequences path -------------------------------------------------------------------------------------------
+
+
+def create_sequences(target: str, token, context: int, count: int, rng) -> List[str]:
+    """`count` sequences with the same random `context`-token prefix (contents do not change the timing)."""
+    k, v = bf16_rows(rng, context, HEADS_KV, HEAD_DIM), bf16_rows(rng, context, HEADS_KV, HEAD_DIM)
+    prefix = {0: (tensors.to_proto_rows(k, "k"), tensors.to_proto_rows(v, "v"))}
+    with flashserve.SequenceClient(target, token=token, timeout=600, reprefill=False) as client:
+        seqs = [client.create(1, HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE, prefix=prefix, keep_history=False)
+                for _ in range(count)]
+    return [s.id for s in seqs]
+
+
+def release(target: str, token, ids: List[str]) -> None:
+    with flashserve.SequenceClient(target, token=token, timeout=60) as client:
+        client.stub(target).Release(spb.ReleaseRequest(sequence_ids=ids), timeout=60,
+                                    metadata=client.metadata(""))
+
+
+def decode_requests(ids: List[str], concurrency: int, rng) -> List["spb.DecodeStepRequest"]:
+    """One DecodeStep request per client for its share of the sequences; re-sent every step (one new token's q,
+    k, v per sequence: encoding them is a copy, the same each step)."""
+    q = tensors.to_proto_rows(bf16_rows(rng, 1, HEADS_Q, HEAD_DIM), "q")
+    k = tensors.to_proto_rows(bf16_rows(rng, 1, HEADS_KV, HEAD_DIM), "k")
+    v = tensors.to_proto_rows(bf16_rows(rng, 1, HEADS_KV, HEAD_DIM), "v")
+    shares = np.array_split(np.arange(len(ids)), concurrency)
+    return [spb.DecodeStepRequest(items=[spb.DecodeItem(sequence_id=ids[i], layer=0, q=q, k=k, v=v) for i in share])
+            for share in shares]
+
+
+def bench_sequences(target: str, token, ids: List[str], concurrency: int, steps: int, warmup: int, rng) -> dict:
+    """DecodeSteps of `concurrency` clients over the sequences `ids` (each client its share)."""
+    sequences = len(ids)
+    requests = decode_requests(ids, concurrency, rng)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    channels = [grpc.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(concurrency)]
+    stubs = [spb_grpc.SequencesStub(c) for c in channels]
+    server = {"total_us": [], "compute_us": [], "batched_calls": []}
+
+    def call(i):
+        response = stubs[i].DecodeStep(requests[i], timeout=60, metadata=metadata)
+        server["total_us"].append(response.timing.total_us)
+        server["compute_us"].append(response.timing.compute_us)
+        server["batched_calls"].append(response.batched_calls)
+
+    try:
+        latencies, wall = run_clients(concurrency, call, steps, warmup)
+    finally:
+        for c in channels:
+            c.close()
+    row = percentiles(latencies)
+    row.update(seq_steps_per_s=sequences * steps / wall,
+               server_total_us=float(np.median(server["total_us"])),
+               server_compute_us=float(np.median(server["compute_us"])),
+               batched_calls_mean=float(np.mean(server["batched_calls"])))
+    return row
+
+
+# --- (a) full K/V per call through AttentionService ----------------------------------------------------------------
+
+
+def full_kv_requests(batch: int, context: int, rng) -> List["pb.AttentionRequest"]:
+    """The step of `batch` sequences as Attention calls of [b, 1, 32, 128] q over [b, context, 8, 128] K/V, as few
+    as fit under gRPC's message limit."""
+    per_seq = 2 * context * HEADS_KV * HEAD_DIM * 2 + HEADS_Q * HEAD_DIM * 2
+    calls = -(-batch // max(1, (MAX_MESSAGE - (1 << 20)) // per_seq))
+    per_call = -(-batch // calls)  # as even as possible: 64 at 8k context -> 2 calls of 32
+    k = bf16_rows(rng, per_call, context, HEADS_KV, HEAD_DIM)
+    v = bf16_rows(rng, per_call, context, HEADS_KV, HEAD_DIM)
+    q = bf16_rows(rng, per_call, 1, HEADS_Q, HEAD_DIM)
+    requests = []
+    for start in range(0, batch, per_call):
+        n = min(per_call, batch - start)
+        requests.append(pb.AttentionRequest(q=tensors.to_proto(q[:n], "q"), k=tensors.to_proto(k[:n], "k"),
+                                            v=tensors.to_proto(v[:n], "v")))
+    return requests
+
+
+def bench_full_kv(target: str, token, context: int, sequences: int, concurrency: int, steps: int, warmup: int,
+                  rng) -> dict:
+    shares = [len(s) for s in np.array_split(np.arange(sequences), concurrency)]
+    requests = [full_kv_requests(n, context, rng) for n in shares]
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    channels = [grpc.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(concurrency)]
+    stubs = [flashserve.attention_pb2_grpc.AttentionServiceStub(c) for c in channels]
+
+    def call(i):
+        for request in requests[i]:
+            stubs[i].Attention(request, timeout=600, metadata=metadata)
+
+    try:
+        latencies, wall = run_clients(concurrency, call, steps, warmup)
+    finally:
+        for c in channels:
+            c.close()
+    row = percentiles(latencies)
+    row.update(seq_steps_per_s=sequences * steps / wall, calls_per_step=sum(len(r) for r in requests),
+               bytes_per_step=sum(r.ByteSize() for rs in requests for r in rs))
+    return row
+
+
+# --- (c) torch SDPA in this process ---------------------------------------------------------------------------------
+
+
+def bench_sdpa(context: int, sequences: int, steps: int, warmup: int) -> dict:
+    """Append one row per sequence into a preallocated cache, then SDPA over it; CUDA events per step, and the
+    mean of `steps` steps queued back to back (no host gap)."""
+    import torch
+    import torch.nn.functional as F
+
+    dev, dt = "cuda", torch.bfloat16
+    length = context + warmup + 2 * steps + 1
+    k_cache = torch.randn(sequences, HEADS_KV, length, HEAD_DIM, device=dev, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(sequences, HEADS_Q, 1, HEAD_DIM, device=dev, dtype=dt)
+    new_k = torch.randn(sequences, HEADS_KV, HEAD_DIM, device=dev, dtype=dt)
+    pos = [context]
+
+    def step():
+        k_cache[:, :, pos[0]] = new_k
+        v_cache[:, :, pos[0]] = new_k
+        pos[0] += 1
+        return F.scaled_dot_product_attention(q, k_cache[:, :, :pos[0]], v_cache[:, :, :pos[0]], enable_gqa=True)
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    row = percentiles(times)
+    row.update(queued_mean_ms=start.elapsed_time(end) / steps, seq_steps_per_s=sequences / (float(np.median(times))))
+    return row
+
+
+# --- driver -----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", action="append", default=[], help="label=host:port of a server with a KV cache "
+                   "(repeatable; e.g. one per --batch_window_us)")
+    p.add_argument("--full_kv_target", default="", help="host:port for (a); default: the first --target")
+    p.add_argument("--token", default=None, help="bearer token, if the servers need one")
+    p.add_argument("--contexts", default="1024,8192")
+    p.add_argument("--sequences", type=int, default=64)
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--steps", type=int, default=200, help="measured steps per row (each appends one token)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--full_kv_steps", type=int, default=5, help="0 skips (a)")
+    p.add_argument("--full_kv_max_context", type=int, default=8192)
+    p.add_argument("--sdpa", action=argparse.BooleanOptionalAction, default=True, help="(c), needs torch + CUDA")
+    p.add_argument("--cpp_loadgen", default="", help="path of flashserve-decode-loadgen: the Sequences and (a) "
+                   "rows are measured by that C++ client")
+    p.add_argument("--python_client", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --cpp_loadgen: also measure the Sequences rows with this Python client")
+    p.add_argument("--md", default="", help="write the markdown table here")
+    p.add_argument("--json", default="", help="write every row as JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def python_sequence_rows(args, label, address, context, levels, rng) -> List[dict]:
+    ids = create_sequences(address, args.token, context, args.sequences, rng)  # each level adds steps
+    rows = []
+    try:
+        for c in levels:
+            row = bench_sequences(address, args.token, ids, c, args.steps, args.warmup, rng)
+            rows.append(dict(path=f"sequences ({label})", client="Python", context=context, concurrency=c, **row))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        release(address, args.token, ids)
+    return rows
+
+
+def cpp_rows(args, path, address, context, mode, steps, warmup) -> List[dict]:
+    """Rows measured by flashserve-decode-loadgen (bench/service/decode_loadgen.cc), one JSON line each."""
+    command = [args.cpp_loadgen, f"--target={address}", f"--context={context}", f"--sequences={args.sequences}",
+               f"--concurrency={args.concurrency}", f"--steps={steps}", f"--warmup={warmup}", f"--mode={mode}"]
+    if args.token:
+        command.append(f"--token={args.token}")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    rows = []
+    for line in done.stdout.splitlines():
+        row = json.loads(line)
+        row["path"] = path
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def full_kv_rows(args, address, context, levels, rng) -> List[dict]:
+    path = "(a) full K/V per call"
+    if args.cpp_loadgen:
+        return cpp_rows(args, path, address, context, "full_kv", args.full_kv_steps, 1)
+    rows = []
+    for c in levels:
+        row = bench_full_kv(address, args.token, context, args.sequences, c, args.full_kv_steps, 1, rng)
+        rows.append(dict(path=path, client="Python", context=context, concurrency=c, **row))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def run(args) -> List[dict]:
+    rng = np.random.default_rng(args.seed)
+    targets = [t.rsplit("=", 1) if "=" in t else (t, t) for t in args.target]  # the label may hold "="
+    contexts = [int(c) for c in args.contexts.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rows = []
+    for context in contexts:
+        for label, address in targets:
+            if args.cpp_loadgen:
+                rows += cpp_rows(args, f"sequences ({label})", address, context, "sequences", args.steps,
+                                 args.warmup)
+            if args.python_client or not args.cpp_loadgen:
+                rows += python_sequence_rows(args, label, address, context, levels, rng)
+        full_target = args.full_kv_target or (targets[0][1] if targets else "")
+        if args.full_kv_steps and full_target and context <= args.full_kv_max_context:
+            rows += full_kv_rows(args, full_target, context, levels, rng)
+        if args.sdpa and _cuda_available():
+            row = bench_sdpa(context, args.sequences, args.steps, args.warmup)
+            rows.append(dict(path="(c) torch SDPA, one process", client="-", context=context, concurrency=1,
+                             **row))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def markdown(rows: List[dict], args) -> str:
+    lines = [f"Decode step, one Llama-3-8B-like layer ({HEADS_Q} q heads, {HEADS_KV} kv heads, d{HEAD_DIM}, {DTYPE}), "
+             f"{args.sequences} sequences; {args.steps} measured steps after {args.warmup} warm-up "
+             f"((a): {args.full_kv_steps} after 1). Latency = one client's call for its share of the sequences.",
+             "",
+             "| context | path | client | clients | p50 ms | p99 ms | seq-steps/s | server total us (p50) | "
+             "server compute us (p50) | calls merged (mean) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        merged = f"{r['batched_calls_mean']:.2f}" if r["path"].startswith("sequences") else ""
+        total = f"{r['server_total_us']:.0f}" if "server_total_us" in r else ""
+        compute = f"{r['server_compute_us']:.0f}" if "server_compute_us" in r else ""
+        p50 = f"{r['p50_ms']:.3f}" + (f" (queued {r['queued_mean_ms']:.3f})" if "queued_mean_ms" in r else "")
+        lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | {p50} | "
+                     f"{r['p99_ms']:.3f} | "
+                     f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    table = markdown(rows, args)
+    print(table)
+    if args.md:
+        Path(args.md).write_text(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

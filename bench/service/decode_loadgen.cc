@@ -1,0 +1,352 @@
+// flashserve-decode-loadgen: decode-step latency of the Sequences API (issue 20) from a C++ client,
+// so that what is measured is the server and the transport, not a Python client's serialization.
+//
+// One Llama-3-8B-like layer (32 q heads, 8 kv heads, d128, bf16). `--sequences` sequences are
+// created with a `--context`-token prefix; then for each concurrency c, c client threads (one
+// connection each) each send DecodeStep for their share of the sequences (one new token's q, k, v
+// per sequence; the request serialized once and re-sent), closed loop. `--mode=full_kv` sends the
+// same step through AttentionService.Attention with each sequence's whole K/V instead (split into
+// calls under gRPC's 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen).
+//
+//   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
+//       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashserve/v1/attention.grpc.pb.h"
+#include "flashserve/v1/sequences.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "loadgen_workload.h"
+
+namespace {
+
+namespace v1 = flashserve::v1;
+using flashserve::loadgen::Clock;
+using flashserve::loadgen::MakeChannel;
+using flashserve::loadgen::Micros;
+
+constexpr int64_t kHeadsQ = 32, kHeadsKv = 8, kHeadDim = 128;
+constexpr int64_t kMaxMessage = (int64_t(1) << 31) - 1;
+
+struct Options {
+  std::string target = "127.0.0.1:8001", token, mode = "sequences";
+  int64_t context = 1024, sequences = 64;
+  std::vector<int> concurrency{1, 8};
+  int steps = 200, warmup = 20;
+};
+
+// Per measured step of one client: wall latency and the server's timing of that call.
+struct Sample {
+  double latency_us = 0;
+  int64_t total_us = 0, compute_us = 0, merged = 0;
+};
+
+// Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
+// minute to draw one by one; the values do not change the timing).
+std::string RandomBf16(int64_t count, std::mt19937* rng) {
+  constexpr int64_t kBlock = 1 << 16;
+  std::normal_distribution<float> normal;
+  std::string block(size_t(std::min(count, kBlock)) * 2, '\0');
+  for (size_t i = 0; i < block.size() / 2; ++i) {
+    const float f = normal(*rng);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    const uint16_t bf =
+        uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);  // round to nearest even
+    std::memcpy(&block[i * 2], &bf, 2);
+  }
+  std::string bytes;
+  bytes.reserve(size_t(count) * 2);
+  while (int64_t(bytes.size()) < count * 2) {
+    bytes.append(block, 0, std::min(block.size(), size_t(count * 2) - bytes.size()));
+  }
+  return bytes;
+}
+
+v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::mt19937* rng) {
+  v1::Tensor t;
+  t.set_dtype(v1::BFLOAT16);
+  int64_t count = 1;
+  for (int64_t s : shape) {
+    t.add_shape(s);
+    count *= s;
+  }
+  t.set_data(RandomBf16(count, rng));
+  return t;
+}
+
+void Authorize(grpc::ClientContext* ctx, const Options& opt) {
+  if (!opt.token.empty()) ctx->AddMetadata("authorization", "Bearer " + opt.token);
+}
+
+[[noreturn]] void Die(const std::string& what, const grpc::Status& s) {
+  std::fprintf(stderr, "decode-loadgen: %s failed: %d %s\n", what.c_str(), int(s.error_code()),
+               s.error_message().c_str());
+  std::exit(1);
+}
+
+// --- sequences ----------------------------------------------------------------------------------
+
+std::vector<std::string> CreateSequences(v1::Sequences::Stub* stub, const Options& opt,
+                                         std::mt19937* rng) {
+  v1::CreateSequenceRequest request;
+  request.set_num_layers(1);
+  request.set_heads_q(int32_t(kHeadsQ));
+  request.set_heads_kv(int32_t(kHeadsKv));
+  request.set_head_dim(int32_t(kHeadDim));
+  request.set_dtype(v1::BFLOAT16);
+  v1::LayerKV* prefix =
+      request.add_prefix();  // the same rows for every sequence: contents do not matter
+  prefix->set_layer(0);
+  *prefix->mutable_k() = Bf16Tensor({opt.context, kHeadsKv, kHeadDim}, rng);
+  *prefix->mutable_v() = Bf16Tensor({opt.context, kHeadsKv, kHeadDim}, rng);
+  std::vector<std::string> ids;
+  for (int64_t i = 0; i < opt.sequences; ++i) {
+    grpc::ClientContext ctx;
+    Authorize(&ctx, opt);
+    v1::CreateSequenceResponse response;
+    grpc::Status s = stub->CreateSequence(&ctx, request, &response);
+    if (!s.ok()) Die("CreateSequence", s);
+    ids.push_back(response.sequence_id());
+  }
+  return ids;
+}
+
+void Release(v1::Sequences::Stub* stub, const Options& opt, const std::vector<std::string>& ids) {
+  grpc::ClientContext ctx;
+  Authorize(&ctx, opt);
+  v1::ReleaseRequest request;
+  for (const std::string& id : ids) request.add_sequence_ids(id);
+  v1::ReleaseResponse response;
+  grpc::Status s = stub->Release(&ctx, request, &response);
+  if (!s.ok()) Die("Release", s);
+}
+
+// Client i's DecodeStep: its share (a contiguous slice) of the sequences, one new token each.
+std::vector<v1::DecodeStepRequest> DecodeRequests(const std::vector<std::string>& ids, int clients,
+                                                  std::mt19937* rng) {
+  const v1::Tensor q = Bf16Tensor({1, kHeadsQ, kHeadDim}, rng);
+  const v1::Tensor kv = Bf16Tensor({1, kHeadsKv, kHeadDim}, rng);
+  std::vector<v1::DecodeStepRequest> requests(static_cast<size_t>(clients));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    v1::DecodeItem* item = requests[i * size_t(clients) / ids.size()].add_items();
+    item->set_sequence_id(ids[i]);
+    item->set_layer(0);
+    *item->mutable_q() = q;
+    *item->mutable_k() = kv;
+    *item->mutable_v() = kv;
+  }
+  return requests;
+}
+
+// --- the closed loop ----------------------------------------------------------------------------
+
+// Runs call(client, &sample) warmup + steps times on each of `clients` threads; returns the
+// measured samples and the wall seconds from the first measured step to the last.
+std::vector<Sample> RunClients(int clients, int steps, int warmup,
+                               const std::function<void(int, Sample*)>& call, double* wall_s) {
+  std::vector<std::vector<Sample>> per(static_cast<size_t>(clients));
+  std::vector<Clock::time_point> starts(static_cast<size_t>(clients)),
+      ends(static_cast<size_t>(clients));
+  std::vector<std::thread> threads;
+  for (int c = 0; c < clients; ++c) {
+    threads.emplace_back([&, c] {
+      Sample ignored;
+      for (int i = 0; i < warmup; ++i) call(c, &ignored);
+      starts[size_t(c)] = Clock::now();
+      for (int i = 0; i < steps; ++i) {
+        Sample s;
+        const Clock::time_point t0 = Clock::now();
+        call(c, &s);
+        s.latency_us = Micros(Clock::now() - t0);
+        per[size_t(c)].push_back(s);
+      }
+      ends[size_t(c)] = Clock::now();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  *wall_s = Micros(*std::max_element(ends.begin(), ends.end()) -
+                   *std::min_element(starts.begin(), starts.end())) /
+            1e6;
+  std::vector<Sample> all;
+  for (auto& v : per) all.insert(all.end(), v.begin(), v.end());
+  return all;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const double pos = p / 100.0 * double(v.size() - 1);
+  const size_t lo = size_t(pos);
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
+}
+
+void PrintRow(const std::string& path, const Options& opt, int clients,
+              const std::vector<Sample>& samples, double wall_s, const std::string& extra) {
+  std::vector<double> latency, total, compute, merged;
+  for (const Sample& s : samples) {
+    latency.push_back(s.latency_us / 1e3);
+    total.push_back(double(s.total_us));
+    compute.push_back(double(s.compute_us));
+    merged.push_back(double(s.merged));
+  }
+  double merged_mean = 0;
+  for (double m : merged) merged_mean += m / double(merged.size());
+  std::printf(
+      "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
+      "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
+      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s}\n",
+      path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
+      Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
+      Percentile(total, 50), Percentile(compute, 50), merged_mean, extra.c_str());
+  std::fflush(stdout);
+}
+
+// --- the two paths
+// --------------------------------------------------------------------------------
+
+void BenchSequences(const Options& opt, std::mt19937* rng) {
+  auto admin = v1::Sequences::NewStub(MakeChannel(opt.target, 1000));
+  const std::vector<std::string> ids = CreateSequences(admin.get(), opt, rng);
+  for (int clients : opt.concurrency) {
+    std::vector<v1::DecodeStepRequest> requests = DecodeRequests(ids, clients, rng);
+    std::vector<std::unique_ptr<v1::Sequences::Stub>> stubs;
+    for (int c = 0; c < clients; ++c)
+      stubs.push_back(v1::Sequences::NewStub(MakeChannel(opt.target, c)));
+    auto call = [&](int c, Sample* sample) {
+      grpc::ClientContext ctx;
+      Authorize(&ctx, opt);
+      v1::DecodeStepResponse response;
+      grpc::Status s = stubs[size_t(c)]->DecodeStep(&ctx, requests[size_t(c)], &response);
+      if (!s.ok()) Die("DecodeStep", s);
+      sample->total_us = response.timing().total_us();
+      sample->compute_us = response.timing().compute_us();
+      sample->merged = response.batched_calls();
+    };
+    double wall_s = 0;
+    const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);
+    PrintRow("sequences", opt, clients, samples, wall_s, "");
+  }
+  Release(admin.get(), opt, ids);
+}
+
+// Client c's step through AttentionService: its share of the sequences with their whole K/V, in as
+// few calls as fit under gRPC's message limit.
+std::vector<v1::AttentionRequest> FullKvRequests(const Options& opt, int64_t batch,
+                                                 std::mt19937* rng) {
+  const int64_t per_seq = 2 * opt.context * kHeadsKv * kHeadDim * 2 + kHeadsQ * kHeadDim * 2;
+  const int64_t fit = std::max<int64_t>(1, (kMaxMessage - (int64_t(1) << 20)) / per_seq);
+  const int64_t calls = (batch + fit - 1) / fit;
+  const int64_t per_call = (batch + calls - 1) / calls;
+  std::vector<v1::AttentionRequest> requests;
+  for (int64_t start = 0; start < batch; start += per_call) {
+    const int64_t n = std::min(per_call, batch - start);
+    v1::AttentionRequest r;
+    *r.mutable_q() = Bf16Tensor({n, 1, kHeadsQ, kHeadDim}, rng);
+    *r.mutable_k() = Bf16Tensor({n, opt.context, kHeadsKv, kHeadDim}, rng);
+    *r.mutable_v() = Bf16Tensor({n, opt.context, kHeadsKv, kHeadDim}, rng);
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+void BenchFullKv(const Options& opt, std::mt19937* rng) {
+  for (int clients : opt.concurrency) {
+    std::vector<std::vector<v1::AttentionRequest>> requests;
+    std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
+    int64_t calls = 0;
+    for (int c = 0; c < clients; ++c) {
+      const int64_t share = (opt.sequences * (c + 1)) / clients - (opt.sequences * c) / clients;
+      requests.push_back(FullKvRequests(opt, share, rng));
+      calls += int64_t(requests.back().size());
+      stubs.push_back(v1::AttentionService::NewStub(MakeChannel(opt.target, c)));
+    }
+    auto call = [&](int c, Sample* sample) {
+      for (const v1::AttentionRequest& r : requests[size_t(c)]) {
+        grpc::ClientContext ctx;
+        Authorize(&ctx, opt);
+        v1::AttentionResponse response;
+        grpc::Status s = stubs[size_t(c)]->Attention(&ctx, r, &response);
+        if (!s.ok()) Die("Attention", s);
+        sample->total_us += response.timing().total_us();
+        sample->compute_us += response.timing().compute_us();
+      }
+    };
+    double wall_s = 0;
+    const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);
+    PrintRow("full_kv", opt, clients, samples, wall_s,
+             ", \"calls_per_step\": " + std::to_string(calls));
+  }
+}
+
+std::vector<int> ParseList(const std::string& text) {
+  std::vector<int> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    if (comma > start) out.push_back(std::atoi(text.substr(start, comma - start).c_str()));
+    start = comma + 1;
+  }
+  return out;
+}
+
+Options ParseOptions(int argc, char** argv) {
+  std::map<std::string, std::string> flags;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t eq = arg.find('=');
+    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
+      std::fprintf(stderr, "decode-loadgen: expected --name=value, got '%s'\n", arg.c_str());
+      std::exit(2);
+    }
+    flags[arg.substr(2, eq - 2)] = arg.substr(eq + 1);
+  }
+  Options opt;
+  auto get = [&](const char* name, const std::string& def) {
+    auto it = flags.find(name);
+    return it == flags.end() ? def : it->second;
+  };
+  opt.target = get("target", opt.target);
+  opt.token = get("token", "");
+  opt.mode = get("mode", opt.mode);
+  opt.context = std::atoll(get("context", "1024").c_str());
+  opt.sequences = std::atoll(get("sequences", "64").c_str());
+  opt.concurrency = ParseList(get("concurrency", "1,8"));
+  opt.steps = std::atoi(get("steps", "200").c_str());
+  opt.warmup = std::atoi(get("warmup", "20").c_str());
+  const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
+                     !opt.concurrency.empty() &&
+                     (opt.mode == "sequences" || opt.mode == "full_kv") &&
+                     std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
+                                 [&](int c) { return c >= 1 && c <= opt.sequences; });
+  if (!valid) {
+    std::fprintf(stderr,
+                 "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
+                 "sequences; mode sequences or full_kv)\n");
+    std::exit(2);
+  }
+  return opt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = ParseOptions(argc, argv);
+  std::mt19937 rng(12345);
+  if (opt.mode == "sequences") {
+    BenchSequences(opt, &rng);
+  } else {
+    BenchFullKv(opt, &rng);
+  }
+  return 0;
+}

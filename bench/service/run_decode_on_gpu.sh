@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Decode-step benchmark on a GPU machine (issue 20). Needs, carried from the build machine:
+#   - the relocatable bundle made by scripts/bundle (tarball or tree under $BUNDLE_DIR, default .bundle-bench/),
+#     or $FLASHSERVE_BIN pointing at a CUDA-enabled server binary;
+#   - a Python client copy with stubs that load there: bench/service/make_py_stubs.sh build-decode-py
+#     (carry build-decode-py; $DECODE_PY overrides the path);
+#   - optional, the C++ client flashserve-decode-loadgen (built beside the server; scripts/bundle does not ship it:
+#     copy it into the bundle's bin/, or set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
+#     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows.
+# Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
+# bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
+# writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100); extra
+# server flags in $SERVER_FLAGS (a dry run on a machine without a GPU: SERVER_FLAGS=--backend=cpu
+# KV_CACHE_BYTES=1073741824 ... --contexts=128 --sequences=8).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/flashserve-decode-bench}
+mkdir -p "$OUT"
+if [[ -z ${FLASHSERVE_BIN:-} ]]; then
+  BUNDLE_DIR=${BUNDLE_DIR:-.bundle-bench}
+  tarball=$(ls "$BUNDLE_DIR"/flashserve-*-linux-*.tar.gz 2>/dev/null | head -n 1)
+  if [[ -n $tarball ]]; then
+    rm -rf /tmp/flashserve-decode-bundle && mkdir -p /tmp/flashserve-decode-bundle
+    tar -xzf "$tarball" -C /tmp/flashserve-decode-bundle
+    ROOT=$(ls -d /tmp/flashserve-decode-bundle/flashserve-*)
+  else
+    ROOT=$(ls -d "$BUNDLE_DIR"/flashserve-*-linux-* | head -n 1)
+  fi
+  FLASHSERVE_BIN=$ROOT/bin/flashserve
+fi
+DECODE_LOADGEN=${DECODE_LOADGEN:-$(dirname "$FLASHSERVE_BIN")/flashserve-decode-loadgen}
+CLIENT_ARGS=()
+[[ -x $DECODE_LOADGEN ]] && CLIENT_ARGS+=(--cpp_loadgen "$DECODE_LOADGEN")
+[[ ${PYTHON_CLIENT:-0} == 1 ]] && CLIENT_ARGS+=(--python_client)
+echo "clients: ${CLIENT_ARGS[*]:-Python only}"
+[[ -x $FLASHSERVE_BIN ]] || { echo "run_decode_on_gpu: no server binary at $FLASHSERVE_BIN"; exit 1; }
+export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+trap cleanup EXIT
+# Not called in $(...): the server's pid must reach PIDS in this shell for the cleanup.
+start_server() {  # name window_us -> sets PORT to the server's gRPC port
+  local name=$1 window=$2 grpc http metrics
+  grpc=$(free_port); http=$(free_port); metrics=$(free_port)
+  # KV pool 8 GiB (64 x 8k tokens of one layer = 2.1 GB); (a) needs requests up to 2 GiB and no inflight cap.
+  "$FLASHSERVE_BIN" --backend=cuda --host=127.0.0.1 --grpc_port="$grpc" --http_port="$http" --metrics_port="$metrics" \
+    --kv_cache_bytes=${KV_CACHE_BYTES:-$((8 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
+    --max_request_bytes=2147483647 --max_tensor_elements=1099511627776 --max_inflight_bytes=0 \
+    --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn \
+    ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 300); do
+    python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=1).status == 200 else 1)" \
+      2>/dev/null && { PORT=$grpc; echo "$metrics" >"$OUT/metrics-port-$name"; return 0; }
+    sleep 0.1
+  done
+  echo "server $name not ready:" >&2; cat "$OUT/server-$name.log" >&2; return 1
+}
+start_server w0 0 || exit 1
+P0=$PORT
+start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}" || exit 1
+PW=$PORT
+start=$(date +%s)
+python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
+  --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \
+  "${CLIENT_ARGS[@]}" "$@" \
+  2>"$OUT/decode_bench.log"
+status=$?
+echo "decode_bench: exit $status after $(( $(date +%s) - start )) s"
+for f in "$OUT"/metrics-port-*; do
+  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$(cat "$f")/metrics', timeout=5).read().decode())" \
+    >"${f/metrics-port-/metrics-}.txt" 2>&1
+done
+tail -n 30 "$OUT/decode_bench.log"
+exit $status

@@ -1,0 +1,412 @@
+"""Client of flashserve.v1.Sequences over one or many servers, with re-prefill when a server loses a sequence.
+
+    client = flashserve.SequenceClient(["10.0.0.1:8001", "10.0.0.2:8001", "10.0.0.3:8001"], token=...)
+    seq = client.create(num_layers=32, heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16", key="req-42")
+
+Affinity: a sequence lives on one server. Its routing ``key`` (chosen by the client; a fresh uuid by default) is
+hashed onto a consistent-hash ring of the endpoints (``flashserve.hashring``); the sequence is created there and
+stays there. Every call also carries the key as gRPC metadata ``x-sequence-key``, so a proxy that hashes on that
+header (deploy/proxy/) routes the same way when the client is given the proxy's one address instead of the list.
+
+Recovery (``reprefill=True``): NOT_FOUND (evicted after --sequence_ttl_s, released elsewhere, server restarted) ->
+re-create the sequence with every row the client keeps (or ``prefix_source`` gives) and retry the call. UNAVAILABLE
+(the server left) -> mark the endpoint down for ``down_s`` seconds, re-create the sequence on the next endpoint of the
+ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed ambiguously (deadline, cancelled,
+internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
+client's and re-creates on a mismatch. Every server call is all-or-nothing, so a retried step appends its rows
+exactly once: no wrong answer, only a slower one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
+
+import grpc
+
+from . import tensors
+from ._pb import attention_pb2 as pb
+from ._pb import sequences_pb2 as spb
+from ._pb import sequences_pb2_grpc as spb_grpc
+from .client import _channel_options
+from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
+from .hashring import DEFAULT_VNODES, HashRing
+from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows
+
+ROUTE_HEADER = "x-sequence-key"
+# Failures after which the server may or may not have appended the rows it was sent.
+_AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL}
+# A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff; retries through a
+# single endpoint wait 0.1, 0.2, 0.4 ... s.
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                      ("grpc.max_reconnect_backoff_ms", 1000)]
+_UNAVAILABLE_BACKOFF_S = 0.1
+DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
+
+
+class _Item:
+    """One DecodeStep item, encoded once (retries re-send the same bytes)."""
+
+    __slots__ = ("seq", "layer", "q", "k", "v", "kind", "device")
+
+    def __init__(self, entry):
+        seq, layer, q = entry[0], int(entry[1]), entry[2]
+        k = entry[3] if len(entry) > 3 else None
+        v = entry[4] if len(entry) > 4 else None
+        if (k is None) != (v is None):
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, "decode item: give both k and v, or neither")
+        self.seq, self.layer = seq, layer
+        self.kind = "torch" if tensors.is_torch(q) else "numpy"
+        self.device = q.device if self.kind == "torch" else None
+        self.q = encode_rows(q, "q")
+        self.k = encode_rows(k, "k") if k is not None else None
+        self.v = encode_rows(v, "v") if v is not None else None
+
+    def message(self) -> "spb.DecodeItem":
+        item = spb.DecodeItem(sequence_id=self.seq.id, layer=self.layer, q=self.q)
+        if self.k is not None:
+            item.k.CopyFrom(self.k)
+            item.v.CopyFrom(self.v)
+        return item
+
+
+class SequenceClient:
+    """Blocking client. ``endpoints``: one address or a list (consistent hashing over them)."""
+
+    def __init__(self, endpoints: Union[str, Seq[str]], *, token: Optional[str] = None,
+                 timeout: Optional[float] = None, credentials: Optional[grpc.ChannelCredentials] = None,
+                 options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
+                 max_attempts: int = 4):
+        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self.ring = HashRing(self.endpoints, vnodes)
+        self.timeout = timeout
+        self.reprefill = reprefill
+        self.down_s = down_s
+        self.max_attempts = max_attempts
+        self._token = token
+        self._credentials = credentials
+        self._options = _channel_options(_RECONNECT_OPTIONS + list(options or []))
+        self._channels: Dict[str, Tuple[grpc.Channel, Any]] = {}
+        self._down: Dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
+        # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
+        self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0}
+
+    # --- endpoints ---------------------------------------------------------------------------------------------------
+
+    def stub(self, endpoint: str) -> "spb_grpc.SequencesStub":
+        with self._lock:
+            if endpoint not in self._channels:
+                channel = (grpc.insecure_channel(endpoint, options=self._options) if self._credentials is None
+                           else grpc.secure_channel(endpoint, self._credentials, options=self._options))
+                self._channels[endpoint] = (channel, spb_grpc.SequencesStub(channel))
+            return self._channels[endpoint][1]
+
+    def metadata(self, key: str):
+        md = [(ROUTE_HEADER, key)]
+        if self._token:
+            md.append(("authorization", f"Bearer {self._token}"))
+        return tuple(md)
+
+    def mark_down(self, endpoint: str) -> None:
+        with self._lock:
+            self._down[endpoint] = time.monotonic() + self.down_s
+            self.stats["unavailable"] += 1
+
+    def pick(self, key: str) -> str:
+        """The ring's endpoint for key among those not marked down; UnavailableError when none is left."""
+        now = time.monotonic()
+        with self._lock:
+            down = {e for e, until in self._down.items() if until > now}
+        try:
+            return self.ring.lookup(key, exclude=down)
+        except ValueError:
+            raise error_for(grpc.StatusCode.UNAVAILABLE,
+                            f"every endpoint is marked down ({', '.join(self.endpoints)})") from None
+
+    def _rpc(self, endpoint: str, method: str, request, key: str, timeout: Optional[float]):
+        try:
+            return getattr(self.stub(endpoint), method)(
+                request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata(key))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    # --- create / re-create ------------------------------------------------------------------------------------------
+
+    def create(self, num_layers: int, heads_q: int, heads_kv: int, head_dim: int, dtype: str,
+               prefix: Optional[Prefix] = None, *, key: Optional[str] = None, max_tokens: int = 0, label: str = "",
+               keep_history: bool = True, prefix_source=None, timeout: Optional[float] = None) -> Sequence:
+        """Creates a sequence (on the ring's endpoint for ``key``) with an optional prefix {layer: (k, v)}."""
+        if dtype not in tensors.PROTO_DTYPE:
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"dtype {dtype!r}: expected float16 or bfloat16")
+        spec = SequenceSpec(num_layers, heads_q, heads_kv, head_dim, dtype)
+        seq = Sequence(self, spec, key, keep_history, prefix_source, max_tokens, label)
+        encoded = encode_prefix(prefix)
+        self._create_on_ring(seq, encoded, timeout)
+        seq.reset_history(encoded)
+        return seq
+
+    def _create_request(self, seq: Sequence, prefix) -> "spb.CreateSequenceRequest":
+        s = seq.spec
+        request = spb.CreateSequenceRequest(num_layers=s.num_layers, heads_q=s.heads_q, heads_kv=s.heads_kv,
+                                            head_dim=s.head_dim, dtype=tensors.PROTO_DTYPE[s.dtype],
+                                            max_tokens=seq.max_tokens, label=seq.label)
+        for layer, (k, v) in sorted(prefix.items()):
+            request.prefix.append(spb.LayerKV(layer=layer, k=k, v=v))
+        return request
+
+    def _create_on_ring(self, seq: Sequence, prefix, timeout) -> None:
+        """CreateSequence on the key's endpoint; an unreachable endpoint is marked down and the next one tried."""
+        request = self._create_request(seq, prefix)
+        for _ in range(len(self.endpoints)):
+            endpoint = self.pick(seq.key)
+            try:
+                response = self._rpc(endpoint, "CreateSequence", request, seq.key, timeout)
+            except UnavailableError:
+                if len(self.endpoints) == 1 or not self.reprefill:
+                    raise
+                self.mark_down(endpoint)
+                continue
+            seq.id, seq.endpoint, seq.uncertain = response.sequence_id, endpoint, False
+            seq.max_tokens = int(response.max_tokens) or seq.max_tokens
+            seq.lengths = [int(n) for n in response.layer_lengths] or [0] * seq.spec.num_layers
+            return
+        raise error_for(grpc.StatusCode.UNAVAILABLE, f"no endpoint could create the sequence ({self.endpoints})")
+
+    def _reprefill(self, seq: Sequence, failed_id: str, timeout) -> None:
+        """Re-creates seq with every row the server should hold, unless another thread already did."""
+        with seq.lock:
+            if seq.id != failed_id:
+                return
+            prefix = seq.recovery_prefix()
+            if prefix is None:
+                raise error_for(grpc.StatusCode.NOT_FOUND,
+                                f"sequence {failed_id} was lost by {seq.endpoint} and the client keeps no history "
+                                "(keep_history=False and no prefix_source) to re-create it")
+            self._create_on_ring(seq, prefix, timeout)
+            seq.reprefills += 1
+            with self._lock:
+                self.stats["reprefills"] += 1
+
+    # --- recovery ----------------------------------------------------------------------------------------------------
+
+    def _recover(self, error: FlashserveError, seqs: List[Sequence], ids: List[str], endpoint: str,
+                 timeout, attempt: int = 0) -> None:
+        """Re-creates the sequences a failed call lost, or re-raises ``error`` when it is not a lost sequence."""
+        if isinstance(error, NotFoundError):
+            with self._lock:
+                self.stats["not_found"] += 1
+            missing = set(error.missing_ids) or set(ids)  # a NOT_FOUND without the list: every id is a suspect
+            lost = [(s, i) for s, i in zip(seqs, ids) if i in missing]
+        elif isinstance(error, UnavailableError) and len(self.endpoints) > 1:
+            self.mark_down(endpoint)
+            lost = list(zip(seqs, ids))
+        elif isinstance(error, UnavailableError):
+            # One endpoint, e.g. a proxy that routes by x-sequence-key: it moves the key to another server, which
+            # answers NOT_FOUND on the retry, and that re-creates the sequence; or a server restarting. A lone
+            # server that stays down fails every retry and the error reaches the caller.
+            time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** attempt)
+            return
+        else:
+            raise error
+        for seq, failed_id in dict((id(s), (s, i)) for s, i in lost).values():
+            self._reprefill(seq, failed_id, timeout)
+
+    def _settle_uncertain(self, seqs: Iterable[Sequence], timeout) -> None:
+        """Before using a sequence whose last append failed ambiguously: re-create it unless the server's lengths
+        are the client's (the rows were not appended)."""
+        for seq in seqs:
+            if not seq.uncertain:
+                continue
+            failed_id = seq.id
+            try:
+                info = self._rpc(seq.endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=failed_id),
+                                 seq.key, timeout)
+                same = [int(n) for n in info.layer_lengths] == seq.lengths
+            except (NotFoundError, UnavailableError):
+                same = False
+            if same:
+                seq.uncertain = False
+                continue
+            self._release_quietly(seq.endpoint, failed_id, seq.key)
+            self._reprefill(seq, failed_id, timeout)
+
+    def _release_quietly(self, endpoint: str, sequence_id: str, key: str) -> None:
+        try:
+            self._rpc(endpoint, "Release", spb.ReleaseRequest(sequence_ids=[sequence_id]), key, 5.0)
+        except FlashserveError:
+            pass  # gone with its server, or freed by its TTL later
+
+    def _with_recovery(self, seqs: List[Sequence], attempt, timeout, appends: bool):
+        """attempt() is one RPC on seqs[0].endpoint for seqs; a lost sequence is re-created and the RPC retried."""
+        for n in range(self.max_attempts):
+            self._settle_uncertain(seqs, timeout)
+            ids, endpoint = [s.id for s in seqs], seqs[0].endpoint
+            try:
+                return attempt()
+            except FlashserveError as e:
+                if appends and e.code in _AMBIGUOUS:
+                    for seq in seqs:
+                        seq.uncertain = True
+                    raise
+                if not self.reprefill or n + 1 == self.max_attempts:
+                    raise
+                self._recover(e, seqs, ids, endpoint, timeout, n)
+        raise AssertionError("unreachable")
+
+    # --- calls -------------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_live(seq: Sequence) -> None:
+        if seq.released:
+            raise error_for(grpc.StatusCode.FAILED_PRECONDITION, f"sequence {seq.id} was released by this client")
+
+    def append(self, seq: Sequence, rows: Mapping[int, Tuple[Any, Any]], timeout: Optional[float] = None):
+        """Appends {layer: (k, v)} (k/v [rows, heads_kv, head_dim]); returns every layer's length."""
+        self._check_live(seq)
+        encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
+                   for layer, (k, v) in rows.items()}
+
+        def attempt():
+            request = spb.AppendRequest(sequence_id=seq.id, rows=[
+                spb.LayerKV(layer=layer, k=k, v=v) for layer, (k, v) in encoded.items()])
+            response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
+            with seq.lock:
+                seq.acknowledge(encoded, dict(enumerate(response.layer_lengths)))
+                return list(seq.lengths)
+
+        return self._with_recovery([seq], attempt, timeout, appends=True)
+
+    def attend(self, seq: Sequence, layer: int, q, causal: bool = False, softmax_scale: Optional[float] = None,
+               return_lse: bool = False, timeout: Optional[float] = None):
+        """Attention of q [rows_q, heads_q, head_dim] over the layer's cache (no append)."""
+        self._check_live(seq)
+        item = _Item((seq, layer, q))
+
+        def attempt():
+            request = spb.AttendRequest(sequence_id=seq.id, layer=int(layer), q=item.q, causal=bool(causal),
+                                        return_lse=bool(return_lse))
+            if softmax_scale is not None:
+                request.softmax_scale = float(softmax_scale)
+            response = self._rpc(seq.endpoint, "Attend", request, seq.key, timeout)
+            return _answer(response, item, return_lse)
+
+        return self._with_recovery([seq], attempt, timeout, appends=False)
+
+    def decode_step(self, items: Iterable[DecodeInput], causal: bool = False, softmax_scale: Optional[float] = None,
+                    return_lse: bool = False, timeout: Optional[float] = None) -> list:
+        """For each (sequence, layer, q, k, v): append k/v (may be None) to the layer, attend q. One DecodeStep per
+        endpoint holding some of the sequences (in parallel). Returns outs (or (out, lse)) in the items' order."""
+        prepared = [_Item(entry) for entry in items]
+        for item in prepared:
+            self._check_live(item.seq)
+        results: List[Any] = [None] * len(prepared)
+        pending = list(range(len(prepared)))
+        options = (bool(causal), softmax_scale, bool(return_lse), timeout)
+        for n in range(self.max_attempts):
+            self._settle_uncertain({id(prepared[i].seq): prepared[i].seq for i in pending}.values(), timeout)
+            groups = _group_by_endpoint(prepared, pending)
+            runs = [(g, [prepared[i].seq.id for i in g], prepared[g[0]].seq.endpoint) for g in groups]
+            outcomes = self._run_groups(prepared, runs, results, options)
+            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
+            if not failed:
+                return results
+            for (group, ids, endpoint), error in failed:
+                seqs = [prepared[i].seq for i in group]
+                if error.code in _AMBIGUOUS:
+                    for seq in seqs:
+                        seq.uncertain = True
+                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
+                    raise error
+                self._recover(error, seqs, ids, endpoint, timeout, n)
+            pending = [i for (group, _, _), _ in failed for i in group]
+        raise AssertionError("unreachable")
+
+    def _run_groups(self, prepared, runs, results, options) -> List[Optional[FlashserveError]]:
+        """Sends one DecodeStep per group (in parallel when several); fills results; returns each group's error."""
+        def one(run):
+            group, _, endpoint = run
+            try:
+                self._step_group(prepared, group, endpoint, results, *options)
+                return None
+            except FlashserveError as e:
+                return e
+
+        if len(runs) == 1:
+            return [one(runs[0])]
+        return list(self._pool.map(one, runs))
+
+    def _step_group(self, prepared, group, endpoint, results, causal, softmax_scale, return_lse, timeout) -> None:
+        request = spb.DecodeStepRequest(items=[prepared[i].message() for i in group], causal=causal,
+                                        return_lse=return_lse)
+        if softmax_scale is not None:
+            request.softmax_scale = float(softmax_scale)
+        response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+        with self._lock:
+            self.stats["max_batched_calls"] = max(self.stats["max_batched_calls"], int(response.batched_calls))
+        if len(response.results) != len(group):
+            raise error_for(grpc.StatusCode.INTERNAL,
+                            f"DecodeStep answered {len(response.results)} results for {len(group)} items")
+        for i, result in zip(group, response.results):
+            item = prepared[i]
+            with item.seq.lock:
+                rows = {item.layer: (item.k, item.v)} if item.k is not None else {}
+                item.seq.acknowledge(rows, {item.layer: result.length})
+            results[i] = _answer(result, item, return_lse)
+
+    # --- release and information ----------------------------------------------------------------------------------
+
+    def release(self, seq: Sequence, timeout: Optional[float] = None) -> bool:
+        """Frees the sequence on its server. True when the server still held it; False when it had already lost it
+        or cannot be reached (its TTL frees the pages then)."""
+        with seq.lock:
+            if seq.released:
+                return False
+            seq.released = True
+        try:
+            response = self._rpc(seq.endpoint, "Release", spb.ReleaseRequest(sequence_ids=[seq.id]), seq.key, timeout)
+        except UnavailableError:
+            return False
+        return response.released == 1
+
+    def sequence_info(self, seq: Sequence, timeout: Optional[float] = None) -> "spb.SequenceInfo":
+        return self._rpc(seq.endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=seq.id), seq.key,
+                         timeout)
+
+    def pool_info(self, endpoint: Optional[str] = None, timeout: Optional[float] = None) -> "spb.KvPoolInfo":
+        """The KV pool of ``endpoint`` (default: the first endpoint)."""
+        return self._rpc(endpoint or self.endpoints[0], "GetKvPoolInfo", spb.GetKvPoolInfoRequest(), "", timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            for channel, _ in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+    def __enter__(self) -> "SequenceClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _group_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[List[int]]:
+    groups: Dict[str, List[int]] = {}
+    for i in indices:
+        groups.setdefault(prepared[i].seq.endpoint, []).append(i)
+    return list(groups.values())
+
+
+def _answer(response, item: _Item, return_lse: bool):
+    """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse."""
+    out = tensors.from_proto(response.out, item.kind, item.device)
+    if not return_lse:
+        return out
+    if not response.HasField("lse"):
+        raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse")
+    return out, tensors.from_proto(response.lse, item.kind, item.device)

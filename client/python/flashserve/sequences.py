@@ -1,0 +1,139 @@
+"""A sequence whose K/V cache stays on the server (flashserve.v1.Sequences): per token send only q and the new k/v.
+
+    with flashserve.SequenceClient(["127.0.0.1:8001"]) as client:
+        with client.create(num_layers=32, heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16",
+                           prefix={0: (k0, v0), 1: (k1, v1)}) as seq:     # k/v [rows, heads_kv, head_dim]
+            out = seq.step(layer=0, q=q, k=k_new, v=v_new)                # append then attend, one round trip
+            seq.append(1, k_new1, v_new1)
+            out = seq.attend(1, q1)                                       # q [rows_q, heads_q, head_dim]
+        outs = client.decode_step([(seq_a, 0, qa, ka, va), (seq_b, 0, qb, kb, vb)])   # many sequences, one call
+
+The client keeps every acknowledged K/V row (``keep_history=True``, the default) or asks ``prefix_source(seq)`` for
+them, so that when the server loses the sequence (TTL eviction, restart, the server left the ring) it re-creates the
+sequence with those rows and retries the call: the answer is the same, only slower. ``reprefills`` counts that.
+
+Thread safety: a Sequence may be used from several threads, but appends to the same layer from two threads at once
+have no defined order (the server applies them in arrival order, the history in completion order): give each
+thread its own layers, or attend only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+from . import tensors
+from ._pb import attention_pb2 as pb
+from ._seq_history import LayerHistory
+
+# (k, v) per layer: arrays [rows, heads_kv, head_dim] (numpy or torch), or already encoded wire tensors.
+Prefix = Mapping[int, Tuple[Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceSpec:
+    num_layers: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    dtype: str  # "float16" | "bfloat16"
+
+
+def encode_rows(x: Any, field: str) -> "pb.Tensor":
+    """A [rows, heads, head_dim] array/tensor (or an already encoded pb.Tensor) as a wire tensor."""
+    return x if isinstance(x, pb.Tensor) else tensors.to_proto_rows(x, field)
+
+
+def encode_prefix(prefix: Optional[Prefix]) -> Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]:
+    return {int(layer): (encode_rows(k, f"prefix[{layer}].k"), encode_rows(v, f"prefix[{layer}].v"))
+            for layer, (k, v) in (prefix or {}).items()}
+
+
+class Sequence:
+    """One server-side sequence. Made by SequenceClient.create; ``id`` changes when it is re-created elsewhere."""
+
+    def __init__(self, client, spec: SequenceSpec, key: Optional[str], keep_history: bool,
+                 prefix_source: Optional[Callable[["Sequence"], Prefix]], max_tokens: int, label: str):
+        self.client = client
+        self.spec = spec
+        self.key = key if key is not None else uuid.uuid4().hex  # routing key: which endpoint holds it
+        self.max_tokens = max_tokens
+        self.label = label
+        self.id = ""
+        self.endpoint = ""
+        self.lengths: List[int] = [0] * spec.num_layers
+        self.reprefills = 0
+        self.released = False
+        self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
+        self._history = LayerHistory(spec.num_layers) if keep_history else None
+        self._prefix_source = prefix_source
+        self.lock = threading.RLock()
+
+    # --- the calls -------------------------------------------------------------------------------------------------
+
+    def step(self, layer: int, q, k=None, v=None, causal: bool = False, softmax_scale: Optional[float] = None,
+             return_lse: bool = False, timeout: Optional[float] = None):
+        """Appends k/v (optional) to ``layer`` and attends q [rows_q, heads_q, head_dim] over the whole layer."""
+        return self.client.decode_step([(self, layer, q, k, v)], causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=return_lse, timeout=timeout)[0]
+
+    def append(self, layer, k=None, v=None, timeout: Optional[float] = None) -> List[int]:
+        """append(layer, k, v) or append({layer: (k, v), ...}); returns the lengths of every layer."""
+        rows = layer if isinstance(layer, Mapping) else {layer: (k, v)}
+        return self.client.append(self, rows, timeout=timeout)
+
+    def attend(self, layer: int, q, causal: bool = False, softmax_scale: Optional[float] = None,
+               return_lse: bool = False, timeout: Optional[float] = None):
+        """Attention of q [rows_q, heads_q, head_dim] over the layer's cache; out like q, or (out, lse)."""
+        return self.client.attend(self, layer, q, causal=causal, softmax_scale=softmax_scale,
+                                  return_lse=return_lse, timeout=timeout)
+
+    def info(self, timeout: Optional[float] = None):
+        """The server's SequenceInfo message (layer lengths, idle time, pool bytes held)."""
+        return self.client.sequence_info(self, timeout=timeout)
+
+    def release(self, timeout: Optional[float] = None) -> bool:
+        """Frees the server's pages; True when the server still held it. Further calls raise."""
+        return self.client.release(self, timeout=timeout)
+
+    def __enter__(self) -> "Sequence":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.released:
+            try:
+                self.release()
+            except Exception:  # noqa: BLE001 - the server may be gone; its TTL frees the pages
+                if exc[0] is None:
+                    raise
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.id!r}, endpoint={self.endpoint!r}, lengths={self.lengths})"
+
+    # --- state, used by SequenceClient under self.lock ---------------------------------------------------------------
+
+    def acknowledge(self, rows: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]], lengths: Mapping[int, int]) -> None:
+        """The server appended ``rows``; ``lengths`` are its layer lengths after that."""
+        if self._history is not None:
+            for layer, (k, v) in rows.items():
+                self._history.add(layer, k, v)
+        for layer, length in lengths.items():
+            self.lengths[layer] = int(length)
+
+    def recovery_prefix(self) -> Optional[Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]]:
+        """Every row the server should hold, to re-create the sequence; None when nothing can supply them."""
+        if self._history is not None:
+            return self._history.prefix()
+        if self._prefix_source is not None:
+            return encode_prefix(self._prefix_source(self))
+        return None
+
+    def reset_history(self, prefix: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]) -> None:
+        if self._history is not None:
+            self._history.replace(prefix)
+
+    @property
+    def history_bytes(self) -> int:
+        return self._history.bytes if self._history is not None else 0

@@ -1,0 +1,146 @@
+#include "edge/grpc/sequences_decode.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "edge/grpc/sequences_convert.h"
+
+namespace flashserve {
+
+namespace {
+
+absl::StatusOr<kvcache::StepItem> ItemFrom(const std::string& id, int layer, const v1::Tensor& q,
+                                           const v1::Tensor& k, const v1::Tensor& v) {
+  kvcache::StepItem item;
+  item.id = id;
+  item.layer = layer;
+  absl::StatusOr<kvcache::HostRows> rows = RowsFromTensor(q, "q", false);
+  if (!rows.ok()) return rows.status();
+  if (rows->rows < 1 || rows->rows > kvcache::kMaxQueryRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q must have 1..", kvcache::kMaxQueryRows, " rows, got ", rows->rows));
+  }
+  item.q = *rows;
+  if (rows = RowsFromTensor(k, "k", true); !rows.ok()) return rows.status();
+  item.k = *rows;
+  if (rows = RowsFromTensor(v, "v", true); !rows.ok()) return rows.status();
+  item.v = *rows;
+  return item;
+}
+
+// O (like q) and, when asked, LSE [heads_q, rows_q] for one item: sized in place, the runtime
+// writes them. Their size is that of q, which the request carries, so it is bounded by it.
+void AddOutputs(const kvcache::StepItem& item, bool return_lse, v1::Tensor* out, v1::Tensor* lse,
+                DecodeCall* call) {
+  const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
+  call->out.push_back(PrepareOutput(out, dtype, {item.q.rows, item.q.heads, item.q.head_dim}, 2));
+  if (return_lse) {
+    call->lse.push_back(
+        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {item.q.heads, item.q.rows}, 4)));
+  }
+}
+
+void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* timing) {
+  timing->set_queue_us(report.queue_us);
+  timing->set_stage_us(report.append_us);
+  timing->set_compute_us(report.compute_us);
+  timing->set_total_us(absl::ToInt64Microseconds(absl::Now() - received));
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest& request,
+                                                        v1::AttendResponse* response) {
+  absl::StatusOr<kvcache::StepItem> item =
+      ItemFrom(request.sequence_id(), request.layer(), request.q(), v1::Tensor(), v1::Tensor());
+  if (!item.ok()) return item.status();
+  absl::StatusOr<float> scale =
+      ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), item->q.head_dim);
+  if (!scale.ok()) return scale.status();
+  auto call = std::make_shared<DecodeCall>();
+  call->causal = request.causal();
+  call->softmax_scale = *scale;
+  AddOutputs(*item, request.return_lse(), response->mutable_out(), response->mutable_lse(),
+             call.get());
+  call->items.push_back(*std::move(item));
+  return call;
+}
+
+absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
+                                                            int max_items,
+                                                            v1::DecodeStepResponse* response) {
+  if (request.items_size() < 1 || request.items_size() > max_items) {
+    return absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..", max_items,
+                                                   " items (--max_batch_sequences), got ",
+                                                   request.items_size()));
+  }
+  auto call = std::make_shared<DecodeCall>();
+  call->causal = request.causal();
+  for (int i = 0; i < request.items_size(); ++i) {
+    const v1::DecodeItem& in = request.items(i);
+    absl::StatusOr<kvcache::StepItem> item =
+        ItemFrom(in.sequence_id(), in.layer(), in.q(), in.k(), in.v());
+    if (!item.ok()) {
+      return absl::Status(item.status().code(),
+                          absl::StrCat("item ", i, ": ", item.status().message()));
+    }
+    call->items.push_back(*std::move(item));
+  }
+  absl::StatusOr<float> scale =
+      ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
+  if (!scale.ok()) return scale.status();
+  call->softmax_scale = *scale;
+  for (const kvcache::StepItem& item : call->items) {
+    v1::DecodeResult* result = response->add_results();
+    AddOutputs(item, request.return_lse(), result->mutable_out(), result->mutable_lse(),
+               call.get());
+  }
+  return call;
+}
+
+void FillAttend(const DecodeReport& report, absl::Time received, v1::AttendResponse* response) {
+  if (!report.lengths.empty()) response->set_length(report.lengths[0]);
+  response->set_kernel(report.kernel);
+  FillTiming(report, received, response->mutable_timing());
+}
+
+void FillDecodeStep(const DecodeReport& report, absl::Time received,
+                    v1::DecodeStepResponse* response) {
+  for (size_t i = 0; i < report.lengths.size() && int(i) < response->results_size(); ++i) {
+    response->mutable_results(int(i))->set_length(report.lengths[i]);
+  }
+  response->set_kernel(report.kernel);
+  response->set_batched_calls(report.batched_calls);
+  FillTiming(report, received, response->mutable_timing());
+}
+
+void FillSequenceInfo(const kvcache::SequenceStatus& status, v1::SequenceInfo* info) {
+  info->set_sequence_id(status.id);
+  info->set_num_layers(status.shape.num_layers);
+  info->set_heads_q(status.shape.heads_q);
+  info->set_heads_kv(status.shape.heads_kv);
+  info->set_head_dim(status.shape.head_dim);
+  info->set_dtype(static_cast<v1::DType>(status.shape.dtype));
+  for (int64_t length : status.lengths) info->add_layer_lengths(length);
+  info->set_max_tokens(status.max_tokens);
+  info->set_idle_ms(absl::ToInt64Milliseconds(status.idle));
+  info->set_bytes(status.bytes);
+  info->set_label(status.label);
+}
+
+void FillPoolInfo(SequenceRuntime* sequences, v1::KvPoolInfo* info) {
+  const kvcache::CacheStats stats = sequences->cache().Stats();
+  const SequenceRuntimeOptions& options = sequences->options();
+  info->set_backend(std::string(sequences->backend_kind()));
+  info->set_capacity_bytes(stats.capacity_bytes);
+  info->set_used_bytes(stats.used_bytes);
+  info->set_page_tokens(options.cache.page_tokens);
+  info->set_pages_used(stats.pages_used);
+  info->set_sequences(int32_t(stats.sequences));
+  info->set_max_sequences(options.cache.max_sequences);
+  info->set_max_sequence_tokens(options.cache.max_sequence_tokens);
+  info->set_ttl_ms(absl::ToInt64Milliseconds(options.cache.ttl));
+  info->set_evictions(stats.evictions);
+  info->set_batch_window_us(options.batch_window_us);
+}
+
+}  // namespace flashserve

@@ -1,0 +1,28 @@
+// Attend and DecodeStep between their messages and the SequenceRuntime's DecodeCall: checks,
+// output tensors sized in the response (the runtime writes into them), and the response's rest.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "flashserve/v1/sequences.pb.h"
+#include "runtime/sequence_runtime.h"
+
+namespace flashserve {
+
+/// A DecodeCall for one Attend (no rows appended); out/lse in `response`. Everything the message
+/// alone shows is checked before the outputs are allocated.
+absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest& request,
+                                                        v1::AttendResponse* response);
+/// The same for a DecodeStep of at most `max_items` items (INVALID_ARGUMENT beyond).
+absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
+                                                            int max_items,
+                                                            v1::DecodeStepResponse* response);
+void FillAttend(const DecodeReport& report, absl::Time received, v1::AttendResponse* response);
+void FillDecodeStep(const DecodeReport& report, absl::Time received,
+                    v1::DecodeStepResponse* response);
+void FillSequenceInfo(const kvcache::SequenceStatus& status, v1::SequenceInfo* info);
+void FillPoolInfo(SequenceRuntime* sequences, v1::KvPoolInfo* info);
+
+}  // namespace flashserve

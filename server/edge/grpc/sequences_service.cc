@@ -1,0 +1,241 @@
+#include "edge/grpc/sequences_service.h"
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "edge/grpc/grpc_call.h"
+#include "edge/grpc/grpc_status.h"
+#include "edge/grpc/sequences_convert.h"
+#include "edge/grpc/sequences_decode.h"
+#include "flashserve/v1/sequences.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace flashserve {
+
+namespace {
+
+using Admission = AttentionRuntime::Admission;
+
+absl::Status Disabled() {
+  return absl::FailedPreconditionError(
+      "this server runs without a KV cache: start it with --kv_cache_bytes > 0");
+}
+
+// Names the missing ids of a NOT_FOUND in trailing metadata (all of them, or `id`).
+void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status,
+                std::string_view id) {
+  if (status.code() != absl::StatusCode::kNotFound) return;
+  std::vector<std::string> ids = kvcache::MissingSequenceIds(status);
+  const std::string joined = ids.empty() ? std::string(id) : absl::StrJoin(ids, ",");
+  context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
+}
+
+class SequencesService final : public v1::Sequences::CallbackService {
+ public:
+  SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences)
+      : runtime_(runtime), sequences_(sequences) {}
+
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
+                                           const v1::CreateSequenceRequest* request,
+                                           v1::CreateSequenceResponse* response) override {
+    GrpcCall call(runtime_->metrics(), grpc_methods::kCreateSequence);
+    call.Start(int64_t(request->ByteSizeLong()));
+    const absl::Status status = DoCreate(*request, response);
+    return Answer(context, &call, status, *response);
+  }
+
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
+                                   const v1::AppendRequest* request,
+                                   v1::AppendResponse* response) override {
+    GrpcCall call(runtime_->metrics(), grpc_methods::kAppend);
+    call.Start(int64_t(request->ByteSizeLong()));
+    call.set_session_id(request->sequence_id());
+    const absl::Status status = DoAppend(*request, response);
+    AddMissing(context, status, request->sequence_id());
+    return Answer(context, &call, status, *response);
+  }
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const v1::AttendRequest* request,
+                                   v1::AttendResponse* response) override;
+  grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context,
+                                       const v1::DecodeStepRequest* request,
+                                       v1::DecodeStepResponse* response) override;
+
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const v1::ReleaseRequest* request,
+                                    v1::ReleaseResponse* response) override {
+    GrpcCall call(runtime_->metrics(), grpc_methods::kRelease);
+    call.Start(int64_t(request->ByteSizeLong()));
+    absl::Status status = sequences_ == nullptr ? Disabled() : absl::OkStatus();
+    if (status.ok()) {
+      const std::vector<std::string> ids(request->sequence_ids().begin(),
+                                         request->sequence_ids().end());
+      const std::vector<std::string> missing = sequences_->cache().Release(ids);
+      response->set_released(int32_t(ids.size() - missing.size()));
+      for (const std::string& id : missing) response->add_not_found(id);
+    }
+    return Answer(context, &call, status, *response);
+  }
+
+  grpc::ServerUnaryReactor* GetSequenceInfo(grpc::CallbackServerContext* context,
+                                            const v1::GetSequenceInfoRequest* request,
+                                            v1::SequenceInfo* response) override;
+  grpc::ServerUnaryReactor* GetKvPoolInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetKvPoolInfoRequest* request,
+                                          v1::KvPoolInfo* response) override;
+
+ private:
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, GrpcCall* call,
+                                   const absl::Status& status,
+                                   const google::protobuf::Message& response) {
+    if (status.ok()) call->AddBytesOut(int64_t(response.ByteSizeLong()));
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(call->Finish(status));
+    return reactor;
+  }
+  absl::Status DoCreate(const v1::CreateSequenceRequest& request,
+                        v1::CreateSequenceResponse* response);
+  absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
+  // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
+  // response on success. Answers the gRPC call exactly once, maybe inline.
+  grpc::ServerUnaryReactor* Launch(grpc::CallbackServerContext* context,
+                                   std::shared_ptr<GrpcCall> grpc_call,
+                                   absl::StatusOr<std::shared_ptr<DecodeCall>> built,
+                                   std::function<void(const DecodeReport&)> fill,
+                                   const google::protobuf::Message* response);
+
+  AttentionRuntime* const runtime_;
+  SequenceRuntime* const sequences_;
+};
+
+grpc::ServerUnaryReactor* SequencesService::Launch(
+    grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call,
+    absl::StatusOr<std::shared_ptr<DecodeCall>> built,
+    std::function<void(const DecodeReport&)> fill, const google::protobuf::Message* response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto admission = std::make_shared<Admission>(runtime_->Admit());
+  absl::Status refused = sequences_ == nullptr ? Disabled() : built.status();
+  if (refused.ok() && !*admission) refused = absl::UnavailableError("server shutting down");
+  if (!refused.ok()) {
+    reactor->Finish(grpc_call->Finish(refused));
+    return reactor;
+  }
+  std::shared_ptr<DecodeCall> call = *std::move(built);
+  call->received = grpc_call->started();
+  call->deadline = ToAbslTime(context->deadline());
+  call->cancelled = [context] { return context->IsCancelled(); };
+  const std::string first_id = call->items.empty() ? "" : call->items[0].id;
+  call->done = [reactor, context, grpc_call, admission, fill, response, first_id](
+                   const absl::Status& status, const DecodeReport& report) {
+    if (status.ok()) {
+      fill(report);
+      grpc_call->AddBytesOut(int64_t(response->ByteSizeLong()));
+    }
+    AddMissing(context, status, first_id);
+    reactor->Finish(grpc_call->Finish(status));
+    // `admission` is released with this callback: the drain waits until the answer went out.
+  };
+  sequences_->Submit(std::move(call));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* context,
+                                                   const v1::AttendRequest* request,
+                                                   v1::AttendResponse* response) {
+  auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kAttend);
+  grpc_call->Start(int64_t(request->ByteSizeLong()));
+  grpc_call->set_session_id(request->sequence_id());
+  const absl::Time received = grpc_call->started();
+  return Launch(
+      context, grpc_call, BuildAttend(*request, response),
+      [response, received](const DecodeReport& report) { FillAttend(report, received, response); },
+      response);
+}
+
+grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerContext* context,
+                                                       const v1::DecodeStepRequest* request,
+                                                       v1::DecodeStepResponse* response) {
+  auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kDecodeStep);
+  grpc_call->Start(int64_t(request->ByteSizeLong()));
+  const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
+  const absl::Time received = grpc_call->started();
+  return Launch(
+      context, grpc_call, BuildDecodeStep(*request, max_items, response),
+      [response, received](const DecodeReport& report) {
+        FillDecodeStep(report, received, response);
+      },
+      response);
+}
+
+grpc::ServerUnaryReactor* SequencesService::GetSequenceInfo(
+    grpc::CallbackServerContext* context, const v1::GetSequenceInfoRequest* request,
+    v1::SequenceInfo* response) {
+  GrpcCall call(runtime_->metrics(), grpc_methods::kGetSequenceInfo);
+  call.Start(int64_t(request->ByteSizeLong()));
+  absl::Status status = sequences_ == nullptr ? Disabled() : absl::OkStatus();
+  if (status.ok()) {
+    absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request->sequence_id());
+    status = info.status();
+    if (info.ok()) FillSequenceInfo(*info, response);
+  }
+  AddMissing(context, status, request->sequence_id());
+  return Answer(context, &call, status, *response);
+}
+
+grpc::ServerUnaryReactor* SequencesService::GetKvPoolInfo(grpc::CallbackServerContext* context,
+                                                          const v1::GetKvPoolInfoRequest* request,
+                                                          v1::KvPoolInfo* response) {
+  GrpcCall call(runtime_->metrics(), grpc_methods::kGetKvPoolInfo);
+  call.Start(int64_t(request->ByteSizeLong()));
+  response->set_enabled(sequences_ != nullptr);
+  if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
+  return Answer(context, &call, absl::OkStatus(), *response);
+}
+
+absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
+                                        v1::CreateSequenceResponse* response) {
+  if (sequences_ == nullptr) return Disabled();
+  Admission admission = runtime_->Admit();
+  if (!admission) return absl::UnavailableError("server shutting down");
+  absl::StatusOr<kvcache::CreateRequest> create = CreateRequestFrom(request);
+  if (!create.ok()) return create.status();
+  absl::StatusOr<kvcache::SequenceStatus> created = sequences_->cache().CreateSequence(*create);
+  if (!created.ok()) return created.status();
+  response->set_sequence_id(created->id);
+  response->set_ttl_ms(absl::ToInt64Milliseconds(sequences_->options().cache.ttl));
+  response->set_max_tokens(created->max_tokens);
+  for (int64_t length : created->lengths) response->add_layer_lengths(length);
+  return absl::OkStatus();
+}
+
+absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
+                                        v1::AppendResponse* response) {
+  if (sequences_ == nullptr) return Disabled();
+  Admission admission = runtime_->Admit();
+  if (!admission) return absl::UnavailableError("server shutting down");
+  std::vector<kvcache::LayerRows> rows;
+  for (const v1::LayerKV& layer : request.rows()) {
+    absl::StatusOr<kvcache::LayerRows> converted = LayerRowsFrom(layer);
+    if (!converted.ok()) return converted.status();
+    rows.push_back(*converted);
+  }
+  absl::StatusOr<std::vector<int64_t>> lengths =
+      sequences_->cache().Append(request.sequence_id(), rows);
+  if (!lengths.ok()) return lengths.status();
+  for (int64_t length : *lengths) response->add_layer_lengths(length);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::unique_ptr<grpc::Service> CreateSequencesService(AttentionRuntime* runtime,
+                                                      SequenceRuntime* sequences) {
+  return std::make_unique<SequencesService>(runtime, sequences);
+}
+
+}  // namespace flashserve

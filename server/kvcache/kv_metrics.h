@@ -1,0 +1,41 @@
+// The KV cache's metrics (flashserve_kv_*), registered in the server's registry. README.md,
+// "Sequences", lists them.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "metrics/metrics.h"
+
+namespace flashserve::kvcache {
+
+/// Thread-safe (lock-free updates). Every series exists from construction, at 0.
+class KvCacheMetrics {
+ public:
+  explicit KvCacheMetrics(metrics::Registry* registry);
+
+  /// Gauges: live sequences, pool bytes used / free / capacity, pages held.
+  void SetPool(int64_t sequences, int64_t used_bytes, int64_t capacity_bytes, int64_t pages_used);
+  void RecordCreated() { created_->Increment(); }
+  void RecordReleased(int64_t n) { released_->Increment(uint64_t(n)); }
+  void RecordEvicted(int64_t n) { evicted_->Increment(uint64_t(n)); }
+  /// reason: "pool_full", "max_sequences" or "not_found".
+  void RecordRefused(std::string_view reason);
+  /// One paged launch: sequences (items) in it and DecodeStep calls merged into it.
+  void RecordLaunch(int64_t sequences, int64_t calls);
+
+ private:
+  metrics::Gauge* sequences_;
+  metrics::Gauge* used_bytes_;
+  metrics::Gauge* capacity_bytes_;
+  metrics::Gauge* free_bytes_;
+  metrics::Gauge* pages_used_;
+  metrics::Counter* created_;
+  metrics::Counter* released_;
+  metrics::Counter* evicted_;
+  metrics::Family<metrics::Counter>* refused_;
+  metrics::Histogram* launch_sequences_;
+  metrics::Histogram* launch_calls_;
+};
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,72 @@
+// What the KV cache layer talks about: a sequence's shape, the page format derived from it, rows
+// of K/V/Q as a client sent them, and one paged attention launch as a backend runs it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashserve/kernels/dtype.h"
+
+namespace flashserve::kvcache {
+
+/// Fixed when a sequence is created; every later tensor must match it.
+struct SequenceShape {
+  int num_layers = 0;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+  kernels::DType dtype = kernels::DType::kFloat16;
+
+  /// Bytes of one token's K (or V) in one layer: heads_kv * head_dim * element size.
+  int64_t row_bytes() const { return int64_t(heads_kv) * head_dim * int64_t(dtype_size(dtype)); }
+};
+
+/// One page holds K and V of page_tokens tokens of one layer: K rows [page_tokens, heads_kv,
+/// head_dim] at the page's offset, V rows the same at offset + v_offset. page_bytes is a power of
+/// two (kvcache/page_allocator.h), so a launch addresses pages as base + index * page_bytes.
+struct PageFormat {
+  int page_tokens = 0;
+  int64_t row_bytes = 0;
+  int64_t v_offset = 0;    // = page_bytes / 2 >= page_tokens * row_bytes
+  int64_t page_bytes = 0;  // next power of two of 2 * page_tokens * row_bytes, at least 256
+};
+PageFormat FormatFor(const SequenceShape& shape, int page_tokens);
+
+/// Rows of one tensor as the client sent them: [rows, heads, head_dim] of dtype, contiguous host
+/// memory (any alignment). The edge checked that the bytes match the shape.
+struct HostRows {
+  kernels::DType dtype = kernels::DType::kFloat16;
+  int64_t rows = 0;
+  int64_t heads = 0;
+  int64_t head_dim = 0;
+  const void* data = nullptr;
+};
+
+/// K and V rows for one layer (k and v must have equal shapes).
+struct LayerRows {
+  int layer = 0;
+  HostRows k, v;
+};
+
+/// One sequence's part of a paged launch: q's rows are the last rows_q positions of `length`
+/// keys, which live in `pages` (page indices: offset / page_bytes), in order.
+struct PagedItem {
+  const void* q = nullptr;  // host [rows_q, heads_q, head_dim], any alignment
+  int rows_q = 0;
+  void* out = nullptr;   // host [rows_q, heads_q, head_dim]
+  float* lse = nullptr;  // host [heads_q, rows_q] or null
+  std::vector<int32_t> pages;
+  int64_t length = 0;
+};
+
+/// One launch: sequences of one shape and page format, one mask and scale.
+struct PagedBatch {
+  SequenceShape shape;  // num_layers unused
+  PageFormat format;
+  bool causal = false;
+  float softmax_scale = 0.f;
+  std::vector<PagedItem> items;
+};
+
+}  // namespace flashserve::kvcache

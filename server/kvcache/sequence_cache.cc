@@ -1,0 +1,234 @@
+#include "kvcache/sequence_cache.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvcache/sequence_cache_internal.h"
+#include "kvcache/sequence_id.h"
+
+namespace flashserve::kvcache {
+
+absl::Status KvCacheOptions::Check() const {
+  if (capacity_bytes < 0) return absl::InvalidArgumentError("--kv_cache_bytes must be >= 0");
+  if (capacity_bytes > 0 && capacity_bytes < PageAllocator::kSlabBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv_cache_bytes must be 0 (off) or at least ",
+                                                   PageAllocator::kSlabBytes, " (one slab)"));
+  }
+  if (page_tokens < 1 || page_tokens > 1024) {
+    return absl::InvalidArgumentError("--kv_page_tokens must be in [1, 1024]");
+  }
+  if (ttl < absl::ZeroDuration())
+    return absl::InvalidArgumentError("--sequence_ttl_s must be >= 0");
+  if (max_sequences < 1) return absl::InvalidArgumentError("--max_sequences must be >= 1");
+  if (max_sequence_tokens < 1 || max_sequence_tokens > (int64_t(1) << 30)) {
+    return absl::InvalidArgumentError("--max_sequence_tokens must be in [1, 2^30]");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SequenceCache>> SequenceCache::Create(const KvCacheOptions& options,
+                                                                     KvStore* store,
+                                                                     KvCacheMetrics* metrics) {
+  if (absl::Status s = options.Check(); !s.ok()) return s;
+  if (store == nullptr || store->capacity_bytes() < options.capacity_bytes) {
+    return absl::InternalError("KV store smaller than --kv_cache_bytes");
+  }
+  return std::unique_ptr<SequenceCache>(new SequenceCache(options, store, metrics));
+}
+
+SequenceCache::SequenceCache(const KvCacheOptions& options, KvStore* store, KvCacheMetrics* metrics)
+    : options_(options), store_(store), metrics_(metrics), pages_(options.capacity_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  last_sweep_ = Now();
+  PublishLocked();
+}
+
+SequenceCache::~SequenceCache() = default;
+
+absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
+  const SequenceShape& shape = request.shape;
+  if (shape.num_layers < 1 || shape.num_layers > kMaxLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("num_layers must be in [1, ", kMaxLayers, "]"));
+  }
+  if (shape.heads_kv < 1 || shape.heads_q < 1 || shape.heads_q > kMaxHeads ||
+      shape.heads_q % shape.heads_kv != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("heads_q (", shape.heads_q, ") must be a multiple of heads_kv (",
+                     shape.heads_kv, "), both in [1, ", kMaxHeads, "]"));
+  }
+  if (shape.dtype != kernels::DType::kFloat16 && shape.dtype != kernels::DType::kBFloat16) {
+    return absl::InvalidArgumentError("dtype must be FLOAT16 or BFLOAT16");
+  }
+  const std::vector<int> dims = store_->head_dims();
+  const bool dim_ok = dims.empty() ? shape.head_dim >= 1 && shape.head_dim <= 256
+                                   : std::count(dims.begin(), dims.end(), shape.head_dim) > 0;
+  if (!dim_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim ", shape.head_dim, " is not supported by the ",
+                     std::string(store_->kind()), " backend's KV cache"));
+  }
+  if (request.max_tokens < 0 || request.max_tokens > options_.max_sequence_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens must be in [0, ", options_.max_sequence_tokens, "] (--max_sequence_tokens)"));
+  }
+  const PageFormat format = FormatFor(shape, options_.page_tokens);
+  if (!PageAllocator::ValidPageBytes(format.page_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a page of ", options_.page_tokens, " tokens of this shape needs ", format.page_bytes,
+        " bytes, more than ", PageAllocator::kSlabBytes, " (lower --kv_page_tokens)"));
+  }
+  const int64_t limit = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
+  std::vector<bool> seen(size_t(shape.num_layers), false);
+  for (const LayerRows& rows : request.prefix) {
+    if (rows.layer < 0 || rows.layer >= shape.num_layers || seen[size_t(rows.layer)]) {
+      return absl::InvalidArgumentError(absl::StrCat("prefix layer ", rows.layer,
+                                                     " is out of range or given twice (num_layers ",
+                                                     shape.num_layers, ")"));
+    }
+    seen[size_t(rows.layer)] = true;
+    if (absl::Status s = CheckKvRows(shape, rows.k, rows.v); !s.ok()) return s;
+    if (rows.k.rows > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix of ", rows.k.rows, " tokens exceeds the limit of ", limit));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request) {
+  if (absl::Status s = ValidateCreate(request); !s.ok()) return s;
+  absl::StatusOr<std::string> id = NewSequenceId();
+  if (!id.ok()) return id.status();
+  auto seq = std::make_unique<Sequence>();
+  seq->id = *id;
+  seq->label = request.label.substr(0, 128);
+  seq->shape = request.shape;
+  seq->format = FormatFor(request.shape, options_.page_tokens);
+  seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
+  seq->lengths.assign(size_t(request.shape.num_layers), 0);
+  seq->pages.resize(size_t(request.shape.num_layers));
+  int64_t count = 0;
+  for (const LayerRows& rows : request.prefix) count += PagesToGrow(*seq, rows.layer, rows.k.rows);
+  std::vector<int64_t> fresh;
+  Sequence* raw = seq.get();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    MaybeEvictLocked();
+    if (int64_t(table_.size()) >= options_.max_sequences) EvictIdleLocked();
+    if (int64_t(table_.size()) >= options_.max_sequences) {
+      if (metrics_ != nullptr) metrics_->RecordRefused("max_sequences");
+      return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
+                                                       " live (--max_sequences); release some"));
+    }
+    if (absl::Status s = TakePages(raw->format.page_bytes, count, &fresh); !s.ok()) return s;
+    raw->pins = 1;  // hidden (not ready) and pinned while its prefix is written
+    raw->last_used = Now();
+    table_.emplace(raw->id, std::move(seq));
+    PublishLocked();
+  }
+  // Written outside the lock: nobody can name the sequence before it is ready.
+  absl::Status written = absl::OkStatus();
+  for (const LayerRows& rows : request.prefix) {
+    if (written.ok()) written = WriteRows(raw, rows.layer, rows.k, rows.v, &fresh);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  raw->pins = 0;
+  if (!written.ok()) {
+    pages_.Free(raw->format.page_bytes, fresh);  // taken for layers not reached
+    Remove(raw);
+    PublishLocked();
+    return written;
+  }
+  raw->ready = true;
+  raw->last_used = Now();
+  if (metrics_ != nullptr) metrics_->RecordCreated();
+  return StatusOf(*raw);
+}
+
+int64_t SequenceCache::PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const {
+  const int64_t tokens = seq.format.page_tokens;
+  const int64_t needed = (new_length + tokens - 1) / tokens;
+  return std::max<int64_t>(0, needed - int64_t(seq.pages[size_t(layer)].size()));
+}
+
+absl::Status SequenceCache::TakePages(int64_t page_bytes, int64_t count,
+                                      std::vector<int64_t>* offsets) {
+  if (count == 0) return absl::OkStatus();
+  if (pages_.Available(page_bytes) < count) EvictIdleLocked();
+  if (pages_.Allocate(page_bytes, count, offsets)) return absl::OkStatus();
+  if (metrics_ != nullptr) metrics_->RecordRefused("pool_full");
+  return absl::ResourceExhaustedError(
+      absl::StrCat("KV cache full: ", count, " pages of ", page_bytes, " bytes needed, ",
+                   pages_.Available(page_bytes), " free (", pages_.used_bytes(), " of ",
+                   pages_.capacity_bytes(), " bytes in use, ", table_.size(),
+                   " sequences; --kv_cache_bytes); release sequences or retry later"));
+}
+
+absl::Status SequenceCache::WriteRows(Sequence* seq, int layer, const HostRows& k,
+                                      const HostRows& v, std::vector<int64_t>* fresh) {
+  const PageFormat& f = seq->format;
+  std::vector<int64_t>& table = seq->pages[size_t(layer)];
+  int64_t& length = seq->lengths[size_t(layer)];
+  const int64_t end = length + k.rows;
+  while (int64_t(table.size()) * f.page_tokens < end) {
+    table.push_back(fresh->back());
+    fresh->pop_back();
+  }
+  const char* k_src = static_cast<const char*>(k.data);
+  const char* v_src = static_cast<const char*>(v.data);
+  for (int64_t pos = length; pos < end;) {
+    const int64_t in_page = pos % f.page_tokens;
+    const int64_t n = std::min<int64_t>(f.page_tokens - in_page, end - pos);
+    const int64_t at = table[size_t(pos / f.page_tokens)] + in_page * f.row_bytes;
+    const int64_t from = (pos - length) * f.row_bytes;
+    absl::Status s = store_->Write(at, k_src + from, n * f.row_bytes);
+    if (s.ok()) s = store_->Write(at + f.v_offset, v_src + from, n * f.row_bytes);
+    if (!s.ok()) return s;
+    pos += n;
+  }
+  length = end;
+  return absl::OkStatus();
+}
+
+SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
+  auto it = table_.find(std::string(id));
+  if (it == table_.end() || !it->second->ready) return nullptr;
+  return it->second.get();
+}
+
+void SequenceCache::FreePages(Sequence* seq) {
+  // Rows still deferred by the store must not land on the pages' next owner's rows.
+  if (seq->page_count() > 0) store_->Fence();
+  for (std::vector<int64_t>& layer : seq->pages) {
+    pages_.Free(seq->format.page_bytes, layer);
+    layer.clear();
+  }
+}
+
+void SequenceCache::Remove(Sequence* seq) {
+  auto it = table_.find(seq->id);
+  std::unique_ptr<Sequence> owned = std::move(it->second);
+  table_.erase(it);
+  if (seq->pins == 0) {
+    FreePages(seq);
+  } else {
+    retired_.emplace(seq, std::move(owned));  // the last Unpin frees it
+  }
+}
+
+void SequenceCache::Unpin(const std::vector<void*>& pinned) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (void* p : pinned) {
+    Sequence* seq = static_cast<Sequence*>(p);
+    if (--seq->pins > 0) continue;
+    auto it = retired_.find(seq);
+    if (it != retired_.end()) {
+      FreePages(seq);
+      retired_.erase(it);
+    }
+  }
+  PublishLocked();
+}
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,173 @@
+// The sequences of the KV cache: their shapes, per-layer lengths and page tables, the page pool
+// they share, limits, TTL eviction and release. The bytes themselves are the KvStore's.
+//
+// Every operation validates everything before it takes a page, and is all or nothing: on an
+// error no sequence changed. A sequence in use by a running step is pinned: release or eviction
+// then only hides it, and its pages return to the pool when the step ends.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvcache/kv_metrics.h"
+#include "kvcache/kv_store.h"
+#include "kvcache/kv_types.h"
+#include "kvcache/page_allocator.h"
+
+namespace flashserve::kvcache {
+
+/// Query rows per sequence and step at most (the decode kernels' limit).
+inline constexpr int kMaxQueryRows = 16;
+/// Sanity bounds on a sequence's shape (metadata stays small).
+inline constexpr int kMaxLayers = 1024;
+inline constexpr int kMaxHeads = 1024;
+
+struct KvCacheOptions {
+  int64_t capacity_bytes = 0;               // --kv_cache_bytes
+  int page_tokens = 64;                     // --kv_page_tokens
+  absl::Duration ttl = absl::Seconds(300);  // --sequence_ttl_s; zero: never evict
+  int max_sequences = 4096;                 // --max_sequences
+  int64_t max_sequence_tokens = 131072;     // --max_sequence_tokens (per layer)
+  std::function<absl::Time()> clock;        // tests; empty: absl::Now
+
+  /// INVALID_ARGUMENT naming the flag.
+  absl::Status Check() const;
+};
+
+struct CreateRequest {
+  SequenceShape shape;
+  int64_t max_tokens = 0;  // 0: max_sequence_tokens
+  std::string label;
+  std::vector<LayerRows> prefix;  // at most one per layer
+};
+
+struct SequenceStatus {
+  std::string id;
+  std::string label;
+  SequenceShape shape;
+  std::vector<int64_t> lengths;  // per layer
+  int64_t max_tokens = 0;
+  absl::Duration idle;
+  int64_t bytes = 0;  // pool bytes held
+};
+
+/// One sequence's part of a step: append k/v (rows may be 0) to `layer`, then attend q.
+struct StepItem {
+  std::string id;
+  int layer = 0;
+  HostRows q, k, v;
+};
+
+struct CacheStats {
+  int64_t sequences = 0;
+  int64_t used_bytes = 0;
+  int64_t capacity_bytes = 0;
+  int64_t pages_used = 0;
+  int64_t evictions = 0;
+};
+
+/// The ids a NOT_FOUND status of this layer names (its payload), empty for other statuses.
+std::vector<std::string> MissingSequenceIds(const absl::Status& status);
+
+class SequenceCache;
+
+/// A prepared step: its rows are appended, its sequences pinned until this is destroyed.
+/// `batch` lists the items in request order, out/lse left for the caller to set.
+class StepPlan {
+ public:
+  StepPlan() = default;
+  StepPlan(StepPlan&& other) noexcept;
+  StepPlan& operator=(StepPlan&& other) noexcept;
+  StepPlan(const StepPlan&) = delete;
+  StepPlan& operator=(const StepPlan&) = delete;
+  ~StepPlan();
+
+  PagedBatch batch;
+
+ private:
+  friend class SequenceCache;
+  void Unpin();
+  SequenceCache* cache_ = nullptr;
+  std::vector<void*> pinned_;  // SequenceCache::Sequence*
+};
+
+/// Thread-safe. Borrows the store (and metrics, may be null), which must outlive it.
+class SequenceCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<SequenceCache>> Create(const KvCacheOptions& options,
+                                                               KvStore* store,
+                                                               KvCacheMetrics* metrics);
+  ~SequenceCache();
+
+  /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences.
+  absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request);
+  /// Appends rows to one or more layers; the layers' lengths after it.
+  absl::StatusOr<std::vector<int64_t>> Append(std::string_view id,
+                                              const std::vector<LayerRows>& rows);
+  /// Validates every item, appends their rows and pins their sequences. All items must share
+  /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once.
+  absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items);
+  /// Releases the sequences; returns the ids that were not found.
+  std::vector<std::string> Release(const std::vector<std::string>& ids);
+  absl::StatusOr<SequenceStatus> Info(std::string_view id);
+  CacheStats Stats();
+  /// Evicts sequences idle past the TTL (not pinned ones); how many. Also runs by itself from
+  /// the other calls, at most every TTL/8.
+  int64_t EvictIdle();
+
+  const KvCacheOptions& options() const { return options_; }
+  KvStore* store() { return store_; }
+
+ private:
+  struct Sequence;
+  friend class StepPlan;
+  SequenceCache(const KvCacheOptions& options, KvStore* store, KvCacheMetrics* metrics);
+
+  absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
+  Sequence* FindLocked(std::string_view id);  // needs mu_
+  absl::Status ValidateCreate(const CreateRequest& request) const;
+  absl::Status ValidateStep(const std::vector<StepItem>& items,
+                            const std::vector<Sequence*>& found) const;
+  absl::Status FindAll(const std::vector<StepItem>& items,
+                       std::vector<Sequence*>* found);  // needs mu_
+  // Pages to add to `seq`'s layer for it to hold `new_length` tokens.
+  int64_t PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const;
+  // Takes `count` pages of `page_bytes`, evicting idle sequences first if that makes room.
+  absl::Status TakePages(int64_t page_bytes, int64_t count,
+                         std::vector<int64_t>* offsets);  // needs mu_
+  // Appends rows at the layer's end, growing its page table from `fresh` (pages already taken).
+  absl::Status WriteRows(Sequence* seq, int layer, const HostRows& k, const HostRows& v,
+                         std::vector<int64_t>* fresh);
+  void Remove(Sequence* seq);     // needs mu_
+  void FreePages(Sequence* seq);  // needs mu_
+  void Unpin(const std::vector<void*>& pinned);
+  void MaybeEvictLocked();    // needs mu_
+  int64_t EvictIdleLocked();  // needs mu_
+  void PublishLocked();       // needs mu_
+  SequenceStatus StatusOf(const Sequence& seq) const;
+  PagedItem ItemFor(const Sequence& seq, int layer, const HostRows& q) const;
+
+  const KvCacheOptions options_;
+  KvStore* const store_;
+  KvCacheMetrics* const metrics_;
+  // A std::mutex (not absl::Mutex) so that ThreadSanitizer sees it: the system's Abseil is not
+  // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
+  std::mutex mu_;
+  PageAllocator pages_;
+  std::unordered_map<std::string, std::unique_ptr<Sequence>> table_;
+  // Released or evicted while pinned: freed by the last Unpin.
+  std::unordered_map<Sequence*, std::unique_ptr<Sequence>> retired_;
+  absl::Time last_sweep_;
+  int64_t evictions_ = 0;
+};
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,40 @@
+// The record of one sequence and the checks shared by the SequenceCache's files. Internal.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "kvcache/sequence_cache.h"
+
+namespace flashserve::kvcache {
+
+struct SequenceCache::Sequence {
+  std::string id;
+  std::string label;
+  SequenceShape shape;
+  PageFormat format;
+  int64_t max_tokens = 0;
+  std::vector<int64_t> lengths;             // per layer: tokens written
+  std::vector<std::vector<int64_t>> pages;  // per layer: page offsets, in token order
+  absl::Time last_used;
+  int pins = 0;        // running steps that read it
+  bool ready = false;  // false while its prefix is written (invisible to lookups)
+
+  int64_t page_count() const {
+    int64_t n = 0;
+    for (const auto& layer : pages) n += int64_t(layer.size());
+    return n;
+  }
+};
+
+/// INVALID_ARGUMENT unless k and v are rows of `shape`'s K/V (dtype, heads_kv, head_dim, equal
+/// rows).
+absl::Status CheckKvRows(const SequenceShape& shape, const HostRows& k, const HostRows& v);
+/// INVALID_ARGUMENT unless q is 1..kMaxQueryRows rows of `shape`'s queries.
+absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q);
+/// INVALID_ARGUMENT unless a and b have the same heads, head_dim and dtype.
+absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b);
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,61 @@
+// Shape and dtype checks of the rows a client sends against its sequence.
+#include "absl/strings/str_cat.h"
+#include "kvcache/sequence_cache_internal.h"
+
+namespace flashserve::kvcache {
+
+namespace {
+
+absl::Status CheckRows(const SequenceShape& shape, const HostRows& rows, const char* what,
+                       int64_t heads, const char* heads_name) {
+  if (rows.dtype != shape.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is ", std::string(kernels::dtype_name(rows.dtype)), " but the sequence is ",
+        std::string(kernels::dtype_name(shape.dtype)), " (a sequence's dtype cannot change)"));
+  }
+  if (rows.heads != heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " has ", rows.heads, " heads but the sequence has ", heads_name, "=", heads));
+  }
+  if (rows.head_dim != shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " has head_dim ", rows.head_dim,
+                                                   " but the sequence has ", shape.head_dim));
+  }
+  if (rows.rows < 0) return absl::InvalidArgumentError(absl::StrCat(what, ": negative rows"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckKvRows(const SequenceShape& shape, const HostRows& k, const HostRows& v) {
+  if (k.rows == 0 && v.rows == 0) return absl::OkStatus();
+  if (absl::Status s = CheckRows(shape, k, "k", shape.heads_kv, "heads_kv"); !s.ok()) return s;
+  if (absl::Status s = CheckRows(shape, v, "v", shape.heads_kv, "heads_kv"); !s.ok()) return s;
+  if (k.rows != v.rows) {
+    return absl::InvalidArgumentError(absl::StrCat("k has ", k.rows, " rows but v has ", v.rows));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q) {
+  if (absl::Status s = CheckRows(shape, q, "q", shape.heads_q, "heads_q"); !s.ok()) return s;
+  if (q.rows < 1 || q.rows > kMaxQueryRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q has ", q.rows, " rows; 1..", kMaxQueryRows, " are allowed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {
+  if (a.heads_q != b.heads_q || a.heads_kv != b.heads_kv || a.head_dim != b.head_dim ||
+      a.dtype != b.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the sequences of one DecodeStep must share heads_q, heads_kv, head_dim and dtype: ",
+        a.heads_q, ":", a.heads_kv, ":", a.head_dim, ":", std::string(kernels::dtype_name(a.dtype)),
+        " vs ", b.heads_q, ":", b.heads_kv, ":", b.head_dim, ":",
+        std::string(kernels::dtype_name(b.dtype))));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,147 @@
+// SequenceCache::PrepareStep: find, validate, append and pin the items of one DecodeStep.
+#include <optional>
+#include <set>
+#include <utility>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "kvcache/sequence_cache_internal.h"
+
+namespace flashserve::kvcache {
+
+namespace {
+constexpr char kMissingIdsPayload[] = "type.flashserve.dev/missing-sequence-ids";
+}  // namespace
+
+std::vector<std::string> MissingSequenceIds(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kNotFound) return {};
+  auto payload = status.GetPayload(kMissingIdsPayload);
+  if (!payload.has_value()) return {};
+  return absl::StrSplit(std::string(*payload), ',', absl::SkipEmpty());
+}
+
+absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
+                                    std::vector<Sequence*>* found) {
+  std::vector<std::string> missing;
+  std::set<std::string> missing_set;
+  for (const StepItem& item : items) {
+    Sequence* seq = FindLocked(item.id);
+    found->push_back(seq);
+    if (seq == nullptr && missing_set.insert(item.id).second) missing.push_back(item.id);
+  }
+  if (missing.empty()) return absl::OkStatus();
+  if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
+  const std::string joined = absl::StrJoin(missing, ",");
+  absl::Status status =
+      absl::NotFoundError(absl::StrCat("unknown or evicted sequence(s): ", joined.substr(0, 4096),
+                                       " (re-create them with their prefix)"));
+  status.SetPayload(kMissingIdsPayload, absl::Cord(joined));
+  return status;
+}
+
+absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
+                                         const std::vector<Sequence*>& found) const {
+  std::set<std::pair<const Sequence*, int>> seen;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StepItem& item = items[i];
+    const Sequence& seq = *found[i];
+    if (absl::Status s = CheckSameShape(found[0]->shape, seq.shape); !s.ok()) return s;
+    if (item.layer < 0 || item.layer >= seq.shape.num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": layer ", item.layer,
+                                                     " out of range (num_layers ",
+                                                     seq.shape.num_layers, ")"));
+    }
+    if (!seen.insert({&seq, item.layer}).second) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": sequence ", item.id, " layer ",
+                                                     item.layer, " appears twice in one call"));
+    }
+    if (absl::Status s = CheckQueryRows(seq.shape, item.q); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
+    }
+    if (absl::Status s = CheckKvRows(seq.shape, item.k, item.v); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
+    }
+    const int64_t after = seq.lengths[size_t(item.layer)] + item.k.rows;
+    if (after > seq.max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "item ", i, ": appending ", item.k.rows, " rows would make layer ", item.layer, " ",
+          after, " tokens, past the sequence's limit of ", seq.max_tokens));
+    }
+  }
+  return absl::OkStatus();
+}
+
+PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows& q) const {
+  PagedItem item;
+  item.q = q.data;
+  item.rows_q = int(q.rows);
+  item.length = seq.lengths[size_t(layer)];
+  for (int64_t offset : seq.pages[size_t(layer)]) {
+    item.pages.push_back(int32_t(offset / seq.format.page_bytes));
+  }
+  return item;
+}
+
+absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items) {
+  if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
+  std::lock_guard<std::mutex> lock(mu_);
+  MaybeEvictLocked();
+  std::vector<Sequence*> found;
+  if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
+  if (absl::Status s = ValidateStep(items, found); !s.ok()) return s;
+  const absl::Time now = Now();
+  int64_t count = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    found[i]->last_used = now;  // in use: not evicted to make room for this very step
+    count += PagesToGrow(*found[i], items[i].layer,
+                         found[i]->lengths[size_t(items[i].layer)] + items[i].k.rows);
+  }
+  std::vector<int64_t> fresh;
+  if (absl::Status s = TakePages(found[0]->format.page_bytes, count, &fresh); !s.ok()) return s;
+  StepPlan plan;
+  plan.cache_ = this;
+  plan.batch.shape = found[0]->shape;
+  plan.batch.format = found[0]->format;
+  for (size_t i = 0; i < items.size(); ++i) {
+    Sequence* seq = found[i];
+    if (absl::Status s = WriteRows(seq, items[i].layer, items[i].k, items[i].v, &fresh); !s.ok()) {
+      pages_.Free(seq->format.page_bytes, fresh);                      // a device fault
+      for (void* p : plan.pinned_) --static_cast<Sequence*>(p)->pins;  // under mu_ already
+      plan.pinned_.clear();
+      plan.cache_ = nullptr;
+      return s;
+    }
+    ++seq->pins;
+    plan.pinned_.push_back(seq);
+    plan.batch.items.push_back(ItemFor(*seq, items[i].layer, items[i].q));
+  }
+  PublishLocked();
+  return plan;
+}
+
+StepPlan::StepPlan(StepPlan&& other) noexcept
+    : batch(std::move(other.batch)),
+      cache_(std::exchange(other.cache_, nullptr)),
+      pinned_(std::move(other.pinned_)) {}
+
+StepPlan& StepPlan::operator=(StepPlan&& other) noexcept {
+  if (this != &other) {
+    Unpin();
+    batch = std::move(other.batch);
+    cache_ = std::exchange(other.cache_, nullptr);
+    pinned_ = std::move(other.pinned_);
+  }
+  return *this;
+}
+
+StepPlan::~StepPlan() { Unpin(); }
+
+void StepPlan::Unpin() {
+  if (cache_ != nullptr && !pinned_.empty()) cache_->Unpin(pinned_);
+  pinned_.clear();
+  cache_ = nullptr;
+}
+
+}  // namespace flashserve::kvcache

@@ -1,0 +1,99 @@
+#include "runtime/cpu_kv_store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace flashserve {
+
+namespace {
+
+// 16-byte aligned scratch for one item (the CPU kernels load through typed pointers).
+struct Scratch {
+  std::vector<char> q, k, v, o;
+  static char* Aligned(std::vector<char>* buf, int64_t bytes) {
+    buf->resize(size_t(bytes) + 16);
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf->data());
+    return buf->data() + ((16 - p % 16) % 16);
+  }
+};
+
+// Copies the item's keys (or values: add v_offset) out of its pages, in token order.
+void Gather(const char* base, const kvcache::PageFormat& f, const kvcache::PagedItem& item,
+            int64_t add, char* dst) {
+  for (int64_t pos = 0; pos < item.length; pos += f.page_tokens) {
+    const int64_t n = std::min<int64_t>(f.page_tokens, item.length - pos);
+    const int64_t page = item.pages[size_t(pos / f.page_tokens)];
+    std::memcpy(dst + pos * f.row_bytes, base + page * f.page_bytes + add, size_t(n * f.row_bytes));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
+                                                               kernels::cpu::ThreadPool* pool) {
+  void* base = mmap(nullptr, size_t(bytes), PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot map ", bytes,
+                     " bytes for the KV cache (--kv_cache_bytes): ", std::strerror(errno)));
+  }
+  return std::unique_ptr<CpuKvStore>(new CpuKvStore(static_cast<char*>(base), bytes, pool));
+}
+
+CpuKvStore::~CpuKvStore() { munmap(base_, size_t(bytes_)); }
+
+absl::Status CpuKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
+  if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
+    return absl::InternalError("KV store write outside the pool");
+  }
+  std::memcpy(base_ + offset, src, size_t(bytes));
+  return absl::OkStatus();
+}
+
+absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, std::string* kernel) {
+  const kvcache::SequenceShape& s = batch.shape;
+  const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
+  Scratch scratch;
+  for (const kvcache::PagedItem& item : batch.items) {
+    const int64_t q_bytes = int64_t(item.rows_q) * s.heads_q * s.head_dim * elem;
+    if (item.length == 0) {  // no key: O = 0, LSE = -inf (as the kernels define it)
+      std::memset(item.out, 0, size_t(q_bytes));
+      if (item.lse != nullptr) {
+        std::fill(item.lse, item.lse + int64_t(s.heads_q) * item.rows_q,
+                  -std::numeric_limits<float>::infinity());
+      }
+      continue;
+    }
+    kernels::AttentionParams p =
+        kernels::make_contiguous_params(s.dtype, 1, item.rows_q, int(item.length), s.heads_q,
+                                        s.heads_kv, s.head_dim, batch.causal, batch.softmax_scale);
+    char* q = Scratch::Aligned(&scratch.q, q_bytes);
+    std::memcpy(q, item.q, size_t(q_bytes));
+    char* k = Scratch::Aligned(&scratch.k, item.length * batch.format.row_bytes);
+    char* v = Scratch::Aligned(&scratch.v, item.length * batch.format.row_bytes);
+    Gather(base_, batch.format, item, 0, k);
+    Gather(base_, batch.format, item, batch.format.v_offset, v);
+    char* o = Scratch::Aligned(&scratch.o, q_bytes);
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.o = o;
+    p.lse = item.lse;
+    if (std::string why = kernels::cpu::supported(p); !why.empty()) {
+      return absl::InvalidArgumentError(why);
+    }
+    kernels::cpu::attention_forward(p, pool_);
+    std::memcpy(item.out, o, size_t(q_bytes));
+  }
+  *kernel = "cpu_paged_gather";
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve

@@ -1,0 +1,286 @@
+#include "runtime/cuda_kv_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "flashserve/kernels/decode_attention.h"
+#include "runtime/kv_scatter.h"
+
+namespace flashserve {
+
+namespace {
+
+int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
+
+// Byte offsets of one launch's sections, the same in the pinned host and the device scratch:
+// inputs [q, block table, seqlens_k, cu_seqlens_q] (one H2D copy), outputs [o, lse] (one D2H
+// copy), then the split-KV workspace (device only).
+struct CudaKvStore::Packed {
+  int batch = 0;
+  int total_q = 0, max_rows_q = 0;
+  int64_t max_pages = 1, max_length = 0;
+  std::vector<int32_t> cu_q;  // [batch + 1]
+  int64_t q = 0, table = 0, seqlens = 0, cu = 0, inputs_end = 0;
+  int64_t o = 0, lse = 0, outputs_end = 0;
+  int64_t workspace = 0, workspace_bytes = 0;
+  int64_t q_row_bytes = 0;  // heads_q * head_dim * element size
+};
+
+absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, int device,
+                                                                 int sm_count,
+                                                                 ErrorHandler on_error) {
+  auto store =
+      std::unique_ptr<CudaKvStore>(new CudaKvStore(bytes, device, sm_count, std::move(on_error)));
+  cudaSetDevice(device);
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&store->pool_), size_t(bytes));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
+                                                     " bytes of device memory for the KV cache "
+                                                     "(--kv_cache_bytes): ",
+                                                     cudaGetErrorString(e)));
+  }
+  if ((e = cudaStreamCreateWithFlags(&store->stream_, cudaStreamNonBlocking)) != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
+  }
+  static_assert(sizeof(KvScatterRange) == 24, "kRangeBytes assumes 24-byte ranges");
+  const size_t stage = size_t(kRangeBytes + kStageDataBytes);
+  e = cudaMalloc(reinterpret_cast<void**>(&store->stage_device_), stage);
+  for (int i = 0; i < 2 && e == cudaSuccess; ++i) {
+    e = cudaHostAlloc(reinterpret_cast<void**>(&store->stage_host_[i]), stage,
+                      cudaHostAllocDefault);
+    if (e == cudaSuccess) {
+      e = cudaEventCreateWithFlags(&store->stage_done_[i], cudaEventDisableTiming);
+    }
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV cache write stage: ", cudaGetErrorString(e)));
+  }
+  return store;
+}
+
+CudaKvStore::~CudaKvStore() {
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+  cudaFree(pool_);
+  cudaFree(device_scratch_);
+  cudaFreeHost(host_scratch_);
+  cudaFree(stage_device_);
+  for (int i = 0; i < 2; ++i) {
+    cudaFreeHost(stage_host_[i]);
+    if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
+  }
+}
+
+std::vector<int> CudaKvStore::head_dims() const { return kernels::cuda::decode_head_dims(); }
+
+absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
+  if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
+    return absl::InternalError("KV store write outside the pool");
+  }
+  std::lock_guard<std::mutex> lock(write_mu_);
+  cudaSetDevice(device_);
+  if (bytes >= kDirectWriteBytes) {
+    // After what is staged (the stream keeps the writes in order). From pageable memory the
+    // driver stages the bytes before returning, so `src` may be reused.
+    if (absl::Status s = FlushLocked(); !s.ok()) return s;
+    const cudaError_t e =
+        cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyHostToDevice, stream_);
+    return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
+  }
+  const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
+  if (staged_ranges_ == kMaxRanges || staged_bytes_ + padded > kStageDataBytes) {
+    if (absl::Status s = FlushLocked(); !s.ok()) return s;
+  }
+  char* host = stage_host_[stage_index_];
+  reinterpret_cast<KvScatterRange*>(host)[staged_ranges_++] = {offset, staged_bytes_, bytes};
+  std::memcpy(host + kRangeBytes + staged_bytes_, src, size_t(bytes));
+  staged_bytes_ += padded;
+  return absl::OkStatus();
+}
+
+void CudaKvStore::Fence() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  cudaSetDevice(device_);
+  FlushLocked().IgnoreError();  // a failure was reported to the backend (on_error_)
+}
+
+absl::Status CudaKvStore::FlushLocked() {
+  if (staged_ranges_ == 0) return absl::OkStatus();
+  const char* host = stage_host_[stage_index_];
+  cudaError_t e = cudaMemcpyAsync(stage_device_, host, size_t(staged_ranges_) * 24,
+                                  cudaMemcpyHostToDevice, stream_);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(stage_device_ + kRangeBytes, host + kRangeBytes, size_t(staged_bytes_),
+                        cudaMemcpyHostToDevice, stream_);
+  }
+  if (e == cudaSuccess) {
+    e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_), staged_ranges_,
+                        stage_device_ + kRangeBytes, pool_, stream_);
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(stage_done_[stage_index_], stream_);
+  stage_index_ ^= 1;
+  staged_ranges_ = 0;
+  staged_bytes_ = 0;
+  // The other buffer is filled from now on: the copies that read it last must have finished.
+  if (e == cudaSuccess) e = cudaEventSynchronize(stage_done_[stage_index_]);
+  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write flush");
+}
+
+absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity) {
+  if (bytes <= *capacity) return absl::OkStatus();
+  const int64_t grown = std::max(bytes, *capacity * 2);
+  if (device) {
+    cudaFree(*buffer);
+  } else {
+    cudaFreeHost(*buffer);
+  }
+  *buffer = nullptr;
+  *capacity = 0;
+  const cudaError_t e = device ? cudaMalloc(buffer, size_t(grown))
+                               : cudaHostAlloc(buffer, size_t(grown), cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV launch scratch of ", grown, " bytes: ", cudaGetErrorString(e)));
+  }
+  *capacity = grown;
+  return absl::OkStatus();
+}
+
+void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk) {
+  char* host = static_cast<char*>(host_scratch_);
+  auto* table = reinterpret_cast<int32_t*>(host + pk.table);
+  auto* seqlens = reinterpret_cast<int32_t*>(host + pk.seqlens);
+  std::memcpy(host + pk.cu, pk.cu_q.data(), pk.cu_q.size() * sizeof(int32_t));
+  for (int b = 0; b < pk.batch; ++b) {
+    const kvcache::PagedItem& item = batch.items[size_t(b)];
+    std::memcpy(host + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes, item.q,
+                size_t(item.rows_q * pk.q_row_bytes));
+    int32_t* row = table + int64_t(b) * pk.max_pages;
+    std::fill(row, row + pk.max_pages, 0);  // past the length: never read
+    std::copy(item.pages.begin(), item.pages.end(), row);
+    seqlens[b] = int32_t(item.length);
+  }
+}
+
+absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, std::string* kernel) {
+  const kvcache::SequenceShape& s = batch.shape;
+  Packed pk;
+  pk.batch = int(batch.items.size());
+  pk.q_row_bytes = int64_t(s.heads_q) * s.head_dim * int64_t(kernels::dtype_size(s.dtype));
+  pk.cu_q.push_back(0);
+  for (const kvcache::PagedItem& item : batch.items) {
+    pk.cu_q.push_back(pk.cu_q.back() + item.rows_q);
+    pk.max_rows_q = std::max(pk.max_rows_q, item.rows_q);
+    pk.max_pages = std::max<int64_t>(pk.max_pages, int64_t(item.pages.size()));
+    pk.max_length = std::max(pk.max_length, item.length);
+  }
+  pk.total_q = pk.cu_q.back();
+  pk.q = 0;
+  pk.table = Align(pk.q + pk.total_q * pk.q_row_bytes);
+  pk.seqlens = Align(pk.table + pk.batch * pk.max_pages * 4);
+  pk.cu = Align(pk.seqlens + pk.batch * 4);
+  pk.inputs_end = pk.cu + (pk.batch + 1) * 4;
+  pk.o = Align(pk.inputs_end);
+  pk.lse = Align(pk.o + pk.total_q * pk.q_row_bytes);
+  pk.outputs_end = pk.lse + int64_t(s.heads_q) * pk.total_q * 4;
+  pk.workspace = Align(pk.outputs_end);
+  std::lock_guard<std::mutex> lock(launch_mu_);
+  cudaSetDevice(device_);
+  {
+    std::lock_guard<std::mutex> write_lock(write_mu_);  // rows written so far land first
+    if (absl::Status st = FlushLocked(); !st.ok()) return st;
+  }
+  if (absl::Status st = Launch(batch, pk); !st.ok()) return st;
+  Scatter(batch, pk);
+  *kernel = "decode_paged_splitkv";
+  return absl::OkStatus();
+}
+
+absl::Status CudaKvStore::Launch(const kvcache::PagedBatch& batch, const Packed& pk) {
+  const kvcache::SequenceShape& s = batch.shape;
+  const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
+  kernels::cuda::DecodeParams p;
+  p.dtype = s.dtype;
+  p.batch = pk.batch;
+  p.seqlen_q = pk.max_rows_q;
+  p.total_q = pk.total_q;
+  p.seqlen_k = int(std::max<int64_t>(pk.max_length, 1));
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.head_dim = s.head_dim;
+  p.softmax_scale = batch.softmax_scale;
+  p.causal = batch.causal;
+  p.q_row_stride = p.o_row_stride = int64_t(s.heads_q) * s.head_dim;
+  p.q_head_stride = p.o_head_stride = s.head_dim;
+  p.q_batch_stride = p.o_batch_stride = p.q_row_stride * pk.max_rows_q;  // unused (varlen)
+  p.k_batch_stride = p.v_batch_stride = batch.format.page_bytes / elem;  // the page stride
+  p.k_row_stride = p.v_row_stride = int64_t(s.heads_kv) * s.head_dim;
+  p.k_head_stride = p.v_head_stride = s.head_dim;
+  p.k = pool_;
+  p.v = pool_ + batch.format.v_offset;
+  p.page_size = batch.format.page_tokens;
+  p.block_table_stride = pk.max_pages;
+  p.num_splits = kernels::cuda::decode_num_splits(p, sm_count_);
+  const int64_t workspace = int64_t(kernels::cuda::decode_workspace_bytes(p, p.num_splits));
+  if (absl::Status st =
+          Reserve(true, pk.workspace + workspace, &device_scratch_, &device_scratch_bytes_);
+      !st.ok()) {
+    return st;
+  }
+  if (absl::Status st = Reserve(false, pk.outputs_end, &host_scratch_, &host_scratch_bytes_);
+      !st.ok()) {
+    return st;
+  }
+  char* dev = static_cast<char*>(device_scratch_);
+  char* host = static_cast<char*>(host_scratch_);
+  p.q = dev + pk.q;
+  p.o = dev + pk.o;
+  p.lse = reinterpret_cast<float*>(dev + pk.lse);
+  p.block_table = reinterpret_cast<const int32_t*>(dev + pk.table);
+  p.seqlens_k = reinterpret_cast<const int32_t*>(dev + pk.seqlens);
+  p.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev + pk.cu);
+  p.workspace = workspace > 0 ? dev + pk.workspace : nullptr;
+  p.workspace_bytes = size_t(workspace);
+  if (std::string why = kernels::cuda::decode_supported(p); !why.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("the decode kernel cannot run this: ", why));
+  }
+  FillHost(batch, pk);
+  cudaError_t e =
+      cudaMemcpyAsync(dev, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice, stream_);
+  if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(host + pk.o, dev + pk.o, size_t(pk.outputs_end - pk.o),
+                        cudaMemcpyDeviceToHost, stream_);
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV decode launch");
+}
+
+void CudaKvStore::Scatter(const kvcache::PagedBatch& batch, const Packed& pk) {
+  const char* host = static_cast<const char*>(host_scratch_);
+  const auto* lse = reinterpret_cast<const float*>(host + pk.lse);
+  for (int b = 0; b < pk.batch; ++b) {
+    const kvcache::PagedItem& item = batch.items[size_t(b)];
+    const int32_t row0 = pk.cu_q[size_t(b)];
+    std::memcpy(item.out, host + pk.o + int64_t(row0) * pk.q_row_bytes,
+                size_t(item.rows_q * pk.q_row_bytes));
+    if (item.lse == nullptr) continue;
+    // Varlen LSE is [heads_q, total_q]; the item's is [heads_q, rows_q].
+    for (int h = 0; h < batch.shape.heads_q; ++h) {
+      std::memcpy(item.lse + int64_t(h) * item.rows_q, lse + int64_t(h) * pk.total_q + row0,
+                  size_t(item.rows_q) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace flashserve

@@ -1,0 +1,88 @@
+// The CUDA backend's KV store: the pool is one device allocation on the first GPU; attention is
+// the paged split-KV decode kernel (kernels/cuda/decode, flashserve/kernels/decode_attention.h)
+// over every item of a batch in one launch (varlen queries, one block table, per-item lengths).
+//
+// Writes and launches go to one stream of its own, in the order they are issued, so a launch
+// sees every row written before it started (the SequenceCache issues writes under its lock).
+// Small writes (a decode step's rows) are staged in pinned memory and land in the pool by one
+// H2D copy and one scatter launch (runtime/kv_scatter.h) when the stage is flushed: before every
+// launch, before a large write, or when the stage is full; large writes (prefixes) are copied
+// directly. Launches are serialized (one set of scratch buffers); a batch is one launch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvcache/kv_store.h"
+
+namespace flashserve {
+
+/// Thread-safe.
+class CudaKvStore final : public kvcache::KvStore {
+ public:
+  /// The backend's handling of a CUDA error (marks it unhealthy when the error is sticky);
+  /// returns the status to answer with.
+  using ErrorHandler = std::function<absl::Status(cudaError_t, const char*)>;
+  /// RESOURCE_EXHAUSTED when `bytes` of device memory cannot be had on `device`.
+  static absl::StatusOr<std::unique_ptr<CudaKvStore>> Create(int64_t bytes, int device,
+                                                             int sm_count, ErrorHandler on_error);
+  ~CudaKvStore() override;
+
+  std::string_view kind() const override { return "cuda"; }
+  int64_t capacity_bytes() const override { return bytes_; }
+  absl::Status Write(int64_t offset, const void* src, int64_t bytes) override;
+  /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
+  /// so a freed page's old rows and its next owner's must not share one.
+  void Fence() override;
+  absl::Status Attend(const kvcache::PagedBatch& batch, std::string* kernel) override;
+  std::vector<int> head_dims() const override;
+
+ private:
+  // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
+  struct Packed;
+  CudaKvStore(int64_t bytes, int device, int sm_count, ErrorHandler on_error)
+      : bytes_(bytes), device_(device), sm_count_(sm_count), on_error_(std::move(on_error)) {}
+  // Grows `*buffer` (device or pinned host) to at least `bytes`.
+  absl::Status Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity);
+  // Queues the staged writes (ranges, data, scatter) and switches to the other stage buffer.
+  absl::Status FlushLocked();
+  // Fills the pinned scratch with the packed queries and tables.
+  void FillHost(const kvcache::PagedBatch& batch, const Packed& packed);
+  // Queues the input copy, the decode kernel and the output copy; waits for them.
+  absl::Status Launch(const kvcache::PagedBatch& batch, const Packed& packed);
+  // Copies each item's O and LSE out of the pinned scratch.
+  void Scatter(const kvcache::PagedBatch& batch, const Packed& packed);
+
+  const int64_t bytes_;
+  const int device_;
+  const int sm_count_;
+  const ErrorHandler on_error_;
+  char* pool_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::mutex launch_mu_;  // one launch at a time: it owns the scratch below
+  void* device_scratch_ = nullptr;
+  int64_t device_scratch_bytes_ = 0;
+  void* host_scratch_ = nullptr;  // pinned
+  int64_t host_scratch_bytes_ = 0;
+
+  // The write stage: two pinned buffers used in turn ([ranges][data]), one device copy of them.
+  static constexpr int kMaxRanges = 8192;
+  static constexpr int64_t kRangeBytes = int64_t(kMaxRanges) * 24;  // sizeof(KvScatterRange)
+  static constexpr int64_t kStageDataBytes = int64_t(4) << 20;
+  static constexpr int64_t kDirectWriteBytes = int64_t(64) << 10;  // and larger: no staging
+  std::mutex write_mu_;  // guards the stage; taken after launch_mu_, never before
+  char* stage_host_[2] = {nullptr, nullptr};
+  cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
+  char* stage_device_ = nullptr;
+  int stage_index_ = 0;
+  int staged_ranges_ = 0;
+  int64_t staged_bytes_ = 0;
+};
+
+}  // namespace flashserve

@@ -1,0 +1,184 @@
+#include "runtime/sequence_runtime.h"
+
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "runtime/decode_batcher.h"
+
+namespace flashserve {
+
+namespace {
+
+// Calls whose plans can share one paged launch: same shape, page format, mask and scale.
+bool SameLaunch(const kvcache::PagedBatch& a, const kvcache::PagedBatch& b) {
+  const kvcache::SequenceShape& x = a.shape;
+  const kvcache::SequenceShape& y = b.shape;
+  return x.heads_q == y.heads_q && x.heads_kv == y.heads_kv && x.head_dim == y.head_dim &&
+         x.dtype == y.dtype && a.format.page_bytes == b.format.page_bytes &&
+         a.format.page_tokens == b.format.page_tokens && a.causal == b.causal &&
+         std::memcmp(&a.softmax_scale, &b.softmax_scale, sizeof(float)) == 0;
+}
+
+}  // namespace
+
+// A call whose rows are appended and whose sequences are pinned, waiting for its launch.
+struct PreparedDecode {
+  std::shared_ptr<DecodeCall> call;
+  kvcache::StepPlan plan;
+  DecodeReport report;
+};
+using Prepared = PreparedDecode;
+
+absl::Status SequenceRuntimeOptions::Check() const {
+  if (absl::Status s = cache.Check(); !s.ok()) return s;
+  if (batch_window_us < 0 || batch_window_us > 1000000) {
+    return absl::InvalidArgumentError("--batch_window_us must be in [0, 1000000]");
+  }
+  if (max_batch_sequences < 1 || max_batch_sequences > 65536) {
+    return absl::InvalidArgumentError("--max_batch_sequences must be in [1, 65536]");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
+    const SequenceRuntimeOptions& options, Backend* backend, Scheduler* scheduler,
+    ServerMetrics* metrics) {
+  if (absl::Status s = options.Check(); !s.ok()) return s;
+  auto runtime = std::unique_ptr<SequenceRuntime>(new SequenceRuntime(options, scheduler));
+  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> store =
+      backend->CreateKvStore(options.cache.capacity_bytes);
+  if (!store.ok()) {
+    return absl::Status(store.status().code() == absl::StatusCode::kUnimplemented
+                            ? absl::StatusCode::kFailedPrecondition
+                            : store.status().code(),
+                        absl::StrCat("--kv_cache_bytes: ", store.status().message()));
+  }
+  runtime->store_ = std::move(*store);
+  if (metrics != nullptr) {
+    runtime->metrics_ = std::make_unique<kvcache::KvCacheMetrics>(&metrics->registry());
+  }
+  absl::StatusOr<std::unique_ptr<kvcache::SequenceCache>> cache =
+      kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
+  if (!cache.ok()) return cache.status();
+  runtime->cache_ = std::move(*cache);
+  if (options.batch_window_us > 0) {
+    SequenceRuntime* self = runtime.get();
+    runtime->batcher_ = std::make_unique<DecodeBatcher>(
+        absl::Microseconds(options.batch_window_us), options.max_batch_sequences,
+        [self](DecodeBatcher::Batch batch) { self->Dispatch(std::move(batch)); });
+  }
+  return runtime;
+}
+
+SequenceRuntime::SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler)
+    : options_(options), scheduler_(scheduler) {}
+
+SequenceRuntime::~SequenceRuntime() { batcher_.reset(); }
+
+void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
+  const int n = int(call->items.size());
+  if (n < 1 || n > options_.max_batch_sequences) {
+    call->done(absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..",
+                                                       options_.max_batch_sequences,
+                                                       " items (--max_batch_sequences), got ", n)),
+               {});
+    return;
+  }
+  if (batcher_ == nullptr) {
+    Dispatch({std::move(call)});
+    return;
+  }
+  if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
+}
+
+void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls) {
+  absl::Status s = scheduler_->Submit([this, calls]() mutable { RunCalls(std::move(calls)); });
+  if (!s.ok()) {
+    for (const auto& call : calls) call->done(s, {});
+  }
+}
+
+std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCall> call,
+                                                       absl::Time start) {
+  if (call->cancelled && call->cancelled()) {
+    call->done(absl::CancelledError("the call was cancelled before it ran"), {});
+    return std::nullopt;
+  }
+  if (start > call->deadline) {
+    call->done(absl::DeadlineExceededError("deadline passed while the call waited"), {});
+    return std::nullopt;
+  }
+  const absl::Time t0 = absl::Now();
+  absl::StatusOr<kvcache::StepPlan> plan = cache_->PrepareStep(call->items);
+  if (!plan.ok()) {
+    call->done(plan.status(), {});
+    return std::nullopt;
+  }
+  Prepared p{call, std::move(*plan), {}};
+  p.report.queue_us = absl::ToInt64Microseconds(start - call->received);
+  p.report.append_us = absl::ToInt64Microseconds(absl::Now() - t0);
+  p.plan.batch.causal = call->causal;
+  p.plan.batch.softmax_scale = call->softmax_scale;
+  for (size_t i = 0; i < p.plan.batch.items.size(); ++i) {
+    p.plan.batch.items[i].out = call->out[i];
+    p.plan.batch.items[i].lse = call->lse.empty() ? nullptr : call->lse[i];
+    p.report.lengths.push_back(p.plan.batch.items[i].length);
+  }
+  return p;
+}
+
+void SequenceRuntime::RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls) {
+  const absl::Time start = absl::Now();
+  std::vector<Prepared> ready;
+  for (auto& call : calls) {
+    std::optional<Prepared> p = Prepare(std::move(call), start);
+    if (p.has_value()) ready.push_back(std::move(*p));
+  }
+  // Greedy grouping: each call joins the first launch it fits (shape, mask, scale, size).
+  std::vector<std::vector<Prepared*>> launches;
+  std::vector<size_t> sizes;
+  for (Prepared& p : ready) {
+    const size_t n = p.plan.batch.items.size();
+    size_t g = 0;
+    while (g < launches.size() && !(SameLaunch(launches[g][0]->plan.batch, p.plan.batch) &&
+                                    sizes[g] + n <= size_t(options_.max_batch_sequences))) {
+      ++g;
+    }
+    if (g == launches.size()) {
+      launches.emplace_back();
+      sizes.push_back(0);
+    }
+    launches[g].push_back(&p);
+    sizes[g] += n;
+  }
+  for (const auto& launch : launches) RunLaunch(launch);
+}
+
+void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
+  kvcache::PagedBatch merged;
+  merged.shape = launch[0]->plan.batch.shape;
+  merged.format = launch[0]->plan.batch.format;
+  merged.causal = launch[0]->plan.batch.causal;
+  merged.softmax_scale = launch[0]->plan.batch.softmax_scale;
+  for (Prepared* p : launch) {
+    for (kvcache::PagedItem& item : p->plan.batch.items) merged.items.push_back(std::move(item));
+  }
+  std::string kernel;
+  const absl::Time t0 = absl::Now();
+  const absl::Status status = store_->Attend(merged, &kernel);
+  const int64_t compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
+  if (metrics_ != nullptr)
+    metrics_->RecordLaunch(int64_t(merged.items.size()), int64_t(launch.size()));
+  for (Prepared* p : launch) {
+    p->report.compute_us = compute_us;
+    p->report.kernel = kernel;
+    p->report.batched_calls = int(launch.size());
+    p->plan = kvcache::StepPlan();  // unpin before answering
+    p->call->done(status, p->report);
+  }
+}
+
+}  // namespace flashserve

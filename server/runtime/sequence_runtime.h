@@ -1,0 +1,100 @@
+// The Sequences API's runtime: the KV cache (server/kvcache) on the backend's KvStore, and the
+// decode steps that read it, queued like every other request (the scheduler's queue bounds them)
+// and, with a batch window, merged across calls into one paged launch (runtime/decode_batcher.h).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvcache/kv_metrics.h"
+#include "kvcache/sequence_cache.h"
+#include "metrics/server_metrics.h"
+#include "runtime/backend.h"
+#include "runtime/scheduler.h"
+
+namespace flashserve {
+
+struct SequenceRuntimeOptions {
+  kvcache::KvCacheOptions cache;   // capacity_bytes 0: the Sequences API is off
+  int64_t batch_window_us = 0;     // --batch_window_us; 0: every call runs alone
+  int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
+
+  /// INVALID_ARGUMENT naming the flag.
+  absl::Status Check() const;
+};
+
+/// What one finished decode call reports.
+struct DecodeReport {
+  int64_t queue_us = 0;    // accepted -> its launch started
+  int64_t compute_us = 0;  // the launch (append excluded)
+  int64_t append_us = 0;   // rows appended to the pool (host or device copies)
+  std::string kernel;
+  int batched_calls = 1;         // calls that ran in the same launch
+  std::vector<int64_t> lengths;  // per item: the layer's length after the append
+};
+
+/// One DecodeStep (or Attend: one item, no rows) as the runtime runs it. The edge keeps the
+/// request (items point into it) and the outputs alive until `done`.
+struct DecodeCall {
+  std::vector<kvcache::StepItem> items;
+  bool causal = false;
+  float softmax_scale = 0.f;  // > 0 (the edge resolves the default)
+  std::vector<void*> out;     // per item: [rows_q, heads_q, head_dim] of q's dtype
+  std::vector<float*> lse;    // per item: [heads_q, rows_q], or empty (no LSE)
+  absl::Time received;
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;  // may be empty
+  /// Called exactly once, on some thread. On an error no row of the call was appended.
+  std::function<void(const absl::Status&, const DecodeReport&)> done;
+};
+
+class DecodeBatcher;
+struct PreparedDecode;
+
+/// Thread-safe. Borrows the backend, scheduler and metrics (may be null): they must outlive it.
+class SequenceRuntime {
+ public:
+  /// FAILED_PRECONDITION when the backend has no KV store; RESOURCE_EXHAUSTED when its memory
+  /// cannot be had.
+  static absl::StatusOr<std::unique_ptr<SequenceRuntime>> Create(
+      const SequenceRuntimeOptions& options, Backend* backend, Scheduler* scheduler,
+      ServerMetrics* metrics);
+  /// Answers calls still waiting for their batch with UNAVAILABLE.
+  ~SequenceRuntime();
+
+  kvcache::SequenceCache& cache() { return *cache_; }
+  const SequenceRuntimeOptions& options() const { return options_; }
+  std::string_view backend_kind() const { return store_->kind(); }
+
+  /// Answers through call->done exactly once (maybe inline: RESOURCE_EXHAUSTED when the queue
+  /// is full, INVALID_ARGUMENT for more than max_batch_sequences items).
+  void Submit(std::shared_ptr<DecodeCall> call);
+
+ private:
+  SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler);
+  // Runs on a scheduler worker: prepares each call (drops expired/cancelled ones), merges those
+  // that fit one launch, runs the launches, answers.
+  void RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls);
+  // Drops a cancelled or expired call, else appends its rows and pins its sequences (answering
+  // it on an error).
+  std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
+  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls);
+  // One paged launch over calls that share a shape, mask and scale; answers each of them.
+  void RunLaunch(const std::vector<PreparedDecode*>& launch);
+
+  const SequenceRuntimeOptions options_;
+  Scheduler* const scheduler_;
+  std::unique_ptr<kvcache::KvCacheMetrics> metrics_;
+  std::unique_ptr<kvcache::KvStore> store_;
+  std::unique_ptr<kvcache::SequenceCache> cache_;
+  std::unique_ptr<DecodeBatcher> batcher_;  // null when batch_window_us == 0
+};
+
+}  // namespace flashserve

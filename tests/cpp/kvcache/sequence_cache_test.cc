@@ -1,0 +1,390 @@
+// The KV cache with the CPU store: append-then-attend against the fp64 reference over many steps,
+// all-or-nothing failures, pool exhaustion, TTL, release, limits and bad inputs.
+#include "kvcache/sequence_cache.h"
+
+#include <atomic>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "kv_test_util.h"
+#include "runtime/cpu_kv_store.h"
+
+namespace flashserve::kvcache {
+namespace {
+
+using kernels::DType;
+using testing::Bits;
+using testing::DenseLayer;
+using testing::RandomRows;
+using testing::Rows;
+
+SequenceShape Shape(int layers, int hq, int hkv, int d, DType dtype) {
+  SequenceShape s;
+  s.num_layers = layers;
+  s.heads_q = hq;
+  s.heads_kv = hkv;
+  s.head_dim = d;
+  s.dtype = dtype;
+  return s;
+}
+
+class SequenceCacheTest : public ::testing::Test {
+ protected:
+  void Make(int64_t bytes, int page_tokens, absl::Duration ttl = absl::Seconds(300),
+            int max_sequences = 64, int64_t max_tokens = 100000) {
+    pool_ = std::make_unique<kernels::cpu::ThreadPool>(2);
+    store_ = *CpuKvStore::Create(bytes, pool_.get());
+    KvCacheOptions options;
+    options.capacity_bytes = bytes;
+    options.page_tokens = page_tokens;
+    options.ttl = ttl;
+    options.max_sequences = max_sequences;
+    options.max_sequence_tokens = max_tokens;
+    options.clock = [this] { return now_; };
+    cache_ = *SequenceCache::Create(options, store_.get(), nullptr);
+  }
+
+  std::string NewSequence(const SequenceShape& s, std::vector<DenseLayer>* dense, int prefix) {
+    CreateRequest request;
+    request.shape = s;
+    dense->assign(size_t(s.num_layers), {});
+    std::vector<Bits> keep;
+    keep.reserve(size_t(2 * s.num_layers));
+    for (int l = 0; l < s.num_layers; ++l) {
+      const int rows = prefix + l;  // layers of different lengths
+      keep.push_back(RandomRows(&rng_, rows, s.heads_kv, s.head_dim, s.dtype));
+      keep.push_back(RandomRows(&rng_, rows, s.heads_kv, s.head_dim, s.dtype));
+      (*dense)[size_t(l)].Append(keep[keep.size() - 2], keep.back());
+      request.prefix.push_back({l, Rows(keep[keep.size() - 2], s.heads_kv, s.head_dim, s.dtype),
+                                Rows(keep.back(), s.heads_kv, s.head_dim, s.dtype)});
+    }
+    absl::StatusOr<SequenceStatus> created = cache_->CreateSequence(request);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created.ok() ? created->id : "";
+  }
+
+  // One step over `ids` (layer each), appending `new_rows` random rows; checks every output.
+  absl::Status Step(const SequenceShape& s, const std::vector<std::string>& ids,
+                    const std::vector<int>& layers, std::vector<std::vector<DenseLayer>*> dense,
+                    int new_rows, int rows_q, bool causal) {
+    std::vector<Bits> qs, ks, vs;
+    std::vector<StepItem> items;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      qs.push_back(RandomRows(&rng_, rows_q, s.heads_q, s.head_dim, s.dtype));
+      ks.push_back(RandomRows(&rng_, new_rows, s.heads_kv, s.head_dim, s.dtype));
+      vs.push_back(RandomRows(&rng_, new_rows, s.heads_kv, s.head_dim, s.dtype));
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      items.push_back({ids[i], layers[i], Rows(qs[i], s.heads_q, s.head_dim, s.dtype),
+                       Rows(ks[i], s.heads_kv, s.head_dim, s.dtype),
+                       Rows(vs[i], s.heads_kv, s.head_dim, s.dtype)});
+    }
+    absl::StatusOr<StepPlan> plan = cache_->PrepareStep(items);
+    if (!plan.ok()) return plan.status();
+    const float scale = 1.f / std::sqrt(float(s.head_dim));
+    plan->batch.causal = causal;
+    plan->batch.softmax_scale = scale;
+    std::vector<Bits> outs(ids.size(), Bits(qs[0].size(), 0x7e00));  // poisoned: NaN
+    std::vector<std::vector<float>> lses(ids.size(),
+                                         std::vector<float>(size_t(s.heads_q * rows_q), NAN));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      plan->batch.items[i].out = outs[i].data();
+      plan->batch.items[i].lse = lses[i].data();
+    }
+    std::string kernel;
+    if (absl::Status st = store_->Attend(plan->batch, &kernel); !st.ok()) return st;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      DenseLayer& layer = (*dense[i])[size_t(layers[i])];
+      layer.Append(ks[i], vs[i]);
+      EXPECT_EQ(plan->batch.items[i].length,
+                int64_t(layer.k.size()) / (int64_t(s.heads_kv) * s.head_dim));
+      testing::CheckAgainstReference(s, layer, qs[i], rows_q, causal, scale, outs[i], lses[i],
+                                     absl::StrCat("item ", i, " layer ", layers[i]));
+    }
+    return absl::OkStatus();
+  }
+
+  std::mt19937 rng_{20261124};
+  absl::Time now_ = absl::FromUnixSeconds(1000);
+  std::unique_ptr<kernels::cpu::ThreadPool> pool_;
+  std::unique_ptr<CpuKvStore> store_;
+  std::unique_ptr<SequenceCache> cache_;
+};
+
+TEST_F(SequenceCacheTest, AppendThenAttendMatchesFp64OverManySteps) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    Make(16 << 20, 7);                                  // odd page size: rows straddle pages
+    const SequenceShape s = Shape(3, 6, 2, 40, dtype);  // GQA 3, odd head_dim
+    std::vector<DenseLayer> a, b;
+    const std::string id_a = NewSequence(s, &a, 5);
+    const std::string id_b = NewSequence(s, &b, 0);  // starts empty
+    for (int step = 0; step < 23; ++step) {
+      const int layer = step % 3;
+      ASSERT_TRUE(
+          Step(s, {id_a, id_b}, {layer, (layer + 1) % 3}, {&a, &b}, step % 4 == 3 ? 0 : 1, 1, false)
+              .ok());
+    }
+    // Speculative verification: 3 new rows, 3 query rows, causal bottom-right.
+    ASSERT_TRUE(Step(s, {id_a, id_b}, {0, 2}, {&a, &b}, 3, 3, true).ok());
+  }
+}
+
+TEST_F(SequenceCacheTest, EmptyLayerGivesZeroAndMinusInfinity) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(2, 4, 4, 64, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 0);  // layer 0 empty, layer 1 one row
+  ASSERT_TRUE(Step(s, {id}, {0}, {&a}, 0, 1, false).ok());
+}
+
+TEST_F(SequenceCacheTest, UnknownIdsAreAllNamedAndNothingChanges) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kBFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 4);
+  const absl::Status st = Step(s, {id, "nope1", "nope2"}, {0, 0, 0}, {&a, &a, &a}, 1, 1, false);
+  ASSERT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_EQ(MissingSequenceIds(st), (std::vector<std::string>{"nope1", "nope2"}));
+  EXPECT_EQ(cache_->Info(id)->lengths[0], 4) << "a failed step appended rows";
+}
+
+TEST_F(SequenceCacheTest, PoolFullIsResourceExhaustedAllOrNothingAndReleaseFrees) {
+  Make(2 << 20, 64);  // one slab: 2 MiB
+  // row 2 heads x 128 x 2 B = 512 B; page = 64 tokens x 2 x 512 = 64 KiB: 32 pages in the pool
+  const SequenceShape s = Shape(1, 2, 2, 128, DType::kFloat16);
+  std::vector<DenseLayer> a, b;
+  const std::string id_a = NewSequence(s, &a, 64 * 20);  // 20 pages
+  const std::string id_b = NewSequence(s, &b, 64 * 12);  // 12 pages: pool full
+  EXPECT_EQ(cache_->Stats().pages_used, 32);
+  const absl::Status st = Step(s, {id_a, id_b}, {0, 0}, {&a, &b}, 1, 1, false);
+  ASSERT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("KV cache full"), std::string::npos) << st;
+  EXPECT_EQ(cache_->Info(id_a)->lengths[0], 64 * 20) << "not all or nothing";
+  EXPECT_EQ(cache_->Info(id_b)->lengths[0], 64 * 12);
+  EXPECT_TRUE(cache_->Release({id_b}).empty());
+  EXPECT_EQ(cache_->Stats().pages_used, 20);
+  ASSERT_TRUE(Step(s, {id_a}, {0}, {&a}, 1, 1, false).ok());
+  EXPECT_EQ(cache_->Release({id_b, id_a}), std::vector<std::string>{id_b});
+  EXPECT_EQ(cache_->Stats().used_bytes, 0);
+}
+
+TEST_F(SequenceCacheTest, IdleSequencesAreEvictedAfterTheTtlAndPinnedOnesAreNot) {
+  Make(4 << 20, 16, absl::Seconds(10));
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
+  std::vector<DenseLayer> a, b;
+  const std::string id_a = NewSequence(s, &a, 3);
+  const std::string id_b = NewSequence(s, &b, 3);
+  now_ += absl::Seconds(6);
+  ASSERT_TRUE(Step(s, {id_b}, {0}, {&b}, 1, 1, false).ok());  // b used, a idle
+  now_ += absl::Seconds(6);
+  EXPECT_EQ(cache_->EvictIdle(), 1);
+  EXPECT_EQ(cache_->Info(id_a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(cache_->Info(id_b).ok());
+  EXPECT_EQ(cache_->Stats().evictions, 1);
+  // A pinned (running) sequence is not evicted; once unpinned and idle it is.
+  StepItem item{id_b, 0, {}, {}, {}};
+  Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
+  item.q = Rows(q, 2, 32, DType::kFloat16);
+  absl::StatusOr<StepPlan> plan = cache_->PrepareStep({item});
+  ASSERT_TRUE(plan.ok());
+  now_ += absl::Seconds(60);
+  EXPECT_EQ(cache_->EvictIdle(), 0);
+  *plan = StepPlan();
+  EXPECT_EQ(cache_->EvictIdle(), 1);
+  EXPECT_EQ(cache_->Stats().used_bytes, 0);
+}
+
+TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 40);
+  Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
+  StepItem item{id, 0, Rows(q, 2, 32, DType::kFloat16), {}, {}};
+  absl::StatusOr<StepPlan> plan = cache_->PrepareStep({item});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(cache_->Release({id}).empty());
+  EXPECT_EQ(cache_->Info(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_->Stats().pages_used, 3) << "pages of a running step were freed";
+  *plan = StepPlan();
+  EXPECT_EQ(cache_->Stats().pages_used, 0);
+}
+
+TEST_F(SequenceCacheTest, MaxSequences) {
+  Make(4 << 20, 16, absl::Seconds(300), 2);
+  const SequenceShape s = Shape(1, 1, 1, 32, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  NewSequence(s, &a, 0);
+  NewSequence(s, &a, 0);
+  CreateRequest request;
+  request.shape = s;
+  const absl::StatusOr<SequenceStatus> third = cache_->CreateSequence(request);
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("--max_sequences"), std::string::npos);
+}
+
+TEST_F(SequenceCacheTest, BadInputsAreInvalidArgumentAndChangeNothing) {
+  Make(4 << 20, 16, absl::Seconds(300), 64, 10);
+  const SequenceShape s = Shape(2, 4, 2, 32, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 8);  // layer 0: 8 rows, layer 1: 9 rows
+  Bits q = RandomRows(&rng_, 1, 4, 32, DType::kFloat16);
+  Bits kv = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
+  Bits kv3 = RandomRows(&rng_, 3, 2, 32, DType::kFloat16);
+  Bits q17 = RandomRows(&rng_, 17, 4, 32, DType::kFloat16);
+  const HostRows good_q = Rows(q, 4, 32, DType::kFloat16);
+  const HostRows good_kv = Rows(kv, 2, 32, DType::kFloat16);
+  HostRows bf16_kv = good_kv;
+  bf16_kv.dtype = DType::kBFloat16;
+  const HostRows wrong_heads = Rows(q, 2, 64, DType::kFloat16);
+  struct Case {
+    const char* what;
+    std::vector<StepItem> items;
+    const char* message;
+  } cases[] = {
+      {"dtype switch", {{id, 0, good_q, bf16_kv, bf16_kv}}, "cannot change"},
+      {"q heads", {{id, 0, Rows(kv, 2, 32, DType::kFloat16), good_kv, good_kv}}, "heads"},
+      {"k head_dim", {{id, 0, good_q, wrong_heads, wrong_heads}}, "head_dim"},
+      {"layer", {{id, 2, good_q, good_kv, good_kv}}, "out of range"},
+      {"twice", {{id, 1, good_q, good_kv, good_kv}, {id, 1, good_q, good_kv, good_kv}}, "twice"},
+      {"past limit",
+       {{id, 1, good_q, Rows(kv3, 2, 32, DType::kFloat16), Rows(kv3, 2, 32, DType::kFloat16)}},
+       "limit"},
+      {"q rows", {{id, 0, Rows(q17, 4, 32, DType::kFloat16), good_kv, good_kv}}, "rows"},
+      {"k != v", {{id, 0, good_q, good_kv, Rows(kv3, 2, 32, DType::kFloat16)}}, "rows"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<StepPlan> plan = cache_->PrepareStep(c.items);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_NE(plan.status().message().find(c.message), std::string::npos)
+        << c.what << ": " << plan.status();
+  }
+  EXPECT_EQ(cache_->Info(id)->lengths, (std::vector<int64_t>{8, 9}));
+  CreateRequest bad;
+  bad.shape = Shape(1, 3, 2, 32, DType::kFloat16);  // 3 % 2 != 0
+  EXPECT_EQ(cache_->CreateSequence(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  bad.shape = Shape(1, 2, 2, 32, DType::kFloat32);
+  EXPECT_EQ(cache_->CreateSequence(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Stats().sequences, 1);
+}
+
+TEST_F(SequenceCacheTest, ConcurrentStepsOnSharedAndDisjointSequences) {
+  Make(32 << 20, 16);
+  const SequenceShape s = Shape(2, 2, 1, 32, DType::kFloat16);
+  std::vector<std::vector<DenseLayer>> dense(4);
+  std::vector<std::string> ids;
+  for (auto& d : dense) ids.push_back(NewSequence(s, &d, 2));
+  std::atomic<int> failures{0};
+  auto worker = [&](int t) {
+    std::mt19937 rng{unsigned(t)};
+    for (int i = 0; i < 200; ++i) {
+      Bits q = RandomRows(&rng, 1, 2, 32, DType::kFloat16);
+      Bits kv = RandomRows(&rng, 1, 1, 32, DType::kFloat16);
+      // Thread t owns sequence t (layer 0); all share sequence 3 (layer 1).
+      std::vector<StepItem> items = {
+          {ids[size_t(t)], 0, Rows(q, 2, 32, DType::kFloat16), Rows(kv, 1, 32, DType::kFloat16),
+           Rows(kv, 1, 32, DType::kFloat16)},
+          {ids[3], 1, Rows(q, 2, 32, DType::kFloat16), Rows(kv, 1, 32, DType::kFloat16),
+           Rows(kv, 1, 32, DType::kFloat16)}};
+      absl::StatusOr<StepPlan> plan = cache_->PrepareStep(items);
+      if (!plan.ok()) {
+        ++failures;
+        continue;
+      }
+      Bits out(q.size() * 2);
+      plan->batch.softmax_scale = 0.2f;
+      plan->batch.items[0].out = out.data();
+      plan->batch.items[1].out = out.data() + q.size();
+      std::string kernel;
+      if (!store_->Attend(plan->batch, &kernel).ok()) ++failures;
+      if (i % 50 == 49 && t == 0) cache_->Release({ids[size_t(t)]});
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 3; ++t) threads.emplace_back(worker, t);
+  for (auto& th : threads) th.join();
+  // Thread 0 released its sequence after 50 steps: its later 150 steps are NOT_FOUND.
+  EXPECT_EQ(failures.load(), 150);
+  EXPECT_EQ(cache_->Info(ids[3])->lengths[1], 3 + 600 - 150);
+  EXPECT_EQ(cache_->Info(ids[1])->lengths[0], 2 + 200);
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
+
+namespace flashserve::kvcache {
+namespace {
+
+TEST(KvCacheMetrics, FollowThePool) {
+  metrics::Registry registry;
+  KvCacheMetrics metrics(&registry);
+  kernels::cpu::ThreadPool pool(1);
+  std::unique_ptr<CpuKvStore> store = *CpuKvStore::Create(4 << 20, &pool);
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store.get(), &metrics);
+  CreateRequest request;
+  request.shape = {1, 2, 2, 64, kernels::DType::kFloat16};  // page: 16 x 2 x 256 B = 8 KiB
+  std::mt19937 rng(1);
+  testing::Bits k = testing::RandomRows(&rng, 20, 2, 64, kernels::DType::kFloat16);
+  request.prefix.push_back({0, testing::Rows(k, 2, 64, kernels::DType::kFloat16),
+                            testing::Rows(k, 2, 64, kernels::DType::kFloat16)});
+  const std::string id = cache->CreateSequence(request)->id;
+  std::string text = registry.Render();
+  EXPECT_NE(text.find("flashserve_kv_sequences 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flashserve_kv_pages_used 2\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("flashserve_kv_pool_bytes{state=\"used\"} 16384\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_pool_bytes{state=\"free\"} 4177920\n"), std::string::npos);
+  EXPECT_TRUE(cache->Release({id}).empty());
+  EXPECT_FALSE(cache->Append(id, {}).ok());
+  text = registry.Render();
+  EXPECT_NE(text.find("flashserve_kv_sequences 0\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_sequences_released_total 1\n"), std::string::npos);
+  EXPECT_NE(text.find("flashserve_kv_refusals_total{reason=\"not_found\"} 1\n"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
+
+namespace flashserve::kvcache {
+namespace {
+
+// A store that only records what it is asked, in order.
+class RecordingStore final : public KvStore {
+ public:
+  std::string_view kind() const override { return "recording"; }
+  int64_t capacity_bytes() const override { return 4 << 20; }
+  absl::Status Write(int64_t offset, const void*, int64_t) override {
+    events.push_back(absl::StrCat("W", offset));
+    return absl::OkStatus();
+  }
+  void Fence() override { events.push_back("F"); }
+  absl::Status Attend(const PagedBatch&, std::string*) override { return absl::OkStatus(); }
+  std::vector<std::string> events;
+};
+
+TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
+  RecordingStore store;
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(3);
+  testing::Bits k = testing::RandomRows(&rng, 1, 1, 64, kernels::DType::kFloat16);
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, kernels::DType::kFloat16};
+  request.prefix.push_back({0, testing::Rows(k, 1, 64, kernels::DType::kFloat16),
+                            testing::Rows(k, 1, 64, kernels::DType::kFloat16)});
+  const std::string a = cache->CreateSequence(request)->id;
+  EXPECT_TRUE(cache->Release({a}).empty());
+  ASSERT_TRUE(cache->CreateSequence(request).ok());
+  // A's K and V rows, the fence of its release, then B's rows on the same page.
+  ASSERT_EQ(store.events.size(), 5u);
+  EXPECT_EQ(store.events[2], "F");
+  EXPECT_EQ(store.events[0], store.events[3])
+      << "B did not reuse A's page: the test proves nothing";
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache

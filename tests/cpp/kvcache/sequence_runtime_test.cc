@@ -1,0 +1,178 @@
+// SequenceRuntime on the CPU backend: calls within --batch_window_us share one launch (and stay
+// correct), calls of another shape get their own, cancelled / expired / queue-full calls change
+// nothing, and a call with too many items is refused before anything runs.
+#include "runtime/sequence_runtime.h"
+
+#include <condition_variable>
+#include <future>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "kv_test_util.h"
+#include "runtime/cpu_backend.h"
+
+namespace flashserve {
+namespace {
+
+using kernels::DType;
+using kvcache::testing::Bits;
+using kvcache::testing::DenseLayer;
+using kvcache::testing::RandomRows;
+using kvcache::testing::Rows;
+
+struct Answer {
+  absl::Status status;
+  DecodeReport report;
+};
+
+class SequenceRuntimeTest : public ::testing::Test {
+ protected:
+  void Make(int64_t window_us, int queue_capacity = 64) {
+    CpuBackendOptions cpu;
+    cpu.num_threads = 2;
+    backend_ = *CpuBackend::Create(cpu);
+    SchedulerOptions scheduler;
+    scheduler.queue_capacity = queue_capacity;
+    scheduler_ = *Scheduler::Create(scheduler);
+    SequenceRuntimeOptions options;
+    options.cache.capacity_bytes = 8 << 20;
+    options.cache.page_tokens = 16;
+    options.batch_window_us = window_us;
+    options.max_batch_sequences = 8;
+    runtime_ = *SequenceRuntime::Create(options, backend_.get(), scheduler_.get(), nullptr);
+  }
+
+  std::string Create(const kvcache::SequenceShape& s, DenseLayer* dense, int rows) {
+    Bits k = RandomRows(&rng_, rows, s.heads_kv, s.head_dim, s.dtype);
+    Bits v = RandomRows(&rng_, rows, s.heads_kv, s.head_dim, s.dtype);
+    dense->Append(k, v);
+    kvcache::CreateRequest request;
+    request.shape = s;
+    request.prefix.push_back(
+        {0, Rows(k, s.heads_kv, s.head_dim, s.dtype), Rows(v, s.heads_kv, s.head_dim, s.dtype)});
+    return runtime_->cache().CreateSequence(request)->id;
+  }
+
+  // A one-item call appending one row; its buffers live in the returned holder.
+  struct Holder {
+    Bits q, k, v, out;
+    std::promise<Answer> answer;
+  };
+  std::shared_ptr<DecodeCall> Call(const kvcache::SequenceShape& s, const std::string& id,
+                                   Holder* h) {
+    h->q = RandomRows(&rng_, 1, s.heads_q, s.head_dim, s.dtype);
+    h->k = RandomRows(&rng_, 1, s.heads_kv, s.head_dim, s.dtype);
+    h->v = RandomRows(&rng_, 1, s.heads_kv, s.head_dim, s.dtype);
+    h->out.assign(h->q.size(), 0x7e00);
+    auto call = std::make_shared<DecodeCall>();
+    call->items.push_back({id, 0, Rows(h->q, s.heads_q, s.head_dim, s.dtype),
+                           Rows(h->k, s.heads_kv, s.head_dim, s.dtype),
+                           Rows(h->v, s.heads_kv, s.head_dim, s.dtype)});
+    call->softmax_scale = 1.f / std::sqrt(float(s.head_dim));
+    call->out.push_back(h->out.data());
+    call->received = absl::Now();
+    call->done = [h](const absl::Status& status, const DecodeReport& report) {
+      h->answer.set_value({status, report});
+    };
+    return call;
+  }
+
+  std::mt19937 rng_{7};
+  std::unique_ptr<CpuBackend> backend_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<SequenceRuntime> runtime_;
+};
+
+TEST_F(SequenceRuntimeTest, CallsWithinTheWindowShareOneLaunchAndAreCorrect) {
+  Make(300000);  // 300 ms: the four calls below arrive well within it
+  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
+  const kvcache::SequenceShape other{1, 2, 2, 32, DType::kFloat16};
+  std::vector<DenseLayer> dense(5);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 5 + 9 * i));
+  ids.push_back(Create(other, &dense[4], 3));
+  std::vector<Holder> holders(5);
+  for (size_t i = 0; i < 5; ++i) runtime_->Submit(Call(i < 4 ? s : other, ids[i], &holders[i]));
+  for (size_t i = 0; i < 5; ++i) {
+    const Answer answer = holders[i].answer.get_future().get();
+    ASSERT_TRUE(answer.status.ok()) << answer.status;
+    EXPECT_EQ(answer.report.batched_calls, i < 4 ? 4 : 1) << "call " << i;
+    dense[i].Append(holders[i].k, holders[i].v);
+    kvcache::testing::CheckAgainstReference(i < 4 ? s : other, dense[i], holders[i].q, 1, false,
+                                            1.f / std::sqrt(32.f), holders[i].out, {},
+                                            absl::StrCat("call ", i));
+  }
+}
+
+TEST_F(SequenceRuntimeTest, WithoutAWindowEachCallRunsAlone) {
+  Make(0);
+  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kBFloat16};
+  std::vector<DenseLayer> dense(3);
+  std::vector<Holder> holders(3);
+  for (size_t i = 0; i < 3; ++i) runtime_->Submit(Call(s, Create(s, &dense[i], 4), &holders[i]));
+  for (Holder& h : holders) EXPECT_EQ(h.answer.get_future().get().report.batched_calls, 1);
+}
+
+TEST_F(SequenceRuntimeTest, CancelledAndExpiredCallsAppendNothing) {
+  Make(0);
+  const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
+  DenseLayer dense;
+  const std::string id = Create(s, &dense, 6);
+  Holder cancelled, expired;
+  auto call = Call(s, id, &cancelled);
+  call->cancelled = [] { return true; };
+  runtime_->Submit(call);
+  EXPECT_EQ(cancelled.answer.get_future().get().status.code(), absl::StatusCode::kCancelled);
+  call = Call(s, id, &expired);
+  call->deadline = absl::Now() - absl::Seconds(1);
+  runtime_->Submit(call);
+  EXPECT_EQ(expired.answer.get_future().get().status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(runtime_->cache().Info(id)->lengths[0], 6);
+}
+
+TEST_F(SequenceRuntimeTest, AFullQueueRefusesAtOnce) {
+  Make(0, 1);
+  const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
+  DenseLayer dense;
+  const std::string id = Create(s, &dense, 2);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false, started = false;
+  ASSERT_TRUE(scheduler_
+                  ->Submit([&] {  // occupies the one worker
+                    std::unique_lock<std::mutex> lock(mu);
+                    started = true;
+                    cv.notify_all();
+                    cv.wait(lock, [&] { return release; });
+                  })
+                  .ok());
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return started; });
+  }
+  ASSERT_TRUE(scheduler_->Submit([] {}).ok());  // fills the queue of one
+  Holder refused;
+  runtime_->Submit(Call(s, id, &refused));
+  EXPECT_EQ(refused.answer.get_future().get().status.code(), absl::StatusCode::kResourceExhausted);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  scheduler_->WaitIdle(absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(runtime_->cache().Info(id)->lengths[0], 2);
+}
+
+TEST_F(SequenceRuntimeTest, TooManyItemsIsInvalidArgument) {
+  Make(0);
+  const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
+  DenseLayer dense;
+  Holder h;
+  auto call = Call(s, Create(s, &dense, 2), &h);
+  for (int i = 0; i < 8; ++i) call->items.push_back(call->items[0]);  // 9 > max 8
+  runtime_->Submit(call);
+  EXPECT_EQ(h.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace flashserve

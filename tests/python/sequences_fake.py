@@ -1,0 +1,157 @@
+"""An in-process fake of flashserve.v1.Sequences (numpy, fp64 reference rounded to the dtype) for client tests.
+
+It implements what the client relies on (create with prefix, append, attend, DecodeStep all-or-nothing, NOT_FOUND
+with the missing ids in trailing metadata, release, info) and nothing of the server's memory management: the real
+server is tested by test_sequences_e2e*.py. ``forget_all()`` plays an eviction or a restart; ``stop()`` a server
+that leaves.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from concurrent import futures
+from typing import Dict, List
+
+import grpc
+import numpy as np
+
+from flashserve import reference, tensors
+from flashserve import attention_pb2 as pb
+from flashserve import sequences_pb2 as spb
+from flashserve import sequences_pb2_grpc as spb_grpc
+
+BIG = 2**31 - 1
+
+
+class _FakeSeq:
+    def __init__(self, request):
+        self.spec = (request.heads_q, request.heads_kv, request.head_dim, request.dtype)
+        self.num_layers = request.num_layers
+        self.k: List[np.ndarray] = [np.zeros((0, request.heads_kv, request.head_dim))] * request.num_layers
+        self.v: List[np.ndarray] = list(self.k)
+
+
+class FakeSequences(spb_grpc.SequencesServicer):
+    def __init__(self):
+        self.seqs: Dict[str, _FakeSeq] = {}
+        self.lock = threading.Lock()
+        self.calls: List[str] = []
+        self.metadata_seen: List[dict] = []
+        # One-shot failures of the next DecodeStep: (grpc.StatusCode, whether the rows were appended first).
+        self.fail_next_step = None
+
+    def forget_all(self):
+        with self.lock:
+            self.seqs.clear()
+
+    def _missing(self, context, ids):
+        context.set_trailing_metadata((("flashserve-missing-sequence-ids", ",".join(ids)),))
+        context.abort(grpc.StatusCode.NOT_FOUND, f"unknown sequence ids: {', '.join(ids)}")
+
+    def _get(self, context, sequence_id) -> _FakeSeq:
+        seq = self.seqs.get(sequence_id)
+        if seq is None:
+            self._missing(context, [sequence_id])
+        return seq
+
+    def _note(self, name, context):
+        self.calls.append(name)
+        self.metadata_seen.append(dict(context.invocation_metadata()))
+
+    def CreateSequence(self, request, context):
+        self._note("CreateSequence", context)
+        seq = _FakeSeq(request)
+        for layer_kv in request.prefix:
+            seq.k[layer_kv.layer] = tensors.from_proto(layer_kv.k).astype(np.float64)
+            seq.v[layer_kv.layer] = tensors.from_proto(layer_kv.v).astype(np.float64)
+        sequence_id = secrets.token_hex(16)
+        with self.lock:
+            self.seqs[sequence_id] = seq
+        return spb.CreateSequenceResponse(sequence_id=sequence_id, ttl_ms=0, max_tokens=1 << 17,
+                                          layer_lengths=[len(k) for k in seq.k])
+
+    def Append(self, request, context):
+        self._note("Append", context)
+        with self.lock:
+            seq = self._get(context, request.sequence_id)
+            for layer_kv in request.rows:
+                self._append(seq, layer_kv.layer, layer_kv.k, layer_kv.v)
+            return spb.AppendResponse(layer_lengths=[len(k) for k in seq.k])
+
+    @staticmethod
+    def _append(seq, layer, k, v):
+        if k.shape and k.shape[0]:
+            seq.k[layer] = np.concatenate([seq.k[layer], tensors.from_proto(k).astype(np.float64)])
+            seq.v[layer] = np.concatenate([seq.v[layer], tensors.from_proto(v).astype(np.float64)])
+
+    @staticmethod
+    def _attend(seq, layer, q_pb, causal, scale, return_lse):
+        q = tensors.from_proto(q_pb)
+        out, lse = reference.attention(q[None], seq.k[layer][None], seq.v[layer][None], causal=causal,
+                                       softmax_scale=scale, return_lse=True)
+        out = out[0].astype(q.dtype)
+        result = spb.DecodeResult(out=tensors.to_proto_rows(out, "out"), length=len(seq.k[layer]))
+        if return_lse:
+            lse32 = lse[0].astype("<f4")
+            result.lse.CopyFrom(pb.Tensor(dtype=tensors.PROTO_DTYPE["float32"],
+                                                          shape=list(lse32.shape), data=lse32.tobytes()))
+        return result
+
+    def Attend(self, request, context):
+        self._note("Attend", context)
+        scale = request.softmax_scale if request.HasField("softmax_scale") else None
+        with self.lock:
+            seq = self._get(context, request.sequence_id)
+            r = self._attend(seq, request.layer, request.q, request.causal, scale, request.return_lse)
+        response = spb.AttendResponse(out=r.out, length=r.length, kernel="fake")
+        if request.return_lse:
+            response.lse.CopyFrom(r.lse)
+        return response
+
+    def DecodeStep(self, request, context):
+        self._note("DecodeStep", context)
+        scale = request.softmax_scale if request.HasField("softmax_scale") else None
+        with self.lock:
+            missing = [i.sequence_id for i in request.items if i.sequence_id not in self.seqs]
+            if missing:
+                self._missing(context, list(dict.fromkeys(missing)))
+            failure, self.fail_next_step = self.fail_next_step, None
+            if failure is not None and not failure[1]:
+                context.abort(failure[0], "injected failure before the append")
+            results = []
+            for item in request.items:
+                seq = self.seqs[item.sequence_id]
+                self._append(seq, item.layer, item.k, item.v)
+                results.append(self._attend(seq, item.layer, item.q, request.causal, scale, request.return_lse))
+            if failure is not None:
+                context.abort(failure[0], "injected failure after the append")
+        return spb.DecodeStepResponse(results=results, kernel="fake", batched_calls=1)
+
+    def Release(self, request, context):
+        self._note("Release", context)
+        with self.lock:
+            gone = [i for i in request.sequence_ids if self.seqs.pop(i, None) is None]
+        return spb.ReleaseResponse(released=len(request.sequence_ids) - len(gone), not_found=gone)
+
+    def GetSequenceInfo(self, request, context):
+        self._note("GetSequenceInfo", context)
+        with self.lock:
+            seq = self._get(context, request.sequence_id)
+            return spb.SequenceInfo(sequence_id=request.sequence_id, num_layers=seq.num_layers,
+                                    layer_lengths=[len(k) for k in seq.k])
+
+
+class FakeSequencesServer:
+    def __init__(self):
+        self.servicer = FakeSequences()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                                  options=[("grpc.max_send_message_length", BIG),
+                                           ("grpc.max_receive_message_length", BIG)])
+        spb_grpc.add_SequencesServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+        self.server.start()
+
+    def stop(self):
+        self.server.stop(grace=None).wait()

@@ -1,0 +1,164 @@
+"""SequenceClient logic against in-process fakes (sequences_fake.py): consistent hashing, re-prefill after a lost
+sequence, a server leaving the ring, the routing header. The real server: test_sequences_e2e*.py."""
+
+from __future__ import annotations
+
+import collections
+
+import grpc
+import pytest
+
+import flashserve
+from flashserve.hashring import HashRing
+
+pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
+
+from sequences_fake import FakeSequencesServer  # noqa: E402
+from sequences_truth import Truth  # noqa: E402
+
+SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
+
+
+@pytest.fixture
+def fakes():
+    servers = [FakeSequencesServer() for _ in range(3)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def _truth(rng):
+    return Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+
+
+# --- the ring --------------------------------------------------------------------------------------------------------
+
+
+def test_ring_spreads_keys_and_is_deterministic():
+    endpoints = ["a:1", "b:1", "c:1"]
+    ring, again = HashRing(endpoints), HashRing(list(reversed(endpoints)))
+    keys = [f"key-{i}" for i in range(6000)]
+    owners = collections.Counter(ring.lookup(k) for k in keys)
+    assert set(owners) == set(endpoints)
+    assert all(1500 <= n <= 2500 for n in owners.values()), owners  # 2000 each when perfectly even
+    assert all(ring.lookup(k) == again.lookup(k) for k in keys[:500])  # list order does not matter
+
+
+def test_ring_moves_only_the_keys_of_a_removed_endpoint():
+    ring = HashRing(["a:1", "b:1", "c:1"])
+    keys = [f"key-{i}" for i in range(3000)]
+    before = {k: ring.lookup(k) for k in keys}
+    after = {k: ring.lookup(k, exclude={"b:1"}) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "b:1" for k in moved)
+    assert all(after[k] != "b:1" for k in keys)
+    with pytest.raises(ValueError):
+        ring.lookup("x", exclude={"a:1", "b:1", "c:1"})
+
+
+# --- one endpoint ----------------------------------------------------------------------------------------------------
+
+
+def _decode_rounds(client, seqs, truth, steps, layer=0):
+    for _ in range(steps):
+        qs = {s.key: truth.query() for s in seqs}
+        kvs = {s.key: truth.rows(1) for s in seqs}
+        outs = client.decode_step([(s, layer, qs[s.key], *kvs[s.key]) for s in seqs])
+        for s, out in zip(seqs, outs):
+            truth.add(s.key, layer, *kvs[s.key])
+            truth.check(out, qs[s.key], s.key, layer)
+
+
+def test_steps_match_reference_and_reprefill_after_loss(fakes, rng):
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seqs = []
+        for i in range(3):
+            k, v = truth.rows(5 + i)
+            seq = client.create(**SHAPE, prefix={0: (k, v)})
+            truth.add(seq.key, 0, k, v)
+            seqs.append(seq)
+        _decode_rounds(client, seqs, truth, 4)
+        old_ids = [s.id for s in seqs]
+        fakes[0].servicer.forget_all()  # an eviction or a restart
+        _decode_rounds(client, seqs, truth, 4)
+        assert client.stats["not_found"] == 1 and all(s.reprefills == 1 for s in seqs)
+        assert all(s.id != old for s, old in zip(seqs, old_ids))
+        assert [s.lengths[0] for s in seqs] == [truth.length(s.key, 0) for s in seqs]
+
+
+def test_without_history_a_lost_sequence_is_an_error_unless_a_prefix_source_helps(fakes, rng):
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(4)
+        bare = client.create(**SHAPE, prefix={1: (k, v)}, keep_history=False)
+        sourced = client.create(**SHAPE, prefix={1: (k, v)}, keep_history=False,
+                                prefix_source=lambda seq: {1: (k, v)})
+        truth.add("shared", 1, k, v)
+        fakes[0].servicer.forget_all()
+        q = truth.query(2)
+        with pytest.raises(flashserve.NotFoundError, match="keeps no history"):
+            bare.attend(1, q)
+        truth.check(sourced.attend(1, q), q, "shared", 1)
+        assert sourced.reprefills == 1
+
+
+def test_reprefill_off_shows_not_found_with_the_missing_ids(fakes, rng):
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30, reprefill=False) as client:
+        a, b = client.create(**SHAPE), client.create(**SHAPE)
+        fakes[0].servicer.forget_all()
+        with pytest.raises(flashserve.NotFoundError) as info:
+            client.decode_step([(a, 0, truth.query(), *truth.rows(1)), (b, 0, truth.query(), *truth.rows(1))])
+        assert set(info.value.missing_ids) == {a.id, b.id}
+        assert a.lengths == [0, 0]  # nothing acknowledged
+
+
+@pytest.mark.parametrize("appended", [True, False])
+def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended):
+    """A step that failed with INTERNAL may have appended its rows (the server says so): the next call compares the
+    server's lengths with the client's and re-creates the sequence only when they differ."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(6)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        fakes[0].servicer.fail_next_step = (grpc.StatusCode.INTERNAL, appended)
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.step(0, truth.query(), *truth.rows(1))
+        assert info.value.code == grpc.StatusCode.INTERNAL and seq.uncertain
+        _decode_rounds(client, [seq], truth, 3)
+        assert seq.reprefills == int(appended) and not seq.uncertain
+        assert len(fakes[0].servicer.seqs) == 1  # the inconsistent copy was released
+
+
+def test_route_header_and_release(fakes, rng):
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        with client.create(**SHAPE, key="request-7") as seq:
+            seq.append(0, *_truth(rng).rows(3))
+        assert seq.released and not fakes[0].servicer.seqs
+        seen = fakes[0].servicer.metadata_seen
+        assert [m.get(flashserve.ROUTE_HEADER) for m in seen] == ["request-7"] * len(seen)
+        with pytest.raises(flashserve.FlashserveError, match="released"):
+            seq.attend(0, _truth(rng).query())
+
+
+# --- three endpoints, one leaves -----------------------------------------------------------------------------------
+
+
+def test_a_server_leaving_moves_only_its_sequences(fakes, rng):
+    truth = _truth(rng)
+    with flashserve.SequenceClient([f.address for f in fakes], timeout=10, down_s=60) as client:
+        seqs = [client.create(**SHAPE, key=f"req-{i}") for i in range(24)]
+        by_endpoint = collections.Counter(s.endpoint for s in seqs)
+        assert len(by_endpoint) == 3, by_endpoint
+        _decode_rounds(client, seqs, truth, 3)
+        before = {s.key: (s.endpoint, s.id) for s in seqs}
+        victim = fakes[1]
+        victim.stop()
+        _decode_rounds(client, seqs, truth, 3)
+        moved = [s for s in seqs if before[s.key][0] == victim.address]
+        stayed = [s for s in seqs if before[s.key][0] != victim.address]
+        assert moved and all(s.endpoint != victim.address and s.reprefills == 1 for s in moved)
+        assert all((s.endpoint, s.id) == before[s.key] and s.reprefills == 0 for s in stayed)
+        assert all(s.endpoint == client.ring.lookup(s.key, exclude={victim.address}) for s in moved)

@@ -1,0 +1,257 @@
+"""flashserve.v1.Sequences end to end on the CPU backend (the real binary), against the fp64 reference: many decode
+steps, eviction (TTL) and re-prefill, concurrent clients on disjoint and shared sequences, pool exhaustion, release,
+restart, the bearer token. Bad inputs: test_sequences_e2e_bad_input.py; three servers: test_sequences_e2e_ring.py."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import flashserve
+import conftest
+from conftest import ServerProcess, _stop_and_check
+from sequences_truth import Truth
+
+pytestmark = pytest.mark.e2e
+KV_FLAGS = ("--kv_cache_bytes=67108864", "--kv_page_tokens=16")
+LLAMA_LIKE = dict(heads_q=8, heads_kv=2, head_dim=128)  # GQA 4:1 like Llama-3, fewer heads for a CPU
+
+
+@pytest.fixture(scope="module")
+def kv_server(flashserve_bin, tmp_path_factory):
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_server"), list(KV_FLAGS), name="kv").start()
+    yield s
+    _stop_and_check(s)
+
+
+@pytest.fixture(scope="module")
+def batching_server(flashserve_bin, tmp_path_factory):
+    """DecodeStep calls arriving within 3 ms run as one launch."""
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_batching"),
+                      list(KV_FLAGS) + ["--batch_window_us=3000"], name="kv_batching").start()
+    yield s
+    _stop_and_check(s)
+
+
+def _server(request, kind):
+    return request.getfixturevalue("batching_server" if kind == "batching" else "kv_server")
+
+
+def _shape(num_layers, dtype, heads_q=8, heads_kv=2, head_dim=128):
+    return dict(num_layers=num_layers, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype)
+
+
+def _create(client, truth, shape, prefix_rows, key=None, layers=None, **kw):
+    prefix = {layer: truth.rows(prefix_rows) for layer in (layers if layers is not None else [0])}
+    seq = client.create(**shape, prefix=prefix, key=key, **kw)
+    for layer, (k, v) in prefix.items():
+        truth.add(seq.key, layer, k, v)
+    return seq
+
+
+def _steps(client, seqs, truth, n, layer=0, rows_q=1, causal=False, return_lse=False):
+    """n DecodeSteps over seqs (one new row each), every answer checked against the fp64 reference."""
+    for _ in range(n):
+        qs = [truth.query(rows_q) for _ in seqs]
+        kvs = [truth.rows(rows_q) for _ in seqs]
+        answers = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], causal=causal,
+                                     return_lse=return_lse)
+        for seq, q, (k, v), answer in zip(seqs, qs, kvs, answers):
+            truth.add(seq.key, layer, k, v)
+            out, lse = answer if return_lse else (answer, None)
+            truth.check(out, q, seq.key, layer, causal=causal, lse=lse)
+            assert seq.lengths[layer] == truth.length(seq.key, layer)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float16", 128), ("bfloat16", 64), ("bfloat16", 128)])
+def test_many_decode_steps_match_reference(kv_server, rng, dtype, head_dim):
+    truth = Truth(rng, 8, 2, head_dim, dtype)
+    with flashserve.SequenceClient(kv_server.address, timeout=60) as client:
+        seqs = [_create(client, truth, _shape(2, dtype, head_dim=head_dim), 13 + 7 * i, layers=[0, 1])
+                for i in range(4)]
+        _steps(client, seqs, truth, 40, layer=0, return_lse=True)  # crosses pages of 16 tokens
+        _steps(client, seqs, truth, 5, layer=1)
+        assert client.stats["reprefills"] == 0
+        for seq in seqs:
+            seq.release()
+
+
+def test_append_then_attend_causal_multi_row(kv_server, rng):
+    truth = Truth(rng, 4, 4, 64, "float16")
+    with flashserve.SequenceClient(kv_server.address, timeout=60) as client:
+        with _create(client, truth, _shape(3, "float16", 4, 4, 64), 0, layers=[]) as seq:
+            for step in range(12):
+                layer = step % 3
+                k, v = truth.rows(1 + step % 5)
+                assert seq.append(layer, k, v)[layer] == truth.length(seq.key, layer) + len(k)
+                truth.add(seq.key, layer, k, v)
+                q = truth.query(min(len(k), 4))
+                out, lse = seq.attend(layer, q, causal=True, return_lse=True)
+                truth.check(out, q, seq.key, layer, causal=True, lse=lse)
+
+
+def test_eviction_after_ttl_then_reprefill(start_server, rng):
+    server = start_server(*KV_FLAGS, "--sequence_ttl_s=1", name="ttl")
+    truth = Truth(rng, 8, 2, 128, "bfloat16")
+    shape = _shape(1, "bfloat16")
+    with flashserve.SequenceClient(server.address, timeout=60) as client, \
+            flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as plain:
+        seqs = [_create(client, truth, shape, 20, key=f"k{i}") for i in range(3)]
+        watched = plain.create(**shape)
+        _steps(client, seqs, truth, 3)
+        time.sleep(3.0)  # idle past the TTL (the sweep may run up to a TTL later)
+        with pytest.raises(flashserve.NotFoundError):
+            watched.attend(0, truth.query())
+        _steps(client, seqs, truth, 5)
+        assert all(s.reprefills == 1 for s in seqs) and client.stats["not_found"] >= 1
+        assert client.pool_info().evictions >= 4
+
+
+def test_release_frees_pages_and_then_not_found(kv_server, rng):
+    truth = Truth(rng, 8, 2, 128, "float16")
+    with flashserve.SequenceClient(kv_server.address, timeout=60, reprefill=False) as client:
+        used_before = client.pool_info().used_bytes
+        seq = _create(client, truth, _shape(2, "float16"), 100, layers=[0, 1])
+        assert client.pool_info().used_bytes > used_before
+        assert seq.info().bytes > 0
+        old_id = seq.id
+        assert seq.release() is True
+        assert client.pool_info().used_bytes == used_before
+        response = client.stub(seq.endpoint).Release(flashserve.sequences_pb2.ReleaseRequest(sequence_ids=[old_id]))
+        assert response.released == 0 and list(response.not_found) == [old_id]
+        with pytest.raises(flashserve.FlashserveError, match="released"):
+            seq.attend(0, truth.query())
+
+
+def test_pool_exhaustion_is_resource_exhausted_and_changes_nothing(start_server, rng):
+    # 4 MiB pool (two 2 MiB slabs), pages of 16 tokens x 2 heads x 64 x 2 bytes = 4 KiB for K or V of one layer:
+    # a sequence of 200 rows holds 26 pages.
+    server = start_server("--kv_cache_bytes=4194304", "--kv_page_tokens=16", name="small_pool")
+    truth = Truth(rng, 4, 2, 64, "float16")
+    shape = _shape(1, "float16", 4, 2, 64)
+    with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
+        seqs = []
+        with pytest.raises(flashserve.ResourceExhaustedError) as info:
+            for i in range(400):
+                seqs.append(_create(client, truth, shape, 200, key=f"s{i}"))
+        assert "kv" in info.value.message.lower(), info.value.message
+        assert 20 <= len(seqs) < 400
+        victim = seqs[0]
+        with pytest.raises(flashserve.ResourceExhaustedError):
+            for _ in range(200):  # the pages the refused create left free run out too
+                k, v = truth.rows(16)
+                victim.append(0, k, v)
+                truth.add(victim.key, 0, k, v)
+        assert list(victim.info().layer_lengths) == [truth.length(victim.key, 0)]  # the refused append: nothing
+        assert client.pool_info().used_bytes <= client.pool_info().capacity_bytes
+        seqs.pop().release()
+        _steps(client, seqs[:3], truth, 2)  # still right after the refusal
+        _create(client, truth, shape, 100, key="after-release")
+
+
+def test_max_sequences(start_server, rng):
+    server = start_server(*KV_FLAGS, "--max_sequences=3", name="max_seq")
+    with flashserve.SequenceClient(server.address, timeout=60) as client:
+        seqs = [client.create(**_shape(1, "float16")) for _ in range(3)]
+        with pytest.raises(flashserve.ResourceExhaustedError, match="max_sequences"):
+            client.create(**_shape(1, "float16"))
+        seqs[0].release()
+        client.create(**_shape(1, "float16")).release()
+
+
+@pytest.mark.parametrize("kind", ["unbatched", "batching"])
+def test_concurrent_clients_on_disjoint_sequences(request, kind, rng, concurrently):
+    server = _server(request, kind)
+    merged = []
+
+    def worker(i):
+        truth = Truth(np.random.default_rng(1000 + i), 8, 2, 128, "bfloat16")
+        with flashserve.SequenceClient(server.address, timeout=120) as client:
+            seqs = [_create(client, truth, _shape(1, "bfloat16"), 10 + j) for j in range(3)]
+            _steps(client, seqs, truth, 15)
+            for seq in seqs:
+                seq.release()
+            merged.append(client.stats["max_batched_calls"])
+
+    concurrently(worker, 6)
+    if kind == "batching":
+        assert max(merged) > 1, "no two DecodeStep calls ran in one launch"
+    else:
+        assert max(merged) == 1
+
+
+@pytest.mark.parametrize("kind", ["unbatched", "batching"])
+def test_concurrent_clients_on_shared_sequences(request, kind, rng, concurrently):
+    """Four threads share four sequences: each thread appends to its own layer of every sequence (one DecodeStep
+    per round), two more only attend to layer 0 while it grows. With batching, steps of different threads on the
+    same sequences run in one launch."""
+    server = _server(request, kind)
+    truth = Truth(rng, 8, 2, 128, "float16")
+    shape = _shape(4, "float16")
+    with flashserve.SequenceClient(server.address, timeout=120) as shared:
+        seqs = [_create(shared, truth, shape, 30, layers=[0, 1, 2, 3]) for _ in range(4)]
+
+        def worker(i):
+            if i < 4:
+                _steps(shared, seqs, truth, 12, layer=i)
+                return
+            for _ in range(10):
+                for seq in seqs:
+                    q = truth.query()
+                    out = seq.attend(0, q)  # layer 0 grows meanwhile: check only that it is finite and shaped
+                    assert out.shape == q.shape and not np.isnan(out.astype(np.float64)).any()
+
+        concurrently(worker, 6)
+        for seq in seqs:
+            assert seq.info().layer_lengths == [30 + 12] * 4
+            q = truth.query()
+            truth.check(seq.attend(0, q), q, seq.key, 0)  # the whole history, in the order each layer got it
+
+
+def test_restart_loses_sequences_client_sees_unavailable_then_not_found(start_server, rng, monkeypatch):
+    server = start_server(*KV_FLAGS, name="restart")
+    truth = Truth(rng, 8, 2, 128, "bfloat16")
+    shape = _shape(1, "bfloat16")
+    with flashserve.SequenceClient(server.address, timeout=20) as client, \
+            flashserve.SequenceClient(server.address, timeout=20, reprefill=False) as plain:
+        seqs = [_create(client, truth, shape, 40) for _ in range(2)]
+        watched = plain.create(**shape)
+        _steps(client, seqs, truth, 3)
+        assert server.stop() == 0
+        with pytest.raises(flashserve.UnavailableError):
+            watched.attend(0, truth.query())
+        ports = [server.grpc_port, server.http_port] + ([server.metrics_port] if server.metrics_port else [])
+        monkeypatch.setattr(conftest, "free_port", iter(ports).__next__)
+        server.start(attempts=1)  # same ports, empty memory
+        monkeypatch.undo()
+        seen = []
+        deadline = time.monotonic() + 10
+        while not seen or (isinstance(seen[-1], flashserve.UnavailableError) and time.monotonic() < deadline):
+            try:
+                watched.attend(0, truth.query())
+                seen.append("answer")
+            except (flashserve.UnavailableError, flashserve.NotFoundError) as e:
+                seen.append(e)  # UNAVAILABLE until the channel reconnects
+        assert isinstance(seen[-1], flashserve.NotFoundError), seen
+        _steps(client, seqs, truth, 3)
+        assert all(s.reprefills == 1 for s in seqs)
+
+
+def test_bearer_token(start_server, rng, tmp_path):
+    (tmp_path / "token").write_text("s3cret-token-0123456789\n")
+    server = start_server(*KV_FLAGS, f"--auth_token_file={tmp_path / 'token'}", name="auth")
+    truth = Truth(rng, 8, 2, 128, "float16")
+    with flashserve.SequenceClient(server.address, timeout=20) as anonymous:
+        with pytest.raises(flashserve.FlashserveError) as info:
+            anonymous.create(**_shape(1, "float16"))
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with flashserve.SequenceClient(server.address, timeout=20, token="wrong") as wrong:
+        with pytest.raises(flashserve.FlashserveError) as info:
+            wrong.pool_info()
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with flashserve.SequenceClient(server.address, timeout=20, token="s3cret-token-0123456789") as client:
+        seq = _create(client, truth, _shape(1, "float16"), 5)
+        _steps(client, [seq], truth, 3)

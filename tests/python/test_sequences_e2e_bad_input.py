@@ -1,0 +1,165 @@
+"""Bad inputs to flashserve.v1.Sequences (the real binary, CPU backend), sent as raw messages so the server's own
+validation answers: each gets its status code and a message naming the problem, changes nothing (the sequence's
+lengths stay and its next answer is still right), and the server keeps serving."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import sequences_pb2 as spb
+from flashserve import tensors
+from conftest import ServerProcess, _stop_and_check
+from sequences_truth import Truth
+
+pytestmark = pytest.mark.e2e
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=64, dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def kv_server(flashserve_bin, tmp_path_factory):
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_bad"),
+                      ["--kv_cache_bytes=33554432", "--kv_page_tokens=16", "--max_sequence_tokens=256"],
+                      name="kv_bad").start()
+    yield s
+    _stop_and_check(s)
+
+
+@pytest.fixture
+def setup(kv_server, rng):
+    truth = Truth(rng, 4, 2, 64, "float16")
+    with flashserve.SequenceClient(kv_server.address, timeout=30, reprefill=False) as client:
+        k, v = truth.rows(10)
+        seq = client.create(**SHAPE, prefix={0: (k, v)}, max_tokens=32)
+        truth.add(seq.key, 0, k, v)
+        yield client, seq, truth
+        _still_right(client, seq, truth)
+
+
+def _still_right(client, seq, truth):
+    """Nothing changed: the server's lengths are the client's, and an attend is still right."""
+    assert list(seq.info().layer_lengths) == [truth.length(seq.key, 0), truth.length(seq.key, 1)]
+    q = truth.query()
+    truth.check(seq.attend(0, q), q, seq.key, 0)
+
+
+def _fails(client, method, request, code, *words):
+    with pytest.raises(grpc.RpcError) as info:
+        getattr(client.stub(client.endpoints[0]), method)(request, timeout=30)
+    assert info.value.code() == code, (info.value.code(), info.value.details())
+    for word in words:
+        assert word.lower() in info.value.details().lower(), info.value.details()
+    return info.value
+
+
+def _t(x):
+    return tensors.to_proto_rows(x, "x")
+
+
+def _rows(n, heads=2, d=64, dtype=np.float16):
+    return np.random.default_rng(n).standard_normal((n, heads, d)).astype(dtype)
+
+
+def test_unknown_ids(setup):
+    client, seq, truth = setup
+    ghost = "0" * 32
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=ghost, layer=0, q=_t(_rows(1, 4))),
+           grpc.StatusCode.NOT_FOUND, ghost)
+    _fails(client, "Append", spb.AppendRequest(sequence_id="not-hex", rows=[
+        spb.LayerKV(layer=0, k=_t(_rows(1)), v=_t(_rows(1)))]), grpc.StatusCode.NOT_FOUND)
+    _fails(client, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=ghost), grpc.StatusCode.NOT_FOUND)
+    step = spb.DecodeStepRequest(items=[
+        spb.DecodeItem(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4)), k=_t(_rows(1)), v=_t(_rows(1))),
+        spb.DecodeItem(sequence_id=ghost, layer=0, q=_t(_rows(1, 4)), k=_t(_rows(1)), v=_t(_rows(1)))])
+    error = _fails(client, "DecodeStep", step, grpc.StatusCode.NOT_FOUND, ghost)
+    trailing = dict(error.trailing_metadata() or ())
+    assert trailing.get("flashserve-missing-sequence-ids") == ghost  # and seq's row was not appended
+
+
+@pytest.mark.parametrize("what", ["heads_kv", "head_dim", "k_v_differ"])
+def test_append_with_wrong_shape(setup, what):
+    client, seq, _ = setup
+    k = {"heads_kv": _rows(2, heads=4), "head_dim": _rows(2, d=32), "k_v_differ": _rows(2)}[what]
+    v = _rows(3) if what == "k_v_differ" else k
+    _fails(client, "Append", spb.AppendRequest(sequence_id=seq.id, rows=[spb.LayerKV(layer=0, k=_t(k), v=_t(v))]),
+           INVALID)
+
+
+def test_attend_with_wrong_heads_q_or_rows_q(setup):
+    client, seq, _ = setup
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=0, q=_t(_rows(1, heads=2))), INVALID)
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=0, q=_t(_rows(17, heads=4))), INVALID)
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=0, q=_t(_rows(1, heads=4)),
+                                               softmax_scale=float("nan")), INVALID)
+
+
+def test_dtype_switch_mid_sequence(setup):
+    client, seq, _ = setup
+    bf16 = tensors.bfloat16_dtype()
+    k = _rows(1).astype(bf16)
+    _fails(client, "Append", spb.AppendRequest(sequence_id=seq.id, rows=[spb.LayerKV(layer=0, k=_t(k), v=_t(k))]),
+           INVALID, "dtype")
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4).astype(bf16))),
+           INVALID, "dtype")
+    step = spb.DecodeStepRequest(items=[spb.DecodeItem(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4)), k=_t(k),
+                                                       v=_t(k))])
+    _fails(client, "DecodeStep", step, INVALID, "dtype")
+
+
+def test_append_past_the_token_limit(setup):
+    client, seq, truth = setup
+    # max_tokens=32 and 10 rows already: 23 more is one too many.
+    k = _rows(23)
+    _fails(client, "Append", spb.AppendRequest(sequence_id=seq.id, rows=[spb.LayerKV(layer=0, k=_t(k), v=_t(k))]),
+           INVALID)
+    k, v = truth.rows(22)
+    assert seq.append(0, k, v)[0] == 32  # exactly up to the limit works
+    truth.add(seq.key, 0, k, v)
+
+
+def test_layer_out_of_range_and_duplicate_item(setup):
+    client, seq, _ = setup
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=2, q=_t(_rows(1, 4))), INVALID, "layer")
+    _fails(client, "Attend", spb.AttendRequest(sequence_id=seq.id, layer=-1, q=_t(_rows(1, 4))), INVALID, "layer")
+    item = spb.DecodeItem(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4)), k=_t(_rows(1)), v=_t(_rows(1)))
+    _fails(client, "DecodeStep", spb.DecodeStepRequest(items=[item, item]), INVALID)
+
+
+def test_decode_step_items_with_different_shapes(setup):
+    client, seq, _ = setup
+    other = client.create(num_layers=1, heads_q=8, heads_kv=2, head_dim=64, dtype="float16")
+    step = spb.DecodeStepRequest(items=[
+        spb.DecodeItem(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4))),
+        spb.DecodeItem(sequence_id=other.id, layer=0, q=_t(_rows(1, 8)))])
+    _fails(client, "DecodeStep", step, INVALID)
+    other.release()
+
+
+@pytest.mark.parametrize("field,value", [("dtype", "float32"), ("heads_q", 3), ("num_layers", 0), ("head_dim", 0),
+                                         ("max_tokens", 1 << 20), ("heads_kv", 0)])
+def test_bad_create(setup, field, value):
+    client, _, _ = setup
+    request = spb.CreateSequenceRequest(num_layers=1, heads_q=4, heads_kv=2, head_dim=64,
+                                        dtype=tensors.PROTO_DTYPE["float16"])
+    setattr(request, field, tensors.PROTO_DTYPE[value] if field == "dtype" else value)
+    _fails(client, "CreateSequence", request, INVALID)
+
+
+def test_prefix_with_two_entries_for_one_layer(setup):
+    client, _, _ = setup
+    layer_kv = spb.LayerKV(layer=0, k=_t(_rows(2)), v=_t(_rows(2)))
+    request = spb.CreateSequenceRequest(num_layers=1, heads_q=4, heads_kv=2, head_dim=64,
+                                        dtype=tensors.PROTO_DTYPE["float16"], prefix=[layer_kv, layer_kv])
+    _fails(client, "CreateSequence", request, INVALID)
+
+
+def test_server_without_kv_cache_says_failed_precondition(start_server):
+    server = start_server("--kv_cache_bytes=0", name="no_kv")
+    with flashserve.SequenceClient(server.address, timeout=30) as client:
+        with pytest.raises(flashserve.FlashserveError) as info:
+            client.create(**SHAPE)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "kv_cache_bytes" in info.value.message

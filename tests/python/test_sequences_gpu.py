@@ -1,0 +1,69 @@
+"""flashserve.v1.Sequences on the CUDA backend (KV pool in device memory), against the fp64 reference: a
+Llama-3-8B-like layer (32 q heads, 8 kv heads, d128) in bf16 and fp16, many steps across pages, a batch of
+sequences of different lengths, causal multi-row queries, re-prefill after release by another client. Skips with a
+message on machines without a usable NVIDIA GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+import flashserve
+from conftest import ServerProcess, _stop_and_check
+from sequences_truth import Truth
+from test_gpu_e2e import _gpu_present
+
+pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
+
+
+@pytest.fixture(scope="module")
+def cuda_kv_server(flashserve_bin, tmp_path_factory):
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA Sequences tests skipped")
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("cuda_kv"),
+                      ["--backend=cuda", "--kv_cache_bytes=1073741824", "--kv_page_tokens=64"],
+                      name="cuda_kv").start()
+    yield s
+    _stop_and_check(s)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64)])
+def test_llama_like_layer_many_steps(cuda_kv_server, rng, dtype, head_dim):
+    truth = Truth(rng, 32, 8, head_dim, dtype)
+    shape = dict(num_layers=2, heads_q=32, heads_kv=8, head_dim=head_dim, dtype=dtype)
+    with flashserve.SequenceClient(cuda_kv_server.address, timeout=120) as client:
+        seqs = []
+        for i, rows in enumerate([1, 63, 64, 65, 700, 1500]):  # page edges and a long one
+            k, v = truth.rows(rows)
+            seqs.append(client.create(**shape, prefix={0: (k, v)}))
+            truth.add(seqs[-1].key, 0, k, v)
+        for _ in range(20):
+            qs = [truth.query() for _ in seqs]
+            kvs = [truth.rows(1) for _ in seqs]
+            outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], return_lse=True)
+            for seq, q, (k, v), (out, lse) in zip(seqs, qs, kvs, outs):
+                truth.add(seq.key, 0, k, v)
+                truth.check(out, q, seq.key, 0, lse=lse)
+        for seq in seqs:
+            k, v = truth.rows(5)
+            seq.append(1, k, v)
+            truth.add(seq.key, 1, k, v)
+            q = truth.query(4)
+            truth.check(seq.attend(1, q, causal=True), q, seq.key, 1, causal=True)
+            seq.release()
+
+
+def test_reprefill_on_gpu(cuda_kv_server, rng):
+    truth = Truth(rng, 32, 8, 128, "bfloat16")
+    shape = dict(num_layers=1, heads_q=32, heads_kv=8, head_dim=128, dtype="bfloat16")
+    with flashserve.SequenceClient(cuda_kv_server.address, timeout=120) as client:
+        k, v = truth.rows(300)
+        seq = client.create(**shape, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        # Another client frees it: the next call sees NOT_FOUND and re-creates it from the kept rows.
+        client.stub(seq.endpoint).Release(flashserve.sequences_pb2.ReleaseRequest(sequence_ids=[seq.id]))
+        q, (k, v) = truth.query(), truth.rows(1)
+        out = seq.step(0, q, k, v)
+        truth.add(seq.key, 0, k, v)
+        truth.check(out, q, seq.key, 0)
+        assert seq.reprefills == 1
+        seq.release()
