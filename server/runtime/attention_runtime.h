@@ -50,6 +50,13 @@ class AttentionRuntime {
     // and LSE from there.
     std::shared_ptr<IoBuffers>* buffers_out = nullptr;
     bool inject_device_fault = false;  // test hook, see BackendJob
+    // O and LSE into a client's shared-memory region (data null: the usual way); at least the
+    // output's size. The edge holds the region's lease (memory/shm_regions.h) until done() and
+    // gives it back before it answers; done() comes after the output is complete there.
+    TensorTarget regions[2];
+    // Set when Q, K and V come from a client's region: "shm_system" or "shm_cuda" (the
+    // request_inputs_total path label).
+    const char* shm_input_path = nullptr;
   };
 
   /// metrics may be null. max_inflight_bytes (0: no limit) bounds the tensor bytes (inputs and

@@ -15,6 +15,7 @@
 namespace flashserve {
 
 class PinnedPool;
+class ShmDeviceAccess;
 
 struct DeviceDescription {
   int index = 0;
@@ -103,6 +104,10 @@ class Backend {
   /// Where request buffers (IoBuffers) should come from: the pinned staging pool, or nullptr for
   /// heap memory. Thread-safe.
   virtual PinnedPool* staging_pool() { return nullptr; }
+  /// What the backend does for clients' shared-memory regions (page-lock system regions, open
+  /// CUDA IPC handles: memory/shm_regions.h); nullptr: nothing (system regions stay pageable,
+  /// CUDA regions are refused). Lives as long as the backend.
+  virtual ShmDeviceAccess* shm_device_access() { return nullptr; }
 };
 
 }  // namespace flashserve
