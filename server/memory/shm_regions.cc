@@ -300,6 +300,17 @@ int ShmRegistry::region_count() const {
   return int(regions_.size());
 }
 
+void ShmRegistry::Totals(ShmType type, int64_t* count, int64_t* bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  *count = 0;
+  *bytes = 0;
+  for (const auto& [name, region] : regions_) {
+    if (region->info.type != type) continue;
+    ++*count;
+    *bytes += int64_t(region->info.byte_size);
+  }
+}
+
 int64_t ShmRegistry::region_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return bytes_;

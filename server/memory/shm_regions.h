@@ -104,6 +104,8 @@ class ShmRegistry {
   bool enabled() const { return limits_.allow; }
   int region_count() const;
   int64_t region_bytes() const;
+  /// Regions of one type and their bytes, over every owner (metrics).
+  void Totals(ShmType type, int64_t* count, int64_t* bytes) const;
 
   struct Region;  // shm_regions.cc
 

@@ -11,7 +11,9 @@ const std::vector<GrpcMethod>& GrpcMethods() {
   using namespace grpc_methods;  // NOLINT(build/namespaces): the table below reads better
   static const std::vector<GrpcMethod> methods = {
       kAttention,   kGetServerInfo, kModelInfer, kModelReady, kServerMetadata, kModelMetadata,
-      kOpenSession, kUpload,        kCompute,    kDownload,   kCloseSession};
+      kOpenSession, kUpload,        kCompute,    kDownload,   kCloseSession,
+      kSystemSharedMemoryStatus, kSystemSharedMemoryRegister, kSystemSharedMemoryUnregister,
+      kCudaSharedMemoryStatus,   kCudaSharedMemoryRegister,   kCudaSharedMemoryUnregister};
   return methods;
 }
 
