@@ -241,8 +241,8 @@ absl::Status ShmRegistry::Unregister(ShmType type, absl::string_view name,
     }
     if (const int n = r.leases.load(); n > 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("shared-memory region \"", it->first, "\" is in use by ", n,
-                       " request(s); unregister it after they are answered"));
+          absl::StrCat("shared-memory region \"", it->first, "\" is in use by requests in flight (",
+                       n, " tensor(s)); unregister it after they are answered"));
     }
     matches.push_back(it);
   }

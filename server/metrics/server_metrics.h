@@ -79,7 +79,7 @@ class ServerMetrics {
   /// copied into request buffers.
   void RecordInputPath(bool in_place) { (in_place ? inputs_in_place_ : inputs_copied_)->Increment(); }
   /// A request whose inputs came from a client's shared memory: path "shm_system" / "shm_cuda".
-  void RecordInputPath(std::string_view shm_path) {
+  void RecordShmInputPath(std::string_view shm_path) {
     (shm_path == "shm_cuda" ? inputs_shm_cuda_ : inputs_shm_system_)->Increment();
   }
   /// Clients' shared-memory regions now: shm_regions{type} and shm_region_bytes{type}.

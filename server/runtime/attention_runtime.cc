@@ -174,7 +174,7 @@ absl::Status AttentionRuntime::Place(Call& call, Job* job) {
   where.regions[1] = call.regions[1];
   ASSIGN_OR_RETURN(job->placement, PlaceTensors(std::move(where), *backend_, copier_));
   if (metrics_ != nullptr && call.shm_input_path != nullptr) {
-    metrics_->RecordInputPath(call.shm_input_path);
+    metrics_->RecordShmInputPath(call.shm_input_path);
   } else if (metrics_ != nullptr && from_receive_buffers) {
     metrics_->RecordInputPath(!job->placement.inputs_copied);
   }

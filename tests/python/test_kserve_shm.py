@@ -165,7 +165,8 @@ SAFETY_SCRIPT = COMMON + textwrap.dedent("""
     r["bad_key"] = error_of(lambda: grpc.register_system_shared_memory("x", "/../etc/passwd", 64))
     r["bad_name"] = error_of(lambda: http.register_system_shared_memory("a b", key, 64))
     r["beyond_object"] = error_of(lambda: grpc.register_system_shared_memory("x", key, 64, offset=4090))
-    r["overflow"] = error_of(lambda: http.register_system_shared_memory("x", key, 2**64 - 8, offset=16))
+    r["overflow"] = error_of(lambda: http.register_system_shared_memory("x", key, 16, offset=2**64 - 8))
+    r["too_big"] = error_of(lambda: http.register_system_shared_memory("x", key, 2**64 - 8, offset=16))
     r["zero"] = error_of(lambda: http.register_system_shared_memory("x", key, 0))
     http.register_system_shared_memory("safe", key, 4096)
     r["duplicate"] = error_of(lambda: grpc.register_system_shared_memory("safe", key, 16))
@@ -231,6 +232,7 @@ def test_system_shm_safety(shm_server, tmp_path):
     assert "region name" in r["bad_name"]
     for case in ("beyond_object", "overflow"):
         assert "beyond its" in r[case], (case, r[case])
+    assert "--shm_max_bytes" in r["too_big"]
     assert "byte_size: must be > 0" in r["zero"]
     assert "already registered" in r["duplicate"]
     assert "no shared-memory region \"nope\"" in r["unknown_unregister"]
@@ -242,7 +244,7 @@ def test_system_shm_safety(shm_server, tmp_path):
         assert "Q: shared-memory region \"safe\"" in r[case] and "beyond its" in r[case], (case, r[case])
     assert "q" in r["wrong_size"].lower() and "bytes" in r["wrong_size"], r["wrong_size"]
     assert "Q: no shared-memory region \"nope\"" in r["unknown_region"]
-    assert r["in_use"][-1] is not None and "in use by 1 request" in r["in_use"][-1], r["in_use"]
+    assert r["in_use"][-1] is not None and "is in use by requests in flight" in r["in_use"][-1], r["in_use"]
     assert r["after"] is None and r["unregister_all"] is None and r["left"] == 0
     # The server is unharmed: it still answers.
     assert shm_server.proc.poll() is None

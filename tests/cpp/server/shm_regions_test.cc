@@ -139,7 +139,7 @@ TEST(ShmRegistry, ARegionInUseCannotBeUnregistered) {
   span->lease.reset();
   absl::Status s = registry.Unregister(ShmType::kSystem, "r", "");
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("in use by 1 request"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("in use by requests in flight (1 tensor"), std::string::npos) << s;
   EXPECT_EQ(registry.Unregister(ShmType::kSystem, "", "").code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(registry.region_count(), 1);
