@@ -219,7 +219,7 @@ absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view
   region->info = {std::string(name), ShmType::kCuda, "", 0, byte_size, int(device)};
   region->owner = std::string(owner);
   region->device = device_;
-  absl::StatusOr<void*> opened = device_->OpenIpc(raw_handle, int(device));
+  absl::StatusOr<void*> opened = device_->OpenIpc(raw_handle, int(device), size_t(byte_size));
   if (!opened.ok()) return opened.status();
   region->data = static_cast<char*>(*opened);
   return Add(std::move(region));

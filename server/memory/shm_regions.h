@@ -39,9 +39,10 @@ class ShmDeviceAccess {
   /// Page-locks a mapped system region for DMA (cudaHostRegister); false: left pageable.
   virtual bool PinHost(void* data, size_t bytes) = 0;
   virtual void UnpinHost(void* data) = 0;
-  /// Opens a cudaIpcMemHandle (raw bytes) on `device`; a clear error for a bad handle, a device
-  /// that does not exist or is not this server's.
-  virtual absl::StatusOr<void*> OpenIpc(absl::string_view raw_handle, int device) = 0;
+  /// Opens a cudaIpcMemHandle (raw bytes) on `device`, whose allocation must hold `bytes`; a
+  /// clear error for a bad handle, a device that is not this server's, an allocation too small.
+  virtual absl::StatusOr<void*> OpenIpc(absl::string_view raw_handle, int device,
+                                        size_t bytes) = 0;
   virtual void CloseIpc(void* base, int device) = 0;
 };
 

@@ -189,7 +189,7 @@ class FakeDevice : public ShmDeviceAccess {
  public:
   bool PinHost(void*, size_t) override { return ++pinned, true; }
   void UnpinHost(void*) override { --pinned; }
-  absl::StatusOr<void*> OpenIpc(absl::string_view handle, int device) override {
+  absl::StatusOr<void*> OpenIpc(absl::string_view handle, int device, size_t) override {
     if (handle.size() != 64) return absl::InvalidArgumentError("raw_handle: not an IPC handle");
     if (device != 0) return absl::InvalidArgumentError("device_id: no such device");
     ++opened;
