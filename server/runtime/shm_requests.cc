@@ -45,6 +45,20 @@ bool ShmReferences::any() const {
   return outputs[0].set() || outputs[1].set();
 }
 
+ShmReferences NativeShmReferences(const v1::AttentionRequest& request) {
+  ShmReferences refs;
+  auto ref = [](const v1::SharedMemoryRef& r) {
+    return ShmReference{r.region(), r.offset(), r.byte_size()};
+  };
+  const v1::Tensor* inputs[3] = {&request.q(), &request.k(), &request.v()};
+  for (int i = 0; i < 3; ++i) {
+    if (inputs[i]->has_shm()) refs.inputs[i] = ref(inputs[i]->shm());
+  }
+  if (request.has_out_shm()) refs.outputs[0] = ref(request.out_shm());
+  if (request.has_lse_shm()) refs.outputs[1] = ref(request.lse_shm());
+  return refs;
+}
+
 absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
                        absl::string_view owner, AttentionRuntime::Call* call, ShmLeases* leases) {
   if (!refs.any()) return absl::OkStatus();
@@ -52,13 +66,21 @@ absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
   if (registry == nullptr || !registry->enabled()) return Disabled();
   const v1::AttentionRequest& request = *call->request;
   const v1::Tensor* messages[3] = {&request.q(), &request.k(), &request.v()};
-  bool any_input = false, cuda = false;
+  bool any_input = false, cuda = false, from_message[3] = {false, false, false};
   for (int i = 0; i < 3; ++i) {
     if (!refs.inputs[i].set()) {
-      // Validation compares every input's bytes with its shape: name the message's own.
-      call->inputs[i] = TensorBytes::Contiguous(MemoryKind::kHeap, messages[i]->data().data(),
-                                                messages[i]->data().size());
+      // Validation compares every input's bytes with its shape: name the message's own (unless
+      // the edge said where they are already: the native edge's receive slices).
+      if (call->inputs[i].empty()) {
+        call->inputs[i] = TensorBytes::Contiguous(MemoryKind::kHeap, messages[i]->data().data(),
+                                                  messages[i]->data().size());
+        from_message[i] = true;
+      }
       continue;
+    }
+    if (!call->inputs[i].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kInputNames[i], ": data given together with a shared-memory reference (use one)"));
     }
     absl::StatusOr<ShmSpan> span = LeaseFor(*registry, kInputNames[i], refs.inputs[i], owner);
     if (!span.ok()) return span.status();
@@ -68,7 +90,9 @@ absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
     cuda = cuda || span->type == ShmType::kCuda;
   }
   if (!any_input) {
-    for (TensorBytes& input : call->inputs) input = TensorBytes();  // the usual way
+    for (int i = 0; i < 3; ++i) {
+      if (from_message[i]) call->inputs[i] = TensorBytes();  // the usual way
+    }
   }
   for (int i = 0; i < 2; ++i) {
     if (!refs.outputs[i].set()) continue;

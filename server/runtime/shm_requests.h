@@ -30,14 +30,19 @@ struct ShmReferences {
   ShmReference inputs[3];
   ShmReference outputs[2];
   bool any() const;
+  bool any_output() const { return outputs[0].set() || outputs[1].set(); }
 };
+
+/// The references of a native request (Tensor.shm, out_shm, lse_shm).
+ShmReferences NativeShmReferences(const v1::AttentionRequest& request);
 
 /// The leases a call holds on regions. The edge keeps them until the call's done() and drops them
 /// before it answers, so a client that unregisters after its answer never finds them in use.
 using ShmLeases = std::vector<std::shared_ptr<void>>;
 
-/// Points `call` at the regions `refs` names (inputs not in a region: the request message's data
-/// fields) and takes their leases. Errors name the tensor: no such region, outside it, shared
+/// Points `call` at the regions `refs` names (inputs not in a region: where call->inputs says, or
+/// the request message's data fields) and takes their leases; an input both given and named in a
+/// region is refused. Errors name the tensor: no such region, outside it, shared
 /// memory disabled. `call->request` must be set.
 absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
                        absl::string_view owner, AttentionRuntime::Call* call, ShmLeases* leases);
