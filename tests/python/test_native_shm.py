@@ -124,3 +124,19 @@ def test_native_shm_refusals(native_shm_server, server, rng, make_qkv):
     finally:
         region.close()
         region.unlink()
+
+
+def test_client_system_region(native_shm_server, rng, make_qkv, check_answer):
+    """flashserve.shm.SystemRegion: Client.attention(..., region=r) sends no tensor bytes over the socket."""
+    import flashserve
+    from flashserve.shm import SystemRegion
+
+    q, k, v = make_qkv(rng, 2, 23, 41, 4, 2, 64, "bfloat16")
+    with flashserve.Client(native_shm_server.address, timeout=60) as c:
+        with SystemRegion(c, "client-helper", SystemRegion.bytes_for(q, k, v)) as region:
+            for _ in range(2):  # the region is reused
+                out, lse = c.attention(q, k, v, causal=True, return_lse=True, region=region)
+                check_answer(out, lse, q, k, v, causal=True)
+        with pytest.raises(flashserve.InvalidArgumentError, match="SystemRegion.bytes_for"):
+            with SystemRegion(c, "too-small", 1024) as small:
+                c.attention(q, k, v, region=small)

@@ -269,26 +269,32 @@ class Client:
 
     def attention_with_metadata(
         self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, region=None,
     ) -> AttentionResult:
         """Like attention(), but returns an AttentionResult with out, lse, timing, kernel and request_id."""
         prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id)
+        outputs = region.place(prepared.request, prepared.return_lse) if region is not None else []
         try:
             response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, prepared.request.request_id) from None
+        for field, offset, nbytes in outputs:  # the answer comes once they are complete in the region
+            getattr(response, field).data = region.read(offset, nbytes)
         return prepared.result(response)
 
     def attention(
         self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, region=None,
     ):
         """Exact attention of q [batch, seqlen_q, heads_q, head_dim] over k, v [batch, seqlen_k, heads_kv, head_dim].
 
         Returns out (like q) or (out, lse) when return_lse; lse is float32 [batch, heads_q, seqlen_q]. Numpy in,
         numpy out; torch in, torch out on q's device. Raises FlashserveError subclasses on failure.
+        ``region`` (flashserve.shm.SystemRegion, server on this host with --allow_client_shm): the tensors go through
+        that shared-memory region instead of the socket.
         """
-        result = self.attention_with_metadata(q, k, v, causal, softmax_scale, return_lse, timeout, request_id)
+        result = self.attention_with_metadata(q, k, v, causal, softmax_scale, return_lse, timeout, request_id,
+                                              region)
         return (result.out, result.lse) if return_lse else result.out
 
     def server_info(self, timeout: Optional[float] = None) -> ServerInfo:
