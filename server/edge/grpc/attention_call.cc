@@ -134,6 +134,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
       shm_outputs_ = shm.any_output();
       call.outputs_in_buffers = !shm_outputs_;
       if (absl::Status s = AttachShm(*runtime_, shm, "", &call, &leases_); !s.ok()) {
+        leases_.clear();
         Answer(s);
         return;
       }

@@ -261,6 +261,7 @@ class InferUpload : public HttpUpload {
     if (absl::Status s = AttachShm(*rest->runtime, ShmReferencesOf(exchange->infer), "", &call,
                                    &exchange->leases);
         !s.ok()) {
+      exchange->leases.clear();
       reply(s);
       return;
     }
