@@ -148,3 +148,24 @@ def test_system_shm_on_cuda_matches_reference(cuda_shm_server, rng, make_qkv, ch
         q, k, v, causal = inputs[p["name"]]
         got = np.load(tmp_path / f"{p['name']}.out.npz")
         check_answer(got["O"].astype(q.dtype), got["LSE"], q, k, v, causal=causal)
+
+
+def test_torch_cuda_tensors_go_by_cuda_ipc(cuda_shm_server, rng, make_qkv, check_answer):
+    """flashserve.Client with torch CUDA tensors: q, k, v and O by CUDA IPC (no bytes on the socket, O lands in a
+    tensor on q's device); cuda_ipc=False sends them by value. Both against the fp64 reference."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import flashserve
+
+    q, k, v = make_qkv(rng, 1, 77, 131, 8, 2, 128, "float16")
+    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+    url = f"http://127.0.0.1:{cuda_shm_server.metrics_port}/metrics"
+    for ipc in (True, False):
+        before = scrape(url).value("flashserve_request_inputs_total", path="shm_cuda")
+        with flashserve.Client(cuda_shm_server.address, timeout=60, cuda_ipc=ipc) as c:
+            out, lse = c.attention(tq, tk, tv, causal=True, return_lse=True)
+            assert out.is_cuda and out.device == tq.device
+            check_answer(out.cpu().numpy(), lse.cpu().numpy(), q, k, v, causal=True)
+        counted = scrape(url).value("flashserve_request_inputs_total", path="shm_cuda") - before
+        assert counted == (1 if ipc else 0), (ipc, counted)

@@ -24,7 +24,7 @@ ALIGN = 64  # tensors start 64-byte aligned: the server's backends read aligned 
 
 
 def _field(number: int, value) -> bytes:
-    """One protobuf field (the KServe messages are not compiled into this package): str or unsigned int."""
+    """One protobuf field (the KServe messages are not compiled into this package): str, bytes or unsigned int."""
     def varint(n: int) -> bytes:
         out = bytearray()
         while True:
@@ -34,8 +34,21 @@ def _field(number: int, value) -> bytes:
                 return bytes(out)
     if isinstance(value, int):
         return varint(number << 3) + varint(value)
-    data = value.encode()
+    data = value.encode() if isinstance(value, str) else bytes(value)
     return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def _call(client, method: str, body: bytes) -> None:
+    """A KServe shared-memory call on the client's channel, with its token."""
+    import grpc
+
+    from .errors import from_rpc_error
+
+    rpc = client.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    try:
+        rpc(body, timeout=30, metadata=client._metadata)
+    except grpc.RpcError as e:
+        raise from_rpc_error(e) from None
 
 
 def _aligned(n: int) -> int:
@@ -66,14 +79,7 @@ class SystemRegion:
         return sum(_aligned(_nbytes(x)) for x in (q, k, v, q)) + lse
 
     def _call(self, method: str, body: bytes) -> None:
-        from .errors import from_rpc_error
-        import grpc
-
-        rpc = self._client.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
-        try:
-            rpc(body, timeout=30, metadata=self._client._metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        _call(self._client, method, body)
 
     def write(self, data: bytes, offset: int) -> "pb.SharedMemoryRef":
         """Copies ``data`` into the region at ``offset``; the reference to it."""
@@ -148,3 +154,86 @@ def _nbytes(x) -> int:
 def _nbytes_of(t: "pb.Tensor") -> int:
     itemsize = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}[t.dtype]
     return int(np.prod(list(t.shape), dtype=np.int64)) * itemsize
+
+
+_CUDA_REGISTER = "/inference.GRPCInferenceService/CudaSharedMemoryRegister"
+_CUDA_UNREGISTER = "/inference.GRPCInferenceService/CudaSharedMemoryUnregister"
+
+
+class TorchCudaIpc:
+    """torch CUDA tensors by CUDA IPC (a server on this host with --allow_client_shm): the device allocation holding
+    each tensor (found with the driver's cuMemGetAddressRange, shared with cuIpcGetMemHandle: torch's own storage
+    sharing is not used, its reference counting would keep every shared block alive) is registered once as a CUDA
+    region and the request names the tensor inside it; O and LSE are allocated on q's device and written there by
+    the server. Nothing is copied to the host. Client.attention uses it for CUDA tensors unless cuda_ipc=False."""
+
+    def __init__(self, client):
+        self._client = client
+        self._regions = {}  # IPC handle bytes -> region name
+        self._driver = None
+
+    def _cuda(self):
+        if self._driver is None:
+            import ctypes
+
+            self._driver = ctypes.CDLL("libcuda.so.1")
+        return self._driver
+
+    def _allocation(self, ptr: int) -> Tuple[int, int, bytes]:
+        """(base, size, IPC handle) of the device allocation holding ``ptr``."""
+        import ctypes
+
+        cuda = self._cuda()
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        if cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)) != 0:
+            raise RuntimeError("cuMemGetAddressRange failed")
+        handle = (ctypes.c_char * 64)()
+        if cuda.cuIpcGetMemHandle(handle, base) != 0:
+            raise RuntimeError("cuIpcGetMemHandle failed (memory not shareable by CUDA IPC)")
+        return base.value, size.value, bytes(handle)
+
+    def _region(self, tensor) -> Tuple[str, int]:
+        """(region name, byte offset of the tensor in it), registering its allocation the first time."""
+        base, size, handle = self._allocation(tensor.data_ptr())
+        name = self._regions.get(handle)
+        if name is None:
+            import hashlib
+            import os
+
+            name = f"torch-{os.getpid()}-{hashlib.sha1(handle).hexdigest()[:16]}"
+            body = _field(1, name) + _field(2, handle) + _field(3, tensor.device.index or 0) + _field(4, size)
+            _call(self._client, _CUDA_REGISTER, body)
+            self._regions[handle] = name
+        return name, tensor.data_ptr() - base
+
+    def _name(self, tensor) -> "pb.SharedMemoryRef":
+        name, offset = self._region(tensor)
+        return pb.SharedMemoryRef(region=name, offset=offset, byte_size=tensor.numel() * tensor.element_size())
+
+    def place(self, request: "pb.AttentionRequest", q, k, v, return_lse: bool):
+        """Names q, k, v (made contiguous on their device) and fresh O (and LSE) tensors on q's device in their
+        regions; returns (inputs kept alive, out, lse or None): out and lse hold the result once the call is answered."""
+        import torch
+
+        inputs = [t.contiguous() for t in (q, k, v)]
+        out = torch.empty_like(inputs[0])
+        lse = None
+        if return_lse:
+            lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+        torch.cuda.synchronize(q.device)  # the server's stream must see the caller's writes
+        for field, t in zip(("q", "k", "v"), inputs):
+            msg = getattr(request, field)
+            msg.ClearField("data")
+            msg.shm.CopyFrom(self._name(t))
+        request.out_shm.CopyFrom(self._name(out))
+        if lse is not None:
+            request.lse_shm.CopyFrom(self._name(lse))
+        return inputs, out, lse
+
+    def close(self) -> None:
+        for name in self._regions.values():
+            try:
+                _call(self._client, _CUDA_UNREGISTER, _field(1, name))
+            except Exception:  # the server may be gone: nothing to give back then
+                pass
+        self._regions.clear()
