@@ -24,10 +24,12 @@ struct ShmRegistry::Region {
   void* mapping = nullptr;     // system: what mmap returned
   size_t mapping_bytes = 0;
   bool pinned = false;         // system: page-locked through ShmDeviceAccess
+  int fd = -1;                 // system: the object, kept open to see it shrink (fstat per lease)
   ShmDeviceAccess* device = nullptr;
   std::atomic<int> leases{0};  // requests using it now
 
   ~Region() {
+    if (fd >= 0) close(fd);
     if (info.type == ShmType::kSystem && mapping != nullptr) {
       if (pinned) device->UnpinHost(data);
       munmap(mapping, mapping_bytes);
@@ -88,7 +90,11 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
       region->data = static_cast<char*>(p) + (offset - start);
     }
   }
-  close(fd);  // the mapping keeps the object
+  if (status.ok()) {
+    region->fd = fd;  // kept: a lease checks the object still covers the region
+  } else {
+    close(fd);
+  }
   return status;
 }
 
@@ -281,6 +287,17 @@ absl::StatusOr<ShmSpan> ShmRegistry::Lease(absl::string_view name, uint64_t offs
                                  bytes, region->info.byte_size);
       !s.ok()) {
     return s;
+  }
+  if (region->fd >= 0) {
+    // A client that shrank its object would make the server's next access fault (SIGBUS):
+    // refuse instead. (Shrinking it while a request runs still faults; see README.)
+    struct stat st;
+    if (fstat(region->fd, &st) != 0 ||
+        uint64_t(st.st_size) < region->info.offset + region->info.byte_size) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared-memory region \"", name, "\": its object (key \"", region->info.key,
+          "\") shrank below the region; unregister and register it again"));
+    }
   }
   ShmSpan span;
   span.data = region->data + offset;

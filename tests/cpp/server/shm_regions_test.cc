@@ -151,6 +151,20 @@ TEST(ShmRegistry, ARegionInUseCannotBeUnregistered) {
   EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(), absl::StatusCode::kNotFound);
 }
 
+TEST(ShmRegistry, AnObjectThatShrankIsRefusedNotTouched) {
+  ShmObject object(8192);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 4096, 4096, "").ok());
+  ASSERT_TRUE(registry.Lease("r", 0, 16, "").ok());
+  const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096 + 100), 0);  // the client shrinks it under the region
+  close(fd);
+  absl::StatusOr<ShmSpan> span = registry.Lease("r", 0, 16, "");
+  EXPECT_EQ(span.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(span.status().message().find("shrank"), std::string::npos) << span.status();
+}
+
 TEST(ShmRegistry, LimitsOnCountAndBytes) {
   ShmObject object(4096);
   ShmLimits limits = Allowed();
