@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <ostream>
 
 #include "inference/open_inference_grpc.grpc.pb.h"
 #ifdef FLASHSERVE_LOADGEN_CUDA
@@ -174,6 +175,27 @@ std::unique_ptr<Region> MakeRegion(const std::string& path, const std::string& n
   return nullptr;
 }
 
+// One cell: its CSV row (the columns of loadgen.cc's; goodput and stage left empty) and table row.
+std::string Report(const CellResult& r, const std::string& path, std::ostream& csv) {
+  csv << r.target << ',' << r.shape << ',' << r.concurrency << ',' << r.channels << ',' << r.ok
+      << ',' << r.errors << ',' << r.wall_s << ',' << double(r.ok) / r.wall_s << ','
+      << Percentile(r.latency_us, 0.5) << ',' << Percentile(r.latency_us, 0.99) << ','
+      << r.request_bytes << ',' << r.response_bytes << ",,," << Percentile(Column(r, 0), 0.5)
+      << ',' << Percentile(Column(r, 1), 0.5) << ',' << Percentile(Column(r, 2), 0.5) << ','
+      << Percentile(Column(r, 3), 0.5) << ',' << Percentile(Column(r, 4), 0.5) << ','
+      << Percentile(Overhead(r), 0.5) << ',' << Percentile(Overhead(r), 0.99) << ','
+      << r.cpu_s / r.wall_s << ",\"" << r.first_error << "\",,\n";
+  char line[512];
+  std::snprintf(line, sizeof line,
+                "| %s | %s | %d | %.1f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %lld |\n",
+                r.shape.c_str(), path.c_str(), r.concurrency, double(r.ok) / r.wall_s,
+                Percentile(r.latency_us, 0.5), Percentile(r.latency_us, 0.99),
+                Percentile(Column(r, 4), 0.5), Percentile(Column(r, 1), 0.5),
+                Percentile(Column(r, 2), 0.5), Percentile(Column(r, 3), 0.5),
+                Percentile(Overhead(r), 0.5), (long long)r.errors);
+  return line;
+}
+
 }  // namespace
 
 bool ParseKServeTiming(grpc::ByteBuffer* buffer, int64_t timing[6]) {
@@ -200,7 +222,6 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
       "Server timing from the response's parameters (stage is not reported there: 0).\n\n"
       "| shape | path | conc | calls/s | p50 us | p99 us | server total p50 us | h2d p50 us | kernel p50 us | "
       "d2h p50 us | overhead p50 us | errors |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  char line[512];
   for (const auto& wp : workloads) {
     const Workload& w = *wp;
     const size_t in_bytes = w.request.q().data().size() + w.request.k().data().size() +
@@ -230,22 +251,7 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
         spec.kserve_timing = true;
         CellResult r = Cell(server, spec).Run();
         r.shape = w.shape.name;
-        csv << r.target << ',' << r.shape << ',' << c << ',' << r.channels << ',' << r.ok << ','
-            << r.errors << ',' << r.wall_s << ',' << double(r.ok) / r.wall_s << ','
-            << Percentile(r.latency_us, 0.5) << ',' << Percentile(r.latency_us, 0.99) << ','
-            << r.request_bytes << ',' << r.response_bytes << ",,," << Percentile(Column(r, 0), 0.5)
-            << ',' << Percentile(Column(r, 1), 0.5) << ',' << Percentile(Column(r, 2), 0.5) << ','
-            << Percentile(Column(r, 3), 0.5) << ',' << Percentile(Column(r, 4), 0.5) << ','
-            << Percentile(Overhead(r), 0.5) << ',' << Percentile(Overhead(r), 0.99) << ','
-            << r.cpu_s / r.wall_s << ",\"" << r.first_error << "\",,\n";
-        std::snprintf(line, sizeof line,
-                      "| %s | %s | %d | %.1f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %lld |\n",
-                      w.shape.name.c_str(), path.c_str(), c, double(r.ok) / r.wall_s,
-                      Percentile(r.latency_us, 0.5), Percentile(r.latency_us, 0.99),
-                      Percentile(Column(r, 4), 0.5), Percentile(Column(r, 1), 0.5),
-                      Percentile(Column(r, 2), 0.5), Percentile(Column(r, 3), 0.5),
-                      Percentile(Overhead(r), 0.5), (long long)r.errors);
-        md += line;
+        md += Report(r, path, csv);
         std::fprintf(stderr, "shm %s %s c=%d: %lld ok %lld err, p50 %.0f us %s\n", path.c_str(),
                      w.shape.name.c_str(), c, (long long)r.ok, (long long)r.errors,
                      Percentile(r.latency_us, 0.5), r.first_error.c_str());

@@ -75,6 +75,33 @@ absl::StatusOr<int> CountRawInputs(const inference::ModelInferRequest& request,
   return raw_count;
 }
 
+// An input's bytes: its raw_input_contents entry (moved, not copied), else FP32 typed contents.
+absl::Status TakeInputData(const std::string& field,
+                           const inference::ModelInferRequest::InferInputTensor& input,
+                           std::string* raw, v1::Tensor* tensor) {
+  if (raw != nullptr) {
+    if (input.has_contents()) {
+      return absl::InvalidArgumentError(
+          field + ": contents given together with raw_input_contents (use one)");
+    }
+    tensor->mutable_data()->swap(*raw);
+    return absl::OkStatus();
+  }
+  if (!input.has_contents()) {
+    return absl::InvalidArgumentError(
+        field + ": no data (give raw_input_contents or contents.fp32_contents)");
+  }
+  if (tensor->dtype() != v1::FLOAT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", input.datatype(),
+                     " has no typed contents field; send it in raw_input_contents"));
+  }
+  const auto& values = input.contents().fp32_contents();
+  tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
+                                 size_t(values.size()) * sizeof(float));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::AttentionRequest* out,
@@ -109,25 +136,10 @@ absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::Att
             field + ": contents given together with shared_memory_region (use one)");
       }
       shm_inputs[slot] = shm[size_t(i)];
-    } else if (raw_count > 0) {
-      if (input.has_contents()) {
-        return absl::InvalidArgumentError(
-            field + ": contents given together with raw_input_contents (use one)");
-      }
-      tensor->mutable_data()->swap(*request->mutable_raw_input_contents(raw_next++));
-    } else if (input.has_contents()) {
-      if (dtype != v1::FLOAT32) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": ", input.datatype(),
-                         " has no typed contents field; send it in raw_input_contents"));
-      }
-      const auto& values = input.contents().fp32_contents();
-      tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
-                                     size_t(values.size()) * sizeof(float));
-    } else {
-      return absl::InvalidArgumentError(
-          field + ": no data (give raw_input_contents or contents.fp32_contents)");
+      continue;
     }
+    std::string* raw = raw_count > 0 ? request->mutable_raw_input_contents(raw_next++) : nullptr;
+    RETURN_IF_ERROR(TakeInputData(field, input, raw, tensor));
   }
   RETURN_IF_ERROR(CheckAllInputs(seen));
   std::vector<RequestedOutput> requested;
