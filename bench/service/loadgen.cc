@@ -16,7 +16,8 @@
 //   flashserve-loadgen --target=127.0.0.1:8001 --echo=127.0.0.1:9000 [--shapes=small,medium,large]
 //     [--concurrency=1,4,16,64] [--duration_s=2] [--min_requests=3] [--large_max_concurrency=16]
 //     [--stripes=1,2,4,8] [--stripe_reps=5] [--striped_shapes=medium,large] [--chunk_mib=4] [--channels=0]
-//     [--csv=FILE] [--md=FILE]
+//     [--csv=FILE] [--md=FILE] [--shm=system,cuda] [--shm_device=0]
+// --shm adds the shared-memory paths (loadgen_shm.h; the server needs --allow_client_shm).
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
@@ -32,6 +33,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "loadgen_cell.h"
+#include "loadgen_shm.h"
 #include "loadgen_striped.h"
 #include "loadgen_workload.h"
 
@@ -333,6 +335,16 @@ int main(int argc, char** argv) {
                      bytes / (total * 1e3));
       }
     }
+  }
+  if (!Flag("shm", "").empty()) {
+    flashserve::loadgen::ShmSectionOptions shm;
+    shm.paths = Split(Flag("shm", ""));
+    shm.concurrency = concurrency;
+    shm.duration_s = duration;
+    shm.min_requests = min_requests;
+    shm.large_max_concurrency = large_max_conc;
+    shm.device = int(FlagD("shm_device", 0));
+    md << flashserve::loadgen::RunShmSection(&server, workloads, shm, csv);
   }
   const std::string md_text = md.str();
   std::ofstream(Flag("md", "service.md")) << md_text;

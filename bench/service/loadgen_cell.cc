@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "loadgen_shm.h"
+
 namespace flashserve::loadgen {
 namespace {
 
@@ -73,7 +75,9 @@ void Cell::Done(Worker* w, const grpc::Status& status) {
     w->response_bytes = int64_t(w->response.Length());
     if (spec_.read_timing) {
       std::array<int64_t, 6> t{};
-      if (ParseTiming(&w->response, t.data())) w->timings.push_back(t);
+      const bool parsed = spec_.kserve_timing ? ParseKServeTiming(&w->response, t.data())
+                                              : ParseTiming(&w->response, t.data());
+      if (parsed) w->timings.push_back(t);
     }
   } else {
     ++w->errors;

@@ -37,6 +37,7 @@ struct CellSpec {
   double duration_s = 2;
   int min_requests = 3, max_requests = 1 << 30;
   bool read_timing = false;
+  bool kserve_timing = false;  // read_timing from a KServe ModelInferResponse's parameters
 };
 
 class Cell {

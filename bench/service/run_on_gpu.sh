@@ -5,7 +5,8 @@
 # free loopback ports, runs the load generator grid and writes service.md, service.csv and logs to $OUT.
 # Extra arguments go to flashserve-loadgen (e.g. --duration_s=1.5 --stripes=1,2,4,8); extra server flags in
 # $SERVER_FLAGS (e.g. SERVER_FLAGS="--copy_threads=0"); $SERVER_WRAP is put before the server's command line
-# (e.g. SERVER_WRAP="taskset -c 3" to confine the server to one core).
+# (e.g. SERVER_WRAP="taskset -c 3" to confine the server to one core). Shared-memory paths (issue 18):
+# SERVER_FLAGS="--allow_client_shm" ... run_on_gpu.sh --shm=system,cuda (--shm_max_bytes if regions pass 64 GiB).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-service-bench}

@@ -22,6 +22,7 @@ inline int HttpStatusFor(const absl::Status& status) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists:  // a shared-memory region's name taken (as Triton)
       return 400;
     case absl::StatusCode::kUnauthenticated:
       return 401;

@@ -82,6 +82,13 @@ ABSL_FLAG(int64_t, pinned_pool_bytes, flashserve::MemoryOptions{}.pinned_pool_by
           "between requests): page-locked on the CUDA backend (a request that does not fit is "
           "served with slower pageable copies), heap memory on the CPU backend (no page faults "
           "of fresh buffers); 0 disables the pool");
+ABSL_FLAG(bool, allow_client_shm, flashserve::ShmLimits{}.allow,
+          "Serve Triton's shared-memory extension (system and CUDA regions of co-located "
+          "clients; memory/shm_regions.h). Off: every shared-memory call is refused");
+ABSL_FLAG(int, shm_max_regions, flashserve::ShmLimits{}.max_regions,
+          "Shared-memory regions registered at once (system and CUDA together)");
+ABSL_FLAG(int64_t, shm_max_bytes, flashserve::ShmLimits{}.max_bytes,
+          "Bytes of shared-memory regions registered at once (system and CUDA together)");
 ABSL_FLAG(int64_t, receive_arena_bytes, flashserve::MemoryOptions{}.receive_arena_bytes,
           "Memory for gRPC's socket read buffers (blocks of 64 KiB-4 MiB), so the native API's "
           "tensors can be copied to the GPU straight from where they arrived instead of being "
@@ -267,6 +274,9 @@ MemoryOptions MemoryFromFlags() {
   memory.malloc.mmap_threshold_bytes = absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes);
   memory.malloc.trim_threshold_bytes = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes);
   memory.malloc.arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
+  memory.shm.allow = absl::GetFlag(FLAGS_allow_client_shm);
+  memory.shm.max_regions = absl::GetFlag(FLAGS_shm_max_regions);
+  memory.shm.max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
   return memory;
 }
 

@@ -139,6 +139,9 @@ absl::Status Server::StartRuntime() {
   runtime_ = std::make_unique<AttentionRuntime>(backend_.backend.get(), scheduler_.get(), limits,
                                                 metrics_.get(), config_.limits.max_inflight_bytes,
                                                 copier_.get());
+  shm_regions_ = std::make_unique<ShmRegistry>(config_.memory.shm,
+                                               backend_.backend->shm_device_access());
+  runtime_->set_shm_regions(shm_regions_.get());
   if (config_.sequences.cache.capacity_bytes > 0) {
     absl::StatusOr<std::unique_ptr<SequenceRuntime>> sequences = SequenceRuntime::Create(
         config_.sequences, backend_.backend.get(), scheduler_.get(), metrics_.get());

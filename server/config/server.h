@@ -65,6 +65,7 @@ class Server {
   CreatedBackend backend_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ServerMetrics> metrics_;
+  std::unique_ptr<ShmRegistry> shm_regions_;  // clients' shared memory; outlives the runtime
   std::unique_ptr<ParallelCopier> copier_;  // stages inputs the backend cannot read in place
   std::unique_ptr<AttentionRuntime> runtime_;
   std::unique_ptr<BearerAuth> auth_;

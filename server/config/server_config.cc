@@ -70,6 +70,10 @@ absl::Status MemoryOptions::Check() const {
                      receive_arena_bytes));
   }
   if (pinned_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
+  if (shm.max_regions < 0 || shm.max_regions > 1 << 20) {
+    return OutOfRange("shm_max_regions", shm.max_regions, 0, 1 << 20);
+  }
+  if (shm.max_bytes < 0) return absl::InvalidArgumentError("--shm_max_bytes must be >= 0");
   return malloc.Check();
 }
 

@@ -17,6 +17,7 @@
 #include "edge/grpc/stream_edge.h"
 #include "edge/http/http_edge.h"
 #include "edge/kserve/kserve_model.h"
+#include "memory/shm_regions.h"
 #include "metrics/metrics_http.h"
 #include "runtime/backend_options.h"
 #include "runtime/scheduler.h"
@@ -74,6 +75,7 @@ struct MemoryOptions {
   int64_t receive_arena_bytes = kAuto;
   int64_t pinned_pool_bytes = kDefaultRequestPoolBytes;  // both backends' request-buffer pool
   MallocOptions malloc;
+  ShmLimits shm;  // clients' shared-memory regions (--allow_client_shm, --shm_max_*)
 
   absl::Status Check() const;
   /// The arena size for a backend ("cuda" or "cpu"): kAuto resolved.

@@ -12,6 +12,8 @@ const char* MemoryKindName(MemoryKind kind) {
       return "heap";
     case MemoryKind::kPageLocked:
       return "page_locked";
+    case MemoryKind::kDevice:
+      return "device";
   }
   return "unknown";
 }

@@ -15,7 +15,10 @@ namespace flashserve {
 /// The kinds of memory a tensor's bytes can be in.
 enum class MemoryKind {
   kHeap,        // pageable host memory: protobuf strings, heap buffers, unlocked read buffers
-  kPageLocked,  // page-locked host memory (receive arena, pinned pool): a GPU DMAs it directly
+  kPageLocked,  // page-locked host memory (receive arena, pinned pool, a client's system
+                //   shared-memory region the CUDA backend registered): a GPU DMAs it directly
+  kDevice,      // GPU memory of device `device` (a client's CUDA shared-memory region, opened
+                //   from its IPC handle): the CUDA backend reads / writes it where it is
 };
 
 /// "heap", "page_locked" (logs and tests).
@@ -26,6 +29,7 @@ const char* MemoryKindName(MemoryKind kind);
 struct TensorBytes {
   MemoryKind kind = MemoryKind::kHeap;
   std::vector<std::string_view> pieces;
+  int device = -1;  // kDevice: the GPU the pieces are on
 
   static TensorBytes Contiguous(MemoryKind kind, const void* data, size_t bytes);
   /// Pieces of gRPC's receive buffers: page-locked when every piece lies in the installed,
@@ -44,6 +48,7 @@ struct TensorTarget {
   MemoryKind kind = MemoryKind::kHeap;
   char* data = nullptr;  // nullptr: not wanted (LSE not asked for)
   size_t bytes = 0;
+  int device = -1;  // kDevice: the GPU it is on
 };
 
 /// Where one job's tensors are when a backend runs it.

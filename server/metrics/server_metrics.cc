@@ -94,11 +94,24 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
   hot_lane_busy_ = hot_lane.Labels({"busy"});
   auto& inputs = registry_.AddCounter(
       "flashserve_request_inputs_total",
-      "Native-API requests by how their tensors reached the backend: read in place from the "
-      "receive arena (in_place) or copied once into request buffers (copied).",
+      "Requests by how their tensors reached the backend: native-API requests read in place "
+      "from the receive arena (in_place) or copied once into request buffers (copied); any "
+      "request whose inputs were in a client's shared-memory region (shm_system, shm_cuda).",
       {"path"});
   inputs_in_place_ = inputs.Labels({"in_place"});
   inputs_copied_ = inputs.Labels({"copied"});
+  inputs_shm_system_ = inputs.Labels({"shm_system"});
+  inputs_shm_cuda_ = inputs.Labels({"shm_cuda"});
+  shm_regions_ = &registry_.AddGauge(
+      "flashserve_shm_regions",
+      "Clients' shared-memory regions registered now (--allow_client_shm), by type.", {"type"});
+  shm_region_bytes_ = &registry_.AddGauge(
+      "flashserve_shm_region_bytes",
+      "Bytes of the clients' shared-memory regions registered now, by type.", {"type"});
+  for (const char* type : {"system", "cuda"}) {
+    shm_regions_->Labels({type})->Set(0);
+    shm_region_bytes_->Labels({type})->Set(0);
+  }
   receive_arena_ = &registry_.AddGauge(
       "flashserve_receive_arena_bytes",
       "Receive arena (--receive_arena_bytes) for gRPC's read buffers: bytes in blocks in use now, "
@@ -236,6 +249,11 @@ void ServerMetrics::SetReceiveArenaCallback(std::function<ArenaBytes()> callback
 
 void ServerMetrics::SetPinnedPoolCallback(std::function<PoolBytes()> callback) {
   SetPoolCallbacks(PoolGauges(pinned_pool_, nullptr), std::move(callback));
+}
+
+void ServerMetrics::SetShmRegions(std::string_view type, int64_t count, int64_t bytes) {
+  shm_regions_->Labels({type})->Set(double(count));
+  shm_region_bytes_->Labels({type})->Set(double(bytes));
 }
 
 }  // namespace flashserve

@@ -78,6 +78,12 @@ class ServerMetrics {
   /// A native-API request's tensors reached the backend read in place from the receive arena, or
   /// copied into request buffers.
   void RecordInputPath(bool in_place) { (in_place ? inputs_in_place_ : inputs_copied_)->Increment(); }
+  /// A request whose inputs came from a client's shared memory: path "shm_system" / "shm_cuda".
+  void RecordShmInputPath(std::string_view shm_path) {
+    (shm_path == "shm_cuda" ? inputs_shm_cuda_ : inputs_shm_system_)->Increment();
+  }
+  /// Clients' shared-memory regions now: shm_regions{type} and shm_region_bytes{type}.
+  void SetShmRegions(std::string_view type, int64_t count, int64_t bytes);
   /// receive_arena_bytes{state="used"|"peak"|"capacity"}, read at scrape time.
   struct ArenaBytes {
     int64_t used = 0, peak = 0, capacity = 0;
@@ -151,6 +157,10 @@ class ServerMetrics {
   metrics::Counter* hot_lane_busy_;
   metrics::Counter* inputs_in_place_;
   metrics::Counter* inputs_copied_;
+  metrics::Counter* inputs_shm_system_;
+  metrics::Counter* inputs_shm_cuda_;
+  metrics::Family<metrics::Gauge>* shm_regions_;
+  metrics::Family<metrics::Gauge>* shm_region_bytes_;
   metrics::Family<metrics::Gauge>* receive_arena_;
   metrics::Gauge* inflight_;
   metrics::Gauge* queue_depth_;

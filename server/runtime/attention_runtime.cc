@@ -136,8 +136,27 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
   if (!queued.ok()) job->call.done(queued);
 }
 
+// Outputs named in a region must fit there; LSE only when the request returns it.
+absl::Status CheckRegionOutputs(const AttentionRuntime::Call& call, const AttentionProblem& p) {
+  const char* names[2] = {"O", "LSE"};
+  const int64_t need[2] = {p.out_bytes(), p.lse_elements() * int64_t(sizeof(float))};
+  for (int i = 0; i < 2; ++i) {
+    const TensorTarget& target = call.regions[i];
+    if (target.data == nullptr) continue;
+    if (i == 1 && !p.return_lse) {
+      return absl::InvalidArgumentError("LSE: a shared-memory output given without return_lse");
+    }
+    if (int64_t(target.bytes) < need[i]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          names[i], ": shared-memory output of ", target.bytes, " bytes, ", need[i], " needed"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AttentionRuntime::Place(Call& call, Job* job) {
   const v1::AttentionRequest& request = *call.request;
+  RETURN_IF_ERROR(CheckRegionOutputs(call, job->problem));
   TensorPlacementRequest where;
   where.problem = &job->problem;
   const v1::Tensor* messages[3] = {&request.q(), &request.k(), &request.v()};
@@ -151,8 +170,12 @@ absl::Status AttentionRuntime::Place(Call& call, Job* job) {
   where.outputs_in_buffers = call.outputs_in_buffers;
   where.io = std::move(call.io);
   where.response = call.response;
+  where.regions[0] = call.regions[0];
+  where.regions[1] = call.regions[1];
   ASSIGN_OR_RETURN(job->placement, PlaceTensors(std::move(where), *backend_, copier_));
-  if (metrics_ != nullptr && from_receive_buffers) {
+  if (metrics_ != nullptr && call.shm_input_path != nullptr) {
+    metrics_->RecordShmInputPath(call.shm_input_path);
+  } else if (metrics_ != nullptr && from_receive_buffers) {
     metrics_->RecordInputPath(!job->placement.inputs_copied);
   }
   // Staged inputs no longer need the memory they arrived in. Small requests give it back now
@@ -240,6 +263,7 @@ absl::Status AttentionRuntime::Finish(const Job& job, absl::Time started, JobRes
     return result.status;
   }
   if (job.placement.outputs_to_response) CopyOutputsToResponse(problem, job.placement, response);
+  CopyOutputsToRegions(job.placement);  // before the answer: the region holds the result then
   const PhaseTiming& phases = result.timing;
   v1::Timing* timing = response->mutable_timing();
   timing->set_queue_us(absl::ToInt64Microseconds(started - job.enqueued));

@@ -18,6 +18,7 @@
 #include "runtime/backend.h"
 #include "memory/io_buffers.h"
 #include "memory/parallel_copy.h"
+#include "memory/shm_regions.h"
 #include "memory/tensor_bytes.h"
 #include "runtime/scheduler.h"
 
@@ -50,6 +51,13 @@ class AttentionRuntime {
     // and LSE from there.
     std::shared_ptr<IoBuffers>* buffers_out = nullptr;
     bool inject_device_fault = false;  // test hook, see BackendJob
+    // O and LSE into a client's shared-memory region (data null: the usual way); at least the
+    // output's size. The edge holds the region's lease (memory/shm_regions.h) until done() and
+    // gives it back before it answers; done() comes after the output is complete there.
+    TensorTarget regions[2];
+    // Set when Q, K and V come from a client's region: "shm_system" or "shm_cuda" (the
+    // request_inputs_total path label).
+    const char* shm_input_path = nullptr;
   };
 
   /// metrics may be null. max_inflight_bytes (0: no limit) bounds the tensor bytes (inputs and
@@ -104,6 +112,10 @@ class AttentionRuntime {
   Backend& backend() { return *backend_; }
   Scheduler& scheduler() { return *scheduler_; }
   ServerMetrics* metrics() { return metrics_; }
+  /// Clients' shared-memory regions the edges resolve references in (null: none). Set once,
+  /// before the edges start; must outlive the runtime's calls.
+  void set_shm_regions(ShmRegistry* regions) { shm_regions_ = regions; }
+  ShmRegistry* shm_regions() { return shm_regions_; }
   int64_t inflight_bytes() const { return inflight_bytes_.load(); }
 
  private:
@@ -125,6 +137,7 @@ class AttentionRuntime {
   ParallelCopier* const copier_;
   const ValidationLimits limits_;
   ServerMetrics* const metrics_;
+  ShmRegistry* shm_regions_ = nullptr;
   const int64_t max_inflight_bytes_;
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<bool> accepting_{true};  // written under idle_mu_

@@ -18,6 +18,7 @@
 namespace flashserve {
 
 class PinnedPool;
+class ShmDeviceAccess;
 
 struct DeviceDescription {
   int index = 0;
@@ -112,6 +113,10 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) {
     return absl::UnimplementedError("this backend has no KV cache");
   }
+  /// What the backend does for clients' shared-memory regions (page-lock system regions, open
+  /// CUDA IPC handles: memory/shm_regions.h); nullptr: nothing (system regions stay pageable,
+  /// CUDA regions are refused). Lives as long as the backend.
+  virtual ShmDeviceAccess* shm_device_access() { return nullptr; }
 };
 
 }  // namespace flashserve

@@ -200,6 +200,9 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   if (backend->devices_.empty()) {
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
   }
+  std::vector<int> indices;
+  for (const auto& device : backend->devices_) indices.push_back(device->index);
+  backend->shm_access_ = std::make_unique<CudaShmAccess>(std::move(indices));
   backend->max_device_bytes_per_request_ = options.max_device_bytes_per_request;
   backend->completion_spin_us_ = options.completion_spin_us;
   if (options.pinned_pool_bytes > 0) {
@@ -389,11 +392,25 @@ bool CudaBackend::ReadsDirectly(const TensorBytes& tensor) const {
   // Page-locked memory is DMA'd as it lies, in any number of pieces. Pageable memory could be
   // copied too (the driver stages it), but at ~2.6x less bandwidth (21 vs 55 GB/s on an H200):
   // the runtime stages it into the pinned pool instead, and only a full pool leaves it pageable.
-  return tensor.kind == MemoryKind::kPageLocked;
+  // Device memory (a client's CUDA region) is read in place, or peer-copied from another GPU.
+  return tensor.kind == MemoryKind::kPageLocked || tensor.kind == MemoryKind::kDevice;
 }
 
 bool CudaBackend::WritesDirectly(MemoryKind kind) const {
-  return kind == MemoryKind::kPageLocked;
+  return kind == MemoryKind::kPageLocked || kind == MemoryKind::kDevice;
+}
+
+// Tensors in a client's CUDA region on the job's device: the kernel reads and writes them where
+// they are (runtime/cuda_transfer.h then copies nothing for them).
+static void PointAtDeviceTensors(const JobTensors& t, int device_index,
+                          kernels::AttentionParams* params) {
+  if (OnDevice(t.q, device_index)) params->q = t.q.data();
+  if (OnDevice(t.k, device_index)) params->k = t.k.data();
+  if (OnDevice(t.v, device_index)) params->v = t.v.data();
+  if (OnDevice(t.o, device_index)) params->o = t.o.data;
+  if (params->lse != nullptr && OnDevice(t.lse, device_index)) {
+    params->lse = reinterpret_cast<float*>(t.lse.data);
+  }
 }
 
 void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
@@ -468,6 +485,7 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
   params->o = *base + layout.o_offset;
   params->lse =
       job.spec.problem.return_lse ? reinterpret_cast<float*>(*base + layout.lse_offset) : nullptr;
+  PointAtDeviceTensors(job.spec.tensors, device->index, params);
   // The request was validated at the edge (dtype, head_dim, sizes); this is the kernels' own
   // word on what is left (grid limits), with the real device pointers.
   if (std::string why = kernels::cuda::supported(*params); !why.empty()) {
@@ -484,14 +502,16 @@ void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
   cudaStream_t stream = slot->stream;
   const JobTensors& tensors = job->spec.tensors;
   job->Step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
-  job->Step(QueueInputCopies(tensors, job->layout, base, stream, &slot->batch), "H2D copy");
+  const int index = slot->device->index;
+  job->Step(QueueInputCopies(tensors, job->layout, base, index, stream, &slot->batch),
+            "H2D copy");
   job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
   if (job->spec.inject_device_fault && job->launch_error == cudaSuccess) {
     job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
   } else if (job->launch_error == cudaSuccess &&
              job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
-    job->Step(QueueOutputCopies(tensors, job->layout, base, stream), "D2H copy");
+    job->Step(QueueOutputCopies(tensors, job->layout, base, index, stream), "D2H copy");
   }
   // Recorded even after a failure: the completion thread then waits for what was queued (the
   // H2D copies still read the request's memory) before the job's buffers are released.

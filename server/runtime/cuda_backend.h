@@ -24,6 +24,7 @@
 #include "flashserve/kernels/cuda_attention.h"
 #include "runtime/backend.h"
 #include "runtime/backend_options.h"
+#include "runtime/cuda_shm_access.h"
 #include "memory/pinned_pool.h"
 
 namespace flashserve {
@@ -42,7 +43,7 @@ class CudaBackend final : public Backend {
   absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   /// Returns once the job is queued on a stream (waits for a free slot if every one is busy).
   void RunAsync(BackendJob job, JobDone done) override;
-  /// Page-locked memory only: the runtime stages pageable inputs into the pinned pool.
+  /// Page-locked and device memory: the runtime stages pageable inputs into the pinned pool.
   bool ReadsDirectly(const TensorBytes& tensor) const override;
   bool WritesDirectly(MemoryKind kind) const override;
   /// False once any device had a sticky error: CUDA is then unusable in the whole process, so no
@@ -51,6 +52,7 @@ class CudaBackend final : public Backend {
   bool DevicePoolBytes(int device, int64_t* used, int64_t* reserved) const override;
   bool PinnedPoolBytes(int64_t* used, int64_t* reserved) const override;
   PinnedPool* staging_pool() override { return pinned_.get(); }
+  ShmDeviceAccess* shm_device_access() override { return shm_access_.get(); }
   bool can_launch_now() override;
   /// Device memory of the first GPU (runtime/cuda_kv_store.h).
   absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) override;
@@ -83,6 +85,7 @@ class CudaBackend final : public Backend {
   std::vector<std::unique_ptr<Device>> devices_;
   std::unique_ptr<KernelChooser> chooser_;  // tuned configurations for the first device's model
   std::unique_ptr<PinnedPool> pinned_;  // null: pinned staging disabled
+  std::unique_ptr<CudaShmAccess> shm_access_;  // clients' shared-memory regions
   int64_t max_device_bytes_per_request_ = 0;
   int completion_spin_us_ = 0;
   std::mutex mu_;                    // guards every Device's free_slots and load counters

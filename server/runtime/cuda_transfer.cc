@@ -5,8 +5,14 @@
 namespace flashserve {
 namespace {
 
+bool AnyDevice(const JobTensors& t) {
+  return t.q.kind == MemoryKind::kDevice || t.k.kind == MemoryKind::kDevice ||
+         t.v.kind == MemoryKind::kDevice;
+}
+
 // q | k | v contiguous at the device layout's offsets in one host buffer.
 bool InDeviceLayout(const JobTensors& t, const IoLayout& layout) {
+  if (AnyDevice(t)) return false;
   if (!t.q.contiguous() || !t.k.contiguous() || !t.v.contiguous()) return false;
   const char* q = t.q.data();
   return t.k.data() == q + layout.k_offset && t.v.data() == q + layout.v_offset;
@@ -50,33 +56,61 @@ cudaError_t CopyPieces(const std::array<const TensorBytes*, 3>& tensors,
 
 }  // namespace
 
+// One tensor from (or to) device memory of another GPU: one peer copy.
+cudaError_t PeerCopy(void* dst, int dst_device, const void* src, int src_device, size_t bytes,
+                     cudaStream_t stream) {
+  return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, bytes, stream);
+}
+
 cudaError_t QueueInputCopies(const JobTensors& tensors, const IoLayout& layout, char* device,
-                             cudaStream_t stream, BatchCopy* batch) {
+                             int device_index, cudaStream_t stream, BatchCopy* batch) {
   // Per-copy latency is most of a small request's H2D: one copy when the layout allows it.
   if (InDeviceLayout(tensors, layout)) {
     return cudaMemcpyAsync(device, tensors.q.data(), layout.v_offset + layout.kv_bytes,
                            cudaMemcpyHostToDevice, stream);
   }
-  return CopyPieces({&tensors.q, &tensors.k, &tensors.v}, {0, layout.k_offset, layout.v_offset},
-                    device, stream, batch);
+  const TensorBytes* all[3] = {&tensors.q, &tensors.k, &tensors.v};
+  const size_t offsets[3] = {0, layout.k_offset, layout.v_offset};
+  const TensorBytes none;
+  std::array<const TensorBytes*, 3> host = {&none, &none, &none};
+  for (int i = 0; i < 3; ++i) {
+    if (all[i]->kind != MemoryKind::kDevice) {
+      host[size_t(i)] = all[i];
+    } else if (!OnDevice(*all[i], device_index)) {
+      cudaError_t e = PeerCopy(device + offsets[i], device_index, all[i]->data(),
+                               all[i]->device, size_t(all[i]->size()), stream);
+      if (e != cudaSuccess) return e;
+    }  // on this device: the kernel reads it in place
+  }
+  return CopyPieces(host, {offsets[0], offsets[1], offsets[2]}, device, stream, batch);
 }
 
 cudaError_t QueueOutputCopies(const JobTensors& tensors, const IoLayout& layout,
-                              const char* device, cudaStream_t stream) {
+                              const char* device, int device_index, cudaStream_t stream) {
   const TensorTarget& o = tensors.o;
   const TensorTarget& lse = tensors.lse;
   const size_t lse_gap = layout.lse_offset - layout.o_offset;
-  if (lse.data == nullptr || lse.data == o.data + lse_gap) {
+  const bool host_only = o.kind != MemoryKind::kDevice && lse.kind != MemoryKind::kDevice;
+  if (host_only && (lse.data == nullptr || lse.data == o.data + lse_gap)) {
     // O alone, or O and LSE as on the device (request buffers): one copy.
     const size_t bytes = lse.data == nullptr ? layout.q_bytes : lse_gap + layout.lse_bytes;
     return cudaMemcpyAsync(o.data, device + layout.o_offset, bytes, cudaMemcpyDeviceToHost,
                            stream);
   }
-  cudaError_t e = cudaMemcpyAsync(o.data, device + layout.o_offset, layout.q_bytes,
-                                  cudaMemcpyDeviceToHost, stream);
-  if (e != cudaSuccess) return e;
-  return cudaMemcpyAsync(lse.data, device + layout.lse_offset, layout.lse_bytes,
-                         cudaMemcpyDeviceToHost, stream);
+  const TensorTarget* targets[2] = {&o, &lse};
+  const size_t offsets[2] = {layout.o_offset, layout.lse_offset};
+  const size_t sizes[2] = {layout.q_bytes, layout.lse_bytes};
+  for (int i = 0; i < 2; ++i) {
+    const TensorTarget& t = *targets[i];
+    if (t.data == nullptr || OnDevice(t, device_index)) continue;  // not wanted / written there
+    cudaError_t e = t.kind == MemoryKind::kDevice
+                        ? PeerCopy(t.data, t.device, device + offsets[i], device_index, sizes[i],
+                                   stream)
+                        : cudaMemcpyAsync(t.data, device + offsets[i], sizes[i],
+                                          cudaMemcpyDeviceToHost, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace flashserve

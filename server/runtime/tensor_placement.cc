@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/status_macros.h"
 
 namespace flashserve {
 namespace {
@@ -46,14 +47,53 @@ void OutputsToBuffers(const IoBuffers& io, JobTensors* tensors) {
 }
 
 void OutputsToResponse(const AttentionProblem& problem, v1::AttentionResponse* response,
-                       JobTensors* tensors) {
-  std::string* out = response->mutable_out()->mutable_data();
-  out->resize(size_t(problem.out_bytes()));
-  tensors->o = {MemoryKind::kHeap, out->data(), out->size()};
-  if (problem.return_lse) {
+                       const bool (&in_region)[2], JobTensors* tensors) {
+  if (!in_region[0]) {
+    std::string* out = response->mutable_out()->mutable_data();
+    out->resize(size_t(problem.out_bytes()));
+    tensors->o = {MemoryKind::kHeap, out->data(), out->size()};
+  }
+  if (problem.return_lse && !in_region[1]) {
     std::string* lse = response->mutable_lse()->mutable_data();
     lse->resize(size_t(problem.lse_elements()) * sizeof(float));
     tensors->lse = {MemoryKind::kHeap, lse->data(), lse->size()};
+  }
+}
+
+// Device memory is never touched by a host copy: a backend that cannot reach it refuses.
+absl::Status CheckReachable(const TensorPlacementRequest& request, Backend& backend) {
+  for (const TensorBytes& input : request.inputs) {
+    if (input.kind == MemoryKind::kDevice && !backend.ReadsDirectly(input)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this backend cannot read an input on device ", input.device, " (CUDA shared memory)"));
+    }
+  }
+  for (const TensorTarget& target : request.regions) {
+    if (target.data != nullptr && target.kind == MemoryKind::kDevice &&
+        !backend.WritesDirectly(target.kind)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this backend cannot write an output on device ", target.device, " (CUDA shared memory)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Outputs wanted in a client's region: written there directly when the backend can (host
+// memory 16-byte aligned: the kernels store through typed pointers), else copied there after.
+void PlaceRegionOutputs(const TensorPlacementRequest& request, TensorPlacement* placement) {
+  const AttentionProblem& problem = *request.problem;
+  TensorTarget* placed[2] = {&placement->tensors.o, &placement->tensors.lse};
+  const size_t bytes[2] = {size_t(problem.out_bytes()),
+                           size_t(problem.lse_elements()) * sizeof(float)};
+  for (int i = 0; i < 2; ++i) {
+    const TensorTarget& target = request.regions[i];
+    if (target.data == nullptr || (i == 1 && !problem.return_lse)) continue;
+    placement->regions[i] = target;
+    if (placement->in_region[i]) {
+      *placed[i] = {target.kind, target.data, bytes[i], target.device};
+    } else {
+      placement->copy_to_region[i] = true;
+    }
   }
 }
 
@@ -68,6 +108,13 @@ absl::StatusOr<TensorPlacement> PlaceTensors(TensorPlacementRequest request, Bac
                                             ParallelCopier* copier) {
   const AttentionProblem& problem = *request.problem;
   TensorPlacement placement;
+  RETURN_IF_ERROR(CheckReachable(request, backend));
+  for (int i = 0; i < 2; ++i) {
+    const TensorTarget& target = request.regions[i];
+    placement.in_region[i] = target.data != nullptr && backend.WritesDirectly(target.kind) &&
+                             (target.kind == MemoryKind::kDevice ||
+                              reinterpret_cast<uintptr_t>(target.data) % 16 == 0);
+  }
   bool direct = true;
   for (const TensorBytes& input : request.inputs) direct = direct && backend.ReadsDirectly(input);
   const bool response_ok = !request.outputs_in_buffers && backend.WritesDirectly(MemoryKind::kHeap);
@@ -96,17 +143,28 @@ absl::StatusOr<TensorPlacement> PlaceTensors(TensorPlacementRequest request, Bac
     OutputsToBuffers(*placement.io, &placement.tensors);
     placement.outputs_to_response = !request.outputs_in_buffers;
   } else {
-    OutputsToResponse(problem, request.response, &placement.tensors);
+    OutputsToResponse(problem, request.response, placement.in_region, &placement.tensors);
   }
+  PlaceRegionOutputs(request, &placement);
   return placement;
 }
 
 void CopyOutputsToResponse(const AttentionProblem& problem, const TensorPlacement& placement,
                            v1::AttentionResponse* response) {
   const JobTensors& t = placement.tensors;
-  response->mutable_out()->mutable_data()->assign(t.o.data, size_t(problem.out_bytes()));
-  if (problem.return_lse && t.lse.data != nullptr) {
+  if (placement.regions[0].data == nullptr) {
+    response->mutable_out()->mutable_data()->assign(t.o.data, size_t(problem.out_bytes()));
+  }
+  if (problem.return_lse && t.lse.data != nullptr && placement.regions[1].data == nullptr) {
     response->mutable_lse()->mutable_data()->assign(t.lse.data, t.lse.bytes);
+  }
+}
+
+void CopyOutputsToRegions(const TensorPlacement& placement) {
+  const TensorTarget* from[2] = {&placement.tensors.o, &placement.tensors.lse};
+  for (int i = 0; i < 2; ++i) {
+    if (!placement.copy_to_region[i]) continue;
+    std::memcpy(placement.regions[i].data, from[i]->data, from[i]->bytes);
   }
 }
 

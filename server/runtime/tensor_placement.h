@@ -31,6 +31,9 @@ struct TensorPlacementRequest {
   // outputs (the striped edge reassembles uploads into them); may be null.
   std::shared_ptr<IoBuffers> io;
   v1::AttentionResponse* response = nullptr;  // where outputs go when not in buffers
+  // O and LSE in a client's shared-memory region (data null: not in one). The backend writes
+  // there when it can (WritesDirectly, aligned); else the result is copied there once it is done.
+  TensorTarget regions[2];
 };
 
 /// Where the job's tensors ended up.
@@ -40,6 +43,11 @@ struct TensorPlacement {
   bool inputs_copied = false;     // the inputs were staged (one host copy)
   bool outputs_to_response = false;  // outputs are in `io` but belong in the response message
   int64_t stage_us = 0;           // time of the host copy
+  // Output i (O, LSE) belongs in request.regions[i]: written there by the backend (in_region) or
+  // copied there by CopyOutputsToRegions (copy_to_region).
+  TensorTarget regions[2];
+  bool in_region[2] = {false, false};
+  bool copy_to_region[2] = {false, false};
 };
 
 /// Places a request's tensors for `backend` (see the file comment). RESOURCE_EXHAUSTED when no
@@ -51,5 +59,8 @@ absl::StatusOr<TensorPlacement> PlaceTensors(TensorPlacementRequest request, Bac
 /// response message's data fields (the one host copy on the way out).
 void CopyOutputsToResponse(const AttentionProblem& problem, const TensorPlacement& placement,
                            v1::AttentionResponse* response);
+
+/// Copies each output marked copy_to_region from where the backend wrote it into its region.
+void CopyOutputsToRegions(const TensorPlacement& placement);
 
 }  // namespace flashserve

@@ -242,6 +242,14 @@ def kserve_rest_seeds(rng):
         "bad_param_types": body(json_inputs, parameters={"causal": 1, "timeout": -5}),
         "not_json": b"{\"inputs\": [",
         "not_object": b"[]",
+        # Triton's shared-memory extension: references instead of data, good and bad.
+        "shm_refs": body([{**{k: v for k, v in json_inputs[0].items() if k != "data"}, "parameters": {
+            "shared_memory_region": "r", "shared_memory_offset": 16, "shared_memory_byte_size": 96}}]
+            + json_inputs[1:], outputs=[{"name": "O", "parameters": {
+                "shared_memory_region": "o", "shared_memory_byte_size": 96}}]),
+        "shm_overflow": body([{**json_inputs[0], "parameters": {
+            "shared_memory_region": "r", "shared_memory_offset": 2**64 - 1, "shared_memory_byte_size": 2**63}}]
+            + json_inputs[1:]),
     }
 
 

@@ -26,6 +26,7 @@ got).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import socket
 import struct
@@ -445,7 +446,7 @@ class Case:
     send: Callable[[ServerProcess], Outcome]
     expect: Dict[grpc.StatusCode, str]  # acceptable codes -> message fragment each must contain
     target: str = "server"  # fixture: server (default limits), limits_server (1 MiB, 65536 elements), max_server,
-    #                         quota_server
+    #                         quota_server, shm_matrix_server (--allow_client_shm)
     xfail: Optional[str] = None  # a known server bug: the case is reported xfail, and fails once the bug is fixed
 
 
@@ -493,6 +494,117 @@ def _clear(name):
 
 
 GOOD_BYTES = request(request_id="ok").SerializeToString()
+
+
+# --- shared memory (Triton's extension, memory/shm_regions.h) ------------------------------------------------------
+
+KSERVE = "/inference.GRPCInferenceService/"
+HTTP_CODES = {400: INVALID, 403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+              413: EXHAUSTED, 503: EXHAUSTED}
+
+
+def _pb_field(number: int, value) -> bytes:
+    """One protobuf field, hand-encoded (the KServe stubs are not built in this process): str/bytes or an int."""
+    def varint(n: int) -> bytes:
+        out = b""
+        while True:
+            out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                return out
+    if isinstance(value, int):
+        return varint(number << 3) + varint(value)
+    data = value.encode() if isinstance(value, str) else value
+    return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def send_http(path: str, body: str) -> Callable[[ServerProcess], Outcome]:
+    """A POST on the HTTP edge; its status is mapped to the gRPC code the same error has there."""
+    import urllib.error
+    import urllib.request
+
+    def send(target: ServerProcess) -> Outcome:
+        req = urllib.request.Request(f"{target.http}{path}", data=body.encode(), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=CALL_TIMEOUT_S) as r:
+                return Outcome(OK, r.read().decode())
+        except urllib.error.HTTPError as e:
+            return Outcome(HTTP_CODES.get(e.code, grpc.StatusCode.UNKNOWN), e.read().decode(), note=str(e.code))
+
+    return send
+
+
+def with_shm_object(size: int, send_for: Callable[[str], Callable[[ServerProcess], Outcome]]):
+    """Creates a POSIX shared-memory object of `size` bytes for the case (its key is passed on), then removes it."""
+    from multiprocessing import shared_memory
+
+    def send(target: ServerProcess) -> Outcome:
+        obj = shared_memory.SharedMemory(create=True, size=size)
+        try:
+            return send_for("/" + obj.name)(target)
+        finally:
+            obj.close()
+            obj.unlink()
+
+    return send
+
+
+def _shm_infer(region: str, offset: int, byte_size: int) -> str:
+    inputs = [{"name": n, "datatype": "FP32", "shape": [1, 2, 1, 8],
+               "parameters": {"shared_memory_region": region, "shared_memory_offset": offset,
+                              "shared_memory_byte_size": byte_size}} for n in ("Q", "K", "V")]
+    return json.dumps({"inputs": inputs})
+
+
+def _register_then(key: str, then: Callable[[ServerProcess], Outcome]) -> Callable[[ServerProcess], Outcome]:
+    def send(target: ServerProcess) -> Outcome:
+        registered = send_http("/v2/systemsharedmemory/region/m/register",
+                               json.dumps({"key": key, "byte_size": 4096}))(target)
+        assert registered.code == OK, registered
+        try:
+            return then(target)
+        finally:
+            send_http("/v2/systemsharedmemory/region/m/unregister", "")(target)
+
+    return send
+
+
+SHM_REGISTER = KSERVE + "SystemSharedMemoryRegister"
+SHM_CASES = [
+    Case("shm off by default: register", send_bytes(_pb_field(1, "r") + _pb_field(2, "/k") + _pb_field(4, 64),
+                                                    SHM_REGISTER),
+         exactly(grpc.StatusCode.PERMISSION_DENIED, "--allow_client_shm")),
+    Case("shm off by default: infer naming a region", send_http("/v2/models/attention/infer", _shm_infer("r", 0, 64)),
+         exactly(grpc.StatusCode.PERMISSION_DENIED, "--allow_client_shm")),
+    Case("shm register: key that does not exist",
+         send_bytes(_pb_field(1, "r") + _pb_field(2, "/flashserve_no_such_key") + _pb_field(4, 64), SHM_REGISTER),
+         exactly(grpc.StatusCode.NOT_FOUND, "does not exist"), target="shm_matrix_server"),
+    Case("shm register: key leaving /dev/shm",
+         send_bytes(_pb_field(1, "r") + _pb_field(2, "/../../etc/passwd") + _pb_field(4, 64), SHM_REGISTER),
+         exactly(INVALID, "key: must be"), target="shm_matrix_server"),
+    Case("shm register: offset + byte_size overflows uint64", with_shm_object(4096, lambda key: send_bytes(
+        _pb_field(1, "r") + _pb_field(2, key) + _pb_field(3, 2**64 - 8) + _pb_field(4, 16), SHM_REGISTER)),
+         exactly(INVALID, "beyond its 4096 bytes"), target="shm_matrix_server"),
+    Case("shm register: cuda region on the CPU backend", send_bytes(
+        _pb_field(1, "c") + _pb_field(2, b"\0" * 64) + _pb_field(4, 64), KSERVE + "CudaSharedMemoryRegister"),
+         exactly(grpc.StatusCode.FAILED_PRECONDITION, "CUDA backend"), target="shm_matrix_server"),
+    Case("shm register: raw_handle not base64", send_http(
+        "/v2/cudasharedmemory/region/c/register", '{"raw_handle": {"b64": "%%%"}, "device_id": 0, "byte_size": 8}'),
+         exactly(INVALID, "not base64"), target="shm_matrix_server"),
+    Case("shm register: body not JSON", send_http("/v2/systemsharedmemory/region/r/register", "{key"),
+         exactly(INVALID, "JSON object"), target="shm_matrix_server"),
+    Case("shm infer: offset past the region", with_shm_object(4096, lambda key: _register_then(
+        key, send_http("/v2/models/attention/infer", _shm_infer("m", 4090, 64)))),
+         exactly(INVALID, "beyond its 4096 bytes"), target="shm_matrix_server"),
+    Case("shm infer: offset 2^64-1", with_shm_object(4096, lambda key: _register_then(
+        key, send_http("/v2/models/attention/infer", _shm_infer("m", 2**64 - 1, 64)))),
+         exactly(INVALID, "beyond its 4096 bytes"), target="shm_matrix_server"),
+    Case("shm infer: byte_size not the tensor's", with_shm_object(4096, lambda key: _register_then(
+        key, send_http("/v2/models/attention/infer", _shm_infer("m", 0, 60)))),
+         exactly(INVALID, "bytes"), target="shm_matrix_server"),
+    Case("shm infer: unknown region", send_http("/v2/models/attention/infer", _shm_infer("nope", 0, 64)),
+         exactly(grpc.StatusCode.NOT_FOUND, "no shared-memory region"), target="shm_matrix_server"),
+]
 
 CASES = [
     # dtype
@@ -597,7 +709,7 @@ CASES = [
     Case("control characters in request_id: one log line", one_log_line(
         lambda: pb.AttentionRequest(request_id="a\nFAKE [error] forged line\r\x1b[31m\"b")),
         exactly(INVALID, "q: missing")),
-]
+] + SHM_CASES
 
 
 # --- the test --------------------------------------------------------------------------------------------------------
@@ -623,6 +735,16 @@ def quota_server(flashserve_bin, tmp_path_factory):
     yield s
     code = s.stop()
     assert code == 0, f"quota_server exited with {code}\n{s.logs()}"
+
+
+@pytest.fixture(scope="module")
+def shm_matrix_server(flashserve_bin, tmp_path_factory):
+    """Shared memory allowed (--allow_client_shm)."""
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("shm_matrix_server"), ["--allow_client_shm"],
+                      name="shm_matrix_server").start()
+    yield s
+    code = s.stop()
+    assert code == 0, f"shm_matrix_server exited with {code}\n{s.logs()}"
 
 
 def answers_a_good_request(target: ServerProcess) -> None:

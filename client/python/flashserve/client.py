@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
 import grpc
@@ -25,6 +26,7 @@ from . import tensors
 from ._pb import attention_pb2 as pb
 from ._pb import attention_pb2_grpc as pb_grpc
 from .errors import FlashserveError, error_for, from_rpc_error
+from .shm import TorchCudaIpc
 
 # gRPC's limit is a signed 32-bit length; tensors of a few hundred MB are normal here.
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -195,14 +197,20 @@ class _Prepared:
 
     __slots__ = ("request", "kind", "device", "return_lse")
 
-    def __init__(self, q, k, v, causal, softmax_scale, return_lse, request_id):
-        self.kind, _ = tensors.check_inputs(q, k, v)
+    def __init__(self, q, k, v, causal, softmax_scale, return_lse, request_id, with_data=True):
+        self.kind, name = tensors.check_inputs(q, k, v)
         self.device = q.device if self.kind == "torch" else None
         self.return_lse = bool(return_lse)
+
+        def encode(x, field):  # without data: the tensor is named in a shared-memory region instead
+            if with_data:
+                return tensors.to_proto(x, field)
+            return pb.Tensor(dtype=tensors.PROTO_DTYPE[name], shape=[int(d) for d in x.shape])
+
         request = pb.AttentionRequest(
-            q=tensors.to_proto(q, "q"),
-            k=tensors.to_proto(k, "k"),
-            v=tensors.to_proto(v, "v"),
+            q=encode(q, "q"),
+            k=encode(k, "k"),
+            v=encode(v, "v"),
             causal=bool(causal),
             return_lse=self.return_lse,
             request_id=request_id if request_id is not None else uuid.uuid4().hex,
@@ -239,9 +247,14 @@ class Client:
         credentials: Optional[grpc.ChannelCredentials] = None,
         options: Optional[Sequence[Tuple[str, Any]]] = None,
         token: Optional[str] = None,
+        cuda_ipc: bool = True,
     ):
         self.address = address
         self.timeout = timeout
+        # torch CUDA tensors to a server on this host go by CUDA IPC (flashserve.shm.TorchCudaIpc) unless turned
+        # off here; a server that refuses it (no --allow_client_shm) turns it off for this client.
+        local = address.split(":")[0] in ("127.0.0.1", "localhost", "[", "") or address.startswith(("unix:", "[::1]"))
+        self._cuda_ipc = TorchCudaIpc(self) if cuda_ipc and local else None
         # Bearer token for a server started with --auth_token_file, sent as call metadata (also on
         # plaintext channels, where grpc's call credentials refuse to go: use TLS in production).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -269,26 +282,53 @@ class Client:
 
     def attention_with_metadata(
         self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, region=None,
     ) -> AttentionResult:
         """Like attention(), but returns an AttentionResult with out, lse, timing, kernel and request_id."""
+        if region is None and self._cuda_ipc is not None and tensors.is_torch(q) and q.is_cuda:
+            result = self._attention_cuda_ipc(q, k, v, causal, softmax_scale, return_lse, timeout, request_id)
+            if result is not None:
+                return result
         prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id)
+        outputs = region.place(prepared.request, prepared.return_lse) if region is not None else []
         try:
             response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, prepared.request.request_id) from None
+        for field, offset, nbytes in outputs:  # the answer comes once they are complete in the region
+            getattr(response, field).data = region.read(offset, nbytes)
         return prepared.result(response)
+
+    def _attention_cuda_ipc(self, q, k, v, causal, softmax_scale, return_lse, timeout, request_id):
+        """The call with q, k, v, O and LSE on the GPU, named by CUDA IPC; None (the caller sends the bytes instead)
+        when the server refuses shared memory or the memory cannot be shared."""
+        prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id, with_data=False)
+        try:
+            _inputs, out, lse = self._cuda_ipc.place(prepared.request, q, k, v, prepared.return_lse)
+        except (RuntimeError, OSError, FlashserveError) as e:
+            warnings.warn(f"flashserve: CUDA IPC off for this client, tensors go by value ({e})", stacklevel=3)
+            self._cuda_ipc = None
+            return None
+        try:
+            response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e, prepared.request.request_id) from None
+        return AttentionResult(out=out, lse=lse, timing=Timing.from_proto(response.timing), kernel=response.kernel,
+                               request_id=response.request_id)
 
     def attention(
         self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
-        timeout: Optional[float] = None, request_id: Optional[str] = None,
+        timeout: Optional[float] = None, request_id: Optional[str] = None, region=None,
     ):
         """Exact attention of q [batch, seqlen_q, heads_q, head_dim] over k, v [batch, seqlen_k, heads_kv, head_dim].
 
         Returns out (like q) or (out, lse) when return_lse; lse is float32 [batch, heads_q, seqlen_q]. Numpy in,
         numpy out; torch in, torch out on q's device. Raises FlashserveError subclasses on failure.
+        ``region`` (flashserve.shm.SystemRegion, server on this host with --allow_client_shm): the tensors go through
+        that shared-memory region instead of the socket.
         """
-        result = self.attention_with_metadata(q, k, v, causal, softmax_scale, return_lse, timeout, request_id)
+        result = self.attention_with_metadata(q, k, v, causal, softmax_scale, return_lse, timeout, request_id,
+                                              region)
         return (result.out, result.lse) if return_lse else result.out
 
     def server_info(self, timeout: Optional[float] = None) -> ServerInfo:
@@ -328,6 +368,8 @@ class Client:
                         f"{self.address} not SERVING after {timeout} s" + (f": {last}" if last else ""))
 
     def close(self) -> None:
+        if self._cuda_ipc is not None:
+            self._cuda_ipc.close()
         self._channel.close()
 
     def __enter__(self) -> "Client":

@@ -13,6 +13,7 @@
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
+#include "runtime/shm_requests.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -48,6 +49,11 @@ grpc::ByteBuffer ResponseBytes(const v1::AttentionResponse& header,
   }
   if (!pieces.rest.empty()) slices[n++] = grpc::Slice(pieces.rest);
   return grpc::ByteBuffer(slices, n);
+}
+
+grpc::ByteBuffer PlainResponseBytes(const v1::AttentionResponse& response) {
+  grpc::Slice slice(response.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
 }
 
 // One Attention call, from its first header to its answer. Deletes itself when gRPC is done.
@@ -121,16 +127,32 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.inputs_owner = std::make_shared<std::vector<grpc::Slice>>(std::move(slices_));
     call.outputs_in_buffers = true;  // O and LSE leave as slices of the request buffers
     call.buffers_out = &io_;
+    const ShmReferences shm = NativeShmReferences(wire_.header);
+    if (shm.any()) {
+      // Shared memory (Triton's extension): an output in a region is not sent, so the response
+      // is the plain message (the other output, if any, in its data field).
+      shm_outputs_ = shm.any_output();
+      call.outputs_in_buffers = !shm_outputs_;
+      if (absl::Status s = AttachShm(*runtime_, shm, "", &call, &leases_); !s.ok()) {
+        leases_.clear();
+        Answer(s);
+        return;
+      }
+    }
     call.inject_device_fault =
         options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
-    call.done = [this](const absl::Status& status) { Answer(status); };
+    call.done = [this](const absl::Status& status) {
+      leases_.clear();  // the output is in its region: the client may unregister now
+      Answer(status);
+    };
     runtime_->Submit(std::move(call), std::move(admission_));
   }
 
   // Sends the response (or the error) through the call's GrpcCall; called exactly once.
   void Answer(const absl::Status& status) {
     if (status.ok()) {
-      response_bytes_ = ResponseBytes(response_, io_);
+      response_bytes_ = shm_outputs_ || io_ == nullptr ? PlainResponseBytes(response_)
+                                                       : ResponseBytes(response_, io_);
       call_.AddBytesOut(int64_t(response_bytes_.Length()));
     }
     const std::string& request_id = wire_.header.request_id();
@@ -163,6 +185,8 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   WireRequest wire_;
   v1::AttentionResponse response_;
   std::shared_ptr<IoBuffers> io_;
+  ShmLeases leases_;          // regions the request names (given back before the answer)
+  bool shm_outputs_ = false;  // O or LSE goes into a region: the response is the plain message
   grpc::ByteBuffer response_bytes_;
   absl::Time received_ = absl::InfinitePast();
   int64_t request_size_ = 0;

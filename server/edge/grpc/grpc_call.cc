@@ -12,7 +12,9 @@ const std::vector<GrpcMethod>& GrpcMethods() {
   static const std::vector<GrpcMethod> methods = {
       kAttention,   kGetServerInfo, kModelInfer, kModelReady, kServerMetadata, kModelMetadata,
       kOpenSession, kUpload,        kCompute,    kDownload,   kCloseSession,
-      kCreateSequence, kAppend, kAttend, kDecodeStep, kRelease, kGetSequenceInfo, kGetKvPoolInfo};
+      kCreateSequence, kAppend, kAttend, kDecodeStep, kRelease, kGetSequenceInfo, kGetKvPoolInfo,
+      kSystemSharedMemoryStatus, kSystemSharedMemoryRegister, kSystemSharedMemoryUnregister,
+      kCudaSharedMemoryStatus,   kCudaSharedMemoryRegister,   kCudaSharedMemoryUnregister};
   return methods;
 }
 

@@ -47,6 +47,16 @@ inline constexpr GrpcMethod kServerMetadata{"/inference.GRPCInferenceService/Ser
                                             "ServerMetadata"};
 inline constexpr GrpcMethod kModelMetadata{"/inference.GRPCInferenceService/ModelMetadata",
                                            "ModelMetadata"};
+#define FLASHSERVE_SHM_METHOD(name) \
+  inline constexpr GrpcMethod k##name{"/inference.GRPCInferenceService/" #name, #name};
+// Triton's shared-memory extension (edge/grpc/kserve_shm_grpc.cc).
+FLASHSERVE_SHM_METHOD(SystemSharedMemoryStatus)
+FLASHSERVE_SHM_METHOD(SystemSharedMemoryRegister)
+FLASHSERVE_SHM_METHOD(SystemSharedMemoryUnregister)
+FLASHSERVE_SHM_METHOD(CudaSharedMemoryStatus)
+FLASHSERVE_SHM_METHOD(CudaSharedMemoryRegister)
+FLASHSERVE_SHM_METHOD(CudaSharedMemoryUnregister)
+#undef FLASHSERVE_SHM_METHOD
 inline constexpr GrpcMethod kOpenSession{"/flashserve.v1.AttentionStreamService/OpenSession",
                                          "OpenSession"};
 inline constexpr GrpcMethod kUpload{"/flashserve.v1.AttentionStreamService/Upload", "Upload"};

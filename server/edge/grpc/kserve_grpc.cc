@@ -7,11 +7,13 @@
 
 #include "absl/time/clock.h"
 #include "edge/grpc/grpc_call.h"
+#include "edge/grpc/kserve_shm_grpc.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/support/message_allocator.h"
 #include "inference/open_inference_grpc.grpc.pb.h"
+#include "runtime/shm_requests.h"
 
 namespace flashserve {
 namespace {
@@ -49,10 +51,24 @@ struct InferCall {
   v1::AttentionRequest request;
   v1::AttentionResponse response;
   std::vector<kserve::OutputSpec> outputs;
+  kserve::ShmParams shm_inputs[3];  // Q, K, V in a client's shared-memory region
+  ShmLeases leases;                 // given back before the answer
   std::string id;
   absl::Time received;
   GrpcCall call;  // metrics, failure log, status conversion
 };
+
+ShmReferences ShmReferencesOf(const InferCall& call) {
+  ShmReferences refs;
+  for (int i = 0; i < 3; ++i) {
+    const kserve::ShmParams& p = call.shm_inputs[i];
+    refs.inputs[i] = {p.region, p.offset, p.byte_size};
+  }
+  for (const kserve::OutputSpec& spec : call.outputs) {
+    refs.outputs[spec.kind] = {spec.shm.region, spec.shm.offset, spec.shm.byte_size};
+  }
+  return refs;
+}
 
 class KServeGrpcService final : public inference::GRPCInferenceService::CallbackService {
  public:
@@ -112,6 +128,23 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     return Finish(context, &call, s, *response);
   }
 
+#define FLASHSERVE_SHM_CALL(Method, Work, ...)                                            \
+  grpc::ServerUnaryReactor* Method(grpc::CallbackServerContext* context,                   \
+                                   const inference::Method##Request* request,              \
+                                   inference::Method##Response* response) override {       \
+    GrpcCall call(runtime_->metrics(), grpc_methods::k##Method);                            \
+    call.Start();                                                                           \
+    return Finish(context, &call, kserve::Work(*runtime_, *request, ##__VA_ARGS__), *response); \
+  }
+  // Triton's shared-memory extension (edge/grpc/kserve_shm_grpc.h).
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryStatus, SystemShmStatus, response)
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryRegister, SystemShmRegister)
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryUnregister, SystemShmUnregister)
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryStatus, CudaShmStatus, response)
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryRegister, CudaShmRegister)
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryUnregister, CudaShmUnregister)
+#undef FLASHSERVE_SHM_CALL
+
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
                                        const ModelInferRequest* /*request*/,
                                        ModelInferResponse* response) override {
@@ -128,6 +161,7 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     call_state->call.set_request_id(request->id());
 
     auto done = [this, reactor, response, call_state](const absl::Status& status) {
+      call_state->leases.clear();  // the output is in its region: the client may unregister now
       if (status.ok()) {
         kserve::AttentionToGrpcInfer(model_, call_state->id, call_state->outputs,
                                      &call_state->response, response);
@@ -143,14 +177,17 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
         kserve::CheckModel(model_, request->model_name(), request->model_version());
     if (converted.ok()) {
       converted = kserve::GrpcInferToAttention(request, &call_state->request, &call_state->outputs,
-                                               &timeout_us);
+                                               &timeout_us, call_state->shm_inputs);
+    }
+    AttentionRuntime::Call call;
+    call.request = &call_state->request;
+    if (converted.ok()) {
+      converted = AttachShm(*runtime_, ShmReferencesOf(*call_state), "", &call, &call_state->leases);
     }
     if (!converted.ok()) {
       done(converted);
       return reactor;
     }
-    AttentionRuntime::Call call;
-    call.request = &call_state->request;
     call.response = &call_state->response;
     call.received = call_state->received;
     call.deadline = ToAbslTime(context->deadline());

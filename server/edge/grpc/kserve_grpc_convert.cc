@@ -21,6 +21,7 @@ ParamValue FromGrpc(const inference::InferParameter& p) {
       v.type = ParamValue::kInt;
       v.i = p.int64_param();
       v.d = double(v.i);
+      v.negative = v.i < 0;
       break;
     case inference::InferParameter::kUint64Param:
       v.type = ParamValue::kInt;
@@ -35,27 +36,85 @@ ParamValue FromGrpc(const inference::InferParameter& p) {
       break;
     case inference::InferParameter::kStringParam:
       v.type = ParamValue::kString;
+      v.s = p.string_param();
       break;
     case inference::InferParameter::PARAMETER_CHOICE_NOT_SET:
       break;
   }
   return v;
 }
+
+// The shared_memory_* parameters of one tensor.
+template <typename Params>
+absl::Status ShmOf(const std::string& field, const Params& params, ShmParams* shm) {
+  for (const auto& [key, value] : params) {
+    RETURN_IF_ERROR(ApplyShmParameter(field, key, FromGrpc(value), shm).status());
+  }
+  return CheckShmParams(field, *shm);
+}
+
+// Inputs that carry their bytes in raw_input_contents (those not in shared memory).
+absl::StatusOr<int> CountRawInputs(const inference::ModelInferRequest& request,
+                                   ShmParams* shm_inputs, std::vector<ShmParams>* shm) {
+  int in_request = 0;
+  for (int i = 0; i < request.inputs_size(); ++i) {
+    const std::string field = absl::StrCat("inputs[", i, "]");
+    RETURN_IF_ERROR(ShmOf(field, request.inputs(i).parameters(), &(*shm)[size_t(i)]));
+    if (!(*shm)[size_t(i)].set()) {
+      ++in_request;
+    } else if (shm_inputs == nullptr) {
+      return absl::InvalidArgumentError(field + ": shared memory is not accepted here");
+    }
+  }
+  const int raw_count = request.raw_input_contents_size();
+  if (raw_count > 0 && raw_count != in_request) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: ", raw_count, " entries for ", in_request,
+        " inputs not in shared memory (one per such input, in order)"));
+  }
+  return raw_count;
+}
+
+// An input's bytes: its raw_input_contents entry (moved, not copied), else FP32 typed contents.
+absl::Status TakeInputData(const std::string& field,
+                           const inference::ModelInferRequest::InferInputTensor& input,
+                           std::string* raw, v1::Tensor* tensor) {
+  if (raw != nullptr) {
+    if (input.has_contents()) {
+      return absl::InvalidArgumentError(
+          field + ": contents given together with raw_input_contents (use one)");
+    }
+    tensor->mutable_data()->swap(*raw);
+    return absl::OkStatus();
+  }
+  if (!input.has_contents()) {
+    return absl::InvalidArgumentError(
+        field + ": no data (give raw_input_contents or contents.fp32_contents)");
+  }
+  if (tensor->dtype() != v1::FLOAT32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", input.datatype(),
+                     " has no typed contents field; send it in raw_input_contents"));
+  }
+  const auto& values = input.contents().fp32_contents();
+  tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
+                                 size_t(values.size()) * sizeof(float));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::AttentionRequest* out,
-                                  std::vector<OutputSpec>* outputs, int64_t* timeout_us) {
+                                  std::vector<OutputSpec>* outputs, int64_t* timeout_us,
+                                  ShmParams* shm_inputs) {
   InferOptions options;
   for (const auto& [key, value] : request->parameters()) {
     RETURN_IF_ERROR(ApplyParameter(key, FromGrpc(value), &options));
   }
   *timeout_us = options.timeout_us;
-  const int raw_count = request->raw_input_contents_size();
-  if (raw_count > 0 && raw_count != request->inputs_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("raw_input_contents: ", raw_count,
-                                                   " entries for ", request->inputs_size(),
-                                                   " inputs (one per input, in order)"));
-  }
+  std::vector<ShmParams> shm(size_t(request->inputs_size()));
+  ASSIGN_OR_RETURN(const int raw_count, CountRawInputs(*request, shm_inputs, &shm));
+  int raw_next = 0;
   bool seen[3] = {false, false, false};
   for (int i = 0; i < request->inputs_size(); ++i) {
     const inference::ModelInferRequest::InferInputTensor& input = request->inputs(i);
@@ -71,29 +130,29 @@ absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::Att
     v1::Tensor* tensor = TensorAt(out, slot);
     tensor->set_dtype(dtype);
     tensor->mutable_shape()->CopyFrom(input.shape());
-    if (raw_count > 0) {
+    if (shm[size_t(i)].set()) {
       if (input.has_contents()) {
         return absl::InvalidArgumentError(
-            field + ": contents given together with raw_input_contents (use one)");
+            field + ": contents given together with shared_memory_region (use one)");
       }
-      tensor->mutable_data()->swap(*request->mutable_raw_input_contents(i));
-    } else if (input.has_contents()) {
-      if (dtype != v1::FLOAT32) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ": ", input.datatype(),
-                         " has no typed contents field; send it in raw_input_contents"));
-      }
-      const auto& values = input.contents().fp32_contents();
-      tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
-                                     size_t(values.size()) * sizeof(float));
-    } else {
-      return absl::InvalidArgumentError(
-          field + ": no data (give raw_input_contents or contents.fp32_contents)");
+      shm_inputs[slot] = shm[size_t(i)];
+      continue;
     }
+    std::string* raw = raw_count > 0 ? request->mutable_raw_input_contents(raw_next++) : nullptr;
+    RETURN_IF_ERROR(TakeInputData(field, input, raw, tensor));
   }
   RETURN_IF_ERROR(CheckAllInputs(seen));
   std::vector<RequestedOutput> requested;
-  for (const auto& output : request->outputs()) requested.push_back({output.name(), -1});
+  for (int i = 0; i < request->outputs_size(); ++i) {
+    const auto& output = request->outputs(i);
+    RequestedOutput r{output.name(), -1, {}};
+    RETURN_IF_ERROR(ShmOf(absl::StrCat("outputs[", i, "]"), output.parameters(), &r.shm));
+    if (r.shm.set() && shm_inputs == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("outputs[", i, "]: shared memory is not accepted here"));
+    }
+    requested.push_back(std::move(r));
+  }
   ASSIGN_OR_RETURN(*outputs, ResolveOutputs(requested, options));
   ApplyOptions(options, *outputs, out);
   out->set_request_id(request->id());

@@ -5,6 +5,7 @@
 
 #include "common/http_listener.h"
 #include "edge/http/kserve_rest.h"
+#include "edge/http/shm_rest.h"
 
 namespace flashserve {
 
@@ -69,6 +70,7 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
   limits.budget = std::make_shared<ReceiveBudget>(options.max_receive_bytes);
   kserve::KServeOptions rest = kserve;
   rest.max_request_bytes = options.max_request_bytes;
+  for (HttpRoute& route : ShmRestRoutes(runtime)) routes.push_back(std::move(route));
   for (HttpRoute& route : KServeRestRoutes(runtime, rest, limits)) {
     routes.push_back(std::move(route));
   }

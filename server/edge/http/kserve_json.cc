@@ -1,6 +1,7 @@
 // KServe v2 REST: JSON request headers and responses, metadata documents, HTTP status codes.
 #include "edge/http/kserve_json.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -35,12 +36,14 @@ ParamValue FromJson(const json& value) {
     } else {
       v.i = value.get<int64_t>();
       v.d = double(v.i);
+      v.negative = v.i < 0;
     }
   } else if (value.is_number_float()) {
     v.type = ParamValue::kDouble;
     v.d = value.get<double>();
   } else if (value.is_string()) {
     v.type = ParamValue::kString;
+    v.s = value.get<std::string>();
   }
   return v;
 }
@@ -83,6 +86,14 @@ json TensorDataJson(const v1::Tensor& tensor) {
     data.push_back(double(kernels::load_element(tensor.data().data(), i, dtype)));
   }
   return data;
+}
+
+// The shared_memory_* entries of a tensor's parameters object.
+absl::Status ApplyShmParameters(const std::string& field, const json& params, ShmParams* shm) {
+  for (const auto& [key, value] : params.items()) {
+    RETURN_IF_ERROR(ApplyShmParameter(field, key, FromJson(value), shm).status());
+  }
+  return CheckShmParams(field, *shm);
 }
 
 json TensorMetadataJson(absl::string_view name, absl::string_view datatype, int rank) {
@@ -210,9 +221,11 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
                             : dim.get<int64_t>());
     }
     int64_t binary_size = -1;
+    ShmParams& shm = out->shm_inputs[slot];
     if (auto params = input.find("parameters"); params != input.end()) {
       if (!params->is_object())
         return absl::InvalidArgumentError(field + ".parameters: must be an object");
+      RETURN_IF_ERROR(ApplyShmParameters(field, *params, &shm));
       if (auto size = params->find("binary_data_size"); size != params->end()) {
         if (!size->is_number_integer() || size->get<int64_t>() < 0 ||
             (size->is_number_unsigned() && size->get<uint64_t>() > uint64_t(INT64_MAX))) {
@@ -223,6 +236,13 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
       }
     }
     const auto data = input.find("data");
+    if (shm.set()) {
+      if (data != input.end() || binary_size >= 0) {
+        return absl::InvalidArgumentError(
+            field + ": data given together with parameters.shared_memory_region (use one)");
+      }
+      continue;
+    }
     if (binary_size >= 0) {
       if (data != input.end()) {
         return absl::InvalidArgumentError(field + ": both data and binary_data_size given");
@@ -269,6 +289,7 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
       RequestedOutput r;
       r.name = output["name"].get<std::string>();
       if (auto params = output.find("parameters"); params != output.end() && params->is_object()) {
+        RETURN_IF_ERROR(ApplyShmParameters(field, *params, &r.shm));
         if (auto b = params->find("binary_data"); b != params->end()) {
           if (!b->is_boolean()) {
             return absl::InvalidArgumentError(field + ".parameters.binary_data: must be a boolean");
@@ -290,6 +311,8 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
       for (const auto& [target, size] : binary) {
         if (target == &tensor->data()) data_bytes[slot] = size;
       }
+      const ShmParams& shm = out->shm_inputs[slot];
+      if (shm.set()) data_bytes[slot] = int64_t(std::min<uint64_t>(shm.byte_size, INT64_MAX));
     }
     RETURN_IF_ERROR(
         ValidateAttentionRequest(out->request, *checks.validation, data_bytes).status());
@@ -329,7 +352,9 @@ RestInferResponse BuildRestInferResponse(const ModelInfo& model, const RestInfer
     json output{{"name", spec.kind == OutputSpec::kOut ? "O" : "LSE"},
                 {"datatype", DatatypeName(tensor.dtype())},
                 {"shape", std::vector<int64_t>(tensor.shape().begin(), tensor.shape().end())}};
-    if (spec.binary) {
+    if (spec.shm.set()) {
+      // In the client's region: nothing to send (Triton answers the same way).
+    } else if (spec.binary) {
       output["parameters"] = json{{"binary_data_size", tensor.data().size()}};
       result.binary.emplace_back(tensor.data());
     } else {

@@ -28,6 +28,7 @@ struct RestInferRequest {
   std::vector<std::string*> binary_targets;  // into request.{q,k,v}.data, in input order
   std::vector<int64_t> binary_sizes;         // their binary_data_size, in the same order
   std::vector<OutputSpec> outputs;
+  ShmParams shm_inputs[3];  // Q, K, V in a client's shared-memory region (data left empty)
   std::string id;
   bool has_id = false;
   int64_t timeout_us = 0;

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "runtime/shm_requests.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -198,7 +199,21 @@ struct Exchange {
   kserve::RestInferRequest infer;
   v1::AttentionResponse response;
   kserve::RestInferResponse out;
+  ShmLeases leases;  // regions the request names; given back before the answer
 };
+
+// The request's shared-memory references (Triton's extension), from its parsed header.
+ShmReferences ShmReferencesOf(const kserve::RestInferRequest& infer) {
+  ShmReferences refs;
+  for (int i = 0; i < 3; ++i) {
+    const kserve::ShmParams& p = infer.shm_inputs[i];
+    refs.inputs[i] = {p.region, p.offset, p.byte_size};
+  }
+  for (const kserve::OutputSpec& spec : infer.outputs) {
+    refs.outputs[spec.kind] = {spec.shm.region, spec.shm.offset, spec.shm.byte_size};
+  }
+  return refs;
+}
 
 HttpAnswer Answer(const KServeRest& rest, const std::shared_ptr<Exchange>& exchange) {
   exchange->out = kserve::BuildRestInferResponse(rest.model, exchange->infer, exchange->response);
@@ -243,7 +258,15 @@ class InferUpload : public HttpUpload {
     if (exchange->infer.timeout_us > 0) {
       call.deadline = received + absl::Microseconds(exchange->infer.timeout_us);
     }
+    if (absl::Status s = AttachShm(*rest->runtime, ShmReferencesOf(exchange->infer), "", &call,
+                                   &exchange->leases);
+        !s.ok()) {
+      exchange->leases.clear();
+      reply(s);
+      return;
+    }
     call.done = [rest, exchange, reply = std::move(reply)](const absl::Status& s) {
+      exchange->leases.clear();  // the output is in its region: the client may unregister now
       reply(s.ok() ? Answer(*rest, exchange) : HttpAnswer(s));
     };
     rest->runtime->Submit(std::move(call));

@@ -63,9 +63,43 @@ absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(
     }
     seen[spec.kind] = true;
     spec.binary = r.binary < 0 ? options.binary_data_output : r.binary == 1;
+    spec.shm = r.shm;
     outputs.push_back(spec);
   }
   return outputs;
+}
+
+absl::StatusOr<bool> ApplyShmParameter(absl::string_view field, absl::string_view key,
+                                       const ParamValue& value, ShmParams* shm) {
+  if (key == "shared_memory_region") {
+    if (value.type != ParamValue::kString || value.s.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".parameters.shared_memory_region: must be a region's name"));
+    }
+    shm->region = value.s;
+    return true;
+  }
+  const bool offset = key == "shared_memory_offset";
+  if (!offset && key != "shared_memory_byte_size") return false;
+  if (value.type != ParamValue::kInt || value.negative) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".parameters.", key, ": must be an integer >= 0"));
+  }
+  (offset ? shm->offset : shm->byte_size) = uint64_t(value.i);
+  (offset ? shm->has_offset : shm->has_byte_size) = true;
+  return true;
+}
+
+absl::Status CheckShmParams(absl::string_view field, const ShmParams& shm) {
+  if (!shm.set() && (shm.has_offset || shm.has_byte_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".parameters: shared_memory_offset/byte_size without shared_memory_region"));
+  }
+  if (shm.set() && !shm.has_byte_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".parameters.shared_memory_byte_size: missing (with a region)"));
+  }
+  return absl::OkStatus();
 }
 
 namespace {
@@ -150,7 +184,8 @@ absl::Status CheckModel(const ModelInfo& model, absl::string_view name, absl::st
   return absl::OkStatus();
 }
 const std::vector<std::string>& Extensions() {
-  static const std::vector<std::string> extensions = {"binary_tensor_data"};
+  static const std::vector<std::string> extensions = {
+      "binary_tensor_data", "system_shared_memory", "cuda_shared_memory"};
   return extensions;
 }
 }  // namespace flashserve::kserve

@@ -47,14 +47,26 @@ absl::string_view FirstDatatype(const ModelInfo& model);
 /// NOT_FOUND unless `name` is the model and `version` is empty or the model's version.
 absl::Status CheckModel(const ModelInfo& model, absl::string_view name, absl::string_view version);
 
-/// The protocol extensions served ("binary_tensor_data").
+/// The protocol extensions served ("binary_tensor_data", "system_shared_memory",
+/// "cuda_shared_memory").
 const std::vector<std::string>& Extensions();
+
+/// A tensor's place in a client's shared-memory region (Triton's shared-memory extension: the
+/// tensor parameters shared_memory_region, shared_memory_offset, shared_memory_byte_size).
+struct ShmParams {
+  std::string region;  // empty: not in shared memory
+  uint64_t offset = 0;
+  uint64_t byte_size = 0;
+  bool has_offset = false, has_byte_size = false;
+  bool set() const { return !region.empty(); }
+};
 
 /// Which outputs a request returns, in order, and how (binary: REST binary tensor extension).
 struct OutputSpec {
   enum Kind { kOut, kLse };
   Kind kind = kOut;
   bool binary = false;
+  ShmParams shm;  // set: written into the client's region, not sent
 };
 
 /// The parsed request parameters.
@@ -74,7 +86,16 @@ struct ParamValue {
   bool b = false;
   int64_t i = 0;  // kInt
   double d = 0;   // kInt and kDouble
+  std::string s;  // kString
+  bool negative = false;  // kInt given below zero
 };
+
+/// Applies one tensor parameter if it is a shared_memory_* one (true); `field` names the tensor.
+absl::StatusOr<bool> ApplyShmParameter(absl::string_view field, absl::string_view key,
+                                       const ParamValue& value, ShmParams* shm);
+/// After all of a tensor's parameters: a region needs its byte size, offset/size need a region.
+absl::Status CheckShmParams(absl::string_view field, const ShmParams& shm);
+
 /// Applies one request parameter; unknown keys are ignored, known ones of the wrong type refused.
 absl::Status ApplyParameter(absl::string_view key, const ParamValue& value, InferOptions* options);
 
@@ -82,6 +103,7 @@ absl::Status ApplyParameter(absl::string_view key, const ParamValue& value, Infe
 struct RequestedOutput {
   std::string name;
   int binary = -1;  // -1: not said; else 0/1
+  ShmParams shm;
 };
 /// The outputs to return: the requested ones, or O (and LSE when return_lse) when none is named.
 absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(

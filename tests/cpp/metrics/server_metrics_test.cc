@@ -97,9 +97,14 @@ TEST(ServerMetricsTest, KnownLabelValuesAreExportedAtZeroFromTheStart) {
               "0")
         << result;
   }
-  for (const char* path : {"in_place", "copied"}) {
+  for (const char* path : {"in_place", "copied", "shm_system", "shm_cuda"}) {
     EXPECT_EQ(Sample(text, std::string("flashserve_request_inputs_total{path=\"") + path + "\"}"), "0")
         << path;
+  }
+  for (const char* type : {"system", "cuda"}) {
+    EXPECT_EQ(Sample(text, std::string("flashserve_shm_regions{type=\"") + type + "\"}"), "0") << type;
+    EXPECT_EQ(Sample(text, std::string("flashserve_shm_region_bytes{type=\"") + type + "\"}"), "0")
+        << type;
   }
   for (const char* state : {"used", "peak", "capacity"}) {
     EXPECT_EQ(Sample(text, std::string("flashserve_receive_arena_bytes{state=\"") + state + "\"}"), "0")

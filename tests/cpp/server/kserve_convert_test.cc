@@ -338,7 +338,93 @@ TEST(KServeConvertTest, Metadata) {
   EXPECT_EQ(g.inputs_size(), 3);
   EXPECT_EQ(g.outputs(1).shape_size(), 3);
   const json s = json::parse(ServerMetadataJson(model));
-  EXPECT_EQ(s["extensions"], json::array({"binary_tensor_data"}));
+  EXPECT_EQ(s["extensions"],
+            json::array({"binary_tensor_data", "system_shared_memory", "cuda_shared_memory"}));
+}
+
+
+// Triton's shared-memory parameters on inputs and outputs (REST): a referenced input has no data
+// and its byte size is what validation checks; bad combinations are refused naming the tensor.
+TEST(KServeConvertTest, RestSharedMemoryReferences) {
+  json body = JsonRequest();
+  body["inputs"][1].erase("data");
+  body["inputs"][1]["parameters"] = {{"shared_memory_region", "r1"},
+                                     {"shared_memory_offset", 64},
+                                     {"shared_memory_byte_size", 24}};
+  body["outputs"] = {{{"name", "O"},
+                      {"parameters", {{"shared_memory_region", "out"},
+                                      {"shared_memory_byte_size", 16}}}}};
+  RestInferRequest r;
+  ValidationLimits limits;
+  limits.dtypes = {kernels::DType::kFloat32};
+  limits.max_head_dim = 256;
+  RestHeaderChecks checks;
+  checks.validation = &limits;
+  const absl::Status parsed = ParseRestInferHeader(body.dump(), 0, kMax, &r, checks);
+  ASSERT_TRUE(parsed.ok()) << parsed;
+  EXPECT_EQ(r.shm_inputs[1].region, "r1");
+  EXPECT_EQ(r.shm_inputs[1].offset, 64u);
+  EXPECT_EQ(r.shm_inputs[1].byte_size, 24u);
+  EXPECT_FALSE(r.shm_inputs[0].set());
+  EXPECT_TRUE(r.request.k().data().empty());
+  ASSERT_EQ(r.outputs.size(), 1u);
+  EXPECT_EQ(r.outputs[0].shm.region, "out");
+
+  body["inputs"][1]["parameters"]["shared_memory_byte_size"] = 20;  // K is 24 bytes
+  RestInferRequest wrong;
+  absl::Status s = ParseRestInferHeader(body.dump(), 0, kMax, &wrong, checks);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+
+  auto refused = [&](json edit, const char* fragment) {
+    json b = JsonRequest();
+    b["inputs"][0]["parameters"] = edit;
+    RestInferRequest out;
+    absl::Status st = Parse(b, &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << edit.dump();
+    EXPECT_THAT(st.message(), HasSubstr(fragment)) << edit.dump();
+  };
+  refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", 16}}, "inputs[0]: data given");
+  refused({{"shared_memory_region", "r"}}, "shared_memory_byte_size: missing");
+  refused({{"shared_memory_byte_size", 16}}, "without shared_memory_region");
+  refused({{"shared_memory_region", 5}, {"shared_memory_byte_size", 16}}, "region's name");
+  refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", -1}}, "integer >= 0");
+  refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", 16},
+           {"shared_memory_offset", -8}}, "shared_memory_offset: must be an integer >= 0");
+}
+
+// gRPC: inputs in shared memory have no raw_input_contents entry; the others keep theirs in order.
+TEST(KServeConvertTest, GrpcSharedMemoryReferences) {
+  inference::ModelInferRequest request;
+  for (const char* name : {"Q", "K", "V"}) {
+    auto* input = request.add_inputs();
+    input->set_name(name);
+    input->set_datatype("FP32");
+    for (int64_t d : {1, 2, 1, 2}) input->add_shape(d);
+    if (name[0] == 'K') {
+      (*input->mutable_parameters())["shared_memory_region"].set_string_param("r");
+      (*input->mutable_parameters())["shared_memory_byte_size"].set_int64_param(16);
+    } else {
+      request.add_raw_input_contents(std::string(16, name[0]));
+    }
+  }
+  v1::AttentionRequest out;
+  std::vector<OutputSpec> outputs;
+  int64_t timeout_us = 0;
+  ShmParams shm[3];
+  ASSERT_TRUE(GrpcInferToAttention(&request, &out, &outputs, &timeout_us, shm).ok());
+  EXPECT_EQ(out.q().data(), std::string(16, 'Q'));
+  EXPECT_EQ(out.v().data(), std::string(16, 'V'));
+  EXPECT_TRUE(out.k().data().empty());
+  EXPECT_EQ(shm[1].region, "r");
+  EXPECT_EQ(shm[1].byte_size, 16u);
+
+  inference::ModelInferRequest three = request;  // an entry for the shm input too: refused
+  three.add_raw_input_contents(std::string(16, 'x'));
+  absl::Status s = GrpcInferToAttention(&three, &out, &outputs, &timeout_us, shm);
+  EXPECT_THAT(s.message(), HasSubstr("3 entries for 2 inputs not in shared memory"));
+  inference::ModelInferRequest no_shm = request;  // an edge that takes no shared memory
+  s = GrpcInferToAttention(&no_shm, &out, &outputs, &timeout_us);
+  EXPECT_THAT(s.message(), HasSubstr("inputs[1]: shared memory is not accepted here"));
 }
 
 }  // namespace

@@ -1,0 +1,336 @@
+#include "memory/shm_regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+
+namespace flashserve {
+
+// One registered region: its memory stays mapped (opened) until the last reference goes.
+struct ShmRegistry::Region {
+  ShmRegionInfo info;
+  std::string owner;
+  char* data = nullptr;        // the region's first byte (system: mapping + offset)
+  void* mapping = nullptr;     // system: what mmap returned
+  size_t mapping_bytes = 0;
+  bool pinned = false;         // system: page-locked through ShmDeviceAccess
+  int fd = -1;                 // system: the object, kept open to see it shrink (fstat per lease)
+  ShmDeviceAccess* device = nullptr;
+  std::atomic<int> leases{0};  // requests using it now
+
+  ~Region() {
+    if (fd >= 0) close(fd);
+    if (info.type == ShmType::kSystem && mapping != nullptr) {
+      if (pinned) device->UnpinHost(data);
+      munmap(mapping, mapping_bytes);
+    } else if (info.type == ShmType::kCuda && data != nullptr) {
+      device->CloseIpc(data, info.device);
+    }
+  }
+};
+
+namespace {
+
+bool NameChar(char c) { return absl::ascii_isalnum(c) || c == '_' || c == '.' || c == '-'; }
+
+absl::Status NotEnabled() {
+  return absl::PermissionDeniedError(
+      "shared memory is disabled on this server (start it with --allow_client_shm)");
+}
+
+absl::Status Unknown(absl::string_view name) {
+  return absl::NotFoundError(absl::StrCat("no shared-memory region \"", name, "\" is registered"));
+}
+
+// Maps [offset, offset + byte_size) of the shm object `key`, read-write.
+absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_size,
+                       ShmRegistry::Region* region) {
+  const std::string path(key);
+  const int fd = shm_open(path.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("shared-memory key \"", key,
+                                              "\" does not exist (create it before registering)"));
+    }
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot open shared-memory key \"", key, "\": ", std::strerror(err)));
+  }
+  struct stat st;
+  absl::Status status;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    status = absl::InvalidArgumentError(absl::StrCat("shared-memory key \"", key,
+                                                     "\" is not a shared-memory object"));
+  } else {
+    status = CheckSpan(absl::StrCat("region on key \"", key, "\""), offset, byte_size,
+                       uint64_t(st.st_size));
+  }
+  if (status.ok()) {
+    // mmap needs a page-aligned offset: map from the page holding `offset`.
+    const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+    const uint64_t start = offset / page * page;
+    region->mapping_bytes = size_t(offset - start + byte_size);
+    void* p = mmap(nullptr, region->mapping_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                   off_t(start));
+    if (p == MAP_FAILED) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("cannot map shared-memory key \"", key, "\": ", std::strerror(errno)));
+    } else {
+      region->mapping = p;
+      region->data = static_cast<char*>(p) + (offset - start);
+    }
+  }
+  if (status.ok()) {
+    region->fd = fd;  // kept: a lease checks the object still covers the region
+  } else {
+    close(fd);
+  }
+  return status;
+}
+
+}  // namespace
+
+const char* ShmTypeName(ShmType type) { return type == ShmType::kSystem ? "system" : "cuda"; }
+
+TensorBytes ShmSpan::AsInput() const {
+  TensorBytes t = TensorBytes::Contiguous(kind, data, bytes);
+  t.device = device;
+  return t;
+}
+
+TensorTarget ShmSpan::AsOutput() const {
+  TensorTarget t{kind, data, bytes};
+  t.device = device;
+  return t;
+}
+
+absl::Status CheckRegionName(absl::string_view name) {
+  if (name.empty() || name.size() > 128) {
+    return absl::InvalidArgumentError("region name: must be 1 to 128 characters");
+  }
+  for (char c : name) {
+    if (!NameChar(c)) {
+      return absl::InvalidArgumentError(
+          "region name: only letters, digits, '_', '.' and '-' are allowed");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckShmKey(absl::string_view key) {
+  absl::string_view rest = key;
+  if (!rest.empty() && rest.front() == '/') rest.remove_prefix(1);
+  bool ok = !rest.empty() && rest.size() <= 250 && rest != "." && rest != "..";
+  for (char c : rest) ok = ok && NameChar(c);
+  if (!ok) {
+    return absl::InvalidArgumentError(
+        "key: must be '/' and 1 to 250 characters of letters, digits, '_', '.' and '-'");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSpan(absl::string_view what, uint64_t offset, uint64_t bytes, uint64_t size) {
+  if (offset > size || bytes > size - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ",
+                                                   bytes, " is beyond its ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+ShmRegistry::ShmRegistry(ShmLimits limits, ShmDeviceAccess* device)
+    : limits_(limits), device_(device) {}
+
+ShmRegistry::~ShmRegistry() = default;
+
+absl::Status ShmRegistry::CheckNew(absl::string_view name, uint64_t byte_size,
+                                   absl::string_view owner) const {
+  if (auto it = regions_.find(name); it != regions_.end()) {
+    // Another owner's region is not named to this one: only "taken".
+    return absl::AlreadyExistsError(
+        absl::StrCat("a shared-memory region \"", name, "\" is already registered",
+                     it->second->owner == owner ? " (unregister it first)" : ""));
+  }
+  if (int(regions_.size()) >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "already ", regions_.size(), " shared-memory regions (--shm_max_regions)"));
+  }
+  if (byte_size > uint64_t(limits_.max_bytes - bytes_)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("registering ", byte_size, " more bytes would pass --shm_max_bytes=",
+                     limits_.max_bytes, " (", bytes_, " registered)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmRegistry::Add(std::shared_ptr<Region> region) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Checked again: another registration may have come in while this one was mapping.
+  if (absl::Status s = CheckNew(region->info.name, region->info.byte_size, region->owner);
+      !s.ok()) {
+    return s;
+  }
+  bytes_ += int64_t(region->info.byte_size);
+  regions_.emplace(region->info.name, std::move(region));
+  return absl::OkStatus();
+}
+
+absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_view key,
+                                         uint64_t offset, uint64_t byte_size,
+                                         absl::string_view owner) {
+  if (!limits_.allow) return NotEnabled();
+  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  if (absl::Status s = CheckShmKey(key); !s.ok()) return s;
+  if (byte_size == 0) return absl::InvalidArgumentError("byte_size: must be > 0");
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // refuse before mapping anything
+    if (absl::Status s = CheckNew(name, byte_size, owner); !s.ok()) return s;
+  }
+  auto region = std::make_shared<Region>();
+  region->info = {std::string(name), ShmType::kSystem, std::string(key), offset, byte_size, -1};
+  region->owner = std::string(owner);
+  region->device = device_;
+  if (absl::Status s = MapSystem(key, offset, byte_size, region.get()); !s.ok()) return s;
+  region->pinned = device_ != nullptr && device_->PinHost(region->data, size_t(byte_size));
+  return Add(std::move(region));
+}
+
+absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view raw_handle,
+                                       int64_t device, uint64_t byte_size,
+                                       absl::string_view owner) {
+  if (!limits_.allow) return NotEnabled();
+  if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
+  if (byte_size == 0) return absl::InvalidArgumentError("byte_size: must be > 0");
+  if (device < 0 || device > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat("device_id: ", device, " is not a device"));
+  }
+  if (device_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "CUDA shared memory needs the CUDA backend (this server computes on the CPU)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = CheckNew(name, byte_size, owner); !s.ok()) return s;
+  }
+  auto region = std::make_shared<Region>();
+  region->info = {std::string(name), ShmType::kCuda, "", 0, byte_size, int(device)};
+  region->owner = std::string(owner);
+  region->device = device_;
+  absl::StatusOr<void*> opened = device_->OpenIpc(raw_handle, int(device), size_t(byte_size));
+  if (!opened.ok()) return opened.status();
+  region->data = static_cast<char*>(*opened);
+  return Add(std::move(region));
+}
+
+absl::Status ShmRegistry::Unregister(ShmType type, absl::string_view name,
+                                     absl::string_view owner) {
+  if (!limits_.allow) return NotEnabled();
+  std::vector<std::shared_ptr<Region>> gone;  // unmapped after the lock is released
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::map<std::string, std::shared_ptr<Region>, std::less<>>::iterator> matches;
+  for (auto it = regions_.begin(); it != regions_.end(); ++it) {
+    const Region& r = *it->second;
+    if (r.owner != owner || (!name.empty() && it->first != name)) continue;
+    if (name.empty() && r.info.type != type) continue;
+    if (r.info.type != type) {
+      return absl::InvalidArgumentError(absl::StrCat("region \"", name, "\" is a ",
+                                                     ShmTypeName(r.info.type), " region"));
+    }
+    if (const int n = r.leases.load(); n > 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("shared-memory region \"", it->first, "\" is in use by requests in flight (",
+                       n, " tensor(s)); unregister it after they are answered"));
+    }
+    matches.push_back(it);
+  }
+  if (!name.empty() && matches.empty()) return Unknown(name);
+  for (auto it : matches) {
+    bytes_ -= int64_t(it->second->info.byte_size);
+    gone.push_back(std::move(it->second));
+    regions_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<ShmRegionInfo>> ShmRegistry::Status(ShmType type,
+                                                               absl::string_view name,
+                                                               absl::string_view owner) const {
+  if (!limits_.allow) return NotEnabled();
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<ShmRegionInfo> out;
+  for (const auto& [region_name, region] : regions_) {
+    if (region->owner != owner || region->info.type != type) continue;
+    if (!name.empty() && region_name != name) continue;
+    out.push_back(region->info);
+  }
+  if (!name.empty() && out.empty()) return Unknown(name);
+  return out;
+}
+
+absl::StatusOr<ShmSpan> ShmRegistry::Lease(absl::string_view name, uint64_t offset, uint64_t bytes,
+                                           absl::string_view owner) const {
+  if (!limits_.allow) return NotEnabled();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = regions_.find(name);
+  if (it == regions_.end() || it->second->owner != owner) return Unknown(name);
+  std::shared_ptr<Region> region = it->second;
+  if (absl::Status s = CheckSpan(absl::StrCat("shared-memory region \"", name, "\""), offset,
+                                 bytes, region->info.byte_size);
+      !s.ok()) {
+    return s;
+  }
+  if (region->fd >= 0) {
+    // A client that shrank its object would make the server's next access fault (SIGBUS):
+    // refuse instead. (Shrinking it while a request runs still faults; see README.)
+    struct stat st;
+    if (fstat(region->fd, &st) != 0 ||
+        uint64_t(st.st_size) < region->info.offset + region->info.byte_size) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "shared-memory region \"", name, "\": its object (key \"", region->info.key,
+          "\") shrank below the region; unregister and register it again"));
+    }
+  }
+  ShmSpan span;
+  span.data = region->data + offset;
+  span.bytes = size_t(bytes);
+  span.type = region->info.type;
+  span.device = region->info.device;
+  span.kind = region->info.type == ShmType::kCuda ? MemoryKind::kDevice
+              : region->pinned                    ? MemoryKind::kPageLocked
+                                                  : MemoryKind::kHeap;
+  region->leases.fetch_add(1);
+  span.lease = std::shared_ptr<void>(region.get(), [region](void*) { region->leases.fetch_sub(1); });
+  return span;
+}
+
+int ShmRegistry::region_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return int(regions_.size());
+}
+
+void ShmRegistry::Totals(ShmType type, int64_t* count, int64_t* bytes) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  *count = 0;
+  *bytes = 0;
+  for (const auto& [name, region] : regions_) {
+    if (region->info.type != type) continue;
+    ++*count;
+    *bytes += int64_t(region->info.byte_size);
+  }
+}
+
+int64_t ShmRegistry::region_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_;
+}
+
+}  // namespace flashserve

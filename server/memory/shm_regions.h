@@ -1,0 +1,133 @@
+// Clients' shared-memory regions (Triton's shared-memory extension): the registry of named
+// regions a co-located client registered, and the leases requests hold on them.
+//
+// A system region is a POSIX shared-memory object (shm_open key) mapped once at registration;
+// a CUDA region is another process's device memory opened once from its cudaIpcMemHandle. What
+// needs a GPU (page-locking a system region, opening an IPC handle) is done by the backend through
+// ShmDeviceAccess (runtime/); the registry only keeps the rules:
+//   - off unless enabled (--allow_client_shm); names and keys validated;
+//   - limits on the number of regions and their bytes (--shm_max_regions, --shm_max_bytes);
+//   - a reference (offset, byte size) must lie inside its region, overflow-checked;
+//   - a region used by a request cannot go away under it: Unregister of a region with leases
+//     fails (FAILED_PRECONDITION, naming the count) and leaves it registered. Edges drop a
+//     request's leases before they answer, so a client that unregisters after its answer never
+//     sees this;
+//   - a region belongs to the owner that registered it (the caller's bearer token when auth is
+//     on; "" otherwise): another owner can neither see, use nor unregister it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "memory/tensor_bytes.h"
+
+namespace flashserve {
+
+/// What a backend does for regions (runtime/ implements it; the CPU backend has none).
+/// Thread-safe.
+class ShmDeviceAccess {
+ public:
+  virtual ~ShmDeviceAccess() = default;
+  /// Page-locks a mapped system region for DMA (cudaHostRegister); false: left pageable.
+  virtual bool PinHost(void* data, size_t bytes) = 0;
+  virtual void UnpinHost(void* data) = 0;
+  /// Opens a cudaIpcMemHandle (raw bytes) on `device`, whose allocation must hold `bytes`; a
+  /// clear error for a bad handle, a device that is not this server's, an allocation too small.
+  virtual absl::StatusOr<void*> OpenIpc(absl::string_view raw_handle, int device,
+                                        size_t bytes) = 0;
+  virtual void CloseIpc(void* base, int device) = 0;
+};
+
+enum class ShmType { kSystem, kCuda };
+/// "system" / "cuda" (messages, metrics).
+const char* ShmTypeName(ShmType type);
+
+struct ShmLimits {
+  bool allow = false;                         // --allow_client_shm
+  int max_regions = 64;                       // --shm_max_regions (both types together)
+  int64_t max_bytes = int64_t{64} << 30;      // --shm_max_bytes (both types together)
+};
+
+/// A region's description, as the status calls report it.
+struct ShmRegionInfo {
+  std::string name;
+  ShmType type = ShmType::kSystem;
+  std::string key;      // system: the shm_open key
+  uint64_t offset = 0;  // system: where the region starts in the object
+  uint64_t byte_size = 0;
+  int device = -1;      // cuda: the device the memory is on
+};
+
+/// A lease on part of a region: the memory stays mapped (and the region registered) while one
+/// exists. Copyable; the last copy gives the lease back.
+struct ShmSpan {
+  std::shared_ptr<void> lease;
+  char* data = nullptr;
+  size_t bytes = 0;
+  MemoryKind kind = MemoryKind::kHeap;
+  int device = -1;
+  ShmType type = ShmType::kSystem;
+
+  TensorBytes AsInput() const;
+  TensorTarget AsOutput() const;
+};
+
+/// Thread-safe.
+class ShmRegistry {
+ public:
+  /// `device` may be null (no GPU: system regions stay pageable, CUDA regions are refused).
+  ShmRegistry(ShmLimits limits, ShmDeviceAccess* device);
+  ~ShmRegistry();
+  ShmRegistry(const ShmRegistry&) = delete;
+  ShmRegistry& operator=(const ShmRegistry&) = delete;
+
+  absl::Status RegisterSystem(absl::string_view name, absl::string_view key, uint64_t offset,
+                              uint64_t byte_size, absl::string_view owner);
+  absl::Status RegisterCuda(absl::string_view name, absl::string_view raw_handle, int64_t device,
+                            uint64_t byte_size, absl::string_view owner);
+  /// `name` empty: every region of `type` the owner has (none is removed if one is in use).
+  absl::Status Unregister(ShmType type, absl::string_view name, absl::string_view owner);
+  /// `name` empty: every region of `type` the owner has; NOT_FOUND for an unknown name.
+  absl::StatusOr<std::vector<ShmRegionInfo>> Status(ShmType type, absl::string_view name,
+                                                    absl::string_view owner) const;
+  /// A lease on [offset, offset + bytes) of region `name` (any type).
+  absl::StatusOr<ShmSpan> Lease(absl::string_view name, uint64_t offset, uint64_t bytes,
+                                absl::string_view owner) const;
+
+  bool enabled() const { return limits_.allow; }
+  int region_count() const;
+  int64_t region_bytes() const;
+  /// Regions of one type and their bytes, over every owner (metrics).
+  void Totals(ShmType type, int64_t* count, int64_t* bytes) const;
+
+  struct Region;  // shm_regions.cc
+
+ private:
+  absl::Status CheckNew(absl::string_view name, uint64_t byte_size,
+                        absl::string_view owner) const;  // under mu_
+  absl::Status Add(std::shared_ptr<Region> region);
+
+  const ShmLimits limits_;
+  ShmDeviceAccess* const device_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Region>, std::less<>> regions_;  // guarded by mu_
+  int64_t bytes_ = 0;                                                    // guarded by mu_
+};
+
+/// OK for a region name: 1..128 characters of [A-Za-z0-9_.-].
+absl::Status CheckRegionName(absl::string_view name);
+/// OK for a shm_open key: an optional leading '/', then 1..250 characters of [A-Za-z0-9_.-]
+/// (no other '/': a key never reaches outside /dev/shm).
+absl::Status CheckShmKey(absl::string_view key);
+/// OK when [offset, offset + bytes) lies in [0, size), computed without overflow.
+absl::Status CheckSpan(absl::string_view what, uint64_t offset, uint64_t bytes, uint64_t size);
+
+}  // namespace flashserve

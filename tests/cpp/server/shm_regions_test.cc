@@ -1,0 +1,258 @@
+// ShmRegistry: the safety rules of clients' shared-memory regions (memory/shm_regions.h), on real
+// POSIX shared-memory objects, and a fake ShmDeviceAccess for the GPU side.
+#include "memory/shm_regions.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+// A shm object of `bytes`, unlinked at the end of the test.
+class ShmObject {
+ public:
+  explicit ShmObject(size_t bytes) {
+    key_ = "/fs_shm_test_" + std::to_string(getpid()) + "_" + std::to_string(counter_++);
+    const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    EXPECT_GE(fd, 0);
+    EXPECT_EQ(ftruncate(fd, off_t(bytes)), 0);
+    data_ = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    bytes_ = bytes;
+    close(fd);
+  }
+  ~ShmObject() {
+    munmap(data_, bytes_);
+    shm_unlink(key_.c_str());
+  }
+  const std::string& key() const { return key_; }
+  char* data() { return data_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::string key_;
+  char* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+ShmLimits Allowed() {
+  ShmLimits limits;
+  limits.allow = true;
+  return limits;
+}
+
+TEST(ShmRegistry, OffByDefault) {
+  ShmObject object(4096);
+  ShmRegistry registry(ShmLimits{}, nullptr);
+  const absl::Status s = registry.RegisterSystem("r", object.key(), 0, 4096, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(s.message().find("--allow_client_shm"), std::string::npos) << s;
+  EXPECT_EQ(registry.Lease("r", 0, 1, "").status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(registry.region_count(), 0);
+}
+
+TEST(ShmRegistry, MapsTheObjectAtItsOffsetAndSharesIt) {
+  ShmObject object(3 * 4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  // An offset that is not page aligned: the mapping must start at the right byte anyway.
+  ASSERT_TRUE(registry.RegisterSystem("in", object.key(), 4096 + 100, 5000, "").ok());
+  absl::StatusOr<ShmSpan> span = registry.Lease("in", 8, 16, "");
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(span->kind, MemoryKind::kHeap);  // no device access: pageable
+  std::memcpy(object.data() + 4096 + 100 + 8, "client wrote it", 16);
+  EXPECT_EQ(std::string(span->data, 15), "client wrote it");
+  std::memcpy(span->data, "server wrote it", 16);
+  EXPECT_EQ(std::string(object.data() + 4096 + 108, 15), "server wrote it");
+  EXPECT_EQ(registry.region_count(), 1);
+  EXPECT_EQ(registry.region_bytes(), 5000);
+  auto status = registry.Status(ShmType::kSystem, "", "");
+  ASSERT_TRUE(status.ok());
+  ASSERT_EQ(status->size(), 1u);
+  EXPECT_EQ((*status)[0].key, object.key());
+  EXPECT_EQ((*status)[0].offset, 4096u + 100);
+}
+
+TEST(ShmRegistry, NamesAndKeysAreValidated) {
+  ShmRegistry registry(Allowed(), nullptr);
+  for (const char* bad : {"", "a/b", "../x", "sp ace", "q\n"}) {
+    EXPECT_EQ(registry.RegisterSystem(bad, "/k", 0, 1, "").code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  EXPECT_FALSE(CheckRegionName(std::string(129, 'a')).ok());
+  for (const char* bad : {"", "/", "//x", "/a/b", "/../etc", "/..", "x y"}) {
+    EXPECT_EQ(CheckShmKey(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_TRUE(CheckShmKey("/input_simple").ok());
+  EXPECT_TRUE(CheckShmKey("no_slash.1-2").ok());
+}
+
+TEST(ShmRegistry, MissingKeyAndTooSmallObjectAreClearErrors) {
+  ShmRegistry registry(Allowed(), nullptr);
+  absl::Status s = registry.RegisterSystem("r", "/fs_shm_test_does_not_exist", 0, 64, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(s.message().find("does not exist"), std::string::npos) << s;
+  ShmObject object(4096);
+  EXPECT_EQ(registry.RegisterSystem("r", object.key(), 0, 4097, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterSystem("r", object.key(), 4000, 97, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterSystem("r", object.key(), std::numeric_limits<uint64_t>::max(), 2,
+                                    "")
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterSystem("r", object.key(), 0, 0, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.region_count(), 0);
+}
+
+TEST(ShmRegistry, LeasesAreCheckedAgainstTheRegionWithoutOverflow) {
+  ShmObject object(4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 0, 1000, "").ok());
+  EXPECT_TRUE(registry.Lease("r", 0, 1000, "").ok());
+  EXPECT_TRUE(registry.Lease("r", 1000, 0, "").ok());
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  for (auto [offset, bytes] : {std::pair<uint64_t, uint64_t>{0, 1001}, {1, 1000}, {1001, 0},
+                               {max, 2}, {2, max}, {max, max}}) {
+    EXPECT_EQ(registry.Lease("r", offset, bytes, "").status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << offset << " + " << bytes;
+  }
+  EXPECT_EQ(registry.Lease("nope", 0, 1, "").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmRegistry, ARegionInUseCannotBeUnregistered) {
+  ShmObject object(4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 0, 4096, "").ok());
+  absl::StatusOr<ShmSpan> span = registry.Lease("r", 0, 16, "");
+  ASSERT_TRUE(span.ok());
+  ShmSpan copy = *span;
+  span->lease.reset();
+  absl::Status s = registry.Unregister(ShmType::kSystem, "r", "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("in use by requests in flight (1 tensor"), std::string::npos) << s;
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "", "").code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.region_count(), 1);
+  copy.data[0] = 'x';  // still mapped
+  copy.lease.reset();
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
+  EXPECT_EQ(registry.region_count(), 0);
+  EXPECT_EQ(registry.region_bytes(), 0);
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ShmRegistry, AnObjectThatShrankIsRefusedNotTouched) {
+  ShmObject object(8192);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 4096, 4096, "").ok());
+  ASSERT_TRUE(registry.Lease("r", 0, 16, "").ok());
+  const int fd = shm_open(object.key().c_str(), O_RDWR, 0);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096 + 100), 0);  // the client shrinks it under the region
+  close(fd);
+  absl::StatusOr<ShmSpan> span = registry.Lease("r", 0, 16, "");
+  EXPECT_EQ(span.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(span.status().message().find("shrank"), std::string::npos) << span.status();
+}
+
+TEST(ShmRegistry, LimitsOnCountAndBytes) {
+  ShmObject object(4096);
+  ShmLimits limits = Allowed();
+  limits.max_regions = 2;
+  limits.max_bytes = 5000;
+  ShmRegistry registry(limits, nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("a", object.key(), 0, 4000, "").ok());
+  absl::Status s = registry.RegisterSystem("b", object.key(), 0, 1001, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--shm_max_bytes"), std::string::npos) << s;
+  ASSERT_TRUE(registry.RegisterSystem("b", object.key(), 0, 1000, "").ok());
+  s = registry.RegisterSystem("c", object.key(), 0, 1, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find("--shm_max_regions"), std::string::npos) << s;
+  EXPECT_EQ(registry.RegisterSystem("a", object.key(), 0, 1, "").code(),
+            absl::StatusCode::kAlreadyExists);
+  ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "", "").ok());  // all of them
+  EXPECT_TRUE(registry.RegisterSystem("c", object.key(), 0, 4096, "").ok());
+}
+
+TEST(ShmRegistry, ARegionBelongsToItsOwner) {
+  ShmObject object(4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 0, 4096, "token-a").ok());
+  EXPECT_EQ(registry.Lease("r", 0, 1, "token-b").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "token-b").code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Status(ShmType::kSystem, "", "token-b")->empty());
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "", "token-b").ok());  // none of its own
+  EXPECT_EQ(registry.region_count(), 1);
+  EXPECT_TRUE(registry.Lease("r", 0, 1, "token-a").ok());
+}
+
+// The GPU side, faked: what the registry asks of it and when.
+class FakeDevice : public ShmDeviceAccess {
+ public:
+  bool PinHost(void*, size_t) override { return ++pinned, true; }
+  void UnpinHost(void*) override { --pinned; }
+  absl::StatusOr<void*> OpenIpc(absl::string_view handle, int device, size_t) override {
+    if (handle.size() != 64) return absl::InvalidArgumentError("raw_handle: not an IPC handle");
+    if (device != 0) return absl::InvalidArgumentError("device_id: no such device");
+    ++opened;
+    return static_cast<void*>(memory);
+  }
+  void CloseIpc(void* base, int) override {
+    EXPECT_EQ(base, memory);
+    --opened;
+  }
+  int pinned = 0, opened = 0;
+  char memory[256] = {};
+};
+
+TEST(ShmRegistry, SystemRegionsArePinnedOnceAndCudaRegionsOpenedOnce) {
+  ShmObject object(4096);
+  FakeDevice device;
+  ShmRegistry registry(Allowed(), &device);
+  ASSERT_TRUE(registry.RegisterSystem("s", object.key(), 0, 4096, "").ok());
+  EXPECT_EQ(device.pinned, 1);
+  EXPECT_EQ(registry.Lease("s", 0, 8, "")->kind, MemoryKind::kPageLocked);
+  EXPECT_EQ(registry.RegisterCuda("c", std::string(63, 'h'), 0, 256, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterCuda("c", std::string(64, 'h'), 1, 256, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(registry.RegisterCuda("c", std::string(64, 'h'), -1, 256, "").code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(registry.RegisterCuda("c", std::string(64, 'h'), 0, 256, "").ok());
+  EXPECT_EQ(device.opened, 1);
+  absl::StatusOr<ShmSpan> span = registry.Lease("c", 16, 32, "");
+  ASSERT_TRUE(span.ok());
+  EXPECT_EQ(span->kind, MemoryKind::kDevice);
+  EXPECT_EQ(span->data, device.memory + 16);
+  EXPECT_EQ(span->AsInput().device, 0);
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "c", "").code(),
+            absl::StatusCode::kInvalidArgument);  // wrong type named
+  span->lease.reset();
+  ASSERT_TRUE(registry.Unregister(ShmType::kCuda, "", "").ok());
+  EXPECT_EQ(device.opened, 0);
+  EXPECT_EQ(device.pinned, 1);  // the system region stays
+  ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "s", "").ok());
+  EXPECT_EQ(device.pinned, 0);
+}
+
+TEST(ShmRegistry, CudaRegionsNeedADevice) {
+  ShmRegistry registry(Allowed(), nullptr);
+  absl::Status s = registry.RegisterCuda("c", std::string(64, 'h'), 0, 256, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("CUDA backend"), std::string::npos) << s;
+}
+
+}  // namespace
+}  // namespace flashserve

@@ -1,0 +1,273 @@
+"""Triton's shared-memory extension (system regions) with tritonclient, HTTP and gRPC, on the CPU backend.
+
+Q, K and V are put into a POSIX shared-memory region with tritonclient.utils.shared_memory, O and LSE are read back
+from another one, and the answer is checked against the fp64 reference (odd shapes, each dtype, offsets that are and
+are not 16-byte aligned: the backend reads and writes the region in place, or the server stages / copies once).
+Then the safety rules: off by default, a missing key, offsets outside a region, a region in use cannot be
+unregistered, the limit on regions. tritonclient runs in a child process (see test_kserve_tritonclient.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+import numpy as np
+import pytest
+
+from metrics_helpers import scrape
+from test_kserve_tritonclient import interop_python
+
+pytestmark = pytest.mark.e2e
+
+COMMON = textwrap.dedent("""
+    import json, os, sys, threading, time
+    import ml_dtypes
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException
+
+    http_url, grpc_url, work = sys.argv[1:4]
+    NUMPY = {"FP16": np.float16, "BF16": ml_dtypes.bfloat16, "FP32": np.float32}
+    http = httpclient.InferenceServerClient(http_url)
+    grpc = grpcclient.InferenceServerClient(grpc_url)
+    report = {}
+    tag = str(os.getpid())
+
+    def client_of(kind):
+        return (httpclient, http) if kind == "http" else (grpcclient, grpc)
+
+    def error_of(fn):
+        try:
+            fn()
+        except InferenceServerException as e:
+            return str(e)
+        return None
+""")
+
+INFER_SCRIPT = COMMON + textwrap.dedent("""
+    problems = json.load(open(f"{work}/problems.json"))
+    report["extensions"] = http.get_server_metadata()["extensions"]
+    for p in problems:
+        mod, client = client_of(p["client"])
+        data = np.load(f"{work}/{p['name']}.npz")
+        qkv = [data[n].astype(NUMPY[p["datatype"]]) for n in ("Q", "K", "V")]
+        pad = p["pad"]  # bytes before each tensor: 0 keeps 16-byte alignment, 2 breaks it
+        offsets, at = [], 0
+        for x in qkv:
+            at += pad
+            offsets.append(at)
+            at += x.nbytes
+        o_bytes, lse_bytes = qkv[0].nbytes, 4 * qkv[0].shape[0] * qkv[0].shape[2] * qkv[0].shape[1]
+        name = p["name"]
+        h_in = shm.create_shared_memory_region(f"in-{name}", f"/fs_in_{tag}_{name}", at)
+        h_out = shm.create_shared_memory_region(f"out-{name}", f"/fs_out_{tag}_{name}", pad + o_bytes + lse_bytes)
+        # Poison the output region: a server that writes nothing there fails the reference check.
+        shm.set_shared_memory_region(h_out, [np.full((pad + o_bytes + lse_bytes) // 4, np.nan, np.float32)])
+        for x, off in zip(qkv, offsets):
+            shm.set_shared_memory_region(h_in, [x], offset=off)
+        client.register_system_shared_memory(f"in-{name}", f"/fs_in_{tag}_{name}", at)
+        client.register_system_shared_memory(f"out-{name}", f"/fs_out_{tag}_{name}", pad + o_bytes + lse_bytes)
+        inputs = []
+        for n, x, off in zip(("Q", "K", "V"), qkv, offsets):
+            i = mod.InferInput(n, list(x.shape), p["datatype"])
+            if n == "Q" and p["q_inline"]:
+                i.set_data_from_numpy(x)
+            else:
+                i.set_shared_memory(f"in-{name}", x.nbytes, offset=off)
+            inputs.append(i)
+        o = mod.InferRequestedOutput("O")
+        o.set_shared_memory(f"out-{name}", o_bytes, offset=pad)
+        lse = mod.InferRequestedOutput("LSE")
+        lse.set_shared_memory(f"out-{name}", lse_bytes, offset=pad + o_bytes)
+        result = client.infer("attention", inputs, outputs=[o, lse],
+                              parameters={"causal": p["causal"], "return_lse": True})
+        out = shm.get_contents_as_numpy(h_out, NUMPY[p["datatype"]], qkv[0].shape, offset=pad)
+        lse_v = shm.get_contents_as_numpy(h_out, np.float32, (qkv[0].shape[0], qkv[0].shape[2], qkv[0].shape[1]),
+                                          offset=pad + o_bytes)
+        np.savez(f"{work}/{name}.out.npz", O=out.astype(np.float32), LSE=lse_v.copy())
+        status = client.get_system_shared_memory_status()
+        names = sorted(r["name"] for r in status) if p["client"] == "http" else sorted(status.regions)
+        report[name] = {"regions": names}
+        client.unregister_system_shared_memory(f"in-{name}")
+        client.unregister_system_shared_memory(f"out-{name}")
+        shm.destroy_shared_memory_region(h_in)
+        shm.destroy_shared_memory_region(h_out)
+    report["left"] = len(http.get_system_shared_memory_status())
+    json.dump(report, open(f"{work}/report.json", "w"))
+""")
+
+
+def run_client(script: str, server, tmp_path, timeout: float = 180) -> dict:
+    python = interop_python()
+    probe = subprocess.run([python, "-c", "import tritonclient.http, tritonclient.grpc, ml_dtypes"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"tritonclient[http,grpc] is not importable by {python} (scripts/setup installs it into "
+                    ".venv-interop):\n" + probe.stderr[-500:])
+    (tmp_path / "client.py").write_text(script)
+    run = subprocess.run([python, str(tmp_path / "client.py"), f"127.0.0.1:{server.http_port}", server.address,
+                          str(tmp_path)], capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, f"tritonclient run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}\n{server.logs()}"
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def shm_server(flashserve_bin, tmp_path_factory):
+    from conftest import ServerProcess, _stop_and_check
+
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("shm_server"),
+                      ["--allow_client_shm", "--shm_max_regions=6"], name="shm_server").start()
+    yield s
+    _stop_and_check(s)
+
+
+def test_system_shm_matches_reference(shm_server, rng, make_qkv, check_answer, tmp_path):
+    problems, inputs = [], {}
+    shapes = [(1, 19, 37, 4, 2, 64), (2, 7, 7, 3, 3, 32), (1, 33, 17, 2, 1, 128)]
+    cases = [("http", "FP16", 0, False), ("grpc", "BF16", 0, False), ("http", "FP32", 2, False),
+             ("grpc", "FP16", 2, True), ("http", "BF16", 0, True), ("grpc", "FP32", 0, False)]
+    for n, (client, datatype, pad, q_inline) in enumerate(cases):
+        dtype = {"FP16": "float16", "BF16": "bfloat16", "FP32": "float32"}[datatype]
+        q, k, v = make_qkv(rng, *shapes[n % len(shapes)], dtype)
+        name = f"{client}{n}{datatype.lower()}"
+        causal = n % 2 == 1
+        inputs[name] = (q, k, v, causal)
+        np.savez(tmp_path / f"{name}.npz", Q=q.astype(np.float32), K=k.astype(np.float32), V=v.astype(np.float32))
+        problems.append({"name": name, "client": client, "datatype": datatype, "causal": causal, "pad": pad,
+                         "q_inline": q_inline})
+    (tmp_path / "problems.json").write_text(json.dumps(problems))
+    before = scrape(f"http://127.0.0.1:{shm_server.metrics_port}/metrics")
+    report = run_client(INFER_SCRIPT, shm_server, tmp_path)
+
+    assert {"system_shared_memory", "cuda_shared_memory"} <= set(report["extensions"])
+    for p in problems:
+        q, k, v, causal = inputs[p["name"]]
+        got = np.load(tmp_path / f"{p['name']}.out.npz")
+        check_answer(got["O"].astype(q.dtype), got["LSE"], q, k, v, causal=causal)
+        assert report[p["name"]]["regions"] == [f"in-{p['name']}", f"out-{p['name']}"]
+    assert report["left"] == 0
+    after = scrape(f"http://127.0.0.1:{shm_server.metrics_port}/metrics")
+    counted = after.value("flashserve_request_inputs_total", path="shm_system") - \
+        before.value("flashserve_request_inputs_total", path="shm_system")
+    assert counted == len(problems)
+    assert after.value("flashserve_shm_regions", type="system") == 0
+
+
+SAFETY_SCRIPT = COMMON + textwrap.dedent("""
+    key = f"/fs_safe_{tag}"
+    h = shm.create_shared_memory_region("safe", key, 4096)
+    r = report
+    r["missing_key"] = error_of(lambda: http.register_system_shared_memory("x", f"/fs_nope_{tag}", 64))
+    r["bad_key"] = error_of(lambda: grpc.register_system_shared_memory("x", "/../etc/passwd", 64))
+    r["bad_name"] = error_of(lambda: http.register_system_shared_memory("a b", key, 64))
+    r["beyond_object"] = error_of(lambda: grpc.register_system_shared_memory("x", key, 64, offset=4090))
+    r["overflow"] = error_of(lambda: http.register_system_shared_memory("x", key, 16, offset=2**64 - 8))
+    r["too_big"] = error_of(lambda: http.register_system_shared_memory("x", key, 2**64 - 8, offset=16))
+    r["zero"] = error_of(lambda: http.register_system_shared_memory("x", key, 0))
+    http.register_system_shared_memory("safe", key, 4096)
+    r["duplicate"] = error_of(lambda: grpc.register_system_shared_memory("safe", key, 16))
+    r["unknown_unregister"] = error_of(lambda: http.unregister_system_shared_memory("nope"))
+    r["unknown_status"] = error_of(lambda: grpc.get_system_shared_memory_status("nope"))
+    r["cuda_on_cpu"] = error_of(lambda: http.register_cuda_shared_memory("c", "AAAA", 0, 64))
+    for i in range(5):  # the limit is 6 regions: "safe" and these five
+        http.register_system_shared_memory(f"fill{i}", key, 16)
+    r["limit"] = error_of(lambda: grpc.register_system_shared_memory("one-too-many", key, 16))
+    for i in range(5):
+        http.unregister_system_shared_memory(f"fill{i}")
+
+    def infer(mod, client, q_offset, q_bytes, region="safe", shape=(1, 4, 2, 8)):
+        inputs = []
+        for n in ("Q", "K", "V"):
+            i = mod.InferInput(n, list(shape), "FP32")
+            i.set_shared_memory(region, q_bytes if n == "Q" else 4 * int(np.prod(shape)),
+                                offset=q_offset if n == "Q" else 0)
+            inputs.append(i)
+        return client.infer("attention", inputs)
+    nbytes = 4 * 1 * 4 * 2 * 8
+    r["ok_infer"] = error_of(lambda: infer(httpclient, http, 0, nbytes))
+    r["offset_beyond"] = error_of(lambda: infer(httpclient, http, 4096 - nbytes + 4, nbytes))
+    r["offset_huge"] = error_of(lambda: infer(grpcclient, grpc, 2**63 - 1, nbytes))
+    r["wrong_size"] = error_of(lambda: infer(grpcclient, grpc, 0, nbytes - 4))
+    r["unknown_region"] = error_of(lambda: infer(httpclient, http, 0, nbytes, region="nope"))
+
+    # A long request reading the region: unregister fails while it runs, works after its answer.
+    big = (1, 2048, 8, 128)
+    bytes_big = 4 * int(np.prod(big))
+    hb = shm.create_shared_memory_region("big", f"/fs_big_{tag}", 3 * bytes_big)
+    shm.set_shared_memory_region(hb, [np.random.default_rng(0).standard_normal(3 * int(np.prod(big))).astype(np.float32)])
+    http.register_system_shared_memory("big", f"/fs_big_{tag}", 3 * bytes_big)
+    inputs = []
+    for n, off in zip(("Q", "K", "V"), (0, bytes_big, 2 * bytes_big)):
+        i = httpclient.InferInput(n, list(big), "FP32")
+        i.set_shared_memory("big", bytes_big, offset=off)
+        inputs.append(i)
+    slow = httpclient.InferenceServerClient(http_url, concurrency=2)
+    attempts = []
+    for _ in range(3):  # the request may finish before an attempt lands: try a few
+        pending = slow.async_infer("attention", inputs)
+        time.sleep(0.05)
+        attempts.append(error_of(lambda: grpc.unregister_system_shared_memory("big")))
+        pending.get_result()
+        if attempts[-1] is not None:
+            break
+        http.register_system_shared_memory("big", f"/fs_big_{tag}", 3 * bytes_big)
+    r["in_use"] = attempts
+    r["after"] = error_of(lambda: http.unregister_system_shared_memory("big"))
+    r["unregister_all"] = error_of(lambda: grpc.unregister_system_shared_memory())
+    r["left"] = len(http.get_system_shared_memory_status())
+    shm.destroy_shared_memory_region(h)
+    shm.destroy_shared_memory_region(hb)
+    json.dump(report, open(f"{work}/report.json", "w"))
+""")
+
+
+def test_system_shm_safety(shm_server, tmp_path):
+    r = run_client(SAFETY_SCRIPT, shm_server, tmp_path, timeout=300)
+    assert "does not exist" in r["missing_key"]
+    assert "key: must be" in r["bad_key"]
+    assert "region name" in r["bad_name"]
+    for case in ("beyond_object", "overflow"):
+        assert "beyond its" in r[case], (case, r[case])
+    assert "--shm_max_bytes" in r["too_big"]
+    assert "byte_size: must be > 0" in r["zero"]
+    assert "already registered" in r["duplicate"]
+    assert "no shared-memory region \"nope\"" in r["unknown_unregister"]
+    assert "no shared-memory region \"nope\"" in r["unknown_status"]
+    assert "CUDA backend" in r["cuda_on_cpu"]
+    assert "--shm_max_regions" in r["limit"]
+    assert r["ok_infer"] is None
+    for case in ("offset_beyond", "offset_huge"):
+        assert "Q: shared-memory region \"safe\"" in r[case] and "beyond its" in r[case], (case, r[case])
+    assert "q" in r["wrong_size"].lower() and "bytes" in r["wrong_size"], r["wrong_size"]
+    assert "Q: no shared-memory region \"nope\"" in r["unknown_region"]
+    assert r["in_use"][-1] is not None and "is in use by requests in flight" in r["in_use"][-1], r["in_use"]
+    assert r["after"] is None and r["unregister_all"] is None and r["left"] == 0
+    # The server is unharmed: it still answers.
+    assert shm_server.proc.poll() is None
+
+
+OFF_SCRIPT = COMMON + textwrap.dedent("""
+    h = shm.create_shared_memory_region("r", f"/fs_off_{tag}", 4096)
+    report["http"] = error_of(lambda: http.register_system_shared_memory("r", f"/fs_off_{tag}", 4096))
+    report["grpc"] = error_of(lambda: grpc.register_system_shared_memory("r", f"/fs_off_{tag}", 4096))
+    report["status"] = error_of(lambda: http.get_system_shared_memory_status())
+    i = httpclient.InferInput("Q", [1, 1, 1, 8], "FP32")
+    i.set_shared_memory("r", 32)
+    k = httpclient.InferInput("K", [1, 1, 1, 8], "FP32")
+    k.set_data_from_numpy(np.zeros((1, 1, 1, 8), np.float32))
+    v = httpclient.InferInput("V", [1, 1, 1, 8], "FP32")
+    v.set_data_from_numpy(np.zeros((1, 1, 1, 8), np.float32))
+    report["infer"] = error_of(lambda: http.infer("attention", [i, k, v]))
+    shm.destroy_shared_memory_region(h)
+    json.dump(report, open(f"{work}/report.json", "w"))
+""")
+
+
+def test_shm_is_off_by_default(server, tmp_path):
+    r = run_client(OFF_SCRIPT, server, tmp_path)
+    for case in ("http", "grpc", "status", "infer"):
+        assert r[case] is not None and "--allow_client_shm" in r[case], (case, r[case])
