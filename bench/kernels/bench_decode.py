@@ -46,6 +46,8 @@ class Ours:
         self.lib.flashserve_decode_set_copy.restype = None
         self.lib.flashserve_decode_set_pdl.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_pdl.restype = None
+        self.lib.flashserve_decode_set_deep_issue.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_deep_issue.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -65,6 +67,9 @@ class Ours:
 
     def set_pdl(self, mode):
         self.lib.flashserve_decode_set_pdl(mode)
+
+    def set_deep_issue(self, mode):
+        self.lib.flashserve_decode_set_deep_issue(mode)
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -228,6 +233,72 @@ def profile(ours, dtype, l2, sms, args):
         del sets, ws
         torch.cuda.empty_cache()
 
+AB_SHAPES = ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072), (128, 32, 8, 8, 16, 32768),
+             (64, 32, 32, 1, 1, 131072), (64, 32, 32, 64, 1, 8192))
+AB_VARIANTS = ((0, 128), (1, 128), (0, 256), (1, 256))  # (deep issue, L2 prefetch bytes)
+
+
+def ab(ours, dtype, l2, sms, args, peak):
+    """Side by side on the target shapes (paged 64, default split count and PDL): torch FLASH and
+    CUDNN, and ours with deep issue off/on x L2 hint 128/256 B, interleaved over --rounds rounds
+    (median of each round's median), so that drift hits all columns alike."""
+    print("| model | B | Sq | Sk | splits | flash ms | cudnn ms | "
+          + " | ".join(f"deep{d} l2 {h}: ms (TB/s, % peak, /cudnn)" for d, h in AB_VARIANTS)
+          + " | max diff |", flush=True)
+    print("|" + "---|" * (7 + len(AB_VARIANTS)), flush=True)
+    for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
+        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+        kv_bytes = 2 * b * sk * hkv * d * 2
+        splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        ws = ours.workspace(dtype, b * sq, hq, d, splits)
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
+        mine = lambda s: ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"],
+                              seqlens=s["seqlens"], table=s["paged"][64][2], page=64, workspace=ws)
+        times = {k: [] for k in ["flash", "cudnn"] + list(AB_VARIANTS)}
+        diff = 0.0
+        for _ in range(args.rounds):
+            for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                times[tname].append(time_fn(sdpa(backend, hq != hkv), sets, args.warmup, args.reps))
+            for deep, hint in AB_VARIANTS:
+                ours.set_deep_issue(deep)
+                ours.set_l2_prefetch(hint)
+                sets[0]["o"].fill_(float("nan"))
+                mine(sets[0])
+                torch.cuda.synchronize()
+                diff = max(diff, (sets[0]["o"].float() - ref).abs().max().item())
+                times[(deep, hint)].append(time_fn(mine, sets, args.warmup, args.reps))
+        ours.set_deep_issue(-1)
+        ours.set_l2_prefetch(-1)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        cells = []
+        for key in AB_VARIANTS:
+            t = med[key]
+            tbs = kv_bytes / t / 1e12
+            cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
+                         f"{med['cudnn'] / t:.3f}x)")
+        print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {splits} | {med['flash'] * 1e3:.3f} | "
+              f"{med['cudnn'] * 1e3:.3f} | " + " | ".join(cells) + f" | {diff:.1e} |", flush=True)
+        del sets, ref, ws
+        torch.cuda.empty_cache()
+
+def only_ours(ours, dtype, l2, sms, args):
+    """Runs ours on one paged-64 shape --warmup + --reps times, then cuDNN as often (no timing:
+    for an external profiler, e.g. ncu --launch-skip)."""
+    d, hq, hkv, b, sq, sk = (int(x) for x in args.shape.split(","))
+    sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+    splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+    ws = ours.workspace(dtype, b * sq, hq, d, splits)
+    for i in range(args.warmup + args.reps):
+        s = sets[i % len(sets)]
+        ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"], seqlens=s["seqlens"],
+             table=s["paged"][64][2], page=64, workspace=ws)
+    fn = sdpa(SDPBackend.CUDNN_ATTENTION, hq != hkv)
+    for i in range(args.warmup + args.reps):
+        fn(sets[i % len(sets)])
+    torch.cuda.synchronize()
+    print(f"ran d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} splits {splits}", flush=True)
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -241,12 +312,21 @@ def main():
                     help="K/V copy of ours: -1 default, 0 cp.async, 1 cp.async.bulk (sm_90)")
     ap.add_argument("--pdl", type=int, default=-1,
                     help="programmatic dependent launch of ours: -1 default, 0 off, 1 on (sm_90)")
+    ap.add_argument("--deep", type=int, default=-1,
+                    help="K/V issue order of ours: -1 default, 0 wait-then-issue, 1 issue-then-wait")
+    ap.add_argument("--l2", type=int, default=-1,
+                    help="L2 prefetch hint of ours' K/V loads: -1 default, 0, 128 or 256 bytes")
+    ap.add_argument("--ab", action="store_true",
+                    help="only the side-by-side table: deep issue off/on x L2 hint 128/256 vs torch")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
+                    "(for a profiler such as ncu)")
     ap.add_argument("--profile", action="store_true",
                     help="only print kernel timelines (torch profiler) of two target shapes")
     ap.add_argument("--sweep", action="store_true",
                     help="only time paged-64 target shapes over split counts and L2 prefetch hints")
     args = ap.parse_args()
-    assert args.reps >= 30, "median over at least 30 repetitions"
+    assert args.reps >= 30 or args.shape, "median over at least 30 repetitions"
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     ours = Ours(args.lib)
@@ -257,12 +337,18 @@ def main():
     budget = int(props.total_memory * 0.55)
     lines = []
     emit = lambda s="": (print(s, flush=True), lines.append(s))
+    ours.set_copy(args.copy)
+    ours.set_pdl(args.pdl)
+    ours.set_deep_issue(args.deep)
+    ours.set_l2_prefetch(args.l2)
+    if args.ab:
+        return ab(ours, dtype, l2, sms, args, peak)
+    if args.shape:
+        return only_ours(ours, dtype, l2, sms, args)
     if args.sweep:
         return sweep(ours, dtype, l2, sms, args)
     if args.profile:
         return profile(ours, dtype, l2, sms, args)
-    ours.set_copy(args.copy)
-    ours.set_pdl(args.pdl)
     emit(f"# flashserve split-KV decode vs torch SDPA on {props.name}")
     emit()
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "

@@ -31,6 +31,7 @@ namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knobs)
 int& copy_override();
 int& pdl_override();
+int& deep_issue_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -311,6 +312,7 @@ void check_case(const DecodeCase& c) {
                  (variant == 0 ? ", cp.async" : variant == 1 ? ", bulk copy" : ", cp.async + PDL"));
     fk::decode::copy_override() = variant == 1 ? 1 : 0;
     fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
+    fk::decode::deep_issue_override() = variant == 0 ? 0 : 1;  // bulk and PDL runs: deep order
     fk::DecodeParams p = dev.p;
     p.num_splits = splits;
     ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
@@ -344,6 +346,7 @@ void check_case(const DecodeCase& c) {
   }
   fk::decode::copy_override() = -1;
   fk::decode::pdl_override() = -1;
+  fk::decode::deep_issue_override() = -1;
 }
 
 std::vector<DecodeCase> all_cases() {

@@ -104,7 +104,7 @@ struct BulkPipe {
   __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
 
   /// Waits for the tile of step t (stage t % kStages, its (t / kStages)-th use) and for Q.
-  __device__ __forceinline__ void wait(int t) {
+  __device__ __forceinline__ void wait(int t, bool /*deep: one mbarrier per stage either way*/) {
     ptx::cp_async_wait<0>();  // Q (cp.async); nothing else uses cp.async here
     mbar_wait(bars + 8 * (t % T::kStages), (t / T::kStages) & 1);
   }

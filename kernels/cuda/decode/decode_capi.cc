@@ -10,6 +10,7 @@ namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // decode_dispatch.cu
 int& copy_override();
 int& pdl_override();
+int& deep_issue_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -114,6 +115,12 @@ __attribute__((visibility("default"))) void flashserve_decode_set_copy(int mode)
 /// ignored elsewhere): 0 off, 1 on, -1 the default. Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_pdl(int mode) {
   flashserve::kernels::cuda::decode::pdl_override() = mode;
+}
+
+/// Benchmarking knob: the K/V pipeline's issue order (1 deep: next tile issued before the wait,
+/// 0 or -1 the default order). Not thread-safe against concurrent launches.
+__attribute__((visibility("default"))) void flashserve_decode_set_deep_issue(int mode) {
+  flashserve::kernels::cuda::decode::deep_issue_override() = mode;
 }
 
 }  // extern "C"

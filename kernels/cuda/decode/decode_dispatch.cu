@@ -31,6 +31,10 @@ int& pdl_override() {
   static int value = -1;
   return value;
 }
+int& deep_issue_override() {
+  static int value = -1;
+  return value;
+}
 }  // namespace decode
 
 namespace {
@@ -247,6 +251,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   L.tile_in_page = L.page_shift >= 6;  // kBlockN (64, or 32) divides the page
   L.bulk_copy = decode::copy_override() == 1 && device_major() >= 9;
+  L.deep_issue = decode::deep_issue_override() == 1;  // off by default: not yet measured
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();

@@ -171,8 +171,15 @@ struct AsyncPipe {
     load_kv<T>(L, w, rows, k_tile);
   }
   __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
-  /// Waits for the tile of step t: at most kStages - 2 younger groups still in flight.
-  __device__ __forceinline__ void wait(int /*t*/) { ptx::cp_async_wait<T::kStages - 2>(); }
+  /// Waits for the tile of step t: at most kStages - 2 younger groups still in flight, or
+  /// kStages - 1 when the next tile was issued before the wait (deep).
+  __device__ __forceinline__ void wait(int /*t*/, bool deep) {
+    if (deep) {
+      ptx::cp_async_wait<T::kStages - 1>();
+    } else {
+      ptx::cp_async_wait<T::kStages - 2>();
+    }
+  }
 };
 
 /// The split kernel's body over a K/V pipeline (AsyncPipe, or BulkPipe on sm_90).
@@ -219,15 +226,24 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   int limit[2];
   row_key_limits<T>(L, w, wm * 16 + lane / 4, limit);
 
-  for (int t = 0; t < n_tiles; ++t) {
-    pipe.wait(t);
-    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
+  // Tile t + kStages - 1 goes into the stage of tile t - 1. Default order: wait for tile t, one
+  // barrier, then issue (kStages - 1 tiles in flight during the wait). Deep order (L.deep_issue):
+  // a barrier after each tile's compute frees its stage at once, so the issue comes before the
+  // wait and kStages tiles are in flight during it, at the cost of a second barrier per tile.
+  const bool deep = L.deep_issue;
+  auto issue_next = [&](int t) {
     const int next = t + T::kStages - 1;
     if (next < n_tiles) {
       pipe.issue(next % T::kStages, kv_base + 2 * (next % T::kStages) * kTileBytes);
       if (next + 1 < n_tiles) pipe.lookup((w.tile_begin + next + 1) * T::kBlockN);
     }
     pipe.commit();
+  };
+  for (int t = 0; t < n_tiles; ++t) {
+    if (deep) issue_next(t);  // the barrier ending step t - 1 freed tile t - 1's stage
+    pipe.wait(t, deep);
+    __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
+    if (!deep) issue_next(t);
 
     const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;
     const int key0 = (w.tile_begin + t) * T::kBlockN;
@@ -236,6 +252,7 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
     const bool mask = key0 + T::kBlockN > w.mask_from;
     online_softmax<T>(st, s, L.scale_log2, mask, key0 + wn * T::kWarpN, limit, lane);
     warp_pv<T>(st, s, k_tile + kTileBytes + v_lane);
+    if (deep) __syncthreads();  // every warp is done with tile t's stage
   }
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the pipeline's memory

@@ -67,6 +67,7 @@ struct DecodeLaunch {
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
   bool pdl = false;       // sm_90: programmatic dependent launch (decode_launch_template.h)
+  bool deep_issue = false;  // issue tile t + stages - 1 before waiting for tile t (decode_kernel.h)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
 };
@@ -93,6 +94,10 @@ int& copy_override();
 /// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
 /// flashserve_decode_set_pdl): -1 default, 0 off, 1 on (used only on sm_90 and later).
 int& pdl_override();
+
+/// Whether run_decode asks for the deep issue order (a benchmarking knob,
+/// flashserve_decode_set_deep_issue): -1 default, 0 off, 1 on.
+int& deep_issue_override();
 
 /// Programmatic dependent launch, device side (sm_90+; a no-op elsewhere and when the grid was
 /// launched without the attribute): wait until the grid queued before this one has finished and
