@@ -245,7 +245,7 @@ def ab(ours, dtype, l2, sms, args, peak):
     print("| model | B | Sq | Sk | splits | flash ms | cudnn ms | "
           + " | ".join(f"deep{d} l2 {h}: ms (TB/s, % peak, /cudnn)" for d, h in AB_VARIANTS)
           + " | max diff |", flush=True)
-    print("|" + "---|" * (7 + len(AB_VARIANTS)), flush=True)
+    print("|" + "---|" * (8 + len(AB_VARIANTS)), flush=True)
     for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
         kv_bytes = 2 * b * sk * hkv * d * 2
