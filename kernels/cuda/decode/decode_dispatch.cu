@@ -251,7 +251,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   }
   L.tile_in_page = L.page_shift >= 6;  // kBlockN (64, or 32) divides the page
   L.bulk_copy = decode::copy_override() == 1 && device_major() >= 9;
-  L.deep_issue = decode::deep_issue_override() == 1;  // off by default: not yet measured
+  L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();

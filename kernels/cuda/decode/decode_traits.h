@@ -62,7 +62,7 @@ struct DecodeLaunch {
   int row_blocks = 1;   // blocks over the packed rows of one (sequence, KV head)
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
-  int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes
+  int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes (256: no gain at d128, -6 to -16% at d64, run 6)
   bool bulk_copy = false;  // sm_90: K/V rows by cp.async.bulk on mbarriers (decode_bulk.h)
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
