@@ -21,22 +21,35 @@ BackgroundTuner::~BackgroundTuner() {
 
 std::optional<std::string> BackgroundTuner::Lookup(const ProblemClass& c) {
   const std::string key = c.key();
+  if (std::optional<TuneRecord> record = cache_->Find(key)) {  // no job built on a hit
+    Event("hit");
+    return record->config;
+  }
+  Event("miss");
+  Enqueue(key, [this, c] { return tune_(c); });
+  return std::nullopt;
+}
+
+void BackgroundTuner::Enqueue(const ProblemClass& c) {
+  Enqueue(c.key(), [this, c] { return tune_(c); });
+}
+
+std::optional<std::string> BackgroundTuner::Lookup(const std::string& key, JobFn job) {
   if (std::optional<TuneRecord> record = cache_->Find(key)) {
     Event("hit");
     return record->config;
   }
   Event("miss");
-  Enqueue(c);
+  Enqueue(key, std::move(job));
   return std::nullopt;
 }
 
-void BackgroundTuner::Enqueue(const ProblemClass& c) {
-  const std::string key = c.key();
+void BackgroundTuner::Enqueue(const std::string& key, JobFn job) {
   if (cache_->Find(key)) return;
   absl::MutexLock lock(&mu_);
   if (known_.count(key) || int(queue_.size()) >= options_.max_pending) return;
   known_.insert(key);
-  queue_.push_back(c);
+  queue_.push_back(Job{key, std::move(job)});
 }
 
 bool BackgroundTuner::WaitIdle(absl::Duration timeout) {
@@ -47,24 +60,25 @@ bool BackgroundTuner::WaitIdle(absl::Duration timeout) {
 
 void BackgroundTuner::Loop() {
   for (;;) {
-    ProblemClass c;
+    Job job;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_ || !queue_.empty(); };
       mu_.Await(absl::Condition(&ready));
       if (stop_) return;
-      c = queue_.front();
+      job = std::move(queue_.front());
       queue_.pop_front();
       busy_ = true;
     }
     const absl::Time start = absl::Now();
-    absl::StatusOr<TuneRecord> record = tune_(c);
+    absl::StatusOr<TuneRecord> record = job.run();
     if (record.ok()) {
-      cache_->Put(c.key(), *record);
+      cache_->Put(job.key, *record);
       Event("tuned");
       const double speedup =
           record->default_tflops > 0 ? record->tflops / record->default_tflops : 0;
-      spdlog::info("autotune {}: {} at {:.1f} TFLOPS ({:.2f}x the default {}) in {:.1f} s", c.key(),
+      // Throughput unit: TFLOPS for attention classes, K/V TB/s for decode classes.
+      spdlog::info("autotune {}: {} at {:.2f} ({:.2f}x the default {}) in {:.1f} s", job.key,
                    record->config, record->tflops, speedup, record->default_config,
                    absl::ToDoubleSeconds(absl::Now() - start));
       if (!options_.cache_path.empty()) {
@@ -74,7 +88,7 @@ void BackgroundTuner::Loop() {
       }
     } else {
       Event("failed");
-      spdlog::warn("autotune {} failed: {}", c.key(), std::string(record.status().message()));
+      spdlog::warn("autotune {} failed: {}", job.key, std::string(record.status().message()));
     }
     absl::MutexLock lock(&mu_);
     busy_ = false;

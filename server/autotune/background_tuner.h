@@ -23,6 +23,8 @@ class BackgroundTuner {
  public:
   /// Times the candidates of one class and returns the winner (runs on the tuner's thread).
   using TuneFn = std::function<absl::StatusOr<TuneRecord>(const ProblemClass&)>;
+  /// Tunes one class of another kind (e.g. a DecodeClass); runs on the tuner's thread.
+  using JobFn = std::function<absl::StatusOr<TuneRecord>()>;
   /// Called with "hit", "miss", "tuned" or "failed" (for metrics); may be empty.
   using EventFn = std::function<void(const char* event)>;
 
@@ -38,10 +40,18 @@ class BackgroundTuner {
   std::optional<std::string> Lookup(const ProblemClass& c);
   /// Queues `c` unless it is cached, queued or being tuned.
   void Enqueue(const ProblemClass& c);
+  /// The same for a class of another kind, named by its cache key (which must not collide with
+  /// ProblemClass keys, e.g. "decode|..."); `job` tunes it when queued.
+  std::optional<std::string> Lookup(const std::string& key, JobFn job);
+  void Enqueue(const std::string& key, JobFn job);
   /// Waits until nothing is queued or being tuned; false on timeout.
   bool WaitIdle(absl::Duration timeout);
 
  private:
+  struct Job {
+    std::string key;
+    JobFn run;
+  };
   void Loop();
   void Event(const char* event) {
     if (on_event_) on_event_(event);
@@ -52,7 +62,7 @@ class BackgroundTuner {
   const Options options_;
   const EventFn on_event_;
   absl::Mutex mu_;
-  std::deque<ProblemClass> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> known_ ABSL_GUARDED_BY(mu_);  // queued, running or finished (incl. failed)
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

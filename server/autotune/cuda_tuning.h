@@ -5,8 +5,10 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/status/statusor.h"
+#include "autotune/decode_class.h"
 #include "autotune/problem_class.h"
 #include "autotune/tune_cache.h"
+#include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/tuner.h"
 
 namespace flashserve {
@@ -25,5 +27,14 @@ TuneCacheHeader CacheHeaderFor(const DeviceIdentity& device);
 absl::StatusOr<TuneRecord> TuneProblemClass(const ProblemClass& c, int sm_count,
                                             cudaStream_t stream,
                                             const kernels::cuda::TuneOptions& options = {});
+
+/// The sizes of a decode launch that its class depends on (page_size 0 when dense).
+DecodeShape DecodeShapeOf(const kernels::cuda::DecodeParams& p);
+
+/// Times the split counts of kernels::cuda::decode_split_candidates for c's representative
+/// shape (tune_decode_splits) and returns the fastest as "splits=N", throughput in K/V TB/s.
+/// Runs on the current device (its SM count is read there).
+absl::StatusOr<TuneRecord> TuneDecodeClass(const DecodeClass& c, cudaStream_t stream,
+                                           const kernels::cuda::TuneOptions& options = {});
 
 }  // namespace flashserve

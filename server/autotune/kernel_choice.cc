@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "autotune/cuda_tuning.h"
+#include "autotune/decode_class.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "spdlog/spdlog.h"
 
@@ -46,6 +47,7 @@ absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int d
     return absl::UnavailableError(absl::StrCat("CUDA tuning stream: ", cudaGetErrorString(e)));
   }
   cudaStream_t stream = stream_;
+  device_index_ = device_index;
   BackgroundTuner::Options tuner_options;
   tuner_options.cache_path = options.tune_cache_path;
   tuner_ = std::make_unique<BackgroundTuner>(
@@ -94,6 +96,34 @@ kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams
     if (candidate == *tuned) return *tuned;
   }
   return fallback;  // a cached name this build does not have
+}
+
+int KernelChooser::DecodeSplits(const kernels::cuda::DecodeParams& p, int sm_count,
+                                bool covered) const {
+  const int fallback = kernels::cuda::decode_num_splits(p, sm_count);
+  if (!covered || cache_ == nullptr) return fallback;
+  const std::optional<DecodeClass> c = DecodeClassOf(DecodeShapeOf(p), identity_);
+  if (!c) return fallback;
+  const std::string key = c->key();
+  std::optional<std::string> config;
+  if (tuner_) {
+    const int device = device_index_;
+    cudaStream_t stream = stream_;
+    config = tuner_->Lookup(key, [device, stream, cls = *c] {
+      cudaSetDevice(device);
+      return TuneDecodeClass(cls, stream);
+    });
+  } else if (std::optional<TuneRecord> record = cache_->Find(key)) {
+    config = record->config;
+  }
+  if (!config) return fallback;
+  return ParseDecodeSplitsConfig(*config).value_or(fallback);  // a malformed entry: heuristic
+}
+
+int DecodeSplitsFor(const KernelChooser* chooser, const kernels::cuda::DecodeParams& p,
+                    int sm_count, bool covered) {
+  if (chooser == nullptr) return kernels::cuda::decode_num_splits(p, sm_count);
+  return chooser->DecodeSplits(p, sm_count, covered);
 }
 
 }  // namespace flashserve

@@ -14,6 +14,7 @@
 #include "autotune/tune_cache.h"
 #include "autotune/tune_grid.h"
 #include "flashserve/kernels/attention_params.h"
+#include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/kernel_config.h"
 
 namespace flashserve {
@@ -41,6 +42,11 @@ class KernelChooser {
   /// The configuration for `params` on a device with `sm_count` SMs; `covered`: Covers() of it.
   kernels::cuda::KernelConfig Choose(const kernels::AttentionParams& params, int sm_count,
                                      bool covered) const;
+  /// Key-axis splits for the decode launch p (kernels::cuda::DecodeParams::num_splits) on a
+  /// device with sm_count SMs: the tuned count of p's DecodeClass when the cache has one and
+  /// `covered`, else kernels::cuda::decode_num_splits(p, sm_count). A miss queues the class for
+  /// background tuning (modes background and startup); the lookup never waits for it.
+  int DecodeSplits(const kernels::cuda::DecodeParams& p, int sm_count, bool covered) const;
 
  private:
   KernelChooser() = default;
@@ -50,6 +56,11 @@ class KernelChooser {
   std::unique_ptr<TuneCache> cache_;         // null: no tuning, no cache
   std::unique_ptr<BackgroundTuner> tuner_;   // null: cache read-only
   cudaStream_t stream_ = nullptr;            // the tuner's, lowest priority
+  int device_index_ = 0;                     // where the tuner runs
 };
+
+/// DecodeSplits through `chooser`, or the heuristic when there is none (null).
+int DecodeSplitsFor(const KernelChooser* chooser, const kernels::cuda::DecodeParams& p,
+                    int sm_count, bool covered);
 
 }  // namespace flashserve

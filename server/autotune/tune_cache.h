@@ -26,8 +26,8 @@ struct TuneCacheHeader {
 };
 
 struct TuneRecord {
-  std::string config;  // KernelConfig::name() of the winner
-  double tflops = 0;
+  std::string config;  // KernelConfig::name() of the winner; decode classes: "splits=N"
+  double tflops = 0;   // throughput: TFLOPS; decode classes (key "decode|..."): K/V TB/s
   std::string runner_up;  // second fastest ("" if only one candidate ran)
   double runner_up_tflops = 0;
   std::string default_config;  // the heuristic default, for the speed-up

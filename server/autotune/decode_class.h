@@ -1,0 +1,69 @@
+// Problem classes of the split-KV decode kernel: decode problems that want the same number of
+// key-axis splits share one tuning result. CPU-only (no CUDA types), so the keys are testable
+// without a GPU; cuda_tuning.cc converts kernels::cuda::DecodeParams to a DecodeShape.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "autotune/problem_class.h"
+#include "flashserve/kernels/dtype.h"
+
+namespace flashserve {
+
+/// The sizes of one decode launch that the split count depends on.
+struct DecodeShape {
+  kernels::DType dtype = kernels::DType::kBFloat16;
+  int head_dim = 0;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int batch = 0;
+  int seqlen_q = 0;   // rows per sequence (varlen: the maximum)
+  int seqlen_k = 0;   // keys per sequence (varlen/paged: the maximum)
+  int page_size = 0;  // 0: dense K/V
+  bool causal = false;
+};
+
+/// Bucketing (and why): the split count follows from the number of blocks (batch x KV heads x
+/// row blocks, against the SMs' slots) and from the key tiles per sequence, so
+///  - heads_kv, GQA group, head_dim, dtype, causal: exact (a model has one of each; the group
+///    and seqlen_q decide the kernel's rows per block);
+///  - seqlen_q: 1, 2, 4, 8, 16 (next power of two; decode and speculative verification);
+///  - batch: next power of two, capped at 1024 (a serving batch changes every step; powers of two
+///    keep a model at ~11 batch classes);
+///  - seqlen_k: next power of two, at least 64 (one key tile), capped at 2^20;
+///  - page size: 0 (dense) or the next power of two, capped at 256 (paged lookups differ).
+/// Each class is tuned on its largest member (the bucket's upper bounds).
+struct DecodeClass {
+  DeviceIdentity device;
+  kernels::DType dtype = kernels::DType::kBFloat16;
+  int head_dim = 0;
+  bool causal = false;
+  int heads_kv = 0;
+  int group = 1;  // heads_q / heads_kv
+  int seqlen_q_bucket = 1;
+  int batch_bucket = 1;
+  int seqlen_k_bucket = 64;
+  int page_bucket = 0;
+
+  /// Stable cache key, e.g. "decode|sm90|bf16|d128|full|kv8|g4|q1|b64|k8192|p64". The "decode|"
+  /// prefix keeps these apart from the attention classes' keys in the same cache file.
+  std::string key() const;
+  /// The shape the class is tuned on: every size at its bucket's upper bound, except that
+  /// seqlen_k is halved (not below 1024) while K and V together exceed max_kv_bytes: the tuner
+  /// allocates its own K/V next to the server's KV cache. The split count depends on the blocks
+  /// per wave, which this keeps, and on keys per split only through a minimum of two tiles.
+  DecodeShape representative(int64_t max_kv_bytes = int64_t{2} << 30) const;
+};
+
+/// nullopt when s is not a decode problem the classes cover (sizes < 1, heads_q not a multiple
+/// of heads_kv, seqlen_q > 16): such problems keep the kernel's heuristic.
+std::optional<DecodeClass> DecodeClassOf(const DecodeShape& s, const DeviceIdentity& device);
+
+/// The cache's config text for a split count ("splits=32") and back (nullopt unless it is
+/// exactly "splits=N" with N in 1..128).
+std::string DecodeSplitsConfig(int num_splits);
+std::optional<int> ParseDecodeSplitsConfig(const std::string& config);
+
+}  // namespace flashserve
