@@ -128,21 +128,21 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     return Finish(context, &call, s, *response);
   }
 
-#define FLASHSERVE_SHM_CALL(Method, Work, ...)                                            \
+#define FLASHSERVE_SHM_CALL(Method, Work, ARGS)                                           \
   grpc::ServerUnaryReactor* Method(grpc::CallbackServerContext* context,                   \
                                    const inference::Method##Request* request,              \
                                    inference::Method##Response* response) override {       \
     GrpcCall call(runtime_->metrics(), grpc_methods::k##Method);                            \
     call.Start();                                                                           \
-    return Finish(context, &call, kserve::Work(*runtime_, *request, ##__VA_ARGS__), *response); \
+    return Finish(context, &call, kserve::Work ARGS, *response);                            \
   }
   // Triton's shared-memory extension (edge/grpc/kserve_shm_grpc.h).
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryStatus, SystemShmStatus, response)
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryRegister, SystemShmRegister)
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryUnregister, SystemShmUnregister)
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryStatus, CudaShmStatus, response)
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryRegister, CudaShmRegister)
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryUnregister, CudaShmUnregister)
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryStatus, SystemShmStatus, (*runtime_, *request, response))
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryRegister, SystemShmRegister, (*runtime_, *request))
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryUnregister, SystemShmUnregister, (*runtime_, *request))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryStatus, CudaShmStatus, (*runtime_, *request, response))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryRegister, CudaShmRegister, (*runtime_, *request))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryUnregister, CudaShmUnregister, (*runtime_, *request))
 #undef FLASHSERVE_SHM_CALL
 
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,

@@ -1,14 +1,10 @@
 #include "edge/grpc/stream_session.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
-#include <cstring>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -222,21 +218,7 @@ absl::StatusOr<AttentionProblem> ValidateSessionHeader(const v1::AttentionReques
 
 }  // namespace
 
-absl::StatusOr<std::string> NewSessionId() {
-  unsigned char bytes[16];
-  size_t filled = 0;
-  while (filled < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + filled, sizeof(bytes) - filled, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot draw a session id from getrandom(2): ", std::strerror(errno)));
-    }
-    filled += size_t(n);
-  }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
-}
+absl::StatusOr<std::string> NewSessionId() { return RandomHexId128("session id"); }
 
 absl::Status SessionTable::ReserveRoom(int64_t accounted) {
   absl::MutexLock lock(&mu_);

@@ -41,8 +41,8 @@ absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(
     const std::vector<RequestedOutput>& requested, const InferOptions& options) {
   std::vector<OutputSpec> outputs;
   if (requested.empty()) {
-    outputs.push_back({OutputSpec::kOut, options.binary_data_output});
-    if (options.return_lse) outputs.push_back({OutputSpec::kLse, options.binary_data_output});
+    outputs.push_back({OutputSpec::kOut, options.binary_data_output, {}});
+    if (options.return_lse) outputs.push_back({OutputSpec::kLse, options.binary_data_output, {}});
     return outputs;
   }
   bool seen[2] = {false, false};

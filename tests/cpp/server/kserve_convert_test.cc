@@ -212,7 +212,7 @@ TEST(KServeConvertTest, RestResponseJsonAndBinary) {
   RestInferRequest r;
   r.id = "abc";
   r.has_id = true;
-  r.outputs = {{OutputSpec::kOut, true}, {OutputSpec::kLse, false}};
+  r.outputs = {{OutputSpec::kOut, true, {}}, {OutputSpec::kLse, false, {}}};
   v1::AttentionResponse response;
   response.mutable_out()->set_dtype(v1::BFLOAT16);
   for (int64_t d : {1, 1, 1, 2}) response.mutable_out()->add_shape(d);
