@@ -91,7 +91,7 @@ class SequenceCacheTest : public ::testing::Test {
       plan->batch.items[i].out = outs[i].data();
       plan->batch.items[i].lse = lses[i].data();
     }
-    std::string kernel;
+    AttendInfo kernel;
     if (absl::Status st = store_->Attend(plan->batch, &kernel); !st.ok()) return st;
     for (size_t i = 0; i < ids.size(); ++i) {
       DenseLayer& layer = (*dense[i])[size_t(layers[i])];
@@ -295,7 +295,7 @@ TEST_F(SequenceCacheTest, ConcurrentStepsOnSharedAndDisjointSequences) {
       plan->batch.softmax_scale = 0.2f;
       plan->batch.items[0].out = out.data();
       plan->batch.items[1].out = out.data() + q.size();
-      std::string kernel;
+      AttendInfo kernel;
       if (!store_->Attend(plan->batch, &kernel).ok()) ++failures;
       if (i % 50 == 49 && t == 0) cache_->Release({ids[size_t(t)]});
     }
@@ -360,7 +360,7 @@ class RecordingStore final : public KvStore {
     return absl::OkStatus();
   }
   void Fence() override { events.push_back("F"); }
-  absl::Status Attend(const PagedBatch&, std::string*) override { return absl::OkStatus(); }
+  absl::Status Attend(const PagedBatch&, AttendInfo*) override { return absl::OkStatus(); }
   std::vector<std::string> events;
 };
 
