@@ -36,6 +36,9 @@ CLIENT_ARGS=()
 echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 [[ -x $FLASHSERVE_BIN ]] || { echo "run_decode_on_gpu: no server binary at $FLASHSERVE_BIN"; exit 1; }
 export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
+# The client's stubs are checked against this tree's protos: without this, a copy of the tree two levels under
+# another checkout (e.g. /work/main/.kvperf) has flashserve._pb find <that checkout>/proto and regenerate stale stubs.
+export FLASHSERVE_PROTO_ROOT=${FLASHSERVE_PROTO_ROOT:-$PWD/proto}
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 

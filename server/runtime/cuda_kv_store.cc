@@ -92,8 +92,8 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
     return absl::InternalError("KV store write outside the pool");
   }
   std::lock_guard<std::mutex> lock(write_mu_);
-  cudaSetDevice(device_);
   if (bytes >= kDirectWriteBytes) {
+    cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
     // After what is staged (the stream keeps the writes in order). From pageable memory the
     // driver stages the bytes before returning, so `src` may be reused.
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
@@ -103,6 +103,7 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
   }
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
   if (staged_ranges_ == kMaxRanges || staged_bytes_ + padded > kStageDataBytes) {
+    cudaSetDevice(device_);
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
   }
   const KvScatterRange range{offset, staged_bytes_, bytes};
@@ -280,16 +281,16 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   // Under write_mu_ until the kernel is queued: a later flush overwrites the device stage, and
   // the stream keeps it behind this kernel only if it is queued after it.
   std::lock_guard<std::mutex> write_lock(write_mu_);
-  cudaError_t e = cudaEventRecord(events_[0], stream_);
   const int64_t at = InputsAtLocked(pk.inputs_end);
+  // events_[0] after the host packing: h2d_us is device time, not this thread's memcpy.
+  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host);
+  cudaError_t e = cudaEventRecord(events_[0], stream_);
   const char* inputs = nullptr;
   if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
-    FillHost(batch, pk, stage_host_[stage_index_] + at);
     inputs = stage_device_ + at;
     if (absl::Status st = FlushLocked(pk.inputs_end); !st.ok()) return st;
   } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs
     if (absl::Status st = FlushLocked(); !st.ok()) return st;
-    FillHost(batch, pk, host);
     inputs = static_cast<const char*>(device_scratch_);
     e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice,
                         stream_);
