@@ -133,24 +133,89 @@ def bench_sequences(target: str, token, ids: List[str], concurrency: int, steps:
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     channels = [grpc.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(concurrency)]
     stubs = [spb_grpc.SequencesStub(c) for c in channels]
-    server = {"total_us": [], "compute_us": [], "batched_calls": []}
+    server = {key: [] for key in ("total_us", "compute_us", "batched_calls", "queue_us", "stage_us", "h2d_us",
+                                  "kernel_us", "d2h_us")}
 
     def call(i):
-        response = stubs[i].DecodeStep(requests[i], timeout=60, metadata=metadata)
-        server["total_us"].append(response.timing.total_us)
-        server["compute_us"].append(response.timing.compute_us)
-        server["batched_calls"].append(response.batched_calls)
+        _record(server, stubs[i].DecodeStep(requests[i], timeout=60, metadata=metadata))
 
     try:
         latencies, wall = run_clients(concurrency, call, steps, warmup)
     finally:
         for c in channels:
             c.close()
+    return _row(latencies, wall, sequences, steps, server)
+
+
+def bench_sequences_shm(target: str, token, ids: List[str], concurrency: int, steps: int, warmup: int,
+                        rng) -> dict:
+    """The same DecodeSteps with q, k, v and O in a system shared-memory region per client (the server needs
+    --allow_client_shm): each step writes the new q/k/v into the region, sends a message of references only and
+    reads O back from the region; all of that is inside the measured latency."""
+    from flashserve.shm import SystemRegion
+
+    shares = np.array_split(np.arange(len(ids)), concurrency)
+    q_bytes, kv_bytes = HEADS_Q * HEAD_DIM * 2, HEADS_KV * HEAD_DIM * 2
+    clients, regions, requests, layouts = [], [], [], []
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    try:
+        for c, share in enumerate(shares):
+            n = len(share)
+            # [q of every item][k][v][O]: one contiguous block per tensor, written / read with one copy.
+            at = {"q": 0, "k": n * q_bytes, "v": n * (q_bytes + kv_bytes), "o": n * (q_bytes + 2 * kv_bytes)}
+            clients.append(flashserve.Client(target, token=token))
+            regions.append(SystemRegion(clients[-1], f"decode-bench-{c}", at["o"] + n * q_bytes))
+            request = spb.DecodeStepRequest()
+            for j, i in enumerate(share):
+                item = request.items.add(sequence_id=ids[i], layer=0)
+                item.out_shm.CopyFrom(regions[-1].ref(at["o"] + j * q_bytes, q_bytes))
+                for field, heads, size in (("q", HEADS_Q, q_bytes), ("k", HEADS_KV, kv_bytes),
+                                           ("v", HEADS_KV, kv_bytes)):
+                    t = getattr(item, field)
+                    t.dtype = pb.BFLOAT16
+                    t.shape[:] = [1, heads, HEAD_DIM]
+                    t.shm.CopyFrom(regions[-1].ref(at[field] + j * size, size))
+            requests.append(request)
+            layouts.append((at, n))
+        qs = [bf16_rows(rng, n, HEADS_Q, HEAD_DIM).view(np.uint8).reshape(-1) for _, n in layouts]
+        kvs = [bf16_rows(rng, 2 * n, HEADS_KV, HEAD_DIM).view(np.uint8).reshape(-1) for _, n in layouts]
+        stubs = [spb_grpc.SequencesStub(cl.channel) for cl in clients]
+        server = {key: [] for key in ("total_us", "compute_us", "batched_calls", "queue_us", "stage_us", "h2d_us",
+                                      "kernel_us", "d2h_us")}
+
+        def call(i):
+            (at, n), buf = layouts[i], regions[i]._buffer
+            buf[at["q"]:at["q"] + qs[i].size] = qs[i]
+            buf[at["k"]:at["k"] + kvs[i].size] = kvs[i]  # k then v: adjacent blocks
+            response = stubs[i].DecodeStep(requests[i], timeout=60, metadata=metadata)
+            out = buf[at["o"]:at["o"] + n * q_bytes].copy()  # O, as the caller would take it
+            assert out.size == n * q_bytes
+            _record(server, response)
+
+        latencies, wall = run_clients(concurrency, call, steps, warmup)
+    finally:
+        for r in regions:
+            r.close()
+        for cl in clients:
+            cl.close()
+    return _row(latencies, wall, len(ids), steps, server)
+
+
+def _record(server: dict, response) -> None:
+    t = response.timing
+    for key in ("total_us", "compute_us", "queue_us", "stage_us", "h2d_us", "kernel_us", "d2h_us"):
+        server[key].append(getattr(t, key))
+    server["batched_calls"].append(response.batched_calls)
+
+
+def _row(latencies, wall, sequences, steps, server) -> dict:
     row = percentiles(latencies)
     row.update(seq_steps_per_s=sequences * steps / wall,
                server_total_us=float(np.median(server["total_us"])),
                server_compute_us=float(np.median(server["compute_us"])),
                batched_calls_mean=float(np.mean(server["batched_calls"])))
+    for key in ("queue_us", "stage_us", "h2d_us", "kernel_us", "d2h_us"):
+        row[f"server_{key}"] = float(np.median(server[key]))
     return row
 
 
@@ -263,6 +328,9 @@ def parse_args(argv=None):
                    "rows are measured by that C++ client")
     p.add_argument("--python_client", action=argparse.BooleanOptionalAction, default=False,
                    help="with --cpp_loadgen: also measure the Sequences rows with this Python client")
+    p.add_argument("--shm", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the Sequences rows with q/k/v/O in system shared memory (Python client; the servers "
+                        "need --allow_client_shm)")
     p.add_argument("--md", default="", help="write the markdown table here")
     p.add_argument("--json", default="", help="write every row as JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -273,9 +341,14 @@ def python_sequence_rows(args, label, address, context, levels, rng) -> List[dic
     ids = create_sequences(address, args.token, context, args.sequences, rng)  # each level adds steps
     rows = []
     try:
-        for c in levels:
+        for c in levels if args.python_client or not args.cpp_loadgen else []:
             row = bench_sequences(address, args.token, ids, c, args.steps, args.warmup, rng)
             rows.append(dict(path=f"sequences ({label})", client="Python", context=context, concurrency=c, **row))
+            print(json.dumps(rows[-1]), flush=True)
+        for c in levels if args.shm else []:
+            row = bench_sequences_shm(address, args.token, ids, c, args.steps, args.warmup, rng)
+            rows.append(dict(path=f"sequences, shared memory ({label})", client="Python", context=context,
+                             concurrency=c, **row))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         release(address, args.token, ids)
@@ -323,7 +396,7 @@ def run(args) -> List[dict]:
             if args.cpp_loadgen:
                 rows += cpp_rows(args, f"sequences ({label})", address, context, "sequences", args.steps,
                                  args.warmup)
-            if args.python_client or not args.cpp_loadgen:
+            if args.python_client or args.shm or not args.cpp_loadgen:
                 rows += python_sequence_rows(args, label, address, context, levels, rng)
         full_target = args.full_kv_target or (targets[0][1] if targets else "")
         if args.full_kv_steps and full_target and context <= args.full_kv_max_context:
@@ -344,14 +417,21 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _stages(r: dict) -> str:
+    keys = ("queue", "stage", "h2d", "kernel", "d2h")
+    if not all(f"server_{k}_us" in r for k in keys):
+        return ""
+    return "/".join(f"{r[f'server_{k}_us']:.0f}" for k in keys)
+
+
 def markdown(rows: List[dict], args) -> str:
     lines = [f"Decode step, one Llama-3-8B-like layer ({HEADS_Q} q heads, {HEADS_KV} kv heads, d{HEAD_DIM}, {DTYPE}), "
              f"{args.sequences} sequences; {args.steps} measured steps after {args.warmup} warm-up "
              f"((a): {args.full_kv_steps} after 1). Latency = one client's call for its share of the sequences.",
              "",
              "| context | path | client | clients | p50 ms | p99 ms | seq-steps/s | server total us (p50) | "
-             "server compute us (p50) | calls merged (mean) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "server compute us (p50) | calls merged (mean) | server queue/stage/h2d/kernel/d2h us (p50) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         merged = f"{r['batched_calls_mean']:.2f}" if r["path"].startswith("sequences") else ""
         total = f"{r['server_total_us']:.0f}" if "server_total_us" in r else ""
@@ -359,7 +439,7 @@ def markdown(rows: List[dict], args) -> str:
         p50 = f"{r['p50_ms']:.3f}" + (f" (queued {r['queued_mean_ms']:.3f})" if "queued_mean_ms" in r else "")
         lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | {p50} | "
                      f"{r['p99_ms']:.3f} | "
-                     f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} |")
+                     f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} | {_stages(r)} |")
     return "\n".join(lines) + "\n"
 
 

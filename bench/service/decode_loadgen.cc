@@ -20,6 +20,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -48,6 +49,9 @@ struct Options {
 struct Sample {
   double latency_us = 0;
   int64_t total_us = 0, compute_us = 0, merged = 0;
+  // Where the server's time went (Timing: queue, row staging, and the device times of the
+  // input copy + row scatter, the decode kernel and the output copy).
+  int64_t queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -202,13 +206,24 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   }
   double merged_mean = 0;
   for (double m : merged) merged_mean += m / double(merged.size());
+  std::string stages;
+  const std::pair<const char*, int64_t Sample::*> fields[] = {
+      {"queue", &Sample::queue_us}, {"stage", &Sample::stage_us}, {"h2d", &Sample::h2d_us},
+      {"kernel", &Sample::kernel_us}, {"d2h", &Sample::d2h_us}};
+  for (const auto& [name, field] : fields) {
+    std::vector<double> values;
+    for (const Sample& s : samples) values.push_back(double(s.*field));
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), ", \"server_%s_us\": %.1f", name, Percentile(values, 50));
+    stages += buffer;
+  }
   std::printf(
       "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
       "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
-      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s}\n",
+      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s%s}\n",
       path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
       Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
-      Percentile(total, 50), Percentile(compute, 50), merged_mean, extra.c_str());
+      Percentile(total, 50), Percentile(compute, 50), merged_mean, stages.c_str(), extra.c_str());
   std::fflush(stdout);
 }
 
@@ -232,6 +247,11 @@ void BenchSequences(const Options& opt, std::mt19937* rng) {
       sample->total_us = response.timing().total_us();
       sample->compute_us = response.timing().compute_us();
       sample->merged = response.batched_calls();
+      sample->queue_us = response.timing().queue_us();
+      sample->stage_us = response.timing().stage_us();
+      sample->h2d_us = response.timing().h2d_us();
+      sample->kernel_us = response.timing().kernel_us();
+      sample->d2h_us = response.timing().d2h_us();
     };
     double wall_s = 0;
     const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);

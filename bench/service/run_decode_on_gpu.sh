@@ -6,7 +6,7 @@
 #     (carry build-decode-py; $DECODE_PY overrides the path);
 #   - optional, the C++ client flashserve-decode-loadgen (built beside the server; scripts/bundle does not ship it:
 #     copy it into the bundle's bin/, or set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
-#     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows.
+#     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows; SHM=0 drops the shared-memory rows.
 # Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
 # writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100); extra
@@ -32,9 +32,13 @@ DECODE_LOADGEN=${DECODE_LOADGEN:-$(dirname "$FLASHSERVE_BIN")/flashserve-decode-
 CLIENT_ARGS=()
 [[ -x $DECODE_LOADGEN ]] && CLIENT_ARGS+=(--cpp_loadgen "$DECODE_LOADGEN")
 [[ ${PYTHON_CLIENT:-0} == 1 ]] && CLIENT_ARGS+=(--python_client)
+[[ ${SHM:-1} == 1 ]] && CLIENT_ARGS+=(--shm)  # the shared-memory rows (Python client, system regions)
 echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 [[ -x $FLASHSERVE_BIN ]] || { echo "run_decode_on_gpu: no server binary at $FLASHSERVE_BIN"; exit 1; }
 export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
+# The client's stubs are checked against this tree's protos: without this, a copy of the tree two levels under
+# another checkout (e.g. /work/main/.kvperf) has flashserve._pb find <that checkout>/proto and regenerate stale stubs.
+export FLASHSERVE_PROTO_ROOT=${FLASHSERVE_PROTO_ROOT:-$PWD/proto}
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
@@ -50,7 +54,7 @@ start_server() {  # name window_us -> sets PORT to the server's gRPC port
   "$FLASHSERVE_BIN" --backend=cuda --host=127.0.0.1 --grpc_port="$grpc" --http_port="$http" --metrics_port="$metrics" \
     --kv_cache_bytes=${KV_CACHE_BYTES:-$((8 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
     --max_request_bytes=2147483647 --max_tensor_elements=1099511627776 --max_inflight_bytes=0 \
-    --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn \
+    --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn --allow_client_shm \
     ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 300); do

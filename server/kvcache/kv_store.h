@@ -27,8 +27,8 @@ class KvStore {
   /// call must land before any Write issued after it (a store that defers writes flushes here).
   virtual void Fence() {}
   /// Attention of every item against its pages; returns once every out/lse is written.
-  /// `kernel` receives the name of what ran. INTERNAL on a device fault.
-  virtual absl::Status Attend(const PagedBatch& batch, std::string* kernel) = 0;
+  /// `info` receives the name of what ran and its times. INTERNAL on a device fault.
+  virtual absl::Status Attend(const PagedBatch& batch, AttendInfo* info) = 0;
   /// Head dims Attend supports (empty: any in [1, 256]).
   virtual std::vector<int> head_dims() const { return {}; }
 };

@@ -69,4 +69,12 @@ struct PagedBatch {
   std::vector<PagedItem> items;
 };
 
+/// What ran for one PagedBatch and, where the store can measure it, its device time.
+struct AttendInfo {
+  std::string kernel;
+  int64_t h2d_us = 0;      // inputs to the device and staged rows into the pool (0: none)
+  int64_t kernel_us = -1;  // the attention launch alone (-1: not measured)
+  int64_t d2h_us = 0;      // outputs back to the host (0: none)
+};
+
 }  // namespace flashserve::kvcache

@@ -167,27 +167,40 @@ absl::Status SequenceCache::TakePages(int64_t page_bytes, int64_t count,
 
 absl::Status SequenceCache::WriteRows(Sequence* seq, int layer, const HostRows& k,
                                       const HostRows& v, std::vector<int64_t>* fresh) {
-  const PageFormat& f = seq->format;
-  std::vector<int64_t>& table = seq->pages[size_t(layer)];
+  GrowTable(seq, layer, k.rows, fresh);
   int64_t& length = seq->lengths[size_t(layer)];
-  const int64_t end = length + k.rows;
-  while (int64_t(table.size()) * f.page_tokens < end) {
+  if (absl::Status s = CopyRows(*seq, layer, length, k, v); !s.ok()) return s;
+  length += k.rows;
+  return absl::OkStatus();
+}
+
+void SequenceCache::GrowTable(Sequence* seq, int layer, int64_t rows,
+                              std::vector<int64_t>* fresh) {
+  std::vector<int64_t>& table = seq->pages[size_t(layer)];
+  const int64_t end = seq->lengths[size_t(layer)] + rows;
+  while (int64_t(table.size()) * seq->format.page_tokens < end) {
     table.push_back(fresh->back());
     fresh->pop_back();
   }
+}
+
+absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t from,
+                                     const HostRows& k, const HostRows& v) {
+  const PageFormat& f = seq.format;
+  const std::vector<int64_t>& table = seq.pages[size_t(layer)];
   const char* k_src = static_cast<const char*>(k.data);
   const char* v_src = static_cast<const char*>(v.data);
-  for (int64_t pos = length; pos < end;) {
+  const int64_t end = from + k.rows;
+  for (int64_t pos = from; pos < end;) {
     const int64_t in_page = pos % f.page_tokens;
     const int64_t n = std::min<int64_t>(f.page_tokens - in_page, end - pos);
     const int64_t at = table[size_t(pos / f.page_tokens)] + in_page * f.row_bytes;
-    const int64_t from = (pos - length) * f.row_bytes;
-    absl::Status s = store_->Write(at, k_src + from, n * f.row_bytes);
-    if (s.ok()) s = store_->Write(at + f.v_offset, v_src + from, n * f.row_bytes);
+    const int64_t src = (pos - from) * f.row_bytes;
+    absl::Status s = store_->Write(at, k_src + src, n * f.row_bytes);
+    if (s.ok()) s = store_->Write(at + f.v_offset, v_src + src, n * f.row_bytes);
     if (!s.ok()) return s;
     pos += n;
   }
-  length = end;
   return absl::OkStatus();
 }
 

@@ -6,6 +6,7 @@
 // then only hides it, and its pages return to the pool when the step ends.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -147,6 +148,16 @@ class SequenceCache {
   // Appends rows at the layer's end, growing its page table from `fresh` (pages already taken).
   absl::Status WriteRows(Sequence* seq, int layer, const HostRows& k, const HostRows& v,
                          std::vector<int64_t>* fresh);
+  // WriteRows in two halves, for Append to copy outside the lock: GrowTable (needs mu_) gives the
+  // layer the pages for `rows` more tokens; CopyRows writes them at `from` (lengths unchanged).
+  void GrowTable(Sequence* seq, int layer, int64_t rows, std::vector<int64_t>* fresh);
+  absl::Status CopyRows(const Sequence& seq, int layer, int64_t from, const HostRows& k,
+                        const HostRows& v);
+  // The sequence `id` once no Append on it is running (waits, releasing mu_); null: not found.
+  Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock);
+  // Validates an Append's rows against `seq`; the pages it needs in *count.
+  absl::Status ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
+                              int64_t* count) const;
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
@@ -162,6 +173,7 @@ class SequenceCache {
   // A std::mutex (not absl::Mutex) so that ThreadSanitizer sees it: the system's Abseil is not
   // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
   std::mutex mu_;
+  std::condition_variable appended_;  // a Sequence::appending went false
   PageAllocator pages_;
   std::unordered_map<std::string, std::unique_ptr<Sequence>> table_;
   // Released or evicted while pinned: freed by the last Unpin.

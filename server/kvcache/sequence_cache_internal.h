@@ -21,6 +21,9 @@ struct SequenceCache::Sequence {
   absl::Time last_used;
   int pins = 0;        // running steps that read it
   bool ready = false;  // false while its prefix is written (invisible to lookups)
+  // An Append is copying rows into pages past `lengths` outside the lock: other appends and steps
+  // on this sequence wait for it (SequenceCache::appended_).
+  bool appending = false;
 
   int64_t page_count() const {
     int64_t n = 0;

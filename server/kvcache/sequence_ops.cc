@@ -6,44 +6,81 @@
 
 namespace flashserve::kvcache {
 
+SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
+                                                      std::unique_lock<std::mutex>* lock) {
+  Sequence* seq = FindLocked(id);
+  while (seq != nullptr && seq->appending) {
+    appended_.wait(*lock);
+    seq = FindLocked(id);  // it may have been released meanwhile
+  }
+  return seq;
+}
+
+absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
+                                           int64_t* count) const {
+  std::vector<bool> seen(size_t(seq.shape.num_layers), false);
+  for (const LayerRows& r : rows) {
+    if (r.layer < 0 || r.layer >= seq.shape.num_layers || seen[size_t(r.layer)]) {
+      return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer,
+                                                     " is out of range or given twice (num_layers ",
+                                                     seq.shape.num_layers, ")"));
+    }
+    seen[size_t(r.layer)] = true;
+    if (absl::Status s = CheckKvRows(seq.shape, r.k, r.v); !s.ok()) return s;
+    const int64_t after = seq.lengths[size_t(r.layer)] + r.k.rows;
+    if (after > seq.max_tokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
+                       " tokens, past the sequence's limit of ", seq.max_tokens));
+    }
+    *count += PagesToGrow(seq, r.layer, after);
+  }
+  return absl::OkStatus();
+}
+
+// Pages are taken and the tables grown under the lock; the rows are copied outside it (a large
+// append would otherwise stall every other sequence's steps), with the sequence pinned and marked
+// appending; the lengths move under the lock once every row is in place.
 absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
                                                            const std::vector<LayerRows>& rows) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
-  Sequence* seq = FindLocked(id);
+  Sequence* seq = FindIdleLocked(id, &lock);
   if (seq == nullptr) {
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
     return absl::NotFoundError(absl::StrCat("unknown or evicted sequence ", std::string(id)));
   }
-  std::vector<bool> seen(size_t(seq->shape.num_layers), false);
   int64_t count = 0;
-  for (const LayerRows& r : rows) {
-    if (r.layer < 0 || r.layer >= seq->shape.num_layers || seen[size_t(r.layer)]) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", r.layer,
-                                                     " is out of range or given twice (num_layers ",
-                                                     seq->shape.num_layers, ")"));
-    }
-    seen[size_t(r.layer)] = true;
-    if (absl::Status s = CheckKvRows(seq->shape, r.k, r.v); !s.ok()) return s;
-    const int64_t after = seq->lengths[size_t(r.layer)] + r.k.rows;
-    if (after > seq->max_tokens) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
-                       " tokens, past the sequence's limit of ", seq->max_tokens));
-    }
-    count += PagesToGrow(*seq, r.layer, after);
-  }
+  if (absl::Status s = ValidateAppend(*seq, rows, &count); !s.ok()) return s;
   std::vector<int64_t> fresh;
   if (absl::Status s = TakePages(seq->format.page_bytes, count, &fresh); !s.ok()) return s;
+  for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
+  seq->appending = true;
+  ++seq->pins;  // not freed by a Release or eviction meanwhile
+  lock.unlock();
+  absl::Status written = absl::OkStatus();
   for (const LayerRows& r : rows) {
-    if (absl::Status s = WriteRows(seq, r.layer, r.k, r.v, &fresh); !s.ok()) {
-      pages_.Free(seq->format.page_bytes, fresh);  // a device fault: the pages not reached
-      return s;
+    if (written.ok()) written = CopyRows(*seq, r.layer, seq->lengths[size_t(r.layer)], r.k, r.v);
+  }
+  lock.lock();
+  if (written.ok()) {  // a device fault leaves the lengths (the grown pages stay the sequence's)
+    for (const LayerRows& r : rows) seq->lengths[size_t(r.layer)] += r.k.rows;
+  }
+  std::vector<int64_t> lengths = seq->lengths;
+  seq->appending = false;
+  seq->last_used = Now();
+  if (--seq->pins == 0) {
+    auto it = retired_.find(seq);  // released while it was written
+    if (it != retired_.end()) {
+      FreePages(seq);
+      retired_.erase(it);
     }
   }
-  seq->last_used = Now();
   PublishLocked();
-  return seq->lengths;
+  lock.unlock();
+  appended_.notify_all();
+  if (!written.ok()) return written;
+  return lengths;
 }
 
 std::vector<std::string> SequenceCache::Release(const std::vector<std::string>& ids) {

@@ -1,4 +1,5 @@
 // SequenceCache::PrepareStep: find, validate, append and pin the items of one DecodeStep.
+#include <algorithm>
 #include <optional>
 #include <set>
 #include <utility>
@@ -86,10 +87,16 @@ PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows&
 
 absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items) {
   if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
   std::vector<Sequence*> found;
-  if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
+  while (true) {  // an Append copying rows into one of them goes first
+    found.clear();
+    if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
+    if (std::none_of(found.begin(), found.end(), [](const Sequence* q) { return q->appending; }))
+      break;
+    appended_.wait(lock);
+  }
   if (absl::Status s = ValidateStep(items, found); !s.ok()) return s;
   const absl::Time now = Now();
   int64_t count = 0;

@@ -74,13 +74,20 @@ void AttentionRuntime::Leave() {
 
 void AttentionRuntime::Submit(Call call) { Submit(std::move(call), Admission()); }
 
-bool AttentionRuntime::AdmitBytes(Call& call, int64_t bytes) {
+absl::Status AttentionRuntime::ReserveBytes(int64_t bytes) {
   const int64_t before = inflight_bytes_.fetch_add(bytes);
   if (max_inflight_bytes_ > 0 && before + bytes > max_inflight_bytes_ && before > 0) {
     inflight_bytes_.fetch_sub(bytes);
-    call.done(absl::ResourceExhaustedError(
+    return absl::ResourceExhaustedError(
         absl::StrCat("server busy: ", before, " tensor bytes in flight + ", bytes,
-                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_)));
+                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_));
+  }
+  return absl::OkStatus();
+}
+
+bool AttentionRuntime::AdmitBytes(Call& call, int64_t bytes) {
+  if (absl::Status s = ReserveBytes(bytes); !s.ok()) {
+    call.done(s);
     return false;
   }
   call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {

@@ -117,6 +117,11 @@ class AttentionRuntime {
   void set_shm_regions(ShmRegistry* regions) { shm_regions_ = regions; }
   ShmRegistry* shm_regions() { return shm_regions_; }
   int64_t inflight_bytes() const { return inflight_bytes_.load(); }
+  /// Counts `bytes` of a call that does not go through Submit (the Sequences API) against
+  /// --max_inflight_bytes, by Submit's rule; RESOURCE_EXHAUSTED (nothing counted) when over it.
+  /// Give them back with ReleaseBytes once the call is answered.
+  absl::Status ReserveBytes(int64_t bytes);
+  void ReleaseBytes(int64_t bytes) { inflight_bytes_.fetch_sub(bytes); }
 
  private:
   struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)

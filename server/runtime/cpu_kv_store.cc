@@ -57,7 +57,7 @@ absl::Status CpuKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
   return absl::OkStatus();
 }
 
-absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, std::string* kernel) {
+absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
   const kvcache::SequenceShape& s = batch.shape;
   const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
   Scratch scratch;
@@ -92,7 +92,7 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, std::string* k
     kernels::cpu::attention_forward(p, pool_);
     std::memcpy(item.out, o, size_t(q_bytes));
   }
-  *kernel = "cpu_paged_gather";
+  info->kernel = "cpu_paged_gather";
   return absl::OkStatus();
 }
 

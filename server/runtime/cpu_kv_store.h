@@ -24,7 +24,7 @@ class CpuKvStore final : public kvcache::KvStore {
   std::string_view kind() const override { return "cpu"; }
   int64_t capacity_bytes() const override { return bytes_; }
   absl::Status Write(int64_t offset, const void* src, int64_t bytes) override;
-  absl::Status Attend(const kvcache::PagedBatch& batch, std::string* kernel) override;
+  absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
 
  private:
   CpuKvStore(char* base, int64_t bytes, kernels::cpu::ThreadPool* pool)

@@ -47,8 +47,10 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
     return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
   }
   static_assert(sizeof(KvScatterRange) == 24, "kRangeBytes assumes 24-byte ranges");
-  const size_t stage = size_t(kRangeBytes + kStageDataBytes);
+  const size_t stage = size_t(kStageBytes);
+  store->staged_ranges_host_.resize(size_t(kRangeBytes));
   e = cudaMalloc(reinterpret_cast<void**>(&store->stage_device_), stage);
+  for (int i = 0; i < 4 && e == cudaSuccess; ++i) e = cudaEventCreate(&store->events_[i]);
   for (int i = 0; i < 2 && e == cudaSuccess; ++i) {
     e = cudaHostAlloc(reinterpret_cast<void**>(&store->stage_host_[i]), stage,
                       cudaHostAllocDefault);
@@ -78,6 +80,9 @@ CudaKvStore::~CudaKvStore() {
     cudaFreeHost(stage_host_[i]);
     if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
   }
+  for (cudaEvent_t event : events_) {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
 }
 
 std::vector<int> CudaKvStore::head_dims() const { return kernels::cuda::decode_head_dims(); }
@@ -87,8 +92,8 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
     return absl::InternalError("KV store write outside the pool");
   }
   std::lock_guard<std::mutex> lock(write_mu_);
-  cudaSetDevice(device_);
   if (bytes >= kDirectWriteBytes) {
+    cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
     // After what is staged (the stream keeps the writes in order). From pageable memory the
     // driver stages the bytes before returning, so `src` may be reused.
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
@@ -98,11 +103,12 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) 
   }
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
   if (staged_ranges_ == kMaxRanges || staged_bytes_ + padded > kStageDataBytes) {
+    cudaSetDevice(device_);
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
   }
-  char* host = stage_host_[stage_index_];
-  reinterpret_cast<KvScatterRange*>(host)[staged_ranges_++] = {offset, staged_bytes_, bytes};
-  std::memcpy(host + kRangeBytes + staged_bytes_, src, size_t(bytes));
+  const KvScatterRange range{offset, staged_bytes_, bytes};
+  std::memcpy(staged_ranges_host_.data() + int64_t(staged_ranges_++) * 24, &range, 24);
+  std::memcpy(stage_host_[stage_index_] + staged_bytes_, src, size_t(bytes));
   staged_bytes_ += padded;
   return absl::OkStatus();
 }
@@ -113,18 +119,24 @@ void CudaKvStore::Fence() {
   FlushLocked().IgnoreError();  // a failure was reported to the backend (on_error_)
 }
 
-absl::Status CudaKvStore::FlushLocked() {
-  if (staged_ranges_ == 0) return absl::OkStatus();
-  const char* host = stage_host_[stage_index_];
-  cudaError_t e = cudaMemcpyAsync(stage_device_, host, size_t(staged_ranges_) * 24,
-                                  cudaMemcpyHostToDevice, stream_);
+int64_t CudaKvStore::InputsAtLocked(int64_t bytes) const {
+  const int64_t at = Align(staged_bytes_ + int64_t(staged_ranges_) * 24);
+  return at + bytes <= kStageBytes ? at : -1;
+}
+
+absl::Status CudaKvStore::FlushLocked(int64_t extra) {
+  if (staged_ranges_ == 0 && extra == 0) return absl::OkStatus();
+  char* host = stage_host_[stage_index_];
+  const int64_t ranges_at = staged_bytes_;  // 16-byte aligned (every range is padded)
+  const int64_t ranges_bytes = int64_t(staged_ranges_) * 24;
+  std::memcpy(host + ranges_at, staged_ranges_host_.data(), size_t(ranges_bytes));
+  const int64_t bytes = extra > 0 ? Align(ranges_at + ranges_bytes) + extra
+                                  : ranges_at + ranges_bytes;
+  cudaError_t e =
+      cudaMemcpyAsync(stage_device_, host, size_t(bytes), cudaMemcpyHostToDevice, stream_);
   if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(stage_device_ + kRangeBytes, host + kRangeBytes, size_t(staged_bytes_),
-                        cudaMemcpyHostToDevice, stream_);
-  }
-  if (e == cudaSuccess) {
-    e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_), staged_ranges_,
-                        stage_device_ + kRangeBytes, pool_, stream_);
+    e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_ + ranges_at),
+                        staged_ranges_, stage_device_, pool_, stream_);
   }
   if (e == cudaSuccess) e = cudaEventRecord(stage_done_[stage_index_], stream_);
   stage_index_ ^= 1;
@@ -156,8 +168,7 @@ absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int
   return absl::OkStatus();
 }
 
-void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk) {
-  char* host = static_cast<char*>(host_scratch_);
+void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk, char* host) {
   auto* table = reinterpret_cast<int32_t*>(host + pk.table);
   auto* seqlens = reinterpret_cast<int32_t*>(host + pk.seqlens);
   std::memcpy(host + pk.cu, pk.cu_q.data(), pk.cu_q.size() * sizeof(int32_t));
@@ -166,17 +177,18 @@ void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk) {
     std::memcpy(host + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes, item.q,
                 size_t(item.rows_q * pk.q_row_bytes));
     int32_t* row = table + int64_t(b) * pk.max_pages;
-    std::fill(row, row + pk.max_pages, 0);  // past the length: never read
     std::copy(item.pages.begin(), item.pages.end(), row);
+    std::fill(row + item.pages.size(), row + pk.max_pages, 0);  // past the length: never read
     seqlens[b] = int32_t(item.length);
   }
 }
 
-absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, std::string* kernel) {
+absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
   const kvcache::SequenceShape& s = batch.shape;
   Packed pk;
   pk.batch = int(batch.items.size());
   pk.q_row_bytes = int64_t(s.heads_q) * s.head_dim * int64_t(kernels::dtype_size(s.dtype));
+  pk.cu_q.reserve(batch.items.size() + 1);
   pk.cu_q.push_back(0);
   for (const kvcache::PagedItem& item : batch.items) {
     pk.cu_q.push_back(pk.cu_q.back() + item.rows_q);
@@ -185,6 +197,8 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, std::string* 
     pk.max_length = std::max(pk.max_length, item.length);
   }
   pk.total_q = pk.cu_q.back();
+  // Inputs [q, table, seqlens, cu] (one copy, from the stage or the pinned scratch); outputs
+  // [o, lse] then the workspace in the device scratch (one copy back).
   pk.q = 0;
   pk.table = Align(pk.q + pk.total_q * pk.q_row_bytes);
   pk.seqlens = Align(pk.table + pk.batch * pk.max_pages * 4);
@@ -196,20 +210,24 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, std::string* 
   pk.workspace = Align(pk.outputs_end);
   std::lock_guard<std::mutex> lock(launch_mu_);
   cudaSetDevice(device_);
-  {
-    std::lock_guard<std::mutex> write_lock(write_mu_);  // rows written so far land first
-    if (absl::Status st = FlushLocked(); !st.ok()) return st;
+  kernels::cuda::DecodeParams p;
+  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) return st;
+  if (absl::Status st = Enqueue(batch, pk, &p); !st.ok()) return st;
+  // Outside write_mu_: other steps stage their rows while this one runs.
+  if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+    return on_error_(e, "KV decode launch");
   }
-  if (absl::Status st = Launch(batch, pk); !st.ok()) return st;
   Scatter(batch, pk);
-  *kernel = "decode_paged_splitkv";
+  ReadTimes(info);
+  info->kernel = "decode_paged_splitkv";
   return absl::OkStatus();
 }
 
-absl::Status CudaKvStore::Launch(const kvcache::PagedBatch& batch, const Packed& pk) {
+absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed& pk,
+                                  void* params) {
   const kvcache::SequenceShape& s = batch.shape;
   const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
-  kernels::cuda::DecodeParams p;
+  kernels::cuda::DecodeParams& p = *static_cast<kernels::cuda::DecodeParams*>(params);
   p.dtype = s.dtype;
   p.batch = pk.batch;
   p.seqlen_q = pk.max_rows_q;
@@ -242,28 +260,67 @@ absl::Status CudaKvStore::Launch(const kvcache::PagedBatch& batch, const Packed&
     return st;
   }
   char* dev = static_cast<char*>(device_scratch_);
-  char* host = static_cast<char*>(host_scratch_);
-  p.q = dev + pk.q;
   p.o = dev + pk.o;
   p.lse = reinterpret_cast<float*>(dev + pk.lse);
+  p.workspace = workspace > 0 ? dev + pk.workspace : nullptr;
+  p.workspace_bytes = size_t(workspace);
+  p.q = dev;  // checked here; Enqueue points the inputs at where they land
   p.block_table = reinterpret_cast<const int32_t*>(dev + pk.table);
   p.seqlens_k = reinterpret_cast<const int32_t*>(dev + pk.seqlens);
   p.cu_seqlens_q = reinterpret_cast<const int32_t*>(dev + pk.cu);
-  p.workspace = workspace > 0 ? dev + pk.workspace : nullptr;
-  p.workspace_bytes = size_t(workspace);
   if (std::string why = kernels::cuda::decode_supported(p); !why.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("the decode kernel cannot run this: ", why));
   }
-  FillHost(batch, pk);
-  cudaError_t e =
-      cudaMemcpyAsync(dev, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice, stream_);
-  if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
-  if (e == cudaSuccess) {
-    e = cudaMemcpyAsync(host + pk.o, dev + pk.o, size_t(pk.outputs_end - pk.o),
-                        cudaMemcpyDeviceToHost, stream_);
+  return absl::OkStatus();
+}
+
+absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed& pk,
+                                  void* params) {
+  kernels::cuda::DecodeParams& p = *static_cast<kernels::cuda::DecodeParams*>(params);
+  char* host = static_cast<char*>(host_scratch_);
+  // Under write_mu_ until the kernel is queued: a later flush overwrites the device stage, and
+  // the stream keeps it behind this kernel only if it is queued after it.
+  std::lock_guard<std::mutex> write_lock(write_mu_);
+  const int64_t at = InputsAtLocked(pk.inputs_end);
+  // events_[0] after the host packing: h2d_us is device time, not this thread's memcpy.
+  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host);
+  cudaError_t e = cudaEventRecord(events_[0], stream_);
+  const char* inputs = nullptr;
+  if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
+    inputs = stage_device_ + at;
+    if (absl::Status st = FlushLocked(pk.inputs_end); !st.ok()) return st;
+  } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs
+    if (absl::Status st = FlushLocked(); !st.ok()) return st;
+    inputs = static_cast<const char*>(device_scratch_);
+    e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice,
+                        stream_);
   }
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
+  p.q = inputs + pk.q;
+  p.block_table = reinterpret_cast<const int32_t*>(inputs + pk.table);
+  p.seqlens_k = reinterpret_cast<const int32_t*>(inputs + pk.seqlens);
+  p.cu_seqlens_q = reinterpret_cast<const int32_t*>(inputs + pk.cu);
+  if (e == cudaSuccess) e = cudaEventRecord(events_[1], stream_);
+  if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(events_[2], stream_);
+  if (e == cudaSuccess) {
+    e = cudaMemcpyAsync(host + pk.o, static_cast<char*>(device_scratch_) + pk.o,
+                        size_t(pk.outputs_end - pk.o), cudaMemcpyDeviceToHost, stream_);
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(events_[3], stream_);
   return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV decode launch");
+}
+
+void CudaKvStore::ReadTimes(kvcache::AttendInfo* info) {
+  float ms[3] = {0.f, 0.f, 0.f};
+  for (int i = 0; i < 3; ++i) {
+    if (cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]) != cudaSuccess) {
+      cudaGetLastError();  // not fatal: the time is then reported as 0
+      ms[i] = 0.f;
+    }
+  }
+  info->h2d_us = int64_t(ms[0] * 1000.f);
+  info->kernel_us = int64_t(ms[1] * 1000.f);
+  info->d2h_us = int64_t(ms[2] * 1000.f);
 }
 
 void CudaKvStore::Scatter(const kvcache::PagedBatch& batch, const Packed& pk) {

@@ -7,7 +7,9 @@
 // Small writes (a decode step's rows) are staged in pinned memory and land in the pool by one
 // H2D copy and one scatter launch (runtime/kv_scatter.h) when the stage is flushed: before every
 // launch, before a large write, or when the stage is full; large writes (prefixes) are copied
-// directly. Launches are serialized (one set of scratch buffers); a batch is one launch.
+// directly. Launches are serialized (one set of scratch buffers); a batch is one launch, and
+// a step costs one H2D copy (staged rows, their ranges and the launch's packed queries and
+// tables together), one scatter, one decode launch and one D2H copy.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -40,7 +42,7 @@ class CudaKvStore final : public kvcache::KvStore {
   /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
   /// so a freed page's old rows and its next owner's must not share one.
   void Fence() override;
-  absl::Status Attend(const kvcache::PagedBatch& batch, std::string* kernel) override;
+  absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
   std::vector<int> head_dims() const override;
 
  private:
@@ -50,14 +52,22 @@ class CudaKvStore final : public kvcache::KvStore {
       : bytes_(bytes), device_(device), sm_count_(sm_count), on_error_(std::move(on_error)) {}
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
   absl::Status Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity);
-  // Queues the staged writes (ranges, data, scatter) and switches to the other stage buffer.
-  absl::Status FlushLocked();
-  // Fills the pinned scratch with the packed queries and tables.
-  void FillHost(const kvcache::PagedBatch& batch, const Packed& packed);
-  // Queues the input copy, the decode kernel and the output copy; waits for them.
-  absl::Status Launch(const kvcache::PagedBatch& batch, const Packed& packed);
+  // Queues the staged writes (data, ranges and `extra` bytes already placed after them, in one
+  // copy; then the scatter) and switches to the other stage buffer.
+  absl::Status FlushLocked(int64_t extra = 0);
+  // Where the launch inputs go in the stage buffer (after the data and ranges), or -1 when
+  // `bytes` of them do not fit there.
+  int64_t InputsAtLocked(int64_t bytes) const;
+  // Fills `host` with the packed queries and tables.
+  void FillHost(const kvcache::PagedBatch& batch, const Packed& packed, char* host);
+  // Reserves the scratch and fills in the decode parameters (inputs' pointers left unset).
+  absl::Status Prepare(const kvcache::PagedBatch& batch, const Packed& packed, void* params);
+  // Queues rows, inputs, the decode kernel and the output copy (timed by events_).
+  absl::Status Enqueue(const kvcache::PagedBatch& batch, const Packed& packed, void* params);
   // Copies each item's O and LSE out of the pinned scratch.
   void Scatter(const kvcache::PagedBatch& batch, const Packed& packed);
+  // The device times between events_ (after the stream finished).
+  void ReadTimes(kvcache::AttendInfo* info);
 
   const int64_t bytes_;
   const int device_;
@@ -71,18 +81,24 @@ class CudaKvStore final : public kvcache::KvStore {
   void* host_scratch_ = nullptr;  // pinned
   int64_t host_scratch_bytes_ = 0;
 
-  // The write stage: two pinned buffers used in turn ([ranges][data]), one device copy of them.
+  // The write stage: two pinned buffers used in turn, one device copy of them. A flush lays out
+  // [data][ranges][launch inputs] so that one copy moves all of it.
   static constexpr int kMaxRanges = 8192;
   static constexpr int64_t kRangeBytes = int64_t(kMaxRanges) * 24;  // sizeof(KvScatterRange)
   static constexpr int64_t kStageDataBytes = int64_t(4) << 20;
+  static constexpr int64_t kStageInputBytes = int64_t(8) << 20;  // launch inputs that fit
+  static constexpr int64_t kStageBytes = kStageDataBytes + kRangeBytes + 512 + kStageInputBytes;
   static constexpr int64_t kDirectWriteBytes = int64_t(64) << 10;  // and larger: no staging
   std::mutex write_mu_;  // guards the stage; taken after launch_mu_, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
   char* stage_device_ = nullptr;
   int stage_index_ = 0;
+  std::vector<char> staged_ranges_host_;  // KvScatterRange[kMaxRanges], copied at the flush
   int staged_ranges_ = 0;
   int64_t staged_bytes_ = 0;
+  // Launch timing (under launch_mu_): before the flush, before the kernel, after it, after D2H.
+  cudaEvent_t events_[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
 }  // namespace flashserve

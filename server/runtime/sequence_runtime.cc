@@ -1,5 +1,6 @@
 #include "runtime/sequence_runtime.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -166,15 +167,18 @@ void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
   for (Prepared* p : launch) {
     for (kvcache::PagedItem& item : p->plan.batch.items) merged.items.push_back(std::move(item));
   }
-  std::string kernel;
+  kvcache::AttendInfo info;
   const absl::Time t0 = absl::Now();
-  const absl::Status status = store_->Attend(merged, &kernel);
+  const absl::Status status = store_->Attend(merged, &info);
   const int64_t compute_us = absl::ToInt64Microseconds(absl::Now() - t0);
   if (metrics_ != nullptr)
     metrics_->RecordLaunch(int64_t(merged.items.size()), int64_t(launch.size()));
   for (Prepared* p : launch) {
     p->report.compute_us = compute_us;
-    p->report.kernel = kernel;
+    p->report.kernel = info.kernel;
+    p->report.h2d_us = info.h2d_us;
+    p->report.kernel_us = std::max<int64_t>(info.kernel_us, 0);
+    p->report.d2h_us = info.d2h_us;
     p->report.batched_calls = int(launch.size());
     p->plan = kvcache::StepPlan();  // unpin before answering
     p->call->done(status, p->report);

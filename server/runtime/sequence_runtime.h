@@ -35,6 +35,7 @@ struct DecodeReport {
   int64_t queue_us = 0;    // accepted -> its launch started
   int64_t compute_us = 0;  // the launch (append excluded)
   int64_t append_us = 0;   // rows appended to the pool (host or device copies)
+  int64_t h2d_us = 0, kernel_us = 0, d2h_us = 0;  // device times inside compute_us (CUDA)
   std::string kernel;
   int batched_calls = 1;         // calls that ran in the same launch
   std::vector<int64_t> lengths;  // per item: the layer's length after the append

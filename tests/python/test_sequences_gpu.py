@@ -1,6 +1,7 @@
 """flashserve.v1.Sequences on the CUDA backend (KV pool in device memory), against the fp64 reference: a
 Llama-3-8B-like layer (32 q heads, 8 kv heads, d128) in bf16 and fp16, many steps across pages, a batch of
-sequences of different lengths, causal multi-row queries, re-prefill after release by another client. Skips with a
+sequences of different lengths, causal multi-row queries, re-prefill after release by another client, DecodeSteps
+through a system shared-memory region. Skips with a
 message on machines without a usable NVIDIA GPU."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import flashserve
 from conftest import ServerProcess, _stop_and_check
 from sequences_truth import Truth
 from test_gpu_e2e import _gpu_present
+from test_sequences_shm import run_shm_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 
@@ -20,7 +22,8 @@ def cuda_kv_server(flashserve_bin, tmp_path_factory):
     if not _gpu_present():
         pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA Sequences tests skipped")
     s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("cuda_kv"),
-                      ["--backend=cuda", "--kv_cache_bytes=1073741824", "--kv_page_tokens=64"],
+                      ["--backend=cuda", "--kv_cache_bytes=1073741824", "--kv_page_tokens=64",
+                       "--allow_client_shm"],
                       name="cuda_kv").start()
     yield s
     _stop_and_check(s)
@@ -67,3 +70,11 @@ def test_reprefill_on_gpu(cuda_kv_server, rng):
         truth.check(out, q, seq.key, 0)
         assert seq.reprefills == 1
         seq.release()
+
+
+@pytest.mark.parametrize("dtype,rows_q", [("bfloat16", 1), ("float16", 2)])
+def test_decode_step_through_system_shm(cuda_kv_server, rng, dtype, rows_q):
+    """q/k/v read from and O/LSE written to a system region (page-locked by the server), items in the message mixed
+    in; fresh random data, the fp64 reference, NaN-poisoned outputs."""
+    run_shm_steps(cuda_kv_server, rng, dtype, rows_q, dict(heads_q=32, heads_kv=8, head_dim=128),
+                  prefixes=(1, 63, 130, 700), steps=5)

@@ -13,8 +13,13 @@ constexpr int64_t kMaxFactor = int64_t(1) << 16;
 
 absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const char* name,
                                                  bool optional) {
+  if (optional && tensor.shape_size() == 0 && tensor.data().empty()) return kvcache::HostRows();
+  return RowsFromBytes(tensor, name, tensor.data().data(), int64_t(tensor.data().size()));
+}
+
+absl::StatusOr<kvcache::HostRows> RowsFromBytes(const v1::Tensor& tensor, const char* name,
+                                                const char* data, int64_t bytes) {
   kvcache::HostRows rows;
-  if (optional && tensor.shape_size() == 0 && tensor.data().empty()) return rows;
   if (tensor.dtype() != v1::FLOAT16 && tensor.dtype() != v1::BFLOAT16) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": dtype must be FLOAT16 or BFLOAT16"));
   }
@@ -32,7 +37,6 @@ absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const
   rows.heads = tensor.shape(1);
   rows.head_dim = tensor.shape(2);
   // heads and head_dim < 2^16 keep row_bytes < 2^33; rows are compared by division (no overflow).
-  const int64_t bytes = int64_t(tensor.data().size());
   const bool sane = rows.heads >= 1 && rows.heads <= kMaxFactor && rows.head_dim >= 1 &&
                     rows.head_dim <= kMaxFactor;
   const int64_t row_bytes = sane ? rows.heads * rows.head_dim * 2 : 1;
@@ -41,7 +45,7 @@ absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const
         absl::StrCat(name, ": ", bytes, " data bytes do not match shape [", rows.rows, ", ",
                      rows.heads, ", ", rows.head_dim, "] of 2-byte elements"));
   }
-  rows.data = tensor.data().data();
+  rows.data = data;
   return rows;
 }
 

@@ -13,6 +13,9 @@ namespace flashserve {
 /// `optional`: an unset tensor (no shape, no data) is 0 rows.
 absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const char* name,
                                                  bool optional);
+/// The same for a tensor whose `bytes` bytes are at `data` (a shared-memory span), not in it.
+absl::StatusOr<kvcache::HostRows> RowsFromBytes(const v1::Tensor& tensor, const char* name,
+                                                const char* data, int64_t bytes);
 absl::StatusOr<kvcache::LayerRows> LayerRowsFrom(const v1::LayerKV& layer);
 absl::StatusOr<kvcache::CreateRequest> CreateRequestFrom(const v1::CreateSequenceRequest& request);
 /// The scale to use: the request's (finite, > 0, <= 1e4) or 1/sqrt(head_dim).

@@ -3,26 +3,35 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "edge/grpc/sequences_convert.h"
+#include "edge/grpc/sequences_shm.h"
 
 namespace flashserve {
 
 namespace {
 
+// A tensor's rows: from the region it names, else from its data.
+absl::StatusOr<kvcache::HostRows> RowsOf(const v1::Tensor& tensor, const char* name, bool optional,
+                                         SequenceShm* shm) {
+  if (tensor.has_shm() && shm != nullptr) return ShmRows(tensor, name, shm);
+  return RowsFromTensor(tensor, name, optional);
+}
+
 absl::StatusOr<kvcache::StepItem> ItemFrom(const std::string& id, int layer, const v1::Tensor& q,
-                                           const v1::Tensor& k, const v1::Tensor& v) {
+                                           const v1::Tensor& k, const v1::Tensor& v,
+                                           SequenceShm* shm) {
   kvcache::StepItem item;
   item.id = id;
   item.layer = layer;
-  absl::StatusOr<kvcache::HostRows> rows = RowsFromTensor(q, "q", false);
+  absl::StatusOr<kvcache::HostRows> rows = RowsOf(q, "q", false, shm);
   if (!rows.ok()) return rows.status();
   if (rows->rows < 1 || rows->rows > kvcache::kMaxQueryRows) {
     return absl::InvalidArgumentError(
         absl::StrCat("q must have 1..", kvcache::kMaxQueryRows, " rows, got ", rows->rows));
   }
   item.q = *rows;
-  if (rows = RowsFromTensor(k, "k", true); !rows.ok()) return rows.status();
+  if (rows = RowsOf(k, "k", true, shm); !rows.ok()) return rows.status();
   item.k = *rows;
-  if (rows = RowsFromTensor(v, "v", true); !rows.ok()) return rows.status();
+  if (rows = RowsOf(v, "v", true, shm); !rows.ok()) return rows.status();
   item.v = *rows;
   return item;
 }
@@ -39,10 +48,62 @@ void AddOutputs(const kvcache::StepItem& item, bool return_lse, v1::Tensor* out,
   }
 }
 
+// One item's O and LSE: into the regions it names, else into the response.
+absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& item,
+                            bool return_lse, SequenceShm* shm, v1::DecodeResult* result,
+                            DecodeCall* call) {
+  if (!in.has_out_shm() && !(return_lse && in.has_lse_shm())) {
+    AddOutputs(item, return_lse, result->mutable_out(), result->mutable_lse(), call);
+    return absl::OkStatus();
+  }
+  const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
+  v1::Tensor* out = result->mutable_out();
+  if (in.has_out_shm()) {
+    absl::StatusOr<char*> at = ShmOutput(in.out_shm(), "out_shm", rows * heads * dim * 2, 1, shm);
+    if (!at.ok()) return at.status();
+    out->set_dtype(static_cast<v1::DType>(item.q.dtype));
+    for (int64_t d : {rows, heads, dim}) out->add_shape(d);
+    call->out.push_back(*at);
+  } else {
+    call->out.push_back(PrepareOutput(out, static_cast<v1::DType>(item.q.dtype), {rows, heads, dim}, 2));
+  }
+  if (!return_lse) return absl::OkStatus();
+  v1::Tensor* lse = result->mutable_lse();
+  if (!in.has_lse_shm()) {
+    call->lse.push_back(reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
+    return absl::OkStatus();
+  }
+  absl::StatusOr<char*> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
+  if (!at.ok()) return at.status();
+  lse->set_dtype(v1::FLOAT32);
+  for (int64_t d : {heads, rows}) lse->add_shape(d);
+  call->lse.push_back(reinterpret_cast<float*>(*at));
+  return absl::OkStatus();
+}
+
+absl::Status AddStepOutputs(const v1::DecodeStepRequest& request, DecodeCall* call,
+                            SequenceShm* shm, v1::DecodeStepResponse* response) {
+  response->mutable_results()->Reserve(request.items_size());
+  for (int i = 0; i < request.items_size(); ++i) {
+    const v1::DecodeItem& in = request.items(i);
+    const bool uses_shm = in.has_out_shm() || (request.return_lse() && in.has_lse_shm());
+    if (uses_shm && shm == nullptr) {
+      return absl::InvalidArgumentError("out_shm / lse_shm given where shared memory is unsupported");
+    }
+    absl::Status s = AddItemOutputs(in, call->items[size_t(i)], request.return_lse(), shm,
+                                     response->add_results(), call);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
+  }
+  return shm == nullptr ? absl::OkStatus() : CheckShmOverlap(*shm);
+}
+
 void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* timing) {
   timing->set_queue_us(report.queue_us);
   timing->set_stage_us(report.append_us);
   timing->set_compute_us(report.compute_us);
+  timing->set_h2d_us(report.h2d_us);
+  timing->set_d2h_us(report.d2h_us);
+  timing->set_kernel_us(report.kernel_us);
   timing->set_total_us(absl::ToInt64Microseconds(absl::Now() - received));
 }
 
@@ -51,7 +112,8 @@ void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* tim
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest& request,
                                                         v1::AttendResponse* response) {
   absl::StatusOr<kvcache::StepItem> item =
-      ItemFrom(request.sequence_id(), request.layer(), request.q(), v1::Tensor(), v1::Tensor());
+      ItemFrom(request.sequence_id(), request.layer(), request.q(), v1::Tensor(), v1::Tensor(),
+               /*shm=*/nullptr);
   if (!item.ok()) return item.status();
   absl::StatusOr<float> scale =
       ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), item->q.head_dim);
@@ -66,7 +128,7 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest&
 }
 
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
-                                                            int max_items,
+                                                            int max_items, SequenceShm* shm,
                                                             v1::DecodeStepResponse* response) {
   if (request.items_size() < 1 || request.items_size() > max_items) {
     return absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..", max_items,
@@ -75,10 +137,11 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   }
   auto call = std::make_shared<DecodeCall>();
   call->causal = request.causal();
+  call->items.reserve(size_t(request.items_size()));
   for (int i = 0; i < request.items_size(); ++i) {
     const v1::DecodeItem& in = request.items(i);
     absl::StatusOr<kvcache::StepItem> item =
-        ItemFrom(in.sequence_id(), in.layer(), in.q(), in.k(), in.v());
+        ItemFrom(in.sequence_id(), in.layer(), in.q(), in.k(), in.v(), shm);
     if (!item.ok()) {
       return absl::Status(item.status().code(),
                           absl::StrCat("item ", i, ": ", item.status().message()));
@@ -89,11 +152,7 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
       ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
-  for (const kvcache::StepItem& item : call->items) {
-    v1::DecodeResult* result = response->add_results();
-    AddOutputs(item, request.return_lse(), result->mutable_out(), result->mutable_lse(),
-               call.get());
-  }
+  if (absl::Status s = AddStepOutputs(request, call.get(), shm, response); !s.ok()) return s;
   return call;
 }
 

@@ -15,9 +15,12 @@ namespace flashserve {
 /// alone shows is checked before the outputs are allocated.
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest& request,
                                                         v1::AttendResponse* response);
-/// The same for a DecodeStep of at most `max_items` items (INVALID_ARGUMENT beyond).
+/// The same for a DecodeStep of at most `max_items` items (INVALID_ARGUMENT beyond). Tensors
+/// and outputs that name a shared-memory region are resolved through `shm` (its leases must be
+/// held until the call is answered).
+struct SequenceShm;
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
-                                                            int max_items,
+                                                            int max_items, SequenceShm* shm,
                                                             v1::DecodeStepResponse* response);
 void FillAttend(const DecodeReport& report, absl::Time received, v1::AttendResponse* response);
 void FillDecodeStep(const DecodeReport& report, absl::Time received,

@@ -11,6 +11,7 @@
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/sequences_convert.h"
 #include "edge/grpc/sequences_decode.h"
+#include "edge/grpc/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 
@@ -32,6 +33,38 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
   std::vector<std::string> ids = kvcache::MissingSequenceIds(status);
   const std::string joined = ids.empty() ? std::string(id) : absl::StrJoin(ids, ",");
   context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
+}
+
+// What a decode call holds until it is answered: its bytes counted against
+// --max_inflight_bytes and its leases on shared-memory regions.
+struct CallHold {
+  AttentionRuntime* runtime = nullptr;
+  int64_t bytes = 0;  // reserved (given back when destroyed)
+  SequenceShm shm;
+  CallHold() = default;
+  CallHold(const CallHold&) = delete;
+  CallHold& operator=(const CallHold&) = delete;
+  ~CallHold() {
+    if (runtime != nullptr) runtime->ReleaseBytes(bytes);
+  }
+  absl::Status Reserve(AttentionRuntime* rt, int64_t n) {
+    if (absl::Status s = rt->ReserveBytes(n); !s.ok()) return s;
+    runtime = rt;
+    bytes = n;
+    return absl::OkStatus();
+  }
+};
+
+// Bytes a call keeps in memory while it runs: the request, and the outputs the response holds
+// (O is q's size; LSE at most as much again).
+int64_t DecodeBytes(const v1::DecodeStepRequest& request) {
+  int64_t bytes = int64_t(request.ByteSizeLong());
+  for (const v1::DecodeItem& item : request.items()) {
+    const int64_t q = int64_t(item.q().data().size());
+    if (!item.has_out_shm()) bytes += q;
+    if (request.return_lse() && !item.has_lse_shm()) bytes += q;
+  }
+  return bytes;
 }
 
 class SequencesService final : public v1::Sequences::CallbackService {
@@ -103,26 +136,32 @@ class SequencesService final : public v1::Sequences::CallbackService {
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
   // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
   // response on success. Answers the gRPC call exactly once, maybe inline.
-  grpc::ServerUnaryReactor* Launch(grpc::CallbackServerContext* context,
-                                   std::shared_ptr<GrpcCall> grpc_call,
-                                   absl::StatusOr<std::shared_ptr<DecodeCall>> built,
-                                   std::function<void(const DecodeReport&)> fill,
-                                   const google::protobuf::Message* response);
+  // `bytes` are counted against --max_inflight_bytes (into `hold`) before `build` runs.
+  grpc::ServerUnaryReactor* Launch(
+      grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
+      std::shared_ptr<CallHold> hold,
+      const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
+      std::function<void(const DecodeReport&)> fill, const google::protobuf::Message* response);
 
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
 };
 
 grpc::ServerUnaryReactor* SequencesService::Launch(
-    grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call,
-    absl::StatusOr<std::shared_ptr<DecodeCall>> built,
+    grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
+    std::shared_ptr<CallHold> hold,
+    const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
     std::function<void(const DecodeReport&)> fill, const google::protobuf::Message* response) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto admission = std::make_shared<Admission>(runtime_->Admit());
-  absl::Status refused = sequences_ == nullptr ? Disabled() : built.status();
+  absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
   if (refused.ok() && !*admission) refused = absl::UnavailableError("server shutting down");
-  if (!refused.ok()) {
-    reactor->Finish(grpc_call->Finish(refused));
+  if (refused.ok()) refused = hold->Reserve(runtime_, bytes);
+  absl::StatusOr<std::shared_ptr<DecodeCall>> built =
+      refused.ok() ? build() : absl::StatusOr<std::shared_ptr<DecodeCall>>(refused);
+  if (!built.ok()) {
+    hold.reset();  // bytes and leases given back before the answer
+    reactor->Finish(grpc_call->Finish(built.status()));
     return reactor;
   }
   std::shared_ptr<DecodeCall> call = *std::move(built);
@@ -130,13 +169,15 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->deadline = ToAbslTime(context->deadline());
   call->cancelled = [context] { return context->IsCancelled(); };
   const std::string first_id = call->items.empty() ? "" : call->items[0].id;
-  call->done = [reactor, context, grpc_call, admission, fill, response, first_id](
-                   const absl::Status& status, const DecodeReport& report) {
+  call->done = [reactor, context, grpc_call, admission, fill, response, first_id,
+                hold = std::move(hold)](const absl::Status& status,
+                                        const DecodeReport& report) mutable {
     if (status.ok()) {
       fill(report);
       grpc_call->AddBytesOut(int64_t(response->ByteSizeLong()));
     }
     AddMissing(context, status, first_id);
+    hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
     reactor->Finish(grpc_call->Finish(status));
     // `admission` is released with this callback: the drain waits until the answer went out.
   };
@@ -151,8 +192,10 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
   grpc_call->Start(int64_t(request->ByteSizeLong()));
   grpc_call->set_session_id(request->sequence_id());
   const absl::Time received = grpc_call->started();
+  const int64_t bytes = int64_t(request->ByteSizeLong() + 2 * request->q().data().size());
   return Launch(
-      context, grpc_call, BuildAttend(*request, response),
+      context, grpc_call, bytes, std::make_shared<CallHold>(),
+      [request, response] { return BuildAttend(*request, response); },
       [response, received](const DecodeReport& report) { FillAttend(report, received, response); },
       response);
 }
@@ -164,8 +207,13 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   grpc_call->Start(int64_t(request->ByteSizeLong()));
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();
+  auto hold = std::make_shared<CallHold>();
+  hold->shm.regions = runtime_->shm_regions();
   return Launch(
-      context, grpc_call, BuildDecodeStep(*request, max_items, response),
+      context, grpc_call, DecodeBytes(*request), hold,
+      [request, max_items, response, hold] {
+        return BuildDecodeStep(*request, max_items, &hold->shm, response);
+      },
       [response, received](const DecodeReport& report) {
         FillDecodeStep(report, received, response);
       },
@@ -202,6 +250,8 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
+  CallHold hold;
+  if (absl::Status s = hold.Reserve(runtime_, int64_t(request.ByteSizeLong())); !s.ok()) return s;
   absl::StatusOr<kvcache::CreateRequest> create = CreateRequestFrom(request);
   if (!create.ok()) return create.status();
   absl::StatusOr<kvcache::SequenceStatus> created = sequences_->cache().CreateSequence(*create);
@@ -218,6 +268,8 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
+  CallHold hold;
+  if (absl::Status s = hold.Reserve(runtime_, int64_t(request.ByteSizeLong())); !s.ok()) return s;
   std::vector<kvcache::LayerRows> rows;
   for (const v1::LayerKV& layer : request.rows()) {
     absl::StatusOr<kvcache::LayerRows> converted = LayerRowsFrom(layer);

@@ -103,7 +103,7 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
       plan->batch.items[i].out = outs[i].data();
       plan->batch.items[i].lse = lses[i].data();
     }
-    std::string kernel;
+    AttendInfo kernel;
     ASSERT_TRUE((*store)->Attend(plan->batch, &kernel).ok());
     for (size_t i = 0; i < 4; ++i) {
       dense[i].Append(ks[i], vs[i]);

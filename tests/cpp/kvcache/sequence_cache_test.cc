@@ -3,6 +3,10 @@
 #include "kvcache/sequence_cache.h"
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -91,7 +95,7 @@ class SequenceCacheTest : public ::testing::Test {
       plan->batch.items[i].out = outs[i].data();
       plan->batch.items[i].lse = lses[i].data();
     }
-    std::string kernel;
+    AttendInfo kernel;
     if (absl::Status st = store_->Attend(plan->batch, &kernel); !st.ok()) return st;
     for (size_t i = 0; i < ids.size(); ++i) {
       DenseLayer& layer = (*dense[i])[size_t(layers[i])];
@@ -295,7 +299,7 @@ TEST_F(SequenceCacheTest, ConcurrentStepsOnSharedAndDisjointSequences) {
       plan->batch.softmax_scale = 0.2f;
       plan->batch.items[0].out = out.data();
       plan->batch.items[1].out = out.data() + q.size();
-      std::string kernel;
+      AttendInfo kernel;
       if (!store_->Attend(plan->batch, &kernel).ok()) ++failures;
       if (i % 50 == 49 && t == 0) cache_->Release({ids[size_t(t)]});
     }
@@ -360,7 +364,7 @@ class RecordingStore final : public KvStore {
     return absl::OkStatus();
   }
   void Fence() override { events.push_back("F"); }
-  absl::Status Attend(const PagedBatch&, std::string*) override { return absl::OkStatus(); }
+  absl::Status Attend(const PagedBatch&, AttendInfo*) override { return absl::OkStatus(); }
   std::vector<std::string> events;
 };
 
@@ -384,6 +388,86 @@ TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
   EXPECT_EQ(store.events[2], "F");
   EXPECT_EQ(store.events[0], store.events[3])
       << "B did not reuse A's page: the test proves nothing";
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
+
+namespace flashserve::kvcache {
+namespace {
+
+// A store whose writes of `gated_bytes` or more wait until the test opens the gate.
+class GatedStore final : public KvStore {
+ public:
+  explicit GatedStore(int64_t gated_bytes) : gated_bytes_(gated_bytes) {}
+  std::string_view kind() const override { return "gated"; }
+  int64_t capacity_bytes() const override { return 4 << 20; }
+  absl::Status Write(int64_t, const void*, int64_t bytes) override {
+    if (bytes < gated_bytes_) return absl::OkStatus();
+    std::unique_lock<std::mutex> lock(mu_);
+    waiting_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return open_; });
+    return absl::OkStatus();
+  }
+  absl::Status Attend(const PagedBatch&, AttendInfo* info) override {
+    info->kernel = "gated";
+    return absl::OkStatus();
+  }
+  void WaitUntilBlocked() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return waiting_; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  const int64_t gated_bytes_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool waiting_ = false, open_ = false;
+};
+
+TEST(SequenceCacheAppend, CopiesOutsideTheLockAndStepsOnTheSameSequenceWaitForIt) {
+  GatedStore store(/*gated_bytes=*/4096);  // the 32-row append's pieces; a step's 1 row passes
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 64;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(5);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  CreateRequest create;
+  create.shape = {1, 1, 1, 64, f16};
+  const std::string a = cache->CreateSequence(create)->id;
+  const std::string b = cache->CreateSequence(create)->id;
+  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);  // 32 x 128 B = 4 KiB per tensor
+  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
+  auto appended = std::async(std::launch::async, [&] {
+    return cache->Append(a, {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}});
+  });
+  store.WaitUntilBlocked();
+  auto step = [&](const std::string& id) {
+    return std::async(std::launch::async, [&cache, &one, id, f16] {
+      StepItem item{id, 0, testing::Rows(one, 1, 64, f16), testing::Rows(one, 1, 64, f16),
+                    testing::Rows(one, 1, 64, f16)};
+      absl::StatusOr<StepPlan> plan = cache->PrepareStep({item});
+      return plan.ok() ? plan->batch.items[0].length : int64_t(-1);
+    });
+  };
+  auto other = step(b);  // another sequence: not held up by A's copy
+  const bool free = other.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  if (!free) store.Open();  // let the threads finish before the futures are destroyed
+  ASSERT_TRUE(free) << "a step on another sequence waited for an Append's copy (cache lock held)";
+  EXPECT_EQ(other.get(), 1);
+  auto same = step(a);  // the same sequence: waits, then sees the appended rows
+  EXPECT_EQ(same.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  EXPECT_EQ(cache->Info(a)->lengths[0], 0) << "lengths moved before the rows were written";
+  store.Open();
+  ASSERT_TRUE(appended.get().ok());
+  EXPECT_EQ(same.get(), 33);
 }
 
 }  // namespace

@@ -1,0 +1,94 @@
+#include "edge/grpc/sequences_shm.h"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "edge/grpc/sequences_convert.h"
+
+namespace flashserve {
+
+namespace {
+
+absl::StatusOr<ShmSpan> LeaseSpan(const v1::SharedMemoryRef& ref, const char* name,
+                                  SequenceShm* shm) {
+  if (shm->regions == nullptr || !shm->regions->enabled()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        name, ": shared memory is disabled on this server (start it with --allow_client_shm)"));
+  }
+  absl::StatusOr<ShmSpan> span = shm->regions->Lease(ref.region(), ref.offset(), ref.byte_size(),
+                                                     /*owner=*/"");
+  if (!span.ok()) {
+    return absl::Status(span.status().code(), absl::StrCat(name, ": ", span.status().message()));
+  }
+  if (span->kind == MemoryKind::kDevice) {
+    return absl::UnimplementedError(
+        absl::StrCat(name, ": the Sequences API does not read or write CUDA shared-memory "
+                           "regions yet; use a system region"));
+  }
+  shm->leases.push_back(span->lease);
+  return span;
+}
+
+}  // namespace
+
+absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* name,
+                                          SequenceShm* shm) {
+  if (!tensor.data().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": give either data or shm, not both"));
+  }
+  absl::StatusOr<ShmSpan> span = LeaseSpan(tensor.shm(), name, shm);
+  if (!span.ok()) return span.status();
+  absl::StatusOr<kvcache::HostRows> rows =
+      RowsFromBytes(tensor, name, span->data, int64_t(span->bytes));
+  if (rows.ok()) shm->inputs.emplace_back(span->data, span->data + span->bytes);
+  return rows;
+}
+
+absl::StatusOr<char*> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
+                                int alignment, SequenceShm* shm) {
+  if (ref.byte_size() != uint64_t(bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": shm byte_size ", ref.byte_size(),
+                                                   " != the output's ", bytes, " bytes"));
+  }
+  absl::StatusOr<ShmSpan> span = LeaseSpan(ref, name, shm);
+  if (!span.ok()) return span.status();
+  if (reinterpret_cast<uintptr_t>(span->data) % uintptr_t(alignment) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": must start at a multiple of ", alignment, " bytes in the region"));
+  }
+  shm->outputs.emplace_back(span->data, span->data + span->bytes);
+  return span->data;
+}
+
+absl::Status CheckShmOverlap(const SequenceShm& shm) {
+  if (shm.outputs.empty()) return absl::OkStatus();
+  // Sorted by start: a span overlaps an earlier one iff it starts before that one's end.
+  struct Span {
+    const char* begin;
+    const char* end;
+    bool output;
+  };
+  std::vector<Span> spans;
+  for (const auto& [b, e] : shm.inputs) spans.push_back({b, e, false});
+  for (const auto& [b, e] : shm.outputs) spans.push_back({b, e, true});
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  const char* any_end = nullptr;     // furthest end of the spans so far
+  const char* output_end = nullptr;  // furthest end of the output spans so far
+  for (const Span& s : spans) {
+    if (s.begin == s.end) continue;
+    const bool hits_output = output_end != nullptr && s.begin < output_end;
+    const bool output_hits = s.output && any_end != nullptr && s.begin < any_end;
+    if (hits_output || output_hits) {
+      return absl::InvalidArgumentError(
+          "a shared-memory output (out_shm / lse_shm) overlaps another tensor of the call");
+    }
+    if (any_end == nullptr || s.end > any_end) any_end = s.end;
+    if (s.output && (output_end == nullptr || s.end > output_end)) output_end = s.end;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace flashserve

@@ -1,0 +1,36 @@
+// DecodeStep items whose q/k/v or O/LSE live in a client's shared-memory region (Tensor.shm,
+// DecodeItem.out_shm / lse_shm): leases the spans, checks their sizes, and refuses an output
+// that overlaps another tensor of the call (the CPU store reads q while it writes O).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "flashserve/v1/sequences.pb.h"
+#include "kvcache/kv_types.h"
+#include "memory/shm_regions.h"
+#include "runtime/shm_requests.h"
+
+namespace flashserve {
+
+/// One call's spans in shared memory. Keep `leases` until the call's outputs are written.
+struct SequenceShm {
+  ShmRegistry* regions = nullptr;  // null: shared memory disabled
+  ShmLeases leases;
+  std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
+};
+
+/// q/k/v rows from the region `tensor.shm` names (data must be empty; dtype and shape set).
+/// PERMISSION_DENIED when shared memory is off, UNIMPLEMENTED for a CUDA region.
+absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* name,
+                                          SequenceShm* shm);
+/// Where to write an output of exactly `bytes` bytes (the reference must name that many),
+/// starting at a multiple of `alignment` (LSE is written as floats).
+absl::StatusOr<char*> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
+                                int alignment, SequenceShm* shm);
+/// INVALID_ARGUMENT when an output span overlaps another input or output span.
+absl::Status CheckShmOverlap(const SequenceShm& shm);
+
+}  // namespace flashserve

@@ -1,0 +1,241 @@
+"""DecodeStep with shared memory (CPU backend, the real binary): q/k/v read from and O/LSE written to a client's
+system region (Tensor.shm, DecodeItem.out_shm / lse_shm), mixed with items sent in the message, against the fp64
+reference over many steps; the refusals (shm off, data and shm together, wrong sizes, an output overlapping an input,
+outside the region) change nothing; DecodeStep counts against --max_inflight_bytes."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import attention_pb2 as pb
+from flashserve import sequences_pb2 as spb
+from flashserve import tensors
+from conftest import ServerProcess, _stop_and_check
+from sequences_truth import Truth
+
+pytestmark = pytest.mark.e2e
+KV_FLAGS = ["--kv_cache_bytes=33554432", "--kv_page_tokens=16"]
+SHAPE = dict(heads_q=4, heads_kv=2, head_dim=64)
+
+if spb is None or "out_shm" not in spb.DecodeItem.DESCRIPTOR.fields_by_name:
+    pytest.skip("the imported flashserve client predates DecodeItem.out_shm (PYTHONPATH=client/python of this tree)",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def shm_server(flashserve_bin, tmp_path_factory):
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_shm"), KV_FLAGS + ["--allow_client_shm"],
+                      name="kv_shm").start()
+    yield s
+    _stop_and_check(s)
+
+
+def _post(server, path: str, body: dict) -> None:
+    req = urllib.request.Request(f"{server.http}{path}", data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+
+
+class Region:
+    """A poisoned system region registered with the server; put() lays arrays out one after another."""
+
+    def __init__(self, server, name: str, size: int):
+        self.server, self.name = server, name
+        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.buf = np.frombuffer(self.shm.buf, np.uint8)
+        self.buf[:] = 0xFF  # NaN in every float type
+        self.at = 0
+        _post(server, f"/v2/systemsharedmemory/region/{name}/register", {"key": "/" + self.shm.name, "byte_size": size})
+
+    def put(self, x) -> pb.SharedMemoryRef:
+        raw = np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8)
+        ref = self.reserve(raw.size)
+        self.buf[ref.offset:ref.offset + raw.size] = raw
+        return ref
+
+    def reserve(self, nbytes: int, align: int = 4) -> pb.SharedMemoryRef:
+        self.at = (self.at + align - 1) // align * align
+        ref = pb.SharedMemoryRef(region=self.name, offset=self.at, byte_size=nbytes)
+        self.at += nbytes
+        return ref
+
+    def read(self, ref: pb.SharedMemoryRef, dtype, shape) -> np.ndarray:
+        return np.frombuffer(self.buf[ref.offset:ref.offset + ref.byte_size].tobytes(), dtype).reshape(shape).copy()
+
+    def close(self) -> None:
+        del self.buf
+        _post(self.server, f"/v2/systemsharedmemory/region/{self.name}/unregister", {})
+        self.shm.close()
+        self.shm.unlink()
+
+
+def _shm_tensor(x, ref) -> pb.Tensor:
+    t = pb.Tensor(dtype=tensors.to_proto_rows(x, "x").dtype, shape=list(x.shape))
+    t.shm.CopyFrom(ref)
+    return t
+
+
+def _step_request(region, seqs, qs, kvs, in_shm, return_lse):
+    """Items 0..n-1; item i's tensors and outputs in the region when in_shm[i]."""
+    request = spb.DecodeStepRequest(return_lse=return_lse)
+    outs = []
+    for seq, q, (k, v), shm in zip(seqs, qs, kvs, in_shm):
+        item = request.items.add(sequence_id=seq.id, layer=0)
+        if not shm:
+            for field, x in (("q", q), ("k", k), ("v", v)):
+                getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
+            outs.append(None)
+            continue
+        for field, x in (("q", q), ("k", k), ("v", v)):
+            getattr(item, field).CopyFrom(_shm_tensor(x, region.put(x)))
+        item.out_shm.CopyFrom(region.reserve(q.nbytes))
+        if return_lse:
+            item.lse_shm.CopyFrom(region.reserve(4 * q.shape[0] * q.shape[1]))
+        outs.append((item.out_shm, item.lse_shm if return_lse else None))
+    return request, outs
+
+
+@pytest.mark.parametrize("dtype,rows_q", [("float16", 1), ("bfloat16", 3)])
+def test_decode_step_through_shm_matches_reference(shm_server, rng, dtype, rows_q):
+    run_shm_steps(shm_server, rng, dtype, rows_q, SHAPE)
+
+
+def run_shm_steps(server, rng, dtype, rows_q, shape, prefixes=(1, 17, 40), steps=6):
+    """DecodeSteps over sequences with these prefix lengths, items in the region and in the message mixed; every O
+    (and LSE on odd steps) against the fp64 reference. Also used by test_sequences_gpu.py (CUDA backend)."""
+    truth = Truth(rng, **shape, dtype=dtype)
+    ndt = tensors.numpy_dtype(dtype)
+    region = Region(server, f"seq-{dtype}-{rows_q}", 4 << 20)
+    try:
+        with flashserve.SequenceClient(server.address, timeout=30, reprefill=False) as client:
+            seqs = []
+            for n in prefixes:
+                k, v = truth.rows(n)
+                seqs.append(client.create(num_layers=1, **shape, dtype=dtype, prefix={0: (k, v)}))
+                truth.add(seqs[-1].key, 0, k, v)
+            stub = client.stub(client.endpoints[0])
+            for step in range(steps):
+                region.at = 0
+                region.buf[:] = 0xFF
+                qs = [truth.query(rows_q) for _ in seqs]
+                kvs = [truth.rows(rows_q) for _ in seqs]
+                in_shm = [step % 2 == 0, True, step % 3 != 0]  # mixed with items in the message
+                return_lse = step % 2 == 1
+                request, outs = _step_request(region, seqs, qs, kvs, in_shm, return_lse)
+                response = stub.DecodeStep(request, timeout=30)
+                for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
+                    truth.add(seq.key, 0, k, v)
+                    assert result.length == truth.length(seq.key, 0)
+                    if where is None:
+                        out = np.frombuffer(result.out.data, ndt).reshape(q.shape)
+                        lse = np.frombuffer(result.lse.data, np.float32).reshape(q.shape[1], rows_q) \
+                            if return_lse else None
+                    else:
+                        assert result.out.data == b"" and list(result.out.shape) == list(q.shape)
+                        out = region.read(where[0], ndt, q.shape)
+                        lse = region.read(where[1], np.float32, (q.shape[1], rows_q)) if return_lse else None
+                    assert not np.isnan(out.astype(np.float32)).any()
+                    truth.check(out, q, seq.key, 0, lse=lse)
+    finally:
+        region.close()
+
+
+def _refused(stub, request, code, *words):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.DecodeStep(request, timeout=30)
+    assert info.value.code() == code, (info.value.code(), info.value.details())
+    for word in words:
+        assert word.lower() in info.value.details().lower(), info.value.details()
+
+
+def test_bad_shm_references_are_refused_and_change_nothing(shm_server, rng):
+    truth = Truth(rng, **SHAPE, dtype="float16")
+    region = Region(shm_server, "seq-bad", 1 << 16)
+    try:
+        with flashserve.SequenceClient(shm_server.address, timeout=30, reprefill=False) as client:
+            k, v = truth.rows(5)
+            seq = client.create(num_layers=1, **SHAPE, dtype="float16", prefix={0: (k, v)})
+            truth.add(seq.key, 0, k, v)
+            stub = client.stub(client.endpoints[0])
+            q, (k1, v1) = truth.query(), truth.rows(1)
+
+            def request():
+                region.at = 0
+                r, _ = _step_request(region, [seq], [q], [(k1, v1)], [True], False)
+                return r
+
+            r = request()
+            r.items[0].q.data = tensors.to_proto_rows(q, "q").data
+            _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "not both")
+            r = request()
+            r.items[0].out_shm.byte_size += 2
+            _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "out_shm", "byte_size")
+            r = request()
+            r.items[0].k.shm.byte_size -= 2
+            _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "k:")
+            r = request()
+            r.items[0].out_shm.offset = r.items[0].q.shm.offset + 2  # O over q
+            _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "overlaps")
+            r = request()
+            r.items[0].out_shm.offset = (1 << 16) - 8  # past the region's end
+            _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT)
+            r = request()
+            r.items[0].v.shm.region = "no-such-region"
+            _refused(stub, r, grpc.StatusCode.NOT_FOUND, "v:")
+            assert list(seq.info().layer_lengths) == [truth.length(seq.key, 0)]  # nothing appended
+            q2 = truth.query()
+            truth.check(seq.attend(0, q2), q2, seq.key, 0)
+    finally:
+        region.close()
+
+
+def test_shm_refused_when_disabled(flashserve_bin, tmp_path, rng):
+    s = ServerProcess(flashserve_bin, tmp_path, KV_FLAGS, name="kv_noshm").start()
+    try:
+        truth = Truth(rng, **SHAPE, dtype="float16")
+        with flashserve.SequenceClient(s.address, timeout=30, reprefill=False) as client:
+            seq = client.create(num_layers=1, **SHAPE, dtype="float16")
+            request = spb.DecodeStepRequest()
+            item = request.items.add(sequence_id=seq.id, layer=0)
+            q = truth.query()
+            item.q.CopyFrom(_shm_tensor(q, pb.SharedMemoryRef(region="r", offset=0, byte_size=q.nbytes)))
+            _refused(client.stub(client.endpoints[0]), request, grpc.StatusCode.PERMISSION_DENIED,
+                     "--allow_client_shm")
+    finally:
+        _stop_and_check(s)
+
+
+def test_decode_steps_count_against_max_inflight_bytes(flashserve_bin, tmp_path, rng):
+    """A step waiting in a 1 s batch window holds its bytes: a second one past the limit is refused meanwhile."""
+    s = ServerProcess(flashserve_bin, tmp_path, KV_FLAGS + ["--batch_window_us=1000000", "--max_inflight_bytes=4096"],
+                      name="kv_inflight").start()
+    try:
+        truth = Truth(rng, **SHAPE, dtype="float16")
+        with flashserve.SequenceClient(s.address, timeout=30, reprefill=False) as client:
+            a = client.create(num_layers=1, **SHAPE, dtype="float16")
+            b = client.create(num_layers=1, **SHAPE, dtype="float16")
+            stub = client.stub(client.endpoints[0])
+
+            def step(seq):
+                request = spb.DecodeStepRequest()
+                item = request.items.add(sequence_id=seq.id, layer=0)
+                k, v = truth.rows(8)  # 4 KiB of K/V: past the limit together with another call
+                for field, x in (("q", truth.query()), ("k", k), ("v", v)):
+                    getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
+                return request
+
+            first = stub.DecodeStep.future(step(a), timeout=30)
+            time.sleep(0.3)  # the first waits out its window with its bytes counted
+            _refused(stub, step(b), grpc.StatusCode.RESOURCE_EXHAUSTED, "--max_inflight_bytes")
+            assert first.result().results[0].length == 8
+            assert stub.DecodeStep(step(b), timeout=30).results[0].length == 8  # given back: accepted now
+    finally:
+        _stop_and_check(s)
