@@ -371,8 +371,13 @@ absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char*
 
 absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(int64_t bytes) {
   Device* device = devices_.front().get();
+  // Split counts from the autotuner's decode classes where tuned (a miss queues the class for
+  // background tuning and answers with the heuristic); the sequences die before the backend.
+  auto choose_splits = [this, device](const kernels::cuda::DecodeParams& p) {
+    return DecodeSplitsFor(chooser_.get(), p, device->sm_count, device->tuned);
+  };
   absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
-      bytes, device->index, device->sm_count,
+      bytes, device->index, std::move(choose_splits),
       [this, device](cudaError_t e, const char* what) { return DeviceError(device, e, what); });
   if (!store.ok()) return store.status();
   return std::unique_ptr<kvcache::KvStore>(std::move(*store));

@@ -30,10 +30,10 @@ struct CudaKvStore::Packed {
 };
 
 absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, int device,
-                                                                 int sm_count,
+                                                                 SplitChooser choose_splits,
                                                                  ErrorHandler on_error) {
-  auto store =
-      std::unique_ptr<CudaKvStore>(new CudaKvStore(bytes, device, sm_count, std::move(on_error)));
+  auto store = std::unique_ptr<CudaKvStore>(
+      new CudaKvStore(bytes, device, std::move(choose_splits), std::move(on_error)));
   cudaSetDevice(device);
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&store->pool_), size_t(bytes));
   if (e != cudaSuccess) {
@@ -248,7 +248,7 @@ absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed
   p.v = pool_ + batch.format.v_offset;
   p.page_size = batch.format.page_tokens;
   p.block_table_stride = pk.max_pages;
-  p.num_splits = kernels::cuda::decode_num_splits(p, sm_count_);
+  p.num_splits = choose_splits_(p);
   const int64_t workspace = int64_t(kernels::cuda::decode_workspace_bytes(p, p.num_splits));
   if (absl::Status st =
           Reserve(true, pk.workspace + workspace, &device_scratch_, &device_scratch_bytes_);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "flashserve/kernels/decode_attention.h"
 #include "kvcache/kv_store.h"
 
 namespace flashserve {
@@ -31,9 +32,12 @@ class CudaKvStore final : public kvcache::KvStore {
   /// The backend's handling of a CUDA error (marks it unhealthy when the error is sticky);
   /// returns the status to answer with.
   using ErrorHandler = std::function<absl::Status(cudaError_t, const char*)>;
+  /// The split-KV count for a launch (the autotuner's, or the heuristic's: DecodeSplitsFor).
+  using SplitChooser = std::function<int(const kernels::cuda::DecodeParams&)>;
   /// RESOURCE_EXHAUSTED when `bytes` of device memory cannot be had on `device`.
   static absl::StatusOr<std::unique_ptr<CudaKvStore>> Create(int64_t bytes, int device,
-                                                             int sm_count, ErrorHandler on_error);
+                                                             SplitChooser choose_splits,
+                                                             ErrorHandler on_error);
   ~CudaKvStore() override;
 
   std::string_view kind() const override { return "cuda"; }
@@ -48,8 +52,11 @@ class CudaKvStore final : public kvcache::KvStore {
  private:
   // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
   struct Packed;
-  CudaKvStore(int64_t bytes, int device, int sm_count, ErrorHandler on_error)
-      : bytes_(bytes), device_(device), sm_count_(sm_count), on_error_(std::move(on_error)) {}
+  CudaKvStore(int64_t bytes, int device, SplitChooser choose_splits, ErrorHandler on_error)
+      : bytes_(bytes),
+        device_(device),
+        choose_splits_(std::move(choose_splits)),
+        on_error_(std::move(on_error)) {}
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
   absl::Status Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity);
   // Queues the staged writes (data, ranges and `extra` bytes already placed after them, in one
@@ -71,7 +78,7 @@ class CudaKvStore final : public kvcache::KvStore {
 
   const int64_t bytes_;
   const int device_;
-  const int sm_count_;
+  const SplitChooser choose_splits_;
   const ErrorHandler on_error_;
   char* pool_ = nullptr;
   cudaStream_t stream_ = nullptr;

@@ -51,10 +51,15 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   int sm_count = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
-      CudaKvStore::Create(64 << 20, 0, sm_count, [&faults](cudaError_t e, const char* what) {
-        ++faults;
-        return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-      });
+      CudaKvStore::Create(
+          64 << 20, 0,
+          [sm_count](const kernels::cuda::DecodeParams& p) {
+            return kernels::cuda::decode_num_splits(p, sm_count);
+          },
+          [&faults](cudaError_t e, const char* what) {
+            ++faults;
+            return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+          });
   ASSERT_TRUE(store.ok()) << store.status();
   KvCacheOptions options;
   options.capacity_bytes = 64 << 20;
