@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "edge/grpc/sequences_decode.h"
+#include "edge/grpc/sequences_shm.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {
@@ -47,24 +48,25 @@ TEST(SequencesConvert, Scale) {
 TEST(SequencesConvert, DecodeStepChecksBeforeItSizesOutputs) {
   v1::DecodeStepRequest request;
   v1::DecodeStepResponse response;
-  EXPECT_EQ(BuildDecodeStep(request, 4, &response).status().code(),
+  SequenceShm shm;  // shared memory off: every tensor inline
+  EXPECT_EQ(BuildDecodeStep(request, 4, &shm, &response).status().code(),
             absl::StatusCode::kInvalidArgument);  // no items
   v1::DecodeItem* item = request.add_items();
   item->set_sequence_id("a");
   *item->mutable_q() = MakeTensor(v1::BFLOAT16, {17, 4, 8}, 17 * 4 * 8 * 2);
-  EXPECT_EQ(BuildDecodeStep(request, 4, &response).status().code(),
+  EXPECT_EQ(BuildDecodeStep(request, 4, &shm, &response).status().code(),
             absl::StatusCode::kInvalidArgument);  // 17 query rows
   EXPECT_EQ(response.results_size(), 0) << "outputs allocated before the checks";
   *item->mutable_q() = MakeTensor(v1::BFLOAT16, {2, 4, 8}, 2 * 4 * 8 * 2);
   request.set_return_lse(true);
-  absl::StatusOr<std::shared_ptr<DecodeCall>> call = BuildDecodeStep(request, 4, &response);
+  absl::StatusOr<std::shared_ptr<DecodeCall>> call = BuildDecodeStep(request, 4, &shm, &response);
   ASSERT_TRUE(call.ok()) << call.status();
   ASSERT_EQ(response.results_size(), 1);
   EXPECT_EQ(response.results(0).out().data().size(), 2u * 4 * 8 * 2);
   EXPECT_EQ(response.results(0).lse().data().size(), 4u * 2 * 4);
   EXPECT_EQ((*call)->items[0].k.rows, 0);  // no k/v: attend only
   for (int i = 0; i < 4; ++i) *request.add_items() = request.items(0);
-  EXPECT_EQ(BuildDecodeStep(request, 4, &response).status().code(),
+  EXPECT_EQ(BuildDecodeStep(request, 4, &shm, &response).status().code(),
             absl::StatusCode::kInvalidArgument);  // 5 items > 4
 }
 
