@@ -72,6 +72,30 @@ __attribute__((visibility("default"))) int flashserve_attention_forward(
   return fk::run(p, *cfg, s);
 }
 
+/// Variable-length forward attention (AttentionParams::cu_seqlens_q/k): q/o packed
+/// [total_q, heads_q, head_dim], k/v packed [total_k, heads_kv, head_dim], cu_seqlens_q/k device
+/// int32 [batch + 1]; max_seqlen_q/k the longest sequence; lse [heads_q, total_q] or nullptr.
+/// strides: 8 element strides, (row, head) for q, k, v, o. config as in
+/// flashserve_attention_forward (sm80 names only). Returns cudaError_t.
+__attribute__((visibility("default"))) int flashserve_attention_forward_varlen(
+    int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
+    const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int max_seqlen_q,
+    int max_seqlen_k, int total_q, int heads_q, int heads_kv, int head_dim,
+    const int64_t* strides, float softmax_scale, int causal, const char* config, void* stream) {
+  const int64_t s12[12] = {0, strides[0], strides[1], 0, strides[2], strides[3],
+                           0, strides[4], strides[5], 0, strides[6], strides[7]};
+  AttentionParams p = make_params(dtype, q, k, v, o, lse, batch, max_seqlen_q, max_seqlen_k,
+                                  heads_q, heads_kv, head_dim, s12, softmax_scale, causal);
+  p.cu_seqlens_q = cu_seqlens_q;
+  p.cu_seqlens_k = cu_seqlens_k;
+  p.total_q = total_q;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (config == nullptr || config[0] == '\0') return fk::run(p, s);
+  const std::optional<fk::KernelConfig> cfg = fk::KernelConfig::parse(config);
+  if (!cfg) return cudaErrorInvalidValue;
+  return fk::run(p, *cfg, s);
+}
+
 /// Writes supported()'s message (empty: supported) into buf; returns its length.
 __attribute__((visibility("default"))) int flashserve_attention_supported(
     int dtype, int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim,

@@ -17,10 +17,16 @@
 #include "sm90/tensor_map.h"
 #endif
 
-// extern template declarations of every generated instance.
-#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, \
-                              LAZY)                                                           \
-  FLASHSERVE_FWD_INSTANCE(extern, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY)
+// extern template declarations of every generated instance (and of its variable-length
+// launcher where VARLEN is true: the _true / _false helpers below pick by token pasting).
+#define FLASHSERVE_FWD_VARLEN_DECL_false(...)
+#define FLASHSERVE_FWD_VARLEN_DECL_true(...) FLASHSERVE_FWD_VARLEN_INSTANCE(extern, __VA_ARGS__)
+#define FLASHSERVE_FWD_VARLEN_FN_false(...) nullptr
+#define FLASHSERVE_FWD_VARLEN_FN_true(...) &launch_fwd_varlen<FLASHSERVE_FWD_TRAITS(__VA_ARGS__)>
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS,    \
+                              LAZY, VARLEN)                                                      \
+  FLASHSERVE_FWD_INSTANCE(extern, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY) \
+  FLASHSERVE_FWD_VARLEN_DECL_##VARLEN(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY)
 #include "registry.inc"
 #undef FLASHSERVE_FWD_CONFIG
 
@@ -34,13 +40,15 @@ struct Entry {
   int head_dim;
   KernelConfig config;
   LaunchFn launch;
+  LaunchFn launch_varlen = nullptr;  // packed variable lengths; default configurations only
 };
 
 const Entry kEntries[] = {
-#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, \
-                              LAZY)                                                           \
-  {DType::DTYPE, HEAD_DIM, KernelConfig{BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY},          \
-   &launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY>>},
+#define FLASHSERVE_FWD_CONFIG(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS,     \
+                              LAZY, VARLEN)                                                       \
+  {DType::DTYPE, HEAD_DIM, KernelConfig{BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY},              \
+   &launch_fwd<FwdTraits<ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY>>,         \
+   FLASHSERVE_FWD_VARLEN_FN_##VARLEN(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, QREGS, LAZY)},
 #include "registry.inc"
 #undef FLASHSERVE_FWD_CONFIG
 };
@@ -85,6 +93,7 @@ std::vector<const Entry*> sm90_entries() {
 // Whether the sm90 kernels' tensor maps can describe p's q/k/v/o (positive, 16-byte strides).
 bool sm90_can_run(const AttentionParams& p) {
 #if FLASHSERVE_HAVE_SM90
+  if (p.varlen()) return false;  // packed variable-length inputs: sm80 family only
   const sm90::TensorView q = sm90::q_view(p), k = sm90::k_view(p), v = sm90::v_view(p);
   return sm90::tensor_map_strides_ok(q) && sm90::tensor_map_strides_ok(sm90::o_view(p)) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
@@ -163,6 +172,21 @@ constexpr int kMaxGridYZ = 65535;
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The variable-length fields (attention_params.h): empty when p is dense or a well-formed varlen
+// problem. The offsets themselves live on the device and are the caller's to keep in range.
+std::string varlen_problem(const AttentionParams& p) {
+  if (!p.varlen()) return "";
+  if (p.cu_seqlens_q == nullptr || p.cu_seqlens_k == nullptr)
+    return "cu_seqlens_q and cu_seqlens_k must both be set (variable lengths) or both be null";
+  if (reinterpret_cast<uintptr_t>(p.cu_seqlens_q) % alignof(int) != 0 ||
+      reinterpret_cast<uintptr_t>(p.cu_seqlens_k) % alignof(int) != 0)
+    return "cu_seqlens_q and cu_seqlens_k must be 4-byte aligned int32 arrays";
+  if (p.total_q < 0) return "total_q must be >= 0 (got " + std::to_string(p.total_q) + ")";
+  if (p.lse != nullptr && p.total_q == 0 && p.batch > 0 && p.seqlen_q > 0)
+    return "total_q (rows of the packed q) must be set when lse is requested with variable lengths";
+  return "";
+}
+
 }  // namespace
 
 std::vector<int> supported_head_dims() {
@@ -221,6 +245,7 @@ std::string supported(const AttentionParams& p) {
     return "softmax_scale must be positive and finite";
   if (!(p.softmax_scale_log2 > 0.f) || !std::isfinite(p.softmax_scale_log2))
     return "softmax_scale_log2 must be positive and finite (softmax_scale * log2(e))";
+  if (std::string why = varlen_problem(p); !why.empty()) return why;
   if (p.batch == 0 || p.seqlen_q == 0) return "";  // nothing to compute
   if (p.q == nullptr || p.o == nullptr) return "q and o must not be null";
   if (p.seqlen_k > 0 && (p.k == nullptr || p.v == nullptr)) return "k and v must not be null";
@@ -264,6 +289,11 @@ KernelConfig select(const AttentionParams& p, int sm_count) {
 namespace {
 KernelConfig select_sm80(const AttentionParams& p, int sm_count) {
   if (!has_entries(p.dtype, p.head_dim)) return preferred(p.head_dim, p.causal);
+  if (p.varlen()) {  // the one configuration with a variable-length kernel
+    for (const Entry& e : kEntries)
+      if (e.dtype == p.dtype && e.head_dim == p.head_dim && e.launch_varlen != nullptr)
+        return e.config;
+  }
   KernelConfig best = preferred(p.head_dim, p.causal);
   if (find_entry(p.dtype, p.head_dim, best) == nullptr) {
     for (const Entry& e : kEntries)
@@ -293,8 +323,9 @@ cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t 
   const Entry* e = find_entry(p.dtype, p.head_dim, cfg);
   if (e == nullptr) return cudaErrorInvalidValue;
   if (cfg.family == KernelFamily::kSm90 && !sm90_can_run(p)) return cudaErrorInvalidValue;
+  if (p.varlen() && e->launch_varlen == nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;
-  return e->launch(p, stream);
+  return p.varlen() ? e->launch_varlen(p, stream) : e->launch(p, stream);
 }
 
 cudaError_t run(const AttentionParams& p, cudaStream_t stream) {

@@ -13,6 +13,7 @@
 #include "load_store.h"
 #include "mask.h"
 #include "ptx.h"
+#include "sequence.h"
 #include "softmax.h"
 #include "swizzle.h"
 
@@ -23,11 +24,13 @@ __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / 
 /// Forward attention for one query tile of one (batch, head).
 ///   q: [batch, seqlen_q, heads_q, head_dim], k/v: [batch, seqlen_k, heads_kv, head_dim],
 ///   o: [batch, seqlen_q, heads_q, head_dim], lse: [batch, heads_q, seqlen_q] fp32 (optional);
+///   kVarlen: packed variable-length sequences instead (p.cu_seqlens_q/k, sequence.h), grid z
+///   over sequences and x over the longest one's tiles (blocks past a sequence's end exit);
 /// element strides from p, head_dim contiguous; pointers and strides 16-byte aligned.
 /// grid = (ceil(seqlen_q / kBlockM), heads_q, batch); block = kNThreads; dynamic smem
 /// Traits::kSmemBytes. Query tiles sharing a K/V head are adjacent in launch order (L2 reuse);
 /// for causal problems the heaviest tiles (last rows) launch first.
-template <typename Traits>
+template <typename Traits, bool kVarlen>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     flash_fwd_kernel(const __grid_constant__ AttentionParams p) {
   using Element = typename Traits::Element;
@@ -49,27 +52,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int warp = tid / 32;
   const int m_block = p.causal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
   const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const SequenceView seq = sequence_view<kVarlen>(p, blockIdx.z, head);
+  if (kVarlen && m_block * kBlockM >= seq.seqlen_q) return;  // a shorter sequence
   const int head_kv = head / (p.heads_q / p.heads_kv);
 
-  const Element* q = static_cast<const Element*>(p.q) + batch * p.q_batch_stride +
-                     head * p.q_head_stride + int64_t(m_block) * kBlockM * p.q_row_stride;
-  const Element* k =
-      static_cast<const Element*>(p.k) + batch * p.k_batch_stride + head_kv * p.k_head_stride;
-  const Element* v =
-      static_cast<const Element*>(p.v) + batch * p.v_batch_stride + head_kv * p.v_head_stride;
-  Element* o = static_cast<Element*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+  const Element* q = static_cast<const Element*>(p.q) + seq.q_offset + head * p.q_head_stride +
+                     int64_t(m_block) * kBlockM * p.q_row_stride;
+  const Element* k = static_cast<const Element*>(p.k) + seq.k_offset + head_kv * p.k_head_stride;
+  const Element* v = static_cast<const Element*>(p.v) + seq.v_offset + head_kv * p.v_head_stride;
+  Element* o = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride +
                int64_t(m_block) * kBlockM * p.o_row_stride;
-  float* lse_out = p.lse == nullptr
-                       ? nullptr
-                       : p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q + m_block * kBlockM;
-  const int rows_valid_q = min(kBlockM, p.seqlen_q - m_block * kBlockM);
+  float* lse_out = p.lse == nullptr ? nullptr : p.lse + seq.lse_offset + m_block * kBlockM;
+  const int rows_valid_q = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
-  const Mask mask{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.causal};
-  int n_block_max = ceil_div(p.seqlen_k, kBlockN);
+  const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.causal};
+  int n_block_max = ceil_div(seq.seqlen_k, kBlockN);
   if (p.causal) {
     // One past the last column the tile's last row may see.
-    const int col_end = (m_block + 1) * kBlockM + p.seqlen_k - p.seqlen_q;
+    const int col_end = (m_block + 1) * kBlockM + seq.seqlen_k - seq.seqlen_q;
     n_block_max = min(n_block_max, col_end <= 0 ? 0 : ceil_div(col_end, kBlockN));
   }
 
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // Prologue: Q and the last K tile (and, with two stages, the last V tile) in flight.
   int n_block = n_block_max - 1;
-  const int rows_valid_kv = p.seqlen_k - n_block * kBlockN;  // may be < kBlockN only here
+  const int rows_valid_kv = seq.seqlen_k - n_block * kBlockN;  // may be < kBlockN only here
   if (rows_valid_q == kBlockM) {
     load_tile<Traits, kBlockM, false>(sQ, q, p.q_row_stride, kBlockM, tid);
   } else {

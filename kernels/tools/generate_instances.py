@@ -31,29 +31,39 @@ DTYPES = {  # option name -> (DType enumerator, CUDA element type)
 # feeds two MMAs, which H100's shared-memory bandwidth needs) or 16 (fewer registers).
 # lazy_rescale (name suffix "l", kernels/NOTES.md v3a/v4): only at head_dim 128, where it saves
 # the 128-FMUL O rescale of most K/V tiles; at head_dim 64 it measured 2-4% slower.
+# Head dims 32, 96 and 256 are compiled by default too, with two configurations each: the default
+# of preferred() in flash_fwd_dispatch.cu and the 64-row tile select() takes when 128-row tiles do
+# not fill the GPU. Six per dim would add 36 objects x 2 archs to the clean build (issue 19 caps
+# it at ~1.5x); EXTRA_CONFIGS keeps the rest of their sweep space for --extra builds.
 CONFIGS = {
-    32: [
-        (128, 128, 4, 2, False), (128, 64, 4, 2, False), (128, 64, 4, 2, True),
-        (64, 64, 4, 2, False), (128, 128, 8, 2, False), (128, 64, 4, 1, False),
-    ],
+    32: [(128, 64, 4, 2, False), (64, 64, 4, 2, False)],
     64: [
         (128, 128, 4, 2, False), (128, 64, 4, 2, False), (128, 64, 4, 2, True),
         (128, 128, 4, 2, True), (64, 64, 4, 2, False), (128, 64, 8, 2, False),
         (128, 128, 8, 2, True), (128, 64, 4, 1, False),
     ],
-    96: [
-        (128, 64, 4, 2, False), (128, 64, 4, 1, False), (128, 32, 4, 2, False),
-        (64, 64, 4, 2, False), (128, 64, 8, 2, False), (128, 64, 8, 2, True),
-    ],
+    96: [(128, 64, 4, 2, False), (64, 64, 4, 2, False)],
     128: [
         (128, 64, 4, 2, False), (128, 64, 4, 1, False), (128, 32, 4, 2, False),
         (64, 64, 4, 2, False), (128, 64, 8, 2, False), (128, 64, 8, 2, True),
         (128, 128, 8, 2, False), (128, 64, 4, 2, False, True),
     ],
-    256: [
-        (128, 64, 8, 2, False), (128, 64, 8, 1, False), (128, 32, 8, 2, False),
-        (64, 64, 4, 2, False), (64, 64, 4, 1, False), (64, 32, 4, 2, False),
-    ],
+    256: [(128, 64, 8, 2, False), (64, 64, 4, 2, False)],
+}
+EXTRA_CONFIGS = {  # sweep candidates not compiled by default (--extra)
+    32: [(128, 128, 4, 2, False), (128, 64, 4, 2, True), (128, 128, 8, 2, False),
+         (128, 64, 4, 1, False)],
+    96: [(128, 64, 4, 1, False), (128, 32, 4, 2, False), (128, 64, 8, 2, False),
+         (128, 64, 8, 2, True)],
+    256: [(128, 64, 8, 1, False), (128, 32, 8, 2, False), (64, 64, 4, 1, False),
+          (64, 32, 4, 2, False)],
+}
+DEFAULT_HEAD_DIMS = "32;64;96;128;256"
+# The one configuration per head_dim that also gets a variable-length kernel (cu_seqlens): the
+# default of preferred() in flash_fwd_dispatch.cu, which select() picks for varlen problems.
+VARLEN_CONFIG = {
+    32: (128, 64, 4, 2, False), 64: (128, 64, 4, 1, False), 96: (128, 64, 4, 2, False),
+    128: (128, 64, 4, 2, False, True), 256: (128, 64, 8, 2, False),
 }
 
 
@@ -76,22 +86,29 @@ def template_args(hd, cfg):
     return f"{hd}, {bm}, {bn}, {w}, {st}, {cpp_bool(qr)}, {cpp_bool(lazy)}"
 
 
+def has_varlen(hd, cfg):
+    return fields(cfg) == fields(VARLEN_CONFIG[hd])
+
+
 def instance_line(dtype, hd, cfg):
     enum, elem = DTYPES[dtype]
-    return f"{enum}, {elem}, {template_args(hd, cfg)}"
+    return f"{enum}, {elem}, {template_args(hd, cfg)}, {cpp_bool(has_varlen(hd, cfg))}"
 
 
-def generate(dtypes, head_dims):
+def generate(dtypes, head_dims, extra=False):
     files = {}
     registry = [HEADER, "// FLASHSERVE_FWD_CONFIG(DType enumerator, element, head_dim, block_m, "
-                "block_n, num_warps, kv_stages, q_in_regs, lazy_rescale)\n"]
+                "block_n, num_warps, kv_stages, q_in_regs, lazy_rescale, varlen)\n"]
     for dtype in dtypes:
         for hd in head_dims:
-            for cfg in CONFIGS[hd]:
+            for cfg in CONFIGS[hd] + (EXTRA_CONFIGS.get(hd, []) if extra else []):
                 _, elem = DTYPES[dtype]
                 name = f"flash_fwd_{dtype}_hd{hd}_{config_name(cfg)}.cu"
-                files[name] = (HEADER + '#include "flash_fwd_launch_template.h"\n\n'
-                               f"FLASHSERVE_FWD_INSTANCE(, {elem}, {template_args(hd, cfg)})\n")
+                text = (HEADER + '#include "flash_fwd_launch_template.h"\n\n'
+                        f"FLASHSERVE_FWD_INSTANCE(, {elem}, {template_args(hd, cfg)})\n")
+                if has_varlen(hd, cfg):
+                    text += f"FLASHSERVE_FWD_VARLEN_INSTANCE(, {elem}, {template_args(hd, cfg)})\n"
+                files[name] = text
                 registry.append(f"FLASHSERVE_FWD_CONFIG({instance_line(dtype, hd, cfg)})\n")
     files["registry.inc"] = "".join(registry)
     return files
@@ -100,7 +117,9 @@ def generate(dtypes, head_dims):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtypes", default="fp16;bf16", help="';' or ',' separated: fp16 bf16")
-    ap.add_argument("--head-dims", default="64;128", help="';' or ',' separated")
+    ap.add_argument("--head-dims", default=DEFAULT_HEAD_DIMS, help="';' or ',' separated")
+    ap.add_argument("--extra", action="store_true",
+                    help="also instantiate EXTRA_CONFIGS (the full sweep space of 32, 96, 256)")
     ap.add_argument("--out", required=True, help="output directory")
     ap.add_argument("--check", action="store_true", help="fail if --out differs from the output")
     args = ap.parse_args()
@@ -113,7 +132,7 @@ def main():
     for hd in head_dims:
         if hd not in CONFIGS:
             sys.exit(f"unsupported head_dim {hd} (known: {', '.join(map(str, CONFIGS))})")
-    files = generate(dtypes, head_dims)
+    files = generate(dtypes, head_dims, args.extra)
     os.makedirs(args.out, exist_ok=True)
     existing = {f for f in os.listdir(args.out) if f.endswith(".cu") or f == "registry.inc"}
     stale = existing - set(files)

@@ -150,7 +150,7 @@ void check_case(DType dtype, int head_dim, const Case& c) {
   ASSERT_EQ(fk::supported(p), "");
 
   std::vector<fk::KernelConfig> configs = fk::candidates(dtype, head_dim, c.causal);
-  ASSERT_GE(configs.size(), 6u);
+  ASSERT_GE(configs.size(), 2u);  // 32, 96, 256: the default and the 64-row tile
   int sm_count = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   EXPECT_NE(std::find(configs.begin(), configs.end(), fk::select(p, sm_count)), configs.end());
@@ -326,7 +326,10 @@ TEST(CudaAttentionApi, ConfigNamesRoundTrip) {
     for (int hd : fk::supported_head_dims())
       for (bool causal : {false, true}) {
         const auto configs = fk::candidates(dtype, hd, causal);
-        EXPECT_GE(configs.size(), 6u);
+        EXPECT_GE(configs.size(), 2u);
+        // select()'s two sm80 choices (default and 64-row tile) are compiled for every dim.
+        EXPECT_NE(std::find(configs.begin(), configs.end(), fk::KernelConfig{64, 64, 4, 2, false}),
+                  configs.end()) << hd;
         for (const auto& cfg : configs) {
           const auto parsed = fk::KernelConfig::parse(cfg.name());
           ASSERT_TRUE(parsed.has_value()) << cfg.name();

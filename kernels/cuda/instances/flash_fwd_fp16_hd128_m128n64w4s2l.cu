@@ -2,3 +2,4 @@
 #include "flash_fwd_launch_template.h"
 
 FLASHSERVE_FWD_INSTANCE(, __half, 128, 128, 64, 4, 2, false, true)
+FLASHSERVE_FWD_VARLEN_INSTANCE(, __half, 128, 128, 64, 4, 2, false, true)

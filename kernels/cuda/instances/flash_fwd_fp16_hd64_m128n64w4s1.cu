@@ -2,3 +2,4 @@
 #include "flash_fwd_launch_template.h"
 
 FLASHSERVE_FWD_INSTANCE(, __half, 64, 128, 64, 4, 1, false, false)
+FLASHSERVE_FWD_VARLEN_INSTANCE(, __half, 64, 128, 64, 4, 1, false, false)

@@ -44,7 +44,10 @@ KernelConfig select(const AttentionParams& p, int sm_count);
 /// Computes attention for p with configuration cfg on stream (asynchronous).
 ///   q: [batch, seqlen_q, heads_q, head_dim], k/v: [batch, seqlen_k, heads_kv, head_dim],
 ///   o: [batch, seqlen_q, heads_q, head_dim] (p.dtype), lse: [batch, heads_q, seqlen_q] fp32
-///   contiguous or nullptr. Strides come from p (last dimension contiguous).
+///   contiguous or nullptr. Strides come from p (last dimension contiguous). With
+///   p.cu_seqlens_q/k set: packed variable-length sequences (attention_params.h), compiled for one
+///   sm80 configuration per (dtype, head_dim), the one select() returns for such p; any other cfg
+///   gives cudaErrorInvalidValue.
 /// Returns cudaErrorInvalidValue when supported(p) is not empty, cfg is not compiled for
 /// (p.dtype, p.head_dim) or not runnable on this device, or cfg is an sm90 configuration and
 /// p's layout is one TMA cannot describe (see select()); otherwise the launch's error
