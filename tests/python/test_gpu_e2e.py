@@ -84,6 +84,29 @@ SHAPES = [
 ]
 
 
+# Head dims 32, 96 and 256 (compiled by default since issue 19): odd sizes, GQA, causal Sq != Sk.
+NEW_DIM_SHAPES = [
+    (3, 33, 70, 4, 2, 32, True),
+    (1, 200, 301, 3, 1, 96, False),
+    (2, 129, 257, 2, 2, 256, True),
+    (1, 700, 90, 4, 4, 256, False),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", NEW_DIM_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}:{}_d{}_{}".format(*s[:6], "causal" if s[6] else "full"))
+def test_new_head_dims_match_reference(cuda_server, rng, dtype, shape):
+    batch, sq, sk, hq, hkv, d, causal = shape
+    with flashserve.Client(cuda_server.address) as c:
+        served = set(c.server_info().head_dims)
+    if d not in served:
+        pytest.skip(f"head_dim {d} not built into this server (FLASHSERVE_KERNEL_HEAD_DIMS): serves {sorted(served)}")
+    q, k, v = _problem(rng, dtype, batch, sq, sk, hq, hkv, d)
+    with flashserve.Client(cuda_server.address, timeout=120) as c:
+        result = _check(c, q, k, v, dtype, causal)
+    assert f"_d{d}" in result.kernel, result.kernel
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}:{}_d{}_{}".format(*s[:6], "causal" if s[6] else "full"))
 def test_matches_reference(cuda_server, rng, dtype, shape):
