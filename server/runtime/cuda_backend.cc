@@ -565,8 +565,11 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
     result.timing.compute_us = ElapsedUs(slot->events[1], slot->events[2]);
     result.timing.d2h_us = ElapsedUs(slot->events[2], slot->events[3]);
     const AttentionProblem& problem = job->spec.problem;
-    result.kernel = absl::StrCat("sm80_fwd_", std::string(kernels::dtype_name(problem.dtype)),
-                                 "_d", problem.head_dim, problem.causal ? "_causal_" : "_",
+    // The family that ran leads the name (the sm90 family's configuration names carry it too).
+    const bool sm90 = job->config.family == kernels::cuda::KernelFamily::kSm90;
+    result.kernel = absl::StrCat(sm90 ? "sm90_fwd_" : "sm80_fwd_",
+                                 std::string(kernels::dtype_name(problem.dtype)), "_d",
+                                 problem.head_dim, problem.causal ? "_causal_" : "_",
                                  job->config.name());
   } else {
     result.status = DeviceError(device, e, what);
