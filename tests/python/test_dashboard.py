@@ -94,7 +94,8 @@ def test_deploy_prometheus_config_is_valid():
 
 @pytest.mark.e2e
 def test_dashboard_queries_only_exported_metrics(start_server, rng):
-    server, url = start_metrics_server(start_server)
+    # With a KV cache: its families (the dashboard's Sequences panels) exist only on such servers.
+    server, url = start_metrics_server(start_server, "--kv_cache_bytes=67108864")
     send_traffic(server.address, rng, n_ok=2, n_info=1, bad_rounds=1)
     exposition = scrape(url)
     # What PromQL can select: a histogram family only through its _bucket/_sum/_count series, every other family by
