@@ -148,6 +148,167 @@ absl::Status ScanJson(absl::string_view text, int64_t max_values) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Binary inputs seen in the JSON header: where each goes and its size; allocated last.
+struct BinaryInputs {
+  std::vector<std::pair<std::string*, int64_t>> targets;
+  int64_t total = 0;
+};
+
+// One element of "inputs": its header into the request, then its data -- JSON numbers (stored
+// now), a binary part of the body (sized now, allocated once everything checks out) or a
+// shared-memory region.
+absl::Status ParseRestInput(const json& input, size_t i, int64_t max_binary_bytes, bool seen[3],
+                            RestInferRequest* out, BinaryInputs* binary) {
+  const std::string field = absl::StrCat("inputs[", i, "]");
+  if (!input.is_object()) return absl::InvalidArgumentError(field + ": must be an object");
+  const auto name = input.find("name");
+  if (name == input.end() || !name->is_string()) {
+    return absl::InvalidArgumentError(field + ".name: missing");
+  }
+  const int slot = InputSlot(name->get_ref<const std::string&>());
+  if (slot < 0) return UnknownInput(field, name->get_ref<const std::string&>());
+  if (seen[slot]) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".name: input ", kInputNames[slot], " given twice"));
+  }
+  seen[slot] = true;
+  const auto datatype = input.find("datatype");
+  if (datatype == input.end() || !datatype->is_string()) {
+    return absl::InvalidArgumentError(field + ".datatype: missing");
+  }
+  ASSIGN_OR_RETURN(const v1::DType dtype,
+                   ParseDatatype(datatype->get_ref<const std::string&>(), field));
+  v1::Tensor* tensor = TensorAt(&out->request, slot);
+  tensor->set_dtype(dtype);
+  const auto shape = input.find("shape");
+  if (shape == input.end() || !shape->is_array()) {
+    return absl::InvalidArgumentError(field + ".shape: missing");
+  }
+  for (const json& dim : *shape) {
+    if (!dim.is_number_integer()) {
+      return absl::InvalidArgumentError(field + ".shape: must be a list of integers");
+    }
+    tensor->add_shape(dim.is_number_unsigned() && dim.get<uint64_t>() > uint64_t(INT64_MAX)
+                          ? INT64_MAX
+                          : dim.get<int64_t>());
+  }
+  int64_t binary_size = -1;
+  ShmParams& shm = out->shm_inputs[slot];
+  if (auto params = input.find("parameters"); params != input.end()) {
+    if (!params->is_object())
+      return absl::InvalidArgumentError(field + ".parameters: must be an object");
+    RETURN_IF_ERROR(ApplyShmParameters(field, *params, &shm));
+    if (auto size = params->find("binary_data_size"); size != params->end()) {
+      if (!size->is_number_integer() || size->get<int64_t>() < 0 ||
+          (size->is_number_unsigned() && size->get<uint64_t>() > uint64_t(INT64_MAX))) {
+        return absl::InvalidArgumentError(
+            field + ".parameters.binary_data_size: must be an integer >= 0");
+      }
+      binary_size = size->get<int64_t>();
+    }
+  }
+  const auto data = input.find("data");
+  if (shm.set()) {
+    if (data != input.end() || binary_size >= 0) {
+      return absl::InvalidArgumentError(
+          field + ": data given together with parameters.shared_memory_region (use one)");
+    }
+    return absl::OkStatus();
+  }
+  if (binary_size >= 0) {
+    if (data != input.end()) {
+      return absl::InvalidArgumentError(field + ": both data and binary_data_size given");
+    }
+    if (binary_size > max_binary_bytes || binary->total > max_binary_bytes - binary_size) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("inputs: binary_data_size adds up to more than --max_request_bytes=",
+                       max_binary_bytes));
+    }
+    binary->total += binary_size;
+    binary->targets.emplace_back(tensor->mutable_data(), binary_size);
+    return absl::OkStatus();
+  }
+  if (data == input.end()) {
+    return absl::InvalidArgumentError(field +
+                                      ": no data (give \"data\" or parameters.binary_data_size)");
+  }
+  if (!data->is_array()) {
+    return absl::InvalidArgumentError(field + ".data: must be a list of numbers");
+  }
+  int64_t count = 0;
+  RETURN_IF_ERROR(CountJsonNumbers(*data, field, 0, &count));
+  const auto kdtype = static_cast<kernels::DType>(dtype);
+  tensor->mutable_data()->resize(size_t(count) * kernels::dtype_size(kdtype));
+  int64_t index = 0;
+  StoreJsonNumbers(*data, kdtype, tensor->mutable_data()->data(), &index);
+  return absl::OkStatus();
+}
+
+// The "outputs" list (names, binary_data, shared-memory regions); empty when not given.
+absl::StatusOr<std::vector<RequestedOutput>> ParseRequestedOutputs(const json& body) {
+  std::vector<RequestedOutput> requested;
+  if (auto outputs = body.find("outputs"); outputs != body.end()) {
+    if (!outputs->is_array()) return absl::InvalidArgumentError("outputs: must be a list");
+    for (size_t i = 0; i < outputs->size(); ++i) {
+      const json& output = (*outputs)[i];
+      const std::string field = absl::StrCat("outputs[", i, "]");
+      if (!output.is_object() || !output.contains("name") || !output["name"].is_string()) {
+        return absl::InvalidArgumentError(field + ".name: missing");
+      }
+      RequestedOutput r;
+      r.name = output["name"].get<std::string>();
+      if (auto params = output.find("parameters"); params != output.end() && params->is_object()) {
+        RETURN_IF_ERROR(ApplyShmParameters(field, *params, &r.shm));
+        if (auto b = params->find("binary_data"); b != params->end()) {
+          if (!b->is_boolean()) {
+            return absl::InvalidArgumentError(field + ".parameters.binary_data: must be a boolean");
+          }
+          r.binary = b->get<bool>() ? 1 : 0;
+        }
+      }
+      requested.push_back(std::move(r));
+    }
+  }
+  return requested;
+}
+
+// The native API's checks of shapes, dtypes and sizes, the receive budget, then the binary
+// inputs' allocation (bounded by the body's size): nothing is allocated before the checks pass.
+absl::Status CheckAndAllocate(const RestHeaderChecks& checks, const BinaryInputs& binary,
+                              RestInferRequest* out) {
+  if (checks.validation != nullptr) {
+    // Shapes, dtypes and sizes as the native API checks them, before the allocation.
+    int64_t data_bytes[3];
+    for (int slot = 0; slot < 3; ++slot) {
+      const v1::Tensor* tensor = TensorAt(&out->request, slot);
+      data_bytes[slot] = int64_t(tensor->data().size());
+      for (const auto& [target, size] : binary.targets) {
+        if (target == &tensor->data()) data_bytes[slot] = size;
+      }
+      const ShmParams& shm = out->shm_inputs[slot];
+      if (shm.set()) data_bytes[slot] = int64_t(std::min<uint64_t>(shm.byte_size, INT64_MAX));
+    }
+    RETURN_IF_ERROR(
+        ValidateAttentionRequest(out->request, *checks.validation, data_bytes).status());
+  }
+  if (checks.reserve) RETURN_IF_ERROR(checks.reserve(binary.total));
+  // Everything checks out: allocate the binary inputs (bounded by the body's size).
+  for (auto& [target, size] : binary.targets) {
+    if (checks.capacity_only) {
+      target->reserve(size_t(size));
+    } else {
+      target->resize(size_t(size));
+    }
+    out->binary_targets.push_back(target);
+    out->binary_sizes.push_back(size);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
                                   int64_t max_binary_bytes, RestInferRequest* out,
                                   const RestHeaderChecks& checks) {
@@ -183,152 +344,21 @@ absl::Status ParseRestInferHeader(absl::string_view text, int64_t binary_bytes,
     return absl::InvalidArgumentError("inputs: missing (a request carries Q, K and V)");
   }
   bool seen[3] = {false, false, false};
-  std::vector<std::pair<std::string*, int64_t>> binary;
-  int64_t binary_total = 0;
+  BinaryInputs binary;
   for (size_t i = 0; i < inputs->size(); ++i) {
-    const json& input = (*inputs)[i];
-    const std::string field = absl::StrCat("inputs[", i, "]");
-    if (!input.is_object()) return absl::InvalidArgumentError(field + ": must be an object");
-    const auto name = input.find("name");
-    if (name == input.end() || !name->is_string()) {
-      return absl::InvalidArgumentError(field + ".name: missing");
-    }
-    const int slot = InputSlot(name->get_ref<const std::string&>());
-    if (slot < 0) return UnknownInput(field, name->get_ref<const std::string&>());
-    if (seen[slot]) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".name: input ", kInputNames[slot], " given twice"));
-    }
-    seen[slot] = true;
-    const auto datatype = input.find("datatype");
-    if (datatype == input.end() || !datatype->is_string()) {
-      return absl::InvalidArgumentError(field + ".datatype: missing");
-    }
-    ASSIGN_OR_RETURN(const v1::DType dtype,
-                     ParseDatatype(datatype->get_ref<const std::string&>(), field));
-    v1::Tensor* tensor = TensorAt(&out->request, slot);
-    tensor->set_dtype(dtype);
-    const auto shape = input.find("shape");
-    if (shape == input.end() || !shape->is_array()) {
-      return absl::InvalidArgumentError(field + ".shape: missing");
-    }
-    for (const json& dim : *shape) {
-      if (!dim.is_number_integer()) {
-        return absl::InvalidArgumentError(field + ".shape: must be a list of integers");
-      }
-      tensor->add_shape(dim.is_number_unsigned() && dim.get<uint64_t>() > uint64_t(INT64_MAX)
-                            ? INT64_MAX
-                            : dim.get<int64_t>());
-    }
-    int64_t binary_size = -1;
-    ShmParams& shm = out->shm_inputs[slot];
-    if (auto params = input.find("parameters"); params != input.end()) {
-      if (!params->is_object())
-        return absl::InvalidArgumentError(field + ".parameters: must be an object");
-      RETURN_IF_ERROR(ApplyShmParameters(field, *params, &shm));
-      if (auto size = params->find("binary_data_size"); size != params->end()) {
-        if (!size->is_number_integer() || size->get<int64_t>() < 0 ||
-            (size->is_number_unsigned() && size->get<uint64_t>() > uint64_t(INT64_MAX))) {
-          return absl::InvalidArgumentError(
-              field + ".parameters.binary_data_size: must be an integer >= 0");
-        }
-        binary_size = size->get<int64_t>();
-      }
-    }
-    const auto data = input.find("data");
-    if (shm.set()) {
-      if (data != input.end() || binary_size >= 0) {
-        return absl::InvalidArgumentError(
-            field + ": data given together with parameters.shared_memory_region (use one)");
-      }
-      continue;
-    }
-    if (binary_size >= 0) {
-      if (data != input.end()) {
-        return absl::InvalidArgumentError(field + ": both data and binary_data_size given");
-      }
-      if (binary_size > max_binary_bytes || binary_total > max_binary_bytes - binary_size) {
-        return absl::ResourceExhaustedError(
-            absl::StrCat("inputs: binary_data_size adds up to more than --max_request_bytes=",
-                         max_binary_bytes));
-      }
-      binary_total += binary_size;
-      binary.emplace_back(tensor->mutable_data(), binary_size);
-      continue;
-    }
-    if (data == input.end()) {
-      return absl::InvalidArgumentError(field +
-                                        ": no data (give \"data\" or parameters.binary_data_size)");
-    }
-    if (!data->is_array()) {
-      return absl::InvalidArgumentError(field + ".data: must be a list of numbers");
-    }
-    int64_t count = 0;
-    RETURN_IF_ERROR(CountJsonNumbers(*data, field, 0, &count));
-    const auto kdtype = static_cast<kernels::DType>(dtype);
-    tensor->mutable_data()->resize(size_t(count) * kernels::dtype_size(kdtype));
-    int64_t index = 0;
-    StoreJsonNumbers(*data, kdtype, tensor->mutable_data()->data(), &index);
+    RETURN_IF_ERROR(ParseRestInput((*inputs)[i], i, max_binary_bytes, seen, out, &binary));
   }
   RETURN_IF_ERROR(CheckAllInputs(seen));
-  if (binary_bytes >= 0 && binary_total != binary_bytes) {
+  if (binary_bytes >= 0 && binary.total != binary_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "inputs: binary_data_size adds up to ", binary_total, " bytes but ", binary_bytes,
+        "inputs: binary_data_size adds up to ", binary.total, " bytes but ", binary_bytes,
         " bytes follow the JSON header (Inference-Header-Content-Length)"));
   }
 
-  std::vector<RequestedOutput> requested;
-  if (auto outputs = body.find("outputs"); outputs != body.end()) {
-    if (!outputs->is_array()) return absl::InvalidArgumentError("outputs: must be a list");
-    for (size_t i = 0; i < outputs->size(); ++i) {
-      const json& output = (*outputs)[i];
-      const std::string field = absl::StrCat("outputs[", i, "]");
-      if (!output.is_object() || !output.contains("name") || !output["name"].is_string()) {
-        return absl::InvalidArgumentError(field + ".name: missing");
-      }
-      RequestedOutput r;
-      r.name = output["name"].get<std::string>();
-      if (auto params = output.find("parameters"); params != output.end() && params->is_object()) {
-        RETURN_IF_ERROR(ApplyShmParameters(field, *params, &r.shm));
-        if (auto b = params->find("binary_data"); b != params->end()) {
-          if (!b->is_boolean()) {
-            return absl::InvalidArgumentError(field + ".parameters.binary_data: must be a boolean");
-          }
-          r.binary = b->get<bool>() ? 1 : 0;
-        }
-      }
-      requested.push_back(std::move(r));
-    }
-  }
+  ASSIGN_OR_RETURN(const std::vector<RequestedOutput> requested, ParseRequestedOutputs(body));
   ASSIGN_OR_RETURN(out->outputs, ResolveOutputs(requested, options));
   ApplyOptions(options, out->outputs, &out->request);
-  if (checks.validation != nullptr) {
-    // Shapes, dtypes and sizes as the native API checks them, before the allocation.
-    int64_t data_bytes[3];
-    for (int slot = 0; slot < 3; ++slot) {
-      const v1::Tensor* tensor = TensorAt(&out->request, slot);
-      data_bytes[slot] = int64_t(tensor->data().size());
-      for (const auto& [target, size] : binary) {
-        if (target == &tensor->data()) data_bytes[slot] = size;
-      }
-      const ShmParams& shm = out->shm_inputs[slot];
-      if (shm.set()) data_bytes[slot] = int64_t(std::min<uint64_t>(shm.byte_size, INT64_MAX));
-    }
-    RETURN_IF_ERROR(
-        ValidateAttentionRequest(out->request, *checks.validation, data_bytes).status());
-  }
-  if (checks.reserve) RETURN_IF_ERROR(checks.reserve(binary_total));
-  // Everything checks out: allocate the binary inputs (bounded by the body's size).
-  for (auto& [target, size] : binary) {
-    if (checks.capacity_only) {
-      target->reserve(size_t(size));
-    } else {
-      target->resize(size_t(size));
-    }
-    out->binary_targets.push_back(target);
-    out->binary_sizes.push_back(size);
-  }
-  return absl::OkStatus();
+  return CheckAndAllocate(checks, binary, out);
 }
 
 int64_t RestInferResponse::binary_bytes() const {
