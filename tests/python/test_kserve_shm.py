@@ -195,7 +195,7 @@ SAFETY_SCRIPT = COMMON + textwrap.dedent("""
     r["unknown_region"] = error_of(lambda: infer(httpclient, http, 0, nbytes, region="nope"))
 
     # A long request reading the region: unregister fails while it runs, works after its answer.
-    big = (1, 2048, 8, 128)
+    big = (1, 4096, 8, 128)  # ~1 s on two cores: long enough to unregister under it
     bytes_big = 4 * int(np.prod(big))
     hb = shm.create_shared_memory_region("big", f"/fs_big_{tag}", 3 * bytes_big)
     shm.set_shared_memory_region(hb, [np.random.default_rng(0).standard_normal(3 * int(np.prod(big))).astype(np.float32)])
@@ -205,13 +205,27 @@ SAFETY_SCRIPT = COMMON + textwrap.dedent("""
         i = httpclient.InferInput(n, list(big), "FP32")
         i.set_shared_memory("big", bytes_big, offset=off)
         inputs.append(i)
-    slow = httpclient.InferenceServerClient(http_url, concurrency=2)
+    # The request runs on a thread of its own (a real one: gevent's async_infer may not send before
+    # get_result); the unregister waits until the server counts it in flight (from its headers on),
+    # then 50 ms more for its regions to be leased (as its body ends: no body here) -- it computes ~1 s.
+    metrics_url = open(f"{work}/metrics_url").read().strip()
+
+    def inflight():
+        import urllib.request
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+        return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith("flashserve_inflight_requests"))
+
     attempts = []
-    for _ in range(3):  # the request may finish before an attempt lands: try a few
-        pending = slow.async_infer("attention", inputs)
+    for _ in range(3):  # the request may still finish before an attempt lands: try a few
+        done = threading.Event()
+        threading.Thread(target=lambda: (httpclient.InferenceServerClient(http_url).infer("attention", inputs),
+                                         done.set()), daemon=True).start()
+        deadline = time.monotonic() + 30
+        while inflight() < 1 and not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
         time.sleep(0.05)
         attempts.append(error_of(lambda: grpc.unregister_system_shared_memory("big")))
-        pending.get_result()
+        done.wait(120)
         if attempts[-1] is not None:
             break
         http.register_system_shared_memory("big", f"/fs_big_{tag}", 3 * bytes_big)
@@ -226,6 +240,7 @@ SAFETY_SCRIPT = COMMON + textwrap.dedent("""
 
 
 def test_system_shm_safety(shm_server, tmp_path):
+    (tmp_path / "metrics_url").write_text(f"http://127.0.0.1:{shm_server.metrics_port}/metrics")
     r = run_client(SAFETY_SCRIPT, shm_server, tmp_path, timeout=300)
     assert "does not exist" in r["missing_key"]
     assert "key: must be" in r["bad_key"]
