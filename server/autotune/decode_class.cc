@@ -14,24 +14,6 @@ constexpr int kMaxBatchBucket = 1024;
 constexpr int kMaxSeqlenKBucket = 1 << 20;
 constexpr int kMaxPageBucket = 256;
 
-int NextPow2(int n, int cap) {
-  int p = 1;
-  while (p < n && p < cap) p <<= 1;
-  return p;
-}
-
-const char* DTypeKey(kernels::DType d) {
-  switch (d) {
-    case kernels::DType::kFloat16:
-      return "fp16";
-    case kernels::DType::kBFloat16:
-      return "bf16";
-    case kernels::DType::kFloat32:
-      return "fp32";
-  }
-  return "unknown";
-}
-
 }  // namespace
 
 std::optional<DecodeClass> DecodeClassOf(const DecodeShape& s, const DeviceIdentity& device) {
@@ -47,10 +29,10 @@ std::optional<DecodeClass> DecodeClassOf(const DecodeShape& s, const DeviceIdent
   c.causal = s.causal;
   c.heads_kv = s.heads_kv;
   c.group = s.heads_q / s.heads_kv;
-  c.seqlen_q_bucket = NextPow2(s.seqlen_q, kMaxSeqlenQ);
-  c.batch_bucket = NextPow2(s.batch, kMaxBatchBucket);
-  c.seqlen_k_bucket = std::max(64, NextPow2(s.seqlen_k, kMaxSeqlenKBucket));
-  c.page_bucket = s.page_size == 0 ? 0 : NextPow2(s.page_size, kMaxPageBucket);
+  c.seqlen_q_bucket = PowerOfTwoBucket(s.seqlen_q, kMaxSeqlenQ);
+  c.batch_bucket = PowerOfTwoBucket(s.batch, kMaxBatchBucket);
+  c.seqlen_k_bucket = std::max(64, PowerOfTwoBucket(s.seqlen_k, kMaxSeqlenKBucket));
+  c.page_bucket = s.page_size == 0 ? 0 : PowerOfTwoBucket(s.page_size, kMaxPageBucket);
   return c;
 }
 

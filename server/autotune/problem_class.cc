@@ -10,9 +10,13 @@ namespace {
 
 constexpr int kMaxBucket = 1 << 17;
 
-int NextPow2(int n) {
+int NextPow2(int n) { return PowerOfTwoBucket(n, kMaxBucket); }
+
+}  // namespace
+
+int PowerOfTwoBucket(int n, int cap) {
   int p = 1;
-  while (p < n && p < kMaxBucket) p <<= 1;
+  while (p < n && p < cap) p <<= 1;
   return p;
 }
 
@@ -27,8 +31,6 @@ const char* DTypeKey(kernels::DType d) {
   }
   return "unknown";
 }
-
-}  // namespace
 
 int SeqlenQBucket(int seqlen_q) { return seqlen_q <= 16 ? 16 : NextPow2(seqlen_q); }
 int SeqlenKBucket(int seqlen_k) { return std::max(16, NextPow2(seqlen_k)); }

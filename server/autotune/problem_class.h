@@ -45,6 +45,10 @@ struct ProblemClass {
   }
 };
 
+/// The smallest power of two >= n, at most `cap` (bucket bounds of every problem class).
+int PowerOfTwoBucket(int n, int cap);
+/// A dtype as cache keys spell it: "fp16", "bf16", "fp32".
+const char* DTypeKey(kernels::DType d);
 int SeqlenQBucket(int seqlen_q);
 int SeqlenKBucket(int seqlen_k);
 int GqaBucket(int heads_q, int heads_kv);
