@@ -63,18 +63,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Element* o = static_cast<Element*>(p.o) + seq.o_offset + head * p.o_head_stride +
                int64_t(m_block) * kBlockM * p.o_row_stride;
   float* lse_out = p.lse == nullptr ? nullptr : p.lse + seq.lse_offset + m_block * kBlockM;
-  int rows_valid_q = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
+  const int rows_valid_q = min(kBlockM, seq.seqlen_q - m_block * kBlockM);
 
   const Mask mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.causal};
-  // The mask of the masked steps; with variable lengths built from fresh reads (see load_kv_tile).
-  auto step_mask = [&]() {
-    if constexpr (kVarlen) {
-      const SequenceView fresh = sequence_view<true, true>(p, blockIdx.z, head);
-      return Mask{fresh.seqlen_k, fresh.seqlen_k - fresh.seqlen_q, p.causal};
-    } else {
-      return mask;
-    }
-  };
   int n_block_max = ceil_div(seq.seqlen_k, kBlockN);
   if (p.causal) {
     // One past the last column the tile's last row may see.
@@ -106,17 +97,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     load_tile<Traits, kBlockM, true>(sQ, q, p.q_row_stride, rows_valid_q, tid);
   }
-  // K (is_v false) or V rows [nb * kBlockN, ...) of this block's head. With variable lengths
-  // the sequence's first row is read again (an L1 hit) instead of kept live in a register
-  // across the loop (the kernel is at 255 registers: keeping it spilled).
-  auto load_kv_tile = [&](Element* smem, bool is_v, int nb, bool predicated) {
-    const int64_t row_stride = is_v ? p.v_row_stride : p.k_row_stride;
-    const Element* base = is_v ? v : k;
-    if constexpr (kVarlen) {
-      const int64_t first_row = load_fresh(p.cu_seqlens_k + blockIdx.z);
-      base = static_cast<const Element*>(is_v ? p.v : p.k) + first_row * row_stride +
-             head_kv * (is_v ? p.v_head_stride : p.k_head_stride);
-    }
+  auto load_kv_tile = [&](Element* smem, const Element* base, int64_t row_stride, int nb,
+                          bool predicated) {
     const Element* src = base + int64_t(nb) * kBlockN * row_stride;
     if (predicated) {
       load_tile<Traits, kBlockN, true>(smem, src, row_stride, rows_valid_kv, tid);
@@ -125,10 +107,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   };
   const bool tail_kv = rows_valid_kv < kBlockN;
-  load_kv_tile(sK, false, n_block, tail_kv);
+  load_kv_tile(sK, k, p.k_row_stride, n_block, tail_kv);
   ptx::cp_async_commit();
   if constexpr (Traits::kStages == 2) {
-    load_kv_tile(sV, true, n_block, tail_kv);
+    load_kv_tile(sV, v, p.v_row_stride, n_block, tail_kv);
     ptx::cp_async_commit();
   }
 
@@ -155,12 +137,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::cp_async_wait<1>();  // K[n_block] (and Q) landed; V[n_block] may be in flight
       __syncthreads();
       if (n_block > 0)
-        load_kv_tile(sK + (stage ^ 1) * Traits::kSmemKVElems, false, n_block - 1, false);
+        load_kv_tile(sK + (stage ^ 1) * Traits::kSmemKVElems, k, p.k_row_stride, n_block - 1,
+                     false);
       ptx::cp_async_commit();
     } else {
       ptx::cp_async_wait<0>();  // K[n_block] (and Q) landed; all warps are done with sV
       __syncthreads();
-      load_kv_tile(sV, true, n_block, kFirst && tail_kv);
+      load_kv_tile(sV, v, p.v_row_stride, n_block, kFirst && tail_kv);
       ptx::cp_async_commit();
     }
     if constexpr (kFirst && Traits::kQInRegs) {
@@ -171,20 +154,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
     float acc_s[kMTiles][kNTiles][4];
     gemm_qk<Traits>(acc_s, q_regs, sQa, sK_cur, off);
-    if constexpr (kMask) step_mask().apply(acc_s, m_block * kBlockM + warp_row0, n_block * kBlockN, lane);
+    if constexpr (kMask) mask.apply(acc_s, m_block * kBlockM + warp_row0, n_block * kBlockN, lane);
     softmax.template update<kFirst>(acc_s, acc_o, scale_log2);
 
     if constexpr (Traits::kStages == 2) {
       ptx::cp_async_wait<1>();  // V[n_block] landed; K[n_block - 1] may be in flight
       __syncthreads();
       if (n_block > 0)
-        load_kv_tile(sV + (stage ^ 1) * Traits::kSmemKVElems, true, n_block - 1, false);
+        load_kv_tile(sV + (stage ^ 1) * Traits::kSmemKVElems, v, p.v_row_stride, n_block - 1,
+                     false);
       ptx::cp_async_commit();
       stage ^= 1;
     } else {
       ptx::cp_async_wait<0>();  // V[n_block] landed; all warps are done with sK
       __syncthreads();
-      if (n_block > 0) load_kv_tile(sK, false, n_block - 1, false);
+      if (n_block > 0) load_kv_tile(sK, k, p.k_row_stride, n_block - 1, false);
       ptx::cp_async_commit();
     }
     gemm_pv<Traits>(acc_o, acc_s, sV_cur, off);
@@ -194,18 +178,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using True = std::true_type;
   using False = std::false_type;
   step(True{}, True{});  // the last tile: key tail and/or diagonal, never rescales
-  for (; n_block >= 0 && step_mask().tile_needs_mask(m_block, kBlockM, n_block, kBlockN);)
+  for (; n_block >= 0 && mask.tile_needs_mask(m_block, kBlockM, n_block, kBlockN);)
     step(False{}, True{});
   for (; n_block >= 0;) step(False{}, False{});
 
   // Epilogue: normalize, LSE, stage O (as Element) in sQ's rows of this warp, 16-byte stores.
-  if constexpr (kVarlen) {  // read again instead of kept live across the loop (it spilled)
-    const SequenceView fresh = sequence_view<true, true>(p, blockIdx.z, head);
-    o = static_cast<Element*>(p.o) + fresh.o_offset + head * p.o_head_stride +
-        int64_t(m_block) * kBlockM * p.o_row_stride;
-    lse_out = p.lse == nullptr ? nullptr : p.lse + fresh.lse_offset + m_block * kBlockM;
-    rows_valid_q = min(kBlockM, fresh.seqlen_q - m_block * kBlockM);
-  }
   float lse[2 * kMTiles];
   softmax.finalize(acc_o, p.softmax_scale, lse);
   if (lse_out != nullptr && lane % 4 == 0) {

@@ -19,17 +19,7 @@ struct SequenceView {
   int64_t q_offset, k_offset, v_offset, o_offset, lse_offset;
 };
 
-/// A read of cu_seqlens the compiler may not merge with an earlier one: the epilogue reads the
-/// sequence's offsets again (an L1 hit) instead of keeping the first loads in registers across
-/// the main loop, where they spilled (d128: 68 B).
-__device__ __forceinline__ int load_fresh(const int* ptr) {
-  int value;
-  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(value) : "l"(ptr));
-  return value;
-}
-
-/// kFresh: read the variable-length offsets with load_fresh (for the epilogue).
-template <bool kVarlen, bool kFresh = false>
+template <bool kVarlen>
 __device__ __forceinline__ SequenceView sequence_view(const AttentionParams& p, int b, int head) {
   if constexpr (!kVarlen) {
     return {p.seqlen_q,
@@ -40,9 +30,8 @@ __device__ __forceinline__ SequenceView sequence_view(const AttentionParams& p, 
             b * p.o_batch_stride,
             (int64_t(b) * p.heads_q + head) * p.seqlen_q};
   } else {
-    auto read = [](const int* ptr) { return kFresh ? load_fresh(ptr) : *ptr; };
-    const int q0 = read(p.cu_seqlens_q + b), k0 = read(p.cu_seqlens_k + b);
-    return {read(p.cu_seqlens_q + b + 1) - q0, read(p.cu_seqlens_k + b + 1) - k0, q0 * p.q_row_stride,
+    const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+    return {p.cu_seqlens_q[b + 1] - q0,    p.cu_seqlens_k[b + 1] - k0, q0 * p.q_row_stride,
             k0 * p.k_row_stride,           k0 * p.v_row_stride,        q0 * p.o_row_stride,
             int64_t(head) * p.total_q + q0};
   }
