@@ -183,6 +183,10 @@ ABSL_FLAG(int64_t, max_sequence_tokens,
 ABSL_FLAG(int64_t, batch_window_us, flashserve::SequenceRuntimeOptions{}.batch_window_us,
           "Sequences API: DecodeStep/Attend calls arriving within this many microseconds of the "
           "first waiting one run as one paged launch; 0: each call runs alone");
+ABSL_FLAG(bool, batch_when_busy, flashserve::SequenceRuntimeOptions{}.batch_when_busy,
+          "Sequences API: DecodeStep/Attend calls that arrive while a decode launch runs wait "
+          "for it and then run together as the next launch (no wait when idle); combines with "
+          "--batch_window_us");
 ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_batch_sequences,
           "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
@@ -232,6 +236,7 @@ SequenceRuntimeOptions SequencesFromFlags() {
   sequences.cache.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   sequences.cache.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
   sequences.batch_window_us = absl::GetFlag(FLAGS_batch_window_us);
+  sequences.batch_when_busy = absl::GetFlag(FLAGS_batch_when_busy);
   sequences.max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences);
   return sequences;
 }

@@ -6,23 +6,29 @@
 
 namespace flashserve {
 
-DecodeBatcher::DecodeBatcher(absl::Duration window, int max_sequences,
+DecodeBatcher::DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy,
                              std::function<void(Batch)> flush)
     : window_(window),
       max_sequences_(max_sequences),
+      when_busy_(when_busy),
       flush_(std::move(flush)),
       thread_([this] { Loop(); }) {}
 
-DecodeBatcher::~DecodeBatcher() {
+DecodeBatcher::~DecodeBatcher() { Stop(); }
+
+void DecodeBatcher::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, std::chrono::seconds(10), [this] { return batches_running_ == 0; });
 }
 
 absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences) {
+  bool idle = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stop_) return absl::UnavailableError("server shutting down");
@@ -32,26 +38,51 @@ absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences)
                                                        " sequences waiting; "
                                                        "4 x --max_batch_sequences)"));
     }
-    if (pending_.empty()) first_arrival_ = std::chrono::steady_clock::now();
-    pending_.push_back(std::move(call));
-    pending_sequences_ += sequences;
+    if (when_busy_ && window_ == absl::ZeroDuration() && batches_running_ == 0 &&
+        pending_.empty()) {
+      ++batches_running_;  // idle: hand it on from this thread (no hop through the batcher's)
+      idle = true;
+    } else {
+      if (pending_.empty()) first_arrival_ = std::chrono::steady_clock::now();
+      pending_.push_back(std::move(call));
+      pending_sequences_ += sequences;
+    }
+  }
+  if (idle) {
+    flush_(Batch{std::move(call)});
+  } else {
+    cv_.notify_all();
+  }
+  return absl::OkStatus();
+}
+
+void DecodeBatcher::BatchDone() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --batches_running_;
   }
   cv_.notify_all();
-  return absl::OkStatus();
 }
 
 void DecodeBatcher::Loop() {
   const auto window = absl::ToChronoMicroseconds(window_);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    cv_.wait(lock, [this] { return stop_ || !pending_.empty(); });
+    // when_busy: the previous batch must be done first (at shutdown: go at once).
+    cv_.wait(lock, [this] {
+      return stop_ || (!pending_.empty() && !(when_busy_ && batches_running_ > 0));
+    });
     if (pending_.empty()) return;  // stop_ and nothing left
     // The window starts with the batch's first call; a full batch goes at once.
-    cv_.wait_until(lock, first_arrival_ + window,
-                   [this] { return stop_ || pending_sequences_ >= max_sequences_; });
+    if (window.count() > 0) {
+      cv_.wait_until(lock, first_arrival_ + window,
+                     [this] { return stop_ || pending_sequences_ >= max_sequences_; });
+    }
+    // Everything waiting goes (the runtime splits it into launches of max_sequences).
     Batch batch = std::move(pending_);
     pending_.clear();
     pending_sequences_ = 0;
+    ++batches_running_;
     lock.unlock();
     flush_(std::move(batch));
     lock.lock();

@@ -1,6 +1,8 @@
-// Collects decode calls that arrive within a window (--batch_window_us) and hands them on
-// together, so calls of different clients run as one paged launch. Bounded: a batch is handed on
-// early when it holds max_sequences sequences, and calls beyond 4x that wait nowhere (refused).
+// Collects decode calls and hands them on together, so calls of different clients run as one
+// paged launch: those that arrive within a window (--batch_window_us) of the first waiting one,
+// and/or (--batch_when_busy) those that arrive while the previous batch is still running -- which
+// adds no wait when the server is idle. Bounded: a batch is handed on early when it holds
+// max_sequences sequences, and calls beyond 4x that wait nowhere (refused).
 #pragma once
 
 #include <condition_variable>
@@ -22,24 +24,34 @@ struct DecodeCall;
 class DecodeBatcher {
  public:
   using Batch = std::vector<std::shared_ptr<DecodeCall>>;
-  /// `flush` receives each batch on the batcher's thread.
-  DecodeBatcher(absl::Duration window, int max_sequences, std::function<void(Batch)> flush);
-  /// Flushes what is pending, then joins its thread.
+  /// `flush` receives each batch on the batcher's thread. when_busy: a batch is handed on only
+  /// once the previous one is done (BatchDone); what arrives meanwhile joins the next.
+  DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy,
+                std::function<void(Batch)> flush);
+  /// Stop().
   ~DecodeBatcher();
+  /// Hands on what is pending, joins the thread and waits (up to 10 s) until every batch handed
+  /// on is done (BatchDone), so the batches' runner may still call BatchDone meanwhile.
+  void Stop();
 
   /// RESOURCE_EXHAUSTED (nothing kept) when too much is pending already.
   absl::Status Add(std::shared_ptr<DecodeCall> call, int sequences);
+  /// A batch handed to `flush` has been answered (call exactly once per batch; with when_busy
+  /// the next batch waits for it).
+  void BatchDone();
 
  private:
   void Loop();
 
   const absl::Duration window_;
   const int max_sequences_;
+  const bool when_busy_;
   const std::function<void(Batch)> flush_;
   std::mutex mu_;
   std::condition_variable cv_;
   Batch pending_;
   int pending_sequences_ = 0;
+  int batches_running_ = 0;  // handed to flush, not yet BatchDone
   std::chrono::steady_clock::time_point first_arrival_;
   bool stop_ = false;
   std::thread thread_;

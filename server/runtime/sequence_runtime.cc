@@ -65,11 +65,12 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
       kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
   if (!cache.ok()) return cache.status();
   runtime->cache_ = std::move(*cache);
-  if (options.batch_window_us > 0) {
+  if (options.batch_window_us > 0 || options.batch_when_busy) {
     SequenceRuntime* self = runtime.get();
     runtime->batcher_ = std::make_unique<DecodeBatcher>(
         absl::Microseconds(options.batch_window_us), options.max_batch_sequences,
-        [self](DecodeBatcher::Batch batch) { self->Dispatch(std::move(batch)); });
+        options.batch_when_busy,
+        [self](DecodeBatcher::Batch batch) { self->Dispatch(std::move(batch), true); });
   }
   return runtime;
 }
@@ -77,7 +78,10 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
 SequenceRuntime::SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler)
     : options_(options), scheduler_(scheduler) {}
 
-SequenceRuntime::~SequenceRuntime() { batcher_.reset(); }
+SequenceRuntime::~SequenceRuntime() {
+  if (batcher_ != nullptr) batcher_->Stop();  // its batches still call batcher_->BatchDone
+  batcher_.reset();
+}
 
 void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
   const int n = int(call->items.size());
@@ -89,16 +93,19 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
     return;
   }
   if (batcher_ == nullptr) {
-    Dispatch({std::move(call)});
+    Dispatch({std::move(call)}, false);
     return;
   }
   if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
 }
 
-void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls) {
-  absl::Status s = scheduler_->Submit([this, calls]() mutable { RunCalls(std::move(calls)); });
+void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls,
+                               bool from_batcher) {
+  absl::Status s = scheduler_->Submit(
+      [this, calls, from_batcher]() mutable { RunCalls(std::move(calls), from_batcher); });
   if (!s.ok()) {
     for (const auto& call : calls) call->done(s, {});
+    if (from_batcher) batcher_->BatchDone();
   }
 }
 
@@ -131,7 +138,8 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
   return p;
 }
 
-void SequenceRuntime::RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls) {
+void SequenceRuntime::RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls,
+                               bool from_batcher) {
   const absl::Time start = absl::Now();
   std::vector<Prepared> ready;
   for (auto& call : calls) {
@@ -156,6 +164,7 @@ void SequenceRuntime::RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls) {
     sizes[g] += n;
   }
   for (const auto& launch : launches) RunLaunch(launch);
+  if (from_batcher) batcher_->BatchDone();
 }
 
 void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {

@@ -23,7 +23,8 @@ namespace flashserve {
 
 struct SequenceRuntimeOptions {
   kvcache::KvCacheOptions cache;   // capacity_bytes 0: the Sequences API is off
-  int64_t batch_window_us = 0;     // --batch_window_us; 0: every call runs alone
+  int64_t batch_window_us = 0;     // --batch_window_us; 0: no window
+  bool batch_when_busy = false;    // --batch_when_busy: calls arriving during a launch share the next
   int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
 
   /// INVALID_ARGUMENT naming the flag.
@@ -82,11 +83,12 @@ class SequenceRuntime {
   SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler);
   // Runs on a scheduler worker: prepares each call (drops expired/cancelled ones), merges those
   // that fit one launch, runs the launches, answers.
-  void RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls);
+  void RunCalls(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher);
   // Drops a cancelled or expired call, else appends its rows and pins its sequences (answering
   // it on an error).
   std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
-  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls);
+  // from_batcher: the calls are one batch of batcher_, told BatchDone once they are answered.
+  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher);
   // One paged launch over calls that share a shape, mask and scale; answers each of them.
   void RunLaunch(const std::vector<PreparedDecode*>& launch);
 

@@ -1,11 +1,12 @@
-// SequenceRuntime on the CPU backend: calls within --batch_window_us share one launch (and stay
-// correct), calls of another shape get their own, cancelled / expired / queue-full calls change
+// SequenceRuntime on the CPU backend: calls within --batch_window_us, or (--batch_when_busy) that
+// arrive while a launch runs, share one launch (and stay correct), calls of another shape get their own, cancelled / expired / queue-full calls change
 // nothing, and a call with too many items is refused before anything runs.
 #include "runtime/sequence_runtime.h"
 
 #include <condition_variable>
 #include <future>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kv_test_util.h"
@@ -27,7 +28,7 @@ struct Answer {
 
 class SequenceRuntimeTest : public ::testing::Test {
  protected:
-  void Make(int64_t window_us, int queue_capacity = 64) {
+  void Make(int64_t window_us, int queue_capacity = 64, bool when_busy = false) {
     CpuBackendOptions cpu;
     cpu.num_threads = 2;
     backend_ = *CpuBackend::Create(cpu);
@@ -38,6 +39,7 @@ class SequenceRuntimeTest : public ::testing::Test {
     options.cache.capacity_bytes = 8 << 20;
     options.cache.page_tokens = 16;
     options.batch_window_us = window_us;
+    options.batch_when_busy = when_busy;
     options.max_batch_sequences = 8;
     runtime_ = *SequenceRuntime::Create(options, backend_.get(), scheduler_.get(), nullptr);
   }
@@ -111,6 +113,41 @@ TEST_F(SequenceRuntimeTest, WithoutAWindowEachCallRunsAlone) {
   std::vector<Holder> holders(3);
   for (size_t i = 0; i < 3; ++i) runtime_->Submit(Call(s, Create(s, &dense[i], 4), &holders[i]));
   for (Holder& h : holders) EXPECT_EQ(h.answer.get_future().get().report.batched_calls, 1);
+}
+
+TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
+  Make(0, 64, /*when_busy=*/true);
+  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
+  std::vector<DenseLayer> dense(4);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 3 + 7 * i));
+  std::vector<Holder> holders(4);
+  // The first call runs alone (idle: no wait) and holds its launch open until released.
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  auto first = Call(s, ids[0], &holders[0]);
+  auto first_done = first->done;
+  first->done = [first_done, released](const absl::Status& st, const DecodeReport& r) {
+    released.wait();
+    first_done(st, r);
+  };
+  runtime_->Submit(first);
+  // Spaced out, so that a batcher that did not wait for the running launch would have handed
+  // each on alone (batched_calls 1).
+  for (size_t i = 1; i < 4; ++i) {
+    runtime_->Submit(Call(s, ids[i], &holders[i]));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  release.set_value();
+  for (size_t i = 0; i < 4; ++i) {
+    const Answer answer = holders[i].answer.get_future().get();
+    ASSERT_TRUE(answer.status.ok()) << answer.status;
+    EXPECT_EQ(answer.report.batched_calls, i == 0 ? 1 : 3) << "call " << i;
+    dense[i].Append(holders[i].k, holders[i].v);
+    kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
+                                            1.f / std::sqrt(32.f), holders[i].out, {},
+                                            absl::StrCat("call ", i));
+  }
 }
 
 TEST_F(SequenceRuntimeTest, CancelledAndExpiredCallsAppendNothing) {
