@@ -418,6 +418,14 @@ static void PointAtDeviceTensors(const JobTensors& t, int device_index,
   }
 }
 
+// Every tensor of the job in a client's CUDA region on `device_index`: the kernel reads and writes
+// them all where they are, so the job needs no device buffer of its own.
+static bool AllOnDevice(const JobTensors& t, bool lse_wanted, int device_index) {
+  return OnDevice(t.q, device_index) && OnDevice(t.k, device_index) &&
+         OnDevice(t.v, device_index) && OnDevice(t.o, device_index) &&
+         (!lse_wanted || OnDevice(t.lse, device_index));
+}
+
 void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
   auto fail = [&done](absl::Status status) {
     JobResult result;
@@ -476,25 +484,30 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
                                               kernels::AttentionParams* params) {
   Device* device = slot->device;
   const IoLayout& layout = job.layout;
-  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(base), layout.total, slot->stream);
-  if (e == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("GPU ", device->index, " out of memory for ", layout.total, " bytes"));
-  }
-  if (e != cudaSuccess) return DeviceError(device, e, "cudaMallocAsync");
+  const bool lse_wanted = job.spec.problem.return_lse;
   *params = job.spec.problem.params();
-  params->q = *base;
-  params->k = *base + layout.k_offset;
-  params->v = *base + layout.v_offset;
-  params->o = *base + layout.o_offset;
-  params->lse =
-      job.spec.problem.return_lse ? reinterpret_cast<float*>(*base + layout.lse_offset) : nullptr;
+  *base = nullptr;
+  if (!AllOnDevice(job.spec.tensors, lse_wanted, device->index)) {
+    cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(base), layout.total, slot->stream);
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("GPU ", device->index, " out of memory for ", layout.total, " bytes"));
+    }
+    if (e != cudaSuccess) return DeviceError(device, e, "cudaMallocAsync");
+    params->q = *base;
+    params->k = *base + layout.k_offset;
+    params->v = *base + layout.v_offset;
+    params->o = *base + layout.o_offset;
+    params->lse = lse_wanted ? reinterpret_cast<float*>(*base + layout.lse_offset) : nullptr;
+  } else {
+    params->lse = lse_wanted ? reinterpret_cast<float*>(job.spec.tensors.lse.data) : nullptr;
+  }
   PointAtDeviceTensors(job.spec.tensors, device->index, params);
   // The request was validated at the edge (dtype, head_dim, sizes); this is the kernels' own
   // word on what is left (grid limits), with the real device pointers.
   if (std::string why = kernels::cuda::supported(*params); !why.empty()) {
-    cudaFreeAsync(*base, slot->stream);
+    if (*base != nullptr) cudaFreeAsync(*base, slot->stream);
     return absl::InvalidArgumentError(why);
   }
   return absl::OkStatus();
@@ -522,7 +535,7 @@ void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
   // H2D copies still read the request's memory) before the job's buffers are released.
   job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
   job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
-  cudaFreeAsync(base, stream);
+  if (base != nullptr) cudaFreeAsync(base, stream);  // null: every tensor in a client region
 }
 
 void CudaBackend::CompletionLoop(Slot* slot) {

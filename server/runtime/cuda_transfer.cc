@@ -64,6 +64,7 @@ cudaError_t PeerCopy(void* dst, int dst_device, const void* src, int src_device,
 
 cudaError_t QueueInputCopies(const JobTensors& tensors, const IoLayout& layout, char* device,
                              int device_index, cudaStream_t stream, BatchCopy* batch) {
+  if (device == nullptr) return cudaSuccess;  // no buffer: every tensor is on this device
   // Per-copy latency is most of a small request's H2D: one copy when the layout allows it.
   if (InDeviceLayout(tensors, layout)) {
     return cudaMemcpyAsync(device, tensors.q.data(), layout.v_offset + layout.kv_bytes,
@@ -87,6 +88,7 @@ cudaError_t QueueInputCopies(const JobTensors& tensors, const IoLayout& layout, 
 
 cudaError_t QueueOutputCopies(const JobTensors& tensors, const IoLayout& layout,
                               const char* device, int device_index, cudaStream_t stream) {
+  if (device == nullptr) return cudaSuccess;  // no buffer: every tensor is on this device
   const TensorTarget& o = tensors.o;
   const TensorTarget& lse = tensors.lse;
   const size_t lse_gap = layout.lse_offset - layout.o_offset;

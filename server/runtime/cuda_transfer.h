@@ -31,7 +31,8 @@ inline bool OnDevice(const TensorTarget& t, int device_index) {
   return t.kind == MemoryKind::kDevice && t.data != nullptr && t.device == device_index;
 }
 
-/// Queues the copies of q, k and v to `device` (laid out by `layout`) on GPU `device_index`.
+/// Queues the copies of q, k and v to `device` (laid out by `layout`) on GPU `device_index`;
+/// `device` null (no buffer: every tensor is on that GPU) copies nothing.
 cudaError_t QueueInputCopies(const JobTensors& tensors, const IoLayout& layout, char* device,
                              int device_index, cudaStream_t stream, BatchCopy* batch);
 
