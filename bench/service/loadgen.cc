@@ -17,7 +17,7 @@
 //     [--concurrency=1,4,16,64] [--duration_s=2] [--min_requests=3] [--large_max_concurrency=16]
 //     [--stripes=1,2,4,8] [--stripe_reps=5] [--striped_shapes=medium,large] [--chunk_mib=4] [--channels=0]
 //     [--csv=FILE] [--md=FILE] [--shm=system,cuda] [--shm_device=0]
-//     [--local_socket=PATH [--local_shm=system,cuda] [--local_max_frame_bytes=67108864] [--token=T]]
+//     [--local_socket=PATH [--local_shm=system,cuda] [--local_max_frame_bytes=8388608] [--token=T]]
 // --shm adds the shared-memory paths (loadgen_shm.h; the server needs --allow_client_shm).
 // --local_socket adds the local transport's cells (loadgen_local.h: echo floor, inline, and the
 // --local_shm paths, default those of --shm; the server needs --local_socket=PATH).

@@ -8,17 +8,12 @@
 #include "loadgen_local_cell.h"
 #include "loadgen_regions.h"
 #include "loadgen_shm.h"
+#include "loadgen_targets.h"
 
 namespace flashserve::loadgen {
 namespace {
 
 using local::Method;
-
-// The c=1 medians of a (shape, path) row, for the targets table.
-struct C1Row {
-  double p50 = 0, total = 0, h2d = 0, kernel = 0, d2h = 0;
-};
-using C1Rows = std::map<std::string, C1Row>;  // "shape/path"
 
 std::string Fmt(const char* format, ...) __attribute__((format(printf, 1, 2)));
 std::string Fmt(const char* format, ...) {
@@ -70,9 +65,7 @@ struct Section {
                    w.shape.name.c_str(), c, (long long)r.ok, (long long)r.errors,
                    Percentile(r.latency_us, 0.5), r.first_error.c_str());
       if (c == 1 && r.ok > 0) {
-        c1[w.shape.name + "/" + path] = {Percentile(r.latency_us, 0.5), Percentile(Column(r, 4), 0.5),
-                                         Percentile(Column(r, 1), 0.5), Percentile(Column(r, 2), 0.5),
-                                         Percentile(Column(r, 3), 0.5)};
+        c1[w.shape.name + "/" + path] = C1Of(r);
       }
     }
   }
@@ -148,40 +141,6 @@ std::string FloorTable(const LocalSectionOptions& options) {
   return md + "\n";
 }
 
-// The issue-18 targets from the c=1 rows of this section.
-std::string TargetsTable(const C1Rows& c1) {
-  std::string md =
-      "\n#### Against issue 18's targets over the local transport (c=1, p50)\n\n"
-      "| target | measured us | bound us | met? | server total us | echo of the same bytes us | "
-      "rest us |\n|---|---|---|---|---|---|---|\n";
-  struct Target {
-    const char* name;
-    const char* row;
-    double (*bound)(const C1Row&);
-  };
-  const Target targets[] = {
-      {"medium via CUDA shm <= kernel + 100 us", "medium/cuda",
-       [](const C1Row& r) { return r.kernel + 100; }},
-      {"small via CUDA shm <= 60 us end to end", "small/cuda", [](const C1Row&) { return 60.0; }},
-      {"medium via system shm <= h2d + kernel + d2h + 150 us", "medium/system",
-       [](const C1Row& r) { return r.h2d + r.kernel + r.d2h + 150; }},
-  };
-  for (const Target& t : targets) {
-    auto it = c1.find(t.row);
-    if (it == c1.end()) {
-      md += std::string("| ") + t.name + " | not measured |  |  |  |  |  |\n";
-      continue;
-    }
-    const C1Row& r = it->second;
-    const std::string shape = std::string(t.row).substr(0, std::string(t.row).find('/'));
-    auto echo = c1.find(shape + "/echo (shm request bytes)");
-    const double floor = echo == c1.end() ? 0 : echo->second.p50;
-    md += Fmt("| %s | %.0f | %.0f | %s | %.0f | %.0f | %.0f |\n", t.name, r.p50, t.bound(r),
-              r.p50 <= t.bound(r) ? "yes" : "no", r.total, floor, r.p50 - r.total - floor);
-  }
-  return md;
-}
-
 }  // namespace
 
 std::string RunLocalSection(Pool* server, const std::vector<std::unique_ptr<Workload>>& workloads,
@@ -196,7 +155,8 @@ std::string RunLocalSection(Pool* server, const std::vector<std::unique_ptr<Work
          "out_shm), registered over KServe gRPC. Server timing from the response.\n\n" +
          ShmTableHeader();
   for (const auto& w : workloads) RunShape(&s, stub.get(), *w);
-  s.md += TargetsTable(s.c1);
+  s.md += TargetsTable("Against issue 18's targets over the local transport (c=1, p50)", s.c1,
+                       "echo (shm request bytes)");
   return s.md;
 }
 

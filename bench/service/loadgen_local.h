@@ -27,7 +27,7 @@ struct LocalSectionOptions {
   int min_requests = 3;
   int large_max_concurrency = 16;
   int device = 0;                              // cuda regions
-  uint64_t max_frame_bytes = uint64_t(64) << 20;  // inline cells only for requests that fit
+  uint64_t max_frame_bytes = uint64_t(8) << 20;  // the server's --local_max_frame_bytes default
   int timeout_ms = 60000;
 };
 

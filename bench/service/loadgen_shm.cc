@@ -5,6 +5,7 @@
 
 #include "inference/open_inference_grpc.grpc.pb.h"
 #include "loadgen_regions.h"
+#include "loadgen_targets.h"
 
 namespace flashserve::loadgen {
 namespace {
@@ -101,6 +102,7 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
       "Q, K, V in one region of the load generator, O written into another; no tensor byte on the socket. "
       "Server timing from the response's parameters (stage is not reported there: 0).\n\n" +
       ShmTableHeader();
+  C1Rows c1;
   for (const auto& wp : workloads) {
     const Workload& w = *wp;
     const size_t in_bytes = w.request.q().data().size() + w.request.k().data().size() +
@@ -130,13 +132,16 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
         CellResult r = Cell(server, spec).Run();
         r.shape = w.shape.name;
         md += ShmRow(r, path, csv);
+        if (c == 1 && r.ok > 0) {
+          c1[w.shape.name + "/" + path] = C1Of(r);
+        }
         std::fprintf(stderr, "shm %s %s c=%d: %lld ok %lld err, p50 %.0f us %s\n", path.c_str(),
                      w.shape.name.c_str(), c, (long long)r.ok, (long long)r.errors,
                      Percentile(r.latency_us, 0.5), r.first_error.c_str());
       }
     }
   }
-  return md;
+  return md + TargetsTable("Against issue 18's targets over gRPC (c=1, p50)", c1, "");
 }
 
 }  // namespace flashserve::loadgen
