@@ -292,9 +292,11 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
 }
 
 // One concurrency level of the Sequences path; false when it failed (an error row was printed).
-bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests) {
+bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests,
+                    DecodeRegions* regions) {
   std::vector<std::unique_ptr<DecodeClient>> conns;
   std::string error;
+  if (regions != nullptr) regions->PoisonOutputs(&error);
   for (int c = 0; c < clients && error.empty(); ++c) {
     conns.push_back(DecodeClient::Create(opt.transport, c, &error));
     if (conns.back() != nullptr) conns.back()->Prepare(requests[size_t(c)]);
@@ -310,6 +312,7 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
     };
     samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
   }
+  if (error.empty() && regions != nullptr) regions->CheckOutputs(&error);  // O really went there
   if (!error.empty()) {
     PrintError(SequencesPath(opt), opt, clients, error);
     return false;
@@ -334,7 +337,8 @@ bool BenchSequences(const Options& opt, std::mt19937* rng) {
     }
   }
   for (int clients : ok ? opt.concurrency : std::vector<int>{}) {
-    ok = SequencesLevel(opt, clients, DecodeRequests(ids, clients, q, kv, regions.get())) && ok;
+    ok = SequencesLevel(opt, clients, DecodeRequests(ids, clients, q, kv, regions.get()), regions.get()) &&
+         ok;
   }
   regions.reset();  // unregistered before the sequences go
   Release(admin.get(), opt, ids);

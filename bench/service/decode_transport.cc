@@ -88,6 +88,14 @@ std::unique_ptr<DecodeRegions> DecodeRegions::Create(const DecodeTransportOption
   return r;
 }
 
+bool DecodeRegions::PoisonOutputs(std::string* error) {
+  return Poison(out_.get(), 0, out_->bytes, error);
+}
+
+bool DecodeRegions::CheckOutputs(std::string* error) const {
+  return CheckWritten(*out_, 0, out_->bytes, error);
+}
+
 void DecodeRegions::Name(int64_t index, v1::DecodeItem* item) const {
   const uint64_t at = (q_bytes_ + 2 * kv_bytes_) * uint64_t(index);
   ToShm(item->mutable_q(), in_->name, at);

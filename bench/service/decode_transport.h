@@ -52,6 +52,10 @@ class DecodeRegions {
   static std::unique_ptr<DecodeRegions> Create(const DecodeTransportOptions& options,
                                                int64_t sequences, const v1::Tensor& q,
                                                const v1::Tensor& kv, std::string* error);
+  /// Fills the output region with a poison; CheckOutputs then fails if any sequence's O still
+  /// holds some (the server did not write it: loadgen_regions.h).
+  bool PoisonOutputs(std::string* error);
+  bool CheckOutputs(std::string* error) const;
   /// Replaces `item`'s q/k/v bytes by references to sequence `index`'s place and sets out_shm.
   void Name(int64_t index, v1::DecodeItem* item) const;
 

@@ -103,7 +103,7 @@ void RunShmPath(Section* s, inference::GRPCInferenceService::Stub* stub, const W
   auto out = in ? MakeRegion(path, out_name, w.request.q().data().size(), s->options.device, stub,
                              s->options.token, &error)
                 : nullptr;
-  if (!in || !out || !FillQkv(w, in.get(), &error)) {
+  if (!in || !out || !FillQkv(w, in.get(), &error) || !Poison(out.get(), 0, out->bytes, &error)) {
     std::fprintf(stderr, "local %s %s: %s\n", path.c_str(), w.shape.name.c_str(), error.c_str());
     s->md += "| " + w.shape.name + " | local " + path + " | failed: " + error + " |\n";
     return;
@@ -111,6 +111,10 @@ void RunShmPath(Section* s, inference::GRPCInferenceService::Stub* stub, const W
   const std::string request = NativeShmRequest(w, in_name, out_name);
   if (with_echo) s->RunPath(w, "echo (shm request bytes)", Method::kEcho, request);
   s->RunPath(w, path, Method::kAttention, request);
+  if (!CheckWritten(*out, 0, out->bytes, &error)) {  // O really went into the region
+    std::fprintf(stderr, "local %s %s: %s\n", path.c_str(), w.shape.name.c_str(), error.c_str());
+    s->md += "| " + w.shape.name + " | local " + path + " | O check failed: " + error + " |\n";
+  }
 }
 
 void RunShape(Section* s, inference::GRPCInferenceService::Stub* stub, const Workload& w) {

@@ -167,4 +167,35 @@ bool WriteRegion(Region* region, size_t offset, const void* data, size_t bytes,
   return false;
 }
 
+bool Poison(Region* region, size_t offset, size_t bytes, std::string* error) {
+  const std::string poison(bytes, '\xff');
+  return WriteRegion(region, offset, poison.data(), bytes, error);
+}
+
+bool CheckWritten(const Region& region, size_t offset, size_t bytes, std::string* error) {
+  if (offset > region.bytes || bytes > region.bytes - offset) {
+    *error = "check past the end of region " + region.name;
+    return false;
+  }
+  std::string copy(bytes, '\0');
+  if (region.host != nullptr) {
+    std::memcpy(copy.data(), region.host + offset, bytes);
+  }
+#ifdef FLASHSERVE_LOADGEN_CUDA
+  else if (cudaMemcpy(copy.data(), static_cast<const char*>(region.device) + offset, bytes,
+                      cudaMemcpyDeviceToHost) != cudaSuccess) {
+    *error = "copy out of region " + region.name + " failed";
+    return false;
+  }
+#endif
+  for (size_t i = 0; i + 1 < bytes; i += 2) {
+    if (static_cast<unsigned char>(copy[i]) == 0xff && static_cast<unsigned char>(copy[i + 1]) == 0xff) {
+      *error = "output not written: region " + region.name + " still holds the poison at offset " +
+               std::to_string(offset + i);
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace flashserve::loadgen

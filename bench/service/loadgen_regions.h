@@ -34,6 +34,12 @@ std::unique_ptr<Region> MakeRegion(const std::string& path, const std::string& n
 /// Copies `bytes` from host memory to `offset` in the region (a memcpy or a cudaMemcpy).
 bool WriteRegion(Region* region, size_t offset, const void* data, size_t bytes, std::string* error);
 
+/// Output checks: Poison fills [offset, offset + bytes) with 0xFF bytes (a NaN in fp16 and bf16);
+/// CheckWritten fails, naming the first one, if any 16-bit word there is still 0xFFFF afterwards,
+/// i.e. the server did not write its output there (a real O holds no NaN for finite inputs).
+bool Poison(Region* region, size_t offset, size_t bytes, std::string* error);
+bool CheckWritten(const Region& region, size_t offset, size_t bytes, std::string* error);
+
 /// Whether this build has CUDA regions.
 bool HaveCudaRegions();
 

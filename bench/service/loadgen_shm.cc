@@ -115,7 +115,7 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
       auto out = in ? MakeRegion(path, out_name, w.request.q().data().size(), options.device,
                                  stub.get(), "", &error)
                     : nullptr;
-      if (!in || !out || !FillQkv(w, in.get(), &error)) {
+      if (!in || !out || !FillQkv(w, in.get(), &error) || !Poison(out.get(), 0, out->bytes, &error)) {
         std::fprintf(stderr, "shm %s %s: %s\n", path.c_str(), w.shape.name.c_str(), error.c_str());
         md += "| " + w.shape.name + " | " + path + " | failed: " + error + " |\n";
         continue;
@@ -138,6 +138,10 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
         std::fprintf(stderr, "shm %s %s c=%d: %lld ok %lld err, p50 %.0f us %s\n", path.c_str(),
                      w.shape.name.c_str(), c, (long long)r.ok, (long long)r.errors,
                      Percentile(r.latency_us, 0.5), r.first_error.c_str());
+      }
+      if (!CheckWritten(*out, 0, out->bytes, &error)) {  // O really went into the region
+        std::fprintf(stderr, "shm %s %s: %s\n", path.c_str(), w.shape.name.c_str(), error.c_str());
+        md += "| " + w.shape.name + " | " + path + " | O check failed: " + error + " |\n";
       }
     }
   }
