@@ -374,3 +374,37 @@ def subprocess_run(binary, path):
 
     return subprocess.run([str(binary), "--backend=cpu", "--grpc_port=0", "--http_port=0", "--metrics_port=0",
                            f"--local_socket={path}"], capture_output=True, text=True, timeout=60)
+
+
+def test_sigterm_answers_the_call_in_progress_then_removes_the_socket(flashserve_bin, tmp_path, rng):
+    directory = socket_dir()
+    path = f"{directory}/fs.sock"
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}"], name="drain").start()
+    try:
+        q, k, v = random_qkv(rng, 1, 1024, 2048, 8, 4, 64, "float16")  # long enough to signal while it runs
+        result = {}
+
+        def call():
+            with LocalClient(path, timeout=60) as c:
+                result["out"] = c.attention(q, k, v)
+
+        with LocalClient(path, timeout=10) as idle:  # an idle connection must not hold the exit up
+            worker = threading.Thread(target=call)
+            worker.start()
+            url = f"http://127.0.0.1:{s.metrics_port}/metrics"
+            deadline = time.monotonic() + 10
+            while scrape(url).value("flashserve_inflight_requests") < 1:  # the call is in the server
+                assert time.monotonic() < deadline, "the call never started"
+                time.sleep(0.002)
+            s.proc.send_signal(signal.SIGTERM)
+            worker.join(60)
+            assert s.proc.wait(30) == 0
+            assert "out" in result, "the call in progress was not answered"
+            assert_matches_reference(result["out"], None, q, k, v)
+            assert not os.path.exists(path)
+            with pytest.raises(flashserve.UnavailableError):
+                idle.echo(b"x")  # its connection was closed at the end of the drain
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -46,11 +46,18 @@ class LocalClient:
     def call(self, method: int, payload: bytes, request_id: Optional[str] = None) -> bytes:
         """Sends one request frame and returns the response's payload; raises FlashserveError on an error status."""
         payload = bytes(payload)
-        self._sock.sendall(HEADER.pack(MAGIC, method, 0, len(payload), 0) + payload)
-        magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
-        if magic != MAGIC:
-            raise error_for(grpc.StatusCode.INTERNAL, f"local socket: bad response magic {magic:#x}", request_id)
-        body = self._recv(size)
+        try:
+            self._sock.sendall(HEADER.pack(MAGIC, method, 0, len(payload), 0) + payload)
+            magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
+            if magic != MAGIC:
+                raise error_for(grpc.StatusCode.INTERNAL, f"local socket: bad response magic {magic:#x}", request_id)
+            body = self._recv(size)
+        except socket.timeout:
+            self._sock.close()  # mid-frame: the connection cannot be used again
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "local socket: no answer in time", request_id) from None
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE, f"local socket: the connection is gone ({e})",
+                            request_id) from None
         if status != 0:
             message = body.decode("utf-8", "replace")
             error = error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, request_id)
