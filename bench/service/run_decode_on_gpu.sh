@@ -42,7 +42,7 @@ CLIENT_ARGS=()
 LOCAL_FLAGS=0
 if [[ -x $DECODE_LOADGEN && -n ${CPP_VARIANTS-grpc+system,grpc+cuda,local,local+system,local+cuda} ]]; then
   VARIANTS=${CPP_VARIANTS-grpc+system,grpc+cuda,local,local+system,local+cuda}
-  if ! "$FLASHSERVE_BIN" --help 2>&1 | grep -q -- '--local_socket '; then
+  if ! grep -q -- '--local_socket ' <<<"$("$FLASHSERVE_BIN" --help 2>&1)"; then  # not a pipe: pipefail
     echo "run_decode_on_gpu: this server has no --local_socket: only the gRPC variants run"
     VARIANTS=$(tr ',' '\n' <<<"$VARIANTS" | grep -v '^local' | paste -sd, -)
   elif [[ $VARIANTS == *local* ]]; then

@@ -34,7 +34,8 @@ cat "$OUT/device.txt"
 LOCAL_SERVER_FLAGS=() LOCAL_ARGS=()
 SOCK=/tmp/flashserve-bench-$$.sock  # short: a Unix socket path has at most 107 bytes
 if [[ ${LOCAL:-1} == 1 ]]; then
-  if "$BIN/flashserve" --help 2>&1 | grep -q -- '--local_socket '; then
+  # (the help text first: grep -q closing the pipe early would fail the pipeline under pipefail)
+  if grep -q -- '--local_socket ' <<<"$("$BIN/flashserve" --help 2>&1)"; then
     LOCAL_SERVER_FLAGS=(--allow_client_shm --local_socket="$SOCK")
     LOCAL_ARGS=(--local_socket="$SOCK" --local_shm="${LOCAL_SHM:-system,cuda}")
   else
