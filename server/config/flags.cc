@@ -225,8 +225,8 @@ ABSL_FLAG(int64_t, local_read_timeout_ms, flashserve::LocalOptions{}.read_timeou
           "connection is closed), and an answer must be taken within it; idle connections "
           "between calls may wait");
 ABSL_FLAG(int64_t, local_spin_us, flashserve::LocalOptions{}.spin_us,
-          "Local socket: a connection's thread polls for its call's answer this long (us) "
-          "before it sleeps; 0: sleep at once");
+          "Local socket: a connection's thread polls for its call's answer, and after answering "
+          "for the next request, this long (us) before it sleeps; 0: sleep at once");
 
 namespace flashserve {
 namespace {

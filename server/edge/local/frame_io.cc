@@ -59,16 +59,24 @@ absl::Status FrameReader::ReadFull(char* dest, size_t bytes) {
   return absl::OkStatus();
 }
 
+ssize_t FrameReader::ReadFirst(unsigned char* dest, size_t bytes) {
+  if (idle_spin_ > absl::ZeroDuration()) {
+    const absl::Time until = absl::Now() + idle_spin_;
+    do {
+      const ssize_t n = recv(fd_, dest, bytes, MSG_DONTWAIT);
+      if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return n;
+    } while (absl::Now() < until);
+  }
+  for (;;) {  // idle between frames: no deadline
+    const ssize_t n = recv(fd_, dest, bytes, 0);
+    if (n >= 0 || errno != EINTR) return n;  // < 0: reset by the peer, or shut down by the server
+  }
+}
+
 FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::Status* error) {
   unsigned char bytes[local::kHeaderBytes];
-  ssize_t first = 0;
-  for (;;) {  // idle between frames: no deadline
-    first = recv(fd_, bytes, sizeof(bytes), 0);
-    if (first > 0) break;
-    if (first == 0) return Result::kClosed;
-    if (errno == EINTR) continue;
-    return Result::kClosed;  // reset by the peer, or shut down by the server
-  }
+  const ssize_t first = ReadFirst(bytes, sizeof(bytes));
+  if (first <= 0) return Result::kClosed;
   deadline_ = absl::Now() + timeout_;
   *error = ReadFull(reinterpret_cast<char*>(bytes) + first, sizeof(bytes) - size_t(first));
   if (!error->ok()) return Result::kRefused;

@@ -53,7 +53,8 @@ class Connection {
   Connection(int fd, const LocalServices& services, const LocalOptions& options,
              LocalCallCount* calls)
       : fd_(fd), services_(services), options_(options), calls_(calls),
-        reader_(fd, options.max_frame_bytes, absl::Milliseconds(options.read_timeout_ms)),
+        reader_(fd, options.max_frame_bytes, absl::Milliseconds(options.read_timeout_ms),
+                absl::Microseconds(options.spin_us)),
         authed_(options.auth == nullptr) {}
 
   void Run() {

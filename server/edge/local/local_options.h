@@ -16,7 +16,7 @@ struct LocalOptions {
   int max_connections = 64;           // open connections at once; beyond: an error frame, closed
   int64_t max_frame_bytes = int64_t{8} << 20;  // payload bytes of one request frame
   int64_t read_timeout_ms = 10000;    // a started frame must arrive whole within this long
-  int64_t spin_us = 100;              // a call's thread polls its done() this long, then sleeps
+  int64_t spin_us = 100;              // polls for done() and for the next frame this long, then sleeps
   const BearerAuth* auth = nullptr;   // set: every call needs a Hello with the token first
 
   /// INVALID_ARGUMENT naming the flag of the first value out of range.
