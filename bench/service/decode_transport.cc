@@ -1,5 +1,7 @@
 #include "decode_transport.h"
 
+#include <unistd.h>
+
 #include "loadgen_workload.h"
 
 namespace flashserve::loadgen {
@@ -70,10 +72,12 @@ std::unique_ptr<DecodeRegions> DecodeRegions::Create(const DecodeTransportOption
   r->kv_bytes_ = kv.data().size();
   r->kserve_ = inference::GRPCInferenceService::NewStub(MakeChannel(options.target, 2000));
   const uint64_t per_sequence = r->q_bytes_ + 2 * r->kv_bytes_;
-  r->in_ = MakeRegion(options.shm, "dl_in_" + options.shm, size_t(per_sequence * uint64_t(sequences)),
+  // The pid in the names: a run killed before it unregistered does not block the next one.
+  const std::string suffix = options.shm + "_" + std::to_string(getpid());
+  r->in_ = MakeRegion(options.shm, "dl_in_" + suffix, size_t(per_sequence * uint64_t(sequences)),
                       options.device, r->kserve_.get(), options.token, error);
   if (r->in_ == nullptr) return nullptr;
-  r->out_ = MakeRegion(options.shm, "dl_out_" + options.shm, size_t(r->q_bytes_ * uint64_t(sequences)),
+  r->out_ = MakeRegion(options.shm, "dl_out_" + suffix, size_t(r->q_bytes_ * uint64_t(sequences)),
                        options.device, r->kserve_.get(), options.token, error);
   if (r->out_ == nullptr) return nullptr;
   for (int64_t i = 0; i < sequences; ++i) {

@@ -1,5 +1,7 @@
 #include "loadgen_local.h"
 
+#include <unistd.h>
+
 #include <cstdarg>
 #include <cstdio>
 #include <map>
@@ -96,8 +98,8 @@ void RunShmPath(Section* s, inference::GRPCInferenceService::Stub* stub, const W
                 const std::string& path, bool with_echo) {
   const size_t in_bytes =
       w.request.q().data().size() + w.request.k().data().size() + w.request.v().data().size();
-  const std::string in_name = "lgl_in_" + w.shape.name + "_" + path;
-  const std::string out_name = "lgl_out_" + w.shape.name + "_" + path;
+  const std::string suffix = w.shape.name + "_" + path + "_" + std::to_string(getpid());
+  const std::string in_name = "lgl_in_" + suffix, out_name = "lgl_out_" + suffix;
   std::string error;
   auto in = MakeRegion(path, in_name, in_bytes, s->options.device, stub, s->options.token, &error);
   auto out = in ? MakeRegion(path, out_name, w.request.q().data().size(), s->options.device, stub,
