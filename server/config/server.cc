@@ -249,6 +249,7 @@ absl::Status Server::StartLocal() {
   LocalServices services;
   services.runtime = runtime_.get();
   services.sequences = sequences_.get();
+  options.spin_us = options.SpinUsFor(std::thread::hardware_concurrency());
   services.spin = absl::Microseconds(options.spin_us);
   absl::StatusOr<std::unique_ptr<LocalListener>> local = LocalListener::Start(options, services);
   if (!local.ok()) {

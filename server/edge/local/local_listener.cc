@@ -41,8 +41,8 @@ absl::StatusOr<std::unique_ptr<LocalListener>> LocalListener::Start(
     return absl::UnavailableError(absl::StrCat("local socket: eventfd: ", strerror(errno)));
   }
   listener->accept_thread_ = std::thread([l = listener.get()] { l->AcceptLoop(); });
-  spdlog::info("local socket: {} (mode {:o}, at most {} connections)", options.socket_path,
-               options.socket_mode, options.max_connections);
+  spdlog::info("local socket: {} (mode {:o}, at most {} connections, spin {} us)",
+               options.socket_path, options.socket_mode, options.max_connections, options.spin_us);
   return listener;
 }
 

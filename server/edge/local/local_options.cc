@@ -22,7 +22,7 @@ absl::Status LocalOptions::Check() const {
        {std::tuple{"local_max_connections", int64_t{max_connections}, int64_t{1}, int64_t{65536}},
         std::tuple{"local_max_frame_bytes", max_frame_bytes, int64_t{16}, kMaxFrame},
         std::tuple{"local_read_timeout_ms", read_timeout_ms, int64_t{1}, int64_t{3600000}},
-        std::tuple{"local_spin_us", spin_us, int64_t{0}, int64_t{1000000}}}) {
+        std::tuple{"local_spin_us", spin_us, kAuto, int64_t{1000000}}}) {
     if (value < low || value > high) {
       return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be in [", low, ", ", high,
                                                      "], got ", value));

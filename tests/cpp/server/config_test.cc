@@ -60,7 +60,7 @@ TEST(ServerConfigTest, DefaultFlagsGiveTheStructDefaults) {
   EXPECT_EQ(config->local.max_connections, defaults.local.max_connections);
   EXPECT_EQ(config->local.max_frame_bytes, int64_t{8} << 20);
   EXPECT_EQ(config->local.read_timeout_ms, defaults.local.read_timeout_ms);
-  EXPECT_EQ(config->local.spin_us, defaults.local.spin_us);
+  EXPECT_EQ(config->local.spin_us, LocalOptions::kAuto);
 }
 
 TEST(ServerConfigTest, FlagsReachTheirFields) {
@@ -107,6 +107,11 @@ TEST(ServerConfigTest, AutoValuesResolvePerBackend) {
   EXPECT_EQ(threads.HotLaneSpinUsFor("cpu", 16), 0);
   threads.hot_lane_spin_us = 5;
   EXPECT_EQ(threads.HotLaneSpinUsFor("cpu", 2), 5);
+  LocalOptions local;
+  EXPECT_EQ(local.SpinUsFor(16), 200);
+  EXPECT_EQ(local.SpinUsFor(2), 0);
+  local.spin_us = 7;
+  EXPECT_EQ(local.SpinUsFor(2), 7);
 }
 
 struct BadValue {
@@ -185,7 +190,7 @@ std::vector<BadValue> BadValues() {
       {"local_max_frame_bytes", "15"},
       {"local_max_frame_bytes", "2147483648"},
       {"local_read_timeout_ms", "0"},
-      {"local_spin_us", "-1"},
+      {"local_spin_us", "-2"},
       {"local_spin_us", "1000001"},
   };
 }
