@@ -408,3 +408,16 @@ def test_sigterm_answers_the_call_in_progress_then_removes_the_socket(flashserve
         if s.proc.poll() is None:
             s.proc.kill()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_half_closed_client_still_gets_its_answer(local_server, rng):
+    q, k, v = random_qkv(rng, 1, 64, 256, 4, 2, 32, "float16")
+    request = pb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"), v=tensors.to_proto(v, "v"))
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(frame(3, request.SerializeToString()))
+        sock.shutdown(socket.SHUT_WR)  # done sending, still reading (socat, shell pipelines)
+        status, body = read_frame(sock)
+        assert status == 0, body
+        out = tensors.from_proto(pb.AttentionResponse.FromString(body).out, "numpy", None)
+        assert_matches_reference(out, None, q, k, v)
+        assert_closed(sock)

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
@@ -42,10 +43,11 @@ bool Computes(local::Method method) {
          method == local::Method::kAttend;
 }
 
-// Whether the client has closed or reset its end (checked when a queued call starts).
+// Whether the client has closed or reset its end (checked when a queued call starts). A client
+// that only shut down its sending side (POLLRDHUP) still reads: its call runs.
 bool PeerGone(int fd) {
-  pollfd p{fd, POLLRDHUP, 0};
-  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+  pollfd p{fd, 0, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLERR)) != 0;
 }
 
 class Connection {

@@ -55,7 +55,12 @@ void LocalListener::AcceptLoop() {
     if (fds[1].revents != 0) return;  // StopAccepting
     if (fds[0].revents == 0) continue;
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;  // the client gave up already, or out of descriptors for a moment
+    if (fd < 0) {  // the client gave up already, or out of descriptors for a moment
+      if (errno == EMFILE || errno == ENFILE || errno == ENOMEM || errno == ENOBUFS) {
+        absl::SleepFor(absl::Milliseconds(10));  // the connection stays queued; no busy loop
+      }
+      continue;
+    }
     // A client that stops reading cannot hold its thread longer than this per answer.
     const int64_t ms = options_.read_timeout_ms;
     timeval send_timeout{time_t(ms / 1000), suseconds_t(ms % 1000 * 1000)};
