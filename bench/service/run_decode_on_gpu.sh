@@ -4,8 +4,8 @@
 #     or $FLASHSERVE_BIN pointing at a CUDA-enabled server binary;
 #   - a Python client copy with stubs that load there: bench/service/make_py_stubs.sh build-decode-py
 #     (carry build-decode-py; $DECODE_PY overrides the path);
-#   - optional, the C++ client flashserve-decode-loadgen (built beside the server; scripts/bundle does not ship it:
-#     copy it into the bundle's bin/, or set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
+#   - optional, the C++ client flashserve-decode-loadgen (scripts/bundle ships it in bin/ when the build has it;
+#     else set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
 #     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows; SHM=0 drops the shared-memory rows.
 # Local transport and C++ shared-memory rows: with the C++ client, and when the server knows --local_socket, each
 # server also listens on a Unix socket and decode_bench.py adds the rows of $CPP_VARIANTS (default
