@@ -362,6 +362,8 @@ def test_socket_file_life(flashserve_bin, tmp_path):
         assert refused.returncode == 2 and "not a socket" in refused.stderr, refused.stderr
         assert open(path).read() == "not a socket"
         os.unlink(path)
+        missing = subprocess_run(flashserve_bin, f"{directory}/no/such/dir/fs.sock")
+        assert missing.returncode == 2 and "bind" in missing.stderr, missing.stderr
         default = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}"], name="mode").start()
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
         _stop_and_check(default)

@@ -66,7 +66,9 @@ absl::StatusOr<BoundSocket> BindLocalSocket(const std::string& path, int mode) {
   absl::Status status;
   struct stat st{};
   if (bind(bound.fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
-    status = Errno(absl::StrCat("--local_socket ", path, ": bind"));
+    // No such directory, no permission: the path is the operator's to fix, like a bad flag.
+    status = absl::FailedPreconditionError(
+        absl::StrCat("--local_socket ", path, ": bind: ", strerror(errno)));
   } else if (chmod(path.c_str(), mode_t(mode)) != 0 || lstat(path.c_str(), &st) != 0) {
     status = Errno(absl::StrCat("--local_socket ", path, ": chmod"));
     unlink(path.c_str());

@@ -17,7 +17,8 @@ struct BoundSocket {
 
 /// Binds a Unix stream socket at `path`, sets the file's mode to `mode` before it listens (so no
 /// connection is possible under other permissions) and listens. INVALID_ARGUMENT: `path` is too
-/// long. FAILED_PRECONDITION: something other than a stale socket is at `path`. Others: errno.
+/// long. FAILED_PRECONDITION: something other than a stale socket is at `path`, or it cannot be
+/// bound there (no such directory, no permission). Others: errno.
 absl::StatusOr<BoundSocket> BindLocalSocket(const std::string& path, int mode);
 
 /// Unlinks `path` if it is still the socket file of `inode` (another process may have replaced it).
