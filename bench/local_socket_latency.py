@@ -6,6 +6,7 @@ Starts the server binary once per --local_spin_us value, and measures from one P
   echo_req  Echo of the Attention request's own bytes (the same frame sizes as the call below)
   local     Attention over the local socket, Q/K/V/O in a system shared-memory region (only references in the frame)
   grpc      the same request over gRPC (native Attention, same region), for comparison
+  attend    Attend over the local socket: one query row (inline) on a 64-token sequence (Sequences API)
 and the server's own Timing of each call (queue_us: submit -> a scheduler worker starts it; compute_us; total_us:
 the payload complete -> the runtime's answer). Frames are built once; the loop only sends, receives and parses the
 response (so Python's share is small and the same in every row).
@@ -28,7 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "client", "python"))
 import flashserve  # noqa: E402
 from flashserve import attention_pb2 as pb  # noqa: E402
-from flashserve.local import ATTENTION, ECHO, HEADER, MAGIC  # noqa: E402
+from flashserve import sequences_pb2 as spb  # noqa: E402
+from flashserve.local import ATTEND, ATTENTION, ECHO, HEADER, MAGIC  # noqa: E402
 from flashserve.shm import SystemRegion  # noqa: E402
 
 
@@ -42,7 +44,8 @@ def start(binary, path, spin_us, workers):
     ports = [free_port() for _ in range(3)]
     proc = subprocess.Popen([binary, "--backend=cpu", f"--worker_threads={workers}", f"--grpc_port={ports[0]}",
                              f"--http_port={ports[1]}", f"--metrics_port={ports[2]}", f"--local_socket={path}",
-                             f"--local_spin_us={spin_us}", "--allow_client_shm", "--log_level=warn"])
+                             f"--local_spin_us={spin_us}", "--allow_client_shm", "--log_level=warn",
+                             "--kv_cache_bytes=16777216", "--kv_page_tokens=16"])
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -76,6 +79,17 @@ def measure(fn, n):
     return np.percentile(np.array(times) * 1e6, [50, 99])
 
 
+def measure_attend(address, sock, buf, rng, n):
+    with flashserve.SequenceClient(address, timeout=30, reprefill=False) as client:
+        k = rng.standard_normal((64, 2, 64)).astype(np.float16)
+        seq = client.create(num_layers=1, heads_q=4, heads_kv=2, head_dim=64, dtype="float16", prefix={0: (k, k)})
+        q = rng.standard_normal((1, 4, 64)).astype(np.float16)
+        payload = spb.AttendRequest(sequence_id=seq.id, layer=0,
+                                    q=flashserve.tensors.to_proto_rows(q, "q")).SerializeToString()
+        attend = HEADER.pack(MAGIC, ATTEND, 0, len(payload), 0) + payload
+        return measure(lambda: roundtrip(sock, attend, buf), n)
+
+
 def run(binary, spin_us, n, shape, workers):
     directory = tempfile.mkdtemp(prefix="fsl", dir="/tmp")
     path = f"{directory}/fs.sock"
@@ -106,6 +120,7 @@ def run(binary, spin_us, n, shape, workers):
             rows["local"] = measure(local_call, n)
             stub = grpc_client.stub
             rows["grpc"] = measure(lambda: stub.Attention(request, timeout=30), n)
+            rows["attend"] = measure_attend(address, sock, buf, rng, n)
             tail = timings[-n:]
             rows["server"] = {f: float(np.median([getattr(t, f) for t in tail])) for f in
                               ("queue_us", "compute_us", "total_us")}
@@ -130,13 +145,14 @@ def main():
              f"after {args.n // 10} warm-up; fp16 q {shape[0]}, k/v {shape[1]} in a system shm region; "
              f"host: {os.cpu_count()} CPUs ({os.uname().nodename}).", "",
              "| --local_spin_us | echo 64 B p50/p99 us | echo of the request p50/p99 | local Attention p50/p99 | "
-             "gRPC Attention p50/p99 | server queue_us | compute_us | total_us |", "|---|---|---|---|---|---|---|---|"]
+             "gRPC Attention p50/p99 | server queue_us | compute_us | total_us | local Attend p50/p99 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for spin in [int(x) for x in args.spins.split(",")]:
         r = run(args.binary, spin, args.n, shape, args.workers)
         s = r["server"]
         cell = lambda key: f"{r[key][0]:.1f} / {r[key][1]:.1f}"  # noqa: E731
         lines.append(f"| {spin} | {cell('echo')} | {cell('echo_req')} | {cell('local')} | {cell('grpc')} | "
-                     f"{s['queue_us']:.0f} | {s['compute_us']:.0f} | {s['total_us']:.0f} |")
+                     f"{s['queue_us']:.0f} | {s['compute_us']:.0f} | {s['total_us']:.0f} | {cell('attend')} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -89,14 +89,17 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
     return;
   }
   if (batcher_ == nullptr) {
-    Dispatch({std::move(call)});
+    const bool run_inline = call->caller_waits;
+    Dispatch({std::move(call)}, run_inline);
     return;
   }
   if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
 }
 
-void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls) {
-  absl::Status s = scheduler_->Submit([this, calls]() mutable { RunCalls(std::move(calls)); });
+void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool run_inline) {
+  Scheduler::Job job = [this, calls]() mutable { RunCalls(std::move(calls)); };
+  absl::Status s = run_inline ? scheduler_->SubmitOrRunInline(std::move(job))
+                              : scheduler_->Submit(std::move(job));
   if (!s.ok()) {
     for (const auto& call : calls) call->done(s, {});
   }

@@ -50,6 +50,7 @@ void ServeLocalAttention(const LocalServices& services, LocalCall local, LocalRe
   }
   call.outputs_in_buffers = true;
   call.buffers_out = &reply->io;
+  call.caller_waits = true;  // this thread waits for done(): run the job here, no worker hop
   ShmLeases leases;
   const ShmReferences shm = NativeShmReferences(wire.header);
   bool shm_outputs = false;

@@ -42,6 +42,7 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   std::shared_ptr<DecodeCall> call = *std::move(built);
   call->received = local.received;
   call->cancelled = std::move(local.peer_gone);
+  call->caller_waits = true;  // this thread waits for done(): run the call here, no worker hop
   const std::string first_id = call->items.empty() ? "" : call->items[0].id;
   auto waiter = std::make_shared<CallWaiter>();
   absl::Status done_status;
