@@ -423,3 +423,34 @@ def test_half_closed_client_still_gets_its_answer(local_server, rng):
         out = tensors.from_proto(pb.AttentionResponse.FromString(body).out, "numpy", None)
         assert_matches_reference(out, None, q, k, v)
         assert_closed(sock)
+
+
+def test_concurrent_decode_steps(local_server, concurrently):
+    """Clients on disjoint sequences stepping at once over the socket (calls run on their connection threads and on
+    the scheduler's worker side by side): every O against the fp64 reference."""
+
+    def worker(i):
+        truth = Truth(np.random.default_rng(100 + i), **SHAPE, dtype="bfloat16")
+        with flashserve.SequenceClient(local_server.address, timeout=30, reprefill=False) as client, \
+                LocalClient(local_server.local_path, timeout=30) as local:
+            seqs = []
+            for n in (3 + i, 20):
+                k, v = truth.rows(n)
+                seqs.append(client.create(num_layers=1, **SHAPE, dtype="bfloat16", prefix={0: (k, v)}))
+                truth.add(seqs[-1].key, 0, k, v)
+            for _ in range(8):
+                request = spb.DecodeStepRequest()
+                qs, kvs = [truth.query(1) for _ in seqs], [truth.rows(1) for _ in seqs]
+                for seq, q, (k, v) in zip(seqs, qs, kvs):
+                    item = request.items.add(sequence_id=seq.id, layer=0)
+                    for field, x in (("q", q), ("k", k), ("v", v)):
+                        getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
+                response = local.decode_step(request)
+                for seq, q, (k, v), result in zip(seqs, qs, kvs, response.results):
+                    truth.add(seq.key, 0, k, v)
+                    out = tensors.from_proto(result.out, "numpy", None).reshape(q.shape)
+                    truth.check(out, q, seq.key, 0)
+            for seq in seqs:
+                seq.release()
+
+    concurrently(worker, 4)
