@@ -196,6 +196,12 @@ def test_metrics_count_local_calls(local_server):
     assert during.value("flashserve_requests_total", method="LocalEcho", status="OK") == before + 2
     assert ("flashserve_requests_total", frozenset({"method": "LocalAttention", "status": "OK"}.items())) \
         in during.samples
+    refused = during.value("flashserve_requests_total", method="LocalOther", status="INVALID_ARGUMENT")
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(frame(2, b"x", magic=0))
+        assert read_frame(sock)[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert scrape(url).value("flashserve_requests_total", method="LocalOther", status="INVALID_ARGUMENT") \
+        == refused + 1
 
 
 # ---------------------------------------------------------------------------------------------- hostile

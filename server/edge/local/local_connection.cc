@@ -66,6 +66,7 @@ class Connection {
       const FrameReader::Result read = reader_.ReadHeader(&header, &error);
       if (read == FrameReader::Result::kClosed) return;
       if (read == FrameReader::Result::kRefused) {
+        RecordRefusedCall(services_.runtime->metrics(), local_methods::kOtherLabel, error);
         WriteErrorFrame(fd_, error).IgnoreError();  // the peer may be gone already
         return;
       }

@@ -13,7 +13,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "edge/grpc/grpc_call.h"
 #include "edge/local/frame_io.h"
+#include "edge/local/local_methods.h"
 #include "edge/local/socket_file.h"
 #include "spdlog/spdlog.h"
 
@@ -90,7 +92,7 @@ void LocalListener::RefuseOverCap(int fd) {
       " connections are open (--local_max_connections); try again later"));
   // A fresh socket's buffer is empty: this does not block.
   WriteErrorFrame(fd, refused).IgnoreError();
-  spdlog::warn("local socket: connection refused: {}", std::string(refused.message()));
+  RecordRefusedCall(services_.runtime->metrics(), local_methods::kOtherLabel, refused);  // logs it
   close(fd);
 }
 

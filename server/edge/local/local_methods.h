@@ -16,6 +16,8 @@ inline constexpr GrpcMethod kEcho{"local:Echo", "LocalEcho"};
 inline constexpr GrpcMethod kAttention{"local:Attention", "LocalAttention", true};
 inline constexpr GrpcMethod kDecodeStep{"local:DecodeStep", "LocalDecodeStep", true};
 inline constexpr GrpcMethod kAttend{"local:Attend", "LocalAttend", true};
+/// Frames refused before a method was known (bad header, timeout, over the connection cap).
+inline constexpr std::string_view kOtherLabel = "LocalOther";
 }  // namespace local_methods
 
 /// The labels above, for ServerMetricsOptions::methods (series from startup).
@@ -25,6 +27,7 @@ inline std::vector<std::string> LocalMethodLabels() {
   for (const GrpcMethod* m : {&kHello, &kEcho, &kAttention, &kDecodeStep, &kAttend}) {
     labels.emplace_back(m->label);
   }
+  labels.emplace_back(kOtherLabel);
   return labels;
 }
 
