@@ -331,6 +331,11 @@ def parse_args(argv=None):
     p.add_argument("--shm", action=argparse.BooleanOptionalAction, default=False,
                    help="also the Sequences rows with q/k/v/O in system shared memory (Python client; the servers "
                         "need --allow_client_shm)")
+    p.add_argument("--cpp_variants", default="", help="with --cpp_loadgen: more C++ Sequences rows, comma-separated: "
+                   "grpc+system, grpc+cuda (q/k/v/O in shared memory over gRPC), local, local+system, local+cuda "
+                   "(DecodeStep over the server's --local_socket; needs --local_socket for the target)")
+    p.add_argument("--local_socket", action="append", default=[], help="label=PATH: the --local_socket of the "
+                   "--target with that label (repeatable)")
     p.add_argument("--md", default="", help="write the markdown table here")
     p.add_argument("--json", default="", help="write every row as JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -355,21 +360,55 @@ def python_sequence_rows(args, label, address, context, levels, rng) -> List[dic
     return rows
 
 
-def cpp_rows(args, path, address, context, mode, steps, warmup) -> List[dict]:
-    """Rows measured by flashserve-decode-loadgen (bench/service/decode_loadgen.cc), one JSON line each."""
+VARIANTS = {"grpc+system": ("", "system"), "grpc+cuda": ("", "cuda"), "local": ("local", "none"),
+            "local+system": ("local", "system"), "local+cuda": ("local", "cuda")}
+
+
+def cpp_rows(args, path, address, context, mode, steps, warmup, extra=()) -> List[dict]:
+    """Rows measured by flashserve-decode-loadgen (bench/service/decode_loadgen.cc), one JSON line each. `path`
+    names the rows; None keeps the load generator's own name (e.g. "sequences, local, shm system") + the label.
+    A failed run gives error rows (the loadgen's own, or one per concurrency with its stderr), not an exception."""
     command = [args.cpp_loadgen, f"--target={address}", f"--context={context}", f"--sequences={args.sequences}",
-               f"--concurrency={args.concurrency}", f"--steps={steps}", f"--warmup={warmup}", f"--mode={mode}"]
+               f"--concurrency={args.concurrency}", f"--steps={steps}", f"--warmup={warmup}", f"--mode={mode}",
+               *extra]
     if args.token:
         command.append(f"--token={args.token}")
-    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}): {done.stderr[-2000:]}")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+        stdout, failure = done.stdout, (f"exit {done.returncode}: {done.stderr[-500:]}" if done.returncode else "")
+    except subprocess.TimeoutExpired:
+        stdout, failure = "", "timed out after 3600 s"
     rows = []
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         row = json.loads(line)
-        row["path"] = path
+        row["path"] = path if path else row["path"]
         rows.append(row)
+    if failure and not rows:
+        rows = [dict(path=path or "sequences", client="C++", context=context, concurrency=int(c), error=failure)
+                for c in args.concurrency.split(",")]
+    for row in rows:
         print(json.dumps(row), flush=True)
+    if failure:
+        print(f"{' '.join(command)}: {failure}", file=sys.stderr, flush=True)
+    return rows
+
+
+def cpp_variant_rows(args, label, address, context) -> List[dict]:
+    """The --cpp_variants rows of one target: DecodeStep over gRPC or the local socket, inline or shared memory."""
+    sockets = dict(s.rsplit("=", 1) for s in args.local_socket)  # the label may hold "=", the path may not
+    rows = []
+    for variant in [v for v in args.cpp_variants.split(",") if v]:
+        if variant not in VARIANTS:
+            raise SystemExit(f"--cpp_variants: unknown {variant!r} (one of {', '.join(VARIANTS)})")
+        transport, shm = VARIANTS[variant]
+        extra = [f"--shm={shm}"]
+        if transport == "local":
+            if label not in sockets:
+                raise SystemExit(f"--cpp_variants {variant}: no --local_socket {label}=PATH")
+            extra.append(f"--local_socket={sockets[label]}")
+        for row in cpp_rows(args, None, address, context, "sequences", args.steps, args.warmup, extra):
+            row["path"] = f"{row['path']} ({label})"
+            rows.append(row)
     return rows
 
 
@@ -396,6 +435,7 @@ def run(args) -> List[dict]:
             if args.cpp_loadgen:
                 rows += cpp_rows(args, f"sequences ({label})", address, context, "sequences", args.steps,
                                  args.warmup)
+                rows += cpp_variant_rows(args, label, address, context)
             if args.python_client or args.shm or not args.cpp_loadgen:
                 rows += python_sequence_rows(args, label, address, context, levels, rng)
         full_target = args.full_kv_target or (targets[0][1] if targets else "")
@@ -433,6 +473,10 @@ def markdown(rows: List[dict], args) -> str:
              "server compute us (p50) | calls merged (mean) | server queue/stage/h2d/kernel/d2h us (p50) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | "
+                         f"failed: {r['error'][:300]} |  |  |  |  |  |  |")
+            continue
         merged = f"{r['batched_calls_mean']:.2f}" if r["path"].startswith("sequences") else ""
         total = f"{r['server_total_us']:.0f}" if "server_total_us" in r else ""
         compute = f"{r['server_compute_us']:.0f}" if "server_compute_us" in r else ""
@@ -440,7 +484,27 @@ def markdown(rows: List[dict], args) -> str:
         lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | {p50} | "
                      f"{r['p99_ms']:.3f} | "
                      f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} | {_stages(r)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_lines(rows)) + "\n"
+
+
+def targets_lines(rows: List[dict]) -> List[str]:
+    """Issue 20's latency targets for every measured Sequences row at one client: p50 <= kernel + 0.5 ms for a step
+    whose tensors cross the socket, <= kernel + 100 us with q/k/v/O in shared memory. Kernel = the server's
+    kernel_us (CUDA events); where that is 0 (CPU backend) its compute_us."""
+    lines = ["", "Against issue 20's targets (one client, p50):", "",
+             "| context | path | p50 us | kernel us | target | bound us | met? | p50 - server total us |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r or r["concurrency"] != 1 or not r["path"].startswith("sequences"):
+            continue
+        kernel = r.get("server_kernel_us") or r.get("server_compute_us", 0.0)
+        shm = "shm" in r["path"] or "shared memory" in r["path"]
+        bound = kernel + (100 if shm else 500)
+        p50 = r["p50_ms"] * 1e3
+        lines.append(f"| {r['context']} | {r['path']} | {p50:.0f} | {kernel:.0f} | kernel + "
+                     f"{'100 us' if shm else '0.5 ms'} | {bound:.0f} | {'yes' if p50 <= bound else 'no'} | "
+                     f"{p50 - r.get('server_total_us', 0.0):.0f} |")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -7,9 +7,16 @@
 // per sequence; the request serialized once and re-sent), closed loop. `--mode=full_kv` sends the
 // same step through AttentionService.Attention with each sequence's whole K/V instead (split into
 // calls under gRPC's 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen).
+// Sequences mode, where DecodeStep goes (decode_transport.h): --local_socket=PATH sends it over the
+// local transport (the server's --local_socket) instead of gRPC; --shm=system|cuda puts every
+// item's q/k/v in a region of the load generator's and has O written into one (the server needs
+// --allow_client_shm; cuda needs a CUDA build of this tool, regions on --shm_device). Sequences
+// are created and released over gRPC (--target) either way. A row whose calls fail is printed as
+// {"path", "context", "concurrency", "error"} and the exit status is 3.
 //
 //   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
 //       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
+//       [--local_socket=PATH] [--shm=none|system|cuda] [--shm_device=0] [--timeout_ms=60000]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -26,12 +33,16 @@
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "decode_transport.h"
 #include "loadgen_workload.h"
 
 namespace {
 
 namespace v1 = flashserve::v1;
 using flashserve::loadgen::Clock;
+using flashserve::loadgen::DecodeClient;
+using flashserve::loadgen::DecodeRegions;
+using flashserve::loadgen::DecodeTransportOptions;
 using flashserve::loadgen::MakeChannel;
 using flashserve::loadgen::Micros;
 
@@ -43,6 +54,7 @@ struct Options {
   int64_t context = 1024, sequences = 64;
   std::vector<int> concurrency{1, 8};
   int steps = 200, warmup = 20;
+  DecodeTransportOptions transport;  // how DecodeStep goes (gRPC or local; inline or shm)
 };
 
 // Per measured step of one client: wall latency and the server's timing of that call.
@@ -135,11 +147,11 @@ void Release(v1::Sequences::Stub* stub, const Options& opt, const std::vector<st
   if (!s.ok()) Die("Release", s);
 }
 
-// Client i's DecodeStep: its share (a contiguous slice) of the sequences, one new token each.
+// Client i's DecodeStep: its share (a contiguous slice) of the sequences, one new token each; with
+// `regions`, q/k/v are references to each sequence's place there and O is written there.
 std::vector<v1::DecodeStepRequest> DecodeRequests(const std::vector<std::string>& ids, int clients,
-                                                  std::mt19937* rng) {
-  const v1::Tensor q = Bf16Tensor({1, kHeadsQ, kHeadDim}, rng);
-  const v1::Tensor kv = Bf16Tensor({1, kHeadsKv, kHeadDim}, rng);
+                                                  const v1::Tensor& q, const v1::Tensor& kv,
+                                                  const DecodeRegions* regions) {
   std::vector<v1::DecodeStepRequest> requests(static_cast<size_t>(clients));
   for (size_t i = 0; i < ids.size(); ++i) {
     v1::DecodeItem* item = requests[i * size_t(clients) / ids.size()].add_items();
@@ -148,29 +160,34 @@ std::vector<v1::DecodeStepRequest> DecodeRequests(const std::vector<std::string>
     *item->mutable_q() = q;
     *item->mutable_k() = kv;
     *item->mutable_v() = kv;
+    if (regions != nullptr) regions->Name(int64_t(i), item);
   }
   return requests;
 }
 
 // --- the closed loop ----------------------------------------------------------------------------
 
-// Runs call(client, &sample) warmup + steps times on each of `clients` threads; returns the
-// measured samples and the wall seconds from the first measured step to the last.
-std::vector<Sample> RunClients(int clients, int steps, int warmup,
-                               const std::function<void(int, Sample*)>& call, double* wall_s) {
+// Runs call(client, &sample, &error) warmup + steps times on each of `clients` threads; returns the
+// measured samples and the wall seconds from the first measured step to the last. A failed call
+// stops its client; *error then holds the first failure.
+using StepCall = std::function<bool(int, Sample*, std::string*)>;
+std::vector<Sample> RunClients(int clients, int steps, int warmup, const StepCall& call,
+                               double* wall_s, std::string* error) {
   std::vector<std::vector<Sample>> per(static_cast<size_t>(clients));
   std::vector<Clock::time_point> starts(static_cast<size_t>(clients)),
       ends(static_cast<size_t>(clients));
+  std::vector<std::string> errors(static_cast<size_t>(clients));
   std::vector<std::thread> threads;
   for (int c = 0; c < clients; ++c) {
     threads.emplace_back([&, c] {
+      std::string& failed = errors[size_t(c)];
       Sample ignored;
-      for (int i = 0; i < warmup; ++i) call(c, &ignored);
-      starts[size_t(c)] = Clock::now();
-      for (int i = 0; i < steps; ++i) {
+      for (int i = 0; i < warmup && failed.empty(); ++i) call(c, &ignored, &failed);
+      starts[size_t(c)] = ends[size_t(c)] = Clock::now();
+      for (int i = 0; i < steps && failed.empty(); ++i) {
         Sample s;
         const Clock::time_point t0 = Clock::now();
-        call(c, &s);
+        if (!call(c, &s, &failed)) break;
         s.latency_us = Micros(Clock::now() - t0);
         per[size_t(c)].push_back(s);
       }
@@ -178,6 +195,9 @@ std::vector<Sample> RunClients(int clients, int steps, int warmup,
     });
   }
   for (std::thread& t : threads) t.join();
+  for (const std::string& e : errors) {
+    if (error->empty() && !e.empty()) *error = e;
+  }
   *wall_s = Micros(*std::max_element(ends.begin(), ends.end()) -
                    *std::min_element(starts.begin(), starts.end())) /
             1e6;
@@ -227,37 +247,102 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   std::fflush(stdout);
 }
 
+std::string JsonEscape(const std::string& text) {
+  std::string out;
+  for (const char ch : text) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    if (static_cast<unsigned char>(ch) < 0x20) {
+      out += ' ';
+      continue;
+    }
+    out += ch;
+  }
+  return out;
+}
+
+// A row that could not be measured: what failed, in the row's place (decode_bench.py shows it).
+void PrintError(const std::string& path, const Options& opt, int clients, const std::string& error) {
+  std::fprintf(stderr, "decode-loadgen: %s, %d clients: %s\n", path.c_str(), clients, error.c_str());
+  std::printf("{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, "
+              "\"error\": \"%s\"}\n",
+              path.c_str(), (long long)opt.context, clients, JsonEscape(error).c_str());
+  std::fflush(stdout);
+}
+
 // --- the two paths
 // --------------------------------------------------------------------------------
 
-void BenchSequences(const Options& opt, std::mt19937* rng) {
+// The row's name: "sequences" plus the transport and where the tensors live, when not the default.
+std::string SequencesPath(const Options& opt) {
+  std::string path = "sequences";
+  if (!opt.transport.local_socket.empty()) path += ", local";
+  if (opt.transport.shm != "none") path += ", shm " + opt.transport.shm;
+  return path;
+}
+
+void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
+  sample->total_us = response.timing().total_us();
+  sample->compute_us = response.timing().compute_us();
+  sample->merged = response.batched_calls();
+  sample->queue_us = response.timing().queue_us();
+  sample->stage_us = response.timing().stage_us();
+  sample->h2d_us = response.timing().h2d_us();
+  sample->kernel_us = response.timing().kernel_us();
+  sample->d2h_us = response.timing().d2h_us();
+}
+
+// One concurrency level of the Sequences path; false when it failed (an error row was printed).
+bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests,
+                    DecodeRegions* regions) {
+  std::vector<std::unique_ptr<DecodeClient>> conns;
+  std::string error;
+  if (regions != nullptr) regions->PoisonOutputs(&error);
+  for (int c = 0; c < clients && error.empty(); ++c) {
+    conns.push_back(DecodeClient::Create(opt.transport, c, &error));
+    if (conns.back() != nullptr) conns.back()->Prepare(requests[size_t(c)]);
+  }
+  double wall_s = 0;
+  std::vector<Sample> samples;
+  if (error.empty()) {
+    auto call = [&](int c, Sample* sample, std::string* failed) {
+      v1::DecodeStepResponse response;
+      if (!conns[size_t(c)]->Step(&response, failed)) return false;
+      RecordTiming(response, sample);
+      return true;
+    };
+    samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
+  }
+  if (error.empty() && regions != nullptr) regions->CheckOutputs(&error);  // O really went there
+  if (!error.empty()) {
+    PrintError(SequencesPath(opt), opt, clients, error);
+    return false;
+  }
+  PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, "");
+  return true;
+}
+
+bool BenchSequences(const Options& opt, std::mt19937* rng) {
   auto admin = v1::Sequences::NewStub(MakeChannel(opt.target, 1000));
   const std::vector<std::string> ids = CreateSequences(admin.get(), opt, rng);
-  for (int clients : opt.concurrency) {
-    std::vector<v1::DecodeStepRequest> requests = DecodeRequests(ids, clients, rng);
-    std::vector<std::unique_ptr<v1::Sequences::Stub>> stubs;
-    for (int c = 0; c < clients; ++c)
-      stubs.push_back(v1::Sequences::NewStub(MakeChannel(opt.target, c)));
-    auto call = [&](int c, Sample* sample) {
-      grpc::ClientContext ctx;
-      Authorize(&ctx, opt);
-      v1::DecodeStepResponse response;
-      grpc::Status s = stubs[size_t(c)]->DecodeStep(&ctx, requests[size_t(c)], &response);
-      if (!s.ok()) Die("DecodeStep", s);
-      sample->total_us = response.timing().total_us();
-      sample->compute_us = response.timing().compute_us();
-      sample->merged = response.batched_calls();
-      sample->queue_us = response.timing().queue_us();
-      sample->stage_us = response.timing().stage_us();
-      sample->h2d_us = response.timing().h2d_us();
-      sample->kernel_us = response.timing().kernel_us();
-      sample->d2h_us = response.timing().d2h_us();
-    };
-    double wall_s = 0;
-    const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);
-    PrintRow("sequences", opt, clients, samples, wall_s, "");
+  const v1::Tensor q = Bf16Tensor({1, kHeadsQ, kHeadDim}, rng);
+  const v1::Tensor kv = Bf16Tensor({1, kHeadsKv, kHeadDim}, rng);
+  std::unique_ptr<DecodeRegions> regions;
+  bool ok = true;
+  if (opt.transport.shm != "none") {
+    std::string error;
+    regions = DecodeRegions::Create(opt.transport, int64_t(ids.size()), q, kv, &error);
+    if (regions == nullptr) {
+      for (int clients : opt.concurrency) PrintError(SequencesPath(opt), opt, clients, error);
+      ok = false;
+    }
   }
+  for (int clients : ok ? opt.concurrency : std::vector<int>{}) {
+    ok = SequencesLevel(opt, clients, DecodeRequests(ids, clients, q, kv, regions.get()), regions.get()) &&
+         ok;
+  }
+  regions.reset();  // unregistered before the sequences go
   Release(admin.get(), opt, ids);
+  return ok;
 }
 
 // Client c's step through AttentionService: its share of the sequences with their whole K/V, in as
@@ -280,7 +365,8 @@ std::vector<v1::AttentionRequest> FullKvRequests(const Options& opt, int64_t bat
   return requests;
 }
 
-void BenchFullKv(const Options& opt, std::mt19937* rng) {
+bool BenchFullKv(const Options& opt, std::mt19937* rng) {
+  bool ok = true;
   for (int clients : opt.concurrency) {
     std::vector<std::vector<v1::AttentionRequest>> requests;
     std::vector<std::unique_ptr<v1::AttentionService::Stub>> stubs;
@@ -291,22 +377,34 @@ void BenchFullKv(const Options& opt, std::mt19937* rng) {
       calls += int64_t(requests.back().size());
       stubs.push_back(v1::AttentionService::NewStub(MakeChannel(opt.target, c)));
     }
-    auto call = [&](int c, Sample* sample) {
+    auto call = [&](int c, Sample* sample, std::string* failed) {
       for (const v1::AttentionRequest& r : requests[size_t(c)]) {
         grpc::ClientContext ctx;
         Authorize(&ctx, opt);
         v1::AttentionResponse response;
         grpc::Status s = stubs[size_t(c)]->Attention(&ctx, r, &response);
-        if (!s.ok()) Die("Attention", s);
+        if (!s.ok()) {
+          *failed = std::to_string(int(s.error_code())) + ": " + s.error_message();
+          return false;
+        }
         sample->total_us += response.timing().total_us();
         sample->compute_us += response.timing().compute_us();
       }
+      return true;
     };
     double wall_s = 0;
-    const std::vector<Sample> samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s);
+    std::string error;
+    const std::vector<Sample> samples =
+        RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
+    if (!error.empty()) {
+      PrintError("full_kv", opt, clients, error);
+      ok = false;
+      continue;
+    }
     PrintRow("full_kv", opt, clients, samples, wall_s,
              ", \"calls_per_step\": " + std::to_string(calls));
   }
+  return ok;
 }
 
 std::vector<int> ParseList(const std::string& text) {
@@ -318,6 +416,25 @@ std::vector<int> ParseList(const std::string& text) {
     start = comma + 1;
   }
   return out;
+}
+
+void CheckOptions(const Options& opt) {
+  const std::string& shm = opt.transport.shm;
+  const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
+                     !opt.concurrency.empty() &&
+                     (opt.mode == "sequences" || opt.mode == "full_kv") &&
+                     std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
+                                 [&](int c) { return c >= 1 && c <= opt.sequences; }) &&
+                     (shm == "none" || shm == "system" || shm == "cuda") &&
+                     (opt.mode == "sequences" || (shm == "none" && opt.transport.local_socket.empty())) &&
+                     opt.transport.timeout_ms >= 0;
+  if (!valid) {
+    std::fprintf(stderr,
+                 "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
+                 "sequences; mode sequences or full_kv; shm none, system or cuda; --shm and "
+                 "--local_socket only with mode sequences)\n");
+    std::exit(2);
+  }
 }
 
 Options ParseOptions(int argc, char** argv) {
@@ -344,17 +461,13 @@ Options ParseOptions(int argc, char** argv) {
   opt.concurrency = ParseList(get("concurrency", "1,8"));
   opt.steps = std::atoi(get("steps", "200").c_str());
   opt.warmup = std::atoi(get("warmup", "20").c_str());
-  const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
-                     !opt.concurrency.empty() &&
-                     (opt.mode == "sequences" || opt.mode == "full_kv") &&
-                     std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
-                                 [&](int c) { return c >= 1 && c <= opt.sequences; });
-  if (!valid) {
-    std::fprintf(stderr,
-                 "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
-                 "sequences; mode sequences or full_kv)\n");
-    std::exit(2);
-  }
+  opt.transport.target = opt.target;
+  opt.transport.token = opt.token;
+  opt.transport.local_socket = get("local_socket", "");
+  opt.transport.shm = get("shm", "none");
+  opt.transport.device = std::atoi(get("shm_device", "0").c_str());
+  opt.transport.timeout_ms = std::atoi(get("timeout_ms", "60000").c_str());
+  CheckOptions(opt);
   return opt;
 }
 
@@ -363,10 +476,6 @@ Options ParseOptions(int argc, char** argv) {
 int main(int argc, char** argv) {
   const Options opt = ParseOptions(argc, argv);
   std::mt19937 rng(12345);
-  if (opt.mode == "sequences") {
-    BenchSequences(opt, &rng);
-  } else {
-    BenchFullKv(opt, &rng);
-  }
-  return 0;
+  const bool ok = opt.mode == "sequences" ? BenchSequences(opt, &rng) : BenchFullKv(opt, &rng);
+  return ok ? 0 : 3;  // 3: some rows failed (printed as error rows)
 }

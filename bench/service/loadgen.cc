@@ -17,7 +17,10 @@
 //     [--concurrency=1,4,16,64] [--duration_s=2] [--min_requests=3] [--large_max_concurrency=16]
 //     [--stripes=1,2,4,8] [--stripe_reps=5] [--striped_shapes=medium,large] [--chunk_mib=4] [--channels=0]
 //     [--csv=FILE] [--md=FILE] [--shm=system,cuda] [--shm_device=0]
+//     [--local_socket=PATH [--local_shm=system,cuda] [--local_max_frame_bytes=8388608] [--token=T]]
 // --shm adds the shared-memory paths (loadgen_shm.h; the server needs --allow_client_shm).
+// --local_socket adds the local transport's cells (loadgen_local.h: echo floor, inline, and the
+// --local_shm paths, default those of --shm; the server needs --local_socket=PATH).
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
@@ -33,6 +36,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "loadgen_cell.h"
+#include "loadgen_local.h"
 #include "loadgen_shm.h"
 #include "loadgen_striped.h"
 #include "loadgen_workload.h"
@@ -345,6 +349,19 @@ int main(int argc, char** argv) {
     shm.large_max_concurrency = large_max_conc;
     shm.device = int(FlagD("shm_device", 0));
     md << flashserve::loadgen::RunShmSection(&server, workloads, shm, csv);
+  }
+  if (!Flag("local_socket", "").empty()) {
+    flashserve::loadgen::LocalSectionOptions local;
+    local.socket_path = Flag("local_socket", "");
+    local.token = Flag("token", "");
+    local.shm_paths = Split(Flag("local_shm", Flag("shm", "")));
+    local.concurrency = concurrency;
+    local.duration_s = duration;
+    local.min_requests = min_requests;
+    local.large_max_concurrency = large_max_conc;
+    local.device = int(FlagD("shm_device", 0));
+    local.max_frame_bytes = uint64_t(FlagD("local_max_frame_bytes", double(local.max_frame_bytes)));
+    md << flashserve::loadgen::RunLocalSection(&server, workloads, local, csv);
   }
   const std::string md_text = md.str();
   std::ofstream(Flag("md", "service.md")) << md_text;

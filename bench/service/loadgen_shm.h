@@ -31,6 +31,16 @@ struct ShmSectionOptions {
 std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Workload>>& workloads,
                           const ShmSectionOptions& options, std::ostream& csv);
 
+struct Region;
+
+/// Puts the workload's Q, K, V into region `in`, back to back (the layout every shm cell uses).
+bool FillQkv(const Workload& w, Region* in, std::string* error);
+
+/// The shm table's header and one cell's row of it (also its CSV row, loadgen.cc's columns with
+/// goodput and stage empty); `path` names the row's path ("system", "local cuda", ...).
+std::string ShmTableHeader();
+std::string ShmRow(const CellResult& r, const std::string& path, std::ostream& csv);
+
 /// Reads the server timing (queue, h2d, compute, d2h, total, stage) from a ModelInferResponse's
 /// parameters.
 bool ParseKServeTiming(grpc::ByteBuffer* buffer, int64_t timing[6]);

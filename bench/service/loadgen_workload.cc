@@ -78,32 +78,47 @@ grpc::ByteBuffer StaticBuffer(const std::string& bytes) {
   return grpc::ByteBuffer(&slice, 1);
 }
 
-bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[6]) {
-  grpc::ProtoBufferReader reader(buffer);
-  CodedInputStream in(&reader);
-  in.SetTotalBytesLimit(INT_MAX);
+namespace {
+
+// Reads AttentionResponse.timing (field 3) from `in`, skipping every other field.
+bool ParseTimingFrom(CodedInputStream* in, int64_t timing[6]) {
   bool found = false;
-  for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+  for (uint32_t tag = in->ReadTag(); tag != 0; tag = in->ReadTag()) {
     if (WireFormatLite::GetTagFieldNumber(tag) == 3 &&
         WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
       uint32_t length;
-      if (!in.ReadVarint32(&length)) return false;
-      auto limit = in.PushLimit(int(length));
-      for (uint32_t t = in.ReadTag(); t != 0; t = in.ReadTag()) {
+      if (!in->ReadVarint32(&length)) return false;
+      auto limit = in->PushLimit(int(length));
+      for (uint32_t t = in->ReadTag(); t != 0; t = in->ReadTag()) {
         const int field = int(WireFormatLite::GetTagFieldNumber(t));
         uint64_t value;
-        if (WireFormatLite::GetTagWireType(t) != WireFormatLite::WIRETYPE_VARINT || !in.ReadVarint64(&value)) {
+        if (WireFormatLite::GetTagWireType(t) != WireFormatLite::WIRETYPE_VARINT || !in->ReadVarint64(&value)) {
           return false;
         }
         if (field >= 1 && field <= 6) timing[field - 1] = int64_t(value);
       }
-      in.PopLimit(limit);
+      in->PopLimit(limit);
       found = true;
-    } else if (!WireFormatLite::SkipField(&in, tag)) {
+    } else if (!WireFormatLite::SkipField(in, tag)) {
       return false;
     }
   }
   return found;
+}
+
+}  // namespace
+
+bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[6]) {
+  grpc::ProtoBufferReader reader(buffer);
+  CodedInputStream in(&reader);
+  in.SetTotalBytesLimit(INT_MAX);
+  return ParseTimingFrom(&in, timing);
+}
+
+bool ParseTimingBytes(const std::string& bytes, int64_t timing[6]) {
+  if (bytes.size() > size_t(INT_MAX)) return false;
+  CodedInputStream in(reinterpret_cast<const uint8_t*>(bytes.data()), int(bytes.size()));
+  return ParseTimingFrom(&in, timing);
 }
 
 // --- channels -----------------------------------------------------------------------------------

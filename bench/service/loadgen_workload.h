@@ -44,6 +44,8 @@ grpc::ByteBuffer StaticBuffer(const std::string& bytes);
 
 // Reads AttentionResponse.timing (field 3) out of a response without copying the tensor bytes.
 bool ParseTiming(grpc::ByteBuffer* buffer, int64_t timing[6]);
+// The same from a response's bytes (the local transport's reply payload).
+bool ParseTimingBytes(const std::string& bytes, int64_t timing[6]);
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int index);
 

@@ -4,9 +4,14 @@
 #     or $FLASHSERVE_BIN pointing at a CUDA-enabled server binary;
 #   - a Python client copy with stubs that load there: bench/service/make_py_stubs.sh build-decode-py
 #     (carry build-decode-py; $DECODE_PY overrides the path);
-#   - optional, the C++ client flashserve-decode-loadgen (built beside the server; scripts/bundle does not ship it:
-#     copy it into the bundle's bin/, or set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
+#   - optional, the C++ client flashserve-decode-loadgen (scripts/bundle ships it in bin/ when the build has it;
+#     else set $DECODE_LOADGEN). With it the Sequences and (a) rows are measured
 #     from C++; PYTHON_CLIENT=1 adds the Python client's Sequences rows; SHM=0 drops the shared-memory rows.
+# Local transport and C++ shared-memory rows: with the C++ client, and when the server knows --local_socket, each
+# server also listens on a Unix socket and decode_bench.py adds the rows of $CPP_VARIANTS (default
+# grpc+system,grpc+cuda,local,local+system,local+cuda: DecodeStep over gRPC or the socket, q/k/v/O inline or in a
+# system / same-device CUDA region; CPP_VARIANTS= drops them). A variant the server refuses (e.g. CUDA regions for
+# Sequences before the server accepts them) shows as a "failed: <code>: <message>" row; the other rows still run.
 # Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
 # writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100); extra
@@ -33,8 +38,19 @@ CLIENT_ARGS=()
 [[ -x $DECODE_LOADGEN ]] && CLIENT_ARGS+=(--cpp_loadgen "$DECODE_LOADGEN")
 [[ ${PYTHON_CLIENT:-0} == 1 ]] && CLIENT_ARGS+=(--python_client)
 [[ ${SHM:-1} == 1 ]] && CLIENT_ARGS+=(--shm)  # the shared-memory rows (Python client, system regions)
-echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 [[ -x $FLASHSERVE_BIN ]] || { echo "run_decode_on_gpu: no server binary at $FLASHSERVE_BIN"; exit 1; }
+LOCAL_FLAGS=0
+if [[ -x $DECODE_LOADGEN && -n ${CPP_VARIANTS-grpc+system,grpc+cuda,local,local+system,local+cuda} ]]; then
+  VARIANTS=${CPP_VARIANTS-grpc+system,grpc+cuda,local,local+system,local+cuda}
+  if ! grep -q -- '--local_socket ' <<<"$("$FLASHSERVE_BIN" --help 2>&1)"; then  # not a pipe: pipefail
+    echo "run_decode_on_gpu: this server has no --local_socket: only the gRPC variants run"
+    VARIANTS=$(tr ',' '\n' <<<"$VARIANTS" | grep -v '^local' | paste -sd, -)
+  elif [[ $VARIANTS == *local* ]]; then
+    LOCAL_FLAGS=1
+  fi
+  [[ -n $VARIANTS ]] && CLIENT_ARGS+=(--cpp_variants "$VARIANTS")
+fi
+echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
 # The client's stubs are checked against this tree's protos: without this, a copy of the tree two levels under
 # another checkout (e.g. /work/main/.kvperf) has flashserve._pb find <that checkout>/proto and regenerate stale stubs.
@@ -44,18 +60,23 @@ cat "$OUT/device.txt"
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; }
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -f /tmp/flashserve-decode-$$-*.sock; }
 trap cleanup EXIT
 # Not called in $(...): the server's pid must reach PIDS in this shell for the cleanup.
-start_server() {  # name window_us -> sets PORT to the server's gRPC port
-  local name=$1 window=$2 grpc http metrics
+start_server() {  # name window_us -> sets PORT to the server's gRPC port, SOCKET to its local socket (or "")
+  local name=$1 window=$2 grpc http metrics local_flags=()
   grpc=$(free_port); http=$(free_port); metrics=$(free_port)
+  SOCKET=""
+  if [[ $LOCAL_FLAGS == 1 ]]; then
+    SOCKET=/tmp/flashserve-decode-$$-$name.sock  # short: a Unix socket path has at most 107 bytes
+    local_flags=(--local_socket="$SOCKET")
+  fi
   # KV pool 8 GiB (64 x 8k tokens of one layer = 2.1 GB); (a) needs requests up to 2 GiB and no inflight cap.
   "$FLASHSERVE_BIN" --backend=cuda --host=127.0.0.1 --grpc_port="$grpc" --http_port="$http" --metrics_port="$metrics" \
     --kv_cache_bytes=${KV_CACHE_BYTES:-$((8 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
     --max_request_bytes=2147483647 --max_tensor_elements=1099511627776 --max_inflight_bytes=0 \
     --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn --allow_client_shm \
-    ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
+    "${local_flags[@]}" ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 300); do
     python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=1).status == 200 else 1)" \
@@ -65,9 +86,12 @@ start_server() {  # name window_us -> sets PORT to the server's gRPC port
   echo "server $name not ready:" >&2; cat "$OUT/server-$name.log" >&2; return 1
 }
 start_server w0 0 || exit 1
-P0=$PORT
+P0=$PORT S0=$SOCKET
 start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}" || exit 1
-PW=$PORT
+PW=$PORT SW=$SOCKET
+if [[ $LOCAL_FLAGS == 1 ]]; then
+  CLIENT_ARGS+=(--local_socket "batch_window_us=0=$S0" --local_socket "batch_window_us=${WINDOW_US:-200}=$SW")
+fi
 start=$(date +%s)
 python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
   --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \

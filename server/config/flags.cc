@@ -3,6 +3,7 @@
 // file; README's "Server flags" table lists the same (tests/python/test_flag_docs.py).
 #include "config/flags.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -211,6 +212,27 @@ ABSL_FLAG(int64_t, http_max_json_bytes, flashserve::HttpLimitsOptions{}.max_json
 ABSL_FLAG(int64_t, http_max_receive_bytes, flashserve::HttpLimitsOptions{}.max_receive_bytes,
           "HTTP: request-body bytes held at once over all requests (503 beyond: retry later)");
 
+// The local transport (server/edge/local): frames over a Unix socket for clients on this host.
+ABSL_FLAG(std::string, local_socket, "",
+          "Path of a Unix socket serving Attention, DecodeStep and Attend in length-prefixed "
+          "frames (proto/flashserve/v1/local_frame.h) for clients on this host; empty: off");
+ABSL_FLAG(std::string, local_socket_mode, "0600",
+          "Permission bits of the --local_socket file (octal): who on this host may connect");
+ABSL_FLAG(int, local_max_connections, flashserve::LocalOptions{}.max_connections,
+          "Local socket: open connections at most (one thread each); more get "
+          "RESOURCE_EXHAUSTED and are closed");
+ABSL_FLAG(int64_t, local_max_frame_bytes, flashserve::LocalOptions{}.max_frame_bytes,
+          "Local socket: payload bytes of one request frame at most (inline tensors included); "
+          "a larger header is refused before anything is allocated");
+ABSL_FLAG(int64_t, local_read_timeout_ms, flashserve::LocalOptions{}.read_timeout_ms,
+          "Local socket: a frame once started must arrive whole within this long (else the "
+          "connection is closed), and an answer must be taken within it; idle connections "
+          "between calls may wait");
+ABSL_FLAG(int64_t, local_spin_us, flashserve::LocalOptions{}.spin_us,
+          "Local socket: a connection's thread polls for its call's answer, and after answering "
+          "for the next request, this long (us) before it sleeps; 0: sleep at once; -1: 200 on a "
+          "machine with >= 4 cores, else 0");
+
 namespace flashserve {
 namespace {
 
@@ -270,6 +292,20 @@ HttpLimitsOptions HttpLimitsFromFlags() {
   http.max_json_bytes = absl::GetFlag(FLAGS_http_max_json_bytes);
   http.max_receive_bytes = absl::GetFlag(FLAGS_http_max_receive_bytes);
   return http;
+}
+
+LocalOptions LocalFromFlags() {
+  LocalOptions local;
+  local.socket_path = absl::GetFlag(FLAGS_local_socket);
+  const std::string mode = absl::GetFlag(FLAGS_local_socket_mode);
+  char* end = nullptr;
+  const long bits = std::strtol(mode.c_str(), &end, 8);
+  local.socket_mode = mode.empty() || *end != '\0' ? -1 : int(std::min(bits, 07777L));
+  local.max_connections = absl::GetFlag(FLAGS_local_max_connections);
+  local.max_frame_bytes = absl::GetFlag(FLAGS_local_max_frame_bytes);
+  local.read_timeout_ms = absl::GetFlag(FLAGS_local_read_timeout_ms);
+  local.spin_us = absl::GetFlag(FLAGS_local_spin_us);
+  return local;
 }
 
 MemoryOptions MemoryFromFlags() {
@@ -352,6 +388,7 @@ absl::StatusOr<ServerConfig> ServerConfigFromFlags() {
   ServerConfig config;
   config.network = NetworkFromFlags();
   config.http = HttpLimitsFromFlags();
+  config.local = LocalFromFlags();
   config.memory = MemoryFromFlags();
   absl::StatusOr<BackendOptions> backend = BackendFromFlags();
   if (!backend.ok()) return backend.status();

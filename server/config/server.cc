@@ -15,6 +15,7 @@
 #include "config/host_memory.h"
 #include "edge/grpc/sequences_service.h"
 #include "edge/grpc/stream_edge.h"
+#include "edge/local/local_methods.h"
 #include "memory/receive_arena.h"
 #include "spdlog/spdlog.h"
 
@@ -56,6 +57,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (absl::Status s = server->StartRuntime(); !s.ok()) return s;
   if (absl::Status s = server->StartGrpc(); !s.ok()) return s;
   if (absl::Status s = server->StartHttp(); !s.ok()) return s;
+  if (absl::Status s = server->StartLocal(); !s.ok()) return s;
   server->LogServing();
   return server;
 }
@@ -99,6 +101,9 @@ void Server::StartMetrics() {
   options.cuda = kCudaVersion;
   options.arch = kCudaArchs;
   options.methods.insert(options.methods.end(), {"ModelInfer", "KServeInfer"});
+  if (!config_.local.socket_path.empty()) {
+    for (std::string& label : LocalMethodLabels()) options.methods.push_back(std::move(label));
+  }
   metrics_ = std::make_unique<ServerMetrics>(options);
   Scheduler* scheduler = scheduler_.get();
   metrics_->SetQueueDepthCallback([scheduler] { return double(scheduler->queue_depth()); });
@@ -237,6 +242,28 @@ absl::Status Server::StartHttp() {
   return absl::OkStatus();
 }
 
+absl::Status Server::StartLocal() {
+  if (config_.local.socket_path.empty()) return absl::OkStatus();
+  LocalOptions options = config_.local;
+  options.auth = auth_.get();
+  LocalServices services;
+  services.runtime = runtime_.get();
+  services.sequences = sequences_.get();
+  options.spin_us = options.SpinUsFor(std::thread::hardware_concurrency());
+  services.spin = absl::Microseconds(options.spin_us);
+  absl::StatusOr<std::unique_ptr<LocalListener>> local = LocalListener::Start(options, services);
+  if (!local.ok()) {
+    // A path that is taken or refused is the operator's to fix, like a bad flag (exit 2).
+    const absl::StatusCode code = local.status().code();
+    if (code == absl::StatusCode::kFailedPrecondition || code == absl::StatusCode::kInvalidArgument) {
+      return absl::InvalidArgumentError(local.status().message());
+    }
+    return local.status();
+  }
+  local_ = *std::move(local);
+  return absl::OkStatus();
+}
+
 void Server::LogServing() const {
   const BackendCapabilities& caps = backend_.backend->capabilities();
   std::vector<std::string> devices;
@@ -271,12 +298,14 @@ bool Server::Drain(const StopEvent& stop) {
     spdlog::info("{} received: draining (grace {}s)", strsignal(stop.signal_number),
                  config_.shutdown.grace_seconds);
     runtime_->StopAccepting();  // new requests: UNAVAILABLE
+    if (local_ != nullptr) local_->StopAccepting();  // no new connections; the socket file goes
   }
   // Native Attention calls are admitted when they start (edge/grpc/attention_call.h), so WaitIdle
   // also waits for requests still uploading; gRPC's Shutdown would cancel those. Then the answers
   // handed to gRPC -- native, KServe and striped downloads alike -- must still be written: a large
   // one to a slow reader can take seconds, and Shutdown's deadline would cut it off.
-  const bool drained = runtime_->WaitIdle(deadline) && grpc_edge_->WaitForDataCalls(deadline);
+  const bool drained = runtime_->WaitIdle(deadline) && grpc_edge_->WaitForDataCalls(deadline) &&
+                       (local_ == nullptr || local_->WaitIdle(deadline));
   if (stop.reason == StopReason::kBackendUnhealthy) {
     // Requests meanwhile get UNAVAILABLE from the backend, naming the fault.
     if (WaitForSignalUntil(deadline)) spdlog::info("signal received: stopping now");
@@ -285,6 +314,7 @@ bool Server::Drain(const StopEvent& stop) {
   if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
   grpc_edge_->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");
+  if (local_ != nullptr) local_->Stop(drained);
   http_edge_->Stop();
   spdlog::debug("shutdown: HTTP stopped");
   metrics_http_->Stop();  // before the scheduler its queue-depth callback reads goes away

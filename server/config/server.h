@@ -13,6 +13,7 @@
 #include "edge/grpc/grpc_edge.h"
 #include "edge/grpc/kserve_grpc.h"
 #include "edge/http/http_edge.h"
+#include "edge/local/local_listener.h"
 #include "memory/heap_retention.h"
 #include "memory/parallel_copy.h"
 #include "metrics/metrics_http.h"
@@ -54,6 +55,7 @@ class Server {
   absl::Status StartRuntime();     // runtime, the Sequences API's KV cache, bearer auth
   absl::Status StartGrpc();        // the gRPC edge with the KServe and striped services
   absl::Status StartHttp();        // the HTTP edge and the metrics port
+  absl::Status StartLocal();       // the local socket (--local_socket), if configured
   void LogServing() const;
 
   const ServerConfig config_;
@@ -75,6 +77,7 @@ class Server {
   std::unique_ptr<grpc::Service> sequences_grpc_;
   std::unique_ptr<GrpcEdge> grpc_edge_;
   std::unique_ptr<HttpEdge> http_edge_;
+  std::unique_ptr<LocalListener> local_;  // null without --local_socket
   std::unique_ptr<MetricsHttpServer> metrics_http_;
 };
 

@@ -145,7 +145,7 @@ absl::Status ShutdownOptions::Check() const {
 }
 
 absl::Status ServerConfig::Check() const {
-  for (absl::Status s : {network.Check(), http.Check(), memory.Check(), backend.Check(),
+  for (absl::Status s : {network.Check(), http.Check(), local.Check(), memory.Check(), backend.Check(),
                          scheduler.Check(), limits.Check(), request_threads.Check(), stream.Check(),
                          sequences.Check(), model.Check(), log.Check(), shutdown.Check()}) {
     if (!s.ok()) return s;

@@ -16,6 +16,7 @@
 #include "edge/grpc/grpc_edge.h"
 #include "edge/grpc/stream_edge.h"
 #include "edge/http/http_edge.h"
+#include "edge/local/local_options.h"
 #include "edge/kserve/kserve_model.h"
 #include "memory/shm_regions.h"
 #include "metrics/metrics_http.h"
@@ -147,6 +148,7 @@ struct TestHookOptions {
 struct ServerConfig {
   NetworkOptions network;
   HttpLimitsOptions http;
+  LocalOptions local;  // the local socket (--local_*); its auth is set when the server starts
   MemoryOptions memory;
   BackendOptions backend;  // its pool sizes are memory.pinned_pool_bytes (ResolvedBackend)
   SchedulerOptions scheduler;

@@ -126,6 +126,7 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
                             problem->lse_elements() * int64_t(sizeof(float)))) {
     return;
   }
+  const bool run_inline = backend_->can_launch_now() || call.caller_waits;
   auto job = std::make_shared<Job>();
   job->problem = *problem;
   absl::Status placed = Place(call, job.get());
@@ -137,9 +138,10 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
   job->call = std::move(call);
   // The job owns the call; if the scheduler refuses it, the job is destroyed unrun and we answer.
   Scheduler::Job run = [this, job] { Execute(job); };
-  // A GPU launch with a stream free is quick: do it here rather than wake a worker for it.
-  absl::Status queued = backend_->can_launch_now() ? scheduler_->SubmitOrRunInline(std::move(run))
-                                                   : scheduler_->Submit(std::move(run));
+  // A GPU launch with a stream free is quick: do it here rather than wake a worker for it (and
+  // any job of a caller that waits for it anyway).
+  absl::Status queued = run_inline ? scheduler_->SubmitOrRunInline(std::move(run))
+                                   : scheduler_->Submit(std::move(run));
   if (!queued.ok()) job->call.done(queued);
 }
 

@@ -58,6 +58,10 @@ class AttentionRuntime {
     // Set when Q, K and V come from a client's region: "shm_system" or "shm_cuda" (the
     // request_inputs_total path label).
     const char* shm_input_path = nullptr;
+    // The submitting thread waits for done() anyway (the local socket's connection thread): the
+    // job runs on it when a scheduler worker would be idle, on any backend, instead of waking a
+    // worker (a hop each way). Otherwise only launches the backend says are quick run inline.
+    bool caller_waits = false;
   };
 
   /// metrics may be null. max_inflight_bytes (0: no limit) bounds the tensor bytes (inputs and

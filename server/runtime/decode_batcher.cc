@@ -7,7 +7,7 @@
 namespace flashserve {
 
 DecodeBatcher::DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy,
-                             std::function<void(Batch)> flush)
+                             Flush flush)
     : window_(window),
       max_sequences_(max_sequences),
       when_busy_(when_busy),
@@ -49,7 +49,7 @@ absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences)
     }
   }
   if (idle) {
-    flush_(Batch{std::move(call)});
+    flush_(Batch{std::move(call)}, true);
   } else {
     cv_.notify_all();
   }
@@ -84,7 +84,7 @@ void DecodeBatcher::Loop() {
     pending_sequences_ = 0;
     ++batches_running_;
     lock.unlock();
-    flush_(std::move(batch));
+    flush_(std::move(batch), false);
     lock.lock();
   }
 }

@@ -24,10 +24,11 @@ struct DecodeCall;
 class DecodeBatcher {
  public:
   using Batch = std::vector<std::shared_ptr<DecodeCall>>;
-  /// `flush` receives each batch on the batcher's thread. when_busy: a batch is handed on only
-  /// once the previous one is done (BatchDone); what arrives meanwhile joins the next.
-  DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy,
-                std::function<void(Batch)> flush);
+  /// `flush` receives each batch on the batcher's thread, or (when_busy and idle, no window) on
+  /// the thread that called Add (on_caller_thread). when_busy: a batch is handed on only once
+  /// the previous one is done (BatchDone); what arrives meanwhile joins the next.
+  using Flush = std::function<void(Batch, bool on_caller_thread)>;
+  DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy, Flush flush);
   /// Stop().
   ~DecodeBatcher();
   /// Hands on what is pending, joins the thread and waits (up to 10 s) until every batch handed
@@ -46,7 +47,7 @@ class DecodeBatcher {
   const absl::Duration window_;
   const int max_sequences_;
   const bool when_busy_;
-  const std::function<void(Batch)> flush_;
+  const Flush flush_;
   std::mutex mu_;
   std::condition_variable cv_;
   Batch pending_;

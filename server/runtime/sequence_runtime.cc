@@ -70,7 +70,11 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
     runtime->batcher_ = std::make_unique<DecodeBatcher>(
         absl::Microseconds(options.batch_window_us), options.max_batch_sequences,
         options.batch_when_busy,
-        [self](DecodeBatcher::Batch batch) { self->Dispatch(std::move(batch), true); });
+        [self](DecodeBatcher::Batch batch, bool on_caller_thread) {
+          // A call handed on from its own (waiting) thread may run there, as without a batcher.
+          const bool run_inline = on_caller_thread && batch.size() == 1 && batch[0]->caller_waits;
+          self->Dispatch(std::move(batch), true, run_inline);
+        });
   }
   return runtime;
 }
@@ -93,16 +97,20 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
     return;
   }
   if (batcher_ == nullptr) {
-    Dispatch({std::move(call)}, false);
+    const bool run_inline = call->caller_waits;
+    Dispatch({std::move(call)}, false, run_inline);
     return;
   }
   if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
 }
 
-void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls,
-                               bool from_batcher) {
-  absl::Status s = scheduler_->Submit(
-      [this, calls, from_batcher]() mutable { RunCalls(std::move(calls), from_batcher); });
+void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher,
+                               bool run_inline) {
+  Scheduler::Job job = [this, calls, from_batcher]() mutable {
+    RunCalls(std::move(calls), from_batcher);
+  };
+  absl::Status s = run_inline ? scheduler_->SubmitOrRunInline(std::move(job))
+                              : scheduler_->Submit(std::move(job));
   if (!s.ok()) {
     for (const auto& call : calls) call->done(s, {});
     if (from_batcher) batcher_->BatchDone();

@@ -55,6 +55,9 @@ struct DecodeCall {
   std::function<bool()> cancelled;  // may be empty
   /// Called exactly once, on some thread. On an error no row of the call was appended.
   std::function<void(const absl::Status&, const DecodeReport&)> done;
+  /// The submitting thread waits for done() anyway (the local socket): without a batch window the
+  /// call runs on it when a scheduler worker would be idle, instead of waking a worker.
+  bool caller_waits = false;
 };
 
 class DecodeBatcher;
@@ -88,7 +91,9 @@ class SequenceRuntime {
   // it on an error).
   std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
   // from_batcher: the calls are one batch of batcher_, told BatchDone once they are answered.
-  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher);
+  // run_inline: on this thread if a worker would be idle (Scheduler::SubmitOrRunInline).
+  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher,
+                bool run_inline);
   // One paged launch over calls that share a shape, mask and scale; answers each of them.
   void RunLaunch(const std::vector<PreparedDecode*>& launch);
 

@@ -312,6 +312,37 @@ def kserve_grpc_seeds(rng):
     return {name: m.SerializeToString(deterministic=True) for name, m in seeds.items()}  # map order
 
 
+def local_frame_seeds(rng):
+    """Whole frames of the local transport (proto/flashserve/v1/local_frame.h): each method, and each way a header
+    is refused."""
+    from flashserve import sequences_pb2 as spb
+
+    def frame(method, payload=b"", flags=0, magic=0x314C5346, size=None):
+        return struct.pack("<IHHII", magic, method, flags, len(payload) if size is None else size, 0) + payload
+
+    attention = request(rng, return_lse=True).SerializeToString()
+    step = spb.DecodeStepRequest(return_lse=True)
+    item = step.items.add(sequence_id="0" * 32, layer=1)
+    for field in ("q", "k", "v"):
+        getattr(item, field).CopyFrom(pb.Tensor(dtype=pb.FLOAT16, shape=[1, 2, 4], data=bytes(16)))
+    attend = spb.AttendRequest(sequence_id="1" * 32, layer=0,
+                               q=pb.Tensor(dtype=pb.FLOAT16, shape=[1, 2, 4], data=bytes(16)))
+    return {
+        "hello": frame(1, b"a-token-of-some-length"),
+        "echo": frame(2, b"echo me"),
+        "echo_empty": frame(2),
+        "attention": frame(3, attention),
+        "decode_step": frame(4, step.SerializeToString()),
+        "attend": frame(5, attend.SerializeToString()),
+        "bad_magic": frame(2, b"x", magic=0x12345678),
+        "unknown_method": frame(9, b"x"),
+        "flags": frame(2, b"x", flags=1),
+        "huge_claim": frame(3, b"", size=0xFFFFFFFF),
+        "short_payload": frame(3, attention[:10], size=len(attention)),
+        "short_header": frame(2, b"x")[:9],
+    }
+
+
 def main():
     rng = random.Random(20261122)
     targets = {
@@ -320,7 +351,8 @@ def main():
         "fuzz_tune_cache": tune_cache_seeds(rng),
         "fuzz_kserve_rest": kserve_rest_seeds(rng),
         "fuzz_kserve_grpc": kserve_grpc_seeds(rng),
-        "fuzz_request_wire": request_wire_seeds(rng),  # last: the others' seeds do not change
+        "fuzz_request_wire": request_wire_seeds(rng),
+        "fuzz_local_frame": local_frame_seeds(rng),  # after the others: their seeds do not change
     }
     for target, seeds in targets.items():
         directory = HERE / "corpus" / target

@@ -20,6 +20,7 @@ from .errors import (
 )
 from ._pb import attention_pb2, attention_pb2_grpc, sequences_pb2, sequences_pb2_grpc
 from .hashring import HashRing
+from .local import LocalClient
 from .striped import StripedClient
 
 if sequences_pb2 is not None:  # a checkout without proto/flashserve/v1/sequences.proto has no Sequences API
@@ -37,6 +38,7 @@ __all__ = [
     "FlashserveError",
     "HashRing",
     "InvalidArgumentError",
+    "LocalClient",
     "Limits",
     "NotFoundError",
     "ResourceExhaustedError",

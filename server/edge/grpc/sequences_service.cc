@@ -11,6 +11,7 @@
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/sequences_convert.h"
 #include "edge/grpc/sequences_decode.h"
+#include "edge/grpc/sequences_hold.h"
 #include "edge/grpc/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -33,38 +34,6 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
   std::vector<std::string> ids = kvcache::MissingSequenceIds(status);
   const std::string joined = ids.empty() ? std::string(id) : absl::StrJoin(ids, ",");
   context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
-}
-
-// What a decode call holds until it is answered: its bytes counted against
-// --max_inflight_bytes and its leases on shared-memory regions.
-struct CallHold {
-  AttentionRuntime* runtime = nullptr;
-  int64_t bytes = 0;  // reserved (given back when destroyed)
-  SequenceShm shm;
-  CallHold() = default;
-  CallHold(const CallHold&) = delete;
-  CallHold& operator=(const CallHold&) = delete;
-  ~CallHold() {
-    if (runtime != nullptr) runtime->ReleaseBytes(bytes);
-  }
-  absl::Status Reserve(AttentionRuntime* rt, int64_t n) {
-    if (absl::Status s = rt->ReserveBytes(n); !s.ok()) return s;
-    runtime = rt;
-    bytes = n;
-    return absl::OkStatus();
-  }
-};
-
-// Bytes a call keeps in memory while it runs: the request, and the outputs the response holds
-// (O is q's size; LSE at most as much again).
-int64_t DecodeBytes(const v1::DecodeStepRequest& request) {
-  int64_t bytes = int64_t(request.ByteSizeLong());
-  for (const v1::DecodeItem& item : request.items()) {
-    const int64_t q = int64_t(item.q().data().size());
-    if (!item.has_out_shm()) bytes += q;
-    if (request.return_lse() && !item.has_lse_shm()) bytes += q;
-  }
-  return bytes;
 }
 
 class SequencesService final : public v1::Sequences::CallbackService {
@@ -192,7 +161,7 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
   grpc_call->Start(int64_t(request->ByteSizeLong()));
   grpc_call->set_session_id(request->sequence_id());
   const absl::Time received = grpc_call->started();
-  const int64_t bytes = int64_t(request->ByteSizeLong() + 2 * request->q().data().size());
+  const int64_t bytes = AttendBytes(*request);
   return Launch(
       context, grpc_call, bytes, std::make_shared<CallHold>(),
       [request, response] { return BuildAttend(*request, response); },
@@ -210,7 +179,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   auto hold = std::make_shared<CallHold>();
   hold->shm.regions = runtime_->shm_regions();
   return Launch(
-      context, grpc_call, DecodeBytes(*request), hold,
+      context, grpc_call, DecodeStepBytes(*request), hold,
       [request, max_items, response, hold] {
         return BuildDecodeStep(*request, max_items, &hold->shm, response);
       },

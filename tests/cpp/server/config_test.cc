@@ -55,6 +55,12 @@ TEST(ServerConfigTest, DefaultFlagsGiveTheStructDefaults) {
   EXPECT_EQ(config->http.max_connections, HttpOptions{}.max_connections);
   EXPECT_EQ(config->shutdown.grace_seconds, 10);
   EXPECT_FALSE(config->test_hooks.enable_fault_injection);
+  EXPECT_EQ(config->local.socket_path, "");  // the local socket is off unless asked for
+  EXPECT_EQ(config->local.socket_mode, 0600);
+  EXPECT_EQ(config->local.max_connections, defaults.local.max_connections);
+  EXPECT_EQ(config->local.max_frame_bytes, int64_t{8} << 20);
+  EXPECT_EQ(config->local.read_timeout_ms, defaults.local.read_timeout_ms);
+  EXPECT_EQ(config->local.spin_us, LocalOptions::kAuto);
 }
 
 TEST(ServerConfigTest, FlagsReachTheirFields) {
@@ -67,7 +73,10 @@ TEST(ServerConfigTest, FlagsReachTheirFields) {
                                                     {"max_tensor_elements", "1099511627776"},
                                                     {"http_body_timeout_s", "7"},
                                                     {"autotune", "startup"},
-                                                    {"tune_head_dims", "128"}});
+                                                    {"tune_head_dims", "128"},
+                                                    {"local_socket", "/run/fs.sock"},
+                                                    {"local_socket_mode", "0660"},
+                                                    {"local_max_frame_bytes", "4096"}});
   ASSERT_TRUE(config.ok()) << config.status();
   // One flag sizes both backends' request-buffer pools.
   const BackendOptions backend = config->ResolvedBackend();
@@ -79,6 +88,9 @@ TEST(ServerConfigTest, FlagsReachTheirFields) {
   EXPECT_EQ(config->network.grpc_memory_quota_bytes, 0);
   EXPECT_EQ(config->limits.validation.max_tensor_elements, int64_t{1} << 40);
   EXPECT_EQ(config->http.body_timeout_s, 7);
+  EXPECT_EQ(config->local.socket_path, "/run/fs.sock");
+  EXPECT_EQ(config->local.socket_mode, 0660);  // octal, as chmod reads it
+  EXPECT_EQ(config->local.max_frame_bytes, 4096);
   // bf16,fp16 x head dim 128 x causal both x 4 seqlens x gqa 1 (two head dims would be 32).
   EXPECT_EQ(backend.cuda.startup_grid.points.size(), 16u);
 }
@@ -95,6 +107,11 @@ TEST(ServerConfigTest, AutoValuesResolvePerBackend) {
   EXPECT_EQ(threads.HotLaneSpinUsFor("cpu", 16), 0);
   threads.hot_lane_spin_us = 5;
   EXPECT_EQ(threads.HotLaneSpinUsFor("cpu", 2), 5);
+  LocalOptions local;
+  EXPECT_EQ(local.SpinUsFor(16), 200);
+  EXPECT_EQ(local.SpinUsFor(2), 0);
+  local.spin_us = 7;
+  EXPECT_EQ(local.SpinUsFor(2), 7);
 }
 
 struct BadValue {
@@ -165,6 +182,16 @@ std::vector<BadValue> BadValues() {
       {"log_level", "loud"},
       {"log_format", "xml"},
       {"shutdown_grace_seconds", "-1"},
+      {"local_socket", std::string(108, 'a')},  // longer than sun_path holds
+      {"local_socket_mode", "0800"},
+      {"local_socket_mode", "rw"},
+      {"local_socket_mode", "01000"},
+      {"local_max_connections", "0"},
+      {"local_max_frame_bytes", "15"},
+      {"local_max_frame_bytes", "2147483648"},
+      {"local_read_timeout_ms", "0"},
+      {"local_spin_us", "-2"},
+      {"local_spin_us", "1000001"},
   };
 }
 

@@ -2,6 +2,7 @@
 // shutdown, and the response it fills.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
 #include <thread>
@@ -307,6 +308,35 @@ TEST(AttentionRuntime, BackendErrorLeavesNoPartialOutput) {
   v1::AttentionResponse response;
   EXPECT_EQ(h.Submit(&request, &response).get().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_FALSE(response.has_out());
+}
+
+// The local socket's connection thread waits for done() anyway: with caller_waits the job runs on
+// it (no worker hop) when a worker would be idle; without it, on the scheduler's worker.
+TEST(AttentionRuntime, CallerWaitsRunsTheJobOnTheCallingThread) {
+  Harness h;
+  const v1::AttentionRequest request = Request();
+  for (const bool caller_waits : {true, false}) {
+    v1::AttentionResponse response;
+    AttentionRuntime::Call call;
+    call.request = &request;
+    call.response = &response;
+    call.received = absl::Now();
+    call.caller_waits = caller_waits;
+    auto answered = std::make_shared<std::promise<std::thread::id>>();
+    call.done = [answered](const absl::Status& s) {
+      EXPECT_TRUE(s.ok()) << s;
+      answered->set_value(std::this_thread::get_id());
+    };
+    std::future<std::thread::id> on = answered->get_future();
+    h.runtime->Submit(std::move(call));
+    if (caller_waits) {
+      ASSERT_EQ(on.wait_for(std::chrono::seconds(0)), std::future_status::ready)
+          << "not answered before Submit returned";
+      EXPECT_EQ(on.get(), std::this_thread::get_id());
+    } else {
+      EXPECT_NE(on.get(), std::this_thread::get_id());
+    }
+  }
 }
 
 }  // namespace

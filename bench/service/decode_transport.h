@@ -1,0 +1,69 @@
+// How flashserve-decode-loadgen's clients send DecodeStep: over gRPC (the Sequences stub) or the
+// local transport (frames on a Unix socket, local_client.h), with each item's q/k/v inline or in
+// a shared-memory region of the load generator's (system or CUDA; O written into one too).
+// Sequences are created and released over gRPC either way (the local transport carries only
+// DecodeStep / Attend / Attention), and regions are registered over KServe gRPC.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "flashserve/v1/sequences.grpc.pb.h"
+#include "loadgen_regions.h"
+#include "local_client.h"
+
+namespace flashserve::loadgen {
+
+struct DecodeTransportOptions {
+  std::string target, token;  // gRPC: target host:port, bearer token
+  std::string local_socket;   // non-empty: DecodeStep over the local transport
+  std::string shm = "none";   // "none", "system" or "cuda": where q/k/v and O live
+  int device = 0;             // cuda regions
+  int timeout_ms = 60000;     // local transport: per send / receive
+};
+
+/// One client's connection. Not thread-safe: one per client thread.
+class DecodeClient {
+ public:
+  /// `index` gives a gRPC client a connection of its own.
+  static std::unique_ptr<DecodeClient> Create(const DecodeTransportOptions& options, int index,
+                                              std::string* error);
+
+  /// The request the next Step()s send (serialized here, once, for the local transport).
+  void Prepare(const v1::DecodeStepRequest& request);
+  /// One DecodeStep; false with *error ("<code>: <message>") when the call fails.
+  bool Step(v1::DecodeStepResponse* response, std::string* error);
+
+ private:
+  DecodeClient() = default;
+  DecodeTransportOptions options_;
+  std::unique_ptr<v1::Sequences::Stub> stub_;
+  std::unique_ptr<local::LocalClient> local_;
+  const v1::DecodeStepRequest* request_ = nullptr;
+  std::string bytes_, reply_;
+};
+
+/// The regions of a shared-memory run: per sequence i, its q, k, v back to back at
+/// i * (q + 2 kv bytes) of the input region, its O at i * q bytes of the output region.
+class DecodeRegions {
+ public:
+  /// Creates and registers both regions and writes q, k, v (the same rows for every sequence).
+  static std::unique_ptr<DecodeRegions> Create(const DecodeTransportOptions& options,
+                                               int64_t sequences, const v1::Tensor& q,
+                                               const v1::Tensor& kv, std::string* error);
+  /// Fills the output region with a poison; CheckOutputs then fails if any sequence's O still
+  /// holds some (the server did not write it: loadgen_regions.h).
+  bool PoisonOutputs(std::string* error);
+  bool CheckOutputs(std::string* error) const;
+  /// Replaces `item`'s q/k/v bytes by references to sequence `index`'s place and sets out_shm.
+  void Name(int64_t index, v1::DecodeItem* item) const;
+
+ private:
+  DecodeRegions() = default;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> kserve_;  // outlives the regions
+  std::unique_ptr<Region> in_, out_;
+  uint64_t q_bytes_ = 0, kv_bytes_ = 0;
+};
+
+}  // namespace flashserve::loadgen

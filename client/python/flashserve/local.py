@@ -1,0 +1,126 @@
+"""The local transport: a flashserve server on this host with ``--local_socket=PATH`` answers Attention, DecodeStep
+and Attend over a Unix socket, the same protobuf messages in length-prefixed frames (no HTTP/2: the round trip of a
+small call is a fraction of gRPC's). Tensors best live in shared memory (``flashserve.shm.SystemRegion``, registered
+over gRPC); inline tensors are allowed up to the server's ``--local_max_frame_bytes``.
+
+    with flashserve.LocalClient("/run/flashserve.sock") as c:
+        out = c.attention(q, k, v, causal=True)
+
+Frame (proto/flashserve/v1/local_frame.h): 16 bytes -- magic "FSL1", method (request) or status code (response),
+flags 0, payload bytes, reserved 0 (little-endian) -- then the payload. One call at a time per connection; a client
+object is not thread-safe (use one per thread).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import uuid
+from typing import Optional
+
+import grpc
+
+from ._pb import attention_pb2 as pb
+from .client import AttentionResult, Timing, _Prepared
+from .errors import NotFoundError, error_for
+
+MAGIC = 0x314C5346  # "FSL1"
+HEADER = struct.Struct("<IHHII")
+HELLO, ECHO, ATTENTION, DECODE_STEP, ATTEND = 1, 2, 3, 4, 5
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+_MISSING = "; missing sequence ids: "
+
+
+class LocalClient:
+    """One connection to the server's local socket at ``path``; ``token``: the server's bearer token (sent once, as
+    a Hello). ``timeout`` (seconds) bounds each call's socket operations; None: no limit."""
+
+    def __init__(self, path: str, token: Optional[str] = None, timeout: Optional[float] = None):
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        self._sock.connect(path)
+        if token is not None:
+            self.call(HELLO, token.encode())
+
+    def call(self, method: int, payload: bytes, request_id: Optional[str] = None) -> bytes:
+        """Sends one request frame and returns the response's payload; raises FlashserveError on an error status."""
+        payload = bytes(payload)
+        try:
+            self._sock.sendall(HEADER.pack(MAGIC, method, 0, len(payload), 0) + payload)
+            magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
+            if magic != MAGIC:
+                raise error_for(grpc.StatusCode.INTERNAL, f"local socket: bad response magic {magic:#x}", request_id)
+            body = self._recv(size)
+        except socket.timeout:
+            self._sock.close()  # mid-frame: the connection cannot be used again
+            raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "local socket: no answer in time", request_id) from None
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise error_for(grpc.StatusCode.UNAVAILABLE, f"local socket: the connection is gone ({e})",
+                            request_id) from None
+        if status != 0:
+            message = body.decode("utf-8", "replace")
+            error = error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, request_id)
+            if isinstance(error, NotFoundError) and _MISSING in message:
+                error.missing_ids = tuple(i for i in message.rsplit(_MISSING, 1)[1].split(",") if i)
+            raise error
+        return body
+
+    def _recv(self, n: int) -> bytes:
+        view = bytearray(n)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(memoryview(view)[got:], n - got)
+            if k == 0:
+                raise error_for(grpc.StatusCode.UNAVAILABLE, "local socket: the server closed the connection")
+            got += k
+        return bytes(view)
+
+    def echo(self, data: bytes) -> bytes:
+        """The transport's floor: the server answers with the same bytes."""
+        return self.call(ECHO, data)
+
+    def attention_with_metadata(self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None,
+                                return_lse: bool = False, request_id: Optional[str] = None,
+                                region=None) -> AttentionResult:
+        """Like flashserve.Client.attention_with_metadata (numpy or CPU torch tensors; ``region``: a
+        flashserve.shm.SystemRegion the tensors go through instead of the socket)."""
+        prepared = _Prepared(q, k, v, causal, softmax_scale, return_lse, request_id or uuid.uuid4().hex)
+        outputs = region.place(prepared.request, prepared.return_lse) if region is not None else []
+        request_id = prepared.request.request_id
+        response = pb.AttentionResponse.FromString(
+            self.call(ATTENTION, prepared.request.SerializeToString(), request_id))
+        for field, offset, nbytes in outputs:  # complete in the region once answered
+            getattr(response, field).data = region.read(offset, nbytes)
+        return prepared.result(response)
+
+    def attention(self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None,
+                  return_lse: bool = False, request_id: Optional[str] = None, region=None):
+        """out, or (out, lse) with return_lse; as flashserve.Client.attention."""
+        result = self.attention_with_metadata(q, k, v, causal, softmax_scale, return_lse, request_id, region)
+        return (result.out, result.lse) if return_lse else result.out
+
+    def decode_step(self, request):
+        """A sequences_pb2.DecodeStepRequest -> DecodeStepResponse (the Sequences API; sequences are created and
+        released over gRPC). NOT_FOUND raises NotFoundError with ``missing_ids``."""
+        from ._pb import sequences_pb2 as spb
+
+        return spb.DecodeStepResponse.FromString(self.call(DECODE_STEP, request.SerializeToString()))
+
+    def attend(self, request):
+        """A sequences_pb2.AttendRequest -> AttendResponse."""
+        from ._pb import sequences_pb2 as spb
+
+        return spb.AttendResponse.FromString(self.call(ATTEND, request.SerializeToString()))
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "LocalClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["LocalClient", "Timing"]

@@ -1,0 +1,51 @@
+// What a Sequences call holds until it is answered -- its bytes counted against
+// --max_inflight_bytes and its leases on shared-memory regions -- and how many bytes that is.
+// Shared by the gRPC service (sequences_service.cc) and the local socket (edge/local).
+#pragma once
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "edge/grpc/sequences_shm.h"
+#include "flashserve/v1/sequences.pb.h"
+#include "runtime/attention_runtime.h"
+
+namespace flashserve {
+
+/// Not thread-safe: one owner at a time.
+struct CallHold {
+  AttentionRuntime* runtime = nullptr;
+  int64_t bytes = 0;  // reserved (given back when destroyed)
+  SequenceShm shm;
+  CallHold() = default;
+  CallHold(const CallHold&) = delete;
+  CallHold& operator=(const CallHold&) = delete;
+  ~CallHold() {
+    if (runtime != nullptr) runtime->ReleaseBytes(bytes);
+  }
+  absl::Status Reserve(AttentionRuntime* rt, int64_t n) {
+    if (absl::Status s = rt->ReserveBytes(n); !s.ok()) return s;
+    runtime = rt;
+    bytes = n;
+    return absl::OkStatus();
+  }
+};
+
+/// Bytes a DecodeStep keeps in memory while it runs: the request, and the outputs the response
+/// holds (O is q's size; LSE at most as much again).
+inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
+  int64_t bytes = int64_t(request.ByteSizeLong());
+  for (const v1::DecodeItem& item : request.items()) {
+    const int64_t q = int64_t(item.q().data().size());
+    if (!item.has_out_shm()) bytes += q;
+    if (request.return_lse() && !item.has_lse_shm()) bytes += q;
+  }
+  return bytes;
+}
+
+/// The same for an Attend: the request, O and LSE.
+inline int64_t AttendBytes(const v1::AttendRequest& request) {
+  return int64_t(request.ByteSizeLong() + 2 * request.q().data().size());
+}
+
+}  // namespace flashserve

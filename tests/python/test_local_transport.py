@@ -1,0 +1,462 @@
+"""The local transport (--local_socket, server/edge/local): Attention, DecodeStep, Attend, Echo and Hello in frames
+over a Unix socket, against the real binary (CPU backend). Answers against the fp64 reference (system shared memory and
+inline tensors, odd shapes) and against gRPC's; bearer auth and region ownership; hostile clients (bad headers, huge
+claimed lengths with the server's RSS flat, trickled headers, the connection cap, garbage, clients that leave mid-call);
+the socket file's life (stale socket replaced, anything else refused, mode, removed at shutdown); metrics."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import struct
+import tempfile
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import attention_pb2 as pb
+from flashserve import sequences_pb2 as spb
+from flashserve import tensors
+from flashserve.local import HEADER, MAGIC, LocalClient
+from flashserve.shm import SystemRegion
+from conftest import ServerProcess, _stop_and_check, assert_matches_reference, random_qkv
+from metrics_helpers import scrape
+from sequences_truth import Truth
+from test_bad_input_matrix import PeakRss
+from test_sequences_shm import Region, _step_request
+
+pytestmark = pytest.mark.e2e
+KV_FLAGS = ["--kv_cache_bytes=33554432", "--kv_page_tokens=16"]
+SHAPE = dict(heads_q=4, heads_kv=2, head_dim=64)
+TOKEN = "local-transport-test-token-0123456789"
+
+
+def socket_dir() -> str:
+    return tempfile.mkdtemp(prefix="fsl", dir="/tmp")  # short: sun_path holds 107 bytes
+
+
+
+
+@pytest.fixture(scope="module")
+def local_server(flashserve_bin, tmp_path_factory):
+    directory = socket_dir()
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("local"),
+                      [f"--local_socket={directory}/fs.sock", "--allow_client_shm", "--local_read_timeout_ms=500",
+                       "--local_max_connections=16", *KV_FLAGS], name="local").start()
+    s.local_path = f"{directory}/fs.sock"
+    yield s
+    _stop_and_check(s)
+    assert not os.path.exists(s.local_path), "the socket file outlived the server"
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def raw_connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    return sock
+
+
+def read_frame(sock: socket.socket):
+    """(status, payload) of one response frame, or None when the server closed without one."""
+    head = b""
+    while len(head) < HEADER.size:
+        chunk = sock.recv(HEADER.size - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    magic, status, _, size, _ = HEADER.unpack(head)
+    assert magic == MAGIC
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        assert chunk, "closed mid-frame"
+        body += chunk
+    return status, body
+
+
+def assert_closed(sock: socket.socket) -> None:
+    sock.settimeout(5)
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
+
+
+def frame(method: int, payload: bytes = b"", flags: int = 0, magic: int = MAGIC, size=None) -> bytes:
+    return HEADER.pack(magic, method, flags, len(payload) if size is None else size, 0) + payload
+
+
+# ---------------------------------------------------------------------------------------------- answers
+
+
+@pytest.mark.parametrize("dtype,shape,causal", [
+    ("float16", (1, 19, 37, 4, 2, 64), True),
+    ("bfloat16", (2, 7, 9, 3, 1, 32), False),
+    ("float32", (1, 33, 5, 6, 3, 80), True),
+])
+def test_attention_through_system_shm_matches_reference(local_server, rng, dtype, shape, causal):
+    q, k, v = random_qkv(rng, *shape, dtype)
+    with flashserve.Client(local_server.address, timeout=30) as grpc_client, \
+            SystemRegion(grpc_client, f"local-{dtype}", SystemRegion.bytes_for(q, k, v)) as region, \
+            LocalClient(local_server.local_path, timeout=30) as local:
+        region._buffer[:] = 0xFF  # NaN everywhere the server should write
+        out, lse = local.attention(q, k, v, causal=causal, return_lse=True, region=region)
+        assert_matches_reference(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype,shape", [("float16", (1, 3, 11, 2, 1, 32)), ("float32", (2, 5, 5, 4, 4, 16))])
+def test_inline_attention_matches_reference(local_server, rng, dtype, shape):
+    q, k, v = random_qkv(rng, *shape, dtype)
+    with LocalClient(local_server.local_path, timeout=30) as local:
+        for causal in (False, True):
+            result = local.attention_with_metadata(q, k, v, causal=causal, return_lse=True, request_id="r-1")
+            assert result.request_id == "r-1" and result.timing.total_us >= 0
+            assert_matches_reference(result.out, result.lse, q, k, v, causal=causal)
+
+
+def test_echo_returns_the_same_bytes(local_server, rng):
+    with LocalClient(local_server.local_path, timeout=30) as local:
+        for n in (0, 1, 4095, 1 << 20):
+            data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            assert local.echo(data) == data
+
+
+def test_decode_step_and_attend_over_the_socket(local_server, rng):
+    """DecodeSteps with items in the region and in the message, over the socket, vs the fp64 reference; then an
+    Attend over the socket gives gRPC's answer byte for byte."""
+    truth = Truth(rng, **SHAPE, dtype="float16")
+    region = Region(local_server, "local-seq", 4 << 20)
+    try:
+        with flashserve.SequenceClient(local_server.address, timeout=30, reprefill=False) as client, \
+                LocalClient(local_server.local_path, timeout=30) as local:
+            seqs = []
+            for n in (1, 17, 40):
+                k, v = truth.rows(n)
+                seqs.append(client.create(num_layers=1, **SHAPE, dtype="float16", prefix={0: (k, v)}))
+                truth.add(seqs[-1].key, 0, k, v)
+            for step in range(4):
+                region.at, region.buf[:] = 0, 0xFF
+                qs, kvs = [truth.query(1) for _ in seqs], [truth.rows(1) for _ in seqs]
+                in_shm = [step % 2 == 0, True, False]
+                request, outs = _step_request(region, seqs, qs, kvs, in_shm, return_lse=True)
+                response = local.decode_step(request)
+                for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
+                    truth.add(seq.key, 0, k, v)
+                    assert result.length == truth.length(seq.key, 0)
+                    if where is None:
+                        out = np.frombuffer(result.out.data, np.float16).reshape(q.shape)
+                        lse = np.frombuffer(result.lse.data, np.float32).reshape(q.shape[1], 1)
+                    else:
+                        out = region.read(where[0], np.float16, q.shape)
+                        lse = region.read(where[1], np.float32, (q.shape[1], 1))
+                    truth.check(out, q, seq.key, 0, lse=lse)
+            q = truth.query(2)
+            attend = spb.AttendRequest(sequence_id=seqs[1].id, layer=0, q=tensors.to_proto_rows(q, "q"),
+                                       return_lse=True)
+            over_socket = local.attend(attend)
+            over_grpc = client.stub(client.endpoints[0]).Attend(attend, timeout=30)
+            assert over_socket.out.data == over_grpc.out.data and over_socket.lse.data == over_grpc.lse.data
+            truth.check(np.frombuffer(over_socket.out.data, np.float16).reshape(q.shape), q, seqs[1].key, 0)
+            with pytest.raises(flashserve.NotFoundError) as info:
+                local.attend(spb.AttendRequest(sequence_id="0" * 32, layer=0, q=tensors.to_proto_rows(q, "q")))
+            assert info.value.missing_ids == ("0" * 32,)
+    finally:
+        region.close()
+
+
+def test_concurrent_clients(local_server, rng, concurrently):
+    problems = [random_qkv(np.random.default_rng(i), 1, 5 + i, 9 + 2 * i, 4, 2, 32, "float16") for i in range(8)]
+
+    def worker(i):
+        q, k, v = problems[i]
+        with LocalClient(local_server.local_path, timeout=60) as local:
+            for _ in range(10):
+                out = local.attention(q, k, v, causal=bool(i % 2))
+                assert_matches_reference(out, None, q, k, v, causal=bool(i % 2))
+
+    concurrently(worker, 8)
+
+
+def test_metrics_count_local_calls(local_server):
+    url = f"http://127.0.0.1:{local_server.metrics_port}/metrics"
+    before = scrape(url).value("flashserve_requests_total", method="LocalEcho", status="OK")
+    with LocalClient(local_server.local_path) as local:
+        local.echo(b"x")
+        local.echo(b"y")
+        during = scrape(url)
+        assert during.value("flashserve_local_connections") >= 1
+    assert during.value("flashserve_requests_total", method="LocalEcho", status="OK") == before + 2
+    assert ("flashserve_requests_total", frozenset({"method": "LocalAttention", "status": "OK"}.items())) \
+        in during.samples
+    refused = during.value("flashserve_requests_total", method="LocalOther", status="INVALID_ARGUMENT")
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(frame(2, b"x", magic=0))
+        assert read_frame(sock)[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert scrape(url).value("flashserve_requests_total", method="LocalOther", status="INVALID_ARGUMENT") \
+        == refused + 1
+
+
+# ---------------------------------------------------------------------------------------------- hostile
+
+
+@pytest.mark.parametrize("bad,code,words", [
+    (frame(2, b"abc", magic=0x12345678), grpc.StatusCode.INVALID_ARGUMENT, "magic"),
+    (frame(99, b"abc"), grpc.StatusCode.INVALID_ARGUMENT, "unknown method"),
+    (frame(0, b"abc"), grpc.StatusCode.INVALID_ARGUMENT, "unknown method"),
+    (frame(2, b"abc", flags=1), grpc.StatusCode.INVALID_ARGUMENT, "flags"),
+    (frame(3, size=(16 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, "local_max_frame_bytes"),
+])
+def test_bad_headers_get_an_error_frame_then_close(local_server, bad, code, words):
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(bad)
+        status, body = read_frame(sock)
+        assert status == code.value[0] and words in body.decode(), (status, body)
+        assert_closed(sock)
+
+
+def test_huge_claimed_length_allocates_nothing(local_server):
+    with PeakRss(local_server.proc.pid) as rss:
+        socks = [raw_connect(local_server.local_path) for _ in range(12)]
+        for sock in socks:
+            sock.sendall(frame(3, size=0xFFFFFFFF))
+        for sock in socks:
+            status, body = read_frame(sock)
+            assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], body
+            sock.close()
+    assert rss.growth < 8, f"RSS grew {rss.growth:.1f} MiB for claims of 4 GiB"
+
+
+def test_trickled_header_and_payload_time_out(local_server):
+    for prefix in (b"", frame(2, b"x" * 100)[:30]):  # the header trickled; the payload trickled
+        with raw_connect(local_server.local_path) as sock:
+            sock.sendall(prefix)
+            start = time.monotonic()
+            answer = None
+            for i in range(40):  # a byte every 100 ms: never complete within --local_read_timeout_ms=500
+                try:
+                    sock.sendall(b"\x46" if not prefix else b"x")
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                sock.settimeout(0.1)
+                try:
+                    answer = read_frame(sock)
+                    break
+                except socket.timeout:
+                    continue
+            assert time.monotonic() - start < 3, "the server waited past its read timeout"
+            assert answer is None or answer[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], answer
+
+
+def test_garbage_message_is_refused_and_the_connection_lives(local_server):
+    with LocalClient(local_server.local_path, timeout=10) as local:
+        for method in (3, 4, 5):
+            with pytest.raises(flashserve.InvalidArgumentError):
+                local.call(method, b"\xff\xff\xff\xff garbage")
+        assert local.echo(b"still here") == b"still here"
+
+
+def test_client_leaving_mid_call_or_mid_frame_does_not_hurt(local_server, rng):
+    q, k, v = random_qkv(rng, 1, 1024, 2048, 8, 4, 64, "float16")  # tens of ms on two CPU threads
+    request = pb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"), v=tensors.to_proto(v, "v"))
+    payload = request.SerializeToString()
+    assert len(payload) < 8 << 20
+    for _ in range(3):
+        with raw_connect(local_server.local_path) as sock:
+            sock.sendall(frame(3, payload))  # then gone before the answer
+        with raw_connect(local_server.local_path) as sock:
+            sock.sendall(frame(3, size=len(payload)) + payload[:1000])  # gone mid-frame
+    with LocalClient(local_server.local_path, timeout=30) as local:
+        small = random_qkv(rng, 1, 3, 4, 2, 2, 16, "float16")
+        assert_matches_reference(local.attention(*small), None, *small)
+    assert local_server.proc.poll() is None
+
+
+def test_connection_cap(flashserve_bin, tmp_path):
+    directory = socket_dir()
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={directory}/fs.sock", "--local_max_connections=3"],
+                      name="cap").start()
+    try:
+        clients = [LocalClient(f"{directory}/fs.sock", timeout=10) for _ in range(3)]
+        for c in clients:
+            assert c.echo(b"ok") == b"ok"  # accepted and counted
+        with raw_connect(f"{directory}/fs.sock") as extra:
+            status, body = read_frame(extra)
+            assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"local_max_connections" in body
+            assert_closed(extra)
+        clients.pop().close()
+        deadline = time.monotonic() + 5
+        while True:  # the server frees the slot once it sees the close
+            try:
+                with LocalClient(f"{directory}/fs.sock", timeout=10) as again:
+                    assert again.echo(b"in") == b"in"
+                break
+            except (flashserve.ResourceExhaustedError, flashserve.UnavailableError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        for c in clients:
+            c.close()
+        _stop_and_check(s)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- auth
+
+
+def test_auth_hello_and_region_ownership(flashserve_bin, tmp_path, rng):
+    directory = socket_dir()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    path = f"{directory}/fs.sock"
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}", f"--auth_token_file={token_file}",
+                                                 "--allow_client_shm"], name="auth").start()
+    try:
+        with raw_connect(path) as sock:  # no Hello: refused before the payload is read, then closed
+            sock.sendall(frame(2, b"hi"))
+            status, body = read_frame(sock)
+            assert status == grpc.StatusCode.UNAUTHENTICATED.value[0], body
+            assert_closed(sock)
+        with raw_connect(path) as sock:  # a Hello too long to be a token is not even read
+            sock.sendall(frame(1, size=1 << 20))
+            assert read_frame(sock)[0] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        with pytest.raises(flashserve.FlashserveError) as info:
+            LocalClient(path, token=TOKEN[:-1] + "X")
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        q, k, v = random_qkv(rng, 1, 9, 13, 2, 1, 32, "float16")
+        with flashserve.Client(s.address, timeout=30, token=TOKEN) as grpc_client, \
+                SystemRegion(grpc_client, "owned", SystemRegion.bytes_for(q, k, v)) as region, \
+                LocalClient(path, token=TOKEN, timeout=30) as local:
+            assert local.echo(b"in") == b"in"
+            out, lse = local.attention(q, k, v, return_lse=True, region=region)  # registered over gRPC, same owner
+            assert_matches_reference(out, lse, q, k, v)
+        _stop_and_check(s)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- the socket file
+
+
+def test_socket_file_life(flashserve_bin, tmp_path):
+    directory = socket_dir()
+    path = f"{directory}/fs.sock"
+    try:
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(path)
+        stale.close()  # a crashed server's socket: nobody listens
+        s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}", "--local_socket_mode=0660"],
+                          name="stale").start()
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o660
+        with LocalClient(path) as c:
+            assert c.echo(b"x") == b"x"
+        taken = subprocess_run(flashserve_bin, path)  # a second server on a live socket
+        assert taken.returncode == 2 and "in use" in taken.stderr, taken.stderr
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert not os.path.exists(path)
+        with open(path, "w") as f:
+            f.write("not a socket")
+        refused = subprocess_run(flashserve_bin, path)
+        assert refused.returncode == 2 and "not a socket" in refused.stderr, refused.stderr
+        assert open(path).read() == "not a socket"
+        os.unlink(path)
+        missing = subprocess_run(flashserve_bin, f"{directory}/no/such/dir/fs.sock")
+        assert missing.returncode == 2 and "bind" in missing.stderr, missing.stderr
+        default = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}"], name="mode").start()
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        _stop_and_check(default)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def subprocess_run(binary, path):
+    import subprocess
+
+    return subprocess.run([str(binary), "--backend=cpu", "--grpc_port=0", "--http_port=0", "--metrics_port=0",
+                           f"--local_socket={path}"], capture_output=True, text=True, timeout=60)
+
+
+def test_sigterm_answers_the_call_in_progress_then_removes_the_socket(flashserve_bin, tmp_path, rng):
+    directory = socket_dir()
+    path = f"{directory}/fs.sock"
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}"], name="drain").start()
+    try:
+        q, k, v = random_qkv(rng, 1, 1024, 2048, 8, 4, 64, "float16")  # long enough to signal while it runs
+        result = {}
+
+        def call():
+            with LocalClient(path, timeout=60) as c:
+                result["out"] = c.attention(q, k, v)
+
+        with LocalClient(path, timeout=10) as idle:  # an idle connection must not hold the exit up
+            worker = threading.Thread(target=call)
+            worker.start()
+            url = f"http://127.0.0.1:{s.metrics_port}/metrics"
+            deadline = time.monotonic() + 10
+            while scrape(url).value("flashserve_inflight_requests") < 1:  # the call is in the server
+                assert time.monotonic() < deadline, "the call never started"
+                time.sleep(0.002)
+            s.proc.send_signal(signal.SIGTERM)
+            worker.join(60)
+            assert s.proc.wait(30) == 0
+            assert "out" in result, "the call in progress was not answered"
+            assert_matches_reference(result["out"], None, q, k, v)
+            assert not os.path.exists(path)
+            with pytest.raises(flashserve.UnavailableError):
+                idle.echo(b"x")  # its connection was closed at the end of the drain
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_half_closed_client_still_gets_its_answer(local_server, rng):
+    q, k, v = random_qkv(rng, 1, 64, 256, 4, 2, 32, "float16")
+    request = pb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"), v=tensors.to_proto(v, "v"))
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(frame(3, request.SerializeToString()))
+        sock.shutdown(socket.SHUT_WR)  # done sending, still reading (socat, shell pipelines)
+        status, body = read_frame(sock)
+        assert status == 0, body
+        out = tensors.from_proto(pb.AttentionResponse.FromString(body).out, "numpy", None)
+        assert_matches_reference(out, None, q, k, v)
+        assert_closed(sock)
+
+
+def test_concurrent_decode_steps(local_server, concurrently):
+    """Clients on disjoint sequences stepping at once over the socket (calls run on their connection threads and on
+    the scheduler's worker side by side): every O against the fp64 reference."""
+
+    def worker(i):
+        truth = Truth(np.random.default_rng(100 + i), **SHAPE, dtype="bfloat16")
+        with flashserve.SequenceClient(local_server.address, timeout=30, reprefill=False) as client, \
+                LocalClient(local_server.local_path, timeout=30) as local:
+            seqs = []
+            for n in (3 + i, 20):
+                k, v = truth.rows(n)
+                seqs.append(client.create(num_layers=1, **SHAPE, dtype="bfloat16", prefix={0: (k, v)}))
+                truth.add(seqs[-1].key, 0, k, v)
+            for _ in range(8):
+                request = spb.DecodeStepRequest()
+                qs, kvs = [truth.query(1) for _ in seqs], [truth.rows(1) for _ in seqs]
+                for seq, q, (k, v) in zip(seqs, qs, kvs):
+                    item = request.items.add(sequence_id=seq.id, layer=0)
+                    for field, x in (("q", q), ("k", k), ("v", v)):
+                        getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
+                response = local.decode_step(request)
+                for seq, q, (k, v), result in zip(seqs, qs, kvs, response.results):
+                    truth.add(seq.key, 0, k, v)
+                    out = tensors.from_proto(result.out, "numpy", None).reshape(q.shape)
+                    truth.check(out, q, seq.key, 0)
+            for seq in seqs:
+                seq.release()
+
+    concurrently(worker, 4)
