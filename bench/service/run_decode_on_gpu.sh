@@ -12,7 +12,8 @@
 # grpc+system,grpc+cuda,local,local+system,local+cuda: DecodeStep over gRPC or the socket, q/k/v/O inline or in a
 # system / same-device CUDA region; CPP_VARIANTS= drops them). A variant the server refuses (e.g. CUDA regions for
 # Sequences before the server accepts them) shows as a "failed: <code>: <message>" row; the other rows still run.
-# Starts two CUDA servers with a KV pool, one with --batch_window_us=0 and one with $WINDOW_US (default 200), runs
+# Starts two CUDA servers with a KV pool, one without batching and one with --batch_when_busy (or, with $WINDOW_US,
+# --batch_window_us=$WINDOW_US), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
 # writes decode.md, decode.json and logs to $OUT. Extra arguments go to decode_bench.py (e.g. --steps=100); extra
 # server flags in $SERVER_FLAGS (a dry run on a machine without a GPU: SERVER_FLAGS=--backend=cpu
@@ -63,8 +64,9 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -f /tmp/flashserve-decode-$$-*.sock; }
 trap cleanup EXIT
 # Not called in $(...): the server's pid must reach PIDS in this shell for the cleanup.
-start_server() {  # name window_us -> sets PORT to the server's gRPC port, SOCKET to its local socket (or "")
+start_server() {  # name window_us [flags...] -> sets PORT to the server's gRPC port, SOCKET to its socket (or "")
   local name=$1 window=$2 grpc http metrics local_flags=()
+  local extra=("${@:3}")
   grpc=$(free_port); http=$(free_port); metrics=$(free_port)
   SOCKET=""
   if [[ $LOCAL_FLAGS == 1 ]]; then
@@ -76,7 +78,7 @@ start_server() {  # name window_us -> sets PORT to the server's gRPC port, SOCKE
     --kv_cache_bytes=${KV_CACHE_BYTES:-$((8 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us="$window" \
     --max_request_bytes=2147483647 --max_tensor_elements=1099511627776 --max_inflight_bytes=0 \
     --grpc_memory_quota_bytes=0 --queue_capacity=256 --pinned_pool_bytes=$((8 << 30)) --log_level=warn --allow_client_shm \
-    "${local_flags[@]}" ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
+    "${local_flags[@]}" "${extra[@]}" ${SERVER_FLAGS:-} >"$OUT/server-$name.log" 2>&1 &
   PIDS+=($!)
   for _ in $(seq 1 300); do
     python3 -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:$http/v2/health/ready', timeout=1).status == 200 else 1)" \
@@ -85,16 +87,23 @@ start_server() {  # name window_us -> sets PORT to the server's gRPC port, SOCKE
   done
   echo "server $name not ready:" >&2; cat "$OUT/server-$name.log" >&2; return 1
 }
+# The second server batches: by default --batch_when_busy (calls that arrive while a launch runs go together as the
+# next one); WINDOW_US=N makes it --batch_window_us=N instead (the earlier tables' 200).
+if [[ -n ${WINDOW_US:-} ]]; then
+  BATCH_NAME="w$WINDOW_US" BATCH_LABEL="batch_window_us=$WINDOW_US" BATCH_WINDOW=$WINDOW_US
+else
+  BATCH_NAME=busy BATCH_LABEL=batch_when_busy BATCH_WINDOW=0 BATCH_FLAGS=--batch_when_busy
+fi
 start_server w0 0 || exit 1
 P0=$PORT S0=$SOCKET
-start_server "w${WINDOW_US:-200}" "${WINDOW_US:-200}" || exit 1
+start_server "$BATCH_NAME" "$BATCH_WINDOW" ${BATCH_FLAGS:-} || exit 1
 PW=$PORT SW=$SOCKET
 if [[ $LOCAL_FLAGS == 1 ]]; then
-  CLIENT_ARGS+=(--local_socket "batch_window_us=0=$S0" --local_socket "batch_window_us=${WINDOW_US:-200}=$SW")
+  CLIENT_ARGS+=(--local_socket "batch_window_us=0=$S0" --local_socket "$BATCH_LABEL=$SW")
 fi
 start=$(date +%s)
 python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
-  --target "batch_window_us=${WINDOW_US:-200}=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \
+  --target "$BATCH_LABEL=127.0.0.1:$PW" --md "$OUT/decode.md" --json "$OUT/decode.json" \
   "${CLIENT_ARGS[@]}" "$@" \
   2>"$OUT/decode_bench.log"
 status=$?
