@@ -359,7 +359,7 @@ class RecordingStore final : public KvStore {
  public:
   std::string_view kind() const override { return "recording"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
-  absl::Status Write(int64_t offset, const void*, int64_t) override {
+  absl::Status Write(int64_t offset, const void*, int64_t, kvcache::BytesAt) override {
     events.push_back(absl::StrCat("W", offset));
     return absl::OkStatus();
   }
@@ -402,7 +402,7 @@ class GatedStore final : public KvStore {
   explicit GatedStore(int64_t gated_bytes) : gated_bytes_(gated_bytes) {}
   std::string_view kind() const override { return "gated"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
-  absl::Status Write(int64_t, const void*, int64_t bytes) override {
+  absl::Status Write(int64_t, const void*, int64_t bytes, kvcache::BytesAt) override {
     if (bytes < gated_bytes_) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
     waiting_ = true;
