@@ -279,7 +279,15 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
   std::lock_guard<std::mutex> lock(launch_mu_);
   cudaSetDevice(device_);
   kernels::cuda::DecodeParams p;
-  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) return st;
+  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) {
+    // Staged ranges may read a client's region: they must land while its lease is held.
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (absl::Status flushed = FlushLocked(); !flushed.ok()) return flushed;
+    if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+      return on_error_(e, "KV cache write flush");
+    }
+    return st;
+  }
   if (absl::Status st = Enqueue(batch, pk, &p); !st.ok()) return st;
   // Outside write_mu_: other steps stage their rows while this one runs.
   if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
