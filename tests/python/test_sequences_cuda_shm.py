@@ -55,6 +55,9 @@ class CudaRegion:
         self.name, self.base = self.ipc._region(self.buf)
         self.size, self.at = size, 0
 
+    def sync(self) -> None:
+        self.torch.cuda.synchronize()  # the server's stream must see this process's writes
+
     def reset(self) -> None:
         self.buf.fill_(0xFF)  # NaN in every float type
         self.at = 0
@@ -110,11 +113,11 @@ def _step(stub, regions, seqs, qs, kvs, step, return_lse):
             lse_ref = regions[where[4]].reserve(4 * q.shape[0] * q.shape[1])
             item.lse_shm.CopyFrom(lse_ref)
         places.append((where, out_ref, lse_ref))
-    regions["cuda"].torch.cuda.synchronize()
+    regions["cuda"].sync()
     response = stub.DecodeStep(request, timeout=60)
     answers = []
     for q, (where, out_ref, lse_ref), result in zip(qs, places, response.results):
-        ndt, lse_shape = tensors.numpy_dtype(result.out.dtype), (q.shape[1], q.shape[0])
+        ndt, lse_shape = q.dtype, (q.shape[1], q.shape[0])
         out = regions[where[3]].read(out_ref, ndt, q.shape) if out_ref is not None else \
             np.frombuffer(result.out.data, ndt).reshape(q.shape)
         lse = None
