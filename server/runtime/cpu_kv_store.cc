@@ -71,7 +71,9 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atten
   for (const kvcache::PagedItem& item : batch.items) {
     if (item.q_at == kvcache::BytesAt::kDevice) return DeviceRefused("q");
     if (item.out_at == kvcache::BytesAt::kDevice) return DeviceRefused("out");
-    if (item.lse != nullptr && item.lse_at == kvcache::BytesAt::kDevice) return DeviceRefused("lse");
+    if (item.lse != nullptr && item.lse_at == kvcache::BytesAt::kDevice) {
+      return DeviceRefused("lse");
+    }
   }
   Scratch scratch;
   for (const kvcache::PagedItem& item : batch.items) {

@@ -234,7 +234,8 @@ void CudaKvStore::FillRanges(const kvcache::PagedBatch& batch, const Packed& pk,
                   item.rows_q * pk.q_row_bytes};
     }
     if (item.lse == nullptr || !Addressable(item.lse_at)) continue;
-    for (int h = 0; h < heads; ++h) {  // varlen LSE is [heads_q, total_q]; the item's [heads_q, rows_q]
+    // Varlen LSE is [heads_q, total_q]; the item's is [heads_q, rows_q]: one range per head.
+    for (int h = 0; h < heads; ++h) {
       const int64_t from = (int64_t(h) * pk.total_q + row0) * 4;
       *range++ = {reinterpret_cast<char*>(item.lse + int64_t(h) * item.rows_q),
                   scratch + pk.lse + from, int64_t(item.rows_q) * 4};
@@ -266,7 +267,8 @@ CudaKvStore::Packed CudaKvStore::Plan(const kvcache::PagedBatch& batch) const {
   pk.seqlens = Align(pk.table + pk.batch * pk.max_pages * 4);
   pk.cu = Align(pk.seqlens + pk.batch * 4);
   pk.ranges = Align(pk.cu + (pk.batch + 1) * 4);
-  pk.inputs_end = pk.ranges + int64_t(pk.q_ranges + pk.out_ranges) * int64_t(sizeof(KvScatterRange));
+  const int64_t ranges = pk.q_ranges + pk.out_ranges;
+  pk.inputs_end = pk.ranges + ranges * int64_t(sizeof(KvScatterRange));
   pk.o = Align(pk.inputs_end);
   pk.lse = Align(pk.o + pk.total_q * pk.q_row_bytes);
   pk.outputs_end = pk.lse + int64_t(s.heads_q) * pk.total_q * 4;
