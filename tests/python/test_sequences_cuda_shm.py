@@ -53,6 +53,8 @@ class CudaRegion:
         self.buf = self.torch.full((size,), 0xFF, dtype=self.torch.uint8, device=f"cuda:{device}")
         self.ipc = TorchCudaIpc(self.client)
         self.name, self.base = self.ipc._region(self.buf)
+        # The region is the whole device allocation holding buf (torch's caching allocator may make it larger).
+        self.region_bytes = self.ipc._allocation(self.buf.data_ptr())[1]
         self.size, self.at = size, 0
 
     def sync(self) -> None:
@@ -195,7 +197,7 @@ def test_bad_cuda_references_are_refused_and_change_nothing(server, rng):
             r.items[0].out_shm.offset = r.items[0].k.shm.offset  # O over k
             _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "overlaps")
             r = request()
-            r.items[0].v.shm.offset = region.base + (1 << 16) - 8  # past the region's end
+            r.items[0].v.shm.offset = region.region_bytes - 8  # past the region's (the allocation's) end
             _refused(stub, r, grpc.StatusCode.INVALID_ARGUMENT, "v:")
             assert list(seq.info().layer_lengths) == [truth.length(seq.key, 0)]  # nothing appended
             r = request()
