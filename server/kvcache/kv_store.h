@@ -20,15 +20,19 @@ class KvStore {
   virtual std::string_view kind() const = 0;
   /// Bytes of the arena (offsets handed to Write lie in [0, capacity_bytes)).
   virtual int64_t capacity_bytes() const = 0;
-  /// Copies `bytes` host bytes from `src` to the arena at `offset`. A Write that returned before
-  /// an Attend was started is visible to it; `src` may be reused once Write returns.
-  virtual absl::Status Write(int64_t offset, const void* src, int64_t bytes) = 0;
+  /// Copies `bytes` bytes from `src` (in the memory `at` says) to the arena at `offset`. A Write
+  /// that returned before an Attend was started is visible to it. A kHost `src` may be reused
+  /// once Write returns; a kPageLocked / kDevice one may be read until the next Attend returns
+  /// (the caller keeps it alive until then). FAILED_PRECONDITION for memory the store cannot read.
+  virtual absl::Status Write(int64_t offset, const void* src, int64_t bytes, BytesAt at) = 0;
   /// Pages were freed and may be written by another sequence next: a Write issued before this
   /// call must land before any Write issued after it (a store that defers writes flushes here).
   virtual void Fence() {}
   /// Attention of every item against its pages; returns once every out/lse is written.
   /// `info` receives the name of what ran and its times. INTERNAL on a device fault.
   virtual absl::Status Attend(const PagedBatch& batch, AttendInfo* info) = 0;
+  /// The CUDA device whose memory kDevice bytes must be on (-1: the store reads host memory only).
+  virtual int device() const { return -1; }
   /// Head dims Attend supports (empty: any in [1, 256]).
   virtual std::vector<int> head_dims() const { return {}; }
 };

@@ -33,14 +33,25 @@ struct PageFormat {
 };
 PageFormat FormatFor(const SequenceShape& shape, int page_tokens);
 
-/// Rows of one tensor as the client sent them: [rows, heads, head_dim] of dtype, contiguous host
-/// memory (any alignment). The edge checked that the bytes match the shape.
+/// Where a tensor's bytes live, as a KV store sees them (memory/tensor_bytes.h's MemoryKind, cut
+/// to what a store needs: may it copy them with memcpy, or may its device address them).
+enum class BytesAt {
+  kHost,        // pageable host memory (the message, a heap buffer): the store copies it
+  kPageLocked,  // page-locked host memory (a registered system region): a GPU store's device
+                //   reads and writes it where it is (no staging copy); a CPU store as kHost
+  kDevice,      // memory on the store's device (a client's CUDA region): a GPU store reads and
+                //   writes it there; a CPU store refuses it
+};
+
+/// Rows of one tensor as the client sent them: [rows, heads, head_dim] of dtype, contiguous
+/// (any alignment), in the memory `at` says. The edge checked that the bytes match the shape.
 struct HostRows {
   kernels::DType dtype = kernels::DType::kFloat16;
   int64_t rows = 0;
   int64_t heads = 0;
   int64_t head_dim = 0;
   const void* data = nullptr;
+  BytesAt at = BytesAt::kHost;
 };
 
 /// K and V rows for one layer (k and v must have equal shapes).
@@ -52,10 +63,11 @@ struct LayerRows {
 /// One sequence's part of a paged launch: q's rows are the last rows_q positions of `length`
 /// keys, which live in `pages` (page indices: offset / page_bytes), in order.
 struct PagedItem {
-  const void* q = nullptr;  // host [rows_q, heads_q, head_dim], any alignment
+  const void* q = nullptr;  // [rows_q, heads_q, head_dim], any alignment, in q_at
   int rows_q = 0;
-  void* out = nullptr;   // host [rows_q, heads_q, head_dim]
-  float* lse = nullptr;  // host [heads_q, rows_q] or null
+  void* out = nullptr;   // [rows_q, heads_q, head_dim], in out_at
+  float* lse = nullptr;  // [heads_q, rows_q] or null, in lse_at
+  BytesAt q_at = BytesAt::kHost, out_at = BytesAt::kHost, lse_at = BytesAt::kHost;
   std::vector<int32_t> pages;
   int64_t length = 0;
 };
@@ -72,9 +84,9 @@ struct PagedBatch {
 /// What ran for one PagedBatch and, where the store can measure it, its device time.
 struct AttendInfo {
   std::string kernel;
-  int64_t h2d_us = 0;      // inputs to the device and staged rows into the pool (0: none)
+  int64_t h2d_us = 0;      // inputs to the device and rows into the pool (0: none)
   int64_t kernel_us = -1;  // the attention launch alone (-1: not measured)
-  int64_t d2h_us = 0;      // outputs back to the host (0: none)
+  int64_t d2h_us = 0;      // outputs to where they go (host copy and/or in-place writes; 0: none)
 };
 
 }  // namespace flashserve::kvcache

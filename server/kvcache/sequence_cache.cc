@@ -196,8 +196,8 @@ absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t fro
     const int64_t n = std::min<int64_t>(f.page_tokens - in_page, end - pos);
     const int64_t at = table[size_t(pos / f.page_tokens)] + in_page * f.row_bytes;
     const int64_t src = (pos - from) * f.row_bytes;
-    absl::Status s = store_->Write(at, k_src + src, n * f.row_bytes);
-    if (s.ok()) s = store_->Write(at + f.v_offset, v_src + src, n * f.row_bytes);
+    absl::Status s = store_->Write(at, k_src + src, n * f.row_bytes, k.at);
+    if (s.ok()) s = store_->Write(at + f.v_offset, v_src + src, n * f.row_bytes, v.at);
     if (!s.ok()) return s;
     pos += n;
   }

@@ -77,6 +77,7 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
 PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows& q) const {
   PagedItem item;
   item.q = q.data;
+  item.q_at = q.at;
   item.rows_q = int(q.rows);
   item.length = seq.lengths[size_t(layer)];
   for (int64_t offset : seq.pages[size_t(layer)]) {

@@ -33,6 +33,12 @@ void Gather(const char* base, const kvcache::PageFormat& f, const kvcache::Paged
   }
 }
 
+absl::Status DeviceRefused(const char* what) {
+  return absl::FailedPreconditionError(
+      absl::StrCat(what, " is in GPU memory, but this server's KV cache is in host memory (CPU "
+                         "backend): use a system shared-memory region or inline bytes"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
@@ -49,10 +55,12 @@ absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
 
 CpuKvStore::~CpuKvStore() { munmap(base_, size_t(bytes_)); }
 
-absl::Status CpuKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
+absl::Status CpuKvStore::Write(int64_t offset, const void* src, int64_t bytes,
+                               kvcache::BytesAt at) {
   if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
     return absl::InternalError("KV store write outside the pool");
   }
+  if (at == kvcache::BytesAt::kDevice) return DeviceRefused("a K/V row");
   std::memcpy(base_ + offset, src, size_t(bytes));
   return absl::OkStatus();
 }
@@ -60,6 +68,13 @@ absl::Status CpuKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
 absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
   const kvcache::SequenceShape& s = batch.shape;
   const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
+  for (const kvcache::PagedItem& item : batch.items) {
+    if (item.q_at == kvcache::BytesAt::kDevice) return DeviceRefused("q");
+    if (item.out_at == kvcache::BytesAt::kDevice) return DeviceRefused("out");
+    if (item.lse != nullptr && item.lse_at == kvcache::BytesAt::kDevice) {
+      return DeviceRefused("lse");
+    }
+  }
   Scratch scratch;
   for (const kvcache::PagedItem& item : batch.items) {
     const int64_t q_bytes = int64_t(item.rows_q) * s.heads_q * s.head_dim * elem;

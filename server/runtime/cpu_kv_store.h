@@ -23,7 +23,9 @@ class CpuKvStore final : public kvcache::KvStore {
 
   std::string_view kind() const override { return "cpu"; }
   int64_t capacity_bytes() const override { return bytes_; }
-  absl::Status Write(int64_t offset, const void* src, int64_t bytes) override;
+  /// kHost and kPageLocked sources alike; FAILED_PRECONDITION for kDevice.
+  absl::Status Write(int64_t offset, const void* src, int64_t bytes, kvcache::BytesAt at) override;
+  /// FAILED_PRECONDITION for an item whose q, O or LSE is kDevice.
   absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
 
  private:

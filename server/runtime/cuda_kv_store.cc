@@ -16,14 +16,18 @@ int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 }  // namespace
 
 // Byte offsets of one launch's sections, the same in the pinned host and the device scratch:
-// inputs [q, block table, seqlens_k, cu_seqlens_q] (one H2D copy), outputs [o, lse] (one D2H
-// copy), then the split-KV workspace (device only).
+// inputs [q, block table, seqlens_k, cu_seqlens_q, copy ranges] (one H2D copy), outputs [o, lse]
+// (one D2H copy), then the split-KV workspace (device only). The copy ranges: first one per item
+// whose q the device addresses (into the packed q), then one per such O and one per head of
+// such an LSE (out of the packed outputs).
 struct CudaKvStore::Packed {
   int batch = 0;
   int total_q = 0, max_rows_q = 0;
   int64_t max_pages = 1, max_length = 0;
   std::vector<int32_t> cu_q;  // [batch + 1]
-  int64_t q = 0, table = 0, seqlens = 0, cu = 0, inputs_end = 0;
+  int q_ranges = 0, out_ranges = 0;
+  bool host_outputs = false;  // some O or LSE goes to pageable memory: the D2H copy is needed
+  int64_t q = 0, table = 0, seqlens = 0, cu = 0, ranges = 0, inputs_end = 0;
   int64_t o = 0, lse = 0, outputs_end = 0;
   int64_t workspace = 0, workspace_bytes = 0;
   int64_t q_row_bytes = 0;  // heads_q * head_dim * element size
@@ -47,6 +51,13 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
     return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
   }
   static_assert(sizeof(KvScatterRange) == 24, "kRangeBytes assumes 24-byte ranges");
+  int can_use_host_pointer = 0;
+  if (cudaDeviceGetAttribute(&can_use_host_pointer,
+                             cudaDevAttrCanUseHostPointerForRegisteredMem,
+                             device) != cudaSuccess) {
+    cudaGetLastError();
+  }
+  store->host_addressable_ = can_use_host_pointer != 0;
   const size_t stage = size_t(kStageBytes);
   store->staged_ranges_host_.resize(size_t(kRangeBytes));
   e = cudaMalloc(reinterpret_cast<void**>(&store->stage_device_), stage);
@@ -87,29 +98,46 @@ CudaKvStore::~CudaKvStore() {
 
 std::vector<int> CudaKvStore::head_dims() const { return kernels::cuda::decode_head_dims(); }
 
-absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes) {
+bool CudaKvStore::Addressable(kvcache::BytesAt at) const {
+  return at == kvcache::BytesAt::kDevice ||
+         (at == kvcache::BytesAt::kPageLocked && host_addressable_);
+}
+
+absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
+                                kvcache::BytesAt at) {
   if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
     return absl::InternalError("KV store write outside the pool");
   }
   std::lock_guard<std::mutex> lock(write_mu_);
+  const bool in_place = Addressable(at);
   if (bytes >= kDirectWriteBytes) {
     cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
     // After what is staged (the stream keeps the writes in order). From pageable memory the
     // driver stages the bytes before returning, so `src` may be reused.
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
     const cudaError_t e =
-        cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyHostToDevice, stream_);
+        cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyDefault, stream_);
     return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
   }
+  if (in_place) return AddRangeLocked(pool_ + offset, static_cast<const char*>(src), bytes);
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
   if (staged_ranges_ == kMaxRanges || staged_bytes_ + padded > kStageDataBytes) {
+    cudaSetDevice(device_);  // before the copy: a flush below would not carry these bytes
+    if (absl::Status s = FlushLocked(); !s.ok()) return s;
+  }
+  std::memcpy(stage_host_[stage_index_] + staged_bytes_, src, size_t(bytes));
+  const int64_t at_stage = staged_bytes_;
+  staged_bytes_ += padded;
+  return AddRangeLocked(pool_ + offset, stage_device_ + at_stage, bytes);
+}
+
+absl::Status CudaKvStore::AddRangeLocked(char* dst, const char* src, int64_t bytes) {
+  if (staged_ranges_ == kMaxRanges) {  // only for in-place ranges (Write checked staged ones)
     cudaSetDevice(device_);
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
   }
-  const KvScatterRange range{offset, staged_bytes_, bytes};
+  const KvScatterRange range{dst, src, bytes};
   std::memcpy(staged_ranges_host_.data() + int64_t(staged_ranges_++) * 24, &range, 24);
-  std::memcpy(stage_host_[stage_index_] + staged_bytes_, src, size_t(bytes));
-  staged_bytes_ += padded;
   return absl::OkStatus();
 }
 
@@ -136,7 +164,7 @@ absl::Status CudaKvStore::FlushLocked(int64_t extra) {
       cudaMemcpyAsync(stage_device_, host, size_t(bytes), cudaMemcpyHostToDevice, stream_);
   if (e == cudaSuccess) {
     e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_ + ranges_at),
-                        staged_ranges_, stage_device_, pool_, stream_);
+                        staged_ranges_, stream_);
   }
   if (e == cudaSuccess) e = cudaEventRecord(stage_done_[stage_index_], stream_);
   stage_index_ ^= 1;
@@ -168,22 +196,54 @@ absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int
   return absl::OkStatus();
 }
 
-void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk, char* host) {
+void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk, char* host,
+                           const char* device) {
   auto* table = reinterpret_cast<int32_t*>(host + pk.table);
   auto* seqlens = reinterpret_cast<int32_t*>(host + pk.seqlens);
   std::memcpy(host + pk.cu, pk.cu_q.data(), pk.cu_q.size() * sizeof(int32_t));
   for (int b = 0; b < pk.batch; ++b) {
     const kvcache::PagedItem& item = batch.items[size_t(b)];
-    std::memcpy(host + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes, item.q,
-                size_t(item.rows_q * pk.q_row_bytes));
+    if (!Addressable(item.q_at)) {  // else gathered on the device (FillRanges)
+      std::memcpy(host + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes, item.q,
+                  size_t(item.rows_q * pk.q_row_bytes));
+    }
     int32_t* row = table + int64_t(b) * pk.max_pages;
     std::copy(item.pages.begin(), item.pages.end(), row);
     std::fill(row + item.pages.size(), row + pk.max_pages, 0);  // past the length: never read
     seqlens[b] = int32_t(item.length);
   }
+  FillRanges(batch, pk, host, device);
 }
 
-absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
+void CudaKvStore::FillRanges(const kvcache::PagedBatch& batch, const Packed& pk, char* host,
+                             const char* device) {
+  auto* range = reinterpret_cast<KvScatterRange*>(host + pk.ranges);
+  char* scratch = static_cast<char*>(device_scratch_);
+  const int heads = batch.shape.heads_q;
+  for (int b = 0; b < pk.batch; ++b) {  // queries first ...
+    const kvcache::PagedItem& item = batch.items[size_t(b)];
+    if (!Addressable(item.q_at)) continue;
+    char* dst = const_cast<char*>(device) + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes;
+    *range++ = {dst, static_cast<const char*>(item.q), item.rows_q * pk.q_row_bytes};
+  }
+  for (int b = 0; b < pk.batch; ++b) {  // ... then outputs
+    const kvcache::PagedItem& item = batch.items[size_t(b)];
+    const int32_t row0 = pk.cu_q[size_t(b)];
+    if (Addressable(item.out_at)) {
+      *range++ = {static_cast<char*>(item.out), scratch + pk.o + int64_t(row0) * pk.q_row_bytes,
+                  item.rows_q * pk.q_row_bytes};
+    }
+    if (item.lse == nullptr || !Addressable(item.lse_at)) continue;
+    // Varlen LSE is [heads_q, total_q]; the item's is [heads_q, rows_q]: one range per head.
+    for (int h = 0; h < heads; ++h) {
+      const int64_t from = (int64_t(h) * pk.total_q + row0) * 4;
+      *range++ = {reinterpret_cast<char*>(item.lse + int64_t(h) * item.rows_q),
+                  scratch + pk.lse + from, int64_t(item.rows_q) * 4};
+    }
+  }
+}
+
+CudaKvStore::Packed CudaKvStore::Plan(const kvcache::PagedBatch& batch) const {
   const kvcache::SequenceShape& s = batch.shape;
   Packed pk;
   pk.batch = int(batch.items.size());
@@ -195,23 +255,41 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
     pk.max_rows_q = std::max(pk.max_rows_q, item.rows_q);
     pk.max_pages = std::max<int64_t>(pk.max_pages, int64_t(item.pages.size()));
     pk.max_length = std::max(pk.max_length, item.length);
+    pk.q_ranges += Addressable(item.q_at) ? 1 : 0;
+    const bool out_here = Addressable(item.out_at);
+    const bool lse_here = item.lse != nullptr && Addressable(item.lse_at);
+    pk.out_ranges += (out_here ? 1 : 0) + (lse_here ? s.heads_q : 0);
+    pk.host_outputs |= !out_here || (item.lse != nullptr && !lse_here);
   }
   pk.total_q = pk.cu_q.back();
-  // Inputs [q, table, seqlens, cu] (one copy, from the stage or the pinned scratch); outputs
-  // [o, lse] then the workspace in the device scratch (one copy back).
   pk.q = 0;
   pk.table = Align(pk.q + pk.total_q * pk.q_row_bytes);
   pk.seqlens = Align(pk.table + pk.batch * pk.max_pages * 4);
   pk.cu = Align(pk.seqlens + pk.batch * 4);
-  pk.inputs_end = pk.cu + (pk.batch + 1) * 4;
+  pk.ranges = Align(pk.cu + (pk.batch + 1) * 4);
+  const int64_t ranges = pk.q_ranges + pk.out_ranges;
+  pk.inputs_end = pk.ranges + ranges * int64_t(sizeof(KvScatterRange));
   pk.o = Align(pk.inputs_end);
   pk.lse = Align(pk.o + pk.total_q * pk.q_row_bytes);
   pk.outputs_end = pk.lse + int64_t(s.heads_q) * pk.total_q * 4;
   pk.workspace = Align(pk.outputs_end);
+  return pk;
+}
+
+absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
+  const Packed pk = Plan(batch);
   std::lock_guard<std::mutex> lock(launch_mu_);
   cudaSetDevice(device_);
   kernels::cuda::DecodeParams p;
-  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) return st;
+  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) {
+    // Staged ranges may read a client's region: they must land while its lease is held.
+    std::lock_guard<std::mutex> write_lock(write_mu_);
+    if (absl::Status flushed = FlushLocked(); !flushed.ok()) return flushed;
+    if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+      return on_error_(e, "KV cache write flush");
+    }
+    return st;
+  }
   if (absl::Status st = Enqueue(batch, pk, &p); !st.ok()) return st;
   // Outside write_mu_: other steps stage their rows while this one runs.
   if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
@@ -282,19 +360,19 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   // the stream keeps it behind this kernel only if it is queued after it.
   std::lock_guard<std::mutex> write_lock(write_mu_);
   const int64_t at = InputsAtLocked(pk.inputs_end);
+  const char* inputs = at >= 0 ? stage_device_ + at : static_cast<const char*>(device_scratch_);
   // events_[0] after the host packing: h2d_us is device time, not this thread's memcpy.
-  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host);
+  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host, inputs);
   cudaError_t e = cudaEventRecord(events_[0], stream_);
-  const char* inputs = nullptr;
   if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
-    inputs = stage_device_ + at;
     if (absl::Status st = FlushLocked(pk.inputs_end); !st.ok()) return st;
   } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs
     if (absl::Status st = FlushLocked(); !st.ok()) return st;
-    inputs = static_cast<const char*>(device_scratch_);
     e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice,
                         stream_);
   }
+  const auto* ranges = reinterpret_cast<const KvScatterRange*>(inputs + pk.ranges);
+  if (e == cudaSuccess) e = LaunchKvScatter(ranges, pk.q_ranges, stream_);  // q in place
   p.q = inputs + pk.q;
   p.block_table = reinterpret_cast<const int32_t*>(inputs + pk.table);
   p.seqlens_k = reinterpret_cast<const int32_t*>(inputs + pk.seqlens);
@@ -302,7 +380,8 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   if (e == cudaSuccess) e = cudaEventRecord(events_[1], stream_);
   if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
   if (e == cudaSuccess) e = cudaEventRecord(events_[2], stream_);
-  if (e == cudaSuccess) {
+  if (e == cudaSuccess) e = LaunchKvScatter(ranges + pk.q_ranges, pk.out_ranges, stream_);
+  if (e == cudaSuccess && pk.host_outputs) {
     e = cudaMemcpyAsync(host + pk.o, static_cast<char*>(device_scratch_) + pk.o,
                         size_t(pk.outputs_end - pk.o), cudaMemcpyDeviceToHost, stream_);
   }
@@ -329,9 +408,11 @@ void CudaKvStore::Scatter(const kvcache::PagedBatch& batch, const Packed& pk) {
   for (int b = 0; b < pk.batch; ++b) {
     const kvcache::PagedItem& item = batch.items[size_t(b)];
     const int32_t row0 = pk.cu_q[size_t(b)];
-    std::memcpy(item.out, host + pk.o + int64_t(row0) * pk.q_row_bytes,
-                size_t(item.rows_q * pk.q_row_bytes));
-    if (item.lse == nullptr) continue;
+    if (!Addressable(item.out_at)) {  // else written by the output scatter
+      std::memcpy(item.out, host + pk.o + int64_t(row0) * pk.q_row_bytes,
+                  size_t(item.rows_q * pk.q_row_bytes));
+    }
+    if (item.lse == nullptr || Addressable(item.lse_at)) continue;
     // Varlen LSE is [heads_q, total_q]; the item's is [heads_q, rows_q].
     for (int h = 0; h < batch.shape.heads_q; ++h) {
       std::memcpy(item.lse + int64_t(h) * item.rows_q, lse + int64_t(h) * pk.total_q + row0,

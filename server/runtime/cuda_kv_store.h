@@ -4,12 +4,16 @@
 //
 // Writes and launches go to one stream of its own, in the order they are issued, so a launch
 // sees every row written before it started (the SequenceCache issues writes under its lock).
-// Small writes (a decode step's rows) are staged in pinned memory and land in the pool by one
-// H2D copy and one scatter launch (runtime/kv_scatter.h) when the stage is flushed: before every
-// launch, before a large write, or when the stage is full; large writes (prefixes) are copied
-// directly. Launches are serialized (one set of scratch buffers); a batch is one launch, and
-// a step costs one H2D copy (staged rows, their ranges and the launch's packed queries and
-// tables together), one scatter, one decode launch and one D2H copy.
+// Small writes (a decode step's rows) become ranges of one scatter launch (runtime/kv_scatter.h)
+// queued when the stage is flushed: before every launch, before a large write, or when the stage
+// is full. Rows in pageable memory are first staged in pinned memory (and land by one H2D copy);
+// rows the device can address (a client's CUDA region on this device, or a page-locked system
+// region) are read by the scatter where they are. Large writes (prefixes) are copied directly.
+// Launches are serialized (one set of scratch buffers); a batch is one launch, and a step costs
+// one H2D copy (staged rows, their ranges and the launch's packed queries, tables and the
+// ranges below, together), one row scatter, one query gather (items whose q the device
+// addresses), one decode launch, one output scatter (outputs the device addresses) and one D2H
+// copy (only when some output is in pageable memory).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -42,12 +46,15 @@ class CudaKvStore final : public kvcache::KvStore {
 
   std::string_view kind() const override { return "cuda"; }
   int64_t capacity_bytes() const override { return bytes_; }
-  absl::Status Write(int64_t offset, const void* src, int64_t bytes) override;
+  absl::Status Write(int64_t offset, const void* src, int64_t bytes, kvcache::BytesAt at) override;
   /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
   /// so a freed page's old rows and its next owner's must not share one.
   void Fence() override;
   absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
   std::vector<int> head_dims() const override;
+  int device() const override { return device_; }
+  /// Whether the device reads and writes `at` memory where it is (else the store copies it).
+  bool Addressable(kvcache::BytesAt at) const;
 
  private:
   // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
@@ -57,6 +64,8 @@ class CudaKvStore final : public kvcache::KvStore {
         device_(device),
         choose_splits_(std::move(choose_splits)),
         on_error_(std::move(on_error)) {}
+  // Sizes and offsets of one launch's sections.
+  Packed Plan(const kvcache::PagedBatch& batch) const;
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
   absl::Status Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity);
   // Queues the staged writes (data, ranges and `extra` bytes already placed after them, in one
@@ -65,8 +74,15 @@ class CudaKvStore final : public kvcache::KvStore {
   // Where the launch inputs go in the stage buffer (after the data and ranges), or -1 when
   // `bytes` of them do not fit there.
   int64_t InputsAtLocked(int64_t bytes) const;
-  // Fills `host` with the packed queries and tables.
-  void FillHost(const kvcache::PagedBatch& batch, const Packed& packed, char* host);
+  // Fills `host` with the packed queries (those in pageable memory), tables and copy ranges;
+  // `device` is where `host` will land on the device.
+  void FillHost(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
+                const char* device);
+  // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
+  void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
+                  const char* device);
+  // Stages one range (the caller copied its bytes to the stage when they come from it).
+  absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the scratch and fills in the decode parameters (inputs' pointers left unset).
   absl::Status Prepare(const kvcache::PagedBatch& batch, const Packed& packed, void* params);
   // Queues rows, inputs, the decode kernel and the output copy (timed by events_).
@@ -80,6 +96,7 @@ class CudaKvStore final : public kvcache::KvStore {
   const int device_;
   const SplitChooser choose_splits_;
   const ErrorHandler on_error_;
+  bool host_addressable_ = false;  // page-locked host memory: its host pointer works on device_
   char* pool_ = nullptr;
   cudaStream_t stream_ = nullptr;
   std::mutex launch_mu_;  // one launch at a time: it owns the scratch below

@@ -139,8 +139,11 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
   p.plan.batch.causal = call->causal;
   p.plan.batch.softmax_scale = call->softmax_scale;
   for (size_t i = 0; i < p.plan.batch.items.size(); ++i) {
-    p.plan.batch.items[i].out = call->out[i];
-    p.plan.batch.items[i].lse = call->lse.empty() ? nullptr : call->lse[i];
+    kvcache::PagedItem& item = p.plan.batch.items[i];
+    item.out = call->out[i];
+    item.lse = call->lse.empty() ? nullptr : call->lse[i];
+    if (i < call->out_at.size()) item.out_at = call->out_at[i];
+    if (i < call->lse_at.size()) item.lse_at = call->lse_at[i];
     p.report.lengths.push_back(p.plan.batch.items[i].length);
   }
   return p;

@@ -50,6 +50,8 @@ struct DecodeCall {
   float softmax_scale = 0.f;  // > 0 (the edge resolves the default)
   std::vector<void*> out;     // per item: [rows_q, heads_q, head_dim] of q's dtype
   std::vector<float*> lse;    // per item: [heads_q, rows_q], or empty (no LSE)
+  // Where out[i] / lse[i] live; shorter than out / lse (or empty): the rest are kHost.
+  std::vector<kvcache::BytesAt> out_at, lse_at;
   absl::Time received;
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty
@@ -77,6 +79,8 @@ class SequenceRuntime {
   kvcache::SequenceCache& cache() { return *cache_; }
   const SequenceRuntimeOptions& options() const { return options_; }
   std::string_view backend_kind() const { return store_->kind(); }
+  /// The KV store's CUDA device (-1: host memory): where a CUDA region's items must be.
+  int store_device() const { return store_->device(); }
 
   /// Answers through call->done exactly once (maybe inline: RESOURCE_EXHAUSTED when the queue
   /// is full, INVALID_ARGUMENT for more than max_batch_sequences items).

@@ -58,12 +58,15 @@ absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& i
   }
   const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
   v1::Tensor* out = result->mutable_out();
+  call->out_at.resize(call->out.size() + 1, kvcache::BytesAt::kHost);
   if (in.has_out_shm()) {
-    absl::StatusOr<char*> at = ShmOutput(in.out_shm(), "out_shm", rows * heads * dim * 2, 1, shm);
+    absl::StatusOr<ShmPlace> at =
+        ShmOutput(in.out_shm(), "out_shm", rows * heads * dim * 2, 1, shm);
     if (!at.ok()) return at.status();
     out->set_dtype(static_cast<v1::DType>(item.q.dtype));
     for (int64_t d : {rows, heads, dim}) out->add_shape(d);
-    call->out.push_back(*at);
+    call->out_at.back() = at->at;
+    call->out.push_back(at->data);
   } else {
     call->out.push_back(PrepareOutput(out, static_cast<v1::DType>(item.q.dtype), {rows, heads, dim}, 2));
   }
@@ -73,11 +76,13 @@ absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& i
     call->lse.push_back(reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
     return absl::OkStatus();
   }
-  absl::StatusOr<char*> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
+  absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
   if (!at.ok()) return at.status();
   lse->set_dtype(v1::FLOAT32);
   for (int64_t d : {heads, rows}) lse->add_shape(d);
-  call->lse.push_back(reinterpret_cast<float*>(*at));
+  call->lse_at.resize(call->lse.size() + 1, kvcache::BytesAt::kHost);
+  call->lse_at.back() = at->at;
+  call->lse.push_back(reinterpret_cast<float*>(at->data));
   return absl::OkStatus();
 }
 

@@ -178,6 +178,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   const absl::Time received = grpc_call->started();
   auto hold = std::make_shared<CallHold>();
   hold->shm.regions = runtime_->shm_regions();
+  hold->shm.store_device = sequences_ == nullptr ? -1 : sequences_->store_device();
   return Launch(
       context, grpc_call, DecodeStepBytes(*request), hold,
       [request, max_items, response, hold] {

@@ -21,13 +21,27 @@ absl::StatusOr<ShmSpan> LeaseSpan(const v1::SharedMemoryRef& ref, const char* na
   if (!span.ok()) {
     return absl::Status(span.status().code(), absl::StrCat(name, ": ", span.status().message()));
   }
-  if (span->kind == MemoryKind::kDevice) {
-    return absl::UnimplementedError(
-        absl::StrCat(name, ": the Sequences API does not read or write CUDA shared-memory "
-                           "regions yet; use a system region"));
+  if (span->kind == MemoryKind::kDevice && shm->store_device < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name, ": region '", ref.region(), "' is CUDA memory, but this server's KV cache is in "
+        "host memory (CPU backend); use a system region"));
+  }
+  if (span->kind == MemoryKind::kDevice && span->device != shm->store_device) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        name, ": region '", ref.region(), "' is on CUDA device ", span->device,
+        ", the KV cache on device ", shm->store_device,
+        "; register a region on the KV cache's device (or use a system region)"));
   }
   shm->leases.push_back(span->lease);
   return span;
+}
+
+kvcache::BytesAt PlaceOf(const ShmSpan& span) {
+  switch (span.kind) {
+    case MemoryKind::kDevice: return kvcache::BytesAt::kDevice;
+    case MemoryKind::kPageLocked: return kvcache::BytesAt::kPageLocked;
+    default: return kvcache::BytesAt::kHost;
+  }
 }
 
 }  // namespace
@@ -42,11 +56,13 @@ absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* 
   if (!span.ok()) return span.status();
   absl::StatusOr<kvcache::HostRows> rows =
       RowsFromBytes(tensor, name, span->data, int64_t(span->bytes));
-  if (rows.ok()) shm->inputs.emplace_back(span->data, span->data + span->bytes);
+  if (!rows.ok()) return rows;
+  rows->at = PlaceOf(*span);
+  shm->inputs.emplace_back(span->data, span->data + span->bytes);
   return rows;
 }
 
-absl::StatusOr<char*> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
+absl::StatusOr<ShmPlace> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
                                 int alignment, SequenceShm* shm) {
   if (ref.byte_size() != uint64_t(bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": shm byte_size ", ref.byte_size(),
@@ -59,7 +75,7 @@ absl::StatusOr<char*> ShmOutput(const v1::SharedMemoryRef& ref, const char* name
         absl::StrCat(name, ": must start at a multiple of ", alignment, " bytes in the region"));
   }
   shm->outputs.emplace_back(span->data, span->data + span->bytes);
-  return span->data;
+  return ShmPlace{span->data, PlaceOf(*span)};
 }
 
 absl::Status CheckShmOverlap(const SequenceShm& shm) {

@@ -18,17 +18,25 @@ namespace flashserve {
 /// One call's spans in shared memory. Keep `leases` until the call's outputs are written.
 struct SequenceShm {
   ShmRegistry* regions = nullptr;  // null: shared memory disabled
+  int store_device = -1;           // the KV store's CUDA device (-1: it reads host memory only)
   ShmLeases leases;
   std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
 };
 
+/// A span the KV store can use where it is: where its bytes live and their address.
+struct ShmPlace {
+  char* data = nullptr;
+  kvcache::BytesAt at = kvcache::BytesAt::kHost;
+};
+
 /// q/k/v rows from the region `tensor.shm` names (data must be empty; dtype and shape set).
-/// PERMISSION_DENIED when shared memory is off, UNIMPLEMENTED for a CUDA region.
+/// PERMISSION_DENIED when shared memory is off; FAILED_PRECONDITION for a CUDA region on
+/// another device than the KV store's, or when the store is in host memory.
 absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* name,
                                           SequenceShm* shm);
 /// Where to write an output of exactly `bytes` bytes (the reference must name that many),
 /// starting at a multiple of `alignment` (LSE is written as floats).
-absl::StatusOr<char*> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
+absl::StatusOr<ShmPlace> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
                                 int alignment, SequenceShm* shm);
 /// INVALID_ARGUMENT when an output span overlaps another input or output span.
 absl::Status CheckShmOverlap(const SequenceShm& shm);

@@ -1,9 +1,15 @@
 // The KV cache on the CUDA store: appends through the SequenceCache, one paged split-KV launch per
 // step over sequences of different lengths (one empty), GQA, d64/d128, fp16/bf16, odd page sizes,
-// checked against the fp64 reference. Skips without a GPU (label "gpu"; the lead runs these).
+// checked against the fp64 reference. The items' q / k / v / O / LSE live in pageable host memory,
+// device memory (a client's CUDA region), page-locked host memory (a registered system region) or
+// a mix of them. Skips without a GPU (label "gpu"; the lead runs these).
 #include "runtime/cuda_kv_store.h"
 
 #include <cuda_runtime_api.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "flashserve/kernels/decode_attention.h"
@@ -35,9 +41,75 @@ bool Compiled(int head_dim) {
   return false;
 }
 
+// Where a test puts an item's tensor; kMixed: each tensor of each item somewhere else.
+enum class Place { kHost, kDevice, kPinned, kMixed };
+
+// One step's tensors in one kind of memory, bump-allocated; `skew` bytes past 16-byte alignment.
+class Arena {
+ public:
+  Arena(Place place, size_t bytes) : place_(place), bytes_(bytes) {
+    if (place == Place::kDevice) {
+      EXPECT_EQ(cudaMalloc(&base_, bytes), cudaSuccess);
+      return;
+    }
+    base_ = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    if (place == Place::kPinned) {
+      EXPECT_EQ(cudaHostRegister(base_, bytes, cudaHostRegisterDefault), cudaSuccess);
+    }
+  }
+  ~Arena() {
+    if (place_ == Place::kDevice) {
+      cudaFree(base_);
+      return;
+    }
+    if (place_ == Place::kPinned) cudaHostUnregister(base_);
+    std::free(base_);
+  }
+  BytesAt at() const {
+    return place_ == Place::kDevice   ? BytesAt::kDevice
+           : place_ == Place::kPinned ? BytesAt::kPageLocked
+                                      : BytesAt::kHost;
+  }
+  // `bytes` of 0xff (NaN in fp16, bf16 and fp32) or of `src`.
+  char* Take(size_t bytes, int skew, const void* src = nullptr) {
+    used_ = (used_ + 15) / 16 * 16 + size_t(skew);
+    char* p = static_cast<char*>(base_) + used_;
+    used_ += bytes;
+    EXPECT_LE(used_, bytes_);
+    if (src != nullptr) {
+      EXPECT_EQ(cudaMemcpy(p, src, bytes, cudaMemcpyDefault), cudaSuccess);
+    } else {
+      EXPECT_EQ(place_ == Place::kDevice ? cudaMemset(p, 0xff, bytes)
+                                         : (std::memset(p, 0xff, bytes), cudaSuccess),
+                cudaSuccess);
+    }
+    return p;
+  }
+  HostRows Put(const Bits& bits, int64_t heads, int64_t head_dim, DType dtype, int skew) {
+    HostRows rows = Rows(bits, heads, head_dim, dtype);
+    rows.data = Take(bits.size() * 2, skew, bits.data());
+    rows.at = at();
+    return rows;
+  }
+
+ private:
+  Place place_;
+  size_t bytes_;
+  void* base_ = nullptr;
+  size_t used_ = 0;
+};
+
+template <typename T>
+std::vector<T> Fetch(const void* src, size_t count) {
+  std::vector<T> out(count);
+  EXPECT_EQ(cudaMemcpy(out.data(), src, count * sizeof(T), cudaMemcpyDefault), cudaSuccess);
+  return out;
+}
+
 struct Case {
   DType dtype;
   int heads_q, heads_kv, head_dim, page_tokens;
+  Place place = Place::kHost;
 };
 
 class CudaKvStoreTest : public ::testing::TestWithParam<Case> {};
@@ -91,10 +163,20 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
       ks.push_back(RandomRows(&rng, new_rows, c.heads_kv, c.head_dim, c.dtype));
       vs.push_back(RandomRows(&rng, new_rows, c.heads_kv, c.head_dim, c.dtype));
     }
+    // Tensor t of item i: in arena (i + t) % 3 when mixed; item 3's at odd (2-byte) offsets.
+    std::vector<std::unique_ptr<Arena>> arenas;
+    for (Place p : {Place::kHost, Place::kDevice, Place::kPinned}) {
+      arenas.push_back(std::make_unique<Arena>(c.place == Place::kMixed ? p : c.place, 4 << 20));
+    }
+    auto arena = [&](int i, int t) -> Arena& {
+      return *arenas[c.place == Place::kMixed ? size_t((i + t) % 3) : 0];
+    };
     for (int i = 0; i < 4; ++i) {
-      items.push_back({ids[size_t(i)], 0, Rows(qs[size_t(i)], c.heads_q, c.head_dim, c.dtype),
-                       Rows(ks[size_t(i)], c.heads_kv, c.head_dim, c.dtype),
-                       Rows(vs[size_t(i)], c.heads_kv, c.head_dim, c.dtype)});
+      const int skew = i == 3 ? 2 : 0;
+      items.push_back(
+          {ids[size_t(i)], 0, arena(i, 0).Put(qs[size_t(i)], c.heads_q, c.head_dim, c.dtype, skew),
+           arena(i, 1).Put(ks[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew),
+           arena(i, 2).Put(vs[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew)});
     }
     absl::StatusOr<StepPlan> plan = cache->PrepareStep(items);
     ASSERT_TRUE(plan.ok()) << plan.status();
@@ -102,14 +184,22 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
     const float scale = 1.f / std::sqrt(float(c.head_dim));
     plan->batch.causal = causal;
     plan->batch.softmax_scale = scale;
-    std::vector<Bits> outs(4, Bits(qs[0].size(), 0x7e00));  // NaN-poisoned
-    std::vector<std::vector<float>> lses(4, std::vector<float>(size_t(c.heads_q * rows_q), NAN));
-    for (size_t i = 0; i < 4; ++i) {
-      plan->batch.items[i].out = outs[i].data();
-      plan->batch.items[i].lse = lses[i].data();
+    const size_t lse_count = size_t(c.heads_q * rows_q);
+    for (size_t i = 0; i < 4; ++i) {  // NaN-poisoned outputs
+      PagedItem& item = plan->batch.items[i];
+      item.out = arena(int(i), 3).Take(qs[i].size() * 2, i == 3 ? 2 : 0);
+      item.out_at = arena(int(i), 3).at();
+      item.lse = reinterpret_cast<float*>(arena(int(i), 4).Take(lse_count * 4, 0));
+      item.lse_at = arena(int(i), 4).at();
     }
     AttendInfo kernel;
     ASSERT_TRUE((*store)->Attend(plan->batch, &kernel).ok());
+    std::vector<Bits> outs;
+    std::vector<std::vector<float>> lses;
+    for (const PagedItem& item : plan->batch.items) {
+      outs.push_back(Fetch<uint16_t>(item.out, qs[0].size()));
+      lses.push_back(Fetch<float>(item.lse, lse_count));
+    }
     for (size_t i = 0; i < 4; ++i) {
       dense[i].Append(ks[i], vs[i]);
       testing::CheckAgainstReference(s, dense[i], qs[i], rows_q, causal, scale, outs[i], lses[i],
@@ -119,11 +209,15 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   EXPECT_EQ(faults, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Grid, CudaKvStoreTest,
-                         ::testing::Values(Case{DType::kBFloat16, 32, 8, 128, 64},
-                                           Case{DType::kFloat16, 32, 8, 128, 16},
-                                           Case{DType::kBFloat16, 8, 8, 64, 7},
-                                           Case{DType::kFloat16, 12, 4, 64, 64}));
+INSTANTIATE_TEST_SUITE_P(
+    Grid, CudaKvStoreTest,
+    ::testing::Values(Case{DType::kBFloat16, 32, 8, 128, 64}, Case{DType::kFloat16, 32, 8, 128, 16},
+                      Case{DType::kBFloat16, 8, 8, 64, 7}, Case{DType::kFloat16, 12, 4, 64, 64},
+                      Case{DType::kBFloat16, 32, 8, 128, 64, Place::kDevice},
+                      Case{DType::kFloat16, 12, 4, 64, 7, Place::kDevice},
+                      Case{DType::kBFloat16, 32, 8, 128, 16, Place::kPinned},
+                      Case{DType::kFloat16, 32, 8, 128, 64, Place::kMixed},
+                      Case{DType::kBFloat16, 12, 4, 64, 7, Place::kMixed}));
 
 }  // namespace
 }  // namespace flashserve::kvcache

@@ -133,6 +133,37 @@ TEST_F(SequenceCacheTest, AppendThenAttendMatchesFp64OverManySteps) {
   }
 }
 
+// The CPU store keeps its pool in host memory: bytes on a GPU (a client's CUDA region) are refused
+// with FAILED_PRECONDITION, never read; page-locked host bytes are served like any host bytes.
+TEST_F(SequenceCacheTest, CpuStoreRefusesDeviceBytes) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(1, 4, 2, 64, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 3);
+  const Bits row = RandomRows(&rng_, 1, 2, 64, DType::kFloat16);
+  const absl::Status write = store_->Write(0, row.data(), 256, BytesAt::kDevice);
+  EXPECT_EQ(write.code(), absl::StatusCode::kFailedPrecondition) << write;
+  EXPECT_NE(write.message().find("host memory"), std::string::npos) << write;
+  EXPECT_TRUE(store_->Write(0, row.data(), 256, BytesAt::kPageLocked).ok());
+  const Bits q = RandomRows(&rng_, 1, 4, 64, DType::kFloat16);
+  const Bits none;
+  const HostRows empty = Rows(none, 2, 64, DType::kFloat16);
+  absl::StatusOr<StepPlan> plan =
+      cache_->PrepareStep({{id, 0, Rows(q, 4, 64, DType::kFloat16), empty, empty}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  Bits out(q.size(), 0x7e00);
+  plan->batch.softmax_scale = 0.125f;
+  plan->batch.items[0].out = out.data();
+  for (BytesAt* at : {&plan->batch.items[0].q_at, &plan->batch.items[0].out_at}) {
+    *at = BytesAt::kDevice;
+    AttendInfo info;
+    const absl::Status attend = store_->Attend(plan->batch, &info);
+    EXPECT_EQ(attend.code(), absl::StatusCode::kFailedPrecondition) << attend;
+    *at = BytesAt::kHost;
+  }
+  EXPECT_EQ(out[0], 0x7e00);  // nothing written
+}
+
 TEST_F(SequenceCacheTest, EmptyLayerGivesZeroAndMinusInfinity) {
   Make(4 << 20, 16);
   const SequenceShape s = Shape(2, 4, 4, 64, DType::kFloat16);
@@ -359,7 +390,7 @@ class RecordingStore final : public KvStore {
  public:
   std::string_view kind() const override { return "recording"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
-  absl::Status Write(int64_t offset, const void*, int64_t) override {
+  absl::Status Write(int64_t offset, const void*, int64_t, kvcache::BytesAt) override {
     events.push_back(absl::StrCat("W", offset));
     return absl::OkStatus();
   }
@@ -402,7 +433,7 @@ class GatedStore final : public KvStore {
   explicit GatedStore(int64_t gated_bytes) : gated_bytes_(gated_bytes) {}
   std::string_view kind() const override { return "gated"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
-  absl::Status Write(int64_t, const void*, int64_t bytes) override {
+  absl::Status Write(int64_t, const void*, int64_t bytes, kvcache::BytesAt) override {
     if (bytes < gated_bytes_) return absl::OkStatus();
     std::unique_lock<std::mutex> lock(mu_);
     waiting_ = true;
