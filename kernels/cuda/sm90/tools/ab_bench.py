@@ -22,11 +22,28 @@ from bench_vs_torch import Ours, make_sets, sdpa_fn, time_fn  # noqa: E402
 N128, N176, N192 = "sm90m128n128w12s2l", "sm90m128n176w12s2l", "sm90m128n192w12s2l"
 
 
+# Session 8 A/B (a temporary host switch in launch.h): the causal L2-section tile order against
+# the old one-head-after-another order (FLASHSERVE_SM90_AB_L2=0).
+OLD = {"FLASHSERVE_SM90_AB_L2": "0"}
+AB_KEYS = ("FLASHSERVE_SM90_AB_L2",)
+
+
+def rows_s8():
+    bf = torch.bfloat16
+    c = [("n128", N128, {}), ("n128old", N128, OLD)]
+    out = [(label, bf, b, sq, sk, 32, 32, 64, True, c)
+           for (label, b, sq, sk) in (("grid", 16, 2048, 2048), ("grid", 16, 4096, 4096),
+                                      ("grid", 8, 8192, 8192), ("odd S", 16, 4000, 4000))]
+    out.append(("gqa 32:8", bf, 16, 4096, 4096, 32, 8, 128, True, c))
+    out.append(("grid", bf, 16, 4096, 4096, 16, 16, 128, True, c))
+    return out
+
+
 def rows():
     """(label, dtype, b, sq, sk, hq, hkv, d, causal, variants); variants: (name, config)."""
     bf, fp = torch.bfloat16, torch.float16
-    d64 = [("n128", N128), ("n192", N192)]
-    d128 = [("n128", N128), ("n176", N176)]
+    d64 = [("n128", N128, {}), ("n192", N192, {})]
+    d128 = [("n128", N128, {}), ("n176", N176, {})]
     out = []
     for causal in (False, True):
         for (b, s) in ((16, 1024), (16, 2048), (16, 4096), (8, 8192), (4, 16384)):
@@ -48,6 +65,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--set", default="default", choices=("default", "s8"))
+    ap.add_argument("--no-flash", action="store_true")
     ap.add_argument("--only", default="",
                     help="substring filter on 'd<d>_<label>_c<0|1>', e.g. d64_grid_c1")
     args = ap.parse_args()
@@ -60,18 +79,25 @@ def main():
           f"{args.rounds} interleaved rounds (TFLOPS per round)\n", flush=True)
     print("| case | dtype | d | causal | B | H | Sq | Sk | variant TFLOPS (r1/r2...) | median / cudnn |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
-    for (label, dtype, b, sq, sk, hq, hkv, d, causal, variants) in rows():
+    for (label, dtype, b, sq, sk, hq, hkv, d, causal, variants) in (
+            rows_s8() if args.set == "s8" else rows()):
         if args.only and args.only not in f"d{d}_{label}_c{int(causal)}".replace(" ", "_"):
             continue
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2)
         flops = 4.0 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
         q, k, v, o = sets[0]
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-        fns = [("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal, hq != hkv)),
-               ("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv))]
-        for name, cfg in variants:
-            fn = lambda q, k, v, o, cfg=cfg: ours(q, k, v, o, causal, cfg)
+                                             v.transpose(1, 2), is_causal=causal,
+                                             enable_gqa=hq != hkv).transpose(1, 2)
+        fns = [("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal, hq != hkv))]
+        if not args.no_flash:
+            fns.append(("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv)))
+        for name, cfg, env in variants:
+            def fn(q, k, v, o, cfg=cfg, env=env):
+                for key in AB_KEYS:  # the launch reads them (temporary A/B switches)
+                    os.environ.pop(key, None)
+                os.environ.update(env)
+                ours(q, k, v, o, causal, cfg)
             fn(q, k, v, o)
             err = (o.float() - ref.float()).abs().max().item()
             assert err < 0.05 and not torch.isnan(o).any(), f"{name}: max error {err}"
@@ -83,8 +109,11 @@ def main():
                 res[n].append(flops / time_fn(fn, sets, args.warmup, args.reps) / 1e12)
         cud = statistics.median(res["cudnn"])
         cells = ", ".join(f"{n} {'/'.join(f'{x:.0f}' for x in xs)}" for n, xs in res.items())
-        ratios = ", ".join(f"{n} {statistics.median(xs) / cud:.2f}" for n, xs in res.items()
-                           if n != "cudnn")
+        # Per round: the variant against the same round's cuDNN (adjacent in time); median [min-max].
+        def per_round(n):
+            rs = [x / c for x, c in zip(res[n], res["cudnn"])]
+            return f"{statistics.median(rs):.3f} [{min(rs):.2f}-{max(rs):.2f}]"
+        ratios = ", ".join(f"{n} {per_round(n)}" for n in res if n != "cudnn")
         print(f"| {label} | {str(dtype)[6:]} | {d} | {'yes' if causal else 'no'} | {b} | "
               f"{hq}:{hkv} | {sq} | {sk} | {cells} | {ratios} |", flush=True)
         del sets
