@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernel.h"
 #include "registry.h"
@@ -31,15 +30,12 @@ inline GridPlan grid_plan(const AttentionParams& p, int tiles, int sm_count) {
   return {std::min(tiles, std::max(sm_count, 1)), p.causal};
 }
 
-/// The tile order's L2 section (tile_order.h): causal problems only (their tiles differ in
-/// length, so the order decides the balance at the end of the grid).
+/// The tile order's L2 section (tile_order.h; schedule_l2_heads decides where it is used).
 template <typename T>
 int schedule_l2_heads(const AttentionParams& p) {
-  // TEMPORARY A/B switch (session 8, not for commit): 0 = the old order (one head after another).
-  const char* ab = std::getenv("FLASHSERVE_SM90_AB_L2");
-  if (!p.causal || (ab != nullptr && ab[0] == '0')) return 0;
-  return l2_section_heads(p.seqlen_k, T::kHeadDim, int(sizeof(typename T::Element)),
-                          p.heads_q / p.heads_kv, p.heads_q * p.batch);
+  return schedule_l2_section_heads(p.causal, p.seqlen_k, T::kHeadDim,
+                                   int(sizeof(typename T::Element)), p.heads_q / p.heads_kv,
+                                   p.heads_q * p.batch);
 }
 
 /// The counter slot of the next dynamic launch of this instance (scheduler.h).

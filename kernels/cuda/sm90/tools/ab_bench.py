@@ -39,6 +39,20 @@ def rows_s8():
     return out
 
 
+def rows_pin():
+    """The wait ordered after the softmax (--lib) against the old plain wait (--lib2)."""
+    bf, fp = torch.bfloat16, torch.float16
+    v = [("new", N128, {}), ("old", (N128, 2), {})]
+    out = []
+    for (dt, b, s, causal) in ((bf, 16, 2048, False), (bf, 16, 4096, False), (bf, 16, 4096, True),
+                               (fp, 16, 4096, False), (bf, 4, 16384, False)):
+        out.append(("grid" if dt == bf else "fp16", dt, b, s, s, 16, 16, 128, causal, v))
+    for (dt, b, s, causal) in ((bf, 16, 2048, False), (bf, 16, 4096, False), (bf, 16, 2048, True),
+                               (bf, 16, 4096, True), (fp, 16, 4096, False), (bf, 8, 8192, False)):
+        out.append(("grid" if dt == bf else "fp16", dt, b, s, s, 32, 32, 64, causal, v))
+    return out
+
+
 def rows():
     """(label, dtype, b, sq, sk, hq, hkv, d, causal, variants); variants: (name, config)."""
     bf, fp = torch.bfloat16, torch.float16
@@ -65,13 +79,15 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--set", default="default", choices=("default", "s8"))
+    ap.add_argument("--set", default="default", choices=("default", "s8", "pin"))
+    ap.add_argument("--lib2", help="a second build; a variant's config (name, 2) runs it")
     ap.add_argument("--no-flash", action="store_true")
     ap.add_argument("--only", default="",
                     help="substring filter on 'd<d>_<label>_c<0|1>', e.g. d64_grid_c1")
     args = ap.parse_args()
     torch.manual_seed(0)
     ours = Ours(args.lib)
+    ours2 = Ours(args.lib2) if args.lib2 else None
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     print(f"# sm90 A/B on {props.name}, torch {torch.__version__}, cuDNN "
@@ -80,7 +96,7 @@ def main():
     print("| case | dtype | d | causal | B | H | Sq | Sk | variant TFLOPS (r1/r2...) | median / cudnn |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for (label, dtype, b, sq, sk, hq, hkv, d, causal, variants) in (
-            rows_s8() if args.set == "s8" else rows()):
+            {"s8": rows_s8, "pin": rows_pin}.get(args.set, rows)()):
         if args.only and args.only not in f"d{d}_{label}_c{int(causal)}".replace(" ", "_"):
             continue
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2)
@@ -93,11 +109,15 @@ def main():
         if not args.no_flash:
             fns.append(("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv)))
         for name, cfg, env in variants:
-            def fn(q, k, v, o, cfg=cfg, env=env):
+            lib = ours
+            if isinstance(cfg, tuple):  # (config, 2): the --lib2 build
+                cfg, lib = cfg[0], ours2
+
+            def fn(q, k, v, o, cfg=cfg, env=env, lib=lib):
                 for key in AB_KEYS:  # the launch reads them (temporary A/B switches)
                     os.environ.pop(key, None)
                 os.environ.update(env)
-                ours(q, k, v, o, causal, cfg)
+                lib(q, k, v, o, causal, cfg)
             fn(q, k, v, o)
             err = (o.float() - ref.float()).abs().max().item()
             assert err < 0.05 and not torch.isnan(o).any(), f"{name}: max error {err}"
