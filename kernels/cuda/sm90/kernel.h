@@ -333,15 +333,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
     if constexpr (decltype(mask_tag)::value) apply_mask(s, w.n_blocks - 1 - i);
     float alpha[2];
     const bool moves = softmax.template scale_and_exp<false>(s, scale_log2, alpha);
-#ifdef FLASHSERVE_SM90_AB_NO_PIN  // TEMPORARY A/B macro (session 8): the old, unordered wait
     wgmma_wait<0>();  // P_{i-1} V_{i-1} done: O and pa are ours again
-#else
-    // P_{i-1} V_{i-1} done: O and pa are ours again. The wait depends on the row sums, i.e. on
-    // every exp of this tile: with a plain wait, ptxas sank the exps, the sums and the quad
-    // shuffles below it (SASS: only the 64 FMNMX of the row max ran between the two waits), so
-    // the softmax waited for P V instead of overlapping it (ncu: 7% of all warp samples there).
-    wgmma_wait0_after(softmax.row_sum[0] + softmax.row_sum[1]);
-#endif
 #pragma unroll
     for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
 #pragma unroll

@@ -131,20 +131,6 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
-/// wgmma_wait<0>() that ptxas must schedule after `dep` is computed: the wait is predicated on
-/// dep's bits differing from 0xffffffff, which a sum of non-negative floats never has (its sign
-/// bit is 0; the canonical NaN is 0x7fffffff), so every thread always waits (.aligned holds).
-/// A plain wait has no register inputs, and ptxas moves independent arithmetic across it.
-__device__ __forceinline__ void wgmma_wait0_after(float dep) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "setp.ne.b32 p, %0, -1;\n"
-      "@p wgmma.wait_group.sync.aligned 0;\n"
-      "}\n" ::"r"(__float_as_uint(dep))
-      : "memory");
-}
-
 /// Pins a register operand of an in-flight wgmma: the compiler may neither move nor reuse it
 /// across this point (the tensor core reads/writes it asynchronously).
 __device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
