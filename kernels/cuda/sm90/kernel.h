@@ -116,17 +116,16 @@ __device__ int take_tile(const SmemMap<T>& sm, int b, int cw) {
 /// kv_iter % kStages in round kv_iter / kStages.
 template <typename T>
 __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_q,
-                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, int sched_slot) {
+                        const CUtensorMap* tm_k, const CUtensorMap* tm_v, SchedArgs sa) {
   const bool leader = threadIdx.x == 0;
   if (leader) {
     tma_prefetch_descriptor(tm_q);
     tma_prefetch_descriptor(tm_k);
     tma_prefetch_descriptor(tm_v);
   }
-  const TileScheduler<T> sched(p);
+  const TileScheduler<T> sched(p, sa.l2_heads);
   int kv_iter = 0, q_iter = 0;
-  for (int tile = next_tile_warp(sched_slot, -1);;
-       tile = next_tile_warp(sched_slot, tile), ++q_iter) {
+  for (int tile = next_tile_warp(sa.slot, -1);; tile = next_tile_warp(sa.slot, tile), ++q_iter) {
     const bool done = tile >= sched.total;
     const BlockWork w = sched.work(p, done ? 0 : tile);
     const bool loads = !done && w.n_blocks > 0;
@@ -167,7 +166,7 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
     kv_iter += w.n_blocks;
   }
   drain_slot_reads<T>(q_iter + 1);
-  if (leader) finish_dynamic_schedule(sched_slot);
+  if (leader) finish_dynamic_schedule(sa.slot);
 }
 
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
@@ -388,9 +387,9 @@ __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, i
 /// Consumer warpgroup cw's share of every tile the producer hands to the block.
 template <typename T>
 __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_o,
-                        int cw) {
+                        int cw, int l2_heads) {
   static_assert(T::kConsumers == 2, "the GEMM turn-taking below is for two warpgroups");
-  const TileScheduler<T> sched(p);
+  const TileScheduler<T> sched(p, l2_heads);
   // Warpgroup 0 has the first turn: warpgroup 1 hands it over before its own first wait.
   if (cw == 1) named_barrier_arrive(1, 2 * 128);
   int kv_iter = 0;
@@ -427,7 +426,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
                     const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
-                    const __grid_constant__ CUtensorMap tm_o, int sched_slot) {
+                    const __grid_constant__ CUtensorMap tm_o, SchedArgs sa) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const SmemMap<T> sm((ptx::smem_addr(smem_raw) + 1023u) & ~1023u);
@@ -448,10 +447,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1)
   __syncthreads();
   if (warpgroup == 0) {
     setmaxnreg_dec<T::kProducerRegs>();
-    if (threadIdx.x < 32) produce<T>(p, sm, &tm_q, &tm_k, &tm_v, sched_slot);
+    if (threadIdx.x < 32) produce<T>(p, sm, &tm_q, &tm_k, &tm_v, sa);
   } else {
     setmaxnreg_inc<T::kConsumerRegs>();
-    consume<T>(p, sm, &tm_o, warpgroup - 1);
+    consume<T>(p, sm, &tm_o, warpgroup - 1, sa.l2_heads);
   }
 #endif
 }

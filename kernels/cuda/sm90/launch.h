@@ -30,6 +30,14 @@ inline GridPlan grid_plan(const AttentionParams& p, int tiles, int sm_count) {
   return {std::min(tiles, std::max(sm_count, 1)), p.causal};
 }
 
+/// The tile order's L2 section (tile_order.h; schedule_l2_heads decides where it is used).
+template <typename T>
+int schedule_l2_heads(const AttentionParams& p) {
+  return schedule_l2_section_heads(p.causal, p.seqlen_k, T::kHeadDim,
+                                   int(sizeof(typename T::Element)), p.heads_q / p.heads_kv,
+                                   p.heads_q * p.batch);
+}
+
 /// The counter slot of the next dynamic launch of this instance (scheduler.h).
 inline int next_sched_slot() {
   static std::atomic<uint32_t> next{0};
@@ -66,9 +74,8 @@ cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t(tiles_per_head) * p.heads_q * p.batch;
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const GridPlan plan = grid_plan(p, int(tiles), sm_count);
-  const int sched_slot = plan.dynamic ? next_sched_slot() : -1;
-  kernel<<<plan.blocks, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o,
-                                                               sched_slot);
+  const SchedArgs sa{plan.dynamic ? next_sched_slot() : -1, schedule_l2_heads<T>(p)};
+  kernel<<<plan.blocks, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o, sa);
   return cudaGetLastError();
 }
 

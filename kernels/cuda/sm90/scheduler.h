@@ -1,6 +1,6 @@
 // Which tiles a block of the sm90 kernel computes, and in what order. Every schedule walks one
-// linear tile order (the query tiles of one (batch, head) adjacent: they share K/V in L2; the
-// heaviest, last rows first when causal); only the producer warp walks it and hands each tile
+// linear tile order (tile_order.h: non-causal, the query tiles of one (batch, head) adjacent;
+// causal, L2-sized sections of heads walked heaviest query tile first); only the producer warp walks it and hands each tile
 // to the consumers through shared memory (kernel.h), so the consumers never compute a schedule.
 //  - static (sched_slot < 0): block b takes tiles b, b + gridDim.x, ...; used for non-causal
 //    problems (equal tiles) and for one block per tile (gridDim.x = tiles).
@@ -13,12 +13,19 @@
 #pragma once
 
 #include "flashserve/kernels/attention_params.h"
+#include "tile_order.h"
 
 namespace flashserve::kernels::cuda::sm90 {
 
 constexpr int kSchedSlots = 1024;
 // Zero at module load; each launch leaves its pair at zero again (finish_dynamic_schedule).
 static __device__ unsigned int g_sched_counters[2 * kSchedSlots];
+
+/// The launch's schedule: slot < 0 static, else the dynamic counter slot; l2_heads: the tile
+/// order's section size (tile_order.h; <= 1 keeps one (batch, head) after the other).
+struct SchedArgs {
+  int slot, l2_heads;
+};
 
 /// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
 struct BlockWork {
@@ -28,13 +35,16 @@ struct BlockWork {
 /// The linear tile order and the work of each tile.
 template <typename T>
 struct TileScheduler {
-  int num_m, total;
-  __device__ explicit TileScheduler(const AttentionParams& p)
-      : num_m((p.seqlen_q + T::kBlockM - 1) / T::kBlockM), total(num_m * p.heads_q * p.batch) {}
+  int num_m, total, l2_heads;
+  __device__ TileScheduler(const AttentionParams& p, int l2_heads_)
+      : num_m((p.seqlen_q + T::kBlockM - 1) / T::kBlockM),
+        total(num_m * p.heads_q * p.batch),
+        l2_heads(l2_heads_) {}
 
   __device__ BlockWork work(const AttentionParams& p, int tile) const {
     BlockWork w;
-    const int m_idx = tile % num_m, hb = tile / num_m;
+    const TileCoord c = tile_coord(tile, num_m, p.heads_q * p.batch, l2_heads);
+    const int m_idx = c.m_idx, hb = c.hb;
     w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
     w.head = hb % p.heads_q;
     w.batch = hb / p.heads_q;

@@ -5,7 +5,8 @@ timing helpers of bench/kernels/bench_vs_torch.py (median of --reps CUDA-event-t
 --warmup calls, inputs rotated over sets totalling > 2x L2). A variant is an sm90 configuration
 name (block_n 128 / 192 at d=64, 128 / 176 at d=128), e.g.
   python3 kernels/cuda/sm90/tools/ab_bench.py --lib build/kernels/cuda/libflashserve_kernels_capi.so
-Prints one markdown table (TFLOPS per round, then the median ratio to cuDNN per variant).
+Prints one markdown table (TFLOPS per round, then per variant the median and range of its
+per-round ratio to the same round's cuDNN).
 """
 import argparse
 import os
@@ -47,7 +48,8 @@ def main():
     ap.add_argument("--lib", required=True)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--no-flash", action="store_true", help="time cuDNN and the variants only")
     ap.add_argument("--only", default="",
                     help="substring filter on 'd<d>_<label>_c<0|1>', e.g. d64_grid_c1")
     args = ap.parse_args()
@@ -57,8 +59,10 @@ def main():
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     print(f"# sm90 A/B on {props.name}, torch {torch.__version__}, cuDNN "
           f"{torch.backends.cudnn.version()}; median of {args.reps} after {args.warmup} warm-up, "
-          f"{args.rounds} interleaved rounds (TFLOPS per round)\n", flush=True)
-    print("| case | dtype | d | causal | B | H | Sq | Sk | variant TFLOPS (r1/r2...) | median / cudnn |")
+          f"{args.rounds} interleaved rounds (TFLOPS per round; each round's "
+          f"ratio against the same round's cuDNN)\n", flush=True)
+    print("| case | dtype | d | causal | B | H | Sq | Sk | variant TFLOPS (r1/r2...) | "
+          "per-round ratio to cudnn: median [min-max] |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for (label, dtype, b, sq, sk, hq, hkv, d, causal, variants) in rows():
         if args.only and args.only not in f"d{d}_{label}_c{int(causal)}".replace(" ", "_"):
@@ -67,9 +71,11 @@ def main():
         flops = 4.0 * b * hq * sq * sk * d / (2 if causal and sq == sk else 1)
         q, k, v, o = sets[0]
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=causal).transpose(1, 2)
-        fns = [("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal, hq != hkv)),
-               ("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv))]
+                                             v.transpose(1, 2), is_causal=causal,
+                                             enable_gqa=hq != hkv).transpose(1, 2)
+        fns = [("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal, hq != hkv))]
+        if not args.no_flash:
+            fns.append(("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv)))
         for name, cfg in variants:
             fn = lambda q, k, v, o, cfg=cfg: ours(q, k, v, o, causal, cfg)
             fn(q, k, v, o)
@@ -83,8 +89,11 @@ def main():
                 res[n].append(flops / time_fn(fn, sets, args.warmup, args.reps) / 1e12)
         cud = statistics.median(res["cudnn"])
         cells = ", ".join(f"{n} {'/'.join(f'{x:.0f}' for x in xs)}" for n, xs in res.items())
-        ratios = ", ".join(f"{n} {statistics.median(xs) / cud:.2f}" for n, xs in res.items()
-                           if n != "cudnn")
+        # Per round: the variant against the same round's cuDNN (adjacent in time); median [min-max].
+        def per_round(n):
+            rs = [x / c for x, c in zip(res[n], res["cudnn"])]
+            return f"{statistics.median(rs):.3f} [{min(rs):.2f}-{max(rs):.2f}]"
+        ratios = ", ".join(f"{n} {per_round(n)}" for n in res if n != "cudnn")
         print(f"| {label} | {str(dtype)[6:]} | {d} | {'yes' if causal else 'no'} | {b} | "
               f"{hq}:{hkv} | {sq} | {sk} | {cells} | {ratios} |", flush=True)
         del sets
