@@ -21,6 +21,11 @@ Clients: with --cpp_loadgen the Sequences and (a) rows come from the C++ client 
 serialized once, one connection per client thread), which measures the server and the transport; without it (or
 with --python_client too) from this Python client (grpcio), whose serialization adds to the latency as it would
 for a Python model server.
+
+With --echo_target (a flashserve-echo, bench/service/echo_server.cc) the C++ client also sends, after each gRPC
+Sequences row, each client's same serialized DecodeStep bytes to that echo server, which answers with as many bytes
+as the real DecodeStepResponse (same clients, warm-up and steps): the raw gRPC round trip of the same bytes, shown
+as "gRPC echo of the same bytes p50 ms" and as the floor "echo of the same bytes + kernel" in the targets table.
 """
 
 from __future__ import annotations
@@ -336,6 +341,9 @@ def parse_args(argv=None):
                    "(DecodeStep over the server's --local_socket; needs --local_socket for the target)")
     p.add_argument("--local_socket", action="append", default=[], help="label=PATH: the --local_socket of the "
                    "--target with that label (repeatable)")
+    p.add_argument("--echo_target", default="", help="host:port of a flashserve-echo: with --cpp_loadgen, every "
+                   "gRPC Sequences row also measures the raw gRPC echo of the same request bytes (answered with the "
+                   "response's size)")
     p.add_argument("--md", default="", help="write the markdown table here")
     p.add_argument("--json", default="", help="write every row as JSON here")
     p.add_argument("--seed", type=int, default=0)
@@ -401,7 +409,7 @@ def cpp_variant_rows(args, label, address, context) -> List[dict]:
         if variant not in VARIANTS:
             raise SystemExit(f"--cpp_variants: unknown {variant!r} (one of {', '.join(VARIANTS)})")
         transport, shm = VARIANTS[variant]
-        extra = [f"--shm={shm}"]
+        extra = [f"--shm={shm}"] + (_echo_flags(args) if transport == "" else [])
         if transport == "local":
             if label not in sockets:
                 raise SystemExit(f"--cpp_variants {variant}: no --local_socket {label}=PATH")
@@ -410,6 +418,11 @@ def cpp_variant_rows(args, label, address, context) -> List[dict]:
             row["path"] = f"{row['path']} ({label})"
             rows.append(row)
     return rows
+
+
+def _echo_flags(args) -> List[str]:
+    """The load generator's --echo for rows whose DecodeStep goes over gRPC (the echo is a gRPC call too)."""
+    return [f"--echo={args.echo_target}"] if args.echo_target else []
 
 
 def full_kv_rows(args, address, context, levels, rng) -> List[dict]:
@@ -434,7 +447,7 @@ def run(args) -> List[dict]:
         for label, address in targets:
             if args.cpp_loadgen:
                 rows += cpp_rows(args, f"sequences ({label})", address, context, "sequences", args.steps,
-                                 args.warmup)
+                                 args.warmup, _echo_flags(args))
                 rows += cpp_variant_rows(args, label, address, context)
             if args.python_client or args.shm or not args.cpp_loadgen:
                 rows += python_sequence_rows(args, label, address, context, levels, rng)
@@ -464,25 +477,36 @@ def _stages(r: dict) -> str:
     return "/".join(f"{r[f'server_{k}_us']:.0f}" for k in keys)
 
 
+def _echo(r: dict) -> str:
+    if "echo_error" in r:
+        return f"echo failed: {r['echo_error'][:200]}"
+    return f"{r['echo_p50_ms']:.3f}" if "echo_p50_ms" in r else ""
+
+
 def markdown(rows: List[dict], args) -> str:
     lines = [f"Decode step, one Llama-3-8B-like layer ({HEADS_Q} q heads, {HEADS_KV} kv heads, d{HEAD_DIM}, {DTYPE}), "
              f"{args.sequences} sequences; {args.steps} measured steps after {args.warmup} warm-up "
              f"((a): {args.full_kv_steps} after 1). Latency = one client's call for its share of the sequences.",
+             *(["gRPC echo of the same bytes = each client's serialized DecodeStep sent as is to flashserve-echo, "
+                "answered with as many bytes as its DecodeStepResponse (the raw gRPC round trip; same clients, "
+                "warm-up and steps, measured right after the row; C++ gRPC rows only)."]
+               if any("echo_p50_ms" in r or "echo_error" in r for r in rows) else []),
              "",
-             "| context | path | client | clients | p50 ms | p99 ms | seq-steps/s | server total us (p50) | "
-             "server compute us (p50) | calls merged (mean) | server queue/stage/h2d/kernel/d2h us (p50) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| context | path | client | clients | p50 ms | p99 ms | gRPC echo of the same bytes p50 ms | "
+             "seq-steps/s | server total us (p50) | server compute us (p50) | calls merged (mean) | "
+             "server queue/stage/h2d/kernel/d2h us (p50) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | "
-                         f"failed: {r['error'][:300]} |  |  |  |  |  |  |")
+                         f"failed: {r['error'][:300]} |  |  |  |  |  |  |  |")
             continue
         merged = f"{r['batched_calls_mean']:.2f}" if r["path"].startswith("sequences") else ""
         total = f"{r['server_total_us']:.0f}" if "server_total_us" in r else ""
         compute = f"{r['server_compute_us']:.0f}" if "server_compute_us" in r else ""
         p50 = f"{r['p50_ms']:.3f}" + (f" (queued {r['queued_mean_ms']:.3f})" if "queued_mean_ms" in r else "")
         lines.append(f"| {r['context']} | {r['path']} | {r.get('client', '')} | {r['concurrency']} | {p50} | "
-                     f"{r['p99_ms']:.3f} | "
+                     f"{r['p99_ms']:.3f} | {_echo(r)} | "
                      f"{r['seq_steps_per_s']:.0f} | {total} | {compute} | {merged} | {_stages(r)} |")
     return "\n".join(lines + targets_lines(rows)) + "\n"
 
@@ -490,10 +514,13 @@ def markdown(rows: List[dict], args) -> str:
 def targets_lines(rows: List[dict]) -> List[str]:
     """Issue 20's latency targets for every measured Sequences row at one client: p50 <= kernel + 0.5 ms for a step
     whose tensors cross the socket, <= kernel + 100 us with q/k/v/O in shared memory. Kernel = the server's
-    kernel_us (CUDA events); where that is 0 (CPU backend) its compute_us."""
+    kernel_us (CUDA events); where that is 0 (CPU backend) its compute_us. Floor = the raw gRPC echo of the same
+    bytes (p50, --echo_target) + kernel: what the step would cost if the server and the client's proto work were
+    free."""
     lines = ["", "Against issue 20's targets (one client, p50):", "",
-             "| context | path | p50 us | kernel us | target | bound us | met? | p50 - server total us |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| context | path | p50 us | kernel us | target | bound us | met? | p50 - server total us | "
+             "floor: echo of the same bytes + kernel us | p50 - floor us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r or r["concurrency"] != 1 or not r["path"].startswith("sequences"):
             continue
@@ -501,9 +528,12 @@ def targets_lines(rows: List[dict]) -> List[str]:
         shm = "shm" in r["path"] or "shared memory" in r["path"]
         bound = kernel + (100 if shm else 500)
         p50 = r["p50_ms"] * 1e3
+        floor = r["echo_p50_ms"] * 1e3 + kernel if "echo_p50_ms" in r else None
+        floor_cells = f"{floor:.0f} | {p50 - floor:.0f}" if floor is not None else (
+            "echo failed | " if "echo_error" in r else " | ")
         lines.append(f"| {r['context']} | {r['path']} | {p50:.0f} | {kernel:.0f} | kernel + "
                      f"{'100 us' if shm else '0.5 ms'} | {bound:.0f} | {'yes' if p50 <= bound else 'no'} | "
-                     f"{p50 - r.get('server_total_us', 0.0):.0f} |")
+                     f"{p50 - r.get('server_total_us', 0.0):.0f} | {floor_cells} |")
     return lines
 
 

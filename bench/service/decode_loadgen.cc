@@ -13,10 +13,16 @@
 // --allow_client_shm; cuda needs a CUDA build of this tool, regions on --shm_device). Sequences
 // are created and released over gRPC (--target) either way. A row whose calls fail is printed as
 // {"path", "context", "concurrency", "error"} and the exit status is 3.
+// --echo=HOST:PORT (mode sequences): after each concurrency level, the same clients' serialized
+// DecodeStep bytes go to flashserve-echo (echo_server.cc), which answers with as many bytes as the
+// DecodeStepResponse that client got, with the same concurrency, warm-up and steps: the raw gRPC
+// round trip of the same bytes, in the row as echo_p50_ms / echo_p99_ms (echo_error if it failed;
+// the row itself still counts).
 //
 //   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
 //       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
 //       [--local_socket=PATH] [--shm=none|system|cuda] [--shm_device=0] [--timeout_ms=60000]
+//       [--echo=HOST:PORT]
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -43,6 +49,7 @@ using flashserve::loadgen::Clock;
 using flashserve::loadgen::DecodeClient;
 using flashserve::loadgen::DecodeRegions;
 using flashserve::loadgen::DecodeTransportOptions;
+using flashserve::loadgen::EchoClient;
 using flashserve::loadgen::MakeChannel;
 using flashserve::loadgen::Micros;
 
@@ -51,6 +58,7 @@ constexpr int64_t kMaxMessage = (int64_t(1) << 31) - 1;
 
 struct Options {
   std::string target = "127.0.0.1:8001", token, mode = "sequences";
+  std::string echo;  // non-empty: flashserve-echo's host:port (the raw gRPC floor per row)
   int64_t context = 1024, sequences = 64;
   std::vector<int> concurrency{1, 8};
   int steps = 200, warmup = 20;
@@ -291,10 +299,45 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
   sample->d2h_us = response.timing().d2h_us();
 }
 
+// The raw gRPC echo of one level's requests (client c: requests[c]'s bytes, answered with
+// response_bytes[c]), same clients, warm-up and steps; the row's JSON fields for it.
+std::string EchoFields(const Options& opt, int clients,
+                       const std::vector<v1::DecodeStepRequest>& requests,
+                       const std::vector<int64_t>& response_bytes) {
+  std::vector<std::unique_ptr<EchoClient>> conns;
+  int64_t request_max = 0, response_max = 0;
+  for (int c = 0; c < clients; ++c) {
+    std::string bytes = requests[size_t(c)].SerializeAsString();
+    request_max = std::max(request_max, int64_t(bytes.size()));
+    response_max = std::max(response_max, response_bytes[size_t(c)]);
+    conns.push_back(std::make_unique<EchoClient>(opt.echo, c, opt.token, std::move(bytes),
+                                                 response_bytes[size_t(c)]));
+  }
+  auto call = [&](int c, Sample*, std::string* failed) { return conns[size_t(c)]->Step(failed); };
+  double wall_s = 0;
+  std::string error;
+  const std::vector<Sample> samples =
+      RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
+  if (!error.empty()) {
+    std::fprintf(stderr, "decode-loadgen: echo, %d clients: %s\n", clients, error.c_str());
+    return ", \"echo_error\": \"" + JsonEscape(error) + "\"";
+  }
+  std::vector<double> latency;
+  for (const Sample& s : samples) latency.push_back(s.latency_us / 1e3);
+  char buffer[256];
+  std::snprintf(buffer, sizeof(buffer),
+                ", \"echo_p50_ms\": %.4f, \"echo_p99_ms\": %.4f, \"echo_n\": %zu, "
+                "\"echo_request_bytes\": %lld, \"echo_response_bytes\": %lld",
+                Percentile(latency, 50), Percentile(latency, 99), samples.size(),
+                (long long)request_max, (long long)response_max);
+  return buffer;
+}
+
 // One concurrency level of the Sequences path; false when it failed (an error row was printed).
 bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests,
                     DecodeRegions* regions) {
   std::vector<std::unique_ptr<DecodeClient>> conns;
+  std::vector<int64_t> response_bytes(size_t(clients), 0);  // what each client got: the echo's size
   std::string error;
   if (regions != nullptr) regions->PoisonOutputs(&error);
   for (int c = 0; c < clients && error.empty(); ++c) {
@@ -308,6 +351,8 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
       v1::DecodeStepResponse response;
       if (!conns[size_t(c)]->Step(&response, failed)) return false;
       RecordTiming(response, sample);
+      int64_t& size = response_bytes[size_t(c)];
+      if (size == 0) size = int64_t(response.ByteSizeLong());  // once: not in every step's time
       return true;
     };
     samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
@@ -317,7 +362,9 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
     PrintError(SequencesPath(opt), opt, clients, error);
     return false;
   }
-  PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, "");
+  const std::string echo =
+      opt.echo.empty() ? "" : EchoFields(opt, clients, requests, response_bytes);
+  PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, echo);
   return true;
 }
 
@@ -426,13 +473,14 @@ void CheckOptions(const Options& opt) {
                      std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
                                  [&](int c) { return c >= 1 && c <= opt.sequences; }) &&
                      (shm == "none" || shm == "system" || shm == "cuda") &&
-                     (opt.mode == "sequences" || (shm == "none" && opt.transport.local_socket.empty())) &&
+                     (opt.mode == "sequences" ||
+                      (shm == "none" && opt.transport.local_socket.empty() && opt.echo.empty())) &&
                      opt.transport.timeout_ms >= 0;
   if (!valid) {
     std::fprintf(stderr,
                  "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
-                 "sequences; mode sequences or full_kv; shm none, system or cuda; --shm and "
-                 "--local_socket only with mode sequences)\n");
+                 "sequences; mode sequences or full_kv; shm none, system or cuda; --shm, "
+                 "--local_socket and --echo only with mode sequences)\n");
     std::exit(2);
   }
 }
@@ -455,6 +503,7 @@ Options ParseOptions(int argc, char** argv) {
   };
   opt.target = get("target", opt.target);
   opt.token = get("token", "");
+  opt.echo = get("echo", "");
   opt.mode = get("mode", opt.mode);
   opt.context = std::atoll(get("context", "1024").c_str());
   opt.sequences = std::atoll(get("sequences", "64").c_str());

@@ -1,6 +1,9 @@
 #include "decode_transport.h"
 
 #include <unistd.h>
+#include <utility>
+
+#include "grpcpp/impl/client_unary_call.h"
 
 #include "loadgen_workload.h"
 
@@ -62,6 +65,37 @@ bool DecodeClient::Step(v1::DecodeStepResponse* response, std::string* error) {
   const grpc::Status s = stub_->DecodeStep(&ctx, *request_, response);
   if (!s.ok()) *error = std::to_string(int(s.error_code())) + ": " + s.error_message();
   return s.ok();
+}
+
+EchoClient::EchoClient(const std::string& target, int index, const std::string& token,
+                       std::string request_bytes, int64_t response_bytes)
+    : channel_(MakeChannel(target, index)),
+      method_("/flashserve.bench.Echo/Echo", grpc::internal::RpcMethod::NORMAL_RPC, channel_),
+      token_(token),
+      request_bytes_(std::move(request_bytes)),
+      response_bytes_(response_bytes),
+      request_(StaticBuffer(request_bytes_)) {}
+
+bool EchoClient::Step(std::string* error) {
+  grpc::ClientContext ctx;
+  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+  ctx.AddMetadata("x-response-bytes", std::to_string(response_bytes_));
+  response_.Clear();
+  const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel_.get(), method_, &ctx, request_, &response_);
+  if (!s.ok()) {
+    const std::string message = s.error_message().empty()
+                                    ? "(no message: is the --echo target a flashserve-echo?)"
+                                    : s.error_message();
+    *error = "echo: " + std::to_string(int(s.error_code())) + ": " + message;
+    return false;
+  }
+  if (int64_t(response_.Length()) != response_bytes_) {  // not an echo server, or not this one
+    *error = "echo: answered " + std::to_string(response_.Length()) + " bytes, asked for " +
+             std::to_string(response_bytes_);
+    return false;
+  }
+  return true;
 }
 
 std::unique_ptr<DecodeRegions> DecodeRegions::Create(const DecodeTransportOptions& options,

@@ -2,7 +2,8 @@
 // local transport (frames on a Unix socket, local_client.h), with each item's q/k/v inline or in
 // a shared-memory region of the load generator's (system or CUDA; O written into one too).
 // Sequences are created and released over gRPC either way (the local transport carries only
-// DecodeStep / Attend / Attention), and regions are registered over KServe gRPC.
+// DecodeStep / Attend / Attention), and regions are registered over KServe gRPC. EchoClient: the
+// raw gRPC floor of a client's step (the same bytes to flashserve-echo).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "flashserve/v1/sequences.grpc.pb.h"
+#include "grpcpp/impl/rpc_method.h"
 #include "loadgen_regions.h"
 #include "local_client.h"
 
@@ -42,6 +44,28 @@ class DecodeClient {
   std::unique_ptr<local::LocalClient> local_;
   const v1::DecodeStepRequest* request_ = nullptr;
   std::string bytes_, reply_;
+};
+
+/// One client's raw gRPC echo of its DecodeStep: the request's serialized bytes sent as they are to
+/// flashserve-echo (echo_server.cc, method /flashserve.bench.Echo/Echo), which answers with
+/// `response_bytes` bytes (the size of the DecodeStepResponse the client got). The call goes
+/// through the same blocking path as the generated Sequences stub
+/// (grpc::internal::BlockingUnaryCall), so the difference to the real step is the proto work on
+/// both sides and the server, not the call machinery. Not thread-safe: one per client thread.
+class EchoClient {
+ public:
+  /// `index` gives the client a connection of its own; `token` is sent as on the real call.
+  EchoClient(const std::string& target, int index, const std::string& token,
+             std::string request_bytes, int64_t response_bytes);
+  /// One echo call; false with *error when it fails or the answer is not the size asked for.
+  bool Step(std::string* error);
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  grpc::internal::RpcMethod method_;
+  std::string token_, request_bytes_;  // request_ is a static slice of request_bytes_
+  int64_t response_bytes_ = 0;
+  grpc::ByteBuffer request_, response_;
 };
 
 /// The regions of a shared-memory run: per sequence i, its q, k, v back to back at

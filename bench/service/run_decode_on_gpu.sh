@@ -12,6 +12,8 @@
 # grpc+system,grpc+cuda,local,local+system,local+cuda: DecodeStep over gRPC or the socket, q/k/v/O inline or in a
 # system / same-device CUDA region; CPP_VARIANTS= drops them). A variant the server refuses (e.g. CUDA regions for
 # Sequences before the server accepts them) shows as a "failed: <code>: <message>" row; the other rows still run.
+# The raw gRPC floor: with the C++ client, flashserve-echo (bin/ of the bundle, or $ECHO_BIN) runs on a free port and
+# every gRPC Sequences row also gets the echo of its same request bytes (column "gRPC echo of the same bytes p50 ms").
 # Starts two CUDA servers with a KV pool, one without batching and one with --batch_when_busy (or, with $WINDOW_US,
 # --batch_window_us=$WINDOW_US), runs
 # bench/service/decode_bench.py against both (full-K/V path (a) against the first, torch SDPA (c) in-process) and
@@ -100,6 +102,17 @@ start_server "$BATCH_NAME" "$BATCH_WINDOW" ${BATCH_FLAGS:-} || exit 1
 PW=$PORT SW=$SOCKET
 if [[ $LOCAL_FLAGS == 1 ]]; then
   CLIENT_ARGS+=(--local_socket "batch_window_us=0=$S0" --local_socket "$BATCH_LABEL=$SW")
+fi
+ECHO_BIN=${ECHO_BIN:-$(dirname "$FLASHSERVE_BIN")/flashserve-echo}
+if [[ -x $DECODE_LOADGEN && -x $ECHO_BIN ]]; then  # port 0: it prints the one it got
+  "$ECHO_BIN" --host=127.0.0.1 --port=0 >"$OUT/echo.log" 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 100); do grep -q '^listening on' "$OUT/echo.log" && break; sleep 0.1; done
+  ECHO_PORT=$(sed -n 's/^listening on //p' "$OUT/echo.log")
+  if [[ -n $ECHO_PORT ]]; then CLIENT_ARGS+=(--echo_target "127.0.0.1:$ECHO_PORT"); else
+    echo "run_decode_on_gpu: flashserve-echo did not start (no echo column):"; cat "$OUT/echo.log"; fi
+elif [[ -x $DECODE_LOADGEN ]]; then
+  echo "run_decode_on_gpu: no flashserve-echo at $ECHO_BIN: no echo column"
 fi
 start=$(date +%s)
 python3 bench/service/decode_bench.py --target "batch_window_us=0=127.0.0.1:$P0" \
