@@ -4,7 +4,8 @@
 // One Llama-3-8B-like layer (32 q heads, 8 kv heads, d128, bf16). `--sequences` sequences are
 // created with a `--context`-token prefix; then for each concurrency c, c client threads (one
 // connection each) each send DecodeStep for their share of the sequences (one new token's q, k, v
-// per sequence; the request serialized once and re-sent), closed loop. `--mode=full_kv` sends the
+// per sequence; the same request re-sent: over gRPC the stub serializes it on every call, the
+// local transport sends bytes serialized once), closed loop. `--mode=full_kv` sends the
 // same step through AttentionService.Attention with each sequence's whole K/V instead (split into
 // calls under gRPC's 2 GiB limit). One JSON line per row on stdout (decode_bench.py --cpp_loadgen).
 // Sequences mode, where DecodeStep goes (decode_transport.h): --local_socket=PATH sends it over the
@@ -17,7 +18,9 @@
 // DecodeStep bytes go to flashserve-echo (echo_server.cc), which answers with as many bytes as the
 // DecodeStepResponse that client got, with the same concurrency, warm-up and steps: the raw gRPC
 // round trip of the same bytes, in the row as echo_p50_ms / echo_p99_ms (echo_error if it failed;
-// the row itself still counts).
+// the row itself still counts), and client_serialize_us / client_parse_us: what client 0's
+// request serialization and response parsing cost on their own (median of 5; the sync stub pays
+// both on every call, the echo neither).
 //
 //   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
 //       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
@@ -299,19 +302,42 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
   sample->d2h_us = response.timing().d2h_us();
 }
 
-// The raw gRPC echo of one level's requests (client c: requests[c]'s bytes, answered with
-// response_bytes[c]), same clients, warm-up and steps; the row's JSON fields for it.
+// The client's own proto work per call, apart from gRPC: serializing `request` and parsing
+// `response_bytes` into a fresh message, as the sync stub does (median of 5 each).
+std::string ProtoCostFields(const v1::DecodeStepRequest& request,
+                            const std::string& response_bytes) {
+  std::vector<double> serialize_us, parse_us;
+  for (int i = 0; i < 5; ++i) {
+    Clock::time_point t0 = Clock::now();
+    const std::string bytes = request.SerializeAsString();  // a fresh buffer, as on each call
+    serialize_us.push_back(Micros(Clock::now() - t0));
+    v1::DecodeStepResponse response;
+    t0 = Clock::now();
+    if (!response.ParseFromString(response_bytes)) return ", \"client_parse_error\": true";
+    parse_us.push_back(Micros(Clock::now() - t0));
+  }
+  char buffer[128];
+  std::snprintf(buffer, sizeof(buffer),
+                ", \"client_serialize_us\": %.1f, \"client_parse_us\": %.1f",
+                Percentile(serialize_us, 50), Percentile(parse_us, 50));
+  return buffer;
+}
+
+// The raw gRPC echo of one level's requests (client c: requests[c]'s bytes, answered with as
+// many bytes as responses[c], the response it got), same clients, warm-up and steps; the row's
+// JSON fields for it.
 std::string EchoFields(const Options& opt, int clients,
                        const std::vector<v1::DecodeStepRequest>& requests,
-                       const std::vector<int64_t>& response_bytes) {
+                       const std::vector<std::string>& responses) {
   std::vector<std::unique_ptr<EchoClient>> conns;
   int64_t request_max = 0, response_max = 0;
   for (int c = 0; c < clients; ++c) {
     std::string bytes = requests[size_t(c)].SerializeAsString();
+    const int64_t response_bytes = int64_t(responses[size_t(c)].size());
     request_max = std::max(request_max, int64_t(bytes.size()));
-    response_max = std::max(response_max, response_bytes[size_t(c)]);
-    conns.push_back(std::make_unique<EchoClient>(opt.echo, c, opt.token, std::move(bytes),
-                                                 response_bytes[size_t(c)]));
+    response_max = std::max(response_max, response_bytes);
+    conns.push_back(
+        std::make_unique<EchoClient>(opt.echo, c, opt.token, std::move(bytes), response_bytes));
   }
   auto call = [&](int c, Sample*, std::string* failed) { return conns[size_t(c)]->Step(failed); };
   double wall_s = 0;
@@ -330,14 +356,14 @@ std::string EchoFields(const Options& opt, int clients,
                 "\"echo_request_bytes\": %lld, \"echo_response_bytes\": %lld",
                 Percentile(latency, 50), Percentile(latency, 99), samples.size(),
                 (long long)request_max, (long long)response_max);
-  return buffer;
+  return buffer + ProtoCostFields(requests[0], responses[0]);
 }
 
 // One concurrency level of the Sequences path; false when it failed (an error row was printed).
 bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests,
                     DecodeRegions* regions) {
   std::vector<std::unique_ptr<DecodeClient>> conns;
-  std::vector<int64_t> response_bytes(size_t(clients), 0);  // what each client got: the echo's size
+  std::vector<std::string> responses(static_cast<size_t>(clients));  // each client's first: the echo's size
   std::string error;
   if (regions != nullptr) regions->PoisonOutputs(&error);
   for (int c = 0; c < clients && error.empty(); ++c) {
@@ -351,8 +377,8 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
       v1::DecodeStepResponse response;
       if (!conns[size_t(c)]->Step(&response, failed)) return false;
       RecordTiming(response, sample);
-      int64_t& size = response_bytes[size_t(c)];
-      if (size == 0) size = int64_t(response.ByteSizeLong());  // once: not in every step's time
+      std::string& first = responses[size_t(c)];
+      if (first.empty()) response.SerializeToString(&first);  // once: not in every step's time
       return true;
     };
     samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
@@ -363,7 +389,7 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
     return false;
   }
   const std::string echo =
-      opt.echo.empty() ? "" : EchoFields(opt, clients, requests, response_bytes);
+      opt.echo.empty() ? "" : EchoFields(opt, clients, requests, responses);
   PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, echo);
   return true;
 }
