@@ -44,6 +44,8 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 /// K (i < kBlockN) or V; its page is looked up one tile ahead, as in the cp.async pipeline.
 template <typename T>
 struct BulkPipe {
+  static constexpr bool kSwizzled = false;
+  static __device__ __forceinline__ uint32_t kv_base(uint32_t q_end) { return q_end; }
   static constexpr uint32_t kTileBytes = T::kTileElems * 2;
   static constexpr uint32_t kRowBytes = T::kHeadDim * 2;
   const DecodeLaunch& L;
@@ -104,7 +106,8 @@ struct BulkPipe {
   __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
 
   /// Waits for the tile of step t (stage t % kStages, its (t / kStages)-th use) and for Q.
-  __device__ __forceinline__ void wait(int t, bool /*deep: one mbarrier per stage either way*/) {
+  __device__ __forceinline__ void wait(int t, bool /*deep: one mbarrier per stage either way*/,
+                                       uint32_t /*k_tile*/) {
     ptx::cp_async_wait<0>();  // Q (cp.async); nothing else uses cp.async here
     mbar_wait(bars + 8 * (t % T::kStages), (t / T::kStages) & 1);
   }
