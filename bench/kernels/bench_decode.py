@@ -50,6 +50,8 @@ class Ours:
         self.lib.flashserve_decode_set_deep_issue.restype = None
         self.lib.flashserve_decode_last_copy.argtypes = []
         self.lib.flashserve_decode_last_copy.restype = ctypes.c_int
+        self.lib.flashserve_decode_set_tma_wide.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_tma_wide.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -241,18 +243,32 @@ def profile(ours, dtype, l2, sms, args):
 AB_SHAPES = ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072), (128, 32, 8, 8, 16, 32768),
              (128, 32, 8, 8, 1, 32768), (128, 32, 8, 256, 1, 1024), (64, 32, 32, 1, 1, 131072),
              (64, 32, 32, 64, 1, 8192))
-COPY_NAMES = {0: "cp.async", 1: "bulk rows", 2: "TMA"}
+COPY_NAMES = {0: "cp.async", 2: "TMA"}
+
+
+def parse_variant(text):
+    """'c2', 'c2d1', 'c0l256', 'c2w1', ...: K/V copy, then optional deep issue (d), L2 hint bytes
+    (l) and TMA boxes over all 64-column slices (w)."""
+    import re
+    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?", text)
+    if not m:
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1)")
+    copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
+    name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
+        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "")
+    return dict(copy=copy, deep=deep, l2=hint, wide=wide, name=name)
 
 
 def ab(ours, dtype, l2, sms, args, peak):
     """Side by side (default split count and PDL): torch FLASH and CUDNN on the dense tensors, and
-    ours with each K/V copy of --ab-copies on paged 64, paged 16 (Sq 1) and dense K/V,
-    interleaved over --rounds rounds (median of each round's median), so that drift hits all
-    columns alike. A cell names the copy that really ran when it fell back."""
-    copies = [int(x) for x in args.ab_copies.split(",")]
+    ours in each variant of --ab-variants (K/V copy, deep issue, L2 hint) on paged 64, paged 16
+    (Sq 1) and dense K/V, interleaved over --rounds rounds (median of each round's median), so
+    that drift hits all columns alike. A cell names the copy that really ran when it fell back."""
+    variants = [parse_variant(x) for x in args.ab_variants.split(",")]
+    copies = list(range(len(variants)))
     print("| model | B | Sq | Sk | layout | splits | flash ms | cudnn ms | "
-          + " | ".join(f"{COPY_NAMES[c]}: ms (TB/s, % peak, cudnn/ours)" for c in copies)
-          + " | " + " / ".join(f"{COPY_NAMES[c]}" for c in copies[1:]) + f" vs {COPY_NAMES[copies[0]]} | max diff |",
+          + " | ".join(f"{v['name']}: ms (TB/s, % peak, cudnn/ours)" for v in variants)
+          + " | " + " / ".join(v["name"] for v in variants[1:]) + f" vs {variants[0]['name']} | max diff |",
           flush=True)
     print("|" + "---|" * (10 + len(copies)), flush=True)
     for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
@@ -274,7 +290,10 @@ def ab(ours, dtype, l2, sms, args, peak):
                 times[tname].append(time_fn(sdpa(backend, hq != hkv), sets, args.warmup, args.reps))
             for lname, fn in layouts:
                 for c in copies:
-                    ours.set_copy(c)
+                    ours.set_copy(variants[c]["copy"])
+                    ours.set_deep_issue(variants[c]["deep"])
+                    ours.set_l2_prefetch(variants[c]["l2"])
+                    ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
                     sets[0]["o"].fill_(float("nan"))
                     fn(sets[0])
                     torch.cuda.synchronize()
@@ -282,13 +301,17 @@ def ab(ours, dtype, l2, sms, args, peak):
                     diff[lname] = max(diff[lname], (sets[0]["o"].float() - ref).abs().max().item())
                     times[(lname, c)].append(time_fn(fn, sets, args.warmup, args.reps))
         ours.set_copy(-1)
+        ours.set_deep_issue(-1)
+        ours.set_l2_prefetch(-1)
+        ours.lib.flashserve_decode_set_tma_wide(-1)
         med = {k: statistics.median(v) for k, v in times.items()}
         for lname, _ in layouts:
             cells = []
             for c in copies:
                 t = med[(lname, c)]
                 tbs = kv_bytes / t / 1e12
-                note = "" if ran[(lname, c)] == c else f" [ran {COPY_NAMES.get(ran[(lname, c)])}]"
+                want = variants[c]["copy"]
+                note = "" if ran[(lname, c)] == want else f" [ran {COPY_NAMES.get(ran[(lname, c)])}]"
                 cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
                              f"{med['cudnn'] / t:.3f}x){note}")
             rel = " / ".join(f"{med[(lname, copies[0])] / med[(lname, c)]:.3f}x" for c in copies[1:])
@@ -325,7 +348,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--copy", type=int, default=-1,
-                    help="K/V copy of ours: -1 default, 0 cp.async, 1 cp.async.bulk rows, 2 TMA (sm_90)")
+                    help="K/V copy of ours: -1 default (TMA on sm_90), 0 cp.async, 2 TMA (sm_90)")
     ap.add_argument("--pdl", type=int, default=-1,
                     help="programmatic dependent launch of ours: -1 default, 0 off, 1 on (sm_90)")
     ap.add_argument("--deep", type=int, default=-1,
@@ -334,7 +357,8 @@ def main():
                     help="L2 prefetch hint of ours' K/V loads: -1 default, 0, 128 or 256 bytes")
     ap.add_argument("--ab", action="store_true",
                     help="only the side-by-side table: the copies of --ab-copies vs torch")
-    ap.add_argument("--ab-copies", default="0,2", help="--ab: K/V copies of ours, the first is the baseline")
+    ap.add_argument("--ab-variants", default="c0,c2",
+                    help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
                     "(for a profiler such as ncu)")
@@ -371,7 +395,7 @@ def main():
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "
          f"{torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB; dtype {args.dtype}; "
          f"peak bandwidth used for the fraction: {peak} TB/s; K/V copy: "
-         f"{ {-1: 'default', 0: 'cp.async', 1: 'cp.async.bulk rows', 2: 'TMA'}[args.copy] }; PDL: "
+         f"{ {-1: 'default', 0: 'cp.async', 2: 'TMA'}[args.copy] }; PDL: "
          f"{ {-1: 'default', 0: 'off', 1: 'on'}[args.pdl] }")
     emit(f"- command: `{' '.join(sys.argv)}`")
     emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "

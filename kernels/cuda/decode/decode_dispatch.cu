@@ -32,6 +32,10 @@ int& pdl_override() {
   static int value = -1;
   return value;
 }
+int& tma_wide_override() {
+  static int value = -1;
+  return value;
+}
 int& last_copy() {
   static int value = -1;
   return value;
@@ -55,9 +59,9 @@ constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue a
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
-// K/V copy on sm_90+ when the knob is unset: 0 cp.async, 1 cp.async.bulk rows, 2 TMA boxes
-// (decode_tma.h; problems it cannot load use cp.async).
-constexpr int kDefaultCopySm90 = 0;
+// K/V copy on sm_90+ when the knob is unset: 2, TMA boxes (decode_tma.h; problems it cannot
+// load use cp.async). H100 run 7: 1.02-1.18x the cp.async path on every measured shape.
+constexpr int kDefaultCopySm90 = 2;
 
 template <typename Element, int kHeadDim>
 DecodeKernel kernel_for_rows(int rows) {
@@ -148,9 +152,10 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 bool setup_tma(const DecodeParams& p, const DecodeKernel& k, DecodeLaunch* L) {
   const int block_n = k.block_m == 64 ? 32 : kBlockN;  // DecodeTraits::kBlockN
   L->tma_rows = decode::tma_box_rows(p, block_n);
+  L->tma_wide = decode::tma_wide_override() == 1 && L->tma_rows == block_n;
   return L->tma_rows > 0 &&
-         decode::make_kv_tensor_map(p, false, L->tma_rows, L->l2_prefetch, &L->tma_k) &&
-         decode::make_kv_tensor_map(p, true, L->tma_rows, L->l2_prefetch, &L->tma_v);
+         decode::make_kv_tensor_map(p, false, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_k) &&
+         decode::make_kv_tensor_map(p, true, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_v);
 }
 
 }  // namespace
@@ -270,10 +275,9 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   L.tile_in_page = L.page_shift >= 6;  // kBlockN (64, or 32) divides the page
   const int copy = decode::copy_override() >= 0 ? decode::copy_override() : kDefaultCopySm90;
   const bool sm90 = device_major() >= 9;
-  L.bulk_copy = copy == 1 && sm90;
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   if (copy == 2 && sm90) L.tma = setup_tma(p, k, &L);
-  decode::last_copy() = L.tma ? 2 : L.bulk_copy ? 1 : 0;
+  decode::last_copy() = L.tma ? 2 : 0;
   L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;

@@ -7,7 +7,6 @@
 
 #include <cstdint>
 
-#include "decode_bulk.h"
 #include "decode_tma.h"
 #include "decode_tile_io.h"
 #include "decode_traits.h"
@@ -201,7 +200,7 @@ struct AsyncPipe {
   }
 };
 
-/// The split kernel's body over a K/V pipeline (AsyncPipe, or BulkPipe on sm_90).
+/// The split kernel's body over a K/V pipeline (AsyncPipe, or TmaPipe on sm_90).
 template <typename T, typename Pipe>
 __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWork& w, Pipe& pipe,
                                            char* smem) {
@@ -290,18 +289,13 @@ __global__ void __launch_bounds__(T::kThreads)
   const BlockWork w = block_work<T>(L);
   if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ __align__(8) uint64_t bars[T::kStages];
   if constexpr (T::kHeadDim % 64 == 0) {  // TMA boxes are 64 columns wide
+    __shared__ __align__(8) uint64_t bars[T::kStages];
     if (L.tma) {
       TmaPipe<T> pipe(L, w, bars);
       split_body<T>(L, w, pipe, smem);
       return;
     }
-  }
-  if (L.bulk_copy) {
-    BulkPipe<T> pipe(L, w, bars);
-    split_body<T>(L, w, pipe, smem);
-    return;
   }
 #endif
   AsyncPipe<T> pipe(L, w);

@@ -48,7 +48,7 @@ int tma_box_rows(const DecodeParams& p, int block_n) {
   return 2 * (p.head_dim / 64) * (block_n / rows) <= 32 ? rows : 0;
 }
 
-bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, int l2_bytes,
+bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, bool wide, int l2_bytes,
                         CUtensorMap* map) {
   std::memset(map, 0, sizeof(*map));
   const EncodeTiledFn encode = encode_tiled();
@@ -65,7 +65,7 @@ bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, int l2_b
       !stride_bytes(is_v ? p.v_head_stride : p.k_head_stride, dims[3], &strides[2]) ||
       !stride_bytes(is_v ? p.v_batch_stride : p.k_batch_stride, pages, &strides[3]))
     return false;
-  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), 1, 1, 1};
+  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), wide ? cuuint32_t(dims[2]) : 1u, 1, 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type = p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;

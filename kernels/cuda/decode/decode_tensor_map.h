@@ -15,9 +15,10 @@ namespace flashserve::kernels::cuda::decode {
 int tma_box_rows(const DecodeParams& p, int block_n);
 
 /// The map of k (is_v false) or v: [pages][page rows][head_dim / 64][heads_kv][64] innermost
-/// last (dense: the batch is the page), boxes of box_rows x 64, 128-byte swizzled, L2 fills of
-/// l2_bytes (0, 128 or 256). false when the driver refuses it (the caller then uses cp.async).
-bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, int l2_bytes,
+/// last (dense: the batch is the page), boxes of box_rows x 64 (x every slice when wide),
+/// 128-byte swizzled, L2 fills of l2_bytes (0, 128 or 256). false when the driver refuses it
+/// (the caller then uses cp.async).
+bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, bool wide, int l2_bytes,
                         CUtensorMap* map);
 
 }  // namespace flashserve::kernels::cuda::decode

@@ -8,11 +8,32 @@
 
 #include <cstdint>
 
-#include "decode_bulk.h"
 #include "decode_tile_io.h"
 #include "decode_traits.h"
 
 namespace flashserve::kernels::cuda::decode {
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+
+/// Arrives once and raises the barrier's expected transaction bytes by tx.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t tx) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(tx)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
 
 /// 5-d tiled TMA load global -> shared completing on bar; coordinates innermost first
 /// (column in the 64-column slice, row in page, slice, KV head, page). Out of bounds: zeros.
@@ -27,7 +48,8 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map
 
 /// Pipeline of the split kernel on TMA boxes. A tile of kBlockN keys is kBlockN / tma_rows runs
 /// (a run: keys of one page, or the whole tile when pages hold whole tiles or K/V is dense);
-/// lane i < 2 * kTmaHalves * runs of warp 0 owns one (run, operand, 64-column slice) box.
+/// lane i < 2 * kTmaHalves * runs of warp 0 owns one (run, operand, 64-column slice) box; with
+/// L.tma_wide (runs = 1) lane 0 / 1 owns a box of all slices of K / V.
 /// Stage layout: K then V, each [kTmaHalves][kBlockN][64 elements], rows of 128 bytes.
 template <typename T>
 struct TmaPipe {
@@ -44,11 +66,11 @@ struct TmaPipe {
 
   __device__ __forceinline__ TmaPipe(const DecodeLaunch& l, const BlockWork& wk, uint64_t* b)
       : L(l), w(wk), bars(ptx::smem_addr(b)) {
-    const int per_run = 2 * T::kTmaHalves;
-    copier = int(threadIdx.x) < per_run * (T::kBlockN / L.tma_rows);
-    run = int(threadIdx.x) / per_run;
-    is_v = int(threadIdx.x) % per_run >= T::kTmaHalves;
-    half = int(threadIdx.x) % T::kTmaHalves;
+    const int slices = L.tma_wide ? 1 : T::kTmaHalves;  // boxes per run and operand
+    copier = int(threadIdx.x) < 2 * slices * (T::kBlockN / L.tma_rows);
+    run = int(threadIdx.x) / (2 * slices);
+    is_v = int(threadIdx.x) % (2 * slices) >= slices;
+    half = int(threadIdx.x) % slices;
     if (threadIdx.x == 0) {
       for (int s = 0; s < T::kStages; ++s) mbar_init(bars + 8 * s, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

@@ -72,11 +72,11 @@ struct DecodeLaunch {
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
   int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes (256: no gain at d128, -6 to -16% at d64, run 6)
-  bool bulk_copy = false;  // sm_90: K/V rows by cp.async.bulk on mbarriers (decode_bulk.h)
   // sm_90: K/V tiles by TMA boxes of tma_rows keys x 64 columns on mbarriers (decode_tma.h);
   // the maps view K and V as [pages][page rows][head_dim / 64][heads_kv][64] (decode_tensor_map.h).
   bool tma = false;
   int tma_rows = 0;
+  bool tma_wide = false;  // one box spans all 64-column slices (tma_rows == kBlockN only)
   CUtensorMap tma_k{}, tma_v{};
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
@@ -102,10 +102,15 @@ DecodeKernel decode_kernel();
 int& l2_prefetch_override();
 
 /// Which K/V copy run_decode asks for (a benchmarking knob, flashserve_decode_set_copy):
-/// -1 default, 0 cp.async, 1 cp.async.bulk rows, 2 TMA boxes (1 and 2 only on sm_90 and later).
+/// -1 default, 0 cp.async, 2 TMA boxes (sm_90 and later). 1 selected one cp.async.bulk per K/V
+/// row until session 8 (slower than TMA everywhere, run 7): now the same as 0.
 int& copy_override();
 
-/// The K/V copy run_decode's last launch used (0 cp.async, 1 bulk rows, 2 TMA; -1 none yet), so
+/// Whether TMA boxes span all 64-column slices of a row when a run is a whole tile (a
+/// benchmarking knob, flashserve_decode_set_tma_wide): -1 default, 0 no, 1 yes.
+int& tma_wide_override();
+
+/// The K/V copy run_decode's last launch used (0 cp.async, 2 TMA; -1 none yet), so
 /// that tests can tell a path that ran from one that fell back. Not thread-safe.
 int& last_copy();
 
