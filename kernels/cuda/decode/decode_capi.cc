@@ -109,7 +109,8 @@ __attribute__((visibility("default"))) void flashserve_decode_set_l2_prefetch(in
 
 /// Benchmarking knob: the decode kernels' K/V copy: 0 cp.async, 2 TMA boxes (sm_90 and later,
 /// ignored elsewhere; falls back to cp.async for problems it cannot load, see
-/// flashserve_decode_last_copy), -1 the default (TMA on sm_90+); 1 (removed bulk rows) = 0. Not thread-safe against concurrent launches.
+/// flashserve_decode_last_copy), -1 the default (TMA on sm_90+); 1 (removed bulk rows) = 0.
+/// Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_copy(int mode) {
   flashserve::kernels::cuda::decode::copy_override() = mode;
 }

@@ -60,7 +60,7 @@ constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue a
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
 // K/V copy on sm_90+ when the knob is unset: 2, TMA boxes (decode_tma.h; problems it cannot
-// load use cp.async). H100 run 7: 1.02-1.18x the cp.async path on every measured shape.
+// load use cp.async). H100 runs 7-8: 1.015-1.18x the cp.async path on every measured shape.
 constexpr int kDefaultCopySm90 = 2;
 
 template <typename Element, int kHeadDim>

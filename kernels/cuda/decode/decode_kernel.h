@@ -30,7 +30,8 @@ struct WarpState {
 template <typename T, bool kSwizzled>
 __device__ __forceinline__ uint32_t kv_chunk_addr(uint32_t lane_addr, int step, int row16) {
   if constexpr (kSwizzled) {
-    return (lane_addr ^ uint32_t(32 * (step % 4))) + (step / 4) * T::kBlockN * 128 + row16 * 16 * 128;
+    return (lane_addr ^ uint32_t(32 * (step % 4))) + (step / 4) * T::kBlockN * 128 +
+           row16 * 16 * 128;
   } else {
     return lane_addr + step * 32 + row16 * 16 * T::kRowElems * 2;
   }

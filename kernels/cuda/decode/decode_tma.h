@@ -74,14 +74,18 @@ struct TmaPipe {
     if (threadIdx.x == 0) {
       for (int s = 0; s < T::kStages; ++s) mbar_init(bars + 8 * s, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&L.tma_k)) : "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&L.tma_v)) : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&L.tma_k))
+                   : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&L.tma_v))
+                   : "memory");
     }
     __syncthreads();
   }
 
   /// First stage: the 1024-byte swizzle atom after Q.
-  static __device__ __forceinline__ uint32_t kv_base(uint32_t q_end) { return (q_end + 1023) & ~1023u; }
+  static __device__ __forceinline__ uint32_t kv_base(uint32_t q_end) {
+    return (q_end + 1023) & ~1023u;
+  }
 
   __device__ __forceinline__ void lookup(int k0) {
     key0 = k0;
@@ -104,7 +108,8 @@ struct TmaPipe {
     const int rows = L.tma_rows;
     const int runs = min(T::kBlockN / rows, (w.sk - key0 + rows - 1) / rows);
     const uint32_t bar = bars + 8 * stage;
-    if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, uint32_t(runs * 2 * T::kTmaHalves * rows) * 128u);
+    const uint32_t bytes = uint32_t(runs * 2 * T::kTmaHalves * rows) * 128u;
+    if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, bytes);
     __syncwarp();
     if (copier && run < runs) {
       const uint32_t dst = k_tile + (is_v ? kTileBytes : 0) + half * kHalfBytes + run * rows * 128;
