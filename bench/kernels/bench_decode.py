@@ -48,6 +48,10 @@ class Ours:
         self.lib.flashserve_decode_set_pdl.restype = None
         self.lib.flashserve_decode_set_deep_issue.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_deep_issue.restype = None
+        self.lib.flashserve_decode_last_copy.argtypes = []
+        self.lib.flashserve_decode_last_copy.restype = ctypes.c_int
+        self.lib.flashserve_decode_set_tma_wide.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_tma_wide.restype = None
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -67,6 +71,9 @@ class Ours:
 
     def set_pdl(self, mode):
         self.lib.flashserve_decode_set_pdl(mode)
+
+    def last_copy(self):
+        return self.lib.flashserve_decode_last_copy()
 
     def set_deep_issue(self, mode):
         self.lib.flashserve_decode_set_deep_issue(mode)
@@ -165,7 +172,7 @@ def sweep(ours, dtype, l2, sms, args):
         kv_bytes = 2 * b * sk * hkv * d * 2
         heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, 128)
-        for copy, hint, pdl in ((0, 128, 0), (0, 128, 1), (1, 128, 1)):
+        for copy, hint, pdl in ((0, 128, 1), (2, 128, 1)):
             ours.set_l2_prefetch(hint)
             ours.set_copy(copy)
             ours.set_pdl(pdl)
@@ -181,7 +188,7 @@ def sweep(ours, dtype, l2, sms, args):
                 t = time_fn(fn, sets, args.warmup, args.reps)
                 row.append(f"{splits}:{kv_bytes / t / 1e12:.2f}")
             print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} "
-                  f"{'bulk' if copy else 'cp.async l2 %d' % hint} pdl {pdl}: TB/s by splits "
+                  f"{COPY_NAMES[copy]} l2 {hint} pdl {pdl}: TB/s by splits "
                   + " ".join(row), flush=True)
         ours.set_l2_prefetch(-1)
         ours.set_copy(-1)
@@ -234,52 +241,84 @@ def profile(ours, dtype, l2, sms, args):
         torch.cuda.empty_cache()
 
 AB_SHAPES = ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072), (128, 32, 8, 8, 16, 32768),
-             (64, 32, 32, 1, 1, 131072), (64, 32, 32, 64, 1, 8192))
-AB_VARIANTS = ((0, 128), (1, 128), (0, 256), (1, 256))  # (deep issue, L2 prefetch bytes)
+             (128, 32, 8, 8, 1, 32768), (128, 32, 8, 256, 1, 1024), (64, 32, 32, 1, 1, 131072),
+             (64, 32, 32, 64, 1, 8192))
+COPY_NAMES = {0: "cp.async", 2: "TMA"}
+
+
+def parse_variant(text):
+    """'c2', 'c2d1', 'c0l256', 'c2w1', ...: K/V copy, then optional deep issue (d), L2 hint bytes
+    (l) and TMA boxes over all 64-column slices (w)."""
+    import re
+    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?", text)
+    if not m:
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1)")
+    copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
+    name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
+        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "")
+    return dict(copy=copy, deep=deep, l2=hint, wide=wide, name=name)
 
 
 def ab(ours, dtype, l2, sms, args, peak):
-    """Side by side on the target shapes (paged 64, default split count and PDL): torch FLASH and
-    CUDNN, and ours with deep issue off/on x L2 hint 128/256 B, interleaved over --rounds rounds
-    (median of each round's median), so that drift hits all columns alike."""
-    print("| model | B | Sq | Sk | splits | flash ms | cudnn ms | "
-          + " | ".join(f"deep{d} l2 {h}: ms (TB/s, % peak, /cudnn)" for d, h in AB_VARIANTS)
-          + " | max diff |", flush=True)
-    print("|" + "---|" * (8 + len(AB_VARIANTS)), flush=True)
+    """Side by side (default split count and PDL): torch FLASH and CUDNN on the dense tensors, and
+    ours in each variant of --ab-variants (K/V copy, deep issue, L2 hint) on paged 64, paged 16
+    (Sq 1) and dense K/V, interleaved over --rounds rounds (median of each round's median), so
+    that drift hits all columns alike. A cell names the copy that really ran when it fell back."""
+    variants = [parse_variant(x) for x in args.ab_variants.split(",")]
+    copies = list(range(len(variants)))
+    print("| model | B | Sq | Sk | layout | splits | flash ms | cudnn ms | "
+          + " | ".join(f"{v['name']}: ms (TB/s, % peak, cudnn/ours)" for v in variants)
+          + " | " + " / ".join(v["name"] for v in variants[1:]) + f" vs {variants[0]['name']} | max diff |",
+          flush=True)
+    print("|" + "---|" * (10 + len(copies)), flush=True)
     for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
-        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+        pages = (64, 16) if sq == 1 else (64,)
+        sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
         splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, splits)
         with sdpa_kernel([SDPBackend.MATH]):
             ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
-        mine = lambda s: ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"],
-                              seqlens=s["seqlens"], table=s["paged"][64][2], page=64, workspace=ws)
-        times = {k: [] for k in ["flash", "cudnn"] + list(AB_VARIANTS)}
-        diff = 0.0
+        layouts = [(f"paged {ps}", lambda s, ps=ps: ours(
+            s["q"], s["paged"][ps][0], s["paged"][ps][1], s["o"], seqlens=s["seqlens"],
+            table=s["paged"][ps][2], page=ps, workspace=ws)) for ps in pages]
+        layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws)))
+        times = {k: [] for k in ["flash", "cudnn"] + [(l, c) for l, _ in layouts for c in copies]}
+        ran, diff = {}, {l: 0.0 for l, _ in layouts}
         for _ in range(args.rounds):
             for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 times[tname].append(time_fn(sdpa(backend, hq != hkv), sets, args.warmup, args.reps))
-            for deep, hint in AB_VARIANTS:
-                ours.set_deep_issue(deep)
-                ours.set_l2_prefetch(hint)
-                sets[0]["o"].fill_(float("nan"))
-                mine(sets[0])
-                torch.cuda.synchronize()
-                diff = max(diff, (sets[0]["o"].float() - ref).abs().max().item())
-                times[(deep, hint)].append(time_fn(mine, sets, args.warmup, args.reps))
+            for lname, fn in layouts:
+                for c in copies:
+                    ours.set_copy(variants[c]["copy"])
+                    ours.set_deep_issue(variants[c]["deep"])
+                    ours.set_l2_prefetch(variants[c]["l2"])
+                    ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
+                    sets[0]["o"].fill_(float("nan"))
+                    fn(sets[0])
+                    torch.cuda.synchronize()
+                    ran[(lname, c)] = ours.last_copy()
+                    diff[lname] = max(diff[lname], (sets[0]["o"].float() - ref).abs().max().item())
+                    times[(lname, c)].append(time_fn(fn, sets, args.warmup, args.reps))
+        ours.set_copy(-1)
         ours.set_deep_issue(-1)
         ours.set_l2_prefetch(-1)
+        ours.lib.flashserve_decode_set_tma_wide(-1)
         med = {k: statistics.median(v) for k, v in times.items()}
-        cells = []
-        for key in AB_VARIANTS:
-            t = med[key]
-            tbs = kv_bytes / t / 1e12
-            cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
-                         f"{med['cudnn'] / t:.3f}x)")
-        print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {splits} | {med['flash'] * 1e3:.3f} | "
-              f"{med['cudnn'] * 1e3:.3f} | " + " | ".join(cells) + f" | {diff:.1e} |", flush=True)
-        del sets, ref, ws
+        for lname, _ in layouts:
+            cells = []
+            for c in copies:
+                t = med[(lname, c)]
+                tbs = kv_bytes / t / 1e12
+                want = variants[c]["copy"]
+                note = "" if ran[(lname, c)] == want else f" [ran {COPY_NAMES.get(ran[(lname, c)])}]"
+                cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
+                             f"{med['cudnn'] / t:.3f}x){note}")
+            rel = " / ".join(f"{med[(lname, copies[0])] / med[(lname, c)]:.3f}x" for c in copies[1:])
+            print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {lname} | {splits} | {med['flash'] * 1e3:.3f} | "
+                  f"{med['cudnn'] * 1e3:.3f} | " + " | ".join(cells) + f" | {rel} | {diff[lname]:.1e} |",
+                  flush=True)
+        del sets, ref, ws, layouts
         torch.cuda.empty_cache()
 
 def only_ours(ours, dtype, l2, sms, args):
@@ -309,7 +348,7 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--out", help="also write the markdown here")
     ap.add_argument("--copy", type=int, default=-1,
-                    help="K/V copy of ours: -1 default, 0 cp.async, 1 cp.async.bulk (sm_90)")
+                    help="K/V copy of ours: -1 default (TMA on sm_90), 0 cp.async, 2 TMA (sm_90)")
     ap.add_argument("--pdl", type=int, default=-1,
                     help="programmatic dependent launch of ours: -1 default, 0 off, 1 on (sm_90)")
     ap.add_argument("--deep", type=int, default=-1,
@@ -317,7 +356,9 @@ def main():
     ap.add_argument("--l2", type=int, default=-1,
                     help="L2 prefetch hint of ours' K/V loads: -1 default, 0, 128 or 256 bytes")
     ap.add_argument("--ab", action="store_true",
-                    help="only the side-by-side table: deep issue off/on x L2 hint 128/256 vs torch")
+                    help="only the side-by-side table: the copies of --ab-copies vs torch")
+    ap.add_argument("--ab-variants", default="c0,c2",
+                    help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
                     "(for a profiler such as ncu)")
@@ -354,7 +395,7 @@ def main():
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, cuDNN "
          f"{torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB; dtype {args.dtype}; "
          f"peak bandwidth used for the fraction: {peak} TB/s; K/V copy: "
-         f"{ {-1: 'default', 0: 'cp.async', 1: 'cp.async.bulk'}[args.copy] }; PDL: "
+         f"{ {-1: 'default', 0: 'cp.async', 2: 'TMA'}[args.copy] }; PDL: "
          f"{ {-1: 'default', 0: 'off', 1: 'on'}[args.pdl] }")
     emit(f"- command: `{' '.join(sys.argv)}`")
     emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "

@@ -32,6 +32,8 @@ int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchma
 int& copy_override();
 int& pdl_override();
 int& deep_issue_override();
+int& last_copy();
+int& tma_wide_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -282,6 +284,27 @@ bool uses_varlen_lse(const DecodeCase& c) {
   return c.layout == Layout::kDenseVarlen || c.varlen_q;
 }
 
+// Whether the TMA copy (knob 2, the default) must really run for c, restated from its documented limits
+// (decode_tensor_map.h): sm_90+, head_dim a multiple of 64, no packed varlen K/V, power-of-two
+// pages >= 8 with at most 32 boxes per key tile. Otherwise it falls back to cp.async.
+bool expects_tma(const DecodeCase& c) {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      major < 9 || c.head_dim % 64 != 0 || c.layout == Layout::kDenseVarlen)
+    return false;
+  if (c.layout == Layout::kDense) return true;
+  const int ps = c.page_size;
+  if (ps < 8 || (ps & (ps - 1)) != 0) return false;
+  int max_rows = 0;
+  for (size_t b = 0; b < c.sq.size(); ++b) max_rows = std::max(max_rows, c.sq[b]);
+  const int block_n = (c.heads_q / c.heads_kv) * max_rows > 32 ? 32 : 64;
+  return 2 * (c.head_dim / 64) * (block_n / std::min(ps, block_n)) <= 32;
+}
+
+const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts",
+                                     "cp.async + PDL", "default"};
+
 // Runs the case with the heuristic's split count and with forced ones; checks each result.
 void check_case(const DecodeCase& c) {
   std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(case_name(c)));
@@ -302,23 +325,26 @@ void check_case(const DecodeCase& c) {
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
   std::vector<double> got(dev.out_elems);
-  // Every split count, through both K/V copy paths (cp.async; cp.async.bulk on sm_90+) and with
-  // programmatic dependent launch off and on (sm_90+; the combine then overlaps the split kernel's
-  // launch and must still see all of its partials).
-  for (int run = 0; run < 15; ++run) {
+  // Every split count, through both K/V copy paths (cp.async; TMA boxes on sm_90+, the default
+  // there) and with programmatic dependent launch off and on (sm_90+; the combine then overlaps
+  // the split kernel's launch and must still see all of its partials).
+  for (int run = 0; run < 20; ++run) {
     const int splits = std::vector<int>{0, 1, 3, 16, 40}[run % 5];
-    const int variant = run / 5;  // 0: cp.async, no PDL; 1: bulk copy; 2: cp.async with PDL
-    SCOPED_TRACE("num_splits " + std::to_string(splits) +
-                 (variant == 0 ? ", cp.async" : variant == 1 ? ", bulk copy" : ", cp.async + PDL"));
-    fk::decode::copy_override() = variant == 1 ? 1 : 0;
+    const int variant = run / 5;  // 0: cp.async, no PDL; 1: TMA, deep; 2: cp.async + PDL; 3: default
+    SCOPED_TRACE("num_splits " + std::to_string(splits) + ", " + kVariantNames[variant]);
+    fk::decode::copy_override() = variant == 1 ? 2 : variant == 3 ? -1 : 0;
     fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
-    fk::decode::deep_issue_override() = variant == 0 ? 0 : 1;  // bulk and PDL runs: deep order
+    fk::decode::deep_issue_override() = variant == 1 || variant == 2 ? 1 : variant == 0 ? 0 : -1;
+    fk::decode::tma_wide_override() = variant == 1 ? 1 - splits % 2 : -1;
     fk::DecodeParams p = dev.p;
     p.num_splits = splits;
     ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
     ASSERT_EQ(cudaMemset(dev.lse.ptr, 0xFF, dev.lse_elems * 4), cudaSuccess);
     ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (variant % 2 == 1 && hp.total_q > 0) {
+      ASSERT_EQ(fk::decode::last_copy(), expects_tma(c) ? 2 : 0) << "TMA path taken or not";
+    }
     ASSERT_EQ(cudaMemcpy(out.data(), dev.o.ptr, dev.out_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(lse.data(), dev.lse.ptr, dev.lse_elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     size_t bad = 0;
@@ -347,6 +373,7 @@ void check_case(const DecodeCase& c) {
   fk::decode::copy_override() = -1;
   fk::decode::pdl_override() = -1;
   fk::decode::deep_issue_override() = -1;
+  fk::decode::tma_wide_override() = -1;
 }
 
 std::vector<DecodeCase> all_cases() {
@@ -384,6 +411,16 @@ std::vector<DecodeCase> all_cases() {
     cs.push_back({"dims", varlen, {8, 8}, {300, 1000}, 8, 2, d, true, 0});
   }
   cs.back().tag = "san";
+  // TMA boxes (sm_90): pages of 8 (8 boxes per operand and tile at d128), 16 and 32 with the
+  // 64-row kernel's 32-key tiles (Sq 16 x group 4), 128, d256 (4 column slices) with pages of
+  // 16 and 32, d64 dense with a ragged last tile; sequences ending mid-page and on page edges.
+  cs.push_back({"tma", paged, {1, 1, 1, 1, 1}, {1, 7, 8, 9, 333}, 8, 2, 128, false, 8, false, 2});
+  cs.push_back({"tma", paged, {16, 16, 16}, {16, 31, 500}, 16, 4, 128, true, 16});
+  cs.push_back({"tma", paged, {16, 3}, {40, 1000}, 16, 4, 128, true, 32, true, 1});
+  cs.push_back({"san", paged, {1, 1, 1, 1}, {0, 127, 128, 2000}, 8, 1, 128, false, 128, false, 1});
+  cs.push_back({"tma", paged, {1, 4, 1}, {15, 700, 64}, 16, 4, 256, true, 16, true});
+  cs.push_back({"tma", paged, {2, 2}, {33, 1500}, 8, 8, 256, true, 32});
+  cs.push_back({"tma", dense, {1, 1}, {3001, 3001}, 16, 2, 64, false, 0, false, 0, 1.f, DType::kFloat16});
   // Large logits.
   cs.push_back({"large", paged, {1, 4}, {3000, 1025}, 8, 2, 128, true, 64, true, 0, 8.f});
   cs.push_back({"large", dense, {1}, {2000}, 4, 4, 64, false, 0, false, 0, 8.f, DType::kFloat16});

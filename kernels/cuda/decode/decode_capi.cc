@@ -11,6 +11,8 @@ int& l2_prefetch_override();  // decode_dispatch.cu
 int& copy_override();
 int& pdl_override();
 int& deep_issue_override();
+int& last_copy();
+int& tma_wide_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -105,10 +107,23 @@ __attribute__((visibility("default"))) void flashserve_decode_set_l2_prefetch(in
   flashserve::kernels::cuda::decode::l2_prefetch_override() = bytes;
 }
 
-/// Benchmarking knob: the decode kernels' K/V copy: 0 cp.async, 1 cp.async.bulk (sm_90 and
-/// later; ignored elsewhere), -1 the default. Not thread-safe against concurrent launches.
+/// Benchmarking knob: the decode kernels' K/V copy: 0 cp.async, 2 TMA boxes (sm_90 and later,
+/// ignored elsewhere; falls back to cp.async for problems it cannot load, see
+/// flashserve_decode_last_copy), -1 the default (TMA on sm_90+); 1 (removed bulk rows) = 0.
+/// Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_copy(int mode) {
   flashserve::kernels::cuda::decode::copy_override() = mode;
+}
+
+/// Benchmarking knob: TMA boxes spanning every 64-column slice of a row when a page holds whole
+/// key tiles (or K/V is dense): 0 no, 1 yes, -1 the default. Not thread-safe.
+__attribute__((visibility("default"))) void flashserve_decode_set_tma_wide(int mode) {
+  flashserve::kernels::cuda::decode::tma_wide_override() = mode;
+}
+
+/// The K/V copy the last decode launch used: 0 cp.async, 2 TMA, -1 none yet.
+__attribute__((visibility("default"))) int flashserve_decode_last_copy() {
+  return flashserve::kernels::cuda::decode::last_copy();
 }
 
 /// Benchmarking knob: programmatic dependent launch of the decode kernels (sm_90 and later;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_tensor_map.h"
 #include "decode_traits.h"
 #include "flashserve/kernels/decode_attention.h"
 
@@ -31,6 +32,14 @@ int& pdl_override() {
   static int value = -1;
   return value;
 }
+int& tma_wide_override() {
+  static int value = -1;
+  return value;
+}
+int& last_copy() {
+  static int value = -1;
+  return value;
+}
 int& deep_issue_override() {
   static int value = -1;
   return value;
@@ -50,6 +59,9 @@ constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue a
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
+// K/V copy on sm_90+ when the knob is unset: 2, TMA boxes (decode_tma.h; problems it cannot
+// load use cp.async). H100 runs 7-8: 1.015-1.18x the cp.async path on every measured shape.
+constexpr int kDefaultCopySm90 = 2;
 
 template <typename Element, int kHeadDim>
 DecodeKernel kernel_for_rows(int rows) {
@@ -134,6 +146,17 @@ int device_major() {
 }
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+/// Fills L's TMA fields for p; false (cp.async then) when the TMA path cannot load p. A kernel
+/// built without sm_90 code ignores them (decode_kernel.h selects the pipe per architecture).
+bool setup_tma(const DecodeParams& p, const DecodeKernel& k, DecodeLaunch* L) {
+  const int block_n = k.block_m == 64 ? 32 : kBlockN;  // DecodeTraits::kBlockN
+  L->tma_rows = decode::tma_box_rows(p, block_n);
+  L->tma_wide = decode::tma_wide_override() == 1 && L->tma_rows == block_n;
+  return L->tma_rows > 0 &&
+         decode::make_kv_tensor_map(p, false, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_k) &&
+         decode::make_kv_tensor_map(p, true, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_v);
+}
 
 }  // namespace
 
@@ -250,11 +273,14 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
     while ((1 << L.page_shift) < p.page_size) ++L.page_shift;
   }
   L.tile_in_page = L.page_shift >= 6;  // kBlockN (64, or 32) divides the page
-  L.bulk_copy = decode::copy_override() == 1 && device_major() >= 9;
+  const int copy = decode::copy_override() >= 0 ? decode::copy_override() : kDefaultCopySm90;
+  const bool sm90 = device_major() >= 9;
+  if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
+  if (copy == 2 && sm90) L.tma = setup_tma(p, k, &L);
+  decode::last_copy() = L.tma ? 2 : 0;
   L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;
-  if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
   const int splits = p.num_splits > 0 ? p.num_splits : decode_num_splits(p, sm_count_of_current_device());
   L.num_splits = std::max(1, std::min(splits, tiles));

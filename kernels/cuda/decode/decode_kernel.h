@@ -1,12 +1,13 @@
 // The split-KV decode kernel: block (split, KV head x row block, sequence) walks its share of
-// the sequence's key tiles through a cp.async pipeline, computes S = Q K^T and O += P V on
-// mma.sync with an online softmax per warp, merges its warps, and writes either the final O/LSE
-// (one split) or an fp32 partial O and its LSE for decode_combine.cu.
+// the sequence's key tiles through a K/V pipeline (cp.async; on sm_90 TMA boxes, decode_tma.h),
+// computes S = Q K^T and O += P V on mma.sync with an online softmax per warp, merges its warps,
+// and writes either the final O/LSE (one split) or an fp32 partial O and its LSE for
+// decode_combine.cu.
 #pragma once
 
 #include <cstdint>
 
-#include "decode_bulk.h"
+#include "decode_tma.h"
 #include "decode_tile_io.h"
 #include "decode_traits.h"
 #include "ptx.h"
@@ -21,8 +22,23 @@ struct WarpState {
   float l[2];  // this lane's part of the running row sum (reduced over the quad at the end)
 };
 
+/// Shared-memory address of the ldmatrix of 16-byte chunk step `step` (2 chunks per step) and
+/// row offset `row16` x 16 for a lane whose step-0 address is lane_addr. Padded rows: plain
+/// offsets. Swizzled (TMA, 128-byte rows in slices of kTmaHalves x kBlockN rows): chunk c of row
+/// r sits at chunk c ^ (r % 8); a lane's r % 8 is fixed, so the step's XOR touches address bits
+/// 5-6 only and the slice / row offsets stay immediates.
+template <typename T, bool kSwizzled>
+__device__ __forceinline__ uint32_t kv_chunk_addr(uint32_t lane_addr, int step, int row16) {
+  if constexpr (kSwizzled) {
+    return (lane_addr ^ uint32_t(32 * (step % 4))) + (step / 4) * T::kBlockN * 128 +
+           row16 * 16 * 128;
+  } else {
+    return lane_addr + step * 32 + row16 * 16 * T::kRowElems * 2;
+  }
+}
+
 /// S = Q K^T for the warp's 16 rows and kWarpN keys of the tile in shared memory.
-template <typename T>
+template <typename T, bool kSwizzled>
 __device__ __forceinline__ void warp_qk(float (&s)[T::kNTiles][4], uint32_t q_addr,
                                         uint32_t k_addr) {
 #pragma unroll
@@ -36,7 +52,7 @@ __device__ __forceinline__ void warp_qk(float (&s)[T::kNTiles][4], uint32_t q_ad
 #pragma unroll
     for (int np = 0; np < T::kNTiles / 2; ++np) {
       uint32_t b[4];
-      ptx::ldmatrix_x4(b, k_addr + ks * 32 + np * 16 * T::kRowElems * 2);
+      ptx::ldmatrix_x4(b, kv_chunk_addr<T, kSwizzled>(k_addr, ks, np));
       ptx::mma_m16n8k16<typename T::Element>(s[2 * np], a, b[0], b[1]);
       ptx::mma_m16n8k16<typename T::Element>(s[2 * np + 1], a, b[2], b[3]);
     }
@@ -44,7 +60,7 @@ __device__ __forceinline__ void warp_qk(float (&s)[T::kNTiles][4], uint32_t q_ad
 }
 
 /// O += P V with P = s (exponentiated) packed to 16 bits per k16 step of keys.
-template <typename T>
+template <typename T, bool kSwizzled>
 __device__ __forceinline__ void warp_pv(WarpState<T>& st, const float (&s)[T::kNTiles][4],
                                         uint32_t v_addr) {
   using Element = typename T::Element;
@@ -58,7 +74,7 @@ __device__ __forceinline__ void warp_pv(WarpState<T>& st, const float (&s)[T::kN
 #pragma unroll
     for (int dp = 0; dp < T::kHeadDim / 16; ++dp) {
       uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, v_addr + ks * 16 * T::kRowElems * 2 + dp * 32);
+      ptx::ldmatrix_x4_trans(b, kv_chunk_addr<T, kSwizzled>(v_addr, dp, ks));
       ptx::mma_m16n8k16<Element>(st.o[2 * dp], a, b[0], b[1]);
       ptx::mma_m16n8k16<Element>(st.o[2 * dp + 1], a, b[2], b[3]);
     }
@@ -162,6 +178,9 @@ __device__ void write_block_result(WarpState<T>& st, const DecodeLaunch& L, cons
 /// Pipeline of the split kernel on 16-byte cp.async (every architecture).
 template <typename T>
 struct AsyncPipe {
+  static constexpr bool kSwizzled = false;
+  static constexpr uint32_t kTileBytes = T::kTileElems * 2;
+  static __device__ __forceinline__ uint32_t kv_base(uint32_t q_end) { return q_end; }
   const DecodeLaunch& L;
   const BlockWork& w;
   TileRows<T> rows;
@@ -173,7 +192,7 @@ struct AsyncPipe {
   __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
   /// Waits for the tile of step t: at most kStages - 2 younger groups still in flight, or
   /// kStages - 1 when the next tile was issued before the wait (deep).
-  __device__ __forceinline__ void wait(int /*t*/, bool deep) {
+  __device__ __forceinline__ void wait(int /*t*/, bool deep, uint32_t /*k_tile*/) {
     if (deep) {
       ptx::cp_async_wait<T::kStages - 1>();
     } else {
@@ -182,7 +201,7 @@ struct AsyncPipe {
   }
 };
 
-/// The split kernel's body over a K/V pipeline (AsyncPipe, or BulkPipe on sm_90).
+/// The split kernel's body over a K/V pipeline (AsyncPipe, or TmaPipe on sm_90).
 template <typename T, typename Pipe>
 __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWork& w, Pipe& pipe,
                                            char* smem) {
@@ -190,9 +209,10 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp % T::kWarpsM, wn = warp / T::kWarpsM;
   Element* s_q = reinterpret_cast<Element*>(smem);
-  Element* s_kv = s_q + T::kQElems;  // stage i: K at 2i tiles, V at 2i + 1
-  const uint32_t q_base = ptx::smem_addr(s_q), kv_base = ptx::smem_addr(s_kv);
-  constexpr uint32_t kTileBytes = T::kTileElems * 2;
+  // Stage i: K at 2i tiles, V at 2i + 1 (padded rows, or the pipe's swizzled layout).
+  const uint32_t q_base = ptx::smem_addr(s_q);
+  const uint32_t kv_base = Pipe::kv_base(q_base + T::kQElems * 2);
+  constexpr uint32_t kTileBytes = Pipe::kTileBytes;
 
   // Prologue: Q with the first tile in group 0, then tiles 1 .. kStages - 2 one group each.
   load_q_rows<T>(L, w, s_q);
@@ -219,10 +239,13 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   // Per-lane ldmatrix addresses (bytes): Q rows wm*16 + lane%16, chunk lane/16; K rows
   // (lane/16)*8 + lane%8, chunk (lane/8)%2; V rows ((lane/8)%2)*8 + lane%8, chunk lane/16.
   const uint32_t q_addr = q_base + ((wm * 16 + lane % 16) * T::kRowElems + (lane / 16) * 8) * 2;
-  const uint32_t k_lane = ((wn * T::kWarpN + (lane / 16) * 8 + lane % 8) * T::kRowElems +
-                           ((lane / 8) % 2) * 8) * 2;
-  const uint32_t v_lane = ((wn * T::kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * T::kRowElems +
-                           (lane / 16) * 8) * 2;
+  // Swizzled tiles: 128-byte rows, chunk c of row r at c ^ (r % 8) (kv_chunk_addr).
+  const int k_row = wn * T::kWarpN + (lane / 16) * 8 + lane % 8, k_chunk = (lane / 8) % 2;
+  const int v_row = wn * T::kWarpN + ((lane / 8) % 2) * 8 + lane % 8, v_chunk = lane / 16;
+  const uint32_t k_lane = Pipe::kSwizzled ? k_row * 128 + ((k_chunk ^ (lane % 8)) * 16)
+                                          : (k_row * T::kRowElems + k_chunk * 8) * 2;
+  const uint32_t v_lane = Pipe::kSwizzled ? v_row * 128 + ((v_chunk ^ (lane % 8)) * 16)
+                                          : (v_row * T::kRowElems + v_chunk * 8) * 2;
   int limit[2];
   row_key_limits<T>(L, w, wm * 16 + lane / 4, limit);
 
@@ -241,17 +264,17 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   };
   for (int t = 0; t < n_tiles; ++t) {
     if (deep) issue_next(t);  // the barrier ending step t - 1 freed tile t - 1's stage
-    pipe.wait(t, deep);
+    const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;
+    pipe.wait(t, deep, k_tile);
     __syncthreads();  // tile t visible to all; every warp is done with tile t - 1's stage
     if (!deep) issue_next(t);
 
-    const uint32_t k_tile = kv_base + 2 * (t % T::kStages) * kTileBytes;
     const int key0 = (w.tile_begin + t) * T::kBlockN;
     float s[T::kNTiles][4];
-    warp_qk<T>(s, q_addr, k_tile + k_lane);
+    warp_qk<T, Pipe::kSwizzled>(s, q_addr, k_tile + k_lane);
     const bool mask = key0 + T::kBlockN > w.mask_from;
     online_softmax<T>(st, s, L.scale_log2, mask, key0 + wn * T::kWarpN, limit, lane);
-    warp_pv<T>(st, s, k_tile + kTileBytes + v_lane);
+    warp_pv<T, Pipe::kSwizzled>(st, s, k_tile + kTileBytes + v_lane);
     if (deep) __syncthreads();  // every warp is done with tile t's stage
   }
   ptx::cp_async_wait<0>();
@@ -267,11 +290,13 @@ __global__ void __launch_bounds__(T::kThreads)
   const BlockWork w = block_work<T>(L);
   if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  __shared__ __align__(8) uint64_t bars[T::kStages];
-  if (L.bulk_copy) {
-    BulkPipe<T> pipe(L, w, bars);
-    split_body<T>(L, w, pipe, smem);
-    return;
+  if constexpr (T::kHeadDim % 64 == 0) {  // TMA boxes are 64 columns wide
+    __shared__ __align__(8) uint64_t bars[T::kStages];
+    if (L.tma) {
+      TmaPipe<T> pipe(L, w, bars);
+      split_body<T>(L, w, pipe, smem);
+      return;
+    }
   }
 #endif
   AsyncPipe<T> pipe(L, w);

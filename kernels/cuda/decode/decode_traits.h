@@ -1,6 +1,7 @@
 // Compile-time shape of one decode kernel and the runtime arguments every decode launch shares.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: nothing links libcuda)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -42,6 +43,13 @@ struct DecodeTraits {
   static constexpr int kTileElems = kBlockN * kRowElems;
   static constexpr int kQElems = kBlockM * kRowElems;
   static constexpr size_t kPipelineBytes = size_t(kQElems + 2 * kStages * kTileElems) * 2;
+  // The TMA pipeline (decode_tma.h, sm_90) stores K/V tiles unpadded, as [head_dim / 64][kBlockN]
+  // rows of 128 bytes, 128-byte swizzled; its stages start 1024-byte aligned (the swizzle atom),
+  // hence the slack. Never larger than the padded layout (checked below).
+  static constexpr int kTmaHalves = kHeadDim / 64;
+  static constexpr uint32_t kTmaTileBytes = uint32_t(kBlockN) * kHeadDim * 2;
+  static constexpr size_t kTmaPipelineBytes =
+      (size_t(kQElems) * 2 + 1023) / 1024 * 1024 + 2 * kStages * size_t(kTmaTileBytes) + 1024;
   // Epilogue (reuses the pipeline's memory): kWarpsN slices of O rows in fp32, the per-warp row
   // max and sum, and the block's LSE per row.
   static constexpr size_t kEpilogueBytes =
@@ -49,6 +57,7 @@ struct DecodeTraits {
   static constexpr size_t kSmemBytes =
       kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
 
+  static_assert(kTmaPipelineBytes <= kSmemBytes, "the TMA layout must fit the padded one");
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(kWarpN % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert((kBlockN * kChunks) % kThreads == 0, "tile loads must divide over the threads");
@@ -63,7 +72,12 @@ struct DecodeLaunch {
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
   int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes (256: no gain at d128, -6 to -16% at d64, run 6)
-  bool bulk_copy = false;  // sm_90: K/V rows by cp.async.bulk on mbarriers (decode_bulk.h)
+  // sm_90: K/V tiles by TMA boxes of tma_rows keys x 64 columns on mbarriers (decode_tma.h);
+  // the maps view K and V as [pages][page rows][head_dim / 64][heads_kv][64] (decode_tensor_map.h).
+  bool tma = false;
+  int tma_rows = 0;
+  bool tma_wide = false;  // one box spans all 64-column slices (tma_rows == kBlockN only)
+  CUtensorMap tma_k{}, tma_v{};
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
   bool pdl = false;       // sm_90: programmatic dependent launch (decode_launch_template.h)
@@ -88,8 +102,17 @@ DecodeKernel decode_kernel();
 int& l2_prefetch_override();
 
 /// Which K/V copy run_decode asks for (a benchmarking knob, flashserve_decode_set_copy):
-/// -1 default, 0 cp.async, 1 cp.async.bulk (used only on sm_90 and later).
+/// -1 default, 0 cp.async, 2 TMA boxes (sm_90 and later). 1 selected one cp.async.bulk per K/V
+/// row until session 8 (slower than TMA everywhere, run 7): now the same as 0.
 int& copy_override();
+
+/// Whether TMA boxes span all 64-column slices of a row when a run is a whole tile (a
+/// benchmarking knob, flashserve_decode_set_tma_wide): -1 default, 0 no, 1 yes.
+int& tma_wide_override();
+
+/// The K/V copy run_decode's last launch used (0 cp.async, 2 TMA; -1 none yet), so
+/// that tests can tell a path that ran from one that fell back. Not thread-safe.
+int& last_copy();
 
 /// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
 /// flashserve_decode_set_pdl): -1 default, 0 off, 1 on (used only on sm_90 and later).
