@@ -2,15 +2,19 @@
 GPU): the server reads q/k/v and writes O/LSE there on the device. Each tensor of each item is in the CUDA region,
 in a system region or in the message, in turns, over many steps (GQA, odd lengths, multi-row causal queries), all
 against the fp64 reference with NaN-poisoned outputs. The refusals (sizes, bounds, overlap, a region on another GPU,
-CUDA regions on the CPU backend) are clear errors that change nothing. Skips without an NVIDIA GPU or torch CUDA."""
+CUDA regions on the CPU backend) are clear errors that change nothing. The steps run over gRPC and over the local
+socket (both transports resolve regions alike). Skips without an NVIDIA GPU or torch CUDA."""
 
 from __future__ import annotations
+
+import tempfile
 
 import numpy as np
 import grpc
 import pytest
 
 import flashserve
+from flashserve.local import LocalClient
 from flashserve import attention_pb2 as pb
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
@@ -35,8 +39,11 @@ def server(flashserve_bin, tmp_path_factory):
     if not _gpu_present():
         pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA-region Sequences tests skipped")
     _torch_cuda()
-    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_cuda_shm"), ["--backend=cuda"] + KV_FLAGS,
+    socket_dir = tempfile.mkdtemp(prefix="fsl", dir="/tmp")  # short: sun_path holds 107 bytes
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("kv_cuda_shm"),
+                      ["--backend=cuda", f"--local_socket={socket_dir}/fs.sock"] + KV_FLAGS,
                       name="kv_cuda_shm").start()
+    s.local_path = f"{socket_dir}/fs.sock"
     yield s
     _stop_and_check(s)
 
@@ -130,8 +137,19 @@ def _step(stub, regions, seqs, qs, kvs, step, return_lse):
     return answers
 
 
+class LocalStub:
+    """DecodeStep over the local socket with the gRPC stub's call shape (both transports resolve regions alike)."""
+
+    def __init__(self, path: str):
+        self.client = LocalClient(path, timeout=60)
+
+    def DecodeStep(self, request, timeout=None):  # noqa: N802 (the stub's name)
+        return self.client.decode_step(request)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "local"])
 @pytest.mark.parametrize("dtype,heads,rows_q", [("bfloat16", (32, 8, 128), 1), ("float16", (12, 4, 64), 3)])
-def test_decode_steps_through_cuda_region_match_reference(server, rng, dtype, heads, rows_q):
+def test_decode_steps_through_cuda_region_match_reference(server, rng, dtype, heads, rows_q, transport):
     heads_q, heads_kv, head_dim = heads
     truth = Truth(rng, heads_q, heads_kv, head_dim, dtype)
     regions = {"cuda": CudaRegion(server, 8 << 20), "system": Region(server, f"seqcuda-{dtype}", 8 << 20)}
@@ -144,7 +162,7 @@ def test_decode_steps_through_cuda_region_match_reference(server, rng, dtype, he
                 seqs.append(client.create(num_layers=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                                           dtype=dtype, prefix=prefix))
                 truth.add(seqs[-1].key, 0, k, v)
-            stub = client.stub(client.endpoints[0])
+            stub = client.stub(client.endpoints[0]) if transport == "grpc" else LocalStub(server.local_path)
             for step in range(7):
                 regions["cuda"].reset()
                 regions["system"].at = 0

@@ -177,8 +177,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();
   auto hold = std::make_shared<CallHold>();
-  hold->shm.regions = runtime_->shm_regions();
-  hold->shm.store_device = sequences_ == nullptr ? -1 : sequences_->store_device();
+  InitSequenceShm(runtime_->shm_regions(), sequences_, &hold->shm);
   return Launch(
       context, grpc_call, DecodeStepBytes(*request), hold,
       [request, max_items, response, hold] {

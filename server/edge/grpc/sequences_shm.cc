@@ -5,8 +5,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "edge/grpc/sequences_convert.h"
+#include "runtime/sequence_runtime.h"
 
 namespace flashserve {
+
+void InitSequenceShm(ShmRegistry* regions, const SequenceRuntime* sequences, SequenceShm* shm) {
+  shm->regions = regions;
+  shm->store_device = sequences == nullptr ? -1 : sequences->store_device();
+}
 
 namespace {
 

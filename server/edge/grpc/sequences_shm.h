@@ -23,6 +23,11 @@ struct SequenceShm {
   std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
 };
 
+class SequenceRuntime;
+/// Readies `shm` for one call on a server with these regions (null: shared memory off) and this
+/// Sequences runtime (null: none): both transports call it, so they resolve regions alike.
+void InitSequenceShm(ShmRegistry* regions, const SequenceRuntime* sequences, SequenceShm* shm);
+
 /// A span the KV store can use where it is: where its bytes live and their address.
 struct ShmPlace {
   char* data = nullptr;

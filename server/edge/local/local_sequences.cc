@@ -70,7 +70,7 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
   const int max_items =
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;
   CallHold hold;
-  hold.shm.regions = services.runtime->shm_regions();
+  InitSequenceShm(services.runtime->shm_regions(), services.sequences, &hold.shm);
   const absl::Time received = local.received;
   reply->status = RunDecode(
       services, local, DecodeStepBytes(request), &hold,
