@@ -1,6 +1,7 @@
 #include "runtime/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <array>
@@ -46,6 +47,22 @@ bool IsSticky(cudaError_t e) {
 double PredictedDeviceUs(const AttentionProblem& problem, const IoLayout& layout) {
   const double bytes = double(layout.total);
   return bytes / 10e9 * 1e6 + kernels::attention_flops(problem.params()) / 100e12 * 1e6;
+}
+
+// Past the spin window, polls `event` with short sleeps for a while before a blocking wait: a
+// poll every kPollSleep sees the end within about that, where a thread blocked on an event waits
+// for its wake-up (service-h100-2026-11-24-local.md measures the difference). Jobs longer than
+// kPollFor still sleep on the blocking event.
+cudaError_t PollWithShortSleeps(cudaEvent_t event) {
+  constexpr auto kPollSleep = std::chrono::microseconds(20);
+  constexpr auto kPollFor = std::chrono::milliseconds(20);
+  const auto end = std::chrono::steady_clock::now() + kPollFor;
+  cudaError_t e = cudaErrorNotReady;
+  while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(kPollSleep);
+    e = cudaEventQuery(event);
+  }
+  return e;
 }
 
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
@@ -540,6 +557,9 @@ void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
 
 void CudaBackend::CompletionLoop(Slot* slot) {
   cudaSetDevice(slot->device->index);
+  // Sleeps of this thread end within ~1 us of their time, not the default 50 us timer slack
+  // (PollWithShortSleeps).
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   for (;;) {
     std::unique_ptr<Job> job;
     {
@@ -556,7 +576,8 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
   Device* device = slot->device;
   JobResult result;
   // Poll first (a small job is done within microseconds of its launch; a blocking wait would add
-  // its wake-up latency), then sleep on the blocking-sync twin of the same point in the stream.
+  // its wake-up latency), then poll with short sleeps, then sleep on the blocking-sync twin of
+  // the same point in the stream (--completion_spin_us=0: straight to the blocking wait).
   cudaError_t e = cudaEventQuery(slot->events[3]);
   if (e == cudaErrorNotReady && completion_spin_us_ > 0) {
     const auto spin_end =
@@ -565,6 +586,7 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
       e = cudaEventQuery(slot->events[3]);
     } while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < spin_end);
   }
+  if (e == cudaErrorNotReady && completion_spin_us_ > 0) e = PollWithShortSleeps(slot->events[3]);
   if (e == cudaErrorNotReady) e = cudaEventSynchronize(slot->events[4]);
   const char* what = "stream work";
   if (job->launch_error != cudaSuccess) {
