@@ -278,16 +278,18 @@ absl::StatusOr<std::vector<ShmRegionInfo>> ShmRegistry::Status(ShmType type,
 
 absl::StatusOr<ShmSpan> ShmRegistry::Lease(absl::string_view name, uint64_t offset, uint64_t bytes,
                                            absl::string_view owner) const {
+  absl::StatusOr<ShmSpan> whole = LeaseWhole(name, owner);
+  if (!whole.ok()) return whole.status();
+  return SubSpan(*whole, name, offset, bytes);
+}
+
+absl::StatusOr<ShmSpan> ShmRegistry::LeaseWhole(absl::string_view name,
+                                                absl::string_view owner) const {
   if (!limits_.allow) return NotEnabled();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(name);
   if (it == regions_.end() || it->second->owner != owner) return Unknown(name);
   std::shared_ptr<Region> region = it->second;
-  if (absl::Status s = CheckSpan(absl::StrCat("shared-memory region \"", name, "\""), offset,
-                                 bytes, region->info.byte_size);
-      !s.ok()) {
-    return s;
-  }
   if (region->fd >= 0) {
     // A client that shrank its object would make the server's next access fault (SIGBUS):
     // refuse instead. (Shrinking it while a request runs still faults; see README.)
@@ -300,8 +302,8 @@ absl::StatusOr<ShmSpan> ShmRegistry::Lease(absl::string_view name, uint64_t offs
     }
   }
   ShmSpan span;
-  span.data = region->data + offset;
-  span.bytes = size_t(bytes);
+  span.data = region->data;
+  span.bytes = size_t(region->info.byte_size);
   span.type = region->info.type;
   span.device = region->info.device;
   span.kind = region->info.type == ShmType::kCuda ? MemoryKind::kDevice
@@ -309,6 +311,18 @@ absl::StatusOr<ShmSpan> ShmRegistry::Lease(absl::string_view name, uint64_t offs
                                                   : MemoryKind::kHeap;
   region->leases.fetch_add(1);
   span.lease = std::shared_ptr<void>(region.get(), [region](void*) { region->leases.fetch_sub(1); });
+  return span;
+}
+
+absl::StatusOr<ShmSpan> ShmRegistry::SubSpan(const ShmSpan& whole, absl::string_view name,
+                                             uint64_t offset, uint64_t bytes) {
+  if (offset > whole.bytes || bytes > whole.bytes - offset) {
+    return CheckSpan(absl::StrCat("shared-memory region \"", name, "\""), offset, bytes,
+                     whole.bytes);
+  }
+  ShmSpan span = whole;
+  span.data = whole.data + offset;
+  span.bytes = size_t(bytes);
   return span;
 }
 

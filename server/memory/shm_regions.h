@@ -101,6 +101,13 @@ class ShmRegistry {
   /// A lease on [offset, offset + bytes) of region `name` (any type).
   absl::StatusOr<ShmSpan> Lease(absl::string_view name, uint64_t offset, uint64_t bytes,
                                 absl::string_view owner) const;
+  /// A lease on the whole of region `name`: one lookup and object check for a call that takes
+  /// many spans of it (SubSpan them).
+  absl::StatusOr<ShmSpan> LeaseWhole(absl::string_view name, absl::string_view owner) const;
+  /// [offset, offset + bytes) of `whole` (a LeaseWhole of region `name`), sharing its lease;
+  /// INVALID_ARGUMENT naming the region when beyond it.
+  static absl::StatusOr<ShmSpan> SubSpan(const ShmSpan& whole, absl::string_view name,
+                                         uint64_t offset, uint64_t bytes);
 
   bool enabled() const { return limits_.allow; }
   int region_count() const;

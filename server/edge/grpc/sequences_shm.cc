@@ -16,14 +16,29 @@ void InitSequenceShm(ShmRegistry* regions, const SequenceRuntime* sequences, Seq
 
 namespace {
 
+// The span `ref` names, from the call's one lease of its region (taken on first use).
+absl::StatusOr<ShmSpan> LeaseOnce(const v1::SharedMemoryRef& ref, SequenceShm* shm) {
+  const ShmSpan* whole = nullptr;
+  for (const auto& [region, span] : shm->regions_leased) {
+    if (region == ref.region()) whole = &span;
+  }
+  if (whole == nullptr) {
+    absl::StatusOr<ShmSpan> leased = shm->regions->LeaseWhole(ref.region(), /*owner=*/"");
+    if (!leased.ok()) return leased.status();
+    shm->leases.push_back(leased->lease);
+    shm->regions_leased.emplace_back(ref.region(), *std::move(leased));
+    whole = &shm->regions_leased.back().second;
+  }
+  return ShmRegistry::SubSpan(*whole, ref.region(), ref.offset(), ref.byte_size());
+}
+
 absl::StatusOr<ShmSpan> LeaseSpan(const v1::SharedMemoryRef& ref, const char* name,
                                   SequenceShm* shm) {
   if (shm->regions == nullptr || !shm->regions->enabled()) {
     return absl::PermissionDeniedError(absl::StrCat(
         name, ": shared memory is disabled on this server (start it with --allow_client_shm)"));
   }
-  absl::StatusOr<ShmSpan> span = shm->regions->Lease(ref.region(), ref.offset(), ref.byte_size(),
-                                                     /*owner=*/"");
+  absl::StatusOr<ShmSpan> span = LeaseOnce(ref, shm);
   if (!span.ok()) {
     return absl::Status(span.status().code(), absl::StrCat(name, ": ", span.status().message()));
   }
@@ -38,7 +53,6 @@ absl::StatusOr<ShmSpan> LeaseSpan(const v1::SharedMemoryRef& ref, const char* na
         ", the KV cache on device ", shm->store_device,
         "; register a region on the KV cache's device (or use a system region)"));
   }
-  shm->leases.push_back(span->lease);
   return span;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,9 @@ struct SequenceShm {
   int store_device = -1;           // the KV store's CUDA device (-1: it reads host memory only)
   ShmLeases leases;
   std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
+  // Each region the call names, leased once as a whole (a step names one or two regions
+  // 5 x items times; leasing every span took a lookup and an fstat each).
+  std::vector<std::pair<std::string, ShmSpan>> regions_leased;
 };
 
 class SequenceRuntime;

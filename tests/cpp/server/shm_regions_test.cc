@@ -129,6 +129,31 @@ TEST(ShmRegistry, LeasesAreCheckedAgainstTheRegionWithoutOverflow) {
   EXPECT_EQ(registry.Lease("nope", 0, 1, "").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(ShmRegistry, SubSpansOfAWholeLeaseAreCheckedAndKeepItInUse) {
+  ShmObject object(4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 8, 1000, "").ok());
+  absl::StatusOr<ShmSpan> whole = registry.LeaseWhole("r", "");
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(whole->bytes, 1000u);
+  absl::StatusOr<ShmSpan> part = ShmRegistry::SubSpan(*whole, "r", 100, 50);
+  ASSERT_TRUE(part.ok());
+  EXPECT_EQ(part->data, whole->data + 100);
+  EXPECT_EQ(part->bytes, 50u);
+  const uint64_t max = std::numeric_limits<uint64_t>::max();
+  for (auto [offset, bytes] : {std::pair<uint64_t, uint64_t>{0, 1001}, {1001, 0}, {max, 2}}) {
+    EXPECT_EQ(ShmRegistry::SubSpan(*whole, "r", offset, bytes).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << offset << " + " << bytes;
+  }
+  whole->lease.reset();  // the sub-span still holds the region
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(),
+            absl::StatusCode::kFailedPrecondition);
+  part->lease.reset();
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
+  EXPECT_EQ(registry.LeaseWhole("r", "").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST(ShmRegistry, ARegionInUseCannotBeUnregistered) {
   ShmObject object(4096);
   ShmRegistry registry(Allowed(), nullptr);
