@@ -1,33 +1,15 @@
-// make_kv_tensor_map: cuTensorMapEncodeTiled through the runtime's driver entry-point lookup (as
-// sm90/tensor_map.cc; nothing links libcuda, and this file builds without sm_90 in the archs).
+// make_kv_tensor_map: cuTensorMapEncodeTiled through the runtime's driver entry-point lookup
+// (tensor_map_encode.h: nothing links libcuda, and this file builds without sm_90 in the archs).
 #include "decode_tensor_map.h"
-
-#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "tensor_map_encode.h"
+
 namespace flashserve::kernels::cuda::decode {
 namespace {
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {  // looked up once; nullptr when the driver lacks it
-  static const EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      return EncodeTiledFn{nullptr};
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
 
 // TMA strides: multiples of 16 bytes below 2^40; a dimension of extent 1 never moves, so any
 // legal value will do there.

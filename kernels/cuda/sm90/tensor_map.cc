@@ -1,29 +1,13 @@
-// make_tensor_map: cuTensorMapEncodeTiled through the runtime's driver entry-point lookup.
+// make_tensor_map: cuTensorMapEncodeTiled through the runtime's driver entry-point lookup
+// (tensor_map_encode.h).
 #include "tensor_map.h"
 
 #include <cstring>
 
+#include "tensor_map_encode.h"
+
 namespace flashserve::kernels::cuda::sm90 {
 namespace {
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                   const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// Looked up once; nullptr when the driver lacks it (older than CUDA 12.0).
-EncodeTiledFn encode_tiled() {
-  static const EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &status) != cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      return EncodeTiledFn{nullptr};
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
 
 constexpr int64_t kMaxStrideBytes = int64_t{1} << 40;
 
