@@ -44,14 +44,7 @@ CellResult Cell::Run() {
   r.concurrency = n;
   r.channels = int(std::min<size_t>(size_t(n), pool_->stubs.size()));
   r.request_bytes = int64_t(spec_.request->size());
-  for (Worker& w : workers_) {
-    r.ok += w.ok;
-    r.errors += w.errors;
-    if (r.first_error.empty()) r.first_error = w.first_error;
-    r.latency_us.insert(r.latency_us.end(), w.latency_us.begin(), w.latency_us.end());
-    r.timings.insert(r.timings.end(), w.timings.begin(), w.timings.end());
-    r.response_bytes = std::max(r.response_bytes, w.response_bytes);
-  }
+  for (const Worker& w : workers_) AddWorker(w, &r);
   return r;
 }
 

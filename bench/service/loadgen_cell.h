@@ -3,6 +3,7 @@
 // and the statistics over a cell's latencies and server timings (percentiles, overhead).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -28,6 +29,18 @@ struct CellResult {
   std::vector<double> latency_us;
   std::vector<std::array<int64_t, 6>> timings;  // queue, h2d, compute, d2h, total, stage
 };
+
+/// Adds one worker's counts, latencies and timings to `r` (the gRPC and local-socket cells'
+/// workers have the same fields).
+template <typename Worker>
+void AddWorker(const Worker& w, CellResult* r) {
+  r->ok += w.ok;
+  r->errors += w.errors;
+  if (r->first_error.empty()) r->first_error = w.first_error;
+  r->latency_us.insert(r->latency_us.end(), w.latency_us.begin(), w.latency_us.end());
+  r->timings.insert(r->timings.end(), w.timings.begin(), w.timings.end());
+  r->response_bytes = std::max(r->response_bytes, w.response_bytes);
+}
 
 struct CellSpec {
   std::string target_name, method;

@@ -68,14 +68,7 @@ CellResult Collect(const LocalCellSpec& spec, std::vector<LocalWorker>& workers)
   r.concurrency = spec.concurrency;
   r.channels = spec.concurrency;  // one connection per worker
   r.request_bytes = int64_t(spec.payload->size());
-  for (LocalWorker& w : workers) {
-    r.ok += w.ok;
-    r.errors += w.errors;
-    if (r.first_error.empty()) r.first_error = w.first_error;
-    r.latency_us.insert(r.latency_us.end(), w.latency_us.begin(), w.latency_us.end());
-    r.timings.insert(r.timings.end(), w.timings.begin(), w.timings.end());
-    r.response_bytes = std::max(r.response_bytes, w.response_bytes);
-  }
+  for (const LocalWorker& w : workers) AddWorker(w, &r);
   return r;
 }
 
