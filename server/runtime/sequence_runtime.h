@@ -24,7 +24,7 @@ namespace flashserve {
 struct SequenceRuntimeOptions {
   kvcache::KvCacheOptions cache;   // capacity_bytes 0: the Sequences API is off
   int64_t batch_window_us = 0;     // --batch_window_us; 0: no window
-  bool batch_when_busy = false;    // --batch_when_busy: calls arriving during a launch share the next
+  bool batch_when_busy = false;    // --batch_when_busy: calls arriving mid-launch go next, together
   int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
 
   /// INVALID_ARGUMENT naming the flag.
@@ -96,8 +96,7 @@ class SequenceRuntime {
   std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
   // from_batcher: the calls are one batch of batcher_, told BatchDone once they are answered.
   // run_inline: on this thread if a worker would be idle (Scheduler::SubmitOrRunInline).
-  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher,
-                bool run_inline);
+  void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher, bool run_inline);
   // One paged launch over calls that share a shape, mask and scale; answers each of them.
   void RunLaunch(const std::vector<PreparedDecode*>& launch);
 

@@ -68,12 +68,14 @@ absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& i
     call->out_at.back() = at->at;
     call->out.push_back(at->data);
   } else {
-    call->out.push_back(PrepareOutput(out, static_cast<v1::DType>(item.q.dtype), {rows, heads, dim}, 2));
+    call->out.push_back(
+        PrepareOutput(out, static_cast<v1::DType>(item.q.dtype), {rows, heads, dim}, 2));
   }
   if (!return_lse) return absl::OkStatus();
   v1::Tensor* lse = result->mutable_lse();
   if (!in.has_lse_shm()) {
-    call->lse.push_back(reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
+    call->lse.push_back(
+        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
     return absl::OkStatus();
   }
   absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
@@ -93,10 +95,11 @@ absl::Status AddStepOutputs(const v1::DecodeStepRequest& request, DecodeCall* ca
     const v1::DecodeItem& in = request.items(i);
     const bool uses_shm = in.has_out_shm() || (request.return_lse() && in.has_lse_shm());
     if (uses_shm && shm == nullptr) {
-      return absl::InvalidArgumentError("out_shm / lse_shm given where shared memory is unsupported");
+      return absl::InvalidArgumentError(
+          "out_shm / lse_shm given where shared memory is unsupported");
     }
     absl::Status s = AddItemOutputs(in, call->items[size_t(i)], request.return_lse(), shm,
-                                     response->add_results(), call);
+                                    response->add_results(), call);
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
   }
   return shm == nullptr ? absl::OkStatus() : CheckShmOverlap(*shm);

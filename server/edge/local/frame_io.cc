@@ -26,7 +26,8 @@ bool WaitReadable(int fd, absl::Time deadline) {
     if (deadline != absl::InfiniteFuture()) {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return false;
-      timeout_ms = int(std::min<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 1 << 30));
+      timeout_ms = int(std::min<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 1 << 30));
     }
     pollfd p{fd, POLLIN, 0};
     const int n = poll(&p, 1, timeout_ms);
@@ -51,9 +52,9 @@ absl::Status FrameReader::ReadFull(char* dest, size_t bytes) {
       return absl::UnavailableError(absl::StrCat("local frame: read failed: ", strerror(errno)));
     }
     if (!WaitReadable(fd_, deadline_)) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "local frame: not complete within ", absl::FormatDuration(timeout_),
-          " (--local_read_timeout_ms); ", done, " of ", bytes, " bytes arrived"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("local frame: not complete within ", absl::FormatDuration(timeout_),
+                       " (--local_read_timeout_ms); ", done, " of ", bytes, " bytes arrived"));
     }
   }
   return absl::OkStatus();

@@ -1,9 +1,10 @@
 // The local socket's computing methods: a request frame's payload in, the response's bytes out.
 // Each runs the call exactly as the gRPC edge does (Attention: AttentionRuntime::Submit with the
 // payload's tensors read in place and O/LSE sent from the request buffers, shared memory resolved
-// for the same owner; DecodeStep / Attend: BuildDecodeStep / BuildAttend and SequenceRuntime::Submit
-// with the bytes reserved), then waits on the connection's thread for done(): polling up to
-// --local_spin_us, then sleeping (edge/local/call_waiter.h). No hand-off to another thread.
+// for the same owner; DecodeStep / Attend: BuildDecodeStep / BuildAttend and
+// SequenceRuntime::Submit with the bytes reserved), then waits on the connection's thread for
+// done() (edge/local/call_waiter.h: polling, short sleeps, then a futex). No hand-off to another
+// thread.
 #pragma once
 
 #include <sys/uio.h>

@@ -29,11 +29,16 @@ constexpr size_t kKeptBufferBytes = size_t{1} << 20;
 
 const GrpcMethod& MethodOf(local::Method method) {
   switch (method) {
-    case local::Method::kHello: return local_methods::kHello;
-    case local::Method::kEcho: return local_methods::kEcho;
-    case local::Method::kAttention: return local_methods::kAttention;
-    case local::Method::kDecodeStep: return local_methods::kDecodeStep;
-    case local::Method::kAttend: return local_methods::kAttend;
+    case local::Method::kHello:
+      return local_methods::kHello;
+    case local::Method::kEcho:
+      return local_methods::kEcho;
+    case local::Method::kAttention:
+      return local_methods::kAttention;
+    case local::Method::kDecodeStep:
+      return local_methods::kDecodeStep;
+    case local::Method::kAttend:
+      return local_methods::kAttend;
   }
   return local_methods::kEcho;  // not reached: the header was checked
 }
@@ -54,7 +59,10 @@ class Connection {
  public:
   Connection(int fd, const LocalServices& services, const LocalOptions& options,
              LocalCallCount* calls)
-      : fd_(fd), services_(services), options_(options), calls_(calls),
+      : fd_(fd),
+        services_(services),
+        options_(options),
+        calls_(calls),
         reader_(fd, options.max_frame_bytes, absl::Milliseconds(options.read_timeout_ms),
                 absl::Microseconds(options.spin_us)),
         authed_(options.auth == nullptr) {}
@@ -124,7 +132,9 @@ class Connection {
 
   // A wrong token closes the connection: one guess per connection.
   bool Hello(std::string_view token, LocalReply* reply) {
-    if (options_.auth == nullptr || options_.auth->Allows(absl::StrCat("Bearer ", absl::string_view(token.data(), token.size())))) {
+    const std::string header =
+        absl::StrCat("Bearer ", absl::string_view(token.data(), token.size()));
+    if (options_.auth == nullptr || options_.auth->Allows(header)) {
       authed_ = true;
       return true;
     }
@@ -155,9 +165,8 @@ class Connection {
     metrics->AddBytesOut(bytes);
     metrics->Finish(reply->status);
     const absl::Status written =
-        reply->status.ok()
-            ? WriteFrame(fd_, 0, reply->pieces.data(), int(reply->pieces.size()))
-            : WriteErrorFrame(fd_, reply->status);
+        reply->status.ok() ? WriteFrame(fd_, 0, reply->pieces.data(), int(reply->pieces.size()))
+                           : WriteErrorFrame(fd_, reply->status);
     return written.ok();
   }
 
