@@ -7,8 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "edge/grpc/sequences_decode.h"
-#include "edge/grpc/sequences_hold.h"
+#include "edge/sequences/sequences_decode.h"
+#include "edge/sequences/sequences_hold.h"
 #include "edge/local/call_waiter.h"
 #include "edge/local/local_calls.h"
 

@@ -1,11 +1,11 @@
 // The Sequences edge's message checks: shapes against bytes (no overflow on absurd shapes),
 // dtypes, optional k/v, scale, item counts, and outputs sized like q before anything runs.
-#include "edge/grpc/sequences_convert.h"
+#include "edge/sequences/sequences_convert.h"
 
 #include <cmath>
 
-#include "edge/grpc/sequences_decode.h"
-#include "edge/grpc/sequences_shm.h"
+#include "edge/sequences/sequences_decode.h"
+#include "edge/sequences/sequences_shm.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {

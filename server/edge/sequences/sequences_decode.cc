@@ -1,9 +1,9 @@
-#include "edge/grpc/sequences_decode.h"
+#include "edge/sequences/sequences_decode.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "edge/grpc/sequences_convert.h"
-#include "edge/grpc/sequences_shm.h"
+#include "edge/sequences/sequences_convert.h"
+#include "edge/sequences/sequences_shm.h"
 
 namespace flashserve {
 

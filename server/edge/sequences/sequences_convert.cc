@@ -1,4 +1,4 @@
-#include "edge/grpc/sequences_convert.h"
+#include "edge/sequences/sequences_convert.h"
 
 #include <cmath>
 

@@ -1,10 +1,10 @@
-#include "edge/grpc/sequences_shm.h"
+#include "edge/sequences/sequences_shm.h"
 
 #include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
-#include "edge/grpc/sequences_convert.h"
+#include "edge/sequences/sequences_convert.h"
 #include "runtime/sequence_runtime.h"
 
 namespace flashserve {

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "edge/grpc/sequences_shm.h"
+#include "edge/sequences/sequences_shm.h"
 #include "flashserve/v1/sequences.pb.h"
 #include "runtime/attention_runtime.h"
 
