@@ -1,7 +1,6 @@
 #include "runtime/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
-#include <sys/prctl.h>
 
 #include <algorithm>
 #include <array>
@@ -13,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "autotune/kernel_choice.h"
+#include "common/short_sleep_poll.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "memory/io_buffers.h"
 #include "runtime/cuda_kv_store.h"
@@ -47,22 +47,6 @@ bool IsSticky(cudaError_t e) {
 double PredictedDeviceUs(const AttentionProblem& problem, const IoLayout& layout) {
   const double bytes = double(layout.total);
   return bytes / 10e9 * 1e6 + kernels::attention_flops(problem.params()) / 100e12 * 1e6;
-}
-
-// Past the spin window, polls `event` with short sleeps for a while before a blocking wait: a
-// poll every kPollSleep sees the end within about that, where a thread blocked on an event waits
-// for its wake-up (service-h100-2026-11-24-local.md measures the difference). Jobs longer than
-// kPollFor still sleep on the blocking event.
-cudaError_t PollWithShortSleeps(cudaEvent_t event) {
-  constexpr auto kPollSleep = std::chrono::microseconds(20);
-  constexpr auto kPollFor = std::chrono::milliseconds(20);
-  const auto end = std::chrono::steady_clock::now() + kPollFor;
-  cudaError_t e = cudaErrorNotReady;
-  while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < end) {
-    std::this_thread::sleep_for(kPollSleep);
-    e = cudaEventQuery(event);
-  }
-  return e;
 }
 
 int64_t ElapsedUs(cudaEvent_t a, cudaEvent_t b) {
@@ -557,9 +541,6 @@ void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
 
 void CudaBackend::CompletionLoop(Slot* slot) {
   cudaSetDevice(slot->device->index);
-  // Sleeps of this thread end within ~1 us of their time, not the default 50 us timer slack
-  // (PollWithShortSleeps).
-  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   for (;;) {
     std::unique_ptr<Job> job;
     {
@@ -586,7 +567,9 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
       e = cudaEventQuery(slot->events[3]);
     } while (e == cudaErrorNotReady && std::chrono::steady_clock::now() < spin_end);
   }
-  if (e == cudaErrorNotReady && completion_spin_us_ > 0) e = PollWithShortSleeps(slot->events[3]);
+  if (e == cudaErrorNotReady && completion_spin_us_ > 0) {
+    PollWithShortSleeps([&] { return (e = cudaEventQuery(slot->events[3])) != cudaErrorNotReady; });
+  }
   if (e == cudaErrorNotReady) e = cudaEventSynchronize(slot->events[4]);
   const char* what = "stream work";
   if (job->launch_error != cudaSuccess) {

@@ -1,14 +1,12 @@
 // How a local connection's thread waits for its call's done(): it polls a flag for up to
 // --local_spin_us (a short call is answered without the thread ever sleeping: a futex wake-up
 // costs tens of microseconds on a cold core), then checks it every ~20 us with short sleeps for
-// up to 20 ms (a millisecond call is seen done within about that, not a wake-up later), then
-// sleeps on a futex. Shared (shared_ptr) by
+// up to 20 ms (common/short_sleep_poll.h), then sleeps on a futex. Shared (shared_ptr) by
 // the waiting thread and the done() callback, so the callback may still be inside Notify when
 // the waiter has already returned.
 #pragma once
 
 #include <linux/futex.h>
-#include <sys/prctl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -17,6 +15,7 @@
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "common/short_sleep_poll.h"
 
 namespace flashserve {
 
@@ -41,7 +40,7 @@ class CallWaiter {
 #endif
       }
     }
-    if (spin > absl::ZeroDuration() && PollWithShortSleeps()) return;
+    if (spin > absl::ZeroDuration() && PollWithShortSleeps([this] { return Done(); })) return;
     sleeping_.store(true, std::memory_order_seq_cst);
     while (!Done()) {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&state_), FUTEX_WAIT_PRIVATE, kPending,
@@ -53,18 +52,6 @@ class CallWaiter {
 
  private:
   static constexpr uint32_t kPending = 0, kDone = 1;
-  // True once done within the polling window. This thread's sleeps end within ~1 us of their
-  // time (timer slack), not the default 50 us.
-  bool PollWithShortSleeps() const {
-    thread_local const bool slack_set = prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0) == 0;
-    (void)slack_set;
-    const absl::Time until = absl::Now() + absl::Milliseconds(20);
-    while (absl::Now() < until) {
-      absl::SleepFor(absl::Microseconds(20));
-      if (Done()) return true;
-    }
-    return false;
-  }
   void Wake() {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&state_), FUTEX_WAKE_PRIVATE, 1, nullptr,
             nullptr, 0);
