@@ -36,6 +36,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "loadgen_cell.h"
+#include "loadgen_format.h"
 #include "loadgen_local.h"
 #include "loadgen_shm.h"
 #include "loadgen_striped.h"
@@ -48,6 +49,7 @@ using flashserve::loadgen::CellResult;
 using flashserve::loadgen::CellSpec;
 using flashserve::loadgen::Clock;
 using flashserve::loadgen::Column;
+using flashserve::loadgen::Fmt;
 using flashserve::loadgen::kShapes;
 using flashserve::loadgen::MakeChannel;
 using flashserve::loadgen::MakeWorkload;
@@ -80,16 +82,6 @@ std::vector<std::string> Split(const std::string& s) {
     if (!part.empty()) out.push_back(part);
   }
   return out;
-}
-
-std::string Fmt(const char* format, ...) __attribute__((format(printf, 1, 2)));
-std::string Fmt(const char* format, ...) {
-  char buffer[512];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(buffer, sizeof buffer, format, args);
-  va_end(args);
-  return buffer;
 }
 
 }  // namespace

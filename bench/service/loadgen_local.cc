@@ -8,6 +8,7 @@
 
 #include "inference/open_inference_grpc.grpc.pb.h"
 #include "loadgen_local_cell.h"
+#include "loadgen_format.h"
 #include "loadgen_regions.h"
 #include "loadgen_shm.h"
 #include "loadgen_targets.h"
@@ -16,16 +17,6 @@ namespace flashserve::loadgen {
 namespace {
 
 using local::Method;
-
-std::string Fmt(const char* format, ...) __attribute__((format(printf, 1, 2)));
-std::string Fmt(const char* format, ...) {
-  char line[512];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(line, sizeof line, format, args);
-  va_end(args);
-  return line;
-}
 
 LocalCellSpec MakeSpec(const LocalSectionOptions& options, const std::string& name, Method method,
                        const std::string* payload, int c, bool timing) {

@@ -1,20 +1,9 @@
 #include "loadgen_targets.h"
 
-#include <cstdarg>
-#include <cstdio>
+#include "loadgen_format.h"
 
 namespace flashserve::loadgen {
 namespace {
-
-std::string Fmt(const char* format, ...) __attribute__((format(printf, 1, 2)));
-std::string Fmt(const char* format, ...) {
-  char line[512];
-  va_list args;
-  va_start(args, format);
-  std::vsnprintf(line, sizeof line, format, args);
-  va_end(args);
-  return line;
-}
 
 struct Target {
   const char* name;
