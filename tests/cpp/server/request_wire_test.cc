@@ -174,15 +174,21 @@ std::string RandomUtf8(std::mt19937_64& rng) {
   return s;
 }
 
-// Unknown fields under unused numbers; varint and fixed ones also under the message's own numbers
-// (q/k/v as a varint stays unknown to protobuf too; causal as a varint is simply causal).
-void AddUnknownFields(google::protobuf::Message* m, const std::vector<int>& own_numbers,
-                      std::mt19937_64& rng) {
+// Unknown fields under numbers past the message's last field (read from its descriptor, so a
+// field added to the proto never collides); varint and fixed ones also under the message's own
+// numbers (q/k/v as a varint stays unknown to protobuf too; causal as a varint is simply causal).
+void AddUnknownFields(google::protobuf::Message* m, std::mt19937_64& rng) {
+  const google::protobuf::Descriptor* descriptor = m->GetDescriptor();
+  int last_field = 0;
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    last_field = std::max(last_field, descriptor->field(i)->number());
+  }
   google::protobuf::UnknownFieldSet* set = m->GetReflection()->MutableUnknownFields(m);
   const int n = 1 + int(rng() % 3);
   for (int i = 0; i < n; ++i) {
-    const int unused = 9 + int(rng() % 3000);
-    const int any = rng() % 2 == 0 ? unused : own_numbers[rng() % own_numbers.size()];
+    const int unused = last_field + 1 + int(rng() % 3000);
+    const int own = descriptor->field(int(rng() % descriptor->field_count()))->number();
+    const int any = rng() % 2 == 0 ? unused : own;
     switch (rng() % 4) {
       case 0: set->AddVarint(any, rng() >> (rng() % 64)); break;
       case 1: set->AddFixed32(any, uint32_t(rng())); break;
@@ -190,6 +196,13 @@ void AddUnknownFields(google::protobuf::Message* m, const std::vector<int>& own_
       default: set->AddLengthDelimited(unused, RandomBytes(rng, rng() % 20)); break;
     }
   }
+}
+
+// A shared-memory reference as a client writes one (the parser passes it through unchecked).
+void RandomShmRef(v1::SharedMemoryRef* ref, std::mt19937_64& rng) {
+  ref->set_region(RandomUtf8(rng));
+  if (rng() % 2 == 0) ref->set_offset(rng() >> (rng() % 64));
+  if (rng() % 2 == 0) ref->set_byte_size(rng() >> (rng() % 64));
 }
 
 size_t RandomDataSize(std::mt19937_64& rng) {
@@ -218,7 +231,8 @@ void RandomTensor(v1::Tensor* t, std::mt19937_64& rng, bool unknown_fields) {
   }
   if (rng() % 8 == 0) t->clear_dtype();
   t->set_data(RandomBytes(rng, RandomDataSize(rng)));
-  if (unknown_fields) AddUnknownFields(t, {1, 2, 3}, rng);
+  if (rng() % 8 == 0) RandomShmRef(t->mutable_shm(), rng);
+  if (unknown_fields) AddUnknownFields(t, rng);
 }
 
 v1::AttentionRequest RandomRequest(std::mt19937_64& rng) {
@@ -237,7 +251,9 @@ v1::AttentionRequest RandomRequest(std::mt19937_64& rng) {
   }
   r.set_return_lse(rng() % 2 == 0);
   if (rng() % 2 == 0) r.set_request_id(RandomUtf8(rng));
-  if (unknown) AddUnknownFields(&r, {1, 2, 3, 4, 5, 6, 7}, rng);
+  if (rng() % 8 == 0) RandomShmRef(r.mutable_out_shm(), rng);
+  if (rng() % 8 == 0) RandomShmRef(r.mutable_lse_shm(), rng);
+  if (unknown) AddUnknownFields(&r, rng);
   return r;
 }
 
