@@ -72,9 +72,9 @@ struct Options {
 struct Sample {
   double latency_us = 0;
   int64_t total_us = 0, compute_us = 0, merged = 0;
-  // Where the server's time went (Timing: queue, row staging, and the device times of the
+  // Where the server's time went (Timing: parse and build, queue, row staging, and the device times of the
   // input copy + row scatter, the decode kernel and the output copy).
-  int64_t queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
+  int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -239,8 +239,9 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   for (double m : merged) merged_mean += m / double(merged.size());
   std::string stages;
   const std::pair<const char*, int64_t Sample::*> fields[] = {
-      {"queue", &Sample::queue_us}, {"stage", &Sample::stage_us}, {"h2d", &Sample::h2d_us},
-      {"kernel", &Sample::kernel_us}, {"d2h", &Sample::d2h_us}};
+      {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
+      {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
+      {"kernel", &Sample::kernel_us},   {"d2h", &Sample::d2h_us}};
   for (const auto& [name, field] : fields) {
     std::vector<double> values;
     for (const Sample& s : samples) values.push_back(double(s.*field));
@@ -295,6 +296,7 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
   sample->total_us = response.timing().total_us();
   sample->compute_us = response.timing().compute_us();
   sample->merged = response.batched_calls();
+  sample->prepare_us = response.timing().prepare_us();
   sample->queue_us = response.timing().queue_us();
   sample->stage_us = response.timing().stage_us();
   sample->h2d_us = response.timing().h2d_us();
