@@ -72,8 +72,8 @@ struct Options {
 struct Sample {
   double latency_us = 0;
   int64_t total_us = 0, compute_us = 0, merged = 0;
-  // Where the server's time went (Timing: parse and build, queue, row staging, and the device times of the
-  // input copy + row scatter, the decode kernel and the output copy).
+  // Where the server's time went (Timing: parse and build, queue, row staging, and the device
+  // times of the input copy + row scatter, the decode kernel and the output copy).
   int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
 };
 
