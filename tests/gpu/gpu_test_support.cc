@@ -29,17 +29,30 @@ cudaError_t multiprocessor_count(int* count) {
   return cudaDeviceGetAttribute(count, cudaDevAttrMultiProcessorCount, 0);
 }
 
+// FLASHSERVE_TEST_SEED as a number (decimal, or 0x hex), or false when unset or not a number.
+bool replay_seed(uint64_t* seed) {
+  const char* text = std::getenv("FLASHSERVE_TEST_SEED");
+  if (text == nullptr) return false;
+  char* end = nullptr;
+  errno = 0;
+  *seed = std::strtoull(text, &end, 0);
+  if (end == text || *end != '\0' || errno != 0) {
+    ADD_FAILURE() << "FLASHSERVE_TEST_SEED=" << text << " is not a seed (a number as printed)";
+    return false;
+  }
+  return true;
+}
+
 uint64_t run_seed() {
   static const uint64_t seed = [] {
     uint64_t s = 0;
-    if (const char* replay = std::getenv("FLASHSERVE_TEST_SEED")) {
-      s = std::strtoull(replay, nullptr, 0);
-    } else {
+    if (!replay_seed(&s)) {
       std::random_device rd;
       s = (uint64_t(rd()) << 32) ^ rd();
     }
-    // Printed before any case runs, so the log of a failing run always holds it.
-    std::printf("%s seed: %llu (FLASHSERVE_TEST_SEED=%llu replays this run)\n",
+    // Printed once, at the first use, so a failing run's log holds it. The seed stays the
+    // line's last word: kernels/cuda/sm90/tools/gpu_check.sh collects it from there.
+    std::printf("%s seed: %llu\n(FLASHSERVE_TEST_SEED=%llu replays this run)\n",
                 program_invocation_short_name, static_cast<unsigned long long>(s),
                 static_cast<unsigned long long>(s));
     std::fflush(stdout);
