@@ -59,9 +59,10 @@ absl::Status CheckNoRepeats(const std::vector<StepItem>& items,
     if (same) repeat = std::min(repeat, std::get<2>(keys[j]));
   }
   if (repeat == items.size()) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat("item ", repeat, ": sequence ",
-                                                 items[repeat].id, " layer ",
-                                                 items[repeat].layer, " appears twice in one call"));
+  const StepItem& item = items[repeat];
+  return absl::InvalidArgumentError(absl::StrCat("item ", repeat, ": sequence ", item.id,
+                                                 " layer ", item.layer,
+                                                 " appears twice in one call"));
 }
 
 }  // namespace
