@@ -108,9 +108,7 @@ v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::mt19937* rng) {
   return t;
 }
 
-void Authorize(grpc::ClientContext* ctx, const Options& opt) {
-  if (!opt.token.empty()) ctx->AddMetadata("authorization", "Bearer " + opt.token);
-}
+void Authorize(grpc::ClientContext* ctx, const Options& opt) { flashserve::loadgen::Authorize(ctx, opt.token); }
 
 [[noreturn]] void Die(const std::string& what, const grpc::Status& s) {
   std::fprintf(stderr, "decode-loadgen: %s failed: %d %s\n", what.c_str(), int(s.error_code()),

@@ -62,7 +62,10 @@ constexpr char kUsage[] =
     "usage: flashserve-loadgen [--name=value ...]\n"
     "  --target=HOST:PORT            flashserve's gRPC address (default 127.0.0.1:8001)\n"
     "  --echo=HOST:PORT              flashserve-echo: the raw gRPC ceiling (default none)\n"
-    "  --token=T                     bearer token: the local socket's Hello\n"
+    "  --token=T                     bearer token for a server started with --auth_token_file (or\n"
+    "                                $FLASHSERVE_AUTH_TOKEN): sent on every gRPC call (unary grid, striped,\n"
+    "                                shared-memory registrations and ModelInfer; the echo calls carry it\n"
+    "                                too, so both carry the same bytes) and in the local socket's Hello\n"
     "  --shapes=small,medium,large   request shapes\n"
     "  --concurrency=1,4,16,64       requests in flight per cell\n"
     "  --duration_s=2  --min_requests=3  --large_max_concurrency=16\n"
@@ -113,11 +116,11 @@ int main(int argc, char** argv) {
   const int max_conc = *std::max_element(concurrency.begin(), concurrency.end());
   const int pool_size = channels_flag > 0 ? channels_flag : max_conc;
 
-  std::fprintf(stderr, "loadgen: %d channels to %s%s%s\n", pool_size, target.c_str(),
-               echo.empty() ? "" : " and to echo ", echo.c_str());
-  Pool server(target, pool_size);
+  std::fprintf(stderr, "loadgen: %d channels to %s%s%s%s\n", pool_size, target.c_str(),
+               echo.empty() ? "" : " and to echo ", echo.c_str(), token.empty() ? "" : " (with a bearer token)");
+  Pool server(target, pool_size, token);
   std::unique_ptr<Pool> echo_pool;
-  if (!echo.empty()) echo_pool = std::make_unique<Pool>(echo, pool_size);
+  if (!echo.empty()) echo_pool = std::make_unique<Pool>(echo, pool_size, token);
 
   std::ofstream csv(Flag("csv", "service.csv"));
   csv << "target,shape,concurrency,channels,ok,errors,wall_s,req_per_s,p50_us,p99_us,request_bytes,response_bytes,"
@@ -301,7 +304,7 @@ int main(int argc, char** argv) {
         std::string output, error;
         for (int rep = 0; rep < stripe_reps + 1; ++rep) {  // first one warms the connections
           StripedSample s{};
-          if (!RunStriped(w, chans, stubs, chunk_bytes, &output, &s, &error)) break;
+          if (!RunStriped(w, chans, stubs, token, chunk_bytes, &output, &s, &error)) break;
           if (rep > 0) samples.push_back(s);
         }
         if (!error.empty()) {
