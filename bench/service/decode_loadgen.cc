@@ -108,7 +108,9 @@ v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::mt19937* rng) {
   return t;
 }
 
-void Authorize(grpc::ClientContext* ctx, const Options& opt) { flashserve::loadgen::Authorize(ctx, opt.token); }
+void Authorize(grpc::ClientContext* ctx, const Options& opt) {
+  flashserve::loadgen::Authorize(ctx, opt.token);
+}
 
 [[noreturn]] void Die(const std::string& what, const grpc::Status& s) {
   std::fprintf(stderr, "decode-loadgen: %s failed: %d %s\n", what.c_str(), int(s.error_code()),
@@ -478,19 +480,21 @@ bool BenchFullKv(const Options& opt, std::mt19937* rng) {
 constexpr char kUsage[] =
     "usage: flashserve-decode-loadgen [--name=value ...]   (one JSON line per row on stdout)\n"
     "  --target=127.0.0.1:8001       flashserve's gRPC address (sequences are created there)\n"
-    "  --token=T                     bearer token (server --auth_token_file): every gRPC call, the local\n"
-    "                                socket's Hello and the echo calls carry it\n"
+    "  --token=T                     bearer token (server --auth_token_file): every gRPC call,\n"
+    "                                the local socket's Hello and the echo calls carry it\n"
     "  --mode=sequences|full_kv      DecodeStep on sequences, or Attention with the whole K/V\n"
-    "  --context=1024  --sequences=64  --concurrency=1,8 (each <= sequences)  --steps=200  --warmup=20\n"
+    "  --context=1024  --sequences=64  --concurrency=1,8 (each <= sequences)\n"
+    "  --steps=200  --warmup=20\n"
     "  --local_socket=PATH           DecodeStep over the local transport (mode sequences)\n"
     "  --shm=none|system|cuda  --shm_device=0   q/k/v and O in regions (mode sequences; server\n"
     "                                --allow_client_shm; cuda: CUDA builds only)\n"
     "  --timeout_ms=60000            per call\n"
-    "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes per row\n";
+    "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes\n"
+    "                                per row\n";
 
-const std::set<std::string> kKnownFlags = {"target", "token", "echo", "mode", "context", "sequences",
-                                           "concurrency", "steps", "warmup", "local_socket", "shm",
-                                           "shm_device", "timeout_ms"};
+const std::set<std::string> kKnownFlags = {
+    "target", "token", "echo",         "mode", "context",    "sequences", "concurrency",
+    "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms"};
 
 void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;
@@ -505,8 +509,9 @@ void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
                      opt.transport.timeout_ms >= 0;
   if (!valid) {
     flags.Fail(
-        "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode sequences or "
-        "full_kv; shm none, system or cuda; --shm, --local_socket and --echo only with mode sequences)");
+        "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode "
+        "sequences or full_kv; shm none, system or cuda; --shm, --local_socket and --echo only "
+        "with mode sequences)");
   }
 }
 

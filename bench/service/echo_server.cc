@@ -78,7 +78,7 @@ class EchoService final : public grpc::CallbackGenericService {
 
 int main(int argc, char** argv) {
   const flashserve::bench::Flags flags(
-      argc, argv, "usage: flashserve-echo [--host=127.0.0.1] [--port=0]   (0: a free port, printed)\n",
+      argc, argv, "usage: flashserve-echo [--host=127.0.0.1] [--port=0]   (0: any free port)\n",
       {"host", "port"});
   const std::string host = flags.Str("host", "127.0.0.1");
   const int64_t port = flags.Int("port", 0);
