@@ -41,6 +41,11 @@ ABSL_FLAG(int, completion_spin_us, flashserve::CudaBackendOptions{}.completion_s
           "CUDA backend: how long a stream's completion thread polls for its job to finish before "
           "it sleeps (a sleeping wait wakes tens of us late, which dominates small requests; "
           "polling uses a core only while such a job runs); 0: always sleep, max 1000000");
+ABSL_FLAG(int, copy_pipeline_chunks, flashserve::CudaBackendOptions{}.copy_pipeline_chunks,
+          "CUDA backend: cut a request with >= 8 MiB of inputs in one page-locked piece each "
+          "(staged, or a system shared-memory region) into this many head chunks, so that one "
+          "chunk's copies overlap another's kernel (H2D, kernel and D2H at once); in [1, 8], "
+          "1: off");
 ABSL_FLAG(
     int, copy_threads, flashserve::RequestThreadOptions{}.copy_threads,
     "Helper threads that copy a large request (>= 4 MiB) from gRPC's receive buffers into the "
@@ -331,6 +336,7 @@ absl::StatusOr<BackendOptions> BackendFromFlags() {
   cuda.devices = *devices;
   cuda.streams_per_device = absl::GetFlag(FLAGS_streams_per_device);
   cuda.completion_spin_us = absl::GetFlag(FLAGS_completion_spin_us);
+  cuda.copy_pipeline_chunks = absl::GetFlag(FLAGS_copy_pipeline_chunks);
   cuda.device_pool_release_threshold_bytes =
       absl::GetFlag(FLAGS_device_pool_release_threshold_bytes);
   cuda.max_device_bytes_per_request = absl::GetFlag(FLAGS_max_device_bytes_per_request);

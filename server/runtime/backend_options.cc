@@ -25,6 +25,9 @@ absl::Status CudaBackendOptions::Check() const {
   if (completion_spin_us < 0 || completion_spin_us > 1000000) {
     return OutOfRange("completion_spin_us", completion_spin_us, 0, 1000000);
   }
+  if (copy_pipeline_chunks < 1 || copy_pipeline_chunks > 8) {
+    return OutOfRange("copy_pipeline_chunks", copy_pipeline_chunks, 1, 8);
+  }
   if (device_pool_release_threshold_bytes < 0) {
     return absl::InvalidArgumentError("--device_pool_release_threshold_bytes must be >= 0");
   }

@@ -26,6 +26,10 @@ struct CudaBackendOptions {
   // a blocking wait wakes tens of microseconds late, which dominates a small request; polling
   // costs a core only while a job that short is on the device. 0: always block.
   int completion_spin_us = 200;
+  // A large request whose tensors are host memory in one page-locked piece each (staged, system
+  // shared memory) is cut into this many head chunks whose copies overlap each other's kernels
+  // (runtime/copy_pipeline.h); 1: off. In [1, 8].
+  int copy_pipeline_chunks = 1;
   // Bytes of freed device memory the stream-ordered pool keeps instead of returning to the driver.
   int64_t device_pool_release_threshold_bytes = int64_t{4} << 30;
   // Cap of the pinned host staging pool; 0 disables pinned staging (pageable copies).

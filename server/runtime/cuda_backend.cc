@@ -15,6 +15,7 @@
 #include "common/short_sleep_poll.h"
 #include "flashserve/kernels/cuda_attention.h"
 #include "memory/io_buffers.h"
+#include "runtime/copy_pipeline.h"
 #include "runtime/cuda_kv_store.h"
 #include "runtime/cuda_transfer.h"
 #include "spdlog/spdlog.h"
@@ -77,6 +78,7 @@ struct CudaBackend::Job {
   IoLayout layout;  // of the device buffer
   JobDone done;
   kernels::cuda::KernelConfig config;
+  int chunks = 1;  // > 1: copies and kernel pipelined over head chunks (runtime/copy_pipeline.h)
   cudaError_t launch_error = cudaSuccess;  // the first error while queueing the work
   const char* failed_step = "";
 
@@ -104,6 +106,7 @@ struct CudaBackend::Slot {
   bool exiting = false;      // guarded by mu
   std::thread completer;
   BatchCopy batch;  // used by the launching thread while it holds the slot
+  std::unique_ptr<CopyPipeline> pipeline;  // made by the first pipelined job on the slot
 };
 
 struct CudaBackend::Device {
@@ -206,6 +209,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   backend->shm_access_ = std::make_unique<CudaShmAccess>(std::move(indices));
   backend->max_device_bytes_per_request_ = options.max_device_bytes_per_request;
   backend->completion_spin_us_ = options.completion_spin_us;
+  backend->copy_pipeline_chunks_ = options.copy_pipeline_chunks;
   if (options.pinned_pool_bytes > 0) {
     PinnedPoolOptions pinned_options;
     pinned_options.capacity_bytes = size_t(options.pinned_pool_bytes);
@@ -262,6 +266,7 @@ CudaBackend::~CudaBackend() {
       for (cudaEvent_t event : slot->events) {
         if (event != nullptr) cudaEventDestroy(event);
       }
+      slot->pipeline.reset();  // its streams and events, while the device is current
       if (slot->stream != nullptr) cudaStreamDestroy(slot->stream);
     }
   }
@@ -464,7 +469,10 @@ void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
   }
   // Only now: every early return above answers through `fail`, which needs `done`.
   job->done = std::move(done);
-  job->config = chooser_->Choose(params, slot->device->sm_count, slot->device->tuned);
+  job->chunks = PipelineChunksFor(slot, *job, base, params);
+  // Each chunk is a launch of its own: its configuration is chosen for a chunk's shape.
+  job->config = chooser_->Choose(job->chunks > 1 ? ChunkParams(params, job->chunks, 0) : params,
+                                 slot->device->sm_count, slot->device->tuned);
   QueueWork(slot, job.get(), base, params);
   // A job expected to finish within the polling window is completed right here: handing it to the
   // slot's completion thread would add that thread's wake-up (tens of microseconds on a loaded or
@@ -514,8 +522,51 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
   return absl::OkStatus();
 }
 
+int CudaBackend::PipelineChunksFor(Slot* slot, const Job& job, const char* base,
+                                   const kernels::AttentionParams& params) {
+  if (job.spec.inject_device_fault) return 1;
+  const int chunks = PipelineChunks(params, job.spec.tensors, job.layout, base != nullptr,
+                                    copy_pipeline_chunks_);
+  if (chunks == 1 || slot->pipeline != nullptr) return chunks;
+  absl::StatusOr<std::unique_ptr<CopyPipeline>> made = CopyPipeline::Create();
+  if (!made.ok()) {
+    spdlog::warn("CUDA device {}: {}; requests run unpipelined", slot->device->index,
+                 made.status().ToString());
+    cudaGetLastError();
+    return 1;
+  }
+  slot->pipeline = *std::move(made);
+  return chunks;
+}
+
+void CudaBackend::QueuePipelinedWork(Slot* slot, Job* job, char* base,
+                                     const kernels::AttentionParams& params) {
+  cudaStream_t stream = slot->stream;
+  job->Step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
+  PipelineWork work;
+  work.tensors = &job->spec.tensors;
+  work.layout = &job->layout;
+  work.base = base;
+  work.params = params;
+  work.chunks = job->chunks;
+  const kernels::cuda::KernelConfig config = job->config;
+  work.launch = [config](const kernels::AttentionParams& p, cudaStream_t s) {
+    return kernels::cuda::run(p, config, s);
+  };
+  const char* what = "";
+  // events[1]: the last input copied; events[2]: the last chunk's kernel done (on its stream).
+  job->Step(slot->pipeline->Queue(work, stream, slot->events[1], slot->events[2], &what), what);
+  job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
+  job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
+  cudaFreeAsync(base, stream);
+}
+
 void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
                             const kernels::AttentionParams& params) {
+  if (job->chunks > 1) {
+    QueuePipelinedWork(slot, job, base, params);
+    return;
+  }
   // Everything is queued on the stream; the first failure is kept and reported by the completion
   // thread, which waits for whatever was queued before it.
   cudaStream_t stream = slot->stream;
@@ -588,7 +639,8 @@ void CudaBackend::Complete(Slot* slot, std::unique_ptr<Job> job) {
     result.kernel = absl::StrCat(sm90 ? "sm90_fwd_" : "sm80_fwd_",
                                  std::string(kernels::dtype_name(problem.dtype)), "_d",
                                  problem.head_dim, problem.causal ? "_causal_" : "_",
-                                 job->config.name());
+                                 job->config.name(),
+                                 job->chunks > 1 ? absl::StrCat("_chunks", job->chunks) : "");
   } else {
     result.status = DeviceError(device, e, what);
   }

@@ -80,6 +80,12 @@ class CudaBackend final : public Backend {
                                    kernels::AttentionParams* params);
   // Queues H2D, the kernel, D2H, the timing events and the free on the slot's stream.
   void QueueWork(Slot* slot, Job* job, char* base, const kernels::AttentionParams& params);
+  // The head chunks of the job (1: not pipelined); makes the slot's CopyPipeline on first use.
+  int PipelineChunksFor(Slot* slot, const Job& job, const char* base,
+                        const kernels::AttentionParams& params);
+  // QueueWork for chunks > 1: the same events and free, the work spread over three streams.
+  void QueuePipelinedWork(Slot* slot, Job* job, char* base,
+                          const kernels::AttentionParams& params);
 
   BackendCapabilities capabilities_;
   std::vector<std::unique_ptr<Device>> devices_;
@@ -88,6 +94,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<CudaShmAccess> shm_access_;  // clients' shared-memory regions
   int64_t max_device_bytes_per_request_ = 0;
   int completion_spin_us_ = 0;
+  int copy_pipeline_chunks_ = 1;
   std::mutex mu_;                    // guards every Device's free_slots and load counters
   uint64_t choices_ = 0;             // guarded by mu_: slots handed out so far
   std::condition_variable slot_cv_;  // a slot was released

@@ -402,6 +402,30 @@ def test_every_input_path_is_correct(flashserve_bin, tmp_path, rng, flags):
         _stop_and_check(s)
 
 
+@pytest.mark.parametrize("shape", [
+    (2, 1000, 1000, 12, 6, 128, False),  # GQA 2, 6 KV heads in 4 uneven chunks (1, 2, 1, 2)
+    (1, 3000, 3000, 5, 5, 128, True),    # MHA, odd head count
+    (3, 1400, 1400, 16, 2, 64, True),    # 2 KV heads: 2 chunks of 8 query heads
+], ids=["gqa_uneven", "mha_odd_causal", "two_kv_heads_b3"])
+def test_pipelined_copies_match_reference(flashserve_bin, tmp_path, rng, shape):
+    """--copy_pipeline_chunks=4: a staged request of >= 8 MiB is cut into head chunks whose copies overlap the other
+    chunks' kernels; O and the LSE (written per chunk, then copied into its heads' rows) match the fp64 reference,
+    and the kernel name says how many chunks ran."""
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--copy_pipeline_chunks=4",
+                                                 "--receive_arena_bytes=0"], name="pipelined").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            for _ in range(2):  # the second on the slot's existing pipeline
+                q, k, v = _problem(rng, "bfloat16", *shape[:6])
+                result = _check(c, q, k, v, "bfloat16", shape[6])
+                assert result.kernel.endswith(f"_chunks{min(4, shape[4])}"), result.kernel
+            q, k, v = _problem(rng, "bfloat16", 1, 17, 33, 3, 1, 128)  # small: not pipelined
+            assert "_chunks" not in _check(c, q, k, v, "bfloat16", False).kernel
+    finally:
+        _stop_and_check(s)
+
+
 def test_one_stream_per_device_serves_concurrent_clients(flashserve_bin, tmp_path, rng):
     """--streams_per_device=1: jobs wait for the single slot; all 16 concurrent requests are still correct."""
     _require_gpu()

@@ -160,6 +160,8 @@ std::vector<BadValue> BadValues() {
       {"streams_per_device", "65"},
       {"completion_spin_us", "-1"},
       {"completion_spin_us", "1000001"},
+      {"copy_pipeline_chunks", "0"},
+      {"copy_pipeline_chunks", "9"},
       {"device_pool_release_threshold_bytes", "-1"},
       {"max_device_bytes_per_request", "-1"},
       {"autotune", "sometimes"},
