@@ -149,57 +149,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
       return absl::InvalidArgumentError(
           absl::StrCat("--devices: device ", index, " does not exist (", count, " visible)"));
     }
-    cudaDeviceProp prop{};
-    if ((e = cudaGetDeviceProperties(&prop, index)) != cudaSuccess) {
-      return absl::UnavailableError(
-          absl::StrCat("CUDA device ", index, ": ", cudaGetErrorString(e)));
-    }
-    if (prop.major < 8) {
-      spdlog::warn("CUDA device {} ({}) has compute capability {}.{} < 8.0: not used", index,
-                   prop.name, prop.major, prop.minor);
-      continue;
-    }
-    auto device = std::make_unique<Device>();
-    device->index = index;
-    device->sm_count = prop.multiProcessorCount;
-    cudaSetDevice(index);
-    for (int i = 0; i < options.streams_per_device; ++i) {
-      auto slot = std::make_unique<Slot>();
-      slot->device = device.get();
-      if ((e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking)) != cudaSuccess) {
-        return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
-      }
-      for (int j = 0; j < 5; ++j) {
-        e = cudaEventCreateWithFlags(&slot->events[j],
-                                     j == 4 ? cudaEventBlockingSync | cudaEventDisableTiming
-                                            : cudaEventDefault);
-        if (e != cudaSuccess) {
-          return absl::UnavailableError(absl::StrCat("CUDA event: ", cudaGetErrorString(e)));
-        }
-      }
-      device->free_slots.push_back(slot.get());
-      device->slots.push_back(std::move(slot));
-    }
-    // Device memory: the stream-ordered allocator (cudaMallocAsync on the device's default pool)
-    // rather than an arena of our own. Allocation and free are ordered on the job's stream, so a
-    // buffer is reused by the next job as soon as the stream reaches the free, without a host sync;
-    // the pool handles any mix of sizes without the fragmentation and size classes an arena needs,
-    // and its counters feed device_memory_pool_bytes. The release threshold keeps up to that many
-    // freed bytes mapped (the default 0 would unmap and re-map memory around every request);
-    // an allocation that cannot be had fails with cudaErrorMemoryAllocation -> RESOURCE_EXHAUSTED.
-    cudaMemPool_t pool;
-    if (cudaDeviceGetDefaultMemPool(&pool, index) == cudaSuccess) {
-      uint64_t threshold = options.device_pool_release_threshold_bytes;
-      cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
-    }
-    DeviceDescription description;
-    description.index = index;
-    description.name = prop.name;
-    description.cc_major = prop.major;
-    description.cc_minor = prop.minor;
-    description.total_memory_bytes = int64_t(prop.totalGlobalMem);
-    backend->capabilities_.devices.push_back(description);
-    backend->devices_.push_back(std::move(device));
+    if (absl::Status s = backend->AddDevice(index, options); !s.ok()) return s;
   }
   if (backend->devices_.empty()) {
     return absl::UnavailableError("no CUDA device with compute capability >= 8.0");
@@ -227,6 +177,68 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
     }
   }
   return backend;
+}
+
+absl::StatusOr<std::unique_ptr<CudaBackend::Slot>> CudaBackend::MakeSlot(Device* device) {
+  auto slot = std::make_unique<Slot>();
+  slot->device = device;
+  cudaError_t e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking);
+  if (e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));
+  }
+  for (int j = 0; j < 5; ++j) {
+    // The last is the blocking twin of the fourth (see Slot::events).
+    const unsigned flags =
+        j == 4 ? cudaEventBlockingSync | cudaEventDisableTiming : cudaEventDefault;
+    e = cudaEventCreateWithFlags(&slot->events[j], flags);
+    if (e != cudaSuccess) {
+      return absl::UnavailableError(absl::StrCat("CUDA event: ", cudaGetErrorString(e)));
+    }
+  }
+  return slot;
+}
+
+absl::Status CudaBackend::AddDevice(int index, const CudaBackendOptions& options) {
+  cudaDeviceProp prop{};
+  if (cudaError_t e = cudaGetDeviceProperties(&prop, index); e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("CUDA device ", index, ": ", cudaGetErrorString(e)));
+  }
+  if (prop.major < 8) {
+    spdlog::warn("CUDA device {} ({}) has compute capability {}.{} < 8.0: not used", index,
+                 prop.name, prop.major, prop.minor);
+    return absl::OkStatus();
+  }
+  auto device = std::make_unique<Device>();
+  device->index = index;
+  device->sm_count = prop.multiProcessorCount;
+  cudaSetDevice(index);
+  for (int i = 0; i < options.streams_per_device; ++i) {
+    absl::StatusOr<std::unique_ptr<Slot>> slot = MakeSlot(device.get());
+    if (!slot.ok()) return slot.status();
+    device->free_slots.push_back(slot->get());
+    device->slots.push_back(*std::move(slot));
+  }
+  // Device memory: the stream-ordered allocator (cudaMallocAsync on the device's default pool)
+  // rather than an arena of our own. Allocation and free are ordered on the job's stream, so a
+  // buffer is reused by the next job as soon as the stream reaches the free, without a host sync;
+  // the pool handles any mix of sizes without the fragmentation and size classes an arena needs,
+  // and its counters feed device_memory_pool_bytes. The release threshold keeps up to that many
+  // freed bytes mapped (the default 0 would unmap and re-map memory around every request);
+  // an allocation that cannot be had fails with cudaErrorMemoryAllocation -> RESOURCE_EXHAUSTED.
+  cudaMemPool_t pool;
+  if (cudaDeviceGetDefaultMemPool(&pool, index) == cudaSuccess) {
+    uint64_t threshold = options.device_pool_release_threshold_bytes;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold);
+  }
+  DeviceDescription description;
+  description.index = index;
+  description.name = prop.name;
+  description.cc_major = prop.major;
+  description.cc_minor = prop.minor;
+  description.total_memory_bytes = int64_t(prop.totalGlobalMem);
+  capabilities_.devices.push_back(description);
+  devices_.push_back(std::move(device));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {

@@ -73,6 +73,11 @@ class CudaBackend final : public Backend {
   // INTERNAL for `e`; marks the backend unhealthy when `e` is sticky.
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
 
+  // A stream with its timing events, on the current device.
+  static absl::StatusOr<std::unique_ptr<Slot>> MakeSlot(Device* device);
+  // Device `index` with its slots and memory pool settings; a device below sm_80 is skipped
+  // (warned, OK).
+  absl::Status AddDevice(int index, const CudaBackendOptions& options);
   absl::Status StartKernelChoice(const CudaBackendOptions& options);
   // Allocates the job's device buffer on the slot's stream and points `params` at it;
   // INVALID_ARGUMENT when the kernels cannot run the problem (nothing allocated then).
