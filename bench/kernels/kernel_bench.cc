@@ -3,6 +3,7 @@
 // every candidate configuration. Prints a markdown table.
 //   kernel_bench [--all] [--reps N] [--dtype bf16|fp16] [--d 64|128] [--causal 0|1]
 //                [--b B --h H --hkv HKV --sq SQ --sk SK]   (default: the bench grid)
+// An unknown flag, a missing value or one that is not a count is an error (usage, exit 2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -74,6 +75,14 @@ double time_config(const Shape& s, const fk::KernelConfig* cfg, std::vector<Atte
   return ms[reps / 2] * 1e-3;
 }
 
+[[noreturn]] void Usage(const char* error) {
+  std::fprintf(stderr,
+               "error: %s\nusage: kernel_bench [--all] [--reps N] [--dtype bf16|fp16] [--d 64|128] "
+               "[--causal 0|1]\n                    [--b B --h H --hkv HKV --sq SQ --sk SK]\n",
+               error);
+  std::exit(2);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,21 +92,33 @@ int main(int argc, char** argv) {
   Shape custom{DType::kBFloat16, 0, 0, 0, 0, 0, 128, false};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto next = [&] { return i + 1 < argc ? std::atoi(argv[++i]) : 0; };
+    auto value = [&] {  // the argument after a flag; a missing one is an error, not a default
+      if (i + 1 >= argc) Usage(("missing value after " + a).c_str());
+      return std::string(argv[++i]);
+    };
+    auto next = [&] {
+      const std::string v = value();
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || n < 0 || n > (1L << 30)) {
+        Usage((a + ": not a count: " + v).c_str());
+      }
+      return int(n);
+    };
     if (a == "--all") all = true;
     else if (a == "--reps") reps = std::max(30, next());
-    else if (a == "--dtype") custom.dtype = (i + 1 < argc && std::string(argv[++i]) == "fp16") ? DType::kFloat16 : DType::kBFloat16;
-    else if (a == "--d") custom.d = next();
+    else if (a == "--dtype") {
+      const std::string d = value();
+      if (d != "bf16" && d != "fp16") Usage(("--dtype: bf16 or fp16, not " + d).c_str());
+      custom.dtype = d == "fp16" ? DType::kFloat16 : DType::kBFloat16;
+    } else if (a == "--d") custom.d = next();
     else if (a == "--causal") custom.causal = next() != 0;
     else if (a == "--b") custom.b = next();
     else if (a == "--h") custom.hq = next();
     else if (a == "--hkv") custom.hkv = next();
     else if (a == "--sq") custom.sq = next();
     else if (a == "--sk") custom.sk = next();
-    else {
-      std::fprintf(stderr, "unknown argument %s\n", a.c_str());
-      return 2;
-    }
+    else Usage(("unknown argument " + a).c_str());
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

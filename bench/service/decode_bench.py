@@ -53,6 +53,8 @@ from flashserve import tensors  # noqa: E402
 
 HEADS_Q, HEADS_KV, HEAD_DIM, DTYPE = 32, 8, 128, "bfloat16"
 MAX_MESSAGE = 2**31 - 1
+# The Timing fields a decode step reports (sequences.proto): total and compute, then where the rest went.
+SERVER_TIMING = ("total_us", "compute_us", "prepare_us", "queue_us", "stage_us", "h2d_us", "kernel_us", "d2h_us")
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
                    ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per client thread
 
@@ -138,8 +140,7 @@ def bench_sequences(target: str, token, ids: List[str], concurrency: int, steps:
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     channels = [grpc.insecure_channel(target, options=CHANNEL_OPTIONS) for _ in range(concurrency)]
     stubs = [spb_grpc.SequencesStub(c) for c in channels]
-    server = {key: [] for key in ("total_us", "compute_us", "batched_calls", "queue_us", "stage_us", "h2d_us",
-                                  "kernel_us", "d2h_us")}
+    server = {key: [] for key in SERVER_TIMING + ("batched_calls",)}
 
     def call(i):
         _record(server, stubs[i].DecodeStep(requests[i], timeout=60, metadata=metadata))
@@ -185,8 +186,7 @@ def bench_sequences_shm(target: str, token, ids: List[str], concurrency: int, st
         qs = [bf16_rows(rng, n, HEADS_Q, HEAD_DIM).view(np.uint8).reshape(-1) for _, n in layouts]
         kvs = [bf16_rows(rng, 2 * n, HEADS_KV, HEAD_DIM).view(np.uint8).reshape(-1) for _, n in layouts]
         stubs = [spb_grpc.SequencesStub(cl.channel) for cl in clients]
-        server = {key: [] for key in ("total_us", "compute_us", "batched_calls", "queue_us", "stage_us", "h2d_us",
-                                      "kernel_us", "d2h_us")}
+        server = {key: [] for key in SERVER_TIMING + ("batched_calls",)}
 
         def call(i):
             (at, n), buf = layouts[i], regions[i]._buffer
@@ -208,7 +208,7 @@ def bench_sequences_shm(target: str, token, ids: List[str], concurrency: int, st
 
 def _record(server: dict, response) -> None:
     t = response.timing
-    for key in ("total_us", "compute_us", "queue_us", "stage_us", "h2d_us", "kernel_us", "d2h_us"):
+    for key in SERVER_TIMING:
         server[key].append(getattr(t, key))
     server["batched_calls"].append(response.batched_calls)
 
@@ -219,7 +219,7 @@ def _row(latencies, wall, sequences, steps, server) -> dict:
                server_total_us=float(np.median(server["total_us"])),
                server_compute_us=float(np.median(server["compute_us"])),
                batched_calls_mean=float(np.mean(server["batched_calls"])))
-    for key in ("queue_us", "stage_us", "h2d_us", "kernel_us", "d2h_us"):
+    for key in SERVER_TIMING[2:]:
         row[f"server_{key}"] = float(np.median(server[key]))
     return row
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_bench import HEAD_DIM, HEADS_KV, HEADS_Q, _record, _row, bf16_rows, create_sequences, release  # noqa: E402
+from decode_bench import (  # noqa: E402
+    HEAD_DIM, HEADS_KV, HEADS_Q, SERVER_TIMING, _record, _row, bf16_rows, create_sequences, release)
 
 import flashserve  # noqa: E402
 from flashserve import attention_pb2 as pb, sequences_pb2 as spb, sequences_pb2_grpc as spb_grpc  # noqa: E402
@@ -128,8 +129,7 @@ def bench_context(args, context: int, rng) -> list:
     try:
         paths = {name: PATHS[name](client, ids, rng) for name in args.paths}
         stub = spb_grpc.SequencesStub(client.channel)
-        server = {name: {k: [] for k in ("total_us", "compute_us", "batched_calls", "queue_us", "stage_us",
-                                         "h2d_us", "kernel_us", "d2h_us")} for name in paths}
+        server = {name: {k: [] for k in SERVER_TIMING + ("batched_calls",)} for name in paths}
         latencies = {name: [] for name in paths}
         start = time.perf_counter()
         for step in range(args.warmup + args.steps):

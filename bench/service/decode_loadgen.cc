@@ -21,24 +21,21 @@
 // the row itself still counts), and client_serialize_us / client_parse_us: what client 0's
 // request serialization and response parsing cost on their own (median of 5; the sync stub pays
 // both on every call, the echo neither).
-//
-//   flashserve-decode-loadgen --target=127.0.0.1:8001 --context=8192 --sequences=64
-//       --concurrency=1,8 [--steps=200] [--warmup=20] [--mode=sequences|full_kv] [--token=T]
-//       [--local_socket=PATH] [--shm=none|system|cuda] [--shm_device=0] [--timeout_ms=60000]
-//       [--echo=HOST:PORT]
+// The flags: kUsage below (--help prints it); an unknown or malformed flag is an error (exit 2).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "bench_flags.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -72,9 +69,9 @@ struct Options {
 struct Sample {
   double latency_us = 0;
   int64_t total_us = 0, compute_us = 0, merged = 0;
-  // Where the server's time went (Timing: queue, row staging, and the device times of the
-  // input copy + row scatter, the decode kernel and the output copy).
-  int64_t queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
+  // Where the server's time went (Timing: parse and build, queue, row staging, and the device
+  // times of the input copy + row scatter, the decode kernel and the output copy).
+  int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -112,7 +109,7 @@ v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::mt19937* rng) {
 }
 
 void Authorize(grpc::ClientContext* ctx, const Options& opt) {
-  if (!opt.token.empty()) ctx->AddMetadata("authorization", "Bearer " + opt.token);
+  flashserve::loadgen::Authorize(ctx, opt.token);
 }
 
 [[noreturn]] void Die(const std::string& what, const grpc::Status& s) {
@@ -239,8 +236,9 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   for (double m : merged) merged_mean += m / double(merged.size());
   std::string stages;
   const std::pair<const char*, int64_t Sample::*> fields[] = {
-      {"queue", &Sample::queue_us}, {"stage", &Sample::stage_us}, {"h2d", &Sample::h2d_us},
-      {"kernel", &Sample::kernel_us}, {"d2h", &Sample::d2h_us}};
+      {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
+      {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
+      {"kernel", &Sample::kernel_us},   {"d2h", &Sample::d2h_us}};
   for (const auto& [name, field] : fields) {
     std::vector<double> values;
     for (const Sample& s : samples) values.push_back(double(s.*field));
@@ -295,6 +293,7 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
   sample->total_us = response.timing().total_us();
   sample->compute_us = response.timing().compute_us();
   sample->merged = response.batched_calls();
+  sample->prepare_us = response.timing().prepare_us();
   sample->queue_us = response.timing().queue_us();
   sample->stage_us = response.timing().stage_us();
   sample->h2d_us = response.timing().h2d_us();
@@ -480,18 +479,26 @@ bool BenchFullKv(const Options& opt, std::mt19937* rng) {
   return ok;
 }
 
-std::vector<int> ParseList(const std::string& text) {
-  std::vector<int> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    if (comma > start) out.push_back(std::atoi(text.substr(start, comma - start).c_str()));
-    start = comma + 1;
-  }
-  return out;
-}
+constexpr char kUsage[] =
+    "usage: flashserve-decode-loadgen [--name=value ...]   (one JSON line per row on stdout)\n"
+    "  --target=127.0.0.1:8001       flashserve's gRPC address (sequences are created there)\n"
+    "  --token=T                     bearer token (server --auth_token_file): every gRPC call,\n"
+    "                                the local socket's Hello and the echo calls carry it\n"
+    "  --mode=sequences|full_kv      DecodeStep on sequences, or Attention with the whole K/V\n"
+    "  --context=1024  --sequences=64  --concurrency=1,8 (each <= sequences)\n"
+    "  --steps=200  --warmup=20\n"
+    "  --local_socket=PATH           DecodeStep over the local transport (mode sequences)\n"
+    "  --shm=none|system|cuda  --shm_device=0   q/k/v and O in regions (mode sequences; server\n"
+    "                                --allow_client_shm; cuda: CUDA builds only)\n"
+    "  --timeout_ms=60000            per call\n"
+    "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes\n"
+    "                                per row\n";
 
-void CheckOptions(const Options& opt) {
+const std::set<std::string> kKnownFlags = {
+    "target", "token", "echo",         "mode", "context",    "sequences", "concurrency",
+    "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms"};
+
+void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;
   const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
                      !opt.concurrency.empty() &&
@@ -503,46 +510,32 @@ void CheckOptions(const Options& opt) {
                       (shm == "none" && opt.transport.local_socket.empty() && opt.echo.empty())) &&
                      opt.transport.timeout_ms >= 0;
   if (!valid) {
-    std::fprintf(stderr,
-                 "decode-loadgen: bad flags (context, sequences, steps >= 1; 1 <= concurrency <= "
-                 "sequences; mode sequences or full_kv; shm none, system or cuda; --shm, "
-                 "--local_socket and --echo only with mode sequences)\n");
-    std::exit(2);
+    flags.Fail(
+        "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode "
+        "sequences or full_kv; shm none, system or cuda; --shm, --local_socket and --echo only "
+        "with mode sequences)");
   }
 }
 
 Options ParseOptions(int argc, char** argv) {
-  std::map<std::string, std::string> flags;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    const size_t eq = arg.find('=');
-    if (arg.rfind("--", 0) != 0 || eq == std::string::npos) {
-      std::fprintf(stderr, "decode-loadgen: expected --name=value, got '%s'\n", arg.c_str());
-      std::exit(2);
-    }
-    flags[arg.substr(2, eq - 2)] = arg.substr(eq + 1);
-  }
+  const flashserve::bench::Flags flags(argc, argv, kUsage, kKnownFlags);
   Options opt;
-  auto get = [&](const char* name, const std::string& def) {
-    auto it = flags.find(name);
-    return it == flags.end() ? def : it->second;
-  };
-  opt.target = get("target", opt.target);
-  opt.token = get("token", "");
-  opt.echo = get("echo", "");
-  opt.mode = get("mode", opt.mode);
-  opt.context = std::atoll(get("context", "1024").c_str());
-  opt.sequences = std::atoll(get("sequences", "64").c_str());
-  opt.concurrency = ParseList(get("concurrency", "1,8"));
-  opt.steps = std::atoi(get("steps", "200").c_str());
-  opt.warmup = std::atoi(get("warmup", "20").c_str());
+  opt.target = flags.Str("target", opt.target);
+  opt.token = flags.Str("token", "");
+  opt.echo = flags.Str("echo", "");
+  opt.mode = flags.Str("mode", opt.mode);
+  opt.context = flags.Int("context", 1024);
+  opt.sequences = flags.Int("sequences", 64);
+  opt.concurrency = flags.IntList("concurrency", "1,8");
+  opt.steps = int(flags.Int("steps", 200));
+  opt.warmup = int(flags.Int("warmup", 20));
   opt.transport.target = opt.target;
   opt.transport.token = opt.token;
-  opt.transport.local_socket = get("local_socket", "");
-  opt.transport.shm = get("shm", "none");
-  opt.transport.device = std::atoi(get("shm_device", "0").c_str());
-  opt.transport.timeout_ms = std::atoi(get("timeout_ms", "60000").c_str());
-  CheckOptions(opt);
+  opt.transport.local_socket = flags.Str("local_socket", "");
+  opt.transport.shm = flags.Str("shm", "none");
+  opt.transport.device = int(flags.Int("shm_device", 0));
+  opt.transport.timeout_ms = int(flags.Int("timeout_ms", 60000));
+  CheckOptions(opt, flags);
   return opt;
 }
 

@@ -61,7 +61,7 @@ bool DecodeClient::Step(v1::DecodeStepResponse* response, std::string* error) {
     return status.ok();
   }
   grpc::ClientContext ctx;
-  if (!options_.token.empty()) ctx.AddMetadata("authorization", "Bearer " + options_.token);
+  Authorize(&ctx, options_.token);
   const grpc::Status s = stub_->DecodeStep(&ctx, *request_, response);
   if (!s.ok()) *error = std::to_string(int(s.error_code())) + ": " + s.error_message();
   return s.ok();
@@ -78,7 +78,7 @@ EchoClient::EchoClient(const std::string& target, int index, const std::string& 
 
 bool EchoClient::Step(std::string* error) {
   grpc::ClientContext ctx;
-  if (!token_.empty()) ctx.AddMetadata("authorization", "Bearer " + token_);
+  Authorize(&ctx, token_);
   ctx.AddMetadata("x-response-bytes", std::to_string(response_bytes_));
   response_.Clear();
   const grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(

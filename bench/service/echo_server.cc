@@ -7,13 +7,12 @@
 #include <climits>
 #include <csignal>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 
+#include "bench_flags.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/grpcpp.h"
 
@@ -78,16 +77,12 @@ class EchoService final : public grpc::CallbackGenericService {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string host = "127.0.0.1";
-  int port = 0;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--port=", 7) == 0) port = std::atoi(argv[i] + 7);
-    else if (std::strncmp(argv[i], "--host=", 7) == 0) host = argv[i] + 7;
-    else {
-      std::fprintf(stderr, "usage: flashserve-echo [--host=H] [--port=P]\n");
-      return 2;
-    }
-  }
+  const flashserve::bench::Flags flags(
+      argc, argv, "usage: flashserve-echo [--host=127.0.0.1] [--port=0]   (0: any free port)\n",
+      {"host", "port"});
+  const std::string host = flags.Str("host", "127.0.0.1");
+  const int64_t port = flags.Int("port", 0);
+  if (port < 0 || port > 65535) flags.Fail("--port: 0..65535");
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -104,7 +99,7 @@ int main(int argc, char** argv) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || bound == 0) {
-    std::fprintf(stderr, "flashserve-echo: cannot listen on %s:%d\n", host.c_str(), port);
+    std::fprintf(stderr, "flashserve-echo: cannot listen on %s:%d\n", host.c_str(), int(port));
     return 1;
   }
   std::printf("listening on %d\n", bound);

@@ -13,25 +13,18 @@
 //   * the striped streaming path (AttentionStreamService) at concurrency 1 with K channels.
 // Writes a CSV (one row per cell) and markdown tables.
 //
-//   flashserve-loadgen --target=127.0.0.1:8001 --echo=127.0.0.1:9000 [--shapes=small,medium,large]
-//     [--concurrency=1,4,16,64] [--duration_s=2] [--min_requests=3] [--large_max_concurrency=16]
-//     [--stripes=1,2,4,8] [--stripe_reps=5] [--striped_shapes=medium,large] [--chunk_mib=4] [--channels=0]
-//     [--csv=FILE] [--md=FILE] [--shm=system,cuda] [--shm_device=0]
-//     [--local_socket=PATH [--local_shm=system,cuda] [--local_max_frame_bytes=8388608] [--token=T]]
-// --shm adds the shared-memory paths (loadgen_shm.h; the server needs --allow_client_shm).
-// --local_socket adds the local transport's cells (loadgen_local.h: echo floor, inline, and the
-// --local_shm paths, default those of --shm; the server needs --local_socket=PATH).
+// The flags: kUsage below (--help prints it).
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
-#include <cstdlib>
 #include <fstream>
-#include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench_flags.h"
 #include "flashserve/v1/attention.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -65,56 +58,69 @@ namespace v1 = flashserve::v1;
 
 // --- flags --------------------------------------------------------------------------------------
 
-std::map<std::string, std::string> g_flags;
-std::string Flag(const std::string& name, const std::string& def) {
-  auto it = g_flags.find(name);
-  return it == g_flags.end() ? def : it->second;
-}
-double FlagD(const std::string& name, double def) {
-  auto it = g_flags.find(name);
-  return it == g_flags.end() ? def : std::atof(it->second.c_str());
-}
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string part;
-  while (std::getline(in, part, ',')) {
-    if (!part.empty()) out.push_back(part);
-  }
-  return out;
-}
+constexpr char kUsage[] =
+    "usage: flashserve-loadgen [--name=value ...]\n"
+    "  --target=HOST:PORT            flashserve's gRPC address (default 127.0.0.1:8001)\n"
+    "  --echo=HOST:PORT              flashserve-echo: the raw gRPC ceiling (default none)\n"
+    "  --token=T                     bearer token for a server started with --auth_token_file (or\n"
+    "                                $FLASHSERVE_AUTH_TOKEN): sent on every gRPC call (unary grid, striped,\n"
+    "                                shared-memory registrations and ModelInfer; the echo calls carry it\n"
+    "                                too, so both carry the same bytes) and in the local socket's Hello\n"
+    "  --shapes=small,medium,large   request shapes\n"
+    "  --concurrency=1,4,16,64       requests in flight per cell\n"
+    "  --duration_s=2  --min_requests=3  --large_max_concurrency=16\n"
+    "  --channels=0                  channels (connections) in the pool; 0: one per worker\n"
+    "  --stripes=1,2,4,8  --stripe_reps=5  --striped_shapes=medium,large  --chunk_mib=4\n"
+    "                                the striped streaming path (--stripes= skips it)\n"
+    "  --csv=service.csv  --md=service.md   where the tables go\n"
+    "  --shm=system,cuda  --shm_device=0    shared-memory paths over KServe gRPC (loadgen_shm.h;\n"
+    "                                the server needs --allow_client_shm; cuda: CUDA builds only)\n"
+    "  --local_socket=PATH           the local transport's cells (loadgen_local.h; the server needs\n"
+    "                                --local_socket=PATH)\n"
+    "  --local_shm=system,cuda       their shm paths (default those of --shm)\n"
+    "  --local_max_frame_bytes=8388608\n";
+
+const std::set<std::string> kKnownFlags = {
+    "target", "echo", "token", "shapes", "concurrency", "duration_s", "min_requests", "large_max_concurrency",
+    "channels", "stripes", "stripe_reps", "striped_shapes", "chunk_mib", "csv", "md", "shm", "shm_device",
+    "local_socket", "local_shm", "local_max_frame_bytes"};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0 || arg.find('=') == std::string::npos) {
-      std::fprintf(stderr, "usage: see the header of bench/service/loadgen.cc (bad argument %s)\n", argv[i]);
-      return 2;
-    }
-    g_flags[arg.substr(2, arg.find('=') - 2)] = arg.substr(arg.find('=') + 1);
-  }
+  const flashserve::bench::Flags flags(argc, argv, kUsage, kKnownFlags);
+  auto Flag = [&](const std::string& name, const std::string& def) { return flags.Str(name, def); };
+  auto Split = [&](const std::string& name, const std::string& def) { return flags.List(name, def); };
   const std::string target = Flag("target", "127.0.0.1:8001");
   const std::string echo = Flag("echo", "");
-  const double duration = FlagD("duration_s", 2);
-  const int min_requests = int(FlagD("min_requests", 3));
-  const int large_max_conc = int(FlagD("large_max_concurrency", 16));
-  const int stripe_reps = int(FlagD("stripe_reps", 5));
-  const int64_t chunk_bytes = int64_t(FlagD("chunk_mib", 4) * (1 << 20));
-  std::vector<int> concurrency;
-  for (const std::string& c : Split(Flag("concurrency", "1,4,16,64"))) concurrency.push_back(std::atoi(c.c_str()));
-  std::vector<int> stripes;
-  for (const std::string& s : Split(Flag("stripes", "1,2,4,8"))) stripes.push_back(std::atoi(s.c_str()));
+  const std::string token = Flag("token", "");
+  const double duration = flags.Double("duration_s", 2);
+  const int min_requests = int(flags.Int("min_requests", 3));
+  const int large_max_conc = int(flags.Int("large_max_concurrency", 16));
+  const int stripe_reps = int(flags.Int("stripe_reps", 5));
+  const int64_t chunk_bytes = int64_t(flags.Double("chunk_mib", 4) * (1 << 20));
+  const std::vector<int> concurrency = flags.IntList("concurrency", "1,4,16,64");
+  const std::vector<int> stripes = flags.IntList("stripes", "1,2,4,8");
+  const int channels_flag = int(flags.Int("channels", 0));
+  const auto positive = [](int v) { return v >= 1; };
+  if (concurrency.empty() || !std::all_of(concurrency.begin(), concurrency.end(), positive)) {
+    flags.Fail("--concurrency: one or more levels, each >= 1");
+  }
+  if (!std::all_of(stripes.begin(), stripes.end(), positive)) flags.Fail("--stripes: each >= 1");
+  if (chunk_bytes < 1) flags.Fail("--chunk_mib: > 0");
+  for (const std::string& name : Split("shapes", "small,medium,large")) {
+    const bool known = std::any_of(kShapes.begin(), kShapes.end(), [&](const Shape& s) { return s.name == name; });
+    if (!known) flags.Fail("--shapes: unknown shape " + name);
+  }
+  if (flags.Int("local_max_frame_bytes", 1) < 1) flags.Fail("--local_max_frame_bytes: >= 1");
   const int max_conc = *std::max_element(concurrency.begin(), concurrency.end());
-  const int channels_flag = int(FlagD("channels", 0));
   const int pool_size = channels_flag > 0 ? channels_flag : max_conc;
 
-  std::fprintf(stderr, "loadgen: %d channels to %s%s%s\n", pool_size, target.c_str(),
-               echo.empty() ? "" : " and to echo ", echo.c_str());
-  Pool server(target, pool_size);
+  std::fprintf(stderr, "loadgen: %d channels to %s%s%s%s\n", pool_size, target.c_str(),
+               echo.empty() ? "" : " and to echo ", echo.c_str(), token.empty() ? "" : " (with a bearer token)");
+  Pool server(target, pool_size, token);
   std::unique_ptr<Pool> echo_pool;
-  if (!echo.empty()) echo_pool = std::make_unique<Pool>(echo, pool_size);
+  if (!echo.empty()) echo_pool = std::make_unique<Pool>(echo, pool_size, token);
 
   std::ofstream csv(Flag("csv", "service.csv"));
   csv << "target,shape,concurrency,channels,ok,errors,wall_s,req_per_s,p50_us,p99_us,request_bytes,response_bytes,"
@@ -150,14 +156,10 @@ int main(int argc, char** argv) {
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
 
   std::vector<std::unique_ptr<Workload>> workloads;
-  for (const std::string& name : Split(Flag("shapes", "small,medium,large"))) {
+  for (const std::string& name : Split("shapes", "small,medium,large")) {
     const Shape* shape = nullptr;
     for (const Shape& s : kShapes) {
       if (s.name == name) shape = &s;
-    }
-    if (shape == nullptr) {
-      std::fprintf(stderr, "unknown shape %s\n", name.c_str());
-      return 2;
     }
     workloads.push_back(MakeWorkload(*shape));
     const Workload& w = *workloads.back();
@@ -289,7 +291,7 @@ int main(int argc, char** argv) {
           "| h2d ms | kernel ms | d2h ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (const auto& wp : workloads) {
       const Workload& w = *wp;
-      const std::vector<std::string> striped_shapes = Split(Flag("striped_shapes", "medium,large"));
+      const std::vector<std::string> striped_shapes = Split("striped_shapes", "medium,large");
       if (std::find(striped_shapes.begin(), striped_shapes.end(), w.shape.name) == striped_shapes.end()) continue;
       for (int k : stripes) {
         std::vector<std::shared_ptr<grpc::Channel>> chans;
@@ -302,7 +304,7 @@ int main(int argc, char** argv) {
         std::string output, error;
         for (int rep = 0; rep < stripe_reps + 1; ++rep) {  // first one warms the connections
           StripedSample s{};
-          if (!RunStriped(w, chans, stubs, chunk_bytes, &output, &s, &error)) break;
+          if (!RunStriped(w, chans, stubs, token, chunk_bytes, &output, &s, &error)) break;
           if (rep > 0) samples.push_back(s);
         }
         if (!error.empty()) {
@@ -334,25 +336,25 @@ int main(int argc, char** argv) {
   }
   if (!Flag("shm", "").empty()) {
     flashserve::loadgen::ShmSectionOptions shm;
-    shm.paths = Split(Flag("shm", ""));
+    shm.paths = Split("shm", "");
     shm.concurrency = concurrency;
     shm.duration_s = duration;
     shm.min_requests = min_requests;
     shm.large_max_concurrency = large_max_conc;
-    shm.device = int(FlagD("shm_device", 0));
+    shm.device = int(flags.Int("shm_device", 0));
     md << flashserve::loadgen::RunShmSection(&server, workloads, shm, csv);
   }
   if (!Flag("local_socket", "").empty()) {
     flashserve::loadgen::LocalSectionOptions local;
     local.socket_path = Flag("local_socket", "");
-    local.token = Flag("token", "");
-    local.shm_paths = Split(Flag("local_shm", Flag("shm", "")));
+    local.token = token;
+    local.shm_paths = Split("local_shm", Flag("shm", ""));
     local.concurrency = concurrency;
     local.duration_s = duration;
     local.min_requests = min_requests;
     local.large_max_concurrency = large_max_conc;
-    local.device = int(FlagD("shm_device", 0));
-    local.max_frame_bytes = uint64_t(FlagD("local_max_frame_bytes", double(local.max_frame_bytes)));
+    local.device = int(flags.Int("shm_device", 0));
+    local.max_frame_bytes = uint64_t(flags.Int("local_max_frame_bytes", int64_t(local.max_frame_bytes)));
     md << flashserve::loadgen::RunLocalSection(&server, workloads, local, csv);
   }
   const std::string md_text = md.str();

@@ -50,6 +50,7 @@ CellResult Cell::Run() {
 
 void Cell::Start(Worker* w) {
   w->context = std::make_unique<grpc::ClientContext>();
+  Authorize(w->context.get(), pool_->token);
   if (spec_.echo_response_bytes >= 0) {
     w->context->AddMetadata("x-response-bytes", std::to_string(spec_.echo_response_bytes));
   }

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "loadgen_workload.h"  // Authorize
+
 #ifdef FLASHSERVE_LOADGEN_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -15,10 +17,6 @@ namespace flashserve::loadgen {
 namespace {
 
 using Stub = inference::GRPCInferenceService::Stub;
-
-void Authorize(grpc::ClientContext* ctx, const std::string& token) {
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
-}
 
 std::function<void()> Unregisterer(Stub* stub, const std::string& path, const std::string& name,
                                    const std::string& token) {

@@ -111,9 +111,9 @@ std::string RunShmSection(Pool* server, const std::vector<std::unique_ptr<Worklo
       std::string error;
       const std::string in_name = "lg_in_" + w.shape.name + "_" + path;
       const std::string out_name = "lg_out_" + w.shape.name + "_" + path;
-      auto in = MakeRegion(path, in_name, in_bytes, options.device, stub.get(), "", &error);
+      auto in = MakeRegion(path, in_name, in_bytes, options.device, stub.get(), server->token, &error);
       auto out = in ? MakeRegion(path, out_name, w.request.q().data().size(), options.device,
-                                 stub.get(), "", &error)
+                                 stub.get(), server->token, &error)
                     : nullptr;
       if (!in || !out || !FillQkv(w, in.get(), &error) || !Poison(out.get(), 0, out->bytes, &error)) {
         std::fprintf(stderr, "shm %s %s: %s\n", path.c_str(), w.shape.name.c_str(), error.c_str());

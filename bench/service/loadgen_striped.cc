@@ -35,7 +35,8 @@ class UploadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   std::vector<grpc::ByteBuffer> messages;
   std::promise<grpc::Status> done;
 
-  void Start(grpc::GenericStub* stub) {
+  void Start(grpc::GenericStub* stub, const std::string& token) {
+    Authorize(&context_, token);
     stub->PrepareBidiStreamingCall(&context_, kUpload, grpc::StubOptions(), this);
     StartRead(&ack_);
     if (messages.empty()) {
@@ -71,7 +72,8 @@ class DownloadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
   int64_t received = 0;
   bool bad = false;
 
-  void Start(grpc::GenericStub* stub) {
+  void Start(grpc::GenericStub* stub, const std::string& token) {
+    Authorize(&context_, token);
     stub->PrepareBidiStreamingCall(&context_, kDownload, grpc::StubOptions(), this);
     request_ = StaticBuffer(request_bytes_);
     StartWriteLast(&request_, grpc::WriteOptions());
@@ -118,7 +120,7 @@ class DownloadCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc
 }  // namespace
 
 bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                std::vector<std::unique_ptr<grpc::GenericStub>>& stubs, int64_t chunk_bytes,
+                std::vector<std::unique_ptr<grpc::GenericStub>>& stubs, const std::string& token, int64_t chunk_bytes,
                 std::string* output, StripedSample* sample, std::string* error) {
   const int k = int(channels.size());
   const auto t0 = Clock::now();
@@ -126,6 +128,7 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
   v1::SessionInfo info;
   {
     grpc::ClientContext context;
+    Authorize(&context, token);
     grpc::Status s = stub->OpenSession(&context, w.header, &info);
     if (!s.ok()) {
       *error = "OpenSession: " + s.error_message();
@@ -160,7 +163,7 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
       call->messages.emplace_back(slices, 2);
     }
   }
-  for (int i = 0; i < k; ++i) uploads[size_t(i)]->Start(stubs[size_t(i)].get());
+  for (int i = 0; i < k; ++i) uploads[size_t(i)]->Start(stubs[size_t(i)].get(), token);
   for (auto& u : uploads) {
     grpc::Status s = u->done.get_future().get();
     if (!s.ok()) *error = "Upload: " + s.error_message();
@@ -173,6 +176,7 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
     compute.set_session_id(info.session_id());
     compute.set_inline_output(k == 1);
     grpc::ClientContext context;
+    Authorize(&context, token);
     grpc::Status s = stub->Compute(&context, compute, &response);
     if (!s.ok()) {
       *error = "Compute: " + s.error_message();
@@ -198,7 +202,7 @@ bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& 
       req.set_length(len);
       req.set_chunk_bytes(chunk_bytes);
       downloads.push_back(std::make_unique<DownloadCall>(req.SerializeAsString(), output->data(), out_bytes));
-      downloads.back()->Start(stubs[size_t(i)].get());
+      downloads.back()->Start(stubs[size_t(i)].get(), token);
     }
     int64_t got = 0;
     for (auto& d : downloads) {

@@ -20,9 +20,10 @@ struct StripedSample {
   std::array<int64_t, 6> timing;
 };
 
-// One striped request: Open, K uploads in parallel, Compute, K downloads in parallel.
+// One striped request: Open, K uploads in parallel, Compute, K downloads in parallel; every call
+// carries the bearer `token` when it is non-empty.
 bool RunStriped(const Workload& w, std::vector<std::shared_ptr<grpc::Channel>>& channels,
-                std::vector<std::unique_ptr<grpc::GenericStub>>& stubs, int64_t chunk_bytes,
+                std::vector<std::unique_ptr<grpc::GenericStub>>& stubs, const std::string& token, int64_t chunk_bytes,
                 std::string* output, StripedSample* sample, std::string* error);
 
 }  // namespace flashserve::loadgen

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashserve/v1/attention.pb.h"
@@ -49,10 +50,18 @@ bool ParseTimingBytes(const std::string& bytes, int64_t timing[6]);
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int index);
 
+/// Adds `authorization: Bearer <token>` to a call when `token` is non-empty (the server's
+/// --auth_token_file).
+inline void Authorize(grpc::ClientContext* context, const std::string& token) {
+  if (!token.empty()) context->AddMetadata("authorization", "Bearer " + token);
+}
+
+/// `n` channels to one target, and the bearer token every call on them carries (empty: none).
 struct Pool {
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
-  Pool(const std::string& target, int n) {
+  std::string token;
+  Pool(const std::string& target, int n, std::string bearer_token = "") : token(std::move(bearer_token)) {
     for (int i = 0; i < n; ++i) {
       channels.push_back(MakeChannel(target, i));
       stubs.push_back(std::make_unique<grpc::GenericStub>(channels.back()));

@@ -25,15 +25,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-decode-bench}
 mkdir -p "$OUT"
 if [[ -z ${FLASHSERVE_BIN:-} ]]; then
-  BUNDLE_DIR=${BUNDLE_DIR:-.bundle-bench}
-  tarball=$(ls "$BUNDLE_DIR"/flashserve-*-linux-*.tar.gz 2>/dev/null | head -n 1)
-  if [[ -n $tarball ]]; then
-    rm -rf /tmp/flashserve-decode-bundle && mkdir -p /tmp/flashserve-decode-bundle
-    tar -xzf "$tarball" -C /tmp/flashserve-decode-bundle
-    ROOT=$(ls -d /tmp/flashserve-decode-bundle/flashserve-*)
-  else
-    ROOT=$(ls -d "$BUNDLE_DIR"/flashserve-*-linux-* | head -n 1)
-  fi
+  # shellcheck source=bench/service/bundle_env.sh
+  source bench/service/bundle_env.sh
+  bundle_root /tmp/flashserve-decode-bundle
   FLASHSERVE_BIN=$ROOT/bin/flashserve
 fi
 DECODE_LOADGEN=${DECODE_LOADGEN:-$(dirname "$FLASHSERVE_BIN")/flashserve-decode-loadgen}

@@ -14,15 +14,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/flashserve-service-bench}
 mkdir -p "$OUT"
-BUNDLE_DIR=${BUNDLE_DIR:-.bundle-bench}
-tarball=$(ls "$BUNDLE_DIR"/flashserve-*-linux-*.tar.gz 2>/dev/null | head -n 1)
-if [[ -n $tarball ]]; then
-  rm -rf /tmp/flashserve-bench-bundle && mkdir -p /tmp/flashserve-bench-bundle
-  tar -xzf "$tarball" -C /tmp/flashserve-bench-bundle
-  ROOT=$(ls -d /tmp/flashserve-bench-bundle/flashserve-*)
-else
-  ROOT=$(ls -d "$BUNDLE_DIR"/flashserve-*-linux-* | head -n 1)
-fi
+# shellcheck source=bench/service/bundle_env.sh
+source bench/service/bundle_env.sh
+bundle_root /tmp/flashserve-bench-bundle
 BIN=$ROOT/bin
 for b in flashserve flashserve-loadgen flashserve-echo; do
   [[ -x $BIN/$b ]] || { echo "run_on_gpu: $BIN/$b missing (see bench/service/README in the report)"; exit 1; }

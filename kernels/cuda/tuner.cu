@@ -18,6 +18,7 @@
 
 #include "flashserve/kernels/cuda_attention.h"
 #include "flashserve/kernels/tuner.h"
+#include "tune_timing.h"
 
 namespace flashserve::kernels::cuda {
 namespace {
@@ -138,25 +139,6 @@ struct PinnedStats {
   }
 };
 
-struct Events {
-  std::vector<cudaEvent_t> events;
-  Events() = default;
-  Events(const Events&) = delete;
-  Events& operator=(const Events&) = delete;
-  ~Events() {
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
-  }
-  cudaError_t create(size_t n) {
-    events.reserve(n);
-    for (size_t i = 0; i < n; ++i) {
-      cudaEvent_t e = nullptr;
-      if (cudaError_t err = cudaEventCreate(&e); err != cudaSuccess) return err;
-      events.push_back(e);
-    }
-    return cudaSuccess;
-  }
-};
-
 constexpr size_t kAlign = 256;
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -168,13 +150,6 @@ struct Set {
   void* o;
   float* lse;
 };
-
-double median(std::vector<float> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (double(v[n / 2 - 1]) + v[n / 2]);
-}
 
 // Units in the last place at 1.0: 2^-7 for bf16, 2^-10 for fp16. Outputs of two configurations
 // differ by the order of fp32 sums and by where P is rounded to the element type; a few ulps
@@ -342,35 +317,18 @@ cudaError_t tune_impl(const AttentionParams& problem, cudaStream_t stream,
   for (size_t i = 0; i < configs.size(); ++i)
     if (report->timings[i].ok) live.push_back(int(i));
   size_t next_set = 0;
-  for (int w = 0; w < options.warmup; ++w)
-    for (int i : live) {
-      const AttentionParams x = params_for(sets[next_set++ % num_sets]);
-      if (cudaError_t err = run(x, configs[i], stream); err != cudaSuccess) return err;
-    }
-  Events events;
-  const size_t reps = size_t(options.repetitions);
-  if (cudaError_t err = events.create(2 * reps * live.size()); err != cudaSuccess) return err;
-  for (size_t r = 0; r < reps; ++r)
-    for (size_t c = 0; c < live.size(); ++c) {
-      const AttentionParams x = params_for(sets[next_set++ % num_sets]);
-      cudaEvent_t start = events.events[2 * (r * live.size() + c)];
-      cudaEvent_t stop = events.events[2 * (r * live.size() + c) + 1];
-      if (cudaError_t err = cudaEventRecord(start, stream); err != cudaSuccess) return err;
-      if (cudaError_t err = run(x, configs[live[c]], stream); err != cudaSuccess) return err;
-      if (cudaError_t err = cudaEventRecord(stop, stream); err != cudaSuccess) return err;
-    }
-  if (cudaError_t err = cudaStreamSynchronize(stream); err != cudaSuccess) return err;
+  std::vector<double> medians;
+  auto launch = [&](int c) {
+    return run(params_for(sets[next_set++ % num_sets]), configs[live[c]], stream);
+  };
+  if (cudaError_t err = time_interleaved(int(live.size()), options.warmup, options.repetitions,
+                                         stream, launch, &medians);
+      err != cudaSuccess)
+    return err;
   const double flops = attention_flops(p);
   for (size_t c = 0; c < live.size(); ++c) {
-    std::vector<float> ms(reps);
-    for (size_t r = 0; r < reps; ++r) {
-      if (cudaError_t err = cudaEventElapsedTime(&ms[r], events.events[2 * (r * live.size() + c)],
-                                                 events.events[2 * (r * live.size() + c) + 1]);
-          err != cudaSuccess)
-        return err;
-    }
     CandidateTiming& t = report->timings[live[c]];
-    t.median_ms = median(std::move(ms));
+    t.median_ms = medians[c];
     t.tflops = t.median_ms > 0 ? flops / (t.median_ms * 1e-3) / 1e12 : 0;
   }
   for (int i : live) {

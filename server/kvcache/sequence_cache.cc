@@ -108,6 +108,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
   seq->lengths.assign(size_t(request.shape.num_layers), 0);
   seq->pages.resize(size_t(request.shape.num_layers));
+  seq->page_ids.resize(size_t(request.shape.num_layers));
   int64_t count = 0;
   for (const LayerRows& rows : request.prefix) count += PagesToGrow(*seq, rows.layer, rows.k.rows);
   std::vector<int64_t> fresh;
@@ -177,9 +178,11 @@ absl::Status SequenceCache::WriteRows(Sequence* seq, int layer, const HostRows& 
 void SequenceCache::GrowTable(Sequence* seq, int layer, int64_t rows,
                               std::vector<int64_t>* fresh) {
   std::vector<int64_t>& table = seq->pages[size_t(layer)];
+  std::vector<int32_t>& ids = seq->page_ids[size_t(layer)];
   const int64_t end = seq->lengths[size_t(layer)] + rows;
   while (int64_t(table.size()) * seq->format.page_tokens < end) {
     table.push_back(fresh->back());
+    ids.push_back(int32_t(fresh->back() / seq->format.page_bytes));
     fresh->pop_back();
   }
 }
@@ -205,7 +208,11 @@ absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t fro
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
-  auto it = table_.find(std::string(id));
+  return FindLocked(std::string(id));
+}
+
+SequenceCache::Sequence* SequenceCache::FindLocked(const std::string& id) {
+  auto it = table_.find(id);  // no copy of the id (a step looks up every item's)
   if (it == table_.end() || !it->second->ready) return nullptr;
   return it->second.get();
 }
@@ -217,6 +224,7 @@ void SequenceCache::FreePages(Sequence* seq) {
     pages_.Free(seq->format.page_bytes, layer);
     layer.clear();
   }
+  for (std::vector<int32_t>& layer : seq->page_ids) layer.clear();
 }
 
 void SequenceCache::Remove(Sequence* seq) {

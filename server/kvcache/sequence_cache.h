@@ -135,6 +135,7 @@ class SequenceCache {
 
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
   Sequence* FindLocked(std::string_view id);  // needs mu_
+  Sequence* FindLocked(const std::string& id);
   absl::Status ValidateCreate(const CreateRequest& request) const;
   absl::Status ValidateStep(const std::vector<StepItem>& items,
                             const std::vector<Sequence*>& found) const;

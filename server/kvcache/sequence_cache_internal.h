@@ -18,6 +18,9 @@ struct SequenceCache::Sequence {
   int64_t max_tokens = 0;
   std::vector<int64_t> lengths;             // per layer: tokens written
   std::vector<std::vector<int64_t>> pages;  // per layer: page offsets, in token order
+  // per layer: the same pages as numbers (offset / format.page_bytes), as a launch's page table
+  // holds them; kept beside `pages` so a step copies them instead of dividing every offset
+  std::vector<std::vector<int32_t>> page_ids;
   absl::Time last_used;
   int pins = 0;        // running steps that read it
   bool ready = false;  // false while its prefix is written (invisible to lookups)

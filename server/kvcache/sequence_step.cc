@@ -1,7 +1,7 @@
 // SequenceCache::PrepareStep: find, validate, append and pin the items of one DecodeStep.
 #include <algorithm>
 #include <optional>
-#include <set>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/cord.h"
@@ -42,9 +42,33 @@ absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
   return status;
 }
 
+namespace {
+
+// Each (sequence, layer) at most once in a call: sorted, a repeat sits beside its first
+// occurrence; the item named is the earliest repeat, as a scan in item order would find it.
+absl::Status CheckNoRepeats(const std::vector<StepItem>& items,
+                            const std::vector<const void*>& sequences) {
+  std::vector<std::tuple<const void*, int, size_t>> keys;
+  keys.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) keys.emplace_back(sequences[i], items[i].layer, i);
+  std::sort(keys.begin(), keys.end());
+  size_t repeat = items.size();
+  for (size_t j = 1; j < keys.size(); ++j) {
+    const bool same = std::get<0>(keys[j]) == std::get<0>(keys[j - 1]) &&
+                      std::get<1>(keys[j]) == std::get<1>(keys[j - 1]);
+    if (same) repeat = std::min(repeat, std::get<2>(keys[j]));
+  }
+  if (repeat == items.size()) return absl::OkStatus();
+  const StepItem& item = items[repeat];
+  return absl::InvalidArgumentError(absl::StrCat("item ", repeat, ": sequence ", item.id,
+                                                 " layer ", item.layer,
+                                                 " appears twice in one call"));
+}
+
+}  // namespace
+
 absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
                                          const std::vector<Sequence*>& found) const {
-  std::set<std::pair<const Sequence*, int>> seen;
   for (size_t i = 0; i < items.size(); ++i) {
     const StepItem& item = items[i];
     const Sequence& seq = *found[i];
@@ -53,10 +77,6 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
       return absl::InvalidArgumentError(absl::StrCat("item ", i, ": layer ", item.layer,
                                                      " out of range (num_layers ",
                                                      seq.shape.num_layers, ")"));
-    }
-    if (!seen.insert({&seq, item.layer}).second) {
-      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": sequence ", item.id, " layer ",
-                                                     item.layer, " appears twice in one call"));
     }
     if (absl::Status s = CheckQueryRows(seq.shape, item.q); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
@@ -71,7 +91,7 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
           after, " tokens, past the sequence's limit of ", seq.max_tokens));
     }
   }
-  return absl::OkStatus();
+  return CheckNoRepeats(items, std::vector<const void*>(found.begin(), found.end()));
 }
 
 PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows& q) const {
@@ -80,9 +100,7 @@ PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows&
   item.q_at = q.at;
   item.rows_q = int(q.rows);
   item.length = seq.lengths[size_t(layer)];
-  for (int64_t offset : seq.pages[size_t(layer)]) {
-    item.pages.push_back(int32_t(offset / seq.format.page_bytes));
-  }
+  item.pages = seq.page_ids[size_t(layer)];
   return item;
 }
 

@@ -89,6 +89,7 @@ SequenceRuntime::~SequenceRuntime() {
 }
 
 void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
+  call->submitted = absl::Now();
   const int n = int(call->items.size());
   if (n < 1 || n > options_.max_batch_sequences) {
     call->done(absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..",
@@ -139,7 +140,8 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
     return std::nullopt;
   }
   Prepared p{call, std::move(*plan), {}};
-  p.report.queue_us = absl::ToInt64Microseconds(start - call->received);
+  p.report.prepare_us = absl::ToInt64Microseconds(call->submitted - call->received);
+  p.report.queue_us = absl::ToInt64Microseconds(start - call->submitted);
   p.report.append_us = absl::ToInt64Microseconds(absl::Now() - t0);
   p.plan.batch.causal = call->causal;
   p.plan.batch.softmax_scale = call->softmax_scale;

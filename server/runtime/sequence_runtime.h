@@ -33,7 +33,8 @@ struct SequenceRuntimeOptions {
 
 /// What one finished decode call reports.
 struct DecodeReport {
-  int64_t queue_us = 0;    // accepted -> its launch started
+  int64_t prepare_us = 0;  // received -> submitted (the edge parsed, checked, built the call)
+  int64_t queue_us = 0;    // submitted -> its launch started
   int64_t compute_us = 0;  // the launch (append excluded)
   int64_t append_us = 0;   // rows appended to the pool (host or device copies)
   int64_t h2d_us = 0, kernel_us = 0, d2h_us = 0;  // device times inside compute_us (CUDA)
@@ -58,6 +59,7 @@ struct DecodeCall {
   // in no path.
   bool shm_system_inputs = false, shm_cuda_inputs = false;
   absl::Time received;
+  absl::Time submitted;  // set by SequenceRuntime::Submit
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty
   /// Called exactly once, on some thread. On an error no row of the call was appended.

@@ -9,42 +9,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/cuda_attention.h"
-#include "gpu_test_util.h"
-#include "flashserve/kernels/float_convert.h"
-#include "flashserve/kernels/reference_attention.h"
+#include "gpu_test_support.h"
 
 namespace flashserve::kernels {
 namespace {
 
 namespace fk = cuda;
-
-using testing_util::gpu_available;
-
-uint64_t fresh_seed() {
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    const uint64_t s = (uint64_t(rd()) << 32) ^ rd();
-    std::printf("cuda_attention_test seed: %llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-// Device buffer owned for one test.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
+namespace tu = testing_util;
 
 struct Case {
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
@@ -60,144 +36,44 @@ std::string case_name(DType dtype, int head_dim, const Case& c) {
          (c.input_scale != 1.f ? "_x" + std::to_string(int(c.input_scale)) : "");
 }
 
-struct ErrorStats {
-  double max_abs = 0;   // max |x - ref|
-  double rel_l2 = 0;    // ||x - ref|| / ||ref||
-};
-
-ErrorStats error_vs(const std::vector<double>& x, const std::vector<double>& ref) {
-  ErrorStats e;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = x[i] - ref[i];
-    e.max_abs = std::max(e.max_abs, std::abs(d));
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  e.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  return e;
+// Runs cfg on the (poisoned) device problem and checks O and the LSE against the references.
+void check_config(const AttentionParams& host_p, tu::DeviceProblem& dev,
+                  const fk::KernelConfig& cfg, tu::Fp64Reference& ref) {
+  SCOPED_TRACE("config " + cfg.name());
+  const tu::EmulatedError& emu = ref.emulated(cfg);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(dev.params(host_p, true), cfg, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(tu::q_elements(host_p));
+  std::vector<float> lse(tu::lse_elements(host_p));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&lse), cudaSuccess);
+  const std::vector<double> out_d = tu::to_double(host_p.dtype, out);
+  ASSERT_TRUE(tu::all_finite(out_d));
+  EXPECT_TRUE(tu::lse_matches(lse, ref.lse(), emu.lse));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(out_d, ref.out()), emu.out));
 }
-
-// How configuration cfg rounds P: its key blocks, walked backwards, and its rescale threshold.
-reference::EmulationOptions emulation_options(const fk::KernelConfig& cfg) {
-  reference::EmulationOptions options;
-  options.block_n = cfg.block_n;
-  options.backwards = true;
-  options.rescale_threshold_log2 = cfg.rescale_threshold_log2();
-  return options;
-}
-
-// The emulation's error against fp64 for one set of emulation options.
-struct EmulatedError {
-  reference::EmulationOptions options;
-  ErrorStats out;
-  double lse = 0;  // max over rows that see a key
-};
 
 // Runs one problem through every compiled configuration and checks each result.
 void check_case(DType dtype, int head_dim, const Case& c) {
-  std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(case_name(dtype, head_dim, c)));
-  std::normal_distribution<float> normal(0.f, 1.f);
-  const size_t q_elems = size_t(c.batch) * c.seqlen_q * c.heads_q * head_dim;
-  const size_t kv_elems = size_t(c.batch) * c.seqlen_k * c.heads_kv * head_dim;
-  const size_t lse_elems = size_t(c.batch) * c.heads_q * c.seqlen_q;
-  auto random_tensor = [&](size_t n, float scale) {
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) {
-      const float f = normal(rng) * scale;
-      x = dtype == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f);
-    }
-    return t;
-  };
-  const std::vector<uint16_t> q = random_tensor(q_elems, c.input_scale);
-  const std::vector<uint16_t> k = random_tensor(kv_elems, c.input_scale);
-  const std::vector<uint16_t> v = random_tensor(kv_elems, 1.f);
-
-  AttentionParams p = make_contiguous_params(dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q,
-                                             c.heads_kv, head_dim, c.causal,
-                                             1.f / std::sqrt(float(head_dim)));
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  std::vector<double> ref_out, ref_lse;
-  reference::attention_fp64(p, &ref_out, &ref_lse);
-  const AttentionParams host_p = p;  // p is pointed at the device buffers below
-  std::vector<EmulatedError> emulated;  // one per distinct EmulationOptions, computed on demand
-  auto emulated_error = [&](const reference::EmulationOptions& options) -> const EmulatedError& {
-    for (const EmulatedError& e : emulated)
-      if (e.options.block_n == options.block_n && e.options.backwards == options.backwards &&
-          e.options.rescale_threshold_log2 == options.rescale_threshold_log2)
-        return e;
-    std::vector<double> emu_out, emu_lse;
-    reference::attention_emulated(host_p, options, &emu_out, &emu_lse);
-    EmulatedError e{options, error_vs(emu_out, ref_out), 0};
-    for (size_t i = 0; i < ref_lse.size(); ++i)
-      if (std::isfinite(ref_lse[i])) e.lse = std::max(e.lse, std::abs(emu_lse[i] - ref_lse[i]));
-    emulated.push_back(e);
-    return emulated.back();
-  };
-
-  DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2),
-      dlse(lse_elems * 4);
-  ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, v.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  p.q = dq.ptr;
-  p.k = dk.ptr;
-  p.v = dv.ptr;
-  p.o = dout.ptr;
-  p.lse = static_cast<float*>(dlse.ptr);
+  std::mt19937_64 rng(tu::case_seed(case_name(dtype, head_dim, c)));
+  AttentionParams host_p =
+      make_contiguous_params(dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv,
+                             head_dim, c.causal, 1.f / std::sqrt(float(head_dim)));
+  const tu::HostQkv qkv = tu::random_qkv(&host_p, c.input_scale, rng);
+  tu::Fp64Reference ref(host_p);
+  tu::DeviceProblem dev(host_p);
+  ASSERT_EQ(dev.upload(host_p), cudaSuccess);
+  const AttentionParams p = dev.params(host_p, true);
   ASSERT_EQ(fk::supported(p), "");
 
-  std::vector<fk::KernelConfig> configs = fk::candidates(dtype, head_dim, c.causal);
+  const std::vector<fk::KernelConfig> configs = fk::candidates(dtype, head_dim, c.causal);
   ASSERT_GE(configs.size(), 2u);  // 32, 96, 256: the default and the 64-row tile
   int sm_count = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  ASSERT_EQ(tu::multiprocessor_count(&sm_count), cudaSuccess);
   EXPECT_NE(std::find(configs.begin(), configs.end(), fk::select(p, sm_count)), configs.end());
-
-  std::vector<uint16_t> out(q_elems);
-  std::vector<float> lse(lse_elems);
-  std::vector<double> out_d(q_elems), lse_d(lse_elems);
   for (const fk::KernelConfig& cfg : configs) {
-    SCOPED_TRACE("config " + cfg.name());
-    const EmulatedError emu = emulated_error(emulation_options(cfg));
-    const ErrorStats emu_err = emu.out;
-    const double emu_lse_err = emu.lse;
-    // Poison: 0xFFFF is NaN in both fp16 and bf16 (and in fp32 for the LSE).
-    ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, q_elems * 2), cudaSuccess);
-    ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, lse_elems * 4), cudaSuccess);
-    ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, q_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lse.data(), dlse.ptr, lse_elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    size_t bad = 0;
-    for (size_t i = 0; i < q_elems; ++i) {
-      out_d[i] = dtype == DType::kFloat16 ? half_to_float(out[i]) : bf16_to_float(out[i]);
-      if (!std::isfinite(out_d[i])) ++bad;
-    }
-    ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
-    double lse_excess = 0;  // max over rows of (error - allowed error)
-    for (size_t i = 0; i < lse_elems; ++i) {
-      lse_d[i] = lse[i];
-      if (std::isinf(ref_lse[i])) {
-        ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "row " << i << " sees no key: LSE must be -inf, got " << lse[i];
-      } else {
-        ASSERT_TRUE(std::isfinite(lse[i])) << "LSE row " << i << " = " << lse[i];
-        // fp32 LSE: 2x the emulation's worst error, plus the approximate exp2 (2 ulp) and the
-        // tensor cores' fp32 accumulation (not rounded per step: relative error ~ 2^-22 of the
-        // logit, seen as 3.4e-4 at LSE ~ 200 with 8x-scaled inputs).
-        const double allowed = 2 * emu_lse_err + 1e-4 + 4e-6 * std::abs(ref_lse[i]);
-        lse_excess = std::max(lse_excess, std::abs(lse_d[i] - ref_lse[i]) - allowed);
-      }
-    }
-    const ErrorStats err = error_vs(out_d, ref_out);
-    // Floors: one part in 1e6 guards cases where the emulation is exact (e.g. one key).
-    EXPECT_LE(err.max_abs, 2 * emu_err.max_abs + 1e-6)
-        << "max abs error " << err.max_abs << " vs emulated " << emu_err.max_abs;
-    EXPECT_LE(err.rel_l2, 2 * emu_err.rel_l2 + 1e-6)
-        << "relative L2 error " << err.rel_l2 << " vs emulated " << emu_err.rel_l2;
-    EXPECT_LE(lse_excess, 0.0) << "LSE error exceeds its allowance by " << lse_excess
-                               << " (emulated error " << emu_lse_err << ")";
+    ASSERT_NO_FATAL_FAILURE(check_config(host_p, dev, cfg, ref));
   }
 }
 
@@ -255,50 +131,25 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaAttention, ::testing::ValuesIn(all_params()),
 TEST(CudaAttentionLayout, PaddedStrides) {
   SKIP_WITHOUT_GPU();
   const int b = 2, s = 77, hq = 4, hkv = 2, d = 64;
-  AttentionParams p = make_contiguous_params(DType::kBFloat16, b, s, s, hq, hkv, d, true, 0.11f);
-  // Pad every row by 8 heads' worth of elements and every batch by 3 rows.
-  p.q_row_stride = p.o_row_stride = int64_t(hq + 8) * d;
-  p.q_batch_stride = p.o_batch_stride = p.q_row_stride * (s + 3);
-  p.k_row_stride = p.v_row_stride = int64_t(hkv + 8) * d;
-  p.k_batch_stride = p.v_batch_stride = p.k_row_stride * (s + 3);
-  const size_t q_elems = size_t(p.q_batch_stride) * b, kv_elems = size_t(p.k_batch_stride) * b;
-  std::mt19937_64 rng(fresh_seed());
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<uint16_t> q(q_elems), k(kv_elems), v(kv_elems);
-  for (auto* t : {&q, &k, &v})
-    for (auto& x : *t) x = float_to_bf16(normal(rng));
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
+  AttentionParams host_p =
+      make_contiguous_params(DType::kBFloat16, b, s, s, hq, hkv, d, true, 0.11f);
+  tu::pad_strides(&host_p, 8, 3);  // 8 heads' worth of elements per row, 3 rows per batch
+  std::mt19937_64 rng(tu::case_seed("PaddedStrides"));
+  const tu::HostQkv qkv = tu::random_qkv(&host_p, 1.f, rng);
   int sm_count = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  const fk::KernelConfig cfg = fk::select(p, sm_count);  // what run(p, stream) uses
-  std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
-  reference::attention_fp64(p, &ref_out, &ref_lse);
-  reference::attention_emulated(p, emulation_options(cfg), &emu_out, &emu_lse);
-  DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2);
-  ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, v.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, q_elems * 2), cudaSuccess);
-  p.q = dq.ptr;
-  p.k = dk.ptr;
-  p.v = dv.ptr;
-  p.o = dout.ptr;
-  ASSERT_EQ(fk::run(p, nullptr), cudaSuccess);
+  ASSERT_EQ(tu::multiprocessor_count(&sm_count), cudaSuccess);
+  const fk::KernelConfig cfg = fk::select(host_p, sm_count);  // what run(p, stream) uses
+  tu::Fp64Reference ref(host_p);
+  tu::DeviceProblem dev(host_p);
+  ASSERT_EQ(dev.upload(host_p), cudaSuccess);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(dev.params(host_p, false), nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint16_t> out(q_elems);
-  ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, q_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  std::vector<double> got(ref_out.size());
-  for (int bi = 0; bi < b; ++bi)
-    for (int i = 0; i < s; ++i)
-      for (int h = 0; h < hq; ++h)
-        for (int c = 0; c < d; ++c)
-          got[((size_t(bi) * s + i) * hq + h) * d + c] =
-              bf16_to_float(out[bi * p.o_batch_stride + i * p.o_row_stride + h * d + c]);
-  const ErrorStats err = error_vs(got, ref_out), emu = error_vs(emu_out, ref_out);
-  EXPECT_LE(err.max_abs, 2 * emu.max_abs + 1e-6);
-  EXPECT_LE(err.rel_l2, 2 * emu.rel_l2 + 1e-6);
+  std::vector<uint16_t> out(tu::q_elements(host_p));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  const std::vector<double> got = tu::gather_output(host_p, out);
+  ASSERT_TRUE(tu::all_finite(got));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out()), ref.emulated(cfg).out));
 }
 
 TEST(CudaAttentionApi, RunRejectsUnsupported) {

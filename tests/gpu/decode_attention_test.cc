@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <numeric>
 #include <random>
 #include <string>
@@ -22,10 +21,9 @@
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/decode_attention.h"
-#include "flashserve/kernels/float_convert.h"
 #include "flashserve/kernels/reference_attention.h"
 #include "flashserve/kernels/tuner.h"
-#include "gpu_test_util.h"
+#include "gpu_test_support.h"
 
 namespace flashserve::kernels::cuda::decode {
 int& l2_prefetch_override();  // kernels/cuda/decode/decode_dispatch.cu (benchmarking knobs)
@@ -40,32 +38,7 @@ namespace flashserve::kernels {
 namespace {
 
 namespace fk = cuda;
-using testing_util::gpu_available;
-
-uint64_t fresh_seed() {
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    const uint64_t s = (uint64_t(rd()) << 32) ^ rd();
-    std::printf("decode_attention_test seed: %llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <typename T>
-  void upload(const std::vector<T>& host) {
-    ASSERT_EQ(cudaMemcpy(ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-};
+namespace tu = testing_util;
 
 enum class Layout { kDense, kDenseVarlen, kPaged };
 
@@ -92,23 +65,6 @@ std::string case_name(const DecodeCase& c) {
          (c.page_size ? "_p" + std::to_string(c.page_size) : "");
 }
 
-struct ErrorStats {
-  double max_abs = 0, rel_l2 = 0;
-};
-
-ErrorStats error_vs(const std::vector<double>& x, const std::vector<double>& ref) {
-  ErrorStats e;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = x[i] - ref[i];
-    e.max_abs = std::max(e.max_abs, std::abs(d));
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  e.rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-  return e;
-}
-
 // Host copy of one problem: per-sequence dense Q/K/V (for the references) and the kernel's
 // layout of the same values.
 struct HostProblem {
@@ -120,10 +76,6 @@ struct HostProblem {
   std::vector<int32_t> block_table;                // paged
   int table_stride = 0, num_pages = 0;
 };
-
-uint16_t to_bits(float f, DType dtype) {
-  return dtype == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f);
-}
 
 // Fills the page pool with poison, then places each sequence's keys in shuffled pages.
 void build_paged(const DecodeCase& c, std::mt19937_64& rng, HostProblem* hp) {
@@ -137,7 +89,7 @@ void build_paged(const DecodeCase& c, std::mt19937_64& rng, HostProblem* hp) {
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
   const size_t page_elems = size_t(ps) * hkv * d;
-  hp->k_all.assign(hp->num_pages * page_elems, 0xFFFF);  // NaN in fp16 and bf16
+  hp->k_all.assign(hp->num_pages * page_elems, 0xFFFF);  // the poison: NaN in fp16 and bf16
   hp->v_all.assign(hp->num_pages * page_elems, 0xFFFF);
   // Unused entries hold page ids far out of range: a read through one faults under the sanitizer.
   hp->block_table.assign(size_t(hp->batch) * hp->table_stride, 1 << 28);
@@ -156,15 +108,10 @@ void build_paged(const DecodeCase& c, std::mt19937_64& rng, HostProblem* hp) {
 }
 
 HostProblem make_problem(const DecodeCase& c, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.f, 1.f);
   HostProblem hp;
   hp.batch = static_cast<int>(c.sq.size());
   const int hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
-  auto random = [&](size_t n, float scale) {
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) x = to_bits(normal(rng) * scale, c.dtype);
-    return t;
-  };
+  auto random = [&](size_t n, float scale) { return tu::random_tensor(c.dtype, n, scale, rng); };
   for (int b = 0; b < hp.batch; ++b) {
     hp.q_start.push_back(hp.total_q);
     hp.k_start.push_back(b == 0 ? 0 : hp.k_start.back() + c.sk[b - 1]);
@@ -235,7 +182,7 @@ References compute_references(const DecodeCase& c, const HostProblem& hp, bool v
 
 // Device copies of a problem and the DecodeParams pointing at them.
 struct DeviceProblem {
-  DeviceBuffer q, k, v, o, lse, cu_q, cu_k, seqlens_k, table;
+  tu::DeviceBuffer q, k, v, o, lse, cu_q, cu_k, seqlens_k, table;
   fk::DecodeParams p;
   size_t out_elems, lse_elems;
 
@@ -246,33 +193,35 @@ struct DeviceProblem {
         table(std::max<size_t>(hp.block_table.size(), 1) * 4) {
     out_elems = hp.q_all.size();
     lse_elems = size_t(hp.total_q) * c.heads_q;
-    q.upload(hp.q_all);
-    k.upload(hp.k_all);
-    v.upload(hp.v_all);
+    EXPECT_EQ(q.upload(hp.q_all), cudaSuccess);
+    EXPECT_EQ(k.upload(hp.k_all), cudaSuccess);
+    EXPECT_EQ(v.upload(hp.v_all), cudaSuccess);
     std::vector<int32_t> cu_q_h{0}, cu_k_h{0}, sk_h(c.sk.begin(), c.sk.end());
     for (int b = 0; b < hp.batch; ++b) {
       cu_q_h.push_back(cu_q_h.back() + c.sq[b]);
       cu_k_h.push_back(cu_k_h.back() + c.sk[b]);
     }
-    cu_q.upload(cu_q_h);
-    cu_k.upload(cu_k_h);
-    seqlens_k.upload(sk_h);
-    if (!hp.block_table.empty()) table.upload(hp.block_table);
+    EXPECT_EQ(cu_q.upload(cu_q_h), cudaSuccess);
+    EXPECT_EQ(cu_k.upload(cu_k_h), cudaSuccess);
+    EXPECT_EQ(seqlens_k.upload(sk_h), cudaSuccess);
+    if (!hp.block_table.empty()) {
+      EXPECT_EQ(table.upload(hp.block_table), cudaSuccess);
+    }
 
     const int hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
     p = fk::make_dense_decode_params(c.dtype, hp.batch, hp.max_sq, hp.max_sk, hq, hkv, d,
                                      c.causal, 1.f / std::sqrt(float(d)));
-    p.q = q.ptr, p.k = k.ptr, p.v = v.ptr, p.o = o.ptr;
-    p.lse = static_cast<float*>(lse.ptr);
+    p.q = q.get(), p.k = k.get(), p.v = v.get(), p.o = o.get();
+    p.lse = lse.as<float>();
     const bool varlen_q = c.layout == Layout::kDenseVarlen || c.varlen_q;
     if (varlen_q) {
-      p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.ptr);
+      p.cu_seqlens_q = cu_q.as<const int32_t>();
       p.total_q = hp.total_q;
     }
-    if (c.layout == Layout::kDenseVarlen) p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.ptr);
+    if (c.layout == Layout::kDenseVarlen) p.cu_seqlens_k = cu_k.as<const int32_t>();
     if (c.layout == Layout::kPaged) {
-      p.seqlens_k = static_cast<const int32_t*>(seqlens_k.ptr);
-      p.block_table = static_cast<const int32_t*>(table.ptr);
+      p.seqlens_k = seqlens_k.as<const int32_t>();
+      p.block_table = table.as<const int32_t>();
       p.block_table_stride = hp.table_stride;
       p.page_size = c.page_size;
       p.k_batch_stride = p.v_batch_stride = int64_t{c.page_size} * hkv * d;
@@ -305,75 +254,73 @@ bool expects_tma(const DecodeCase& c) {
 const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts",
                                      "cp.async + PDL", "default"};
 
-// Runs the case with the heuristic's split count and with forced ones; checks each result.
-void check_case(const DecodeCase& c) {
-  std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(case_name(c)));
-  const HostProblem hp = make_problem(c, rng);
-  const References ref = compute_references(c, hp, uses_varlen_lse(c));
-  ErrorStats emu;
-  double emu_lse = 0;
+// The yardstick: the worse of the two emulations' errors against fp64, output and LSE.
+tu::EmulatedError worst_emulation(const References& ref) {
+  tu::EmulatedError worst;
   for (size_t e = 0; e < ref.emu_out.size(); ++e) {
-    const ErrorStats s = error_vs(ref.emu_out[e], ref.out);
-    emu.max_abs = std::max(emu.max_abs, s.max_abs);
-    emu.rel_l2 = std::max(emu.rel_l2, s.rel_l2);
-    for (size_t i = 0; i < ref.lse.size(); ++i)
-      if (std::isfinite(ref.lse[i]))
-        emu_lse = std::max(emu_lse, std::abs(ref.emu_lse[e][i] - ref.lse[i]));
+    const tu::ErrorStats s = tu::error_vs(ref.emu_out[e], ref.out);
+    worst.out.max_abs = std::max(worst.out.max_abs, s.max_abs);
+    worst.out.rel_l2 = std::max(worst.out.rel_l2, s.rel_l2);
+    worst.lse = std::max(worst.lse, tu::lse_error(ref.emu_lse[e], ref.lse));
   }
-  DeviceProblem dev(c, hp);
-  ASSERT_EQ(fk::decode_supported(dev.p), "");
+  return worst;
+}
+
+// Sets the benchmarking knobs for variant (0: cp.async, no PDL; 1: TMA, deep order, wide boxes
+// on even split counts; 2: cp.async + PDL; 3: the defaults).
+void set_variant(int variant, int splits) {
+  fk::decode::copy_override() = variant == 1 ? 2 : variant == 3 ? -1 : 0;
+  fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
+  fk::decode::deep_issue_override() = variant == 1 || variant == 2 ? 1 : variant == 0 ? 0 : -1;
+  fk::decode::tma_wide_override() = variant == 1 ? 1 - splits % 2 : -1;
+}
+
+// Puts the knobs back to their defaults when a case ends, however it ends.
+struct DefaultKnobsAfter {
+  ~DefaultKnobsAfter() { set_variant(3, 0); }
+};
+
+// One launch of the (poisoned) problem with the knobs as set, checked against the references.
+void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
+               const References& ref, const tu::EmulatedError& emu, int splits, int variant) {
+  fk::DecodeParams p = dev.p;
+  p.num_splits = splits;
+  ASSERT_EQ(dev.o.poison(), cudaSuccess);
+  ASSERT_EQ(dev.lse.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (variant % 2 == 1 && hp.total_q > 0) {
+    ASSERT_EQ(fk::decode::last_copy(), expects_tma(c) ? 2 : 0) << "TMA path taken or not";
+  }
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
-  std::vector<double> got(dev.out_elems);
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&lse), cudaSuccess);
+  const std::vector<double> got = tu::to_double(c.dtype, out);
+  ASSERT_TRUE(tu::all_finite(got));
+  EXPECT_TRUE(tu::lse_matches(lse, ref.lse, emu.lse));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out), emu.out));
+}
+
+// Runs the case with the heuristic's split count and with forced ones; checks each result.
+void check_case(const DecodeCase& c) {
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  DeviceProblem dev(c, hp);
+  ASSERT_EQ(fk::decode_supported(dev.p), "");
+  const DefaultKnobsAfter restore;
   // Every split count, through both K/V copy paths (cp.async; TMA boxes on sm_90+, the default
   // there) and with programmatic dependent launch off and on (sm_90+; the combine then overlaps
   // the split kernel's launch and must still see all of its partials).
   for (int run = 0; run < 20; ++run) {
     const int splits = std::vector<int>{0, 1, 3, 16, 40}[run % 5];
-    const int variant = run / 5;  // 0: cp.async, no PDL; 1: TMA, deep; 2: cp.async + PDL; 3: default
+    const int variant = run / 5;
     SCOPED_TRACE("num_splits " + std::to_string(splits) + ", " + kVariantNames[variant]);
-    fk::decode::copy_override() = variant == 1 ? 2 : variant == 3 ? -1 : 0;
-    fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
-    fk::decode::deep_issue_override() = variant == 1 || variant == 2 ? 1 : variant == 0 ? 0 : -1;
-    fk::decode::tma_wide_override() = variant == 1 ? 1 - splits % 2 : -1;
-    fk::DecodeParams p = dev.p;
-    p.num_splits = splits;
-    ASSERT_EQ(cudaMemset(dev.o.ptr, 0xFF, dev.out_elems * 2), cudaSuccess);  // NaN poison
-    ASSERT_EQ(cudaMemset(dev.lse.ptr, 0xFF, dev.lse_elems * 4), cudaSuccess);
-    ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    if (variant % 2 == 1 && hp.total_q > 0) {
-      ASSERT_EQ(fk::decode::last_copy(), expects_tma(c) ? 2 : 0) << "TMA path taken or not";
-    }
-    ASSERT_EQ(cudaMemcpy(out.data(), dev.o.ptr, dev.out_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(lse.data(), dev.lse.ptr, dev.lse_elems * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    size_t bad = 0;
-    for (size_t i = 0; i < out.size(); ++i) {
-      got[i] = c.dtype == DType::kFloat16 ? half_to_float(out[i]) : bf16_to_float(out[i]);
-      if (!std::isfinite(got[i])) ++bad;
-    }
-    ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
-    double lse_excess = 0;
-    for (size_t i = 0; i < lse.size(); ++i) {
-      if (std::isinf(ref.lse[i])) {
-        ASSERT_TRUE(std::isinf(lse[i]) && lse[i] < 0) << "row " << i << " sees no key: LSE must be -inf, got " << lse[i];
-      } else {
-        ASSERT_TRUE(std::isfinite(lse[i])) << "LSE " << i << " = " << lse[i];
-        const double allowed = 2 * emu_lse + 1e-4 + 4e-6 * std::abs(ref.lse[i]);
-        lse_excess = std::max(lse_excess, std::abs(lse[i] - ref.lse[i]) - allowed);
-      }
-    }
-    const ErrorStats err = error_vs(got, ref.out);
-    EXPECT_LE(err.max_abs, 2 * emu.max_abs + 1e-6)
-        << "max abs error " << err.max_abs << " vs emulated " << emu.max_abs;
-    EXPECT_LE(err.rel_l2, 2 * emu.rel_l2 + 1e-6)
-        << "relative L2 error " << err.rel_l2 << " vs emulated " << emu.rel_l2;
-    EXPECT_LE(lse_excess, 0.0) << "LSE error exceeds its allowance by " << lse_excess;
+    set_variant(variant, splits);
+    ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, splits, variant));
   }
-  fk::decode::copy_override() = -1;
-  fk::decode::pdl_override() = -1;
-  fk::decode::deep_issue_override() = -1;
-  fk::decode::tma_wide_override() = -1;
 }
 
 std::vector<DecodeCase> all_cases() {

@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdio>
 #include <optional>
 #include <random>
 #include <string>
@@ -18,25 +17,14 @@
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/cuda_attention.h"
-#include "flashserve/kernels/float_convert.h"
-#include "flashserve/kernels/reference_attention.h"
-#include "gpu_test_util.h"
+#include "gpu_test_support.h"
 #include "../../kernels/cuda/sm90/tile_order.h"  // tile_coord (host arithmetic, internal)
 
 namespace flashserve::kernels {
 namespace {
 
 namespace fk = cuda;
-
-uint64_t fresh_seed() {
-  static const uint64_t seed = [] {
-    std::random_device rd;
-    const uint64_t s = (uint64_t(rd()) << 32) ^ rd();
-    std::printf("sm90_attention_test seed: %llu\n", static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
+namespace tu = testing_util;
 
 // The sm90 configurations compiled for (dtype, head_dim), when this device can run them.
 std::vector<fk::KernelConfig> sm90_configs(DType dtype, int head_dim) {
@@ -58,16 +46,6 @@ std::optional<fk::KernelConfig> sm90_config(DType dtype, int head_dim) {
   if (!sm90_config(dtype, head_dim))                                                        \
   GTEST_SKIP() << "no sm90 kernel for this device/build (needs compute capability 9.0 and " \
                   "90 in FLASHSERVE_CUDA_ARCHS): skipping"
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 struct Case {
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
@@ -92,58 +70,20 @@ std::string param_name(const Param& prm) {
          (c.pad ? "_pad" + std::to_string(c.pad) : "");
 }
 
-double rel_l2(const std::vector<double>& x, const std::vector<double>& ref, double* max_abs) {
-  double num = 0, den = 0;
-  *max_abs = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    const double d = x[i] - ref[i];
-    *max_abs = std::max(*max_abs, std::abs(d));
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-double to_double(DType dtype, uint16_t x) {
-  return dtype == DType::kFloat16 ? half_to_float(x) : bf16_to_float(x);
-}
-
-// Host tensors of one problem (strided as p says) and the device copies.
+// Host tensors of one problem, strided as p says (p points at qkv: its buffers survive a move).
 struct Problem {
-  AttentionParams p;  // host pointers
-  std::vector<uint16_t> q, k, v;
-  size_t q_elems = 0, kv_elems = 0, lse_elems = 0;
+  AttentionParams p;
+  tu::HostQkv qkv;
 };
 
 Problem make_problem(const Param& prm) {
   const Case& c = prm.c;
-  const int d = prm.head_dim;
   Problem pr;
-  AttentionParams& p = pr.p;
-  p = make_contiguous_params(prm.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv, d,
-                             c.causal, 1.f / std::sqrt(float(d)));
-  p.q_row_stride = p.o_row_stride = int64_t(c.heads_q + c.pad) * d;
-  p.q_batch_stride = p.o_batch_stride = p.q_row_stride * (c.seqlen_q + c.pad);
-  p.k_row_stride = p.v_row_stride = int64_t(c.heads_kv + c.pad) * d;
-  p.k_batch_stride = p.v_batch_stride = p.k_row_stride * (c.seqlen_k + c.pad);
-  pr.q_elems = size_t(p.q_batch_stride) * c.batch;
-  pr.kv_elems = size_t(p.k_batch_stride) * c.batch;
-  pr.lse_elems = size_t(c.batch) * c.heads_q * c.seqlen_q;
-  std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(param_name(prm)));
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto fill = [&](std::vector<uint16_t>& t, size_t n, float scale) {
-    t.resize(n);
-    for (auto& x : t) {
-      const float f = normal(rng) * scale;
-      x = prm.dtype == DType::kFloat16 ? float_to_half(f) : float_to_bf16(f);
-    }
-  };
-  fill(pr.q, pr.q_elems, c.input_scale);
-  fill(pr.k, pr.kv_elems, c.input_scale);
-  fill(pr.v, pr.kv_elems, 1.f);
-  p.q = pr.q.data();
-  p.k = pr.k.data();
-  p.v = pr.v.data();
+  pr.p = make_contiguous_params(prm.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.heads_q, c.heads_kv,
+                                prm.head_dim, c.causal, 1.f / std::sqrt(float(prm.head_dim)));
+  tu::pad_strides(&pr.p, c.pad, c.pad);
+  std::mt19937_64 rng(tu::case_seed(param_name(prm)));
+  pr.qkv = tu::random_qkv(&pr.p, c.input_scale, rng);
   return pr;
 }
 
@@ -155,39 +95,22 @@ struct Result {
 // Runs cfg on the problem with NaN-poisoned O (including the padding) and LSE.
 void run_config(const Problem& pr, const fk::KernelConfig& cfg, Result* r) {
   const AttentionParams& hp = pr.p;
-  DeviceBuffer dq(pr.q_elems * 2), dk(pr.kv_elems * 2), dv(pr.kv_elems * 2), dout(pr.q_elems * 2),
-      dlse(pr.lse_elems * 4);
-  ASSERT_EQ(cudaMemcpy(dq.ptr, pr.q.data(), pr.q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, pr.k.data(), pr.kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, pr.v.data(), pr.kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, pr.q_elems * 2), cudaSuccess);  // NaN in fp16/bf16/fp32
-  ASSERT_EQ(cudaMemset(dlse.ptr, 0xFF, pr.lse_elems * 4), cudaSuccess);
-  AttentionParams p = hp;
-  p.q = dq.ptr;
-  p.k = dk.ptr;
-  p.v = dv.ptr;
-  p.o = dout.ptr;
-  p.lse = static_cast<float*>(dlse.ptr);
+  tu::DeviceProblem dev(hp);
+  ASSERT_EQ(dev.upload(hp), cudaSuccess);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  const AttentionParams p = dev.params(hp, true);
   ASSERT_EQ(fk::supported(p), "");
   ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint16_t> out(pr.q_elems);
-  r->lse.resize(pr.lse_elems);
-  ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, pr.q_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(r->lse.data(), dlse.ptr, pr.lse_elems * 4, cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  const int d = hp.head_dim;
-  r->out.assign(size_t(hp.batch) * hp.seqlen_q * hp.heads_q * d, 0.0);
-  for (int b = 0; b < hp.batch; ++b)
-    for (int i = 0; i < hp.seqlen_q; ++i)
-      for (int h = 0; h < hp.heads_q; ++h)
-        for (int c = 0; c < d; ++c)
-          r->out[((size_t(b) * hp.seqlen_q + i) * hp.heads_q + h) * d + c] =
-              to_double(hp.dtype, out[b * hp.o_batch_stride + i * hp.o_row_stride + h * d + c]);
+  std::vector<uint16_t> out(tu::q_elements(hp));
+  r->lse.resize(tu::lse_elements(hp));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&r->lse), cudaSuccess);
+  r->out = tu::gather_output(hp, out);
   // Padding must stay poisoned: the kernel writes only its rows and heads.
-  if (hp.o_row_stride > int64_t(hp.heads_q) * d) {
-    const size_t pad_index = size_t(hp.heads_q) * d;  // first padding element of row 0
-    EXPECT_TRUE(std::isnan(to_double(hp.dtype, out[pad_index]))) << "padding overwritten";
+  if (hp.o_row_stride > int64_t(hp.heads_q) * hp.head_dim) {
+    const size_t pad_index = size_t(hp.heads_q) * hp.head_dim;  // first padding element of row 0
+    EXPECT_TRUE(std::isnan(tu::to_double(hp.dtype, out[pad_index]))) << "padding overwritten";
   }
 }
 
@@ -197,48 +120,21 @@ TEST_P(Sm90Attention, MatchesFp64Reference) {
   const Param& prm = GetParam();
   SKIP_WITHOUT_SM90(prm.dtype, prm.head_dim);
   const Problem pr = make_problem(prm);
-  std::vector<double> ref_out, ref_lse;
-  reference::attention_fp64(pr.p, &ref_out, &ref_lse);
+  tu::Fp64Reference ref(pr.p);
   for (const fk::KernelConfig& cfg : sm90_configs(prm.dtype, prm.head_dim)) {
     SCOPED_TRACE("config " + cfg.name());
-    std::vector<double> emu_out, emu_lse;
-    reference::EmulationOptions emu_options;
-    emu_options.block_n = cfg.block_n;
-    emu_options.backwards = true;
-    emu_options.rescale_threshold_log2 = cfg.rescale_threshold_log2();
-    reference::attention_emulated(pr.p, emu_options, &emu_out, &emu_lse);
-
+    const tu::EmulatedError& emu = ref.emulated(cfg);
     Result r;
     ASSERT_NO_FATAL_FAILURE(run_config(pr, cfg, &r));
-    size_t bad = 0;
-    for (double x : r.out) bad += !std::isfinite(x);
-    ASSERT_EQ(bad, 0u) << "NaN/Inf (or unwritten) output elements";
-
-    double max_abs = 0, emu_max_abs = 0;
-    const double err = rel_l2(r.out, ref_out, &max_abs);
-    const double emu_err = rel_l2(emu_out, ref_out, &emu_max_abs);
-    EXPECT_LE(max_abs, 2 * emu_max_abs + 1e-6) << "vs emulated " << emu_max_abs;
-    EXPECT_LE(err, 2 * emu_err + 1e-6) << "vs emulated " << emu_err;
+    ASSERT_TRUE(tu::all_finite(r.out));
+    const tu::ErrorStats err = tu::error_vs(r.out, ref.out());
+    EXPECT_TRUE(tu::within_twice_emulated(err, emu.out));
     // The plain check: relative L2 error within a few rounding units of the output dtype.
-    EXPECT_LE(err, prm.dtype == DType::kFloat16 ? 4e-3 : 2e-2);
-
-    double emu_lse_err = 0;
-    for (size_t i = 0; i < ref_lse.size(); ++i)
-      if (std::isfinite(ref_lse[i]))
-        emu_lse_err = std::max(emu_lse_err, std::abs(emu_lse[i] - ref_lse[i]));
-    for (size_t i = 0; i < ref_lse.size(); ++i) {
-      if (std::isinf(ref_lse[i])) {
-        ASSERT_TRUE(std::isinf(r.lse[i]) && r.lse[i] < 0) << "row " << i << " sees no key";
-      } else {
-        ASSERT_TRUE(std::isfinite(r.lse[i])) << "LSE row " << i << " = " << r.lse[i];
-        const double allowed = 2 * emu_lse_err + 1e-4 + 4e-6 * std::abs(ref_lse[i]);
-        ASSERT_LE(std::abs(r.lse[i] - ref_lse[i]), allowed) << "LSE row " << i;
-      }
-    }
+    EXPECT_LE(err.rel_l2, prm.dtype == DType::kFloat16 ? 4e-3 : 2e-2);
+    ASSERT_TRUE(tu::lse_matches(r.lse, ref.lse(), emu.lse));
   }
 }
 
-// sm90 and the sm80 family's default agree on the same inputs (a few ulps of max |O|).
 TEST_P(Sm90Attention, AgreesWithSm80) {
   const Param& prm = GetParam();
   SKIP_WITHOUT_SM90(prm.dtype, prm.head_dim);
@@ -399,26 +295,18 @@ TEST(Sm90Schedule, CausalSlotsAreReusedCleanly) {
   Param prm{DType::kBFloat16, 128, {2, 300, 300, 4, 2, true, 1.f}};
   const Problem pr = make_problem(prm);
   const fk::KernelConfig cfg = *sm90_config(DType::kBFloat16, 128);
-  const size_t kv_bytes = pr.kv_elems * 2, o_bytes = pr.q_elems * 2;
-  DeviceBuffer dq(o_bytes), dk(kv_bytes), dv(kv_bytes), dout(o_bytes);
-  ASSERT_EQ(cudaMemcpy(dq.ptr, pr.q.data(), o_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, pr.k.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, pr.v.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-  AttentionParams p = pr.p;
-  p.q = dq.ptr;
-  p.k = dk.ptr;
-  p.v = dv.ptr;
-  p.o = dout.ptr;
-  p.lse = nullptr;
+  tu::DeviceProblem dev(pr.p);
+  ASSERT_EQ(dev.upload(pr.p), cudaSuccess);
+  const AttentionParams p = dev.params(pr.p, false);
   auto run_poisoned = [&](std::vector<uint16_t>* out) {
-    ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, o_bytes), cudaSuccess);
+    ASSERT_EQ(dev.o.poison(), cudaSuccess);
     ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
-    out->resize(pr.q_elems);
-    ASSERT_EQ(cudaMemcpy(out->data(), dout.ptr, o_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    out->resize(tu::q_elements(pr.p));
+    ASSERT_EQ(dev.o.download(out), cudaSuccess);
   };
   std::vector<uint16_t> first, again;
   ASSERT_NO_FATAL_FAILURE(run_poisoned(&first));
-  for (uint16_t x : first) ASSERT_FALSE(std::isnan(to_double(p.dtype, x))) << "unwritten output";
+  ASSERT_TRUE(tu::all_finite(tu::to_double(p.dtype, first)));
   for (int i = 1; i <= 2100; ++i) {
     if (i % 100 == 0) {
       ASSERT_NO_FATAL_FAILURE(run_poisoned(&again));

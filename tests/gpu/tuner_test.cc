@@ -15,92 +15,35 @@
 
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/cuda_attention.h"
-#include "gpu_test_util.h"
-#include "flashserve/kernels/float_convert.h"
-#include "flashserve/kernels/reference_attention.h"
 #include "flashserve/kernels/tuner.h"
+#include "gpu_test_support.h"
 
 namespace flashserve::kernels {
 namespace {
 
 namespace fk = cuda;
+namespace tu = testing_util;
 
 using testing_util::compiled;
-using testing_util::gpu_available;
 
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-double rel_l2(const std::vector<double>& x, const std::vector<double>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size(); ++i) {
-    num += (x[i] - ref[i]) * (x[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
-
-double max_abs(const std::vector<double>& x, const std::vector<double>& ref) {
-  double m = 0;
-  for (size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - ref[i]));
-  return m;
-}
-
-// Runs cfg on fresh random inputs and checks it against the fp64 reference.
-void expect_correct(const AttentionParams& shape, const fk::KernelConfig& cfg, uint64_t seed) {
-  SCOPED_TRACE("config " + cfg.name());
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  const size_t q_elems = size_t(shape.batch) * shape.seqlen_q * shape.heads_q * shape.head_dim;
-  const size_t kv_elems = size_t(shape.batch) * shape.seqlen_k * shape.heads_kv * shape.head_dim;
-  auto random_tensor = [&](size_t n) {
-    std::vector<uint16_t> t(n);
-    for (auto& x : t) x = float_to_bf16(normal(rng));
-    return t;
-  };
-  const std::vector<uint16_t> q = random_tensor(q_elems), k = random_tensor(kv_elems),
-                              v = random_tensor(kv_elems);
-  AttentionParams p = shape;
-  p.q = q.data();
-  p.k = k.data();
-  p.v = v.data();
-  std::vector<double> ref_out, ref_lse, emu_out, emu_lse;
-  reference::attention_fp64(p, &ref_out, &ref_lse);
-  reference::EmulationOptions emulation;  // how cfg rounds P (cuda_attention_test.cc)
-  emulation.block_n = cfg.block_n;
-  emulation.backwards = true;
-  emulation.rescale_threshold_log2 = cfg.rescale_threshold_log2();
-  reference::attention_emulated(p, emulation, &emu_out, &emu_lse);
-
-  DeviceBuffer dq(q_elems * 2), dk(kv_elems * 2), dv(kv_elems * 2), dout(q_elems * 2);
-  ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv.ptr, v.data(), kv_elems * 2, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemset(dout.ptr, 0xFF, q_elems * 2), cudaSuccess);  // NaN poison
-  p.q = dq.ptr;
-  p.k = dk.ptr;
-  p.v = dv.ptr;
-  p.o = dout.ptr;
-  p.lse = nullptr;
-  ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
+// Runs cfg on fresh random inputs (seeded by name) and checks it against the fp64 reference.
+void expect_correct(const AttentionParams& shape, const fk::KernelConfig& cfg,
+                    const std::string& name) {
+  SCOPED_TRACE("config " + cfg.name() + ", " + name);
+  std::mt19937_64 rng(tu::case_seed(name));
+  AttentionParams host_p = shape;
+  const tu::HostQkv qkv = tu::random_qkv(&host_p, 1.f, rng);
+  tu::Fp64Reference ref(host_p);
+  tu::DeviceProblem dev(host_p);
+  ASSERT_EQ(dev.upload(host_p), cudaSuccess);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(dev.params(host_p, false), cfg, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint16_t> out(q_elems);
-  ASSERT_EQ(cudaMemcpy(out.data(), dout.ptr, q_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  std::vector<double> out_d(q_elems);
-  for (size_t i = 0; i < q_elems; ++i) {
-    out_d[i] = bf16_to_float(out[i]);
-    ASSERT_TRUE(std::isfinite(out_d[i])) << "element " << i << " is NaN/Inf (or unwritten)";
-  }
-  EXPECT_LE(max_abs(out_d, ref_out), 2 * max_abs(emu_out, ref_out) + 1e-6);
-  EXPECT_LE(rel_l2(out_d, ref_out), 2 * rel_l2(emu_out, ref_out) + 1e-6);
+  std::vector<uint16_t> out(tu::q_elements(host_p));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  const std::vector<double> out_d = tu::to_double(host_p.dtype, out);
+  ASSERT_TRUE(tu::all_finite(out_d));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(out_d, ref.out()), ref.emulated(cfg).out));
 }
 
 size_t free_device_memory() {
@@ -170,12 +113,11 @@ TEST_P(TunerGrid, BestIsFastestOkAndCorrect) {
               report.timings[report.default_index].median_ms);
   // The winner computes the right function on fresh inputs (odd-sized too: the tuner only saw
   // one shape), against the fp64 reference.
-  std::random_device rd;
-  expect_correct(shape, report.timings[report.best].config, (uint64_t(rd()) << 32) ^ rd());
+  expect_correct(shape, report.timings[report.best].config, point_name(g));
   AttentionParams odd = make_contiguous_params(DType::kBFloat16, 1, 97, g.seqlen / 4 + 3, 3, 3,
                                                g.head_dim, g.causal,
                                                1.f / std::sqrt(float(g.head_dim)));
-  expect_correct(odd, report.timings[report.best].config, (uint64_t(rd()) << 32) ^ rd());
+  expect_correct(odd, report.timings[report.best].config, point_name(g) + "_odd");
 }
 
 INSTANTIATE_TEST_SUITE_P(Small, TunerGrid,

@@ -131,6 +131,8 @@ def run_shm_steps(server, rng, dtype, rows_q, shape, prefixes=(1, 17, 40), steps
                 return_lse = step % 2 == 1
                 request, outs = _step_request(region, seqs, qs, kvs, in_shm, return_lse)
                 response = stub.DecodeStep(request, timeout=30)
+                t = response.timing  # disjoint parts of the server's total
+                assert t.prepare_us + t.queue_us + t.stage_us + t.compute_us <= t.total_us, t
                 for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
                     truth.add(seq.key, 0, k, v)
                     assert result.length == truth.length(seq.key, 0)

@@ -1,8 +1,9 @@
 // Split-count autotuner of the decode kernels (tune_decode_splits in tuner.h): times every count
 // of decode_split_candidates() on the tuner's own random inputs (the caller's sizes, dense or
 // paged like the caller's problem), after checking each count's output against the heuristic's.
-// Same method as tune() in tuner.cu: CUDA events, warm-up, median, candidates interleaved, input
-// sets rotated over max(rotate_bytes, 2x L2). Owns everything it allocates; never throws.
+// Same method as tune() in tuner.cu, whose timing loop it shares (tune_timing.h): CUDA events,
+// warm-up, median, candidates interleaved, input sets rotated over max(rotate_bytes, 2x L2).
+// Owns everything it allocates; never throws.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,6 +22,7 @@
 
 #include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/tuner.h"
+#include "tune_timing.h"
 
 namespace flashserve::kernels::cuda {
 namespace {
@@ -94,17 +96,15 @@ cudaError_t compare(DType dtype, const void* ref, const void* out, size_t n, uns
   return cudaStreamSynchronize(stream);
 }
 
-struct Owned {  // device and pinned allocations, events: released on every path
+struct Owned {  // device and pinned allocations: released on every path
   std::vector<void*> device;
   unsigned int* host = nullptr;
-  std::vector<cudaEvent_t> events;
   Owned() = default;
   Owned(const Owned&) = delete;
   Owned& operator=(const Owned&) = delete;
   ~Owned() {
     for (void* p : device) cudaFree(p);
     if (host != nullptr) cudaFreeHost(host);
-    for (cudaEvent_t e : events) cudaEventDestroy(e);
   }
   cudaError_t alloc(size_t bytes, void** out) {
     if (cudaMalloc(out, std::max<size_t>(bytes, 256)) != cudaSuccess) {
@@ -238,7 +238,7 @@ cudaError_t check_candidates(const Inputs& in, Owned& own, cudaStream_t stream,
 }
 
 /// Times the ok candidates, interleaved per repetition, over the rotated sets.
-cudaError_t time_candidates(const Inputs& in, const TuneOptions& o, Owned& own, cudaStream_t stream,
+cudaError_t time_candidates(const Inputs& in, const TuneOptions& o, cudaStream_t stream,
                             DecodeTuneReport* r) {
   std::vector<int> live;
   for (size_t i = 0; i < r->timings.size(); ++i)
@@ -246,33 +246,15 @@ cudaError_t time_candidates(const Inputs& in, const TuneOptions& o, Owned& own, 
   size_t next = 0;
   auto launch = [&](int c) {
     DecodeParams x = in.sets[next++ % in.sets.size()];
-    x.num_splits = r->timings[c].num_splits;
+    x.num_splits = r->timings[live[c]].num_splits;
     return run_decode(x, stream);
   };
-  for (int w = 0; w < o.warmup; ++w)
-    for (int c : live)
-      if (cudaError_t err = launch(c); err) return err;
-  const size_t reps = size_t(o.repetitions), n = live.size();
-  own.events.resize(2 * reps * n, nullptr);
-  for (cudaEvent_t& e : own.events)
-    if (cudaError_t err = cudaEventCreate(&e); err) return err;
-  for (size_t k = 0; k < reps * n; ++k) {
-    if (cudaError_t err = cudaEventRecord(own.events[2 * k], stream); err) return err;
-    if (cudaError_t err = launch(live[k % n]); err) return err;
-    if (cudaError_t err = cudaEventRecord(own.events[2 * k + 1], stream); err) return err;
-  }
-  if (cudaError_t err = cudaStreamSynchronize(stream); err) return err;
-  for (size_t c = 0; c < n; ++c) {
-    std::vector<float> ms(reps);
-    for (size_t k = 0; k < reps; ++k)
-      if (cudaError_t err = cudaEventElapsedTime(&ms[k], own.events[2 * (k * n + c)],
-                                                 own.events[2 * (k * n + c) + 1]);
-          err)
-        return err;
-    std::sort(ms.begin(), ms.end());
-    r->timings[live[c]].median_ms =
-        reps % 2 ? ms[reps / 2] : 0.5 * (double(ms[reps / 2 - 1]) + ms[reps / 2]);
-  }
+  std::vector<double> medians;
+  if (cudaError_t err = time_interleaved(int(live.size()), o.warmup, o.repetitions, stream, launch,
+                                         &medians);
+      err)
+    return err;
+  for (size_t c = 0; c < live.size(); ++c) r->timings[live[c]].median_ms = medians[c];
   for (int c : live)
     if (r->best < 0 || r->timings[c].median_ms < r->timings[r->best].median_ms) r->best = c;
   return cudaSuccess;
@@ -311,7 +293,7 @@ cudaError_t tune_decode_impl(const DecodeParams& problem, cudaStream_t stream, c
   if (cudaError_t err = make_inputs(p, counts.back(), o, own, stream, &in); err) return err;
   if (cudaError_t err = check_candidates(in, own, stream, r); err) return err;
   if (!r->timings[r->heuristic_index].ok) return cudaErrorLaunchFailure;
-  return time_candidates(in, o, own, stream, r);
+  return time_candidates(in, o, stream, r);
 }
 
 }  // namespace

@@ -8,8 +8,10 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "edge/grpc/arena_messages.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
+#include "edge/sequences/sequences_arena.h"
 #include "edge/sequences/sequences_convert.h"
 #include "edge/sequences/sequences_decode.h"
 #include "edge/sequences/sequences_hold.h"
@@ -40,7 +42,9 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
 class SequencesService final : public v1::Sequences::CallbackService {
  public:
   SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences)
-      : runtime_(runtime), sequences_(sequences) {}
+      : runtime_(runtime), sequences_(sequences) {
+    SetMessageAllocatorFor_DecodeStep(&decode_step_messages_);
+  }
 
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
@@ -106,6 +110,9 @@ class SequencesService final : public v1::Sequences::CallbackService {
     reactor->Finish(call.Finish(status));
     return reactor;
   }
+  // A DecodeStep's size is not known before it is parsed: blocks for a typical 64-item step.
+  ArenaMessages<v1::DecodeStepRequest, v1::DecodeStepResponse> decode_step_messages_{
+      DecodeStepArenaOptions(16 << 10)};
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
                         v1::CreateSequenceResponse* response);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);

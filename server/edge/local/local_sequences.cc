@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "edge/sequences/sequences_arena.h"
 #include "edge/sequences/sequences_decode.h"
 #include "edge/sequences/sequences_hold.h"
 #include "edge/local/call_waiter.h"
@@ -61,12 +62,13 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
 }  // namespace
 
 void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalReply* reply) {
-  v1::DecodeStepRequest request;
+  google::protobuf::Arena arena(DecodeStepArenaOptions(local.payload.size()));
+  auto& request = *google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);
   if (!request.ParseFromArray(local.payload.data(), int(local.payload.size()))) {
     reply->status = absl::InvalidArgumentError("DecodeStepRequest: unreadable message");
     return;
   }
-  v1::DecodeStepResponse response;
+  auto& response = *google::protobuf::Arena::CreateMessage<v1::DecodeStepResponse>(&arena);
   const int max_items =
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;
   CallHold hold;

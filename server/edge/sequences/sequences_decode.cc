@@ -106,6 +106,7 @@ absl::Status AddStepOutputs(const v1::DecodeStepRequest& request, DecodeCall* ca
 }
 
 void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* timing) {
+  timing->set_prepare_us(report.prepare_us);
   timing->set_queue_us(report.queue_us);
   timing->set_stage_us(report.append_us);
   timing->set_compute_us(report.compute_us);

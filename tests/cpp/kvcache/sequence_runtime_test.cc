@@ -247,5 +247,23 @@ TEST_F(SequenceRuntimeTest, AcceptedCallsCountTheirSharedMemoryInputPathsOnce) {
   }
 }
 
+// The edge's own time (received -> Submit) is reported as prepare_us, not as queue time: a call
+// received 30 ms before it was submitted reports >= 30 ms of preparing and a short queue.
+TEST_F(SequenceRuntimeTest, TheEdgesTimeIsPrepareNotQueue) {
+  Make(0);
+  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
+  DenseLayer dense;
+  const std::string id = Create(s, &dense, 4);
+  Holder h;
+  auto call = Call(s, id, &h);
+  call->received = absl::Now() - absl::Milliseconds(30);
+  runtime_->Submit(call);
+  const Answer answer = h.answer.get_future().get();
+  ASSERT_TRUE(answer.status.ok()) << answer.status;
+  EXPECT_GE(answer.report.prepare_us, 30000);
+  EXPECT_GE(answer.report.queue_us, 0);
+  EXPECT_LT(answer.report.queue_us, 20000);  // an idle scheduler starts it at once
+}
+
 }  // namespace
 }  // namespace flashserve
