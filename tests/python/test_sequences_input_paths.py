@@ -1,7 +1,7 @@
-"""flashserve_request_inputs_total{path} for Sequences calls (CPU backend, the real binary), over gRPC and over the local
-socket: a DecodeStep that reads q/k/v from a client's system region counts once in path="shm_system" (however many
-items and tensors name the region), as an Attention call does; rows carried in the message (inline DecodeSteps, every
-Attend) and refused calls count in no path. README "Sequences" says what counts."""
+"""flashserve_request_inputs_total{path} for Sequences calls (CPU backend, the real binary), over gRPC and over the
+local socket: a DecodeStep that reads q/k/v from a client's system region counts once in path="shm_system" (however
+many items and tensors name the region), as an Attention call does; rows carried in the message (inline DecodeSteps,
+every Attend) and refused calls count in no path. README "Sequences" says what counts."""
 
 from __future__ import annotations
 
