@@ -60,6 +60,7 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
   runtime->store_ = std::move(*store);
   if (metrics != nullptr) {
     runtime->metrics_ = std::make_unique<kvcache::KvCacheMetrics>(&metrics->registry());
+    runtime->request_metrics_ = metrics;
   }
   absl::StatusOr<std::unique_ptr<kvcache::SequenceCache>> cache =
       kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
@@ -96,6 +97,10 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
                                                        " items (--max_batch_sequences), got ", n)),
                {});
     return;
+  }
+  if (request_metrics_ != nullptr) {
+    if (call->shm_system_inputs) request_metrics_->RecordShmInputPath("shm_system");
+    if (call->shm_cuda_inputs) request_metrics_->RecordShmInputPath("shm_cuda");
   }
   if (batcher_ == nullptr) {
     const bool run_inline = call->caller_waits;

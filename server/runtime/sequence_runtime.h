@@ -53,6 +53,11 @@ struct DecodeCall {
   std::vector<float*> lse;    // per item: [heads_q, rows_q], or empty (no LSE)
   // Where out[i] / lse[i] live; shorter than out / lse (or empty): the rest are kHost.
   std::vector<kvcache::BytesAt> out_at, lse_at;
+  // Some q/k/v rows are read from a client's system / CUDA shared-memory region: the call counts
+  // once in request_inputs_total{path="shm_system"} / {path="shm_cuda"} for each kind it reads,
+  // as an Attention call does (AttentionRuntime::Call::shm_input_path); rows in the message count
+  // in no path.
+  bool shm_system_inputs = false, shm_cuda_inputs = false;
   absl::Time received;
   absl::Time submitted;  // set by SequenceRuntime::Submit
   absl::Time deadline = absl::InfiniteFuture();
@@ -85,7 +90,8 @@ class SequenceRuntime {
   int store_device() const { return store_->device(); }
 
   /// Answers through call->done exactly once (maybe inline: RESOURCE_EXHAUSTED when the queue
-  /// is full, INVALID_ARGUMENT for more than max_batch_sequences items).
+  /// is full, INVALID_ARGUMENT for more than max_batch_sequences items). A call accepted here
+  /// counts its shared-memory input paths (DecodeCall::shm_system_inputs / shm_cuda_inputs).
   void Submit(std::shared_ptr<DecodeCall> call);
 
  private:
@@ -105,6 +111,7 @@ class SequenceRuntime {
   const SequenceRuntimeOptions options_;
   Scheduler* const scheduler_;
   std::unique_ptr<kvcache::KvCacheMetrics> metrics_;
+  ServerMetrics* request_metrics_ = nullptr;  // request_inputs_total; null: no metrics
   std::unique_ptr<kvcache::KvStore> store_;
   std::unique_ptr<kvcache::SequenceCache> cache_;
   std::unique_ptr<DecodeBatcher> batcher_;  // null when batch_window_us == 0

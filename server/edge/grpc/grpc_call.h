@@ -1,12 +1,13 @@
-// What every gRPC call of the edge shares, in one place: its `method` label, request metrics,
-// the log line of a failure and the one conversion of its absl::Status to a grpc::Status.
+// What every gRPC call of the edge shares, in one place: its method's path and `method` label, and
+// GrpcCall -- the transport-neutral bookkeeping of edge/call/edge_call.h (request metrics, the log
+// line of a failure) plus the one conversion of its absl::Status to a grpc::Status.
 //
 // Each handler -- native Attention (generic), GetServerInfo, the KServe v2 service, the striped
 // stream service -- owns one GrpcCall per call and ends the call with
 // `Finish(call.Finish(status))`. Health calls have none (probes would drown the request counts).
 // The bearer token is not checked here but earlier, before a byte of the request is read, by the
-// gate in edge/grpc/grpc_auth.h; the calls it refuses are counted with RecordRefusedCall below, so
-// every call of a method lands in the same series.
+// gate in edge/grpc/grpc_auth.h; the calls it refuses are counted with RecordRefusedCall
+// (edge/call/edge_call.h), so every call of a method lands in the same series.
 //
 // Why a per-call object and not a gRPC server interceptor: gRPC 1.51's server interceptors can
 // watch a call but not end it (Hijack is client-side only), so they cannot refuse anything, and
@@ -15,13 +16,13 @@
 // of the backend's buffers. An object the handler holds knows all of it.
 #pragma once
 
-#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/time/time.h"
+#include "edge/call/edge_call.h"
+#include "edge/grpc/grpc_status.h"
 #include "grpcpp/support/status.h"
 #include "metrics/server_metrics.h"
 
@@ -88,50 +89,19 @@ std::vector<std::string> GrpcMethodLabels();
 /// The method serving `path`, or null (health, reflection, unknown paths).
 const GrpcMethod* FindGrpcMethod(std::string_view path);
 
-/// A call refused before any handler ran (the token gate): requests_total{method,status} += 1
-/// with zero duration and bytes, and one warning line. `metrics` may be null.
-void RecordRefusedCall(ServerMetrics* metrics, std::string_view label, const absl::Status& status);
-
-/// One call's bookkeeping, from the handler's first look at it to Finish. Not thread-safe: one
-/// owner at a time (the reactor, the runtime's done callback, or the hot lane, in turn).
-class GrpcCall {
+/// One gRPC call's bookkeeping (EdgeCall: metrics, the failure log line) whose Finish also gives
+/// the status to finish the call with -- the one absl -> gRPC conversion of the edge.
+class GrpcCall : public EdgeCall {
  public:
   /// `metrics` may be null (then nothing is recorded; failures are still logged).
-  GrpcCall(ServerMetrics* metrics, const GrpcMethod& method);
-  /// A call never finished (the reactor was torn down first) leaves inflight_requests as it was.
-  ~GrpcCall();
-  GrpcCall(const GrpcCall&) = delete;
-  GrpcCall& operator=(const GrpcCall&) = delete;
+  GrpcCall(ServerMetrics* metrics, const GrpcMethod& method)
+      : EdgeCall(metrics, CallMethod{method.label, method.computes}) {}
 
-  /// The request is complete (unary) or the call has begun (streams): request_duration_seconds
-  /// is measured from here (0 for a call that fails before), `bytes` count as received, and a
-  /// computing method counts in inflight_requests until Finish. At most once.
-  void Start(int64_t bytes_in = 0);
-  /// When Start was called; InfinitePast before.
-  absl::Time started() const { return started_; }
-  void AddBytesIn(int64_t bytes) { bytes_in_ += bytes; }
-  void AddBytesOut(int64_t bytes) { bytes_out_ += bytes; }
-  int64_t bytes_in() const { return bytes_in_; }
-  /// Named in the failure log line: the request's id, a stream's session.
-  void set_request_id(std::string_view id) { request_id_.assign(id.substr(0, 256)); }
-  void set_session_id(std::string_view id) { session_id_.assign(id.substr(0, 64)); }
-
-  /// Ends the call's bookkeeping: requests_total{method,status} += 1, the duration, the bytes
-  /// (sent only when `status` is ok), a warning line for a failure; returns the status to finish
-  /// the call with -- the one absl -> gRPC conversion of the edge. Exactly once.
-  grpc::Status Finish(const absl::Status& status);
-  bool finished() const { return finished_; }
-
- private:
-  ServerMetrics* const metrics_;
-  const GrpcMethod& method_;
-  absl::Time started_ = absl::InfinitePast();
-  int64_t bytes_in_ = 0;
-  int64_t bytes_out_ = 0;
-  std::string request_id_;
-  std::string session_id_;
-  bool inflight_ = false;
-  bool finished_ = false;
+  /// EdgeCall::Finish, then `status` as a grpc::Status. Exactly once.
+  grpc::Status Finish(const absl::Status& status) {
+    EdgeCall::Finish(status);
+    return ToGrpcStatus(status);
+  }
 };
 
 }  // namespace flashserve

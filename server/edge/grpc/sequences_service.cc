@@ -2,6 +2,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -48,21 +49,15 @@ class SequencesService final : public v1::Sequences::CallbackService {
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
                                            v1::CreateSequenceResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kCreateSequence);
-    call.Start(int64_t(request->ByteSizeLong()));
-    const absl::Status status = DoCreate(*request, response);
-    return Answer(context, &call, status, *response);
+    return Unary(context, grpc_methods::kCreateSequence, *request, *response, "",
+                 [&] { return DoCreate(*request, response); });
   }
 
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
                                    const v1::AppendRequest* request,
                                    v1::AppendResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kAppend);
-    call.Start(int64_t(request->ByteSizeLong()));
-    call.set_session_id(request->sequence_id());
-    const absl::Status status = DoAppend(*request, response);
-    AddMissing(context, status, request->sequence_id());
-    return Answer(context, &call, status, *response);
+    return Unary(context, grpc_methods::kAppend, *request, *response, request->sequence_id(),
+                 [&] { return DoAppend(*request, response); });
   }
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
@@ -75,33 +70,44 @@ class SequencesService final : public v1::Sequences::CallbackService {
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
                                     const v1::ReleaseRequest* request,
                                     v1::ReleaseResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kRelease);
-    call.Start(int64_t(request->ByteSizeLong()));
-    absl::Status status = sequences_ == nullptr ? Disabled() : absl::OkStatus();
-    if (status.ok()) {
-      const std::vector<std::string> ids(request->sequence_ids().begin(),
-                                         request->sequence_ids().end());
-      const std::vector<std::string> missing = sequences_->cache().Release(ids);
-      response->set_released(int32_t(ids.size() - missing.size()));
-      for (const std::string& id : missing) response->add_not_found(id);
-    }
-    return Answer(context, &call, status, *response);
+    return Unary(context, grpc_methods::kRelease, *request, *response, "",
+                 [&] { return DoRelease(*request, response); });
   }
 
   grpc::ServerUnaryReactor* GetSequenceInfo(grpc::CallbackServerContext* context,
                                             const v1::GetSequenceInfoRequest* request,
-                                            v1::SequenceInfo* response) override;
+                                            v1::SequenceInfo* response) override {
+    return Unary(context, grpc_methods::kGetSequenceInfo, *request, *response,
+                 request->sequence_id(), [&] { return DoInfo(*request, response); });
+  }
+
   grpc::ServerUnaryReactor* GetKvPoolInfo(grpc::CallbackServerContext* context,
                                           const v1::GetKvPoolInfoRequest* request,
-                                          v1::KvPoolInfo* response) override;
+                                          v1::KvPoolInfo* response) override {
+    return Unary(context, grpc_methods::kGetKvPoolInfo, *request, *response, "", [&] {
+      response->set_enabled(sequences_ != nullptr);
+      if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
+      return absl::OkStatus();
+    });
+  }
 
  private:
-  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, GrpcCall* call,
-                                   const absl::Status& status,
-                                   const google::protobuf::Message& response) {
-    if (status.ok()) call->AddBytesOut(int64_t(response.ByteSizeLong()));
+  // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
+  // fills `response`. `sequence_id` (may be empty) is named in the failure log line and, for a
+  // NOT_FOUND, in the trailing metadata.
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
+                                  const google::protobuf::Message& request,
+                                  const google::protobuf::Message& response,
+                                  std::string_view sequence_id,
+                                  const std::function<absl::Status()>& run) {
+    GrpcCall call(runtime_->metrics(), method);
+    call.Start(int64_t(request.ByteSizeLong()));
+    call.set_session_id(sequence_id);
+    const absl::Status status = run();
+    AddMissing(context, status, sequence_id);
+    if (status.ok()) call.AddBytesOut(int64_t(response.ByteSizeLong()));
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call->Finish(status));
+    reactor->Finish(call.Finish(status));
     return reactor;
   }
   // A DecodeStep's size is not known before it is parsed: blocks for a typical 64-item step.
@@ -110,6 +116,8 @@ class SequencesService final : public v1::Sequences::CallbackService {
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
                         v1::CreateSequenceResponse* response);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
+  absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
+  absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response);
   // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
   // response on success. Answers the gRPC call exactly once, maybe inline.
   // `bytes` are counted against --max_inflight_bytes (into `hold`) before `build` runs.
@@ -196,31 +204,6 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
       response);
 }
 
-grpc::ServerUnaryReactor* SequencesService::GetSequenceInfo(
-    grpc::CallbackServerContext* context, const v1::GetSequenceInfoRequest* request,
-    v1::SequenceInfo* response) {
-  GrpcCall call(runtime_->metrics(), grpc_methods::kGetSequenceInfo);
-  call.Start(int64_t(request->ByteSizeLong()));
-  absl::Status status = sequences_ == nullptr ? Disabled() : absl::OkStatus();
-  if (status.ok()) {
-    absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request->sequence_id());
-    status = info.status();
-    if (info.ok()) FillSequenceInfo(*info, response);
-  }
-  AddMissing(context, status, request->sequence_id());
-  return Answer(context, &call, status, *response);
-}
-
-grpc::ServerUnaryReactor* SequencesService::GetKvPoolInfo(grpc::CallbackServerContext* context,
-                                                          const v1::GetKvPoolInfoRequest* request,
-                                                          v1::KvPoolInfo* response) {
-  GrpcCall call(runtime_->metrics(), grpc_methods::kGetKvPoolInfo);
-  call.Start(int64_t(request->ByteSizeLong()));
-  response->set_enabled(sequences_ != nullptr);
-  if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
-  return Answer(context, &call, absl::OkStatus(), *response);
-}
-
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
                                         v1::CreateSequenceResponse* response) {
   if (sequences_ == nullptr) return Disabled();
@@ -256,6 +239,25 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
       sequences_->cache().Append(request.sequence_id(), rows);
   if (!lengths.ok()) return lengths.status();
   for (int64_t length : *lengths) response->add_layer_lengths(length);
+  return absl::OkStatus();
+}
+
+absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
+                                         v1::ReleaseResponse* response) {
+  if (sequences_ == nullptr) return Disabled();
+  const std::vector<std::string> ids(request.sequence_ids().begin(), request.sequence_ids().end());
+  const std::vector<std::string> missing = sequences_->cache().Release(ids);
+  response->set_released(int32_t(ids.size() - missing.size()));
+  for (const std::string& id : missing) response->add_not_found(id);
+  return absl::OkStatus();
+}
+
+absl::Status SequencesService::DoInfo(const v1::GetSequenceInfoRequest& request,
+                                      v1::SequenceInfo* response) {
+  if (sequences_ == nullptr) return Disabled();
+  absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request.sequence_id());
+  if (!info.ok()) return info.status();
+  FillSequenceInfo(*info, response);
   return absl::OkStatus();
 }
 

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
-#include "edge/grpc/grpc_call.h"
+#include "edge/call/edge_call.h"
 #include "edge/local/frame_check.h"
 #include "edge/local/frame_io.h"
 #include "edge/local/local_methods.h"
@@ -27,7 +27,7 @@ constexpr uint32_t kMaxHelloBytes = 4096;
 // A connection keeps a payload buffer up to this size between calls; larger ones are freed.
 constexpr size_t kKeptBufferBytes = size_t{1} << 20;
 
-const GrpcMethod& MethodOf(local::Method method) {
+const CallMethod& MethodOf(local::Method method) {
   switch (method) {
     case local::Method::kHello:
       return local_methods::kHello;
@@ -89,7 +89,7 @@ class Connection {
   // One call, from its checked header to its answer; false: close the connection.
   bool ServeOne(const local::FrameHeader& header) {
     const auto method = static_cast<local::Method>(header.method_or_status);
-    GrpcCall metrics(services_.runtime->metrics(), MethodOf(method));
+    EdgeCall metrics(services_.runtime->metrics(), MethodOf(method));
     if (!authed_ && (method != local::Method::kHello || header.payload_bytes > kMaxHelloBytes)) {
       // Refused before the payload is read (or allocated); the connection closes.
       const absl::Status refused = absl::UnauthenticatedError(
@@ -159,7 +159,7 @@ class Connection {
   }
 
   // Records the call and writes its answer; false when the answer could not be written.
-  bool Answer(GrpcCall* metrics, LocalReply* reply) {
+  bool Answer(EdgeCall* metrics, LocalReply* reply) {
     int64_t bytes = local::kHeaderBytes;
     for (const iovec& piece : reply->pieces) bytes += int64_t(piece.iov_len);
     metrics->AddBytesOut(bytes);

@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "edge/grpc/grpc_call.h"
+#include "edge/call/edge_call.h"
 #include "edge/local/frame_io.h"
 #include "edge/local/local_methods.h"
 #include "edge/local/socket_file.h"

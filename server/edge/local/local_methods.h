@@ -6,16 +6,15 @@
 #include <string>
 #include <vector>
 
-#include "edge/grpc/grpc_call.h"
+#include "edge/call/edge_call.h"
 
 namespace flashserve {
 namespace local_methods {
-// Paths are not used (no gRPC routing); the labels are.
-inline constexpr GrpcMethod kHello{"local:Hello", "LocalHello"};
-inline constexpr GrpcMethod kEcho{"local:Echo", "LocalEcho"};
-inline constexpr GrpcMethod kAttention{"local:Attention", "LocalAttention", true};
-inline constexpr GrpcMethod kDecodeStep{"local:DecodeStep", "LocalDecodeStep", true};
-inline constexpr GrpcMethod kAttend{"local:Attend", "LocalAttend", true};
+inline constexpr CallMethod kHello{"LocalHello"};
+inline constexpr CallMethod kEcho{"LocalEcho"};
+inline constexpr CallMethod kAttention{"LocalAttention", true};
+inline constexpr CallMethod kDecodeStep{"LocalDecodeStep", true};
+inline constexpr CallMethod kAttend{"LocalAttend", true};
 /// Frames refused before a method was known (bad header, timeout, over the connection cap).
 inline constexpr std::string_view kOtherLabel = "LocalOther";
 }  // namespace local_methods
@@ -24,7 +23,7 @@ inline constexpr std::string_view kOtherLabel = "LocalOther";
 inline std::vector<std::string> LocalMethodLabels() {
   using namespace local_methods;  // NOLINT(build/namespaces)
   std::vector<std::string> labels;
-  for (const GrpcMethod* m : {&kHello, &kEcho, &kAttention, &kDecodeStep, &kAttend}) {
+  for (const CallMethod* m : {&kHello, &kEcho, &kAttention, &kDecodeStep, &kAttend}) {
     labels.emplace_back(m->label);
   }
   labels.emplace_back(kOtherLabel);

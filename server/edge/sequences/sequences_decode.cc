@@ -162,6 +162,10 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
   if (absl::Status s = AddStepOutputs(request, call.get(), shm, response); !s.ok()) return s;
+  if (shm != nullptr) {
+    call->shm_system_inputs = shm->system_inputs;
+    call->shm_cuda_inputs = shm->cuda_inputs;
+  }
   return call;
 }
 

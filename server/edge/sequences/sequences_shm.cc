@@ -79,6 +79,7 @@ absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* 
   if (!rows.ok()) return rows;
   rows->at = PlaceOf(*span);
   shm->inputs.emplace_back(span->data, span->data + span->bytes);
+  (span->kind == MemoryKind::kDevice ? shm->cuda_inputs : shm->system_inputs) = true;
   return rows;
 }
 

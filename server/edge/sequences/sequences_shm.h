@@ -22,6 +22,8 @@ struct SequenceShm {
   int store_device = -1;           // the KV store's CUDA device (-1: it reads host memory only)
   ShmLeases leases;
   std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
+  // Some input came from a system / a CUDA region (DecodeCall's request_inputs_total paths).
+  bool system_inputs = false, cuda_inputs = false;
   // Each region the call names, leased once as a whole (a step names one or two regions
   // 5 x items times; leasing every span took a lookup and an fstat each).
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;

@@ -1,15 +1,18 @@
 // SequenceRuntime on the CPU backend: calls within --batch_window_us, or (--batch_when_busy) that
 // arrive while a launch runs, share one launch (and stay correct), calls of another shape get their own, cancelled / expired / queue-full calls change
-// nothing, and a call with too many items is refused before anything runs.
+// nothing, and a call with too many items is refused before anything runs; accepted calls count
+// their shared-memory input paths in request_inputs_total.
 #include "runtime/sequence_runtime.h"
 
 #include <condition_variable>
 #include <future>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kv_test_util.h"
+#include "metrics/server_metrics.h"
 #include "runtime/cpu_backend.h"
 
 namespace flashserve {
@@ -28,7 +31,8 @@ struct Answer {
 
 class SequenceRuntimeTest : public ::testing::Test {
  protected:
-  void Make(int64_t window_us, int queue_capacity = 64, bool when_busy = false) {
+  void Make(int64_t window_us, int queue_capacity = 64, bool when_busy = false,
+            ServerMetrics* metrics = nullptr) {
     CpuBackendOptions cpu;
     cpu.num_threads = 2;
     backend_ = *CpuBackend::Create(cpu);
@@ -41,7 +45,7 @@ class SequenceRuntimeTest : public ::testing::Test {
     options.batch_window_us = window_us;
     options.batch_when_busy = when_busy;
     options.max_batch_sequences = 8;
-    runtime_ = *SequenceRuntime::Create(options, backend_.get(), scheduler_.get(), nullptr);
+    runtime_ = *SequenceRuntime::Create(options, backend_.get(), scheduler_.get(), metrics);
   }
 
   std::string Create(const kvcache::SequenceShape& s, DenseLayer* dense, int rows) {
@@ -80,6 +84,7 @@ class SequenceRuntimeTest : public ::testing::Test {
   }
 
   std::mt19937 rng_{7};
+  std::unique_ptr<ServerMetrics> metrics_;  // first: the runtime below records into it till its end
   std::unique_ptr<CpuBackend> backend_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<SequenceRuntime> runtime_;
@@ -209,6 +214,37 @@ TEST_F(SequenceRuntimeTest, TooManyItemsIsInvalidArgument) {
   for (int i = 0; i < 8; ++i) call->items.push_back(call->items[0]);  // 9 > max 8
   runtime_->Submit(call);
   EXPECT_EQ(h.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SequenceRuntimeTest, AcceptedCallsCountTheirSharedMemoryInputPathsOnce) {
+  metrics_ = std::make_unique<ServerMetrics>();
+  Make(0, 64, false, metrics_.get());
+  const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
+  DenseLayer dense;
+  const std::string id = Create(s, &dense, 2);
+  Holder inline_rows, system, both, refused;
+  runtime_->Submit(Call(s, id, &inline_rows));
+  auto call = Call(s, id, &system);
+  call->shm_system_inputs = true;  // as BuildDecodeStep sets them from the call's SequenceShm
+  runtime_->Submit(call);
+  call = Call(s, id, &both);
+  call->shm_system_inputs = call->shm_cuda_inputs = true;
+  runtime_->Submit(call);
+  call = Call(s, id, &refused);
+  call->shm_system_inputs = true;
+  for (int i = 0; i < 8; ++i) call->items.push_back(call->items[0]);  // 9 > max 8: refused
+  runtime_->Submit(call);
+  for (Holder* h : {&inline_rows, &system, &both}) {
+    EXPECT_TRUE(h->answer.get_future().get().status.ok());
+  }
+  EXPECT_EQ(refused.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
+  const std::string text = metrics_->Render();
+  for (const auto& [path, count] : {std::pair<const char*, int>{"shm_system", 2},
+                                    {"shm_cuda", 1}, {"in_place", 0}, {"copied", 0}}) {
+    const std::string line =
+        absl::StrCat("flashserve_request_inputs_total{path=\"", path, "\"} ", count, "\n");
+    EXPECT_NE(text.find(line), std::string::npos) << line;
+  }
 }
 
 // The edge's own time (received -> Submit) is reported as prepare_us, not as queue time: a call
