@@ -85,280 +85,358 @@ const std::set<std::string> kKnownFlags = {
     "channels", "stripes", "stripe_reps", "striped_shapes", "chunk_mib", "csv", "md", "shm", "shm_device",
     "local_socket", "local_shm", "local_max_frame_bytes"};
 
-}  // namespace
+// --- options ------------------------------------------------------------------------------------
 
-int main(int argc, char** argv) {
+struct Options {
+  std::string target, echo, token, csv_path, md_path;
+  double duration = 2;
+  int min_requests = 3, large_max_conc = 16, stripe_reps = 5, pool_size = 1, shm_device = 0;
+  int64_t chunk_bytes = 4 << 20;
+  uint64_t local_max_frame_bytes = 0;
+  std::vector<int> concurrency, stripes;
+  std::vector<std::string> shapes, striped_shapes, shm_paths, local_shm;
+  std::string local_socket;
+};
+
+Options ParseOptions(int argc, char** argv) {
   const flashserve::bench::Flags flags(argc, argv, kUsage, kKnownFlags);
-  auto Flag = [&](const std::string& name, const std::string& def) { return flags.Str(name, def); };
-  auto Split = [&](const std::string& name, const std::string& def) { return flags.List(name, def); };
-  const std::string target = Flag("target", "127.0.0.1:8001");
-  const std::string echo = Flag("echo", "");
-  const std::string token = Flag("token", "");
-  const double duration = flags.Double("duration_s", 2);
-  const int min_requests = int(flags.Int("min_requests", 3));
-  const int large_max_conc = int(flags.Int("large_max_concurrency", 16));
-  const int stripe_reps = int(flags.Int("stripe_reps", 5));
-  const int64_t chunk_bytes = int64_t(flags.Double("chunk_mib", 4) * (1 << 20));
-  const std::vector<int> concurrency = flags.IntList("concurrency", "1,4,16,64");
-  const std::vector<int> stripes = flags.IntList("stripes", "1,2,4,8");
-  const int channels_flag = int(flags.Int("channels", 0));
+  Options o;
+  o.target = flags.Str("target", "127.0.0.1:8001");
+  o.echo = flags.Str("echo", "");
+  o.token = flags.Str("token", "");
+  o.csv_path = flags.Str("csv", "service.csv");
+  o.md_path = flags.Str("md", "service.md");
+  o.duration = flags.Double("duration_s", 2);
+  o.min_requests = int(flags.Int("min_requests", 3));
+  o.large_max_conc = int(flags.Int("large_max_concurrency", 16));
+  o.stripe_reps = int(flags.Int("stripe_reps", 5));
+  o.chunk_bytes = int64_t(flags.Double("chunk_mib", 4) * (1 << 20));
+  o.concurrency = flags.IntList("concurrency", "1,4,16,64");
+  o.stripes = flags.IntList("stripes", "1,2,4,8");
+  o.shapes = flags.List("shapes", "small,medium,large");
+  o.striped_shapes = flags.List("striped_shapes", "medium,large");
+  o.shm_paths = flags.List("shm", "");
+  o.shm_device = int(flags.Int("shm_device", 0));
+  o.local_socket = flags.Str("local_socket", "");
+  o.local_shm = flags.List("local_shm", flags.Str("shm", ""));
+  o.local_max_frame_bytes = uint64_t(flags.Int(
+      "local_max_frame_bytes", int64_t(flashserve::loadgen::LocalSectionOptions{}.max_frame_bytes)));
   const auto positive = [](int v) { return v >= 1; };
-  if (concurrency.empty() || !std::all_of(concurrency.begin(), concurrency.end(), positive)) {
+  if (o.concurrency.empty() || !std::all_of(o.concurrency.begin(), o.concurrency.end(), positive)) {
     flags.Fail("--concurrency: one or more levels, each >= 1");
   }
-  if (!std::all_of(stripes.begin(), stripes.end(), positive)) flags.Fail("--stripes: each >= 1");
-  if (chunk_bytes < 1) flags.Fail("--chunk_mib: > 0");
-  for (const std::string& name : Split("shapes", "small,medium,large")) {
-    const bool known = std::any_of(kShapes.begin(), kShapes.end(), [&](const Shape& s) { return s.name == name; });
+  if (!std::all_of(o.stripes.begin(), o.stripes.end(), positive)) {
+    flags.Fail("--stripes: each >= 1");
+  }
+  if (o.chunk_bytes < 1) flags.Fail("--chunk_mib: > 0");
+  for (const std::string& name : o.shapes) {
+    const bool known = std::any_of(kShapes.begin(), kShapes.end(),
+                                   [&](const Shape& s) { return s.name == name; });
     if (!known) flags.Fail("--shapes: unknown shape " + name);
   }
   if (flags.Int("local_max_frame_bytes", 1) < 1) flags.Fail("--local_max_frame_bytes: >= 1");
-  const int max_conc = *std::max_element(concurrency.begin(), concurrency.end());
-  const int pool_size = channels_flag > 0 ? channels_flag : max_conc;
+  const int channels = int(flags.Int("channels", 0));
+  o.pool_size = channels > 0 ? channels
+                             : *std::max_element(o.concurrency.begin(), o.concurrency.end());
+  return o;
+}
 
-  std::fprintf(stderr, "loadgen: %d channels to %s%s%s%s\n", pool_size, target.c_str(),
-               echo.empty() ? "" : " and to echo ", echo.c_str(), token.empty() ? "" : " (with a bearer token)");
-  Pool server(target, pool_size, token);
-  std::unique_ptr<Pool> echo_pool;
-  if (!echo.empty()) echo_pool = std::make_unique<Pool>(echo, pool_size, token);
+// --- the unary grid -----------------------------------------------------------------------------
 
-  std::ofstream csv(Flag("csv", "service.csv"));
-  csv << "target,shape,concurrency,channels,ok,errors,wall_s,req_per_s,p50_us,p99_us,request_bytes,response_bytes,"
-         "goodput_p50_GBps,goodput_agg_GBps,queue_p50_us,h2d_p50_us,compute_p50_us,d2h_p50_us,total_p50_us,"
-         "overhead_p50_us,overhead_p99_us,client_cpu_cores,first_error,stage_p50_us,overhead_excl_stage_p50_us\n";
-  std::ostringstream md;
-  std::ostringstream breakdown;
+constexpr char kAttention[] = "/flashserve.v1.AttentionService/Attention";
+constexpr char kEcho[] = "/flashserve.bench.Echo/Echo";
 
-  // The load generator's own ceiling: tiny calls to the echo server.
-  if (echo_pool) {
-    md << "### Load generator ceiling (tiny echo calls, 64 B each way)\n\n"
-          "| concurrency | calls/s | p50 us | p99 us | client CPU cores |\n|---|---|---|---|---|\n";
-    const std::string tiny(64, 'x');
-    for (int c : concurrency) {
-      CellSpec spec{"echo-tiny", "/flashserve.bench.Echo/Echo", &tiny, 64, c, duration, min_requests, 1 << 30, false};
-      Cell cell(echo_pool.get(), spec);
-      CellResult r = cell.Run();
-      md << Fmt("| %d | %.0f | %.0f | %.0f | %.2f |\n", c, double(r.ok) / r.wall_s, Percentile(r.latency_us, 0.5),
-                Percentile(r.latency_us, 0.99), r.cpu_s / r.wall_s);
-    }
-    md << "\n";
+constexpr char kCsvHeader[] =
+    "target,shape,concurrency,channels,ok,errors,wall_s,req_per_s,p50_us,p99_us,request_bytes,"
+    "response_bytes,goodput_p50_GBps,goodput_agg_GBps,queue_p50_us,h2d_p50_us,compute_p50_us,"
+    "d2h_p50_us,total_p50_us,overhead_p50_us,overhead_p99_us,client_cpu_cores,first_error,"
+    "stage_p50_us,overhead_excl_stage_p50_us\n";
+
+void WriteCsvRow(std::ofstream& csv, const CellResult& x) {
+  const double b = double(x.request_bytes + x.response_bytes);
+  csv << x.target << ',' << x.shape << ',' << x.concurrency << ',' << x.channels << ',' << x.ok
+      << ',' << x.errors << ',' << x.wall_s << ',' << double(x.ok) / x.wall_s << ','
+      << Percentile(x.latency_us, 0.5) << ',' << Percentile(x.latency_us, 0.99) << ','
+      << x.request_bytes << ',' << x.response_bytes << ','
+      << b / (Percentile(x.latency_us, 0.5) * 1e3) << ',' << b * double(x.ok) / x.wall_s / 1e9
+      << ',' << Percentile(Column(x, 0), 0.5) << ',' << Percentile(Column(x, 1), 0.5) << ','
+      << Percentile(Column(x, 2), 0.5) << ',' << Percentile(Column(x, 3), 0.5) << ','
+      << Percentile(Column(x, 4), 0.5) << ',' << Percentile(Overhead(x), 0.5) << ','
+      << Percentile(Overhead(x), 0.99) << ',' << x.cpu_s / x.wall_s << ",\"" << x.first_error
+      << "\"," << Percentile(Column(x, 5), 0.5) << ',' << Percentile(Overhead(x, true), 0.5)
+      << "\n";
+}
+
+// The load generator's own ceiling: tiny calls to the echo server.
+void EchoCeilingSection(Pool* echo_pool, const Options& opt, std::ostringstream& md) {
+  md << "### Load generator ceiling (tiny echo calls, 64 B each way)\n\n"
+        "| concurrency | calls/s | p50 us | p99 us | client CPU cores |\n|---|---|---|---|---|\n";
+  const std::string tiny(64, 'x');
+  for (int c : opt.concurrency) {
+    CellSpec spec{"echo-tiny", kEcho, &tiny, 64, c, opt.duration, opt.min_requests, 1 << 30, false};
+    CellResult r = Cell(echo_pool, spec).Run();
+    md << Fmt("| %d | %.0f | %.0f | %.0f | %.2f |\n", c, double(r.ok) / r.wall_s,
+              Percentile(r.latency_us, 0.5), Percentile(r.latency_us, 0.99), r.cpu_s / r.wall_s);
   }
+  md << "\n";
+}
 
-  md << "### Unary AttentionService/Attention vs raw gRPC echo of the same bytes\n\n"
-        "Goodput = (request + response bytes) / latency (p50; `agg` = bytes x calls/s over all workers). "
-        "Overhead = server total - h2d - compute - d2h (queue and the host staging copy included); stage = the "
-        "server's one host copy of the request tensors (receive slices -> pinned buffers), part of the overhead. "
-        "Kernel = server-reported compute_us p50. Ratio (p50) = echo p50 / flashserve p50 (goodput ratio of the same "
-        "bytes at the median); ratio (agg) = aggregate throughput ratio.\n\n"
-        "| shape | conc | calls/s | p50 ms | p99 ms | goodput GB/s (p50) | agg GB/s | echo p50 ms | echo agg GB/s | "
-        "ratio (p50) | ratio (agg) | overhead p50 us | stage p50 us | overhead - stage p50 us | h2d p50 us | "
-        "kernel p50 us | d2h p50 us | client CPU cores | errors |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+// Warm-up of one shape (first CUDA use of it, connection windows); its response size, or -1 when
+// the server refused it.
+int64_t WarmUpShape(Pool* server, Pool* echo_pool, const Workload& w) {
+  CellSpec first{"flashserve", kAttention, &w.serialized, -1, 1, 0, 2, 2, true};
+  CellResult r = Cell(server, first).Run();
+  if (r.ok == 0) {
+    std::fprintf(stderr, "warm-up failed: %s\n", r.first_error.c_str());
+    return -1;
+  }
+  // Both targets then get the same unmeasured second of this shape on the first channel (the one
+  // c=1 cells use): HTTP/2 flow-control windows grow with the bytes a connection has carried (BDP
+  // probing), and a channel that has only seen small requests starts a medium one cold -- which
+  // used to favour whichever target went second.
+  CellSpec warm{"flashserve", kAttention, &w.serialized, -1, 1, 1.0, 2, 1 << 30, false};
+  Cell(server, warm).Run();
+  if (echo_pool != nullptr) {
+    CellSpec ewarm{"echo", kEcho, &w.serialized, r.response_bytes, 1, 1.0, 2, 1 << 30, false};
+    Cell(echo_pool, ewarm).Run();
+  }
+  return r.response_bytes;
+}
 
+// Response parse cost on the client (one AttentionResponse of that size), for the breakdown.
+double ResponseParseUs(const Workload& w) {
+  v1::AttentionResponse resp;
+  resp.mutable_out()->set_dtype(v1::BFLOAT16);
+  *resp.mutable_out()->mutable_data() = w.request.q().data();
+  const std::string bytes = resp.SerializeAsString();
+  v1::AttentionResponse back;
+  const auto t0 = Clock::now();
+  back.ParseFromString(bytes);
+  return Micros(Clock::now() - t0);
+}
+
+// Where the report of one shape goes.
+struct Report {
+  std::ofstream& csv;
+  std::ostringstream& md;
+  std::ostringstream& breakdown;
+};
+
+void WriteUnaryRows(const Report& out, const Workload& w, int c, const CellResult& r,
+                    const CellResult* e, double response_parse_us) {
+  const std::string& name = w.shape.name;
+  const double bytes = double(r.request_bytes + r.response_bytes);
+  const double p50 = Percentile(r.latency_us, 0.5);
+  const double agg = bytes * double(r.ok) / r.wall_s / 1e9;
+  const double eagg = e != nullptr ? bytes * double(e->ok) / e->wall_s / 1e9 : 0;
+  const double ep50 = e != nullptr ? Percentile(e->latency_us, 0.5) : 0.0;
+  out.md << Fmt(
+      "| %s | %d | %.1f | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.2f | %.0f | %.0f | "
+      "%.0f | %.0f | %.0f | %.0f | %.2f | %lld |\n",
+      name.c_str(), c, double(r.ok) / r.wall_s, p50 / 1e3, Percentile(r.latency_us, 0.99) / 1e3,
+      bytes / (p50 * 1e3), agg, ep50 / 1e3, eagg, ep50 > 0 ? ep50 / p50 : 0.0,
+      eagg > 0 ? agg / eagg : 0.0, Percentile(Overhead(r), 0.5), Percentile(Column(r, 5), 0.5),
+      Percentile(Overhead(r, true), 0.5), Percentile(Column(r, 1), 0.5),
+      Percentile(Column(r, 2), 0.5), Percentile(Column(r, 3), 0.5), r.cpu_s / r.wall_s,
+      (long long)(r.errors));
+  std::fprintf(stderr, "%s c=%d: %lld ok %lld err, p50 %.3f ms, agg %.2f GB/s (echo %.2f) %s\n",
+               name.c_str(), c, (long long)r.ok, (long long)r.errors, p50 / 1e3, agg, eagg,
+               r.first_error.c_str());
+  if (c != 1) return;
+  const double total_ms = Percentile(Column(r, 4), 0.5) / 1e3;
+  const double echo_ms = ep50 / 1e3;
+  out.breakdown << Fmt(
+      "| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.1f | %.1f |\n",
+      name.c_str(), p50 / 1e3, echo_ms, total_ms, Percentile(Column(r, 5), 0.5) / 1e3,
+      Percentile(Column(r, 0), 0.5) / 1e3, Percentile(Column(r, 1), 0.5) / 1e3,
+      Percentile(Column(r, 2), 0.5) / 1e3, Percentile(Column(r, 3), 0.5) / 1e3,
+      (Percentile(Overhead(r, true), 0.5) - Percentile(Column(r, 0), 0.5)) / 1e3,
+      p50 / 1e3 - total_ms - echo_ms, w.serialize_us / 1e3, response_parse_us / 1e3);
+}
+
+// Every concurrency level of one shape: flashserve, then the echo of the same bytes; false when
+// the shape's warm-up failed.
+bool UnaryShape(Pool* server, Pool* echo_pool, const Options& opt, const Workload& w,
+                const Report& out) {
+  const int64_t response_bytes = WarmUpShape(server, echo_pool, w);
+  if (response_bytes < 0) return false;
+  const double response_parse_us = ResponseParseUs(w);
+  for (int c : opt.concurrency) {
+    if (w.shape.name == "large" && c > opt.large_max_conc) continue;
+    if (c > 1) {
+      // One request per worker, all in flight at once, unmeasured: each holds its own pinned
+      // buffer, and pinning a new one (cudaHostAlloc, ~0.3 s per GiB) belongs to the server's
+      // warm-up, not to the cell.
+      CellSpec warm_c{"flashserve", kAttention, &w.serialized, -1, c, 0, c, c, false};
+      Cell(server, warm_c).Run();
+    }
+    CellSpec spec{"flashserve", kAttention, &w.serialized, -1, c, opt.duration, opt.min_requests,
+                  1 << 30, true};
+    CellResult r = Cell(server, spec).Run();
+    r.shape = w.shape.name;
+    CellResult e;
+    if (echo_pool != nullptr) {
+      CellSpec espec{"echo", kEcho, &w.serialized, response_bytes, c, opt.duration,
+                     opt.min_requests, 1 << 30, false};
+      e = Cell(echo_pool, espec).Run();
+      e.shape = w.shape.name;
+    }
+    WriteCsvRow(out.csv, r);
+    if (echo_pool != nullptr) WriteCsvRow(out.csv, e);
+    out.csv.flush();
+    WriteUnaryRows(out, w, c, r, echo_pool != nullptr ? &e : nullptr, response_parse_us);
+  }
+  return true;
+}
+
+constexpr char kUnaryHeader[] =
+    "### Unary AttentionService/Attention vs raw gRPC echo of the same bytes\n\n"
+    "Goodput = (request + response bytes) / latency (p50; `agg` = bytes x calls/s over all "
+    "workers). Overhead = server total - h2d - compute - d2h (queue and the host staging copy "
+    "included); stage = the server's one host copy of the request tensors (receive slices -> pinned "
+    "buffers), part of the overhead. Kernel = server-reported compute_us p50. Ratio (p50) = echo "
+    "p50 / flashserve p50 (goodput ratio of the same bytes at the median); ratio (agg) = aggregate "
+    "throughput ratio.\n\n"
+    "| shape | conc | calls/s | p50 ms | p99 ms | goodput GB/s (p50) | agg GB/s | echo p50 ms | "
+    "echo agg GB/s | ratio (p50) | ratio (agg) | overhead p50 us | stage p50 us | overhead - stage "
+    "p50 us | h2d p50 us | kernel p50 us | d2h p50 us | client CPU cores | errors |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+
+constexpr char kBreakdownHeader[] =
+    "\n### Where the time goes at concurrency 1 (ms, p50)\n\n"
+    "Echo = the raw gRPC round trip of the same bytes (the transport's share). Server total "
+    "(handler entry -> answer ready) = stage (one host copy of Q/K/V from the receive slices into "
+    "pinned buffers) + queue + h2d + kernel + d2h + rest; the server sends O from those buffers "
+    "without a copy. Unexplained = latency - server total - echo (transport variation between the "
+    "two cells). Not in the loop: what a real client adds to build its message (client serialize, "
+    "here done once) and read O (client parse; this load generator skips the tensor bytes).\n\n"
+    "| shape | latency | echo | server total | stage | queue | h2d | kernel | d2h | rest | "
+    "unexplained | (client serialize) | (client parse) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+
+// --- the striped streaming path -----------------------------------------------------------------
+
+// One shape over K striped channels: the reps' p50 row, or a failed row.
+void StripedRow(const Options& opt, const Workload& w, int k, std::ostringstream& md) {
+  std::vector<std::shared_ptr<grpc::Channel>> chans;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
+  for (int i = 0; i < k; ++i) {
+    chans.push_back(MakeChannel(opt.target, 1000 + i));
+    stubs.push_back(std::make_unique<grpc::GenericStub>(chans.back()));
+  }
+  std::vector<StripedSample> samples;
+  std::string output, error;
+  for (int rep = 0; rep < opt.stripe_reps + 1; ++rep) {  // first one warms the connections
+    StripedSample s{};
+    if (!RunStriped(w, chans, stubs, opt.token, opt.chunk_bytes, &output, &s, &error)) break;
+    if (rep > 0) samples.push_back(s);
+  }
+  if (!error.empty()) {
+    std::fprintf(stderr, "striped %s K=%d failed: %s\n", w.shape.name.c_str(), k, error.c_str());
+    md << "| " << w.shape.name << " | " << k << " | failed: " << error << " |\n";
+    return;
+  }
+  auto p50 = [&](auto get) {
+    std::vector<double> v;
+    for (const auto& s : samples) v.push_back(get(s));
+    return Percentile(v, 0.5);
+  };
+  const double total = p50([](const StripedSample& s) { return s.total_us; });
+  const double bytes = double(3 * w.shape.tensor_bytes() + w.shape.tensor_bytes());
+  md << Fmt("| %s | %d | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+            w.shape.name.c_str(), k, total / 1e3, bytes / (total * 1e3),
+            p50([](const StripedSample& s) { return s.open_us; }) / 1e3,
+            p50([](const StripedSample& s) { return s.upload_us; }) / 1e3,
+            p50([](const StripedSample& s) { return s.compute_us; }) / 1e3,
+            p50([](const StripedSample& s) { return s.download_us; }) / 1e3,
+            p50([](const StripedSample& s) { return double(s.timing[4]); }) / 1e3,
+            p50([](const StripedSample& s) { return double(s.timing[1]); }) / 1e3,
+            p50([](const StripedSample& s) { return double(s.timing[2]); }) / 1e3,
+            p50([](const StripedSample& s) { return double(s.timing[3]); }) / 1e3);
+  std::fprintf(stderr, "striped %s K=%d: p50 %.1f ms, %.2f GB/s\n", w.shape.name.c_str(), k,
+               total / 1e3, bytes / (total * 1e3));
+}
+
+// Striped streaming path vs unary at concurrency 1.
+void StripedSection(const Options& opt, const std::vector<std::unique_ptr<Workload>>& workloads,
+                    std::ostringstream& md) {
+  md << "\n### Striped streaming (AttentionStreamService) vs unary, concurrency 1\n\n"
+        "K channels (one connection each); request chunks of "
+     << Fmt("%.2f", double(opt.chunk_bytes) / (1 << 20))
+     << " MiB round-robin over the K Upload streams; O downloaded as K ranges (K=1: O inline in "
+        "the Compute response). p50 over the reps.\n\n"
+        "| shape | K | p50 ms | goodput GB/s | open ms | upload ms | compute RPC ms | download ms "
+        "| server total ms | h2d ms | kernel ms | d2h ms |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const auto& wp : workloads) {
+    const Workload& w = *wp;
+    const auto& shapes = opt.striped_shapes;
+    if (std::find(shapes.begin(), shapes.end(), w.shape.name) == shapes.end()) continue;
+    for (int k : opt.stripes) StripedRow(opt, w, k, md);
+  }
+}
+
+// The shared-memory (KServe gRPC) and local-socket sections, each when asked for.
+void ShmAndLocalSections(Pool* server, const Options& opt,
+                         const std::vector<std::unique_ptr<Workload>>& workloads,
+                         std::ofstream& csv, std::ostringstream& md) {
+  if (!opt.shm_paths.empty()) {
+    flashserve::loadgen::ShmSectionOptions shm;
+    shm.paths = opt.shm_paths;
+    shm.concurrency = opt.concurrency;
+    shm.duration_s = opt.duration;
+    shm.min_requests = opt.min_requests;
+    shm.large_max_concurrency = opt.large_max_conc;
+    shm.device = opt.shm_device;
+    md << flashserve::loadgen::RunShmSection(server, workloads, shm, csv);
+  }
+  if (!opt.local_socket.empty()) {
+    flashserve::loadgen::LocalSectionOptions local;
+    local.socket_path = opt.local_socket;
+    local.token = opt.token;
+    local.shm_paths = opt.local_shm;
+    local.concurrency = opt.concurrency;
+    local.duration_s = opt.duration;
+    local.min_requests = opt.min_requests;
+    local.large_max_concurrency = opt.large_max_conc;
+    local.device = opt.shm_device;
+    local.max_frame_bytes = opt.local_max_frame_bytes;
+    md << flashserve::loadgen::RunLocalSection(server, workloads, local, csv);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = ParseOptions(argc, argv);
+  std::fprintf(stderr, "loadgen: %d channels to %s%s%s%s\n", opt.pool_size, opt.target.c_str(),
+               opt.echo.empty() ? "" : " and to echo ", opt.echo.c_str(),
+               opt.token.empty() ? "" : " (with a bearer token)");
+  Pool server(opt.target, opt.pool_size, opt.token);
+  std::unique_ptr<Pool> echo_pool;
+  if (!opt.echo.empty()) echo_pool = std::make_unique<Pool>(opt.echo, opt.pool_size, opt.token);
+  std::ofstream csv(opt.csv_path);
+  csv << kCsvHeader;
+  std::ostringstream md, breakdown;
+  if (echo_pool) EchoCeilingSection(echo_pool.get(), opt, md);
+  md << kUnaryHeader;
   std::vector<std::unique_ptr<Workload>> workloads;
-  for (const std::string& name : Split("shapes", "small,medium,large")) {
+  for (const std::string& name : opt.shapes) {
     const Shape* shape = nullptr;
     for (const Shape& s : kShapes) {
       if (s.name == name) shape = &s;
     }
     workloads.push_back(MakeWorkload(*shape));
     const Workload& w = *workloads.back();
-    std::fprintf(stderr, "shape %s: request %zu bytes (serialize %.0f us, parse %.0f us)\n", name.c_str(),
-                 w.serialized.size(), w.serialize_us, w.parse_us);
-
-    // Warm-up (first CUDA use of this shape, connection windows), and the response size.
-    int64_t response_bytes = 0;
-    {
-      CellSpec warm{"flashserve", "/flashserve.v1.AttentionService/Attention", &w.serialized, -1, 1, 0, 2, 2, true};
-      Cell cell(&server, warm);
-      CellResult r = cell.Run();
-      if (r.ok == 0) {
-        std::fprintf(stderr, "warm-up failed: %s\n", r.first_error.c_str());
-        return 1;
-      }
-      response_bytes = r.response_bytes;
-    }
-    // Both targets then get the same unmeasured second of this shape on the first channel (the one c=1 cells use):
-    // HTTP/2 flow-control windows grow with the bytes a connection has carried (BDP probing), and a channel that
-    // has only seen small requests starts a medium one cold -- which used to favour whichever target went second.
-    {
-      CellSpec warm{"flashserve", "/flashserve.v1.AttentionService/Attention", &w.serialized, -1, 1, 1.0, 2,
-                    1 << 30, false};
-      Cell(&server, warm).Run();
-      if (echo_pool) {
-        CellSpec ewarm{"echo", "/flashserve.bench.Echo/Echo", &w.serialized, response_bytes, 1, 1.0, 2, 1 << 30,
-                       false};
-        Cell(echo_pool.get(), ewarm).Run();
-      }
-    }
-    // Response parse cost on the client (one AttentionResponse of that size), for the breakdown.
-    double response_parse_us = 0;
-    {
-      v1::AttentionResponse resp;
-      resp.mutable_out()->set_dtype(v1::BFLOAT16);
-      *resp.mutable_out()->mutable_data() = w.request.q().data();
-      const std::string bytes = resp.SerializeAsString();
-      v1::AttentionResponse back;
-      const auto t0 = Clock::now();
-      back.ParseFromString(bytes);
-      response_parse_us = Micros(Clock::now() - t0);
-    }
-
-    for (int c : concurrency) {
-      if (shape->name == "large" && c > large_max_conc) continue;
-      if (c > 1) {
-        // One request per worker, all in flight at once, unmeasured: each holds its own pinned buffer, and
-        // pinning a new one (cudaHostAlloc, ~0.3 s per GiB) belongs to the server's warm-up, not to the cell.
-        CellSpec warm_c{"flashserve", "/flashserve.v1.AttentionService/Attention", &w.serialized, -1, c, 0, c, c,
-                        false};
-        Cell(&server, warm_c).Run();
-      }
-      CellSpec spec{"flashserve", "/flashserve.v1.AttentionService/Attention", &w.serialized, -1, c, duration,
-                    min_requests, 1 << 30, true};
-      Cell cell(&server, spec);
-      CellResult r = cell.Run();
-      r.shape = name;
-      CellResult e;
-      if (echo_pool) {
-        CellSpec espec{"echo", "/flashserve.bench.Echo/Echo", &w.serialized, response_bytes, c, duration,
-                       min_requests, 1 << 30, false};
-        Cell ecell(echo_pool.get(), espec);
-        e = ecell.Run();
-        e.shape = name;
-      }
-      const double bytes = double(r.request_bytes + r.response_bytes);
-      auto write_csv = [&](const CellResult& x) {
-        const double b = double(x.request_bytes + x.response_bytes);
-        csv << x.target << ',' << x.shape << ',' << x.concurrency << ',' << x.channels << ',' << x.ok << ','
-            << x.errors << ',' << x.wall_s << ',' << double(x.ok) / x.wall_s << ',' << Percentile(x.latency_us, 0.5)
-            << ',' << Percentile(x.latency_us, 0.99) << ',' << x.request_bytes << ',' << x.response_bytes << ','
-            << b / (Percentile(x.latency_us, 0.5) * 1e3) << ',' << b * double(x.ok) / x.wall_s / 1e9 << ','
-            << Percentile(Column(x, 0), 0.5) << ',' << Percentile(Column(x, 1), 0.5) << ','
-            << Percentile(Column(x, 2), 0.5) << ',' << Percentile(Column(x, 3), 0.5) << ','
-            << Percentile(Column(x, 4), 0.5) << ',' << Percentile(Overhead(x), 0.5) << ','
-            << Percentile(Overhead(x), 0.99) << ',' << x.cpu_s / x.wall_s << ",\"" << x.first_error << "\","
-            << Percentile(Column(x, 5), 0.5) << ',' << Percentile(Overhead(x, true), 0.5) << "\n";
-      };
-      write_csv(r);
-      if (echo_pool) write_csv(e);
-      csv.flush();
-      const double p50 = Percentile(r.latency_us, 0.5);
-      const double agg = bytes * double(r.ok) / r.wall_s / 1e9;
-      const double eagg = echo_pool ? bytes * double(e.ok) / e.wall_s / 1e9 : 0;
-      const double ep50 = echo_pool ? Percentile(e.latency_us, 0.5) : 0.0;
-      md << Fmt("| %s | %d | %.1f | %.3f | %.3f | %.2f | %.2f | %.3f | %.2f | %.2f | %.2f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %lld |\n",
-                name.c_str(), c, double(r.ok) / r.wall_s, p50 / 1e3, Percentile(r.latency_us, 0.99) / 1e3,
-                bytes / (p50 * 1e3), agg, ep50 / 1e3, eagg, ep50 > 0 ? ep50 / p50 : 0.0,
-                eagg > 0 ? agg / eagg : 0.0, Percentile(Overhead(r), 0.5), Percentile(Column(r, 5), 0.5),
-                Percentile(Overhead(r, true), 0.5), Percentile(Column(r, 1), 0.5),
-                Percentile(Column(r, 2), 0.5), Percentile(Column(r, 3), 0.5), r.cpu_s / r.wall_s,
-                (long long)(r.errors));
-      std::fprintf(stderr, "%s c=%d: %lld ok %lld err, p50 %.3f ms, agg %.2f GB/s (echo %.2f) %s\n", name.c_str(), c,
-                   (long long)r.ok, (long long)r.errors, p50 / 1e3, agg, eagg, r.first_error.c_str());
-      if (c == 1) {
-        const double total_ms = Percentile(Column(r, 4), 0.5) / 1e3;
-        const double echo_ms = echo_pool ? Percentile(e.latency_us, 0.5) / 1e3 : 0.0;
-        breakdown << Fmt(
-            "| %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.1f | %.1f |\n",
-            name.c_str(), p50 / 1e3, echo_ms, total_ms, Percentile(Column(r, 5), 0.5) / 1e3,
-            Percentile(Column(r, 0), 0.5) / 1e3, Percentile(Column(r, 1), 0.5) / 1e3,
-            Percentile(Column(r, 2), 0.5) / 1e3, Percentile(Column(r, 3), 0.5) / 1e3,
-            (Percentile(Overhead(r, true), 0.5) - Percentile(Column(r, 0), 0.5)) / 1e3,
-            p50 / 1e3 - total_ms - echo_ms, w.serialize_us / 1e3,
-            response_parse_us / 1e3);
-      }
-    }
+    std::fprintf(stderr, "shape %s: request %zu bytes (serialize %.0f us, parse %.0f us)\n",
+                 name.c_str(), w.serialized.size(), w.serialize_us, w.parse_us);
+    if (!UnaryShape(&server, echo_pool.get(), opt, w, {csv, md, breakdown})) return 1;
   }
-  md << "\n### Where the time goes at concurrency 1 (ms, p50)\n\n"
-        "Echo = the raw gRPC round trip of the same bytes (the transport's share). Server total (handler entry -> "
-        "answer ready) = stage (one host copy of Q/K/V from the receive slices into pinned buffers) + queue + h2d + "
-        "kernel + d2h + rest; the server sends O from those buffers without a copy. Unexplained = latency - server "
-        "total - echo (transport variation between the two cells). Not in the loop: what a real client adds to "
-        "build its message (client serialize, here done once) and read O (client parse; this load generator skips "
-        "the tensor bytes).\n\n"
-        "| shape | latency | echo | server total | stage | queue | h2d | kernel | d2h | rest | unexplained | "
-        "(client serialize) | (client parse) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-     << breakdown.str();
-
-  // Striped streaming path vs unary at concurrency 1.
-  if (!stripes.empty() && stripe_reps > 0) {
-    md << "\n### Striped streaming (AttentionStreamService) vs unary, concurrency 1\n\n"
-          "K channels (one connection each); request chunks of "
-       << Fmt("%.2f", double(chunk_bytes) / (1 << 20))
-       << " MiB round-robin over the K Upload streams; O downloaded as K ranges (K=1: O inline in the Compute "
-          "response). p50 over the reps.\n\n"
-          "| shape | K | p50 ms | goodput GB/s | open ms | upload ms | compute RPC ms | download ms | server total ms "
-          "| h2d ms | kernel ms | d2h ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-    for (const auto& wp : workloads) {
-      const Workload& w = *wp;
-      const std::vector<std::string> striped_shapes = Split("striped_shapes", "medium,large");
-      if (std::find(striped_shapes.begin(), striped_shapes.end(), w.shape.name) == striped_shapes.end()) continue;
-      for (int k : stripes) {
-        std::vector<std::shared_ptr<grpc::Channel>> chans;
-        std::vector<std::unique_ptr<grpc::GenericStub>> stubs;
-        for (int i = 0; i < k; ++i) {
-          chans.push_back(MakeChannel(target, 1000 + i));
-          stubs.push_back(std::make_unique<grpc::GenericStub>(chans.back()));
-        }
-        std::vector<StripedSample> samples;
-        std::string output, error;
-        for (int rep = 0; rep < stripe_reps + 1; ++rep) {  // first one warms the connections
-          StripedSample s{};
-          if (!RunStriped(w, chans, stubs, token, chunk_bytes, &output, &s, &error)) break;
-          if (rep > 0) samples.push_back(s);
-        }
-        if (!error.empty()) {
-          std::fprintf(stderr, "striped %s K=%d failed: %s\n", w.shape.name.c_str(), k, error.c_str());
-          md << "| " << w.shape.name << " | " << k << " | failed: " << error << " |\n";
-          continue;
-        }
-        auto p50 = [&](auto get) {
-          std::vector<double> v;
-          for (const auto& s : samples) v.push_back(get(s));
-          return Percentile(v, 0.5);
-        };
-        const double total = p50([](const StripedSample& s) { return s.total_us; });
-        const double bytes = double(3 * w.shape.tensor_bytes() + w.shape.tensor_bytes());
-        md << Fmt("| %s | %d | %.1f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                  w.shape.name.c_str(), k, total / 1e3, bytes / (total * 1e3),
-                  p50([](const StripedSample& s) { return s.open_us; }) / 1e3,
-                  p50([](const StripedSample& s) { return s.upload_us; }) / 1e3,
-                  p50([](const StripedSample& s) { return s.compute_us; }) / 1e3,
-                  p50([](const StripedSample& s) { return s.download_us; }) / 1e3,
-                  p50([](const StripedSample& s) { return double(s.timing[4]); }) / 1e3,
-                  p50([](const StripedSample& s) { return double(s.timing[1]); }) / 1e3,
-                  p50([](const StripedSample& s) { return double(s.timing[2]); }) / 1e3,
-                  p50([](const StripedSample& s) { return double(s.timing[3]); }) / 1e3);
-        std::fprintf(stderr, "striped %s K=%d: p50 %.1f ms, %.2f GB/s\n", w.shape.name.c_str(), k, total / 1e3,
-                     bytes / (total * 1e3));
-      }
-    }
-  }
-  if (!Flag("shm", "").empty()) {
-    flashserve::loadgen::ShmSectionOptions shm;
-    shm.paths = Split("shm", "");
-    shm.concurrency = concurrency;
-    shm.duration_s = duration;
-    shm.min_requests = min_requests;
-    shm.large_max_concurrency = large_max_conc;
-    shm.device = int(flags.Int("shm_device", 0));
-    md << flashserve::loadgen::RunShmSection(&server, workloads, shm, csv);
-  }
-  if (!Flag("local_socket", "").empty()) {
-    flashserve::loadgen::LocalSectionOptions local;
-    local.socket_path = Flag("local_socket", "");
-    local.token = token;
-    local.shm_paths = Split("local_shm", Flag("shm", ""));
-    local.concurrency = concurrency;
-    local.duration_s = duration;
-    local.min_requests = min_requests;
-    local.large_max_concurrency = large_max_conc;
-    local.device = int(flags.Int("shm_device", 0));
-    local.max_frame_bytes = uint64_t(flags.Int("local_max_frame_bytes", int64_t(local.max_frame_bytes)));
-    md << flashserve::loadgen::RunLocalSection(&server, workloads, local, csv);
-  }
+  md << kBreakdownHeader << breakdown.str();
+  if (!opt.stripes.empty() && opt.stripe_reps > 0) StripedSection(opt, workloads, md);
+  ShmAndLocalSections(&server, opt, workloads, csv, md);
   const std::string md_text = md.str();
-  std::ofstream(Flag("md", "service.md")) << md_text;
+  std::ofstream(opt.md_path) << md_text;
   std::printf("%s", md_text.c_str());
   return 0;
 }
