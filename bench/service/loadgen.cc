@@ -376,30 +376,32 @@ void StripedSection(const Options& opt, const std::vector<std::unique_ptr<Worklo
   }
 }
 
+// A section's options with the grid settings it shares with the unary grid.
+template <typename SectionOptions>
+SectionOptions SharedGrid(const Options& opt) {
+  SectionOptions section;
+  section.concurrency = opt.concurrency;
+  section.duration_s = opt.duration;
+  section.min_requests = opt.min_requests;
+  section.large_max_concurrency = opt.large_max_conc;
+  section.device = opt.shm_device;
+  return section;
+}
+
 // The shared-memory (KServe gRPC) and local-socket sections, each when asked for.
 void ShmAndLocalSections(Pool* server, const Options& opt,
                          const std::vector<std::unique_ptr<Workload>>& workloads,
                          std::ofstream& csv, std::ostringstream& md) {
   if (!opt.shm_paths.empty()) {
-    flashserve::loadgen::ShmSectionOptions shm;
+    auto shm = SharedGrid<flashserve::loadgen::ShmSectionOptions>(opt);
     shm.paths = opt.shm_paths;
-    shm.concurrency = opt.concurrency;
-    shm.duration_s = opt.duration;
-    shm.min_requests = opt.min_requests;
-    shm.large_max_concurrency = opt.large_max_conc;
-    shm.device = opt.shm_device;
     md << flashserve::loadgen::RunShmSection(server, workloads, shm, csv);
   }
   if (!opt.local_socket.empty()) {
-    flashserve::loadgen::LocalSectionOptions local;
+    auto local = SharedGrid<flashserve::loadgen::LocalSectionOptions>(opt);
     local.socket_path = opt.local_socket;
     local.token = opt.token;
     local.shm_paths = opt.local_shm;
-    local.concurrency = opt.concurrency;
-    local.duration_s = opt.duration;
-    local.min_requests = opt.min_requests;
-    local.large_max_concurrency = opt.large_max_conc;
-    local.device = opt.shm_device;
     local.max_frame_bytes = opt.local_max_frame_bytes;
     md << flashserve::loadgen::RunLocalSection(server, workloads, local, csv);
   }
