@@ -76,6 +76,10 @@ class LocalClient:
             got += k
         return bytes(view)
 
+    def set_timeout(self, timeout: Optional[float]) -> None:
+        """Seconds each later call's socket operations may take (None: no limit)."""
+        self._sock.settimeout(timeout)
+
     def echo(self, data: bytes) -> bytes:
         """The transport's floor: the server answers with the same bytes."""
         return self.call(ECHO, data)

@@ -15,6 +15,11 @@ ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed am
 internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
 client's and re-creates on a mismatch. Every server call is all-or-nothing, so a retried step appends its rows
 exactly once: no wrong answer, only a slower one.
+
+Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
+this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
+messages, errors and missing ids), one connection per thread; create, append, release and info stay on gRPC. A
+connection that failed is dropped and the next call reconnects, so a restarted server is found again as over gRPC.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from ._pb import sequences_pb2_grpc as spb_grpc
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
+from .local import LocalClient
 from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows
 
 ROUTE_HEADER = "x-sequence-key"
@@ -45,6 +51,10 @@ _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_rec
                       ("grpc.max_reconnect_backoff_ms", 1000)]
 _UNAVAILABLE_BACKOFF_S = 0.1
 DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
+# The calls a server's local socket takes (LocalClient's method for each); the others always go over gRPC.
+_LOCAL_METHODS = {"DecodeStep": "decode_step", "Attend": "attend"}
+# Local-socket failures after which its connection cannot be trusted (mid-frame, or gone): reconnect next time.
+_DROP_CONNECTION = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 
 class _Item:
@@ -79,7 +89,7 @@ class SequenceClient:
     def __init__(self, endpoints: Union[str, Seq[str]], *, token: Optional[str] = None,
                  timeout: Optional[float] = None, credentials: Optional[grpc.ChannelCredentials] = None,
                  options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
-                 max_attempts: int = 4):
+                 max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None):
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.ring = HashRing(self.endpoints, vnodes)
         self.timeout = timeout
@@ -95,6 +105,12 @@ class SequenceClient:
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
         # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
         self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0}
+        unknown = set(local_sockets or {}) - set(self.endpoints)
+        if unknown:
+            raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
+        self.local_sockets = dict(local_sockets or {})
+        self._local = threading.local()  # per thread: {socket path: LocalClient}
+        self._local_clients: List[LocalClient] = []  # every connection made, closed by close()
 
     # --- endpoints ---------------------------------------------------------------------------------------------------
 
@@ -129,11 +145,41 @@ class SequenceClient:
                             f"every endpoint is marked down ({', '.join(self.endpoints)})") from None
 
     def _rpc(self, endpoint: str, method: str, request, key: str, timeout: Optional[float]):
+        path = self.local_sockets.get(endpoint)
+        if path is not None and method in _LOCAL_METHODS:
+            return self._local_call(path, method, request, self.timeout if timeout is None else timeout)
         try:
             return getattr(self.stub(endpoint), method)(
                 request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata(key))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+
+    def _local_call(self, path: str, method: str, request, timeout: Optional[float]):
+        """One call over the server's local socket, on this thread's connection to it (made on first use)."""
+        connections = self._local.__dict__.setdefault("connections", {})
+        client = connections.get(path)
+        try:
+            if client is None:
+                client = LocalClient(path, token=self._token, timeout=timeout)
+                connections[path] = client
+                with self._lock:
+                    self._local_clients.append(client)
+            client.set_timeout(timeout)
+            return getattr(client, _LOCAL_METHODS[method])(request)
+        except FlashserveError as e:  # first: UnavailableError and DeadlineExceededError are OSErrors too
+            if e.code in _DROP_CONNECTION:
+                self._drop_local(path)
+            raise
+        except OSError as e:  # no socket file, connection refused: the server is not there (now)
+            self._drop_local(path)
+            raise error_for(grpc.StatusCode.UNAVAILABLE, f"local socket {path}: {e}") from None
+
+    def _drop_local(self, path: str) -> None:
+        client = self._local.__dict__.get("connections", {}).pop(path, None)
+        if client is not None:
+            client.close()
+            with self._lock:
+                self._local_clients.remove(client)
 
     # --- create / re-create ------------------------------------------------------------------------------------------
 
@@ -387,6 +433,9 @@ class SequenceClient:
             for channel, _ in self._channels.values():
                 channel.close()
             self._channels.clear()
+            for client in self._local_clients:
+                client.close()
+            self._local_clients.clear()
 
     def __enter__(self) -> "SequenceClient":
         return self
