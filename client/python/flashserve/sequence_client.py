@@ -179,7 +179,8 @@ class SequenceClient:
         if client is not None:
             client.close()
             with self._lock:
-                self._local_clients.remove(client)
+                if client in self._local_clients:  # close() may have emptied the list already
+                    self._local_clients.remove(client)
 
     # --- create / re-create ------------------------------------------------------------------------------------------
 
