@@ -153,6 +153,25 @@ def bench_sequences(target: str, token, ids: List[str], concurrency: int, steps:
     return _row(latencies, wall, sequences, steps, server)
 
 
+def bench_sequences_local(socket_path: str, token, ids: List[str], concurrency: int, steps: int, warmup: int,
+                          rng) -> dict:
+    """The same DecodeSteps (tensors in the message) as frames over the server's local socket: one
+    flashserve.LocalClient per client, the transport SequenceClient(local_sockets=...) uses."""
+    requests = decode_requests(ids, concurrency, rng)
+    clients = [flashserve.LocalClient(socket_path, token=token, timeout=60) for _ in range(concurrency)]
+    server = {key: [] for key in SERVER_TIMING + ("batched_calls",)}
+
+    def call(i):
+        _record(server, clients[i].decode_step(requests[i]))
+
+    try:
+        latencies, wall = run_clients(concurrency, call, steps, warmup)
+    finally:
+        for c in clients:
+            c.close()
+    return _row(latencies, wall, len(ids), steps, server)
+
+
 def bench_sequences_shm(target: str, token, ids: List[str], concurrency: int, steps: int, warmup: int,
                         rng) -> dict:
     """The same DecodeSteps with q, k, v and O in a system shared-memory region per client (the server needs
@@ -340,7 +359,8 @@ def parse_args(argv=None):
                    "grpc+system, grpc+cuda (q/k/v/O in shared memory over gRPC), local, local+system, local+cuda "
                    "(DecodeStep over the server's --local_socket; needs --local_socket for the target)")
     p.add_argument("--local_socket", action="append", default=[], help="label=PATH: the --local_socket of the "
-                   "--target with that label (repeatable)")
+                   "--target with that label (repeatable); the C++ variants above and, with the Python client, a "
+                   "\"sequences, local\" row (LocalClient, tensors in the message) use it")
     p.add_argument("--echo_target", default="", help="host:port of a flashserve-echo: with --cpp_loadgen, every "
                    "gRPC Sequences row also measures the raw gRPC echo of the same request bytes (answered with the "
                    "response's size)")
@@ -362,6 +382,12 @@ def python_sequence_rows(args, label, address, context, levels, rng) -> List[dic
             row = bench_sequences_shm(address, args.token, ids, c, args.steps, args.warmup, rng)
             rows.append(dict(path=f"sequences, shared memory ({label})", client="Python", context=context,
                              concurrency=c, **row))
+            print(json.dumps(rows[-1]), flush=True)
+        socket_path = _local_sockets(args).get(label)
+        for c in levels if socket_path else []:  # the Python client over the local socket, tensors inline
+            row = bench_sequences_local(socket_path, args.token, ids, c, args.steps, args.warmup, rng)
+            rows.append(dict(path=f"sequences, local ({label})", client="Python", context=context, concurrency=c,
+                             **row))
             print(json.dumps(rows[-1]), flush=True)
     finally:
         release(address, args.token, ids)
@@ -401,9 +427,14 @@ def cpp_rows(args, path, address, context, mode, steps, warmup, extra=()) -> Lis
     return rows
 
 
+def _local_sockets(args) -> Dict[str, str]:
+    """--local_socket label=PATH as {label: path} (the label may hold "=", the path may not)."""
+    return dict(s.rsplit("=", 1) for s in args.local_socket)
+
+
 def cpp_variant_rows(args, label, address, context) -> List[dict]:
     """The --cpp_variants rows of one target: DecodeStep over gRPC or the local socket, inline or shared memory."""
-    sockets = dict(s.rsplit("=", 1) for s in args.local_socket)  # the label may hold "=", the path may not
+    sockets = _local_sockets(args)
     rows = []
     for variant in [v for v in args.cpp_variants.split(",") if v]:
         if variant not in VARIANTS:
