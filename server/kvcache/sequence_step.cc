@@ -46,9 +46,11 @@ namespace {
 
 // Each (sequence, layer) at most once in a call: sorted, a repeat sits beside its first
 // occurrence; the item named is the earliest repeat, as a scan in item order would find it.
+// (A template only because SequenceCache::Sequence is private to the class.)
+template <typename SequencePtr>
 absl::Status CheckNoRepeats(const std::vector<StepItem>& items,
-                            const std::vector<const void*>& sequences) {
-  std::vector<std::tuple<const void*, int, size_t>> keys;
+                            const std::vector<SequencePtr>& sequences) {
+  std::vector<std::tuple<SequencePtr, int, size_t>> keys;
   keys.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) keys.emplace_back(sequences[i], items[i].layer, i);
   std::sort(keys.begin(), keys.end());
@@ -91,7 +93,7 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
           after, " tokens, past the sequence's limit of ", seq.max_tokens));
     }
   }
-  return CheckNoRepeats(items, std::vector<const void*>(found.begin(), found.end()));
+  return CheckNoRepeats(items, found);
 }
 
 PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows& q) const {
