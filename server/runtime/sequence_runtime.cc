@@ -98,10 +98,6 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
                {});
     return;
   }
-  if (request_metrics_ != nullptr) {
-    if (call->shm_system_inputs) request_metrics_->RecordShmInputPath("shm_system");
-    if (call->shm_cuda_inputs) request_metrics_->RecordShmInputPath("shm_cuda");
-  }
   if (batcher_ == nullptr) {
     const bool run_inline = call->caller_waits;
     Dispatch({std::move(call)}, false, run_inline);
@@ -138,6 +134,11 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
   if (!plan.ok()) {
     call->done(plan.status(), {});
     return std::nullopt;
+  }
+  // Counted once the call really runs (a queue or batcher that refused it counts nothing).
+  if (request_metrics_ != nullptr) {
+    if (call->shm_system_inputs) request_metrics_->RecordShmInputPath("shm_system");
+    if (call->shm_cuda_inputs) request_metrics_->RecordShmInputPath("shm_cuda");
   }
   Prepared p{call, std::move(*plan), {}};
   p.report.prepare_us = absl::ToInt64Microseconds(call->submitted - call->received);

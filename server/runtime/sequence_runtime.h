@@ -90,8 +90,9 @@ class SequenceRuntime {
   int store_device() const { return store_->device(); }
 
   /// Answers through call->done exactly once (maybe inline: RESOURCE_EXHAUSTED when the queue
-  /// is full, INVALID_ARGUMENT for more than max_batch_sequences items). A call accepted here
-  /// counts its shared-memory input paths (DecodeCall::shm_system_inputs / shm_cuda_inputs).
+  /// is full, INVALID_ARGUMENT for more than max_batch_sequences items). A call counts its
+  /// shared-memory input paths (DecodeCall::shm_system_inputs / shm_cuda_inputs) once its rows
+  /// are appended and it goes to its launch.
   void Submit(std::shared_ptr<DecodeCall> call);
 
  private:

@@ -216,7 +216,7 @@ TEST_F(SequenceRuntimeTest, TooManyItemsIsInvalidArgument) {
   EXPECT_EQ(h.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
 }
 
-TEST_F(SequenceRuntimeTest, AcceptedCallsCountTheirSharedMemoryInputPathsOnce) {
+TEST_F(SequenceRuntimeTest, CallsThatRunCountTheirSharedMemoryInputPathsOnce) {
   metrics_ = std::make_unique<ServerMetrics>();
   Make(0, 64, false, metrics_.get());
   const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
@@ -234,10 +234,17 @@ TEST_F(SequenceRuntimeTest, AcceptedCallsCountTheirSharedMemoryInputPathsOnce) {
   call->shm_system_inputs = true;
   for (int i = 0; i < 8; ++i) call->items.push_back(call->items[0]);  // 9 > max 8: refused
   runtime_->Submit(call);
+  Holder expired;
+  call = Call(s, id, &expired);
+  call->shm_system_inputs = true;
+  call->deadline = absl::Now() - absl::Seconds(1);  // accepted, then dropped before it runs
+  runtime_->Submit(call);
   for (Holder* h : {&inline_rows, &system, &both}) {
     EXPECT_TRUE(h->answer.get_future().get().status.ok());
   }
   EXPECT_EQ(refused.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(expired.answer.get_future().get().status.code(),
+            absl::StatusCode::kDeadlineExceeded);
   const std::string text = metrics_->Render();
   for (const auto& [path, count] : {std::pair<const char*, int>{"shm_system", 2},
                                     {"shm_cuda", 1}, {"in_place", 0}, {"copied", 0}}) {
