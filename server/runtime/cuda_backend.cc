@@ -551,10 +551,43 @@ int CudaBackend::PipelineChunksFor(Slot* slot, const Job& job, const char* base,
   return chunks;
 }
 
-void CudaBackend::QueuePipelinedWork(Slot* slot, Job* job, char* base,
-                                     const kernels::AttentionParams& params) {
+void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
+                            const kernels::AttentionParams& params) {
+  // Everything is queued; the first failure is kept and reported by the completion thread, which
+  // waits for whatever was queued before it.
   cudaStream_t stream = slot->stream;
   job->Step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
+  if (job->chunks > 1) {
+    QueuePipelined(slot, job, base, params);
+  } else {
+    QueueInOrder(slot, job, base, params);
+  }
+  // Recorded even after a failure: the completion thread then waits for what was queued (the
+  // H2D copies still read the request's memory) before the job's buffers are released.
+  job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
+  job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
+  if (base != nullptr) cudaFreeAsync(base, stream);  // null: every tensor in a client region
+}
+
+void CudaBackend::QueueInOrder(Slot* slot, Job* job, char* base,
+                               const kernels::AttentionParams& params) {
+  cudaStream_t stream = slot->stream;
+  const JobTensors& tensors = job->spec.tensors;
+  const int index = slot->device->index;
+  job->Step(QueueInputCopies(tensors, job->layout, base, index, stream, &slot->batch),
+            "H2D copy");
+  job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
+  if (job->spec.inject_device_fault && job->launch_error == cudaSuccess) {
+    job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
+  } else if (job->launch_error == cudaSuccess &&
+             job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
+    job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
+    job->Step(QueueOutputCopies(tensors, job->layout, base, index, stream), "D2H copy");
+  }
+}
+
+void CudaBackend::QueuePipelined(Slot* slot, Job* job, char* base,
+                                 const kernels::AttentionParams& params) {
   PipelineWork work;
   work.tensors = &job->spec.tensors;
   work.layout = &job->layout;
@@ -567,39 +600,8 @@ void CudaBackend::QueuePipelinedWork(Slot* slot, Job* job, char* base,
   };
   const char* what = "";
   // events[1]: the last input copied; events[2]: the last chunk's kernel done (on its stream).
-  job->Step(slot->pipeline->Queue(work, stream, slot->events[1], slot->events[2], &what), what);
-  job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
-  job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
-  cudaFreeAsync(base, stream);
-}
-
-void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
-                            const kernels::AttentionParams& params) {
-  if (job->chunks > 1) {
-    QueuePipelinedWork(slot, job, base, params);
-    return;
-  }
-  // Everything is queued on the stream; the first failure is kept and reported by the completion
-  // thread, which waits for whatever was queued before it.
-  cudaStream_t stream = slot->stream;
-  const JobTensors& tensors = job->spec.tensors;
-  job->Step(cudaEventRecord(slot->events[0], stream), "cudaEventRecord");
-  const int index = slot->device->index;
-  job->Step(QueueInputCopies(tensors, job->layout, base, index, stream, &slot->batch),
-            "H2D copy");
-  job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
-  if (job->spec.inject_device_fault && job->launch_error == cudaSuccess) {
-    job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
-  } else if (job->launch_error == cudaSuccess &&
-             job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
-    job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");
-    job->Step(QueueOutputCopies(tensors, job->layout, base, index, stream), "D2H copy");
-  }
-  // Recorded even after a failure: the completion thread then waits for what was queued (the
-  // H2D copies still read the request's memory) before the job's buffers are released.
-  job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
-  job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
-  if (base != nullptr) cudaFreeAsync(base, stream);  // null: every tensor in a client region
+  job->Step(slot->pipeline->Queue(work, slot->stream, slot->events[1], slot->events[2], &what),
+            what);
 }
 
 void CudaBackend::CompletionLoop(Slot* slot) {

@@ -88,9 +88,11 @@ class CudaBackend final : public Backend {
   // The head chunks of the job (1: not pipelined); makes the slot's CopyPipeline on first use.
   int PipelineChunksFor(Slot* slot, const Job& job, const char* base,
                         const kernels::AttentionParams& params);
-  // QueueWork for chunks > 1: the same events and free, the work spread over three streams.
-  void QueuePipelinedWork(Slot* slot, Job* job, char* base,
-                          const kernels::AttentionParams& params);
+  // Between QueueWork's first and last events: H2D, kernel and D2H one after another on the
+  // slot's stream (events[1] after H2D, events[2] after the kernel), or, for chunks > 1, spread
+  // over the slot's CopyPipeline (events[1] after the last input, events[2] after the last kernel).
+  void QueueInOrder(Slot* slot, Job* job, char* base, const kernels::AttentionParams& params);
+  void QueuePipelined(Slot* slot, Job* job, char* base, const kernels::AttentionParams& params);
 
   BackendCapabilities capabilities_;
   std::vector<std::unique_ptr<Device>> devices_;
