@@ -106,7 +106,7 @@ struct CudaBackend::Slot {
   bool exiting = false;      // guarded by mu
   std::thread completer;
   BatchCopy batch;  // used by the launching thread while it holds the slot
-  std::unique_ptr<CopyPipeline> pipeline;  // made by the first pipelined job on the slot
+  std::unique_ptr<CopyPipeline> pipeline;  // with --copy_pipeline_chunks > 1 only
 };
 
 struct CudaBackend::Device {
@@ -179,7 +179,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   return backend;
 }
 
-absl::StatusOr<std::unique_ptr<CudaBackend::Slot>> CudaBackend::MakeSlot(Device* device) {
+absl::StatusOr<std::unique_ptr<CudaBackend::Slot>> CudaBackend::MakeSlot(
+    Device* device, const CudaBackendOptions& options) {
   auto slot = std::make_unique<Slot>();
   slot->device = device;
   cudaError_t e = cudaStreamCreateWithFlags(&slot->stream, cudaStreamNonBlocking);
@@ -194,6 +195,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend::Slot>> CudaBackend::MakeSlot(Device*
     if (e != cudaSuccess) {
       return absl::UnavailableError(absl::StrCat("CUDA event: ", cudaGetErrorString(e)));
     }
+  }
+  if (options.copy_pipeline_chunks > 1) {  // at startup, not on the first large request
+    absl::StatusOr<std::unique_ptr<CopyPipeline>> pipeline = CopyPipeline::Create();
+    if (!pipeline.ok()) return pipeline.status();
+    slot->pipeline = *std::move(pipeline);
   }
   return slot;
 }
@@ -213,7 +219,7 @@ absl::Status CudaBackend::AddDevice(int index, const CudaBackendOptions& options
   device->sm_count = prop.multiProcessorCount;
   cudaSetDevice(index);
   for (int i = 0; i < options.streams_per_device; ++i) {
-    absl::StatusOr<std::unique_ptr<Slot>> slot = MakeSlot(device.get());
+    absl::StatusOr<std::unique_ptr<Slot>> slot = MakeSlot(device.get(), options);
     if (!slot.ok()) return slot.status();
     device->free_slots.push_back(slot->get());
     device->slots.push_back(*std::move(slot));
@@ -536,19 +542,9 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
 
 int CudaBackend::PipelineChunksFor(Slot* slot, const Job& job, const char* base,
                                    const kernels::AttentionParams& params) {
-  if (job.spec.inject_device_fault) return 1;
-  const int chunks = PipelineChunks(params, job.spec.tensors, job.layout, base != nullptr,
-                                    copy_pipeline_chunks_);
-  if (chunks == 1 || slot->pipeline != nullptr) return chunks;
-  absl::StatusOr<std::unique_ptr<CopyPipeline>> made = CopyPipeline::Create();
-  if (!made.ok()) {
-    spdlog::warn("CUDA device {}: {}; requests run unpipelined", slot->device->index,
-                 made.status().ToString());
-    cudaGetLastError();
-    return 1;
-  }
-  slot->pipeline = *std::move(made);
-  return chunks;
+  if (job.spec.inject_device_fault || slot->pipeline == nullptr) return 1;
+  return PipelineChunks(params, job.spec.tensors, job.layout, base != nullptr,
+                        copy_pipeline_chunks_);
 }
 
 void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,

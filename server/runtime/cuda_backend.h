@@ -73,8 +73,10 @@ class CudaBackend final : public Backend {
   // INTERNAL for `e`; marks the backend unhealthy when `e` is sticky.
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
 
-  // A stream with its timing events, on the current device.
-  static absl::StatusOr<std::unique_ptr<Slot>> MakeSlot(Device* device);
+  // A stream with its timing events (and its CopyPipeline when pipelining is on), on the current
+  // device.
+  static absl::StatusOr<std::unique_ptr<Slot>> MakeSlot(Device* device,
+                                                        const CudaBackendOptions& options);
   // Device `index` with its slots and memory pool settings; a device below sm_80 is skipped
   // (warned, OK).
   absl::Status AddDevice(int index, const CudaBackendOptions& options);
@@ -85,7 +87,7 @@ class CudaBackend final : public Backend {
                                    kernels::AttentionParams* params);
   // Queues H2D, the kernel, D2H, the timing events and the free on the slot's stream.
   void QueueWork(Slot* slot, Job* job, char* base, const kernels::AttentionParams& params);
-  // The head chunks of the job (1: not pipelined); makes the slot's CopyPipeline on first use.
+  // The head chunks of the job (1: not pipelined).
   int PipelineChunksFor(Slot* slot, const Job& job, const char* base,
                         const kernels::AttentionParams& params);
   // Between QueueWork's first and last events: H2D, kernel and D2H one after another on the
