@@ -6,9 +6,11 @@ timing helpers of bench/kernels/bench_vs_torch.py (median of --reps CUDA-event-t
 name (block_n 128 / 192 at d=64, 128 / 176 at d=128), e.g.
   python3 kernels/cuda/sm90/tools/ab_bench.py --lib build/kernels/cuda/libflashserve_kernels_capi.so
 Prints one markdown table (TFLOPS per round, then per variant the median and range of its
-per-round ratio to the same round's cuDNN).
+per-round ratio to the same round's cuDNN). --lib2 adds every variant of a second build (another
+branch or CMake option) as '<name>@2', so two builds of one configuration are timed side by side.
 """
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -46,6 +48,7 @@ def rows():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", required=True)
+    ap.add_argument("--lib2", default="", help="a second build's capi library ('<variant>@2')")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4)
@@ -54,7 +57,7 @@ def main():
                     help="substring filter on 'd<d>_<label>_c<0|1>', e.g. d64_grid_c1")
     args = ap.parse_args()
     torch.manual_seed(0)
-    ours = Ours(args.lib)
+    libs = [("", Ours(args.lib))] + ([("@2", Ours(args.lib2))] if args.lib2 else [])
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
     print(f"# sm90 A/B on {props.name}, torch {torch.__version__}, cuDNN "
@@ -76,12 +79,13 @@ def main():
         fns = [("cudnn", sdpa_fn(SDPBackend.CUDNN_ATTENTION, causal, hq != hkv))]
         if not args.no_flash:
             fns.append(("flash", sdpa_fn(SDPBackend.FLASH_ATTENTION, causal, hq != hkv)))
-        for name, cfg in variants:
-            fn = lambda q, k, v, o, cfg=cfg: ours(q, k, v, o, causal, cfg)
+        for (suffix, ours), (name, cfg) in itertools.product(libs, variants):
+            fn = lambda q, k, v, o, cfg=cfg, ours=ours: ours(q, k, v, o, causal, cfg)
+            o.fill_(float("nan"))
             fn(q, k, v, o)
             err = (o.float() - ref.float()).abs().max().item()
-            assert err < 0.05 and not torch.isnan(o).any(), f"{name}: max error {err}"
-            fns.append((name, fn))
+            assert err < 0.05 and not torch.isnan(o).any(), f"{name}{suffix}: max error {err}"
+            fns.append((name + suffix, fn))
         res = {n: [] for n, _ in fns}
         for r in range(args.rounds):
             order = fns[r % len(fns):] + fns[:r % len(fns)]
