@@ -45,7 +45,7 @@ ABSL_FLAG(int, copy_pipeline_chunks, flashserve::CudaBackendOptions{}.copy_pipel
           "CUDA backend: cut a request with >= 8 MiB of inputs in one page-locked piece each "
           "(staged, or a system shared-memory region) into this many head chunks, so that one "
           "chunk's copies overlap another's kernel (H2D, kernel and D2H at once); in [1, 8], "
-          "1: off");
+          "1: off (one copy in, the kernel, one copy out)");
 ABSL_FLAG(
     int, copy_threads, flashserve::RequestThreadOptions{}.copy_threads,
     "Helper threads that copy a large request (>= 4 MiB) from gRPC's receive buffers into the "

@@ -408,12 +408,12 @@ def test_every_input_path_is_correct(flashserve_bin, tmp_path, rng, flags):
     (3, 1400, 1400, 16, 2, 64, True),    # 2 KV heads: 2 chunks of 8 query heads
 ], ids=["gqa_uneven", "mha_odd_causal", "two_kv_heads_b3"])
 def test_pipelined_copies_match_reference(flashserve_bin, tmp_path, rng, shape):
-    """--copy_pipeline_chunks=4: a staged request of >= 8 MiB is cut into head chunks whose copies overlap the other
-    chunks' kernels; O and the LSE (written per chunk, then copied into its heads' rows) match the fp64 reference,
-    and the kernel name says how many chunks ran."""
+    """By default (--copy_pipeline_chunks=4) a staged request of >= 8 MiB is cut into head chunks whose copies overlap
+    the other chunks' kernels; O and the LSE (written per chunk, then copied into its heads' rows) match the fp64
+    reference, and the kernel name says how many chunks ran."""
     _require_gpu()
-    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--copy_pipeline_chunks=4",
-                                                 "--receive_arena_bytes=0"], name="pipelined").start()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--receive_arena_bytes=0"],
+                      name="pipelined").start()
     try:
         with flashserve.Client(s.address, timeout=120) as c:
             for _ in range(2):  # the second on the slot's existing pipeline
