@@ -43,8 +43,9 @@ ABSL_FLAG(int, completion_spin_us, flashserve::CudaBackendOptions{}.completion_s
           "polling uses a core only while such a job runs); 0: always sleep, max 1000000");
 ABSL_FLAG(int, copy_pipeline_chunks, flashserve::CudaBackendOptions{}.copy_pipeline_chunks,
           "CUDA backend: cut a request with >= 8 MiB of inputs in one page-locked piece each "
-          "(staged, or a system shared-memory region) into this many head chunks, so that one "
-          "chunk's copies overlap another's kernel (H2D, kernel and D2H at once); in [1, 8], "
+          "(staged, or a system shared-memory region) that is alone on its GPU into this many "
+          "head chunks, so that one chunk's copies overlap another's kernel (H2D, kernel and "
+          "D2H at once); in [1, 8], "
           "1: off (one copy in, the kernel, one copy out)");
 ABSL_FLAG(
     int, copy_threads, flashserve::RequestThreadOptions{}.copy_threads,

@@ -27,9 +27,10 @@ struct CudaBackendOptions {
   // costs a core only while a job that short is on the device. 0: always block.
   int completion_spin_us = 200;
   // A large request whose tensors are host memory in one page-locked piece each (staged, system
-  // shared memory) is cut into this many head chunks whose copies overlap each other's kernels
-  // (runtime/copy_pipeline.h); 1: off. In [1, 8]. 4: on an H100 a medium (48 MiB) request from a
-  // system region took 1.24-1.28 ms instead of 1.48-1.56 ms (bench/results/service-h100-2026-11-24-pipeline.md).
+  // shared memory), alone on its GPU, is cut into this many head chunks whose copies overlap each
+  // other's kernels (runtime/copy_pipeline.h); 1: off. In [1, 8]. 4: on an H100 a medium (48 MiB)
+  // request from a system region takes 1.19 ms instead of 1.45 ms over the local socket
+  // (bench/results/service-h100-2026-11-24-pipeline.md).
   int copy_pipeline_chunks = 4;
   // Bytes of freed device memory the stream-ordered pool keeps instead of returning to the driver.
   int64_t device_pool_release_threshold_bytes = int64_t{4} << 30;

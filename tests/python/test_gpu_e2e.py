@@ -426,6 +426,41 @@ def test_pipelined_copies_match_reference(flashserve_bin, tmp_path, rng, shape):
         _stop_and_check(s)
 
 
+def test_pipelined_only_when_alone_on_the_gpu(flashserve_bin, tmp_path, rng):
+    """A large request is cut into chunks only when no other job is on its GPU (with others in flight the copy
+    engines are busy anyway, and the chunks' narrower copies cost throughput). Eight clients send the same 12 MiB
+    request from system regions at once: every answer matches the fp64 reference, some ran beside another (no
+    `_chunks` suffix); one sent alone afterwards is cut."""
+    _require_gpu()
+    from flashserve.shm import SystemRegion
+
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--allow_client_shm"], name="alone").start()
+    q, k, v = _problem(rng, "bfloat16", 1, 1024, 1024, 16, 16, 128)
+    ref, ref_lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    tol = reference.output_tolerance(ref, "bfloat16", float(np.abs(v.astype(np.float64)).max()),
+                                     reference.max_abs_logit(q, k))
+
+    def calls(i, n):
+        kernels = []
+        with flashserve.Client(s.address, timeout=120) as c, \
+                SystemRegion(c, f"alone-{i}", SystemRegion.bytes_for(q, k, v)) as region:
+            for _ in range(n):
+                result = c.attention_with_metadata(q, k, v, causal=True, return_lse=True, region=region)
+                out = np.asarray(result.out, dtype=np.float64)
+                assert np.isfinite(out).all() and float(np.abs(out - ref).max()) <= tol, result.kernel
+                assert reference.compare_lse(result.lse, ref_lse)[1], result.kernel
+                kernels.append(result.kernel)
+        return kernels
+
+    try:
+        with futures.ThreadPoolExecutor(8) as pool:
+            together = [kern for f in [pool.submit(calls, i, 6) for i in range(8)] for kern in f.result()]
+        assert any("_chunks" not in kern for kern in together), together
+        assert calls(8, 2)[-1].endswith("_chunks4")  # the second: the first may meet the last completions
+    finally:
+        _stop_and_check(s)
+
+
 def test_one_stream_per_device_serves_concurrent_clients(flashserve_bin, tmp_path, rng):
     """--streams_per_device=1: jobs wait for the single slot; all 16 concurrent requests are still correct."""
     _require_gpu()
