@@ -357,7 +357,8 @@ def parse_args(argv=None):
                         "need --allow_client_shm)")
     p.add_argument("--cpp_variants", default="", help="with --cpp_loadgen: more C++ Sequences rows, comma-separated: "
                    "grpc+system, grpc+cuda (q/k/v/O in shared memory over gRPC), local, local+system, local+cuda "
-                   "(DecodeStep over the server's --local_socket; needs --local_socket for the target)")
+                   "(DecodeStep over the server's --local_socket; needs --local_socket for the target); each may end "
+                   "in +packed (DecodeStepRequest.packed)")
     p.add_argument("--local_socket", action="append", default=[], help="label=PATH: the --local_socket of the "
                    "--target with that label (repeatable); the C++ variants above and, with the Python client, a "
                    "\"sequences, local\" row (LocalClient, tensors in the message) use it")
@@ -396,6 +397,7 @@ def python_sequence_rows(args, label, address, context, levels, rng) -> List[dic
 
 VARIANTS = {"grpc+system": ("", "system"), "grpc+cuda": ("", "cuda"), "local": ("local", "none"),
             "local+system": ("local", "system"), "local+cuda": ("local", "cuda")}
+# "+packed" on any variant: DecodeStepRequest.packed (one q/k/v/O place per step instead of one per item).
 
 
 def cpp_rows(args, path, address, context, mode, steps, warmup, extra=()) -> List[dict]:
@@ -437,10 +439,12 @@ def cpp_variant_rows(args, label, address, context) -> List[dict]:
     sockets = _local_sockets(args)
     rows = []
     for variant in [v for v in args.cpp_variants.split(",") if v]:
-        if variant not in VARIANTS:
-            raise SystemExit(f"--cpp_variants: unknown {variant!r} (one of {', '.join(VARIANTS)})")
-        transport, shm = VARIANTS[variant]
-        extra = [f"--shm={shm}"] + (_echo_flags(args) if transport == "" else [])
+        base, packed = (variant[:-len("+packed")], True) if variant.endswith("+packed") else (variant, False)
+        if base not in VARIANTS:
+            raise SystemExit(f"--cpp_variants: unknown {variant!r} (one of {', '.join(VARIANTS)}, each may end in "
+                             "+packed)")
+        transport, shm = VARIANTS[base]
+        extra = [f"--shm={shm}"] + (["--packed=1"] if packed else []) + (_echo_flags(args) if transport == "" else [])
         if transport == "local":
             if label not in sockets:
                 raise SystemExit(f"--cpp_variants {variant}: no --local_socket {label}=PATH")

@@ -286,6 +286,7 @@ std::string SequencesPath(const Options& opt) {
   std::string path = "sequences";
   if (!opt.transport.local_socket.empty()) path += ", local";
   if (opt.transport.shm != "none") path += ", shm " + opt.transport.shm;
+  if (opt.transport.packed) path += ", packed";
   return path;
 }
 
@@ -393,6 +394,39 @@ bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::Decod
   return true;
 }
 
+// The same shares as DecodeRequests, packed: client c's items carry ids only, its q/k/v are one
+// tensor each of its sequences' rows (named in `regions`' packed layout when given).
+std::vector<v1::DecodeStepRequest> PackedDecodeRequests(const std::vector<std::string>& ids,
+                                                        int clients, const v1::Tensor& q,
+                                                        const v1::Tensor& kv,
+                                                        const DecodeRegions* regions) {
+  std::vector<v1::DecodeStepRequest> requests(static_cast<size_t>(clients));
+  std::vector<int64_t> first(static_cast<size_t>(clients), -1);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const size_t c = i * size_t(clients) / ids.size();
+    if (first[c] < 0) first[c] = int64_t(i);
+    v1::DecodeItem* item = requests[c].add_items();
+    item->set_sequence_id(ids[i]);
+    item->set_layer(0);
+  }
+  auto repeat = [](const v1::Tensor& row, int64_t n) {  // [n, heads, d]: the row n times
+    v1::Tensor t = row;
+    t.set_shape(0, n);
+    t.clear_data();
+    for (int64_t i = 0; i < n; ++i) t.mutable_data()->append(row.data());
+    return t;
+  };
+  for (size_t c = 0; c < requests.size(); ++c) {
+    const int64_t n = requests[c].items_size();
+    v1::PackedDecodeRows* p = requests[c].mutable_packed();
+    *p->mutable_q() = repeat(q, n);
+    *p->mutable_k() = repeat(kv, n);
+    *p->mutable_v() = repeat(kv, n);
+    if (regions != nullptr) regions->NamePacked(first[c], &requests[c]);
+  }
+  return requests;
+}
+
 bool BenchSequences(const Options& opt, std::mt19937* rng) {
   auto admin = v1::Sequences::NewStub(MakeChannel(opt.target, 1000));
   const std::vector<std::string> ids = CreateSequences(admin.get(), opt, rng);
@@ -409,8 +443,10 @@ bool BenchSequences(const Options& opt, std::mt19937* rng) {
     }
   }
   for (int clients : ok ? opt.concurrency : std::vector<int>{}) {
-    ok = SequencesLevel(opt, clients, DecodeRequests(ids, clients, q, kv, regions.get()), regions.get()) &&
-         ok;
+    const std::vector<v1::DecodeStepRequest> requests =
+        opt.transport.packed ? PackedDecodeRequests(ids, clients, q, kv, regions.get())
+                             : DecodeRequests(ids, clients, q, kv, regions.get());
+    ok = SequencesLevel(opt, clients, requests, regions.get()) && ok;
   }
   regions.reset();  // unregistered before the sequences go
   Release(admin.get(), opt, ids);
@@ -491,12 +527,13 @@ constexpr char kUsage[] =
     "  --shm=none|system|cuda  --shm_device=0   q/k/v and O in regions (mode sequences; server\n"
     "                                --allow_client_shm; cuda: CUDA builds only)\n"
     "  --timeout_ms=60000            per call\n"
+    "  --packed=0|1                  1: DecodeStepRequest.packed (one q/k/v/O place per step)\n"
     "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes\n"
     "                                per row\n";
 
 const std::set<std::string> kKnownFlags = {
     "target", "token", "echo",         "mode", "context",    "sequences", "concurrency",
-    "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms"};
+    "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms", "packed"};
 
 void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;
@@ -507,13 +544,14 @@ void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
                                  [&](int c) { return c >= 1 && c <= opt.sequences; }) &&
                      (shm == "none" || shm == "system" || shm == "cuda") &&
                      (opt.mode == "sequences" ||
-                      (shm == "none" && opt.transport.local_socket.empty() && opt.echo.empty())) &&
+                      (shm == "none" && opt.transport.local_socket.empty() && opt.echo.empty() &&
+                       !opt.transport.packed)) &&
                      opt.transport.timeout_ms >= 0;
   if (!valid) {
     flags.Fail(
         "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode "
-        "sequences or full_kv; shm none, system or cuda; --shm, --local_socket and --echo only "
-        "with mode sequences)");
+        "sequences or full_kv; shm none, system or cuda; --shm, --local_socket, --echo and "
+        "--packed only with mode sequences)");
   }
 }
 
@@ -535,6 +573,7 @@ Options ParseOptions(int argc, char** argv) {
   opt.transport.shm = flags.Str("shm", "none");
   opt.transport.device = int(flags.Int("shm_device", 0));
   opt.transport.timeout_ms = int(flags.Int("timeout_ms", 60000));
+  opt.transport.packed = flags.Int("packed", 0) != 0;
   CheckOptions(opt, flags);
   return opt;
 }

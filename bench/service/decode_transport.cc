@@ -104,6 +104,7 @@ std::unique_ptr<DecodeRegions> DecodeRegions::Create(const DecodeTransportOption
   std::unique_ptr<DecodeRegions> r(new DecodeRegions());
   r->q_bytes_ = q.data().size();
   r->kv_bytes_ = kv.data().size();
+  r->sequences_ = uint64_t(sequences);
   r->kserve_ = inference::GRPCInferenceService::NewStub(MakeChannel(options.target, 2000));
   const uint64_t per_sequence = r->q_bytes_ + 2 * r->kv_bytes_;
   // The pid in the names: a run killed before it unregistered does not block the next one.
@@ -114,12 +115,16 @@ std::unique_ptr<DecodeRegions> DecodeRegions::Create(const DecodeTransportOption
   r->out_ = MakeRegion(options.shm, "dl_out_" + suffix, size_t(r->q_bytes_ * uint64_t(sequences)),
                        options.device, r->kserve_.get(), options.token, error);
   if (r->out_ == nullptr) return nullptr;
-  for (int64_t i = 0; i < sequences; ++i) {
-    const size_t at = size_t(per_sequence * uint64_t(i));
-    if (!WriteRegion(r->in_.get(), at, q.data().data(), r->q_bytes_, error) ||
-        !WriteRegion(r->in_.get(), at + r->q_bytes_, kv.data().data(), r->kv_bytes_, error) ||
-        !WriteRegion(r->in_.get(), at + r->q_bytes_ + r->kv_bytes_, kv.data().data(), r->kv_bytes_,
-                     error)) {
+  const uint64_t n = r->sequences_;
+  for (uint64_t i = 0; i < n; ++i) {
+    // Where sequence i's q, k, v go: interleaved per sequence, or (packed) each kind together.
+    const uint64_t q_at = options.packed ? r->q_bytes_ * i : per_sequence * i;
+    const uint64_t k_at = options.packed ? r->q_bytes_ * n + r->kv_bytes_ * i : q_at + r->q_bytes_;
+    const uint64_t v_at =
+        options.packed ? (r->q_bytes_ + r->kv_bytes_) * n + r->kv_bytes_ * i : k_at + r->kv_bytes_;
+    if (!WriteRegion(r->in_.get(), size_t(q_at), q.data().data(), r->q_bytes_, error) ||
+        !WriteRegion(r->in_.get(), size_t(k_at), kv.data().data(), r->kv_bytes_, error) ||
+        !WriteRegion(r->in_.get(), size_t(v_at), kv.data().data(), r->kv_bytes_, error)) {
       return nullptr;
     }
   }
@@ -140,6 +145,16 @@ void DecodeRegions::Name(int64_t index, v1::DecodeItem* item) const {
   ToShm(item->mutable_k(), in_->name, at + q_bytes_);
   ToShm(item->mutable_v(), in_->name, at + q_bytes_ + kv_bytes_);
   SetRef(item->mutable_out_shm(), out_->name, q_bytes_ * uint64_t(index), q_bytes_);
+}
+
+void DecodeRegions::NamePacked(int64_t first, v1::DecodeStepRequest* request) const {
+  v1::PackedDecodeRows* p = request->mutable_packed();
+  const uint64_t f = uint64_t(first), n = sequences_;
+  ToShm(p->mutable_q(), in_->name, q_bytes_ * f);
+  ToShm(p->mutable_k(), in_->name, q_bytes_ * n + kv_bytes_ * f);
+  ToShm(p->mutable_v(), in_->name, (q_bytes_ + kv_bytes_) * n + kv_bytes_ * f);
+  SetRef(p->mutable_out_shm(), out_->name, q_bytes_ * f,
+         q_bytes_ * uint64_t(request->items_size()));
 }
 
 }  // namespace flashserve::loadgen

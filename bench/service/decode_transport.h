@@ -23,6 +23,7 @@ struct DecodeTransportOptions {
   std::string shm = "none";   // "none", "system" or "cuda": where q/k/v and O live
   int device = 0;             // cuda regions
   int timeout_ms = 60000;     // local transport: per send / receive
+  bool packed = false;        // DecodeStepRequest.packed: one q/k/v/O place per client's step
 };
 
 /// One client's connection. Not thread-safe: one per client thread.
@@ -69,7 +70,9 @@ class EchoClient {
 };
 
 /// The regions of a shared-memory run: per sequence i, its q, k, v back to back at
-/// i * (q + 2 kv bytes) of the input region, its O at i * q bytes of the output region.
+/// i * (q + 2 kv bytes) of the input region, its O at i * q bytes of the output region. Packed
+/// (options.packed): every sequence's q, then every k, then every v, so that consecutive
+/// sequences' rows are one span each.
 class DecodeRegions {
  public:
   /// Creates and registers both regions and writes q, k, v (the same rows for every sequence).
@@ -82,12 +85,15 @@ class DecodeRegions {
   bool CheckOutputs(std::string* error) const;
   /// Replaces `item`'s q/k/v bytes by references to sequence `index`'s place and sets out_shm.
   void Name(int64_t index, v1::DecodeItem* item) const;
+  /// Packed layout: names the spans of sequences [first, first + items) as `request`'s packed
+  /// q/k/v and O.
+  void NamePacked(int64_t first, v1::DecodeStepRequest* request) const;
 
  private:
   DecodeRegions() = default;
   std::unique_ptr<inference::GRPCInferenceService::Stub> kserve_;  // outlives the regions
   std::unique_ptr<Region> in_, out_;
-  uint64_t q_bytes_ = 0, kv_bytes_ = 0;
+  uint64_t q_bytes_ = 0, kv_bytes_ = 0, sequences_ = 0;
 };
 
 }  // namespace flashserve::loadgen

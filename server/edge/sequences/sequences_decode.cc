@@ -3,18 +3,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "edge/sequences/sequences_convert.h"
+#include "edge/sequences/sequences_packed.h"
 #include "edge/sequences/sequences_shm.h"
 
 namespace flashserve {
 
 namespace {
-
-// A tensor's rows: from the region it names, else from its data.
-absl::StatusOr<kvcache::HostRows> RowsOf(const v1::Tensor& tensor, const char* name, bool optional,
-                                         SequenceShm* shm) {
-  if (tensor.has_shm() && shm != nullptr) return ShmRows(tensor, name, shm);
-  return RowsFromTensor(tensor, name, optional);
-}
 
 absl::StatusOr<kvcache::StepItem> ItemFrom(const std::string& id, int layer, const v1::Tensor& q,
                                            const v1::Tensor& k, const v1::Tensor& v,
@@ -22,69 +16,64 @@ absl::StatusOr<kvcache::StepItem> ItemFrom(const std::string& id, int layer, con
   kvcache::StepItem item;
   item.id = id;
   item.layer = layer;
-  absl::StatusOr<kvcache::HostRows> rows = RowsOf(q, "q", false, shm);
+  absl::StatusOr<kvcache::HostRows> rows = DecodeTensorRows(q, "q", false, shm);
   if (!rows.ok()) return rows.status();
   if (rows->rows < 1 || rows->rows > kvcache::kMaxQueryRows) {
     return absl::InvalidArgumentError(
         absl::StrCat("q must have 1..", kvcache::kMaxQueryRows, " rows, got ", rows->rows));
   }
   item.q = *rows;
-  if (rows = RowsOf(k, "k", true, shm); !rows.ok()) return rows.status();
+  if (rows = DecodeTensorRows(k, "k", true, shm); !rows.ok()) return rows.status();
   item.k = *rows;
-  if (rows = RowsOf(v, "v", true, shm); !rows.ok()) return rows.status();
+  if (rows = DecodeTensorRows(v, "v", true, shm); !rows.ok()) return rows.status();
   item.v = *rows;
   return item;
 }
 
-// O (like q) and, when asked, LSE [heads_q, rows_q] for one item: sized in place, the runtime
-// writes them. Their size is that of q, which the request carries, so it is bounded by it.
-void AddOutputs(const kvcache::StepItem& item, bool return_lse, v1::Tensor* out, v1::Tensor* lse,
-                DecodeCall* call) {
-  const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
-  call->out.push_back(PrepareOutput(out, dtype, {item.q.rows, item.q.heads, item.q.head_dim}, 2));
-  if (return_lse) {
-    call->lse.push_back(
-        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {item.q.heads, item.q.rows}, 4)));
+// The items of an unpacked step: each with its own q/k/v.
+absl::StatusOr<std::vector<kvcache::StepItem>> EachItem(const v1::DecodeStepRequest& request,
+                                                        SequenceShm* shm) {
+  std::vector<kvcache::StepItem> items;
+  items.reserve(size_t(request.items_size()));
+  for (int i = 0; i < request.items_size(); ++i) {
+    const v1::DecodeItem& in = request.items(i);
+    absl::StatusOr<kvcache::StepItem> item =
+        ItemFrom(in.sequence_id(), in.layer(), in.q(), in.k(), in.v(), shm);
+    if (!item.ok()) {
+      return absl::Status(item.status().code(),
+                          absl::StrCat("item ", i, ": ", item.status().message()));
+    }
+    items.push_back(*std::move(item));
   }
+  return items;
+}
+
+// places[i] = at, where a shorter vector means kHost for the rest (DecodeCall::out_at).
+void SetPlace(std::vector<kvcache::BytesAt>* places, size_t i, kvcache::BytesAt at) {
+  if (places->size() <= i) places->resize(i + 1, kvcache::BytesAt::kHost);
+  (*places)[i] = at;
 }
 
 // One item's O and LSE: into the regions it names, else into the response.
 absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& item,
                             bool return_lse, SequenceShm* shm, v1::DecodeResult* result,
                             DecodeCall* call) {
-  if (!in.has_out_shm() && !(return_lse && in.has_lse_shm())) {
-    AddOutputs(item, return_lse, result->mutable_out(), result->mutable_lse(), call);
-    return absl::OkStatus();
-  }
   const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
-  v1::Tensor* out = result->mutable_out();
-  call->out_at.resize(call->out.size() + 1, kvcache::BytesAt::kHost);
+  ItemOutputPlaces places;
   if (in.has_out_shm()) {
     absl::StatusOr<ShmPlace> at =
         ShmOutput(in.out_shm(), "out_shm", rows * heads * dim * 2, 1, shm);
     if (!at.ok()) return at.status();
-    out->set_dtype(static_cast<v1::DType>(item.q.dtype));
-    for (int64_t d : {rows, heads, dim}) out->add_shape(d);
-    call->out_at.back() = at->at;
-    call->out.push_back(at->data);
-  } else {
-    call->out.push_back(
-        PrepareOutput(out, static_cast<v1::DType>(item.q.dtype), {rows, heads, dim}, 2));
+    places.out = at->data;
+    places.out_at = at->at;
   }
-  if (!return_lse) return absl::OkStatus();
-  v1::Tensor* lse = result->mutable_lse();
-  if (!in.has_lse_shm()) {
-    call->lse.push_back(
-        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
-    return absl::OkStatus();
+  if (return_lse && in.has_lse_shm()) {
+    absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
+    if (!at.ok()) return at.status();
+    places.lse = at->data;
+    places.lse_at = at->at;
   }
-  absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
-  if (!at.ok()) return at.status();
-  lse->set_dtype(v1::FLOAT32);
-  for (int64_t d : {heads, rows}) lse->add_shape(d);
-  call->lse_at.resize(call->lse.size() + 1, kvcache::BytesAt::kHost);
-  call->lse_at.back() = at->at;
-  call->lse.push_back(reinterpret_cast<float*>(at->data));
+  AddItemOutputsAt(item, return_lse, places, result->mutable_out(), result->mutable_lse(), call);
   return absl::OkStatus();
 }
 
@@ -118,6 +107,36 @@ void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* tim
 
 }  // namespace
 
+absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
+                                                   bool optional, SequenceShm* shm) {
+  if (tensor.has_shm() && shm != nullptr) return ShmRows(tensor, name, shm);
+  return RowsFromTensor(tensor, name, optional);
+}
+
+void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
+                      const ItemOutputPlaces& places, v1::Tensor* out, v1::Tensor* lse,
+                      DecodeCall* call) {
+  const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
+  const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
+  if (places.out != nullptr) {
+    out->set_dtype(dtype);
+    for (int64_t d : {rows, heads, dim}) out->add_shape(d);
+    SetPlace(&call->out_at, call->out.size(), places.out_at);
+    call->out.push_back(places.out);
+  } else {
+    call->out.push_back(PrepareOutput(out, dtype, {rows, heads, dim}, 2));
+  }
+  if (!return_lse) return;
+  if (places.lse != nullptr) {
+    lse->set_dtype(v1::FLOAT32);
+    for (int64_t d : {heads, rows}) lse->add_shape(d);
+    SetPlace(&call->lse_at, call->lse.size(), places.lse_at);
+    call->lse.push_back(reinterpret_cast<float*>(places.lse));
+  } else {
+    call->lse.push_back(reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
+  }
+}
+
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest& request,
                                                         v1::AttendResponse* response) {
   absl::StatusOr<kvcache::StepItem> item =
@@ -130,8 +149,8 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest&
   auto call = std::make_shared<DecodeCall>();
   call->causal = request.causal();
   call->softmax_scale = *scale;
-  AddOutputs(*item, request.return_lse(), response->mutable_out(), response->mutable_lse(),
-             call.get());
+  AddItemOutputsAt(*item, request.return_lse(), ItemOutputPlaces(), response->mutable_out(),
+                   response->mutable_lse(), call.get());
   call->items.push_back(*std::move(item));
   return call;
 }
@@ -146,22 +165,18 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   }
   auto call = std::make_shared<DecodeCall>();
   call->causal = request.causal();
-  call->items.reserve(size_t(request.items_size()));
-  for (int i = 0; i < request.items_size(); ++i) {
-    const v1::DecodeItem& in = request.items(i);
-    absl::StatusOr<kvcache::StepItem> item =
-        ItemFrom(in.sequence_id(), in.layer(), in.q(), in.k(), in.v(), shm);
-    if (!item.ok()) {
-      return absl::Status(item.status().code(),
-                          absl::StrCat("item ", i, ": ", item.status().message()));
-    }
-    call->items.push_back(*std::move(item));
-  }
+  absl::StatusOr<std::vector<kvcache::StepItem>> items =
+      request.has_packed() ? PackedItems(request, shm) : EachItem(request, shm);
+  if (!items.ok()) return items.status();
+  call->items = *std::move(items);
   absl::StatusOr<float> scale =
       ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
-  if (absl::Status s = AddStepOutputs(request, call.get(), shm, response); !s.ok()) return s;
+  const absl::Status outputs = request.has_packed()
+                                  ? AddPackedOutputs(request, shm, call.get(), response)
+                                  : AddStepOutputs(request, call.get(), shm, response);
+  if (!outputs.ok()) return outputs;
   if (shm != nullptr) {
     call->shm_system_inputs = shm->system_inputs;
     call->shm_cuda_inputs = shm->cuda_inputs;

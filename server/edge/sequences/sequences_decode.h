@@ -22,6 +22,23 @@ struct SequenceShm;
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
                                                             int max_items, SequenceShm* shm,
                                                             v1::DecodeStepResponse* response);
+/// Shared with the packed form (sequences_packed.h): a tensor's rows from the region it names
+/// (through `shm`) or from its data; `optional`: an unset tensor is 0 rows.
+absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
+                                                   bool optional, SequenceShm* shm);
+/// Where an item's O / LSE are written: a place in shared memory, or (null) its own response
+/// tensor, which AddItemOutputsAt sizes.
+struct ItemOutputPlaces {
+  char* out = nullptr;
+  kvcache::BytesAt out_at = kvcache::BytesAt::kHost;
+  char* lse = nullptr;
+  kvcache::BytesAt lse_at = kvcache::BytesAt::kHost;
+};
+/// Appends the item's O (and, with return_lse, LSE) places to `call`; `out` / `lse` (the
+/// response's tensors) get dtype and shape, and data when the place is not in shared memory.
+void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
+                      const ItemOutputPlaces& places, v1::Tensor* out, v1::Tensor* lse,
+                      DecodeCall* call);
 void FillAttend(const DecodeReport& report, absl::Time received, v1::AttendResponse* response);
 void FillDecodeStep(const DecodeReport& report, absl::Time received,
                     v1::DecodeStepResponse* response);

@@ -3,6 +3,7 @@
 // Shared by the gRPC service (sequences_service.cc) and the local socket (edge/local).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "absl/status/status.h"
@@ -31,12 +32,26 @@ struct CallHold {
   }
 };
 
+/// q's bytes, inline or in a region (a claimed size, checked against the region later; capped so
+/// that a lie cannot overflow the sum, only fail the reservation).
+inline int64_t QueryBytes(const v1::Tensor& q) {
+  if (!q.has_shm()) return int64_t(q.data().size());
+  return int64_t(std::min<uint64_t>(q.shm().byte_size(), uint64_t{1} << 40));
+}
+
 /// Bytes a DecodeStep keeps in memory while it runs: the request, and the outputs the response
 /// holds (O is q's size; LSE at most as much again).
 inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
   int64_t bytes = int64_t(request.ByteSizeLong());
+  if (request.has_packed()) {  // O and LSE (<= q's bytes) in the response unless in a region
+    const v1::PackedDecodeRows& packed = request.packed();
+    const int64_t q = QueryBytes(packed.q());
+    if (!packed.has_out_shm()) bytes += q;
+    if (request.return_lse() && !packed.has_lse_shm()) bytes += q;
+    return bytes;
+  }
   for (const v1::DecodeItem& item : request.items()) {
-    const int64_t q = int64_t(item.q().data().size());
+    const int64_t q = QueryBytes(item.q());
     if (!item.has_out_shm()) bytes += q;
     if (request.return_lse() && !item.has_lse_shm()) bytes += q;
   }
