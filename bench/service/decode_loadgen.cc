@@ -532,21 +532,20 @@ constexpr char kUsage[] =
     "                                per row\n";
 
 const std::set<std::string> kKnownFlags = {
-    "target", "token", "echo",         "mode", "context",    "sequences", "concurrency",
+    "target", "token",  "echo",         "mode", "context",    "sequences",  "concurrency",
     "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms", "packed"};
 
 void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;
-  const bool valid = opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
-                     !opt.concurrency.empty() &&
-                     (opt.mode == "sequences" || opt.mode == "full_kv") &&
-                     std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
-                                 [&](int c) { return c >= 1 && c <= opt.sequences; }) &&
-                     (shm == "none" || shm == "system" || shm == "cuda") &&
-                     (opt.mode == "sequences" ||
-                      (shm == "none" && opt.transport.local_socket.empty() && opt.echo.empty() &&
-                       !opt.transport.packed)) &&
-                     opt.transport.timeout_ms >= 0;
+  const bool valid =
+      opt.context >= 1 && opt.sequences >= 1 && opt.steps >= 1 && opt.warmup >= 0 &&
+      !opt.concurrency.empty() && (opt.mode == "sequences" || opt.mode == "full_kv") &&
+      std::all_of(opt.concurrency.begin(), opt.concurrency.end(),
+                  [&](int c) { return c >= 1 && c <= opt.sequences; }) &&
+      (shm == "none" || shm == "system" || shm == "cuda") &&
+      (opt.mode == "sequences" || (shm == "none" && opt.transport.local_socket.empty() &&
+                                   opt.echo.empty() && !opt.transport.packed)) &&
+      opt.transport.timeout_ms >= 0;
   if (!valid) {
     flags.Fail(
         "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode "

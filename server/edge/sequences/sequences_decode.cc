@@ -133,7 +133,8 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
     SetPlace(&call->lse_at, call->lse.size(), places.lse_at);
     call->lse.push_back(reinterpret_cast<float*>(places.lse));
   } else {
-    call->lse.push_back(reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
+    call->lse.push_back(
+        reinterpret_cast<float*>(PrepareOutput(lse, v1::FLOAT32, {heads, rows}, 4)));
   }
 }
 
@@ -174,8 +175,8 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
   const absl::Status outputs = request.has_packed()
-                                  ? AddPackedOutputs(request, shm, call.get(), response)
-                                  : AddStepOutputs(request, call.get(), shm, response);
+                                   ? AddPackedOutputs(request, shm, call.get(), response)
+                                   : AddStepOutputs(request, call.get(), shm, response);
   if (!outputs.ok()) return outputs;
   if (shm != nullptr) {
     call->shm_system_inputs = shm->system_inputs;

@@ -13,13 +13,13 @@ namespace flashserve {
 namespace {
 
 // Per-item row counts: `given` (one per item), or `fallback` for every item when empty.
-absl::StatusOr<std::vector<int64_t>> RowCounts(const google::protobuf::RepeatedField<int32_t>& given,
-                                               const char* name, int items, int64_t min,
-                                               int64_t max, const std::vector<int64_t>& fallback) {
+absl::StatusOr<std::vector<int64_t>> RowCounts(
+    const google::protobuf::RepeatedField<int32_t>& given, const char* name, int items, int64_t min,
+    int64_t max, const std::vector<int64_t>& fallback) {
   if (given.empty()) return fallback;
   if (given.size() != items) {
-    return absl::InvalidArgumentError(absl::StrCat("packed.", name, " has ", given.size(),
-                                                   " entries for ", items, " items"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("packed.", name, " has ", given.size(), " entries for ", items, " items"));
   }
   std::vector<int64_t> counts(given.begin(), given.end());
   for (int i = 0; i < items; ++i) {
@@ -55,9 +55,10 @@ absl::Status CheckBareItems(const v1::DecodeStepRequest& request) {
   for (int i = 0; i < request.items_size(); ++i) {
     const v1::DecodeItem& in = request.items(i);
     if (in.has_q() || in.has_k() || in.has_v() || in.has_out_shm() || in.has_lse_shm()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "item ", i, ": with `packed`, items carry only sequence_id and layer (their tensors and "
-          "output places are in `packed`)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", i,
+                       ": with `packed`, items carry only sequence_id and layer (their tensors and "
+                       "output places are in `packed`)"));
     }
   }
   return absl::OkStatus();
@@ -126,8 +127,9 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
   const bool lse_wanted = request.return_lse();
   const bool out_in_shm = packed.has_out_shm(), lse_in_shm = lse_wanted && packed.has_lse_shm();
   if ((out_in_shm || lse_in_shm) && shm == nullptr) {
-    return absl::InvalidArgumentError("packed out_shm / lse_shm given where shared memory is "
-                                      "unsupported");
+    return absl::InvalidArgumentError(
+        "packed out_shm / lse_shm given where shared memory is "
+        "unsupported");
   }
   int64_t out_bytes = 0, lse_bytes = 0;
   for (const kvcache::StepItem& item : call->items) {

@@ -140,9 +140,12 @@ TEST(SequencesPacked, InconsistenciesAreRefused) {
   };
   const std::vector<Bad> bad = {
       {"items carry only", [](auto* r) { *r->mutable_items(1)->mutable_q() = r->packed().q(); }},
-      {"items carry only", [](auto* r) { r->mutable_items(0)->mutable_out_shm()->set_region("x"); }},
-      {"rows_q has 2 entries", [](auto* r) { r->mutable_packed()->mutable_rows_q()->RemoveLast(); }},
-      {"rows_kv has 2 entries", [](auto* r) { r->mutable_packed()->mutable_rows_kv()->RemoveLast(); }},
+      {"items carry only",
+       [](auto* r) { r->mutable_items(0)->mutable_out_shm()->set_region("x"); }},
+      {"rows_q has 2 entries",
+       [](auto* r) { r->mutable_packed()->mutable_rows_q()->RemoveLast(); }},
+      {"rows_kv has 2 entries",
+       [](auto* r) { r->mutable_packed()->mutable_rows_kv()->RemoveLast(); }},
       {"rows_q[0] must be in 1..16", [](auto* r) { r->mutable_packed()->set_rows_q(0, 0); }},
       {"rows_q[2] must be in 1..16", [](auto* r) { r->mutable_packed()->set_rows_q(2, 17); }},
       {"rows_kv[1] must be in", [](auto* r) { r->mutable_packed()->set_rows_kv(1, -1); }},
