@@ -40,6 +40,7 @@ class FakeSequences(spb_grpc.SequencesServicer):
         self.metadata_seen: List[dict] = []
         # One-shot failures of the next DecodeStep: (grpc.StatusCode, whether the rows were appended first).
         self.fail_next_step = None
+        self.packed_steps = 0  # DecodeSteps that came packed (DecodeStepRequest.packed)
 
     def forget_all(self):
         with self.lock:
@@ -120,13 +121,36 @@ class FakeSequences(spb_grpc.SequencesServicer):
             if failure is not None and not failure[1]:
                 context.abort(failure[0], "injected failure before the append")
             results = []
-            for item in request.items:
+            for item in self._items_of(request):
                 seq = self.seqs[item.sequence_id]
                 self._append(seq, item.layer, item.k, item.v)
                 results.append(self._attend(seq, item.layer, item.q, request.causal, scale, request.return_lse))
             if failure is not None:
                 context.abort(failure[0], "injected failure after the append")
         return spb.DecodeStepResponse(results=results, kernel="fake", batched_calls=1)
+
+    def _items_of(self, request):
+        """The step's items with their own q/k/v: as sent, or sliced out of DecodeStepRequest.packed."""
+        if not request.HasField("packed"):
+            return list(request.items)
+        self.packed_steps += 1
+        p, n = request.packed, len(request.items)
+        rows_q = list(p.rows_q) or [1] * n
+        rows_kv = list(p.rows_kv) or (rows_q if p.HasField("k") else [0] * n)
+
+        def piece(t, first, rows):
+            row = len(t.data) // t.shape[0]
+            return pb.Tensor(dtype=t.dtype, shape=[rows, *t.shape[1:]], data=t.data[first * row:(first + rows) * row])
+
+        items, first_q, first_kv = [], 0, 0
+        for item, rq, rkv in zip(request.items, rows_q, rows_kv):
+            one = spb.DecodeItem(sequence_id=item.sequence_id, layer=item.layer, q=piece(p.q, first_q, rq))
+            if rkv:
+                one.k.CopyFrom(piece(p.k, first_kv, rkv))
+                one.v.CopyFrom(piece(p.v, first_kv, rkv))
+            items.append(one)
+            first_q, first_kv = first_q + rq, first_kv + rkv
+        return items
 
     def Release(self, request, context):
         self._note("Release", context)

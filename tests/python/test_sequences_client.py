@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 
 import grpc
+import numpy as np
 import pytest
 
 import flashserve
@@ -85,6 +86,40 @@ def test_steps_match_reference_and_reprefill_after_loss(fakes, rng):
         assert client.stats["not_found"] == 1 and all(s.reprefills == 1 for s in seqs)
         assert all(s.id != old for s, old in zip(seqs, old_ids))
         assert [s.lengths[0] for s in seqs] == [truth.length(s.key, 0) for s in seqs]
+
+
+@pytest.mark.parametrize("packed_steps", [True, False])
+def test_steps_go_packed_unless_told_not_to(fakes, rng, packed_steps):
+    """decode_step sends DecodeStepRequest.packed by default (items with and without k/v, uneven rows) and one tensor
+    per item with packed_steps=False; the answers match the reference either way."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30, packed_steps=packed_steps) as client:
+        seqs = []
+        for i in range(3):
+            k, v = truth.rows(3 + i)
+            seqs.append(client.create(**SHAPE, prefix={0: (k, v)}))
+            truth.add(seqs[-1].key, 0, k, v)
+        for step in range(3):
+            qs = [truth.query(1 + (i + step) % 3) for i in range(3)]
+            kvs = [truth.rows(len(q)) if (i + step) % 3 else (None, None) for i, q in enumerate(qs)]
+            outs = client.decode_step([(s, 0, q, *kv) for s, q, kv in zip(seqs, qs, kvs)])
+            for s, q, kv, out in zip(seqs, qs, kvs, outs):
+                if kv[0] is not None:
+                    truth.add(s.key, 0, *kv)
+                truth.check(out, q, s.key, 0)
+    assert fakes[0].servicer.packed_steps == (3 if packed_steps else 0)
+
+
+def test_items_that_cannot_share_a_packed_step_go_one_by_one(fakes, rng):
+    """Items of different head shapes (which the server refuses naming the item) are not packed."""
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        kv = np.ones((2, 2, 16), np.float16)
+        a = client.create(**SHAPE, prefix={0: (kv, kv)})
+        b = client.create(**{**SHAPE, "heads_q": 2, "heads_kv": 1}, prefix={0: (kv[:, :1], kv[:, :1])})
+        q_a = np.zeros((1, 4, 16), np.float16)
+        q_b = np.zeros((1, 2, 16), np.float16)
+        client.decode_step([(a, 0, q_a, None, None), (b, 0, q_b, None, None)])
+    assert fakes[0].servicer.packed_steps == 0
 
 
 def test_without_history_a_lost_sequence_is_an_error_unless_a_prefix_source_helps(fakes, rng):

@@ -39,6 +39,7 @@ from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
 from .local import LocalClient
+from .packed_step import packed_step_request
 from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows
 
 ROUTE_HEADER = "x-sequence-key"
@@ -89,13 +90,16 @@ class SequenceClient:
     def __init__(self, endpoints: Union[str, Seq[str]], *, token: Optional[str] = None,
                  timeout: Optional[float] = None, credentials: Optional[grpc.ChannelCredentials] = None,
                  options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
-                 max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None):
+                 max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None,
+                 packed_steps: bool = True):
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.ring = HashRing(self.endpoints, vnodes)
         self.timeout = timeout
         self.reprefill = reprefill
         self.down_s = down_s
         self.max_attempts = max_attempts
+        # decode_step sends DecodeStepRequest.packed (one q/k/v tensor per step) when the items allow it.
+        self.packed_steps = packed_steps
         self._token = token
         self._credentials = credentials
         self._options = _channel_options(_RECONNECT_OPTIONS + list(options or []))
@@ -388,8 +392,13 @@ class SequenceClient:
         return list(self._pool.map(one, runs))
 
     def _step_group(self, prepared, group, endpoint, results, causal, softmax_scale, return_lse, timeout) -> None:
-        request = spb.DecodeStepRequest(items=[prepared[i].message() for i in group], causal=causal,
-                                        return_lse=return_lse)
+        request = None
+        if self.packed_steps:
+            request = packed_step_request([(prepared[i].seq.id, prepared[i].layer, prepared[i].q, prepared[i].k,
+                                            prepared[i].v) for i in group])
+        if request is None:
+            request = spb.DecodeStepRequest(items=[prepared[i].message() for i in group])
+        request.causal, request.return_lse = causal, return_lse
         if softmax_scale is not None:
             request.softmax_scale = float(softmax_scale)
         response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
