@@ -1,7 +1,7 @@
 """flashserve.v1.Sequences on the CUDA backend (KV pool in device memory), against the fp64 reference: a
 Llama-3-8B-like layer (32 q heads, 8 kv heads, d128) in bf16 and fp16, many steps across pages, a batch of
 sequences of different lengths, causal multi-row queries, re-prefill after release by another client, DecodeSteps
-through a system shared-memory region. Skips with a
+through a system shared-memory region, packed DecodeSteps. Skips with a
 message on machines without a usable NVIDIA GPU."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import flashserve
 from conftest import ServerProcess, _stop_and_check
 from sequences_truth import Truth
 from test_gpu_e2e import _gpu_present
+from test_sequences_packed import run_packed_steps
 from test_sequences_shm import run_shm_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
@@ -78,3 +79,11 @@ def test_decode_step_through_system_shm(cuda_kv_server, rng, dtype, rows_q):
     in; fresh random data, the fp64 reference, NaN-poisoned outputs."""
     run_shm_steps(cuda_kv_server, rng, dtype, rows_q, dict(heads_q=32, heads_kv=8, head_dim=128),
                   prefixes=(1, 63, 130, 700), steps=5)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_packed_decode_steps(cuda_kv_server, rng, dtype):
+    """DecodeStepRequest.packed on the device KV pool: one q/k/v tensor per step, inline and through a system region
+    (O and LSE written back packed), uneven rows, some items attend only; the fp64 reference."""
+    run_packed_steps(cuda_kv_server, rng, dtype, shape=dict(heads_q=32, heads_kv=8, head_dim=128),
+                     prefixes=(1, 63, 130, 700), steps=5)

@@ -62,7 +62,7 @@ def _packed_request(seqs, qs, kvs, region, return_lse):
 
 def _outputs(response, request, qs, region, dtype):
     """Each item's (out, lse or None), from its result or from the packed places in the region."""
-    ndt, heads = tensors.numpy_dtype(dtype), SHAPE["heads_q"]
+    ndt, heads = tensors.numpy_dtype(dtype), qs[0].shape[1]
     p, found, first_q, first_lse = request.packed, [], 0, 0
     for q, result in zip(qs, response.results):
         rows, lse = len(q), None
@@ -86,18 +86,25 @@ def _outputs(response, request, qs, region, dtype):
 @pytest.mark.parametrize("transport", ["grpc", "local"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_packed_steps_match_reference(packed_server, rng, transport, dtype):
-    truth = Truth(rng, **SHAPE, dtype=dtype)
-    region = Region(packed_server, f"packed-{transport}-{dtype}", 4 << 20)
-    local = LocalClient(packed_server.local_path, timeout=30) if transport == "local" else None
+    run_packed_steps(packed_server, rng, dtype, packed_server.local_path if transport == "local" else None)
+
+
+def run_packed_steps(server, rng, dtype, local_path=None, shape=SHAPE, prefixes=(1, 17, 40, 5), steps=6):
+    """Packed DecodeSteps (inline on even steps, through a system region on odd ones; uneven rows, some items
+    attend only) over gRPC or, with local_path, the local socket; every O (and LSE on most steps) against the fp64
+    reference. Also used by test_sequences_gpu.py (CUDA backend)."""
+    truth = Truth(rng, **shape, dtype=dtype)
+    region = Region(server, f"packed-{'local' if local_path else 'grpc'}-{dtype}", 4 << 20)
+    local = LocalClient(local_path, timeout=30) if local_path else None
     try:
-        with flashserve.SequenceClient(packed_server.address, timeout=30, reprefill=False) as client:
+        with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
             seqs = []
-            for n in (1, 17, 40, 5):
+            for n in prefixes:
                 k, v = truth.rows(n)
-                seqs.append(client.create(num_layers=1, **SHAPE, dtype=dtype, prefix={0: (k, v)}))
+                seqs.append(client.create(num_layers=1, **shape, dtype=dtype, prefix={0: (k, v)}))
                 truth.add(seqs[-1].key, 0, k, v)
             stub = client.stub(client.endpoints[0])
-            for step in range(6):
+            for step in range(steps):
                 region.at = 0
                 region.buf[:] = 0xFF
                 rows_q = [1 + (step + i) % 3 for i in range(len(seqs))]
@@ -105,7 +112,7 @@ def test_packed_steps_match_reference(packed_server, rng, transport, dtype):
                 qs = [truth.query(r) for r in rows_q]
                 kvs = [truth.rows(r) for r in rows_kv]
                 request = _packed_request(seqs, qs, kvs, region if step % 2 else None, return_lse=step % 3 != 0)
-                response = local.decode_step(request) if local else stub.DecodeStep(request, timeout=30)
+                response = local.decode_step(request) if local else stub.DecodeStep(request, timeout=60)
                 for seq, q, (k, v), result, (out, lse) in zip(seqs, qs, kvs, response.results,
                                                               _outputs(response, request, qs, region, dtype)):
                     truth.add(seq.key, 0, k, v)
