@@ -107,7 +107,6 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   seq->format = FormatFor(request.shape, options_.page_tokens);
   seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
   seq->lengths.assign(size_t(request.shape.num_layers), 0);
-  seq->pages.resize(size_t(request.shape.num_layers));
   seq->page_ids.resize(size_t(request.shape.num_layers));
   int64_t count = 0;
   for (const LayerRows& rows : request.prefix) count += PagesToGrow(*seq, rows.layer, rows.k.rows);
@@ -150,7 +149,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
 int64_t SequenceCache::PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const {
   const int64_t tokens = seq.format.page_tokens;
   const int64_t needed = (new_length + tokens - 1) / tokens;
-  return std::max<int64_t>(0, needed - int64_t(seq.pages[size_t(layer)].size()));
+  return std::max<int64_t>(0, needed - int64_t(seq.page_ids[size_t(layer)].size()));
 }
 
 absl::Status SequenceCache::TakePages(int64_t page_bytes, int64_t count,
@@ -175,13 +174,10 @@ absl::Status SequenceCache::WriteRows(Sequence* seq, int layer, const HostRows& 
   return absl::OkStatus();
 }
 
-void SequenceCache::GrowTable(Sequence* seq, int layer, int64_t rows,
-                              std::vector<int64_t>* fresh) {
-  std::vector<int64_t>& table = seq->pages[size_t(layer)];
+void SequenceCache::GrowTable(Sequence* seq, int layer, int64_t rows, std::vector<int64_t>* fresh) {
   std::vector<int32_t>& ids = seq->page_ids[size_t(layer)];
   const int64_t end = seq->lengths[size_t(layer)] + rows;
-  while (int64_t(table.size()) * seq->format.page_tokens < end) {
-    table.push_back(fresh->back());
+  while (int64_t(ids.size()) * seq->format.page_tokens < end) {
     ids.push_back(int32_t(fresh->back() / seq->format.page_bytes));
     fresh->pop_back();
   }
@@ -190,14 +186,15 @@ void SequenceCache::GrowTable(Sequence* seq, int layer, int64_t rows,
 absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t from,
                                      const HostRows& k, const HostRows& v) {
   const PageFormat& f = seq.format;
-  const std::vector<int64_t>& table = seq.pages[size_t(layer)];
+  const std::vector<int32_t>& ids = seq.page_ids[size_t(layer)];
   const char* k_src = static_cast<const char*>(k.data);
   const char* v_src = static_cast<const char*>(v.data);
   const int64_t end = from + k.rows;
   for (int64_t pos = from; pos < end;) {
     const int64_t in_page = pos % f.page_tokens;
     const int64_t n = std::min<int64_t>(f.page_tokens - in_page, end - pos);
-    const int64_t at = table[size_t(pos / f.page_tokens)] + in_page * f.row_bytes;
+    const int64_t at =
+        int64_t(ids[size_t(pos / f.page_tokens)]) * f.page_bytes + in_page * f.row_bytes;
     const int64_t src = (pos - from) * f.row_bytes;
     absl::Status s = store_->Write(at, k_src + src, n * f.row_bytes, k.at);
     if (s.ok()) s = store_->Write(at + f.v_offset, v_src + src, n * f.row_bytes, v.at);
@@ -220,11 +217,13 @@ SequenceCache::Sequence* SequenceCache::FindLocked(const std::string& id) {
 void SequenceCache::FreePages(Sequence* seq) {
   // Rows still deferred by the store must not land on the pages' next owner's rows.
   if (seq->page_count() > 0) store_->Fence();
-  for (std::vector<int64_t>& layer : seq->pages) {
-    pages_.Free(seq->format.page_bytes, layer);
+  std::vector<int64_t> offsets;
+  for (std::vector<int32_t>& layer : seq->page_ids) {
+    offsets.clear();
+    for (int32_t id : layer) offsets.push_back(int64_t(id) * seq->format.page_bytes);
+    pages_.Free(seq->format.page_bytes, offsets);
     layer.clear();
   }
-  for (std::vector<int32_t>& layer : seq->page_ids) layer.clear();
 }
 
 void SequenceCache::Remove(Sequence* seq) {

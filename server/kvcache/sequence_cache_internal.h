@@ -16,10 +16,9 @@ struct SequenceCache::Sequence {
   SequenceShape shape;
   PageFormat format;
   int64_t max_tokens = 0;
-  std::vector<int64_t> lengths;             // per layer: tokens written
-  std::vector<std::vector<int64_t>> pages;  // per layer: page offsets, in token order
-  // per layer: the same pages as numbers (offset / format.page_bytes), as a launch's page table
-  // holds them; kept beside `pages` so a step copies them instead of dividing every offset
+  std::vector<int64_t> lengths;  // per layer: tokens written
+  // Per layer: its pages in token order, as numbers (offset / format.page_bytes): what a launch's
+  // page table holds, so a step copies them as they are.
   std::vector<std::vector<int32_t>> page_ids;
   absl::Time last_used;
   int pins = 0;        // running steps that read it
@@ -30,7 +29,7 @@ struct SequenceCache::Sequence {
 
   int64_t page_count() const {
     int64_t n = 0;
-    for (const auto& layer : pages) n += int64_t(layer.size());
+    for (const auto& layer : page_ids) n += int64_t(layer.size());
     return n;
   }
 };
