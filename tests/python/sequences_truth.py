@@ -38,6 +38,16 @@ class Truth:
             self.k[(key, layer)].append(np.asarray(k))
             self.v[(key, layer)].append(np.asarray(v))
 
+    def create(self, client, prefixes) -> list:
+        """One single-layer sequence per prefix length, created through `client` with fresh rows (kept here)."""
+        seqs = []
+        for n in prefixes:
+            k, v = self.rows(n)
+            seqs.append(client.create(num_layers=1, heads_q=self.heads_q, heads_kv=self.heads_kv,
+                                      head_dim=self.head_dim, dtype=self.dtype, prefix={0: (k, v)}))
+            self.add(seqs[-1].key, 0, k, v)
+        return seqs
+
     def length(self, key, layer: int) -> int:
         return sum(len(k) for k in self.k[(key, layer)])
 

@@ -98,15 +98,10 @@ def run_packed_steps(server, rng, dtype, local_path=None, shape=SHAPE, prefixes=
     local = LocalClient(local_path, timeout=30) if local_path else None
     try:
         with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
-            seqs = []
-            for n in prefixes:
-                k, v = truth.rows(n)
-                seqs.append(client.create(num_layers=1, **shape, dtype=dtype, prefix={0: (k, v)}))
-                truth.add(seqs[-1].key, 0, k, v)
+            seqs = truth.create(client, prefixes)
             stub = client.stub(client.endpoints[0])
             for step in range(steps):
-                region.at = 0
-                region.buf[:] = 0xFF
+                region.reset()
                 rows_q = [1 + (step + i) % 3 for i in range(len(seqs))]
                 rows_kv = [0 if (step + i) % 4 == 3 else r for i, r in enumerate(rows_q)]  # some attend only
                 qs = [truth.query(r) for r in rows_q]

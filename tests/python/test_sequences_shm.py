@@ -55,6 +55,11 @@ class Region:
         self.at = 0
         _post(server, f"/v2/systemsharedmemory/region/{name}/register", {"key": "/" + self.shm.name, "byte_size": size})
 
+    def reset(self) -> None:
+        """Everything poisoned again, the next put() at offset 0."""
+        self.at = 0
+        self.buf[:] = 0xFF
+
     def put(self, x) -> pb.SharedMemoryRef:
         raw = np.frombuffer(np.ascontiguousarray(x).tobytes(), np.uint8)
         ref = self.reserve(raw.size)
@@ -116,15 +121,10 @@ def run_shm_steps(server, rng, dtype, rows_q, shape, prefixes=(1, 17, 40), steps
     region = Region(server, f"seq-{dtype}-{rows_q}", 4 << 20)
     try:
         with flashserve.SequenceClient(server.address, timeout=30, reprefill=False) as client:
-            seqs = []
-            for n in prefixes:
-                k, v = truth.rows(n)
-                seqs.append(client.create(num_layers=1, **shape, dtype=dtype, prefix={0: (k, v)}))
-                truth.add(seqs[-1].key, 0, k, v)
+            seqs = truth.create(client, prefixes)
             stub = client.stub(client.endpoints[0])
             for step in range(steps):
-                region.at = 0
-                region.buf[:] = 0xFF
+                region.reset()
                 qs = [truth.query(rows_q) for _ in seqs]
                 kvs = [truth.rows(rows_q) for _ in seqs]
                 in_shm = [step % 2 == 0, True, step % 3 != 0]  # mixed with items in the message
