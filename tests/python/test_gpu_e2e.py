@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import flashserve
-from flashserve import reference
+from flashserve import reference, tensors
 
 from conftest import ServerProcess, _stop_and_check
 
@@ -428,10 +428,13 @@ def test_pipelined_copies_match_reference(flashserve_bin, tmp_path, rng, shape):
 
 def test_pipelined_only_when_alone_on_the_gpu(flashserve_bin, tmp_path, rng):
     """A large request is cut into chunks only when no other job is on its GPU (with others in flight the copy
-    engines are busy anyway, and the chunks' narrower copies cost throughput). Eight clients send the same 12 MiB
-    request from system regions at once: every answer matches the fp64 reference, some ran beside another (no
-    `_chunks` suffix); one sent alone afterwards is cut."""
+    engines are busy anyway, and the chunks' narrower copies cost throughput). Sixteen clients each write one 12 MiB
+    request into a system region once and send it back to back (no client-side work between calls, so the GPU has
+    several jobs in flight): some run uncut, and every client's last O and LSE match the fp64 reference. One request
+    sent alone afterwards is cut."""
     _require_gpu()
+    from flashserve import attention_pb2 as apb
+    from flashserve import attention_pb2_grpc
     from flashserve.shm import SystemRegion
 
     s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--allow_client_shm"], name="alone").start()
@@ -441,22 +444,26 @@ def test_pipelined_only_when_alone_on_the_gpu(flashserve_bin, tmp_path, rng):
                                      reference.max_abs_logit(q, k))
 
     def calls(i, n):
-        kernels = []
+        """n calls of one request placed in a region once; the kernel names, and the last O and LSE checked."""
         with flashserve.Client(s.address, timeout=120) as c, \
-                SystemRegion(c, f"alone-{i}", SystemRegion.bytes_for(q, k, v)) as region:
-            for _ in range(n):
-                result = c.attention_with_metadata(q, k, v, causal=True, return_lse=True, region=region)
-                out = np.asarray(result.out, dtype=np.float64)
-                assert np.isfinite(out).all() and float(np.abs(out - ref).max()) <= tol, result.kernel
-                assert reference.compare_lse(result.lse, ref_lse)[1], result.kernel
-                kernels.append(result.kernel)
+                SystemRegion(c, f"alone-{i}", SystemRegion.bytes_for(q, k, v)) as region, \
+                grpc.insecure_channel(s.address) as channel:
+            request = apb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"),
+                                           v=tensors.to_proto(v, "v"), causal=True, return_lse=True)
+            (_, out_at, out_bytes), (_, lse_at, lse_bytes) = region.place(request, return_lse=True)
+            stub = attention_pb2_grpc.AttentionServiceStub(channel)
+            kernels = [stub.Attention(request, timeout=120).kernel for _ in range(n)]
+            out = np.frombuffer(region.read(out_at, out_bytes), ml_dtypes.bfloat16).astype(np.float64)
+            assert np.isfinite(out).all() and float(np.abs(out.reshape(ref.shape) - ref).max()) <= tol
+            lse = np.frombuffer(region.read(lse_at, lse_bytes), np.float32).reshape(ref_lse.shape)
+            assert reference.compare_lse(lse, ref_lse)[1]
         return kernels
 
     try:
-        with futures.ThreadPoolExecutor(8) as pool:
-            together = [kern for f in [pool.submit(calls, i, 6) for i in range(8)] for kern in f.result()]
-        assert any("_chunks" not in kern for kern in together), together
-        assert calls(8, 2)[-1].endswith("_chunks4")  # the second: the first may meet the last completions
+        with futures.ThreadPoolExecutor(16) as pool:
+            together = [kern for f in [pool.submit(calls, i, 20) for i in range(16)] for kern in f.result()]
+        assert any("_chunks" not in kern for kern in together), together[:4]
+        assert calls(16, 2)[-1].endswith("_chunks4")  # the second: the first may meet the last completions
     finally:
         _stop_and_check(s)
 
