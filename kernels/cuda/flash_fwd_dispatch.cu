@@ -55,9 +55,9 @@ const Entry kEntries[] = {
 
 #if FLASHSERVE_HAVE_SM90
 const Entry kSm90Entries[] = {
-#define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_N, STAGES) \
-  {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES),          \
-   &sm90::launch_sm90<sm90::Sm90Traits<ELEMENT, HEAD_DIM, BLOCK_N, STAGES>>},
+#define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
+  {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES, BLOCK_M),            \
+   &sm90::launch_sm90<sm90::Sm90Traits<ELEMENT, HEAD_DIM, BLOCK_N, STAGES, BLOCK_M / 64>>},
     FLASHSERVE_SM90_CONFIGS(FLASHSERVE_SM90_ENTRY)
 #undef FLASHSERVE_SM90_ENTRY
 };
@@ -114,11 +114,24 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
   return nullptr;
 }
 
+// Whether d=64 takes the 192-row sm90 tiles: H100, same-call A/B against cuDNN
+// (kernels-sm90-h100-2026-11-24-f.md): 1.05-1.34x at every non-causal point from S1024 and every
+// causal one from S2048, where the 128-row tiles read 0.95-1.11x; causal S1024 0.91 (128 rows:
+// 1.02): the 192-row diagonal tiles waste more. Only with 4+ waves of 192-row tiles (every
+// measured point has 23+); fewer leave SMs idle at the end.
+bool sm90_block_m192_fits(const AttentionParams& p, int sm_count) {
+  if (p.head_dim != 64 || (p.causal && p.seqlen_q < 2048)) return false;
+  const int64_t tiles = int64_t((p.seqlen_q + 191) / 192) * p.heads_q * p.batch;
+  return tiles >= 4 * int64_t(sm_count);
+}
+
 // The sm90 configuration for p on this device, if any (H100 measurements in
 // bench/results/kernels-sm90-h100-2026-11-24*.md). d=128: 176-key steps beat 128 only for long
 // non-causal problems (S16k: 641-666 vs 631-635 TFLOPS); not for Sq1k/Sk8k (two Q buffers win
-// there: 586-624 vs 683-685, file -c), so both lengths count; 128 elsewhere.
-const Entry* sm90_preferred(const AttentionParams& p) {
+// there: 586-624 vs 683-685, file -c), so both lengths count; 128 elsewhere. d=64: 192-row
+// tiles (three consumer warpgroups) where they fill the GPU (sm90_block_m192_fits).
+const Entry* sm90_preferred(const AttentionParams& p, int sm_count) {
+  const bool m192 = sm90_block_m192_fits(p, sm_count);
   const Entry* first = nullptr;
   for (const Entry* e : sm90_entries()) {
     if (e->dtype != p.dtype || e->head_dim != p.head_dim) continue;
@@ -126,6 +139,7 @@ const Entry* sm90_preferred(const AttentionParams& p) {
     if (p.head_dim == 128 && !p.causal && p.seqlen_q >= 8192 && p.seqlen_k >= 8192 &&
         e->config.block_n == 176)
       return e;
+    if (m192 && e->config.block_m == 192) return e;
   }
   return first;
 }
@@ -133,7 +147,7 @@ const Entry* sm90_preferred(const AttentionParams& p) {
 // Whether sm90 beats sm80 on p: not with less than half a wave of 128-row tiles (H100: S256 B2
 // H16 0.92-0.98x of sm80, S128 B1 0.98-1.04x; from one full wave on sm90 is 1.1x or more).
 bool sm90_worth_it(const AttentionParams& p, int sm_count) {
-  constexpr int kBlockM = 128;  // every sm90 configuration: 2 consumer warpgroups x 64 rows
+  constexpr int kBlockM = 128;  // the default sm90 configurations: 2 consumer warpgroups
   const int64_t tiles = int64_t((p.seqlen_q + kBlockM - 1) / kBlockM) * p.heads_q * p.batch;
   return sm_count <= 0 || 2 * tiles >= sm_count;
 }
@@ -281,7 +295,7 @@ KernelConfig select_sm80(const AttentionParams& p, int sm_count);
 }  // namespace
 
 KernelConfig select(const AttentionParams& p, int sm_count) {
-  const Entry* e = sm90_preferred(p);
+  const Entry* e = sm90_preferred(p, sm_count);
   if (e != nullptr && sm90_can_run(p) && sm90_worth_it(p, sm_count)) return e->config;
   return select_sm80(p, sm_count);
 }

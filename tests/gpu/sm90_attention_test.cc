@@ -240,6 +240,25 @@ TEST(Sm90Dispatch, BlockNFollowsTheMeasuredRule) {
   }
 }
 
+// d=64 takes 192-row tiles (three consumer warpgroups) where the H100 A/B measured them ahead:
+// non-causal, causal from S2048, and only with 4+ waves of tiles.
+TEST(Sm90Dispatch, BlockM192FollowsTheMeasuredRule) {
+  SKIP_WITHOUT_SM90(DType::kBFloat16, 64);
+  auto block_m = [](int b, int s, int h, bool causal) {
+    AttentionParams p = make_contiguous_params(DType::kBFloat16, b, s, s, h, h, 64, causal, 0.1f);
+    alignas(16) static char dummy[16];  // select() looks at the layout, never at the data
+    p.q = p.k = p.v = p.o = dummy;
+    const fk::KernelConfig c = fk::select(p, 132);
+    EXPECT_EQ(c.family, fk::KernelFamily::kSm90) << b << " " << s << " " << h << " " << causal;
+    return c.block_m;
+  };
+  EXPECT_EQ(block_m(16, 1024, 32, false), 192);
+  EXPECT_EQ(block_m(4, 16384, 32, false), 192);
+  EXPECT_EQ(block_m(16, 2048, 32, true), 192);
+  EXPECT_EQ(block_m(16, 1024, 32, true), 128);  // short causal: more waste on the diagonal
+  EXPECT_EQ(block_m(1, 1024, 16, false), 128);  // 96 tiles of 192 rows: under one wave
+}
+
 // The causal tile order (kernels/cuda/sm90/tile_order.h): every (query tile, batch * head) exactly
 // once, including a last section with fewer heads; inside a section the query tiles go in order
 // (the kernel reverses them: heaviest first) with the heads innermost; sections of 1 head are the
@@ -329,6 +348,11 @@ TEST(Sm90Dispatch, ConfigNamesRoundTrip) {
   EXPECT_NE(*fk::KernelConfig::parse("m128n128w12s2l"), c);
   EXPECT_FALSE(fk::KernelConfig::parse("sm90").has_value());
   EXPECT_FALSE(fk::KernelConfig::parse("sm9m128n128w12s2l").has_value());
+  // Three consumer warpgroups (block_m 192) count the producer's warps too.
+  const fk::KernelConfig m192 = fk::KernelConfig::sm90(128, 2, 192);
+  EXPECT_EQ(m192.name(), "sm90m192n128w16s2l");
+  EXPECT_EQ(fk::KernelConfig::parse(m192.name()), m192);
+  EXPECT_NE(m192, c);
 }
 
 }  // namespace

@@ -1,17 +1,18 @@
 // The sm90 flash-attention forward kernel (FlashAttention-3 structure, written from scratch in
-// raw PTX): a persistent grid of thread blocks of 3 warpgroups, each computing (128-row query
-// tile, head, batch) tiles in the order scheduler.h gives (static or dynamic, see launch.h); the
-// producer hands each tile's index to the consumers with its Q buffer (two where they fit) and
-// loads the next tile's Q and K/V while the consumers finish the current one.
-//  - Warpgroup 0 (producer, setmaxnreg 40): its warp 0 hands each tile's index to the consumers
-//    (named barriers) and its lane 0 issues TMA copies of the Q tile and of the K and V tiles,
-//    last tile first, into a kStages-deep shared-memory ring; each copy completes on a "full"
-//    mbarrier, and a stage is reused once the consumers arrive on its "empty" mbarrier.
-//  - Warpgroups 1 and 2 (consumers, setmaxnreg 232) each own 64 query rows: S = Q K^T by wgmma
-//    with both operands in shared memory, the online softmax (lazy rescale) in registers, and
-//    O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j runs
-//    while the tensor cores do P V of tile j - 1 (issued together with S_j), and the two
-//    consumer warpgroups take turns issuing their GEMMs (ping-pong on named barriers 1 and 2).
+// raw PTX): a persistent grid of thread blocks of 1 + C warpgroups (C = T::kConsumers, 2 or 3),
+// each computing (64 * C-row query tile, head, batch) tiles in the order scheduler.h gives
+// (static or dynamic, see launch.h); the producer hands each tile's index to the consumers with
+// its Q buffer (two where they fit) and loads the next tile's Q and K/V while the consumers
+// finish the current one.
+//  - Warpgroup 0 (producer, setmaxnreg 40 or 56): its warp 0 hands each tile's index to the
+//    consumers (named barriers) and its lane 0 issues TMA copies of the Q tile and of the K and
+//    V tiles, last tile first, into a kStages-deep shared-memory ring; each copy completes on a
+//    "full" mbarrier, and a stage is reused once the consumers arrive on its "empty" mbarrier.
+//  - Warpgroups 1..C (consumers, setmaxnreg 232 or 152) each own 64 query rows: S = Q K^T by
+//    wgmma with both operands in shared memory, the online softmax (lazy rescale) in registers,
+//    and O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j
+//    runs while the tensor cores do P V of tile j - 1 (issued together with S_j), and the
+//    consumer warpgroups take turns issuing their GEMMs (round robin on named barriers 1..C).
 // Epilogue: O goes through the tile's Q buffer to TMA stores (store_o).
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
 // (key tail, causal diagonal) come first; TMA fills rows past the sequence ends with zeros.
@@ -56,31 +57,44 @@ struct SmemMap {
   __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
 };
 
-// Named barriers (bar.sync ids): 0 __syncthreads, 1-2 the consumers' GEMM turns, 3-4 each
-// consumer warpgroup's epilogue, then the tile-slot hand-over per (Q buffer b, consumer
-// warpgroup cw): "full" (the producer warp wrote the slot) and "empty" (the warpgroup read it).
+// Named barriers (bar.sync ids, 16 per block), for C = T::kConsumers consumer warpgroups:
+// 0 __syncthreads; 1..C the consumers' GEMM turns (turn_bar); C+1..2C each consumer
+// warpgroup's epilogue (epilogue_bar); then the tile-slot hand-over: "full" per (Q buffer b,
+// consumer warpgroup cw) (the producer warp wrote the slot; each warpgroup waits on its own, so
+// none waits for another) and "empty" per Q buffer (every warpgroup read the slot; only the
+// producer waits). C = 3, two Q buffers: ids up to 2C + 2C + 2 = 14.
 // The hand-over used to ride on the Q mbarriers only; that orders it in the PTX memory model,
 // but compute-sanitizer racecheck does not model an mbarrier wait as happens-before for plain
 // shared-memory accesses and reported the slot's write/read pair as 2 hazards. Named barriers
 // (FlashAttention-3's tile-count hand-over) are both correct and visible to racecheck.
-constexpr int kSlotBarThreads = 32 + 128;  // the producer warp + one consumer warpgroup
-__device__ __forceinline__ int slot_full_bar(int b, int cw) { return 5 + 2 * b + cw; }
-__device__ __forceinline__ int slot_empty_bar(int b, int cw) { return 9 + 2 * b + cw; }
+template <typename T>
+__device__ __forceinline__ int turn_bar(int cw) { return 1 + cw; }
+template <typename T>
+__device__ __forceinline__ int epilogue_bar(int cw) { return 1 + T::kConsumers + cw; }
+template <typename T>
+__device__ __forceinline__ int slot_full_bar(int b, int cw) {
+  return 1 + 2 * T::kConsumers + T::kConsumers * b + cw;
+}
+template <typename T>
+__device__ __forceinline__ int slot_empty_bar(int b) {
+  return 1 + 2 * T::kConsumers + T::kConsumers * T::kQBuffers + b;
+}
+constexpr int kSlotFullThreads = 32 + 128;  // the producer warp + one consumer warpgroup
+template <typename T>
+constexpr int kSlotEmptyThreads = 32 + 128 * T::kConsumers;  // + every consumer warpgroup
 
-/// Producer warp: writes tile (or -1) into Q buffer b's slot once both consumer warpgroups
-/// have read the slot's previous value (round >= 1), and releases it to them.
+/// Producer warp: writes tile (or -1) into Q buffer b's slot once every consumer warpgroup
+/// has read the slot's previous value (round >= 1), and releases it to them.
 template <typename T>
 __device__ void hand_over_tile(const SmemMap<T>& sm, int b, int round, int tile) {
-  static_assert(T::kQBuffers <= 2, "slot barrier ids 5..12");
+  static_assert(T::kQBuffers <= 2 && 4 * T::kConsumers + T::kQBuffers < 16, "barrier ids");
   __syncwarp();
-  if (round > 0) {
-    named_barrier_sync(slot_empty_bar(b, 0), kSlotBarThreads);
-    named_barrier_sync(slot_empty_bar(b, 1), kSlotBarThreads);
-  }
+  if (round > 0) named_barrier_sync(slot_empty_bar<T>(b), kSlotEmptyThreads<T>);
   if (threadIdx.x == 0) st_shared_b32(sm.tile_slot(b), uint32_t(tile));
   __syncwarp();
-  named_barrier_arrive(slot_full_bar(b, 0), kSlotBarThreads);
-  named_barrier_arrive(slot_full_bar(b, 1), kSlotBarThreads);
+#pragma unroll
+  for (int cw = 0; cw < T::kConsumers; ++cw)
+    named_barrier_arrive(slot_full_bar<T>(b, cw), kSlotFullThreads);
 }
 
 /// Producer warp, after the last hand-over (q_iters slots written, the last one -1): waits for
@@ -89,9 +103,7 @@ template <typename T>
 __device__ void drain_slot_reads(int q_iters) {
   __syncwarp();
   for (int it = q_iters - T::kQBuffers; it < q_iters - 1; ++it) {
-    if (it < 0) continue;
-    named_barrier_sync(slot_empty_bar(it % T::kQBuffers, 0), kSlotBarThreads);
-    named_barrier_sync(slot_empty_bar(it % T::kQBuffers, 1), kSlotBarThreads);
+    if (it >= 0) named_barrier_sync(slot_empty_bar<T>(it % T::kQBuffers), kSlotEmptyThreads<T>);
   }
 }
 
@@ -99,9 +111,9 @@ __device__ void drain_slot_reads(int q_iters) {
 template <typename T>
 __device__ int take_tile(const SmemMap<T>& sm, int b, int cw) {
   __syncwarp();  // bar.sync is .aligned: the warp's lanes together (store_o diverges lane 0)
-  named_barrier_sync(slot_full_bar(b, cw), kSlotBarThreads);
+  named_barrier_sync(slot_full_bar<T>(b, cw), kSlotFullThreads);
   const int tile = int(ld_shared_b32(sm.tile_slot(b)));
-  if (tile >= 0) named_barrier_arrive(slot_empty_bar(b, cw), kSlotBarThreads);
+  if (tile >= 0) named_barrier_arrive(slot_empty_bar<T>(b), kSlotEmptyThreads<T>);
   return tile;
 }
 
@@ -197,7 +209,7 @@ __device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CU
       p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row] = lse[h];
   }
   fence_proxy_async_smem();
-  named_barrier_sync(3 + cw, 128);  // the warpgroup's rows are all in shared memory
+  named_barrier_sync(epilogue_bar<T>(cw), 128);  // the warpgroup's rows are all in smem
   if (threadIdx.x % 128 != 0) return;
 #pragma unroll
   for (int cb = 0; cb < T::kColBlocks; ++cb)
@@ -220,7 +232,7 @@ __device__ __forceinline__ void release_stored_q(uint32_t& pending_release) {
   pending_release = 0;
 }
 
-/// Consumer warpgroup cw (0 or 1): its 64 query rows against every K/V tile of the block.
+/// Consumer warpgroup cw (0..C-1): its 64 query rows against every K/V tile of the block.
 /// kv_iter / q_iter: the block's K/V tiles and Q tiles consumed before this tile (as produce()).
 template <typename T>
 __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
@@ -276,10 +288,13 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
     for (int ks = 0; ks < kN / 16; ++ks) Wgmma<Element, kD>::rs(o, pa[ks], v_desc(stage, ks));
     wgmma_commit();
   };
-  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 1 + cw),
-  // so one warpgroup's softmax runs while the tensor cores work on the other's GEMMs.
-  auto take_turn = [&] { named_barrier_sync(1 + cw, 2 * 128); };
-  auto pass_turn = [&] { named_barrier_arrive(1 + (cw ^ 1), 2 * 128); };
+  // Ping-pong: the consumer warpgroups take turns issuing their GEMMs, round robin (named
+  // barriers turn_bar), so one warpgroup's softmax runs while the tensor cores work on the
+  // others' GEMMs.
+  auto take_turn = [&] { named_barrier_sync(turn_bar<T>(cw), 2 * 128); };
+  auto pass_turn = [&] {
+    named_barrier_arrive(turn_bar<T>(cw + 1 == T::kConsumers ? 0 : cw + 1), 2 * 128);
+  };
   auto release = [&](uint32_t empty_bar) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_bar);
@@ -388,10 +403,9 @@ __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, i
 template <typename T>
 __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_o,
                         int cw, int l2_heads) {
-  static_assert(T::kConsumers == 2, "the GEMM turn-taking below is for two warpgroups");
   const TileScheduler<T> sched(p, l2_heads);
-  // Warpgroup 0 has the first turn: warpgroup 1 hands it over before its own first wait.
-  if (cw == 1) named_barrier_arrive(1, 2 * 128);
+  // Warpgroup 0 has the first turn: the last warpgroup hands it over before its own first wait.
+  if (cw == T::kConsumers - 1) named_barrier_arrive(turn_bar<T>(0), 2 * 128);
   int kv_iter = 0;
   uint32_t pending_release = 0;  // see store_o
   for (int q_iter = 0;; ++q_iter) {
@@ -403,16 +417,16 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CU
     if (w.n_blocks <= 0) {
       release_stored_q(pending_release);
       write_empty_tile<T>(p, w, int(threadIdx.x) - 128);
-      named_barrier_sync(3 + cw, 128);  // the warpgroup is done with this tile
+      named_barrier_sync(epilogue_bar<T>(cw), 128);  // the warpgroup is done with this tile
       if (threadIdx.x % 128 == 0) mbarrier_arrive(sm.q_empty(qb));
       continue;
     }
     consume_tile<T>(p, sm, tm_o, w, cw, kv_iter, q_iter, pending_release);
     kv_iter += w.n_blocks;
   }
-  // Warpgroup 1 handed over one turn more than warpgroup 0 took: take it, so that no barrier
-  // is left half-arrived when the block exits.
-  if (cw == 0) named_barrier_sync(1, 2 * 128);
+  // The last warpgroup handed over one turn more than warpgroup 0 took: take it, so that no
+  // barrier is left half-arrived when the block exits.
+  if (cw == 0) named_barrier_sync(turn_bar<T>(0), 2 * 128);
   if (threadIdx.x % 128 == 0) bulk_wait_group0();  // the last O stores have completed
 }
 

@@ -1,6 +1,6 @@
 // The compiled sm90 configurations (instances/*.cu), seen by the dispatch table
 // (flash_fwd_dispatch.cu). Plain host declarations: no sm_90a code is needed to include it.
-// X(DTYPE, ELEMENT, HEAD_DIM, BLOCK_N, STAGES): one instance per line; only what
+// X(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES): one instance per line; only what
 // select()/candidates() can pick is instantiated (each instance costs build time). The first
 // line for a (dtype, head_dim) is the family's default there. Three K/V stages (H100 run 4:
 // within +-3% of two, no pattern) are not instantiated; block_n 176 only for d=128, block_n 192
@@ -11,19 +11,21 @@
 
 #include "flashserve/kernels/attention_params.h"
 
-#define FLASHSERVE_SM90_CONFIGS(X)         \
-  X(kFloat16, __half, 64, 128, 2)          \
-  X(kBFloat16, __nv_bfloat16, 64, 128, 2)  \
-  X(kFloat16, __half, 128, 128, 2)         \
-  X(kBFloat16, __nv_bfloat16, 128, 128, 2) \
-  X(kFloat16, __half, 128, 176, 2)         \
-  X(kBFloat16, __nv_bfloat16, 128, 176, 2) \
-  X(kFloat16, __half, 64, 192, 2)          \
-  X(kBFloat16, __nv_bfloat16, 64, 192, 2)
+#define FLASHSERVE_SM90_CONFIGS(X)              \
+  X(kFloat16, __half, 64, 128, 128, 2)          \
+  X(kBFloat16, __nv_bfloat16, 64, 128, 128, 2)  \
+  X(kFloat16, __half, 128, 128, 128, 2)         \
+  X(kBFloat16, __nv_bfloat16, 128, 128, 128, 2) \
+  X(kFloat16, __half, 128, 128, 176, 2)         \
+  X(kBFloat16, __nv_bfloat16, 128, 128, 176, 2) \
+  X(kFloat16, __half, 64, 128, 192, 2)          \
+  X(kBFloat16, __nv_bfloat16, 64, 128, 192, 2)  \
+  X(kFloat16, __half, 64, 192, 128, 2)          \
+  X(kBFloat16, __nv_bfloat16, 64, 192, 128, 2)
 
 namespace flashserve::kernels::cuda::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
 struct Sm90Traits;
 
 template <typename T>

@@ -7,7 +7,7 @@
 
 namespace flashserve::kernels::cuda::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
 struct Sm90Traits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "fp16/bf16 only");
@@ -17,16 +17,24 @@ struct Sm90Traits {
   static_assert(kHeadDim % 64 == 0, "the 128-byte swizzle holds 64 elements per row block");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma n / k granularity");
 
-  // Warpgroup 0 produces (TMA), warpgroups 1..kConsumers each own 64 query rows.
-  static constexpr int kConsumers = 2;
+  // Warpgroup 0 produces (TMA), warpgroups 1..kConsumers each own 64 query rows: two (block_m
+  // 128) or, at d=64, three (block_m 192, FlashAttention-3's d64 tile: each K/V tile loaded to
+  // shared memory serves 1.5x the query rows).
+  static constexpr int kConsumers = kConsumers_;
+  static_assert(kConsumers == 2 || kConsumers == 3, "named barrier ids (kernel.h) are for 2-3");
   static constexpr int kRowsPerConsumer = 64;  // wgmma m64
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
   static constexpr int kNThreads = 128 * (kConsumers + 1);
   // setmaxnreg: the producer needs a few dozen (40: the tile hand-over and dynamic schedule
   // spilled at 24 and 32); the consumers hold S, P and O in registers (ptxas: no spills at 232).
-  // 40 * 128 + 232 * 256 = 64512 <= 65536 registers per SM.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  // Two consumers: 40 * 128 + 232 * 256 = 64512 <= 65536 registers per SM. Three (d=64, block_n
+  // 128: S 64 + P 32 + O 32 registers per thread): 32 * 128 + 160 * 384 = 65536, FlashAttention-3's
+  // split (ptxas sm_90a: no spills; at 56 / 152 the consumers spilled 80 B and serialized their
+  // wgmma, C7512).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "registers");
+  static_assert(kConsumers == 2 || kHeadDim * kBlockN <= 64 * 128, "3 consumers: d64 n128 fit");
 
   // Tiles are stored as kColBlocks column blocks of [rows][64 elements] (128-byte rows), the
   // layout one TMA box with SWIZZLE_128B writes and wgmma reads with a 128B-swizzle descriptor.

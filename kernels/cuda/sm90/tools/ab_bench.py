@@ -3,7 +3,7 @@
 Each row times every variant in interleaved rounds (variant order rotated per round), with the
 timing helpers of bench/kernels/bench_vs_torch.py (median of --reps CUDA-event-timed calls after
 --warmup calls, inputs rotated over sets totalling > 2x L2). A variant is an sm90 configuration
-name (block_n 128 / 192 at d=64, 128 / 176 at d=128), e.g.
+name (block_n 128 / 192 and block_m 192 at d=64, block_n 128 / 176 at d=128), e.g.
   python3 kernels/cuda/sm90/tools/ab_bench.py --lib build/kernels/cuda/libflashserve_kernels_capi.so
 Prints one markdown table (TFLOPS per round, then per variant the median and range of its
 per-round ratio to the same round's cuDNN). --lib2 adds every variant of a second build (another
@@ -23,12 +23,13 @@ from torch.nn.attention import SDPBackend  # noqa: E402
 from bench_vs_torch import Ours, make_sets, sdpa_fn, time_fn  # noqa: E402
 
 N128, N176, N192 = "sm90m128n128w12s2l", "sm90m128n176w12s2l", "sm90m128n192w12s2l"
+M192 = "sm90m192n128w16s2l"  # three consumer warpgroups (d=64)
 
 
 def rows():
     """(label, dtype, b, sq, sk, hq, hkv, d, causal, variants); variants: (name, config)."""
     bf, fp = torch.bfloat16, torch.float16
-    d64 = [("n128", N128), ("n192", N192)]
+    d64 = [("n128", N128), ("n192", N192), ("m192", M192)]
     d128 = [("n128", N128), ("n176", N176)]
     out = []
     for causal in (False, True):

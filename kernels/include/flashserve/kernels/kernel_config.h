@@ -29,8 +29,8 @@ struct KernelConfig {
   /// log2 domain); P is computed against the stale max meanwhile, so it can reach 2^threshold
   /// before it is rounded to the element type. false: exact rescale on every K/V tile (FA2).
   bool lazy_rescale = false;
-  /// sm90: block_m is 128 (2 consumer warpgroups), num_warps 12 (with the producer warpgroup),
-  /// q_in_regs false and lazy_rescale true; block_n and kv_stages vary.
+  /// sm90: block_m is 128 or 192 (2 or 3 consumer warpgroups), num_warps 12 or 16 (with the
+  /// producer warpgroup), q_in_regs false and lazy_rescale true; block_n and kv_stages vary.
   KernelFamily family = KernelFamily::kSm80;
 
   /// The lazy rescale's threshold: rescale when (new max - running max) * scale * log2(e) > 8.
@@ -50,9 +50,10 @@ struct KernelConfig {
            a.kv_stages == b.kv_stages && a.q_in_regs == b.q_in_regs &&
            a.lazy_rescale == b.lazy_rescale && a.family == b.family;
   }
-  /// The sm90 configuration with block_n keys per step and kv_stages K/V buffers.
-  static KernelConfig sm90(int block_n, int kv_stages) {
-    KernelConfig c{128, block_n, 12, kv_stages, false, true};
+  /// The sm90 configuration with block_n keys per step, kv_stages K/V buffers and block_m / 64
+  /// consumer warpgroups (+ the producer warpgroup).
+  static KernelConfig sm90(int block_n, int kv_stages, int block_m = 128) {
+    KernelConfig c{block_m, block_n, 4 * (block_m / 64 + 1), kv_stages, false, true};
     c.family = KernelFamily::kSm90;
     return c;
   }
