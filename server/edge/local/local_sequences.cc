@@ -18,6 +18,17 @@ namespace {
 
 using BuildFn = std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>;
 
+// A DecodeStep's or Attend's state, kept past its answer (LocalReply::after_write). Destroyed in
+// reverse: the call record (it points into the request), the hold, the arena, then the admission
+// (the drain waits for the answer to be written).
+struct DecodeState {
+  explicit DecodeState(size_t payload_bytes) : arena(DecodeStepArenaOptions(payload_bytes)) {}
+  AttentionRuntime::Admission admission;
+  google::protobuf::Arena arena;
+  CallHold hold;
+  std::shared_ptr<DecodeCall> call;
+};
+
 // gRPC names the ids of a NOT_FOUND in trailing metadata; a frame has only its message, so they
 // are appended to it: "...; missing sequence ids: a,b".
 absl::Status WithMissingIds(const absl::Status& status, const std::string& first_id) {
@@ -29,9 +40,11 @@ absl::Status WithMissingIds(const absl::Status& status, const std::string& first
 }
 
 // Reserves `bytes`, builds the call, submits it and waits for its answer; OK when `fill` ran.
+// The call record stays in `state` (freed after the answer is written).
 absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t bytes,
-                       CallHold* hold, const BuildFn& build,
+                       DecodeState* state, const BuildFn& build,
                        const std::function<void(const DecodeReport&)>& fill) {
+  CallHold* hold = &state->hold;
   if (services.sequences == nullptr) {
     return absl::FailedPreconditionError(
         "this server runs without a KV cache: start it with --kv_cache_bytes > 0");
@@ -41,6 +54,7 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   absl::StatusOr<std::shared_ptr<DecodeCall>> built = build();
   if (!built.ok()) return built.status();
   std::shared_ptr<DecodeCall> call = *std::move(built);
+  state->call = call;
   call->received = local.received;
   call->cancelled = std::move(local.peer_gone);
   call->caller_waits = true;  // this thread waits for done(): run the call here, no worker hop
@@ -56,13 +70,26 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   services.sequences->Submit(std::move(call));
   waiter->Wait(services.spin);
   return WithMissingIds(done_status, first_id);
-  // `local.admission` is released by the caller after the answer is written: the drain waits.
+}
+
+// Runs RunDecode on `state`, then gives the regions back (before the answer: a client that
+// unregisters after its answer finds no lease) and keeps the rest for after the answer.
+absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t bytes,
+                        std::shared_ptr<DecodeState> state, const BuildFn& build,
+                        const std::function<void(const DecodeReport&)>& fill,
+                        LocalReply* reply) {
+  absl::Status status = RunDecode(services, local, bytes, state.get(), build, fill);
+  state->hold.shm.leases.clear();
+  state->admission = std::move(local.admission);
+  reply->after_write = std::move(state);
+  return status;
 }
 
 }  // namespace
 
 void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalReply* reply) {
-  google::protobuf::Arena arena(DecodeStepArenaOptions(local.payload.size()));
+  auto state = std::make_shared<DecodeState>(local.payload.size());
+  google::protobuf::Arena& arena = state->arena;
   auto& request = *google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);
   if (!request.ParseFromArray(local.payload.data(), int(local.payload.size()))) {
     reply->status = absl::InvalidArgumentError("DecodeStepRequest: unreadable message");
@@ -71,15 +98,15 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
   auto& response = *google::protobuf::Arena::CreateMessage<v1::DecodeStepResponse>(&arena);
   const int max_items =
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;
-  CallHold hold;
-  InitSequenceShm(services.runtime->shm_regions(), services.sequences, &hold.shm);
+  SequenceShm* shm = &state->hold.shm;
+  InitSequenceShm(services.runtime->shm_regions(), services.sequences, shm);
   const absl::Time received = local.received;
-  reply->status = RunDecode(
-      services, local, DecodeStepBytes(request), &hold,
-      [&] { return BuildDecodeStep(request, max_items, &hold.shm, &response); },
-      [&](const DecodeReport& report) { FillDecodeStep(report, received, &response); });
+  reply->status = RunAndKeep(
+      services, local, DecodeStepBytes(request), std::move(state),
+      [&] { return BuildDecodeStep(request, max_items, shm, &response); },
+      [&](const DecodeReport& report) { FillDecodeStep(report, received, &response); }, reply);
   if (!reply->status.ok()) return;
-  reply->bytes = response.SerializeAsString();
+  response.SerializeToString(&reply->bytes);
   reply->AddPiece(reply->bytes);
 }
 
@@ -90,12 +117,11 @@ void ServeLocalAttend(const LocalServices& services, LocalCall local, LocalReply
     return;
   }
   v1::AttendResponse response;
-  CallHold hold;
   const absl::Time received = local.received;
-  reply->status = RunDecode(
-      services, local, AttendBytes(request), &hold,
+  reply->status = RunAndKeep(
+      services, local, AttendBytes(request), std::make_shared<DecodeState>(0),
       [&] { return BuildAttend(request, &response); },
-      [&](const DecodeReport& report) { FillAttend(report, received, &response); });
+      [&](const DecodeReport& report) { FillAttend(report, received, &response); }, reply);
   if (!reply->status.ok()) return;
   reply->bytes = response.SerializeAsString();
   reply->AddPiece(reply->bytes);
