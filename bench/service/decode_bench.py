@@ -362,6 +362,9 @@ def parse_args(argv=None):
     p.add_argument("--local_socket", action="append", default=[], help="label=PATH: the --local_socket of the "
                    "--target with that label (repeatable); the C++ variants above and, with the Python client, a "
                    "\"sequences, local\" row (LocalClient, tensors in the message) use it")
+    p.add_argument("--client_spin_us", default="0", help="with --cpp_variants local...: comma-separated values of "
+                   "flashserve-decode-loadgen --client_spin_us (the C++ client polls this long for each reply before "
+                   "it blocks); each local variant runs once per value, back to back (e.g. 0,1000: an A/B)")
     p.add_argument("--echo_target", default="", help="host:port of a flashserve-echo: with --cpp_loadgen, every "
                    "gRPC Sequences row also measures the raw gRPC echo of the same request bytes (answered with the "
                    "response's size)")
@@ -449,9 +452,14 @@ def cpp_variant_rows(args, label, address, context) -> List[dict]:
             if label not in sockets:
                 raise SystemExit(f"--cpp_variants {variant}: no --local_socket {label}=PATH")
             extra.append(f"--local_socket={sockets[label]}")
-        for row in cpp_rows(args, None, address, context, "sequences", args.steps, args.warmup, extra):
-            row["path"] = f"{row['path']} ({label})"
-            rows.append(row)
+        # Over the local socket: once per --client_spin_us value (rows named "..., client spin N us" when N > 0).
+        spins = [int(s) for s in args.client_spin_us.split(",")] if transport == "local" else [0]
+        for spin in spins:
+            spin_flags = [f"--client_spin_us={spin}"] if spin > 0 else []
+            for row in cpp_rows(args, None, address, context, "sequences", args.steps, args.warmup,
+                                extra + spin_flags):
+                row["path"] = f"{row['path']} ({label})"
+                rows.append(row)
     return rows
 
 

@@ -37,6 +37,7 @@ std::unique_ptr<DecodeClient> DecodeClient::Create(const DecodeTransportOptions&
   local_options.socket_path = options.local_socket;
   local_options.token = options.token;
   local_options.timeout_ms = options.timeout_ms;
+  local_options.spin_us = options.spin_us;
   local::CallStatus status;
   client->local_ = local::LocalClient::Connect(local_options, &status);
   if (client->local_ == nullptr) {

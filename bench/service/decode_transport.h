@@ -23,6 +23,7 @@ struct DecodeTransportOptions {
   std::string shm = "none";   // "none", "system" or "cuda": where q/k/v and O live
   int device = 0;             // cuda regions
   int timeout_ms = 60000;     // local transport: per send / receive
+  int64_t spin_us = 0;        // local transport: LocalClientOptions::spin_us
   bool packed = false;        // DecodeStepRequest.packed: one q/k/v/O place per client's step
 };
 

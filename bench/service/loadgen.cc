@@ -78,12 +78,14 @@ constexpr char kUsage[] =
     "  --local_socket=PATH           the local transport's cells (loadgen_local.h; the server needs\n"
     "                                --local_socket=PATH)\n"
     "  --local_shm=system,cuda       their shm paths (default those of --shm)\n"
-    "  --local_max_frame_bytes=8388608\n";
+    "  --local_max_frame_bytes=8388608\n"
+    "  --client_spin_us=0            local cells: each client polls this long (us) for its reply\n"
+    "                                before blocking in recv (local_client.h)\n";
 
 const std::set<std::string> kKnownFlags = {
     "target", "echo", "token", "shapes", "concurrency", "duration_s", "min_requests", "large_max_concurrency",
     "channels", "stripes", "stripe_reps", "striped_shapes", "chunk_mib", "csv", "md", "shm", "shm_device",
-    "local_socket", "local_shm", "local_max_frame_bytes"};
+    "local_socket", "local_shm", "local_max_frame_bytes", "client_spin_us"};
 
 // --- options ------------------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ struct Options {
   int min_requests = 3, large_max_conc = 16, stripe_reps = 5, pool_size = 1, shm_device = 0;
   int64_t chunk_bytes = 4 << 20;
   uint64_t local_max_frame_bytes = 0;
+  int64_t client_spin_us = 0;
   std::vector<int> concurrency, stripes;
   std::vector<std::string> shapes, striped_shapes, shm_paths, local_shm;
   std::string local_socket;
@@ -135,6 +138,10 @@ Options ParseOptions(int argc, char** argv) {
     if (!known) flags.Fail("--shapes: unknown shape " + name);
   }
   if (flags.Int("local_max_frame_bytes", 1) < 1) flags.Fail("--local_max_frame_bytes: >= 1");
+  o.client_spin_us = flags.Int("client_spin_us", 0);
+  if (o.client_spin_us < 0 || o.client_spin_us > 1000000) {
+    flags.Fail("--client_spin_us: in [0, 1000000]");
+  }
   const int channels = int(flags.Int("channels", 0));
   o.pool_size = channels > 0 ? channels
                              : *std::max_element(o.concurrency.begin(), o.concurrency.end());
@@ -403,6 +410,7 @@ void ShmAndLocalSections(Pool* server, const Options& opt,
     local.token = opt.token;
     local.shm_paths = opt.local_shm;
     local.max_frame_bytes = opt.local_max_frame_bytes;
+    local.client_spin_us = opt.client_spin_us;
     md << flashserve::loadgen::RunLocalSection(server, workloads, local, csv);
   }
 }

@@ -25,6 +25,7 @@ LocalCellSpec MakeSpec(const LocalSectionOptions& options, const std::string& na
   spec.client.socket_path = options.socket_path;
   spec.client.token = options.token;
   spec.client.timeout_ms = options.timeout_ms;
+  spec.client.spin_us = options.client_spin_us;
   spec.method = method;
   spec.payload = payload;
   spec.concurrency = c;

@@ -29,6 +29,7 @@ struct LocalSectionOptions {
   int device = 0;                              // cuda regions
   uint64_t max_frame_bytes = uint64_t(8) << 20;  // the server's --local_max_frame_bytes default
   int timeout_ms = 60000;
+  int64_t client_spin_us = 0;  // LocalClientOptions::spin_us of every cell's clients
 };
 
 /// Runs the section; `server` (gRPC) registers the regions. Rows go to `csv` (targets "local_*")

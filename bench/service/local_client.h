@@ -1,7 +1,8 @@
 // A small blocking client for the local transport (proto/flashserve/v1/local_frame.h): one Unix
-// stream socket, one call at a time. Each request goes out in one sendmsg (header + payload), the
-// reply is read as exactly its header, then exactly its payload. Independent of the server's code:
-// only the frame header and the generated protos.
+// stream socket, one call at a time. Each request goes out in one sendmsg (header + payload); the
+// reply's header and (up to 64 KiB of) its payload come in one recvmsg, the rest of the payload
+// after. With spin_us the client polls for the reply that long before it blocks. Independent of
+// the server's code: only the frame header and the generated protos.
 //
 // Not thread-safe: one LocalClient per thread (the load generators give each worker its own
 // connection).
@@ -34,6 +35,11 @@ struct LocalClientOptions {
   std::string token;                           // non-empty: a Hello with it right after connecting
   int timeout_ms = 30000;                      // per send / receive on the socket (0: none)
   uint64_t max_reply_bytes = uint64_t(1) << 31;  // larger replies are refused (bounded memory)
+  // After sending, poll the socket (non-blocking reads) this long (us) for the reply's first bytes
+  // before blocking in recv: a thread blocked in recv on an idle core wakes tens of us after the
+  // reply arrives, and the server's sendmsg pays for waking it. The cost: this thread's core, only
+  // while its own call is in flight, at most spin_us per call. 0: block at once.
+  int64_t spin_us = 0;
 };
 
 class LocalClient {
@@ -60,11 +66,14 @@ class LocalClient {
   LocalClient(int fd, const LocalClientOptions& options) : fd_(fd), options_(options) {}
   CallStatus Send(Method method, const void* payload, size_t bytes);
   CallStatus Receive(std::string* reply);
+  // The first bytes of the reply into head / body: polls for options_.spin_us, then blocks.
+  ssize_t ReceiveFirst(unsigned char* head, char* body, size_t body_bytes);
   CallStatus Fail(int code, const std::string& what);
 
   int fd_ = -1;
   LocalClientOptions options_;
   std::string scratch_;  // serialized requests of Call()
+  std::unique_ptr<char[]> first_bytes_;  // a reply's first payload bytes, read with its header
 };
 
 }  // namespace flashserve::local

@@ -12,6 +12,8 @@
 # grpc+system,grpc+cuda,local,local+system,local+cuda: DecodeStep over gRPC or the socket, q/k/v/O inline or in a
 # system / same-device CUDA region; CPP_VARIANTS= drops them). A variant the server refuses (e.g. CUDA regions for
 # Sequences before the server accepts them) shows as a "failed: <code>: <message>" row; the other rows still run.
+# CLIENT_SPIN_US=0,1000 runs each local variant once per value, back to back (flashserve-decode-loadgen
+# --client_spin_us: the C++ client polls for its reply that long before blocking in recv; rows "..., client spin N us").
 # The raw gRPC floor: with the C++ client, flashserve-echo (bin/ of the bundle, or $ECHO_BIN) runs on a free port and
 # every gRPC Sequences row also gets the echo of its same request bytes (column "gRPC echo of the same bytes p50 ms").
 # Starts two CUDA servers with a KV pool, one without batching and one with --batch_when_busy (or, with $WINDOW_US,
@@ -46,6 +48,7 @@ if [[ -x $DECODE_LOADGEN && -n ${CPP_VARIANTS-grpc+system,grpc+cuda,local,local+
     LOCAL_FLAGS=1
   fi
   [[ -n $VARIANTS ]] && CLIENT_ARGS+=(--cpp_variants "$VARIANTS")
+  [[ -n ${CLIENT_SPIN_US:-} ]] && CLIENT_ARGS+=(--client_spin_us "$CLIENT_SPIN_US")
 fi
 echo "clients: ${CLIENT_ARGS[*]:-Python only}"
 export PYTHONPATH=${DECODE_PY:-$PWD/build-decode-py}
