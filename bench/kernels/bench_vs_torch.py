@@ -5,7 +5,8 @@ wgmma/TMA, on compute capability 9.0; sm80: mma.sync), against PyTorch SDPA's FL
 and CUDNN_ATTENTION backends (EFFICIENT_ATTENTION with --efficient), in one process on the same
 torch tensors. "dispatch" is the configuration flashserve's select() picks.
 
-Timing: CUDA events around each call, warm-up first, median over --reps calls; every call uses
+Timing: CUDA events around each call, warm-up first, median over --reps calls queued behind a
+~20 ms GPU sleep (so host launch costs do not count); every call uses
 the next of several input sets whose total size exceeds twice the L2 cache, so no call finds its
 inputs in L2. TFLOPS = 4*B*Hq*Sq*Sk*d / time, halved for causal when Sq == Sk.
 
@@ -82,10 +83,14 @@ def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes):
 
 
 def time_fn(fn, sets, warmup, reps):
+    """Median seconds per call. The timed calls queue up behind ~20 ms of GPU sleep, so each event
+    pair times the kernel, not the host's launch of it (a 60 us kernel timed one call at a time
+    measured the ctypes call and the tensor-map encoding too)."""
     for i in range(warmup):
         fn(*sets[i % len(sets)])
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    torch.cuda._sleep(40_000_000)  # ~20 ms at 1.98 GHz: more than the host needs to queue reps
     for i in range(reps):
         s = sets[i % len(sets)]
         starts[i].record()
@@ -171,7 +176,8 @@ def main():
     emit(f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}, "
          f"cuDNN {torch.backends.cudnn.version()}; {sms} SMs, L2 {l2 >> 20} MiB")
     emit(f"- command: `{' '.join(sys.argv)}`")
-    emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, inputs "
+    emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls "
+         f"queued behind a ~20 ms GPU sleep, inputs "
          f"rotated over sets totalling > 2x L2; TFLOPS = 4*B*Hq*Sq*Sk*d/t (halved when causal and Sq==Sk)")
     if args.rounds > 1:
         emit(f"- {args.rounds} interleaved rounds per row (every column timed once per round, order "

@@ -57,7 +57,8 @@ const Entry kEntries[] = {
 const Entry kSm90Entries[] = {
 #define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
   {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES, BLOCK_M),            \
-   &sm90::launch_sm90<sm90::Sm90Traits<ELEMENT, HEAD_DIM, BLOCK_N, STAGES, BLOCK_M / 64>>},
+   &sm90::launch_sm90<                                                               \
+       sm90::Sm90Traits<ELEMENT, sm90::kernel_head_dim(HEAD_DIM), BLOCK_N, STAGES, BLOCK_M / 64>>},
     FLASHSERVE_SM90_CONFIGS(FLASHSERVE_SM90_ENTRY)
 #undef FLASHSERVE_SM90_ENTRY
 };
@@ -114,13 +115,13 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
   return nullptr;
 }
 
-// Whether d=64 takes the 192-row sm90 tiles: H100, same-call A/B against cuDNN
+// Whether d=64 (and d=32, which runs the d=64 instances) takes the 192-row sm90 tiles: H100, same-call A/B against cuDNN
 // (kernels-sm90-h100-2026-11-24-f.md): 1.05-1.34x at every non-causal point from S1024 and every
 // causal one from S2048, where the 128-row tiles read 0.95-1.11x; causal S1024 0.91 (128 rows:
 // 1.02): the 192-row diagonal tiles waste more. Only with 4+ waves of 192-row tiles (every
 // measured point has 23+); fewer leave SMs idle at the end.
 bool sm90_block_m192_fits(const AttentionParams& p, int sm_count) {
-  if (p.head_dim != 64 || (p.causal && p.seqlen_q < 2048)) return false;
+  if (p.head_dim > 64 || (p.causal && p.seqlen_q < 2048)) return false;
   const int64_t tiles = int64_t((p.seqlen_q + 191) / 192) * p.heads_q * p.batch;
   return tiles >= 4 * int64_t(sm_count);
 }

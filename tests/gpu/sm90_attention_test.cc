@@ -183,7 +183,7 @@ std::vector<Param> all_params() {
   cases.push_back({2, 130, 130, 80, 8, true, 1.f});
   std::vector<Param> params;
   for (DType dtype : {DType::kFloat16, DType::kBFloat16})
-    for (int hd : {64, 128})
+    for (int hd : {32, 64, 96, 128, 256})
       for (const Case& c : cases) params.push_back({dtype, hd, c});
   return params;
 }

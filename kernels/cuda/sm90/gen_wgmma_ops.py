@@ -5,7 +5,7 @@ An asm statement needs its operand list spelled out (N/2 accumulator registers),
 wrappers are generated. Run from this directory: python3 gen_wgmma_ops.py > wgmma_ops.h
 """
 
-N_VALUES = (64, 128, 176, 192)
+N_VALUES = (64, 128, 176, 192, 256)
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 
 

@@ -387,11 +387,11 @@ __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, i
   constexpr int kThreads = 128 * T::kConsumers;
   using Element = typename T::Element;
   const int rows = min(T::kBlockM, p.seqlen_q - w.m_block * T::kBlockM);
-  constexpr int kChunks = T::kHeadDim / 8;
+  const int chunks = p.head_dim / 8;  // p's, not the instance's (kernel_head_dim, registry.h)
   Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride +
                  w.head * p.o_head_stride + int64_t(w.m_block) * T::kBlockM * p.o_row_stride;
-  for (int idx = t; idx < rows * kChunks; idx += kThreads)
-    *reinterpret_cast<uint4*>(out + (idx / kChunks) * p.o_row_stride + (idx % kChunks) * 8) =
+  for (int idx = t; idx < rows * chunks; idx += kThreads)
+    *reinterpret_cast<uint4*>(out + (idx / chunks) * p.o_row_stride + (idx % chunks) * 8) =
         make_uint4(0, 0, 0, 0);
   if (p.lse != nullptr)
     for (int r = t; r < rows; r += kThreads)
