@@ -34,20 +34,21 @@ class OursVarlen:
     def __init__(self, lib):
         f = lib.flashserve_attention_forward_varlen
         f.restype = ctypes.c_int
-        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 7 +
+        f.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 8 +
                       [ctypes.POINTER(ctypes.c_int64), ctypes.c_float, ctypes.c_int,
                        ctypes.c_char_p, ctypes.c_void_p])
         self.f = f
 
     def __call__(self, q, k, v, o, cu_q, cu_k, max_q, max_k, causal, config):
-        """q, o: [Tq, Hq, d]; k, v: [Tk, Hkv, d]; cu_q, cu_k: int32 [B + 1] on the device."""
+        """q, o: [Tq, Hq, d]; k, v: [Tk, Hkv, d]; cu_q, cu_k: int32 [B + 1] on the device (total_k
+        is passed, so sm90 configurations can run it too)."""
         tq, hq, d = q.shape
         hkv = k.shape[1]
         strides = (ctypes.c_int64 * 8)(q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                        v.stride(0), v.stride(1), o.stride(0), o.stride(1))
         err = self.f(DTYPE_CODE[q.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                      None, cu_q.data_ptr(), cu_k.data_ptr(), cu_q.numel() - 1, max_q, max_k, tq,
-                     hq, hkv, d, strides, 1.0 / math.sqrt(d), int(causal),
+                     k.shape[0], hq, hkv, d, strides, 1.0 / math.sqrt(d), int(causal),
                      config.encode() if config else None, torch.cuda.current_stream().cuda_stream)
         if err != 0:
             raise RuntimeError(f"flashserve_attention_forward_varlen failed: cudaError {err}")
@@ -144,7 +145,7 @@ def make_varlen_sets(lens, h, d, dtype, l2):
 
 
 def varlen_row(ours, varlen, args, l2, emit, label, lens, d, h, causal, cfg, dense_b, dense_s):
-    """Times varlen on lens, the dense sm80 kernel on [dense_b, dense_s] and per-sequence launches."""
+    """Times varlen on lens, the dense kernel (cfg) on [dense_b, dense_s] and per-sequence launches."""
     dtype = torch.bfloat16
     vsets, cu = make_varlen_sets(lens, h, d, dtype, l2)
     mx = max(lens)
@@ -171,12 +172,14 @@ def varlen_row(ours, varlen, args, l2, emit, label, lens, d, h, causal, cfg, den
 
 
 def varlen_section(ours, varlen, args, l2, sms, emit):
-    emit("## Variable-length prefill (cu_seqlens) vs the dense sm80 kernel, same configuration, bf16")
+    emit("## Variable-length prefill (cu_seqlens) vs the dense kernel, same configuration, bf16")
     emit()
     emit("Equal lengths: the same problem packed (identical FLOPs). Mixed: 16 lengths drawn "
          "uniformly from [128, 4096] (seed 0), against a dense B16 problem whose S is the root mean "
          "square of the lengths (equal FLOPs up to rounding; TFLOPS compared), and against one dense "
-         "launch per sequence. TFLOPS count causal work as half of L^2 per sequence.")
+         "launch per sequence. TFLOPS count causal work as half of L^2 per sequence. Configurations: "
+         "the sm80 one with a varlen kernel, and on an sm_90 GPU the sm90 one dispatch picks for the "
+         "dense problem.")
     emit()
     emit("| kind | d | causal | H | sequences | cfg | varlen ms | varlen TFLOPS | dense TFLOPS | "
          "varlen/dense | per-sequence launches TFLOPS |")
@@ -186,11 +189,17 @@ def varlen_section(ours, varlen, args, l2, sms, emit):
     rms = int(round(math.sqrt(sum(n * n for n in mixed) / len(mixed))))
     for d, h in ((128, 16), (64, 32)):
         for causal in (False, True):
-            # The one configuration with a varlen kernel: the default, first sm80 candidate.
-            cfg = [c for c in ours.candidates(torch.bfloat16, d, causal) if not c.startswith("sm90")][0]
+            # sm80: the one configuration with a varlen kernel, the default (first sm80 candidate).
+            cfg80 = [c for c in ours.candidates(torch.bfloat16, d, causal) if not c.startswith("sm90")][0]
+
+            def configs(s):
+                pick = ours.select(torch.bfloat16, 16, s, s, h, h, d, causal, sms)
+                return [cfg80] + ([pick] if pick.startswith("sm90") else [])
             for s in (1024, 4096):
-                varlen_row(ours, varlen, args, l2, emit, "equal", [s] * 16, d, h, causal, cfg, 16, s)
-            varlen_row(ours, varlen, args, l2, emit, "mixed", mixed, d, h, causal, cfg, 16, rms)
+                for cfg in configs(s):
+                    varlen_row(ours, varlen, args, l2, emit, "equal", [s] * 16, d, h, causal, cfg, 16, s)
+            for cfg in configs(rms):
+                varlen_row(ours, varlen, args, l2, emit, "mixed", mixed, d, h, causal, cfg, 16, rms)
     emit()
 
 

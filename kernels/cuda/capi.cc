@@ -74,13 +74,14 @@ __attribute__((visibility("default"))) int flashserve_attention_forward(
 
 /// Variable-length forward attention (AttentionParams::cu_seqlens_q/k): q/o packed
 /// [total_q, heads_q, head_dim], k/v packed [total_k, heads_kv, head_dim], cu_seqlens_q/k device
-/// int32 [batch + 1]; max_seqlen_q/k the longest sequence; lse [heads_q, total_q] or nullptr.
+/// int32 [batch + 1]; max_seqlen_q/k the longest sequence; lse [heads_q, total_q] or nullptr;
+/// total_k the rows of k/v (0: unknown, then only the sm80 family runs it).
 /// strides: 8 element strides, (row, head) for q, k, v, o. config as in
-/// flashserve_attention_forward (sm80 names only). Returns cudaError_t.
+/// flashserve_attention_forward. Returns cudaError_t.
 __attribute__((visibility("default"))) int flashserve_attention_forward_varlen(
     int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
     const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int max_seqlen_q,
-    int max_seqlen_k, int total_q, int heads_q, int heads_kv, int head_dim,
+    int max_seqlen_k, int total_q, int total_k, int heads_q, int heads_kv, int head_dim,
     const int64_t* strides, float softmax_scale, int causal, const char* config, void* stream) {
   const int64_t s12[12] = {0, strides[0], strides[1], 0, strides[2], strides[3],
                            0, strides[4], strides[5], 0, strides[6], strides[7]};
@@ -89,6 +90,7 @@ __attribute__((visibility("default"))) int flashserve_attention_forward_varlen(
   p.cu_seqlens_q = cu_seqlens_q;
   p.cu_seqlens_k = cu_seqlens_k;
   p.total_q = total_q;
+  p.total_k = total_k;
   const auto s = static_cast<cudaStream_t>(stream);
   if (config == nullptr || config[0] == '\0') return fk::run(p, s);
   const std::optional<fk::KernelConfig> cfg = fk::KernelConfig::parse(config);

@@ -55,12 +55,16 @@ const Entry kEntries[] = {
 
 #if FLASHSERVE_HAVE_SM90
 const Entry kSm90Entries[] = {
+// One launch for fixed and variable lengths (the kernel reads p.cu_seqlens_q/k when set).
+#define FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
+  sm90::Sm90Traits<ELEMENT, sm90::kernel_head_dim(HEAD_DIM), BLOCK_N, STAGES, BLOCK_M / 64>
 #define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
   {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES, BLOCK_M),            \
-   &sm90::launch_sm90<                                                               \
-       sm90::Sm90Traits<ELEMENT, sm90::kernel_head_dim(HEAD_DIM), BLOCK_N, STAGES, BLOCK_M / 64>>},
+   &sm90::launch_sm90<FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)>, \
+   &sm90::launch_sm90<FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)>},
     FLASHSERVE_SM90_CONFIGS(FLASHSERVE_SM90_ENTRY)
 #undef FLASHSERVE_SM90_ENTRY
+#undef FLASHSERVE_SM90_TRAITS
 };
 #endif
 
@@ -94,7 +98,7 @@ std::vector<const Entry*> sm90_entries() {
 // Whether the sm90 kernels' tensor maps can describe p's q/k/v/o (positive, 16-byte strides).
 bool sm90_can_run(const AttentionParams& p) {
 #if FLASHSERVE_HAVE_SM90
-  if (p.varlen()) return false;  // packed variable-length inputs: sm80 family only
+  if (p.varlen() && p.total_k <= 0) return false;  // the K/V tensor maps need the packed rows
   const sm90::TensorView q = sm90::q_view(p), k = sm90::k_view(p), v = sm90::v_view(p);
   return sm90::tensor_map_strides_ok(q) && sm90::tensor_map_strides_ok(sm90::o_view(p)) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));
@@ -197,6 +201,7 @@ std::string varlen_problem(const AttentionParams& p) {
       reinterpret_cast<uintptr_t>(p.cu_seqlens_k) % alignof(int) != 0)
     return "cu_seqlens_q and cu_seqlens_k must be 4-byte aligned int32 arrays";
   if (p.total_q < 0) return "total_q must be >= 0 (got " + std::to_string(p.total_q) + ")";
+  if (p.total_k < 0) return "total_k must be >= 0 (got " + std::to_string(p.total_k) + ")";
   if (p.lse != nullptr && p.total_q == 0 && p.batch > 0 && p.seqlen_q > 0)
     return "total_q (rows of the packed q) must be set when lse is requested with variable lengths";
   return "";

@@ -1,6 +1,7 @@
-// Variable-length prefill (AttentionParams::cu_seqlens_q/k) on the sm80 family: many sequences of
-// different lengths packed into one q/k/v/o, run in one launch with the configuration that has a
-// variable-length kernel (select()'s; the others must refuse). Each sequence is checked against a
+// Variable-length prefill (AttentionParams::cu_seqlens_q/k): many sequences of different lengths
+// packed into one q/k/v/o, run in one launch by every configuration that takes packed inputs (the
+// sm80 configuration with a variable-length kernel, the others must refuse; on an sm_90 GPU every
+// sm90 configuration, given total_k). Each sequence is checked against a
 // plain fp64 reference of that sequence alone (tolerance: 2x the error of the config's emulation,
 // as in cuda_attention_test.cc) and must equal, bit for bit, the dense kernel run on that sequence
 // alone with the same configuration. Fresh random
@@ -33,6 +34,9 @@ struct VarlenCase {
   std::vector<int> len_q, len_k;  // empty len_k: same as len_q; empty both: random lengths
   int heads_q, heads_kv;
   bool causal;
+  // Every sequence after the first is all NaN (q, k, v): the first, whose last K/V tile is cut
+  // short by them, must not see them. Only the first is checked.
+  bool nan_neighbours = false;
 };
 
 std::vector<int> prefix_sums(const std::vector<int>& lens) {
@@ -66,6 +70,11 @@ Packed make_packed(DType dtype, int head_dim, const VarlenCase& c, std::mt19937_
   pk.q = tu::random_tensor(dtype, size_t(pk.total_q) * c.heads_q * head_dim, 1.f, rng);
   pk.k = tu::random_tensor(dtype, size_t(pk.total_k) * c.heads_kv * head_dim, 1.f, rng);
   pk.v = tu::random_tensor(dtype, size_t(pk.total_k) * c.heads_kv * head_dim, 1.f, rng);
+  if (c.nan_neighbours) {  // 0xFFFF is a NaN in fp16 and bf16
+    std::fill(pk.q.begin() + size_t(pk.cu_q[1]) * c.heads_q * head_dim, pk.q.end(), 0xFFFF);
+    std::fill(pk.k.begin() + size_t(pk.cu_k[1]) * c.heads_kv * head_dim, pk.k.end(), 0xFFFF);
+    std::fill(pk.v.begin() + size_t(pk.cu_k[1]) * c.heads_kv * head_dim, pk.v.end(), 0xFFFF);
+  }
   return pk;
 }
 
@@ -94,6 +103,7 @@ AttentionParams varlen_params(const Packed& pk, bool causal, const void* q, cons
   p.cu_seqlens_q = cu_q;
   p.cu_seqlens_k = cu_k;
   p.total_q = pk.total_q;
+  p.total_k = pk.total_k;
   return p;
 }
 
@@ -189,8 +199,32 @@ void expect_guards_untouched(const Packed& pk, const std::vector<uint16_t>& o,
     ASSERT_TRUE(std::isnan(lse[i])) << "write past the packed LSE (entry " << i << ")";
 }
 
-// Runs the varlen configuration (select()'s) on one packed problem and checks every sequence;
-// the other sm80 configurations must refuse packed inputs.
+// Runs cfg on the packed problem p (NaN-poisoned O and LSE) and checks every sequence (only the
+// first with nan_neighbours) and the guard rows.
+void check_config(const Packed& pk, const VarlenCase& c, const AttentionParams& p,
+                  const fk::KernelConfig& cfg, DevicePacked& dev,
+                  std::vector<tu::Fp64Reference>& refs) {
+  SCOPED_TRACE("config " + cfg.name());
+  ASSERT_EQ(dev.o.poison(), cudaSuccess);
+  ASSERT_EQ(dev.lse.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> o((size_t(pk.total_q) + kGuardRows) * pk.heads_q * pk.head_dim);
+  std::vector<float> lse(size_t(pk.heads_q) * pk.total_q + 16);
+  ASSERT_EQ(dev.o.download(&o), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&lse), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(expect_guards_untouched(pk, o, lse));
+  const size_t checked = c.nan_neighbours ? 1 : refs.size();
+  for (size_t b = 0; b < checked; ++b)
+    if (pk.len_q[b] > 0) {
+      check_sequence(pk, int(b), c.causal, cfg, refs[b], o, lse, dev.q.get(), dev.k.get(),
+                     dev.v.get());
+    }
+}
+
+// Runs every configuration that takes packed inputs on one packed problem: the sm80 one with a
+// variable-length kernel (select()'s without total_k; the other sm80 configurations must refuse)
+// and, on an sm_90 GPU, every sm90 configuration (select()'s choice there with total_k).
 void check_varlen(DType dtype, int head_dim, const VarlenCase& c) {
   std::mt19937_64 rng(tu::case_seed(std::string(dtype == DType::kFloat16 ? "fp16" : "bf16") + "_d" +
                                     std::to_string(head_dim) + "_" + c.name));
@@ -203,32 +237,24 @@ void check_varlen(DType dtype, int head_dim, const VarlenCase& c) {
   ASSERT_EQ(fk::supported(p), "");
   int sm_count = 0;
   ASSERT_EQ(tu::multiprocessor_count(&sm_count), cudaSuccess);
-  ASSERT_EQ(fk::select(p, sm_count).family, fk::KernelFamily::kSm80);
-
+  AttentionParams p_no_total_k = p;
+  p_no_total_k.total_k = 0;  // sm90 cannot size its tensor maps: the sm80 family runs it
+  const fk::KernelConfig cfg80 = fk::select(p_no_total_k, sm_count);
+  ASSERT_EQ(cfg80.family, fk::KernelFamily::kSm80);
+  std::vector<fk::KernelConfig> configs{cfg80};
+  for (const fk::KernelConfig& cfg : fk::candidates(dtype, head_dim, c.causal)) {
+    if (cfg.family == fk::KernelFamily::kSm90) {
+      configs.push_back(cfg);
+      EXPECT_EQ(fk::run(p_no_total_k, cfg, nullptr), cudaErrorInvalidValue) << cfg.name();
+    } else if (cfg != cfg80) {
+      EXPECT_EQ(fk::run(p, cfg, nullptr), cudaErrorInvalidValue) << cfg.name();
+    }
+  }
   std::vector<tu::Fp64Reference> refs;  // point into pk's host tensors
   for (size_t b = 0; b < pk.len_q.size(); ++b)
     refs.emplace_back(sequence_params(pk, int(b), c.causal, pk.q.data(), pk.k.data(), pk.v.data()));
-  // One sm80 configuration per (dtype, head_dim) has a variable-length kernel: select()'s.
-  const fk::KernelConfig cfg = fk::select(p, sm_count);
-  for (const fk::KernelConfig& other : sm80_candidates(dtype, head_dim, c.causal))
-    if (other != cfg) {
-      EXPECT_EQ(fk::run(p, other, nullptr), cudaErrorInvalidValue) << other.name();
-    }
-  SCOPED_TRACE("config " + cfg.name());
-  ASSERT_EQ(dev.o.poison(), cudaSuccess);
-  ASSERT_EQ(dev.lse.poison(), cudaSuccess);
-  ASSERT_EQ(fk::run(p, cfg, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint16_t> o((size_t(pk.total_q) + kGuardRows) * pk.heads_q * head_dim);
-  std::vector<float> lse(size_t(pk.heads_q) * pk.total_q + 16);
-  ASSERT_EQ(dev.o.download(&o), cudaSuccess);
-  ASSERT_EQ(dev.lse.download(&lse), cudaSuccess);
-  ASSERT_NO_FATAL_FAILURE(expect_guards_untouched(pk, o, lse));
-  for (size_t b = 0; b < refs.size(); ++b)
-    if (pk.len_q[b] > 0) {
-      check_sequence(pk, int(b), c.causal, cfg, refs[b], o, lse, dev.q.get(), dev.k.get(),
-                     dev.v.get());
-    }
+  for (const fk::KernelConfig& cfg : configs)
+    ASSERT_NO_FATAL_FAILURE(check_config(pk, c, p, cfg, dev, refs));
 }
 
 std::vector<VarlenCase> cases() {
@@ -240,6 +266,11 @@ std::vector<VarlenCase> cases() {
       {"gqa_8x2", {77, 250, 3}, {}, 8, 2, true},
       {"random", {}, {}, 4, 1, false},
       {"random_causal", {}, {}, 4, 1, true},
+      // The first sequence ends mid-tile (70 keys: 128- and 176-key tiles, 64-key tiles at
+      // d256), its neighbours are NaN; with and without causal, and with a short one (9 keys).
+      {"nan_neighbours", {70, 50}, {70, 60}, 2, 1, false, true},
+      {"nan_neighbours_causal", {70, 50}, {70, 60}, 2, 1, true, true},
+      {"nan_neighbours_short", {9, 50, 3}, {9, 60, 200}, 2, 2, false, true},
   };
 }
 
@@ -308,15 +339,24 @@ TEST(VarlenAttentionApi, SupportedNamesTheField) {
       << fk::supported(p);
 }
 
-// sm90 configurations refuse packed inputs; run(p, stream) takes the sm80 family for them.
-TEST(VarlenAttentionApi, Sm90ConfigsRefuseVarlen) {
+// Without total_k sm90 configurations refuse packed inputs and select() takes the sm80 family;
+// with it select() takes the sm90 family wherever it has configurations (an sm_90 GPU).
+TEST(VarlenAttentionApi, Sm90NeedsTotalK) {
   SKIP_WITHOUT_GPU();
-  const AttentionParams p = dummy_varlen();
+  AttentionParams p = dummy_varlen();
+  bool has_sm90 = false;
   for (const fk::KernelConfig& cfg : fk::candidates(p.dtype, p.head_dim, false))
     if (cfg.family == fk::KernelFamily::kSm90) {
+      has_sm90 = true;
       EXPECT_EQ(fk::run(p, cfg, nullptr), cudaErrorInvalidValue);
     }
-  EXPECT_EQ(fk::select(p, 132).family, fk::KernelFamily::kSm80);
+  // sm_count 1: the problem is then large enough for sm90 (sm90_worth_it).
+  EXPECT_EQ(fk::select(p, 1).family, fk::KernelFamily::kSm80);
+  p.total_k = 9;
+  EXPECT_EQ(fk::select(p, 1).family,
+            has_sm90 ? fk::KernelFamily::kSm90 : fk::KernelFamily::kSm80);
+  p.total_k = -1;
+  EXPECT_NE(fk::supported(p).find("total_k must be >= 0"), std::string::npos) << fk::supported(p);
 }
 
 }  // namespace

@@ -68,9 +68,13 @@ struct SmemMap {
 // shared-memory accesses and reported the slot's write/read pair as 2 hazards. Named barriers
 // (FlashAttention-3's tile-count hand-over) are both correct and visible to racecheck.
 template <typename T>
-__device__ __forceinline__ int turn_bar(int cw) { return 1 + cw; }
+__device__ __forceinline__ int turn_bar(int cw) {
+  return 1 + cw;
+}
 template <typename T>
-__device__ __forceinline__ int epilogue_bar(int cw) { return 1 + T::kConsumers + cw; }
+__device__ __forceinline__ int epilogue_bar(int cw) {
+  return 1 + T::kConsumers + cw;
+}
 template <typename T>
 __device__ __forceinline__ int slot_full_bar(int b, int cw) {
   return 1 + 2 * T::kConsumers + T::kConsumers * b + cw;
@@ -151,7 +155,7 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
 #pragma unroll
       for (int cb = 0; cb < T::kColBlocks; ++cb)
         tma_load_4d(dst + cb * T::kBlockN * T::kRowBytes, tm, full, cb * 64,
-                    (w.n_blocks - 1 - j) * T::kBlockN, w.head_kv, w.batch);
+                    w.k_row0 + (w.n_blocks - 1 - j) * T::kBlockN, w.head_kv, w.batch);
     };
     if (loads) load(tm_k, true, 0);
     // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
@@ -168,7 +172,7 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
 #pragma unroll
       for (int cb = 0; cb < T::kColBlocks; ++cb)
         tma_load_4d(sm.q(qb) + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(qb), cb * 64,
-                    w.m_block * T::kBlockM, w.head, w.batch);
+                    w.q_row0 + w.m_block * T::kBlockM, w.head, w.batch);
     }
     for (int j = 1; j < w.n_blocks; ++j) {
       load(tm_k, true, j);
@@ -179,6 +183,40 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
   }
   drain_slot_reads<T>(q_iter + 1);
   if (leader) finish_dynamic_schedule(sa.slot);
+}
+
+/// Where row `row` (of w's sequence) of w's head starts in p.o, and its LSE entry (LSE is
+/// [batch, heads_q, seqlen_q], or [heads_q, total_q] with packed variable-length inputs).
+template <typename T>
+__device__ __forceinline__ typename T::Element* o_row(const AttentionParams& p, const BlockWork& w,
+                                                      int row) {
+  return static_cast<typename T::Element*>(p.o) + int64_t(w.batch) * p.o_batch_stride +
+         int64_t(w.q_row0 + row) * p.o_row_stride + int64_t(w.head) * p.o_head_stride;
+}
+template <typename T>
+__device__ __forceinline__ int64_t lse_index(const AttentionParams& p, const BlockWork& w,
+                                             int row) {
+  return T::kPacked ? int64_t(w.head) * p.total_q + w.q_row0 + row
+                    : (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row;
+}
+
+/// Packed variable-length outputs: TMA would clip rows only at total_q, so the warpgroup's rows
+/// of O (staged in shared memory at base, swizzled as store_o wrote them) go out row by row,
+/// 16 bytes per thread and step, up to the sequence's end and head_dim; then Q buffer qb is
+/// released at once (nothing asynchronous reads it).
+template <typename T>
+__device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
+                             int cw, int qb, uint32_t base) {
+  const int t = threadIdx.x % 128, first = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer;
+  const int rows = min(T::kRowsPerConsumer, w.seqlen_q - first), chunks = p.head_dim / 8;
+  for (int idx = t; idx < rows * chunks; idx += 128) {
+    const int r = idx / chunks, c = idx % chunks;
+    const uint32_t addr =
+        base + (c / 8) * T::kBlockM * T::kRowBytes + r * T::kRowBytes + ((c % 8) ^ (r % 8)) * 16;
+    *reinterpret_cast<uint4*>(o_row<T>(p, w, first + r) + c * 8) = ld_shared_v4(addr);
+  }
+  named_barrier_sync(epilogue_bar<T>(cw), 128);  // every row has been read
+  if (t == 0) mbarrier_arrive(sm.q_empty(qb));
 }
 
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
@@ -205,16 +243,17 @@ __device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CU
                     ptx::pack2<typename T::Element>(o[4 * i2 + 2 * h], o[4 * i2 + 2 * h + 1]));
     }
     const int row = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + r;
-    if (p.lse != nullptr && lane % 4 == 0 && row < p.seqlen_q)
-      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row] = lse[h];
+    if (p.lse != nullptr && lane % 4 == 0 && row < w.seqlen_q)
+      p.lse[lse_index<T>(p, w, row)] = lse[h];
   }
   fence_proxy_async_smem();
   named_barrier_sync(epilogue_bar<T>(cw), 128);  // the warpgroup's rows are all in smem
+  if constexpr (T::kPacked) return store_o_rows<T>(p, sm, w, cw, qb, base);
   if (threadIdx.x % 128 != 0) return;
 #pragma unroll
   for (int cb = 0; cb < T::kColBlocks; ++cb)
     tma_store_4d(tm_o, base + cb * T::kBlockM * T::kRowBytes, cb * 64,
-                 w.m_block * T::kBlockM + cw * T::kRowsPerConsumer, w.head, w.batch);
+                 w.q_row0 + w.m_block * T::kBlockM + cw * T::kRowsPerConsumer, w.head, w.batch);
   bulk_commit_group();
   if constexpr (T::kQBuffers == 1) {  // the producer waits for this buffer to load the next Q
     bulk_wait_group_read0();
@@ -243,7 +282,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
   const int lane = threadIdx.x % 32;
   const int warp_in_wg = (threadIdx.x / 32) % 4;
   const int row0 = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + warp_in_wg * 16 + lane / 4;
-  const Mask mask{p.seqlen_k, p.seqlen_k - p.seqlen_q, p.causal};
+  const Mask mask{w.seqlen_k, w.seqlen_k - w.seqlen_q, p.causal};
   const int col_limit[2] = {mask.col_limit(row0), mask.col_limit(row0 + 8)};
   const float scale_log2 = p.softmax_scale_log2;
 
@@ -278,9 +317,24 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
       Wgmma<Element, kN>::ss(s, q_desc(ks), k_desc(stage, ks), ks > 0);
     wgmma_commit();
   };
+  // Packed inputs: the rows of the first K/V tile past the sequence's end hold the next
+  // sequence's keys and values. Their P is 0, but 0 * (an Inf or NaN there) is NaN, so
+  // warpgroup 0 zeroes those V rows before any P V reads them (the GEMM turns order the others
+  // after it); dense inputs get zeros from TMA's out-of-bounds fill.
+  const int tail_rows = w.seqlen_k - (w.n_blocks - 1) * kN;
+  auto clear_foreign_v_rows = [&](int stage) {
+    const uint32_t v = sm.v_stage(stage);
+    for (int i = threadIdx.x % 128; i < (kN - tail_rows) * 8 * T::kColBlocks; i += 128) {
+      const int row = tail_rows + i / (8 * T::kColBlocks), rest = i % (8 * T::kColBlocks);
+      st_shared_zero_v4(v + (rest / 8) * kN * T::kRowBytes + row * T::kRowBytes + (rest % 8) * 16);
+    }
+    fence_proxy_async_smem();  // the zeros, written by threads, are read by wgmma
+    named_barrier_sync(epilogue_bar<T>(cw), 128);
+  };
   auto issue_pv = [&](int j) {
     const int g = kv_iter + j, stage = g % T::kStages;
     mbarrier_wait(sm.v_full(stage), (g / T::kStages) & 1);
+    if (T::kPacked && j == 0 && cw == 0 && tail_rows < kN) clear_foreign_v_rows(stage);
 #pragma unroll
     for (int i2 = 0; i2 < kD / 2; ++i2) fence_operand(o[i2]);
     wgmma_fence();
@@ -386,17 +440,15 @@ template <typename T>
 __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, int t) {
   constexpr int kThreads = 128 * T::kConsumers;
   using Element = typename T::Element;
-  const int rows = min(T::kBlockM, p.seqlen_q - w.m_block * T::kBlockM);
+  const int rows = min(T::kBlockM, w.seqlen_q - w.m_block * T::kBlockM);
   const int chunks = p.head_dim / 8;  // p's, not the instance's (kernel_head_dim, registry.h)
-  Element* out = static_cast<Element*>(p.o) + w.batch * p.o_batch_stride +
-                 w.head * p.o_head_stride + int64_t(w.m_block) * T::kBlockM * p.o_row_stride;
+  Element* out = o_row<T>(p, w, w.m_block * T::kBlockM);
   for (int idx = t; idx < rows * chunks; idx += kThreads)
     *reinterpret_cast<uint4*>(out + (idx / chunks) * p.o_row_stride + (idx % chunks) * 8) =
         make_uint4(0, 0, 0, 0);
   if (p.lse != nullptr)
     for (int r = t; r < rows; r += kThreads)
-      p.lse[(int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + w.m_block * T::kBlockM + r] =
-          -INFINITY;
+      p.lse[lse_index<T>(p, w, w.m_block * T::kBlockM + r)] = -INFINITY;
 }
 
 /// Consumer warpgroup cw's share of every tile the producer hands to the block.

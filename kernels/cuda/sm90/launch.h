@@ -1,6 +1,6 @@
 // launch_sm90<Traits>: builds the Q/K/V/O tensor maps, picks the grid and its schedule and
-// launches sm90_fwd_kernel. Included only
-// by the instance files (compiled for sm_90a); the dispatch table sees registry.h.
+// launches sm90_fwd_kernel (Traits' packed variable-length variant for packed inputs). Included
+// only by the instance files (compiled for sm_90a); the dispatch table sees registry.h.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,8 @@ namespace flashserve::kernels::cuda::sm90 {
 
 /// The grid and its schedule (scheduler.h): persistent, one block per SM (the producer loads
 /// the next tile while the consumers finish the current one). Non-causal problems take the
-/// static schedule (equal tiles), causal ones the dynamic schedule (a global tile counter).
+/// static schedule (equal tiles), causal and packed variable-length ones the dynamic schedule (a
+/// global tile counter).
 /// H100 A/B in one process (bench/results/kernels-sm90-h100-2026-11-24-b.md), d128 causal
 /// S4096 / S4000 / S8192: dynamic 573-611 / 546-563 / 605-611 TFLOPS, the static list (block
 /// count coprime with the tiles per head) 547-557 / 533 / -, one block per tile 531-537 /
@@ -27,7 +28,10 @@ struct GridPlan {
 };
 
 inline GridPlan grid_plan(const AttentionParams& p, int tiles, int sm_count) {
-  return {std::min(tiles, std::max(sm_count, 1)), p.causal};
+  // Packed variable lengths: tiles past a shorter sequence's end are empty, so tiles differ as
+  // in causal problems (H100, 16 mixed lengths, non-causal: static 0.76-0.83 of the dense
+  // problem of equal work; kernels-varlen-h100-2026-11-24-sm90.md).
+  return {std::min(tiles, std::max(sm_count, 1)), p.causal || p.varlen()};
 }
 
 /// The tile order's L2 section (tile_order.h; schedule_l2_heads decides where it is used).
@@ -44,8 +48,9 @@ inline int next_sched_slot() {
   return int(next.fetch_add(1, std::memory_order_relaxed) % kSchedSlots);
 }
 
+/// One kernel variant (T::kPacked or not): tensor maps, grid, launch.
 template <typename T>
-cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t launch_sm90_kernel(const AttentionParams& p, cudaStream_t stream) {
   auto kernel = sm90_fwd_kernel<T>;
   // Bit d: the >48 KB dynamic shared-memory limit is raised on device d (per-device attribute).
   static std::atomic<uint64_t> attribute_set{0};
@@ -77,6 +82,12 @@ cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
   const SchedArgs sa{plan.dynamic ? next_sched_slot() : -1, schedule_l2_heads<T>(p)};
   kernel<<<plan.blocks, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o, sa);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_sm90(const AttentionParams& p, cudaStream_t stream) {
+  return p.varlen() ? launch_sm90_kernel<typename T::Packed>(p, stream)
+                    : launch_sm90_kernel<T>(p, stream);
 }
 
 }  // namespace flashserve::kernels::cuda::sm90

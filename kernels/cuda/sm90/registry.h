@@ -39,7 +39,9 @@ namespace flashserve::kernels::cuda::sm90 {
 /// The instance's head dim for a problem's: a multiple of 64 (the 128-byte swizzled column block).
 constexpr int kernel_head_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
+// kPacked_: the kernel for packed variable-length inputs (launch_sm90 picks it at run time).
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
+          bool kPacked_ = false>
 struct Sm90Traits;
 
 template <typename T>

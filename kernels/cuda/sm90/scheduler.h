@@ -1,12 +1,14 @@
 // Which tiles a block of the sm90 kernel computes, and in what order. Every schedule walks one
 // linear tile order (tile_order.h: non-causal, the query tiles of one (batch, head) adjacent;
-// causal, L2-sized sections of heads walked heaviest query tile first); only the producer warp walks it and hands each tile
-// to the consumers through shared memory (kernel.h), so the consumers never compute a schedule.
+// causal, L2-sized sections of heads walked heaviest query tile first); only the producer warp
+// walks it and hands each tile to the consumers through shared memory (kernel.h), so the consumers
+// never compute a schedule.
 //  - static (sched_slot < 0): block b takes tiles b, b + gridDim.x, ...; used for non-causal
-//    problems (equal tiles) and for one block per tile (gridDim.x = tiles).
+//    fixed-length problems (equal tiles) and for one block per tile (gridDim.x = tiles).
 //  - dynamic (sched_slot >= 0): each producer takes the next tile from a global counter when it
 //    starts loading one, so blocks stay close together in the order (L2 reuse) and the unequal
-//    causal tiles balance like a greedy longest-first list. The counters live in a per-module
+//    causal tiles balance like a greedy longest-first list (and packed variable lengths' tiles,
+//    empty past a shorter sequence's end, spread evenly). The counters live in a per-module
 //    pool of kSchedSlots pairs {next tile, finished blocks}; the host hands each launch the next
 //    slot round-robin and the launch's last block resets its pair to 0. Two launches share a
 //    slot only with kSchedSlots - 1 other dynamic launches of the same instance in flight.
@@ -28,8 +30,12 @@ struct SchedArgs {
 };
 
 /// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
+/// Its sequence: lengths, and first rows in q/o and k/v along the tensor maps' row axis (0, or
+/// with packed variable-length inputs cu_seqlens[sequence]); batch is the tensor maps' batch
+/// coordinate (0 when packed) and seq the sequence's index.
 struct BlockWork {
   int m_block, head, head_kv, batch, n_blocks;
+  int seq, seqlen_q, seqlen_k, q_row0, k_row0;
 };
 
 /// The linear tile order and the work of each tile.
@@ -47,13 +53,27 @@ struct TileScheduler {
     const int m_idx = c.m_idx, hb = c.hb;
     w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
     w.head = hb % p.heads_q;
-    w.batch = hb / p.heads_q;
+    w.seq = hb / p.heads_q;
     w.head_kv = w.head / (p.heads_q / p.heads_kv);
-    w.n_blocks = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+    if constexpr (T::kPacked) {
+      w.q_row0 = p.cu_seqlens_q[w.seq];
+      w.k_row0 = p.cu_seqlens_k[w.seq];
+      w.seqlen_q = p.cu_seqlens_q[w.seq + 1] - w.q_row0;
+      w.seqlen_k = p.cu_seqlens_k[w.seq + 1] - w.k_row0;
+      w.batch = 0;
+    } else {
+      w.q_row0 = w.k_row0 = 0;
+      w.seqlen_q = p.seqlen_q;
+      w.seqlen_k = p.seqlen_k;
+      w.batch = w.seq;
+    }
+    w.n_blocks = (w.seqlen_k + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) {  // one past the last column the tile's last row may see
-      const int col_end = (w.m_block + 1) * T::kBlockM + p.seqlen_k - p.seqlen_q;
+      const int col_end = (w.m_block + 1) * T::kBlockM + w.seqlen_k - w.seqlen_q;
       w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
     }
+    // A tile past a shorter sequence's end: no rows, nothing to load or write.
+    if (w.m_block * T::kBlockM >= w.seqlen_q) w.n_blocks = 0;
     return w;
   }
 };

@@ -23,24 +23,38 @@ struct TensorView {
   int64_t row_stride, head_stride, batch_stride;
 };
 
-/// The views of p's q, k and v (read by TMA loads).
-inline TensorView q_view(const AttentionParams& p) {
-  return {p.q,     p.dtype,        p.head_dim,      p.seqlen_q,      p.heads_q,
-          p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride};
-}
-inline TensorView k_view(const AttentionParams& p) {
-  return {p.k,     p.dtype,        p.head_dim,      p.seqlen_k,      p.heads_kv,
-          p.batch, p.k_row_stride, p.k_head_stride, p.k_batch_stride};
-}
-inline TensorView v_view(const AttentionParams& p) {
-  return {p.v,     p.dtype,        p.head_dim,      p.seqlen_k,      p.heads_kv,
-          p.batch, p.v_row_stride, p.v_head_stride, p.v_batch_stride};
+/// One operand of p: `rows` per sequence (seqlen_q or seqlen_k) of a [batch] tensor, or, with
+/// packed variable-length inputs, `packed_rows` (total_q or total_k) of one batch; each tile then
+/// adds its sequence's first row (BlockWork).
+inline TensorView operand_view(const AttentionParams& p, const void* base, int rows,
+                               int packed_rows, int heads, int64_t row_stride, int64_t head_stride,
+                               int64_t batch_stride) {
+  const bool packed = p.varlen();
+  return {base,        p.dtype,
+          p.head_dim,  packed ? packed_rows : rows,
+          heads,       packed ? 1 : p.batch,
+          row_stride,  head_stride,
+          batch_stride};
 }
 
-/// The view of p's output o (written by TMA stores).
+/// The views of p's q, k and v (read by TMA loads).
+inline TensorView q_view(const AttentionParams& p) {
+  return operand_view(p, p.q, p.seqlen_q, p.total_q, p.heads_q, p.q_row_stride, p.q_head_stride,
+                      p.q_batch_stride);
+}
+inline TensorView k_view(const AttentionParams& p) {
+  return operand_view(p, p.k, p.seqlen_k, p.total_k, p.heads_kv, p.k_row_stride, p.k_head_stride,
+                      p.k_batch_stride);
+}
+inline TensorView v_view(const AttentionParams& p) {
+  return operand_view(p, p.v, p.seqlen_k, p.total_k, p.heads_kv, p.v_row_stride, p.v_head_stride,
+                      p.v_batch_stride);
+}
+
+/// The view of p's output o (TMA stores; packed outputs are written row by row instead).
 inline TensorView o_view(const AttentionParams& p) {
-  return {p.o,     p.dtype,        p.head_dim,      p.seqlen_q,      p.heads_q,
-          p.batch, p.o_row_stride, p.o_head_stride, p.o_batch_stride};
+  return operand_view(p, p.o, p.seqlen_q, p.total_q, p.heads_q, p.o_row_stride, p.o_head_stride,
+                      p.o_batch_stride);
 }
 
 /// cudaSuccess, or cudaErrorInvalidValue when the view cannot be a tensor map (e.g. a zero or

@@ -5,9 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "registry.h"  // the declaration (kPacked_'s default)
+
 namespace flashserve::kernels::cuda::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kConsumers_,
+          bool kPacked_>
 struct Sm90Traits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "fp16/bf16 only");
@@ -21,6 +24,10 @@ struct Sm90Traits {
   // 128) or, at d=64, three (block_m 192, FlashAttention-3's d64 tile: each K/V tile loaded to
   // shared memory serves 1.5x the query rows).
   static constexpr int kConsumers = kConsumers_;
+  // Packed variable-length inputs are a compile-time variant: as a run-time branch, the d=64
+  // kernels lost 3-9% on fixed lengths (H100 A/B, kernels-varlen-h100-2026-11-24-sm90.md).
+  static constexpr bool kPacked = kPacked_;
+  using Packed = Sm90Traits<Element_, kHeadDim_, kBlockN_, kStages_, kConsumers_, true>;
   static_assert(kConsumers == 2 || kConsumers == 3, "named barrier ids (kernel.h) are for 2-3");
   static constexpr int kRowsPerConsumer = 64;  // wgmma m64
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;

@@ -20,14 +20,16 @@ namespace flashserve::kernels {
 /// key (possible when seqlen_q > seqlen_k) gets O = 0 and LSE = -inf.
 /// Strides are in elements; the last (head_dim) dimension is contiguous.
 ///
-/// Variable lengths (only cuda::run() reads these fields, and runs them on the sm80 family; the
-/// CPU backend and the references do not look at them): with
+/// Variable lengths (only cuda::run() reads these fields; the CPU backend and the references do
+/// not look at them): with
 /// cu_seqlens_q and cu_seqlens_k set, sequence b's queries are rows [cu_seqlens_q[b],
 /// cu_seqlens_q[b+1]) of a packed q/o [total_q, heads_q, head_dim] and its keys rows
 /// [cu_seqlens_k[b], cu_seqlens_k[b+1]) of a packed k/v [total_k, heads_kv, head_dim] (both
 /// int32 [batch + 1], non-decreasing, in device memory; batch strides are ignored). seqlen_q and
 /// seqlen_k are then the maxima over the sequences (the grid is sized by them; a longer sequence
 /// is the caller's bug), causal is bottom-right per sequence, and lse is [heads_q, total_q].
+/// The sm90 family also needs total_k (its TMA tensor maps span the packed k/v); without it
+/// packed inputs run on the sm80 family.
 struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -55,6 +57,7 @@ struct AttentionParams {
   const int* cu_seqlens_q = nullptr;  // variable lengths (above): both set, or both null
   const int* cu_seqlens_k = nullptr;
   int total_q = 0;                    // rows of the packed q/o (sizes the varlen lse)
+  int total_k = 0;                    // rows of the packed k/v (0: unknown, sm80 family only)
 
   bool varlen() const { return cu_seqlens_q != nullptr || cu_seqlens_k != nullptr; }
 };
