@@ -541,9 +541,9 @@ constexpr char kUsage[] =
     "                                per row\n";
 
 const std::set<std::string> kKnownFlags = {
-    "target", "token",  "echo",         "mode", "context",    "sequences",  "concurrency",
-    "steps",  "warmup", "local_socket", "shm",  "shm_device", "timeout_ms", "packed",
-    "client_spin_us"};
+    "target",    "token",       "echo",       "mode",   "context",
+    "sequences", "concurrency", "steps",      "warmup", "local_socket",
+    "shm",       "shm_device",  "timeout_ms", "packed", "client_spin_us"};
 
 void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;

@@ -63,9 +63,12 @@ constexpr char kUsage[] =
     "  --target=HOST:PORT            flashserve's gRPC address (default 127.0.0.1:8001)\n"
     "  --echo=HOST:PORT              flashserve-echo: the raw gRPC ceiling (default none)\n"
     "  --token=T                     bearer token for a server started with --auth_token_file (or\n"
-    "                                $FLASHSERVE_AUTH_TOKEN): sent on every gRPC call (unary grid, striped,\n"
-    "                                shared-memory registrations and ModelInfer; the echo calls carry it\n"
-    "                                too, so both carry the same bytes) and in the local socket's Hello\n"
+    "                                $FLASHSERVE_AUTH_TOKEN): sent on every gRPC call (unary grid, "
+    "striped,\n"
+    "                                shared-memory registrations and ModelInfer; the echo calls "
+    "carry it\n"
+    "                                too, so both carry the same bytes) and in the local socket's "
+    "Hello\n"
     "  --shapes=small,medium,large   request shapes\n"
     "  --concurrency=1,4,16,64       requests in flight per cell\n"
     "  --duration_s=2  --min_requests=3  --large_max_concurrency=16\n"
@@ -75,7 +78,8 @@ constexpr char kUsage[] =
     "  --csv=service.csv  --md=service.md   where the tables go\n"
     "  --shm=system,cuda  --shm_device=0    shared-memory paths over KServe gRPC (loadgen_shm.h;\n"
     "                                the server needs --allow_client_shm; cuda: CUDA builds only)\n"
-    "  --local_socket=PATH           the local transport's cells (loadgen_local.h; the server needs\n"
+    "  --local_socket=PATH           the local transport's cells (loadgen_local.h; the server "
+    "needs\n"
     "                                --local_socket=PATH)\n"
     "  --local_shm=system,cuda       their shm paths (default those of --shm)\n"
     "  --local_max_frame_bytes=8388608\n"
@@ -83,9 +87,12 @@ constexpr char kUsage[] =
     "                                before blocking in recv (local_client.h)\n";
 
 const std::set<std::string> kKnownFlags = {
-    "target", "echo", "token", "shapes", "concurrency", "duration_s", "min_requests", "large_max_concurrency",
-    "channels", "stripes", "stripe_reps", "striped_shapes", "chunk_mib", "csv", "md", "shm", "shm_device",
-    "local_socket", "local_shm", "local_max_frame_bytes", "client_spin_us"};
+    "target",        "echo",         "token",        "shapes",
+    "concurrency",   "duration_s",   "min_requests", "large_max_concurrency",
+    "channels",      "stripes",      "stripe_reps",  "striped_shapes",
+    "chunk_mib",     "csv",          "md",           "shm",
+    "shm_device",    "local_socket", "local_shm",    "local_max_frame_bytes",
+    "client_spin_us"};
 
 // --- options ------------------------------------------------------------------------------------
 

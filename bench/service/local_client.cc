@@ -146,8 +146,8 @@ CallStatus LocalClient::Receive(std::string* reply) {
   const ssize_t n = ReceiveFirst(head, first_bytes_.get(), kFirstReadBytes);
   if (n == 0) errno = 0;
   const size_t got = n > 0 ? size_t(n) : 0;
-  if (n <= 0 || (got < kHeaderBytes && !ReadFully(fd_, reinterpret_cast<char*>(head) + got,
-                                                  kHeaderBytes - got))) {
+  if (n <= 0 || (got < kHeaderBytes &&
+                 !ReadFully(fd_, reinterpret_cast<char*>(head) + got, kHeaderBytes - got))) {
     return Fail(errno == 0 ? kUnavailable : ErrnoCode(),
                 errno == 0 ? "the server closed the connection"
                            : std::string("receive: ") + std::strerror(errno));

@@ -80,9 +80,9 @@ __attribute__((visibility("default"))) int flashserve_attention_forward(
 /// flashserve_attention_forward. Returns cudaError_t.
 __attribute__((visibility("default"))) int flashserve_attention_forward_varlen(
     int dtype, const void* q, const void* k, const void* v, void* o, float* lse,
-    const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int max_seqlen_q,
-    int max_seqlen_k, int total_q, int total_k, int heads_q, int heads_kv, int head_dim,
-    const int64_t* strides, float softmax_scale, int causal, const char* config, void* stream) {
+    const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int max_seqlen_q, int max_seqlen_k,
+    int total_q, int total_k, int heads_q, int heads_kv, int head_dim, const int64_t* strides,
+    float softmax_scale, int causal, const char* config, void* stream) {
   const int64_t s12[12] = {0, strides[0], strides[1], 0, strides[2], strides[3],
                            0, strides[4], strides[5], 0, strides[6], strides[7]};
   AttentionParams p = make_params(dtype, q, k, v, o, lse, batch, max_seqlen_q, max_seqlen_k,

@@ -55,11 +55,11 @@ const Entry kEntries[] = {
 
 #if FLASHSERVE_HAVE_SM90
 const Entry kSm90Entries[] = {
-// One launch for fixed and variable lengths (the kernel reads p.cu_seqlens_q/k when set).
+// One launch function for fixed and variable lengths (launch_sm90 picks the packed variant).
 #define FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
   sm90::Sm90Traits<ELEMENT, sm90::kernel_head_dim(HEAD_DIM), BLOCK_N, STAGES, BLOCK_M / 64>
-#define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES) \
-  {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES, BLOCK_M),            \
+#define FLASHSERVE_SM90_ENTRY(DTYPE, ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)           \
+  {DType::DTYPE, HEAD_DIM, KernelConfig::sm90(BLOCK_N, STAGES, BLOCK_M),                    \
    &sm90::launch_sm90<FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)>, \
    &sm90::launch_sm90<FLASHSERVE_SM90_TRAITS(ELEMENT, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)>},
     FLASHSERVE_SM90_CONFIGS(FLASHSERVE_SM90_ENTRY)
@@ -119,11 +119,11 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
   return nullptr;
 }
 
-// Whether d=64 (and d=32, which runs the d=64 instances) takes the 192-row sm90 tiles: H100, same-call A/B against cuDNN
-// (kernels-sm90-h100-2026-11-24-f.md): 1.05-1.34x at every non-causal point from S1024 and every
-// causal one from S2048, where the 128-row tiles read 0.95-1.11x; causal S1024 0.91 (128 rows:
-// 1.02): the 192-row diagonal tiles waste more. Only with 4+ waves of 192-row tiles (every
-// measured point has 23+); fewer leave SMs idle at the end.
+// Whether d=64 (and d=32, which runs the d=64 instances) takes the 192-row sm90 tiles: H100,
+// same-call A/B against cuDNN (kernels-sm90-h100-2026-11-24-f.md): 1.05-1.34x at every non-causal
+// point from S1024 and every causal one from S2048, where the 128-row tiles read 0.95-1.11x; causal
+// S1024 0.91 (128 rows: 1.02): the 192-row diagonal tiles waste more. Only with 4+ waves of 192-row
+// tiles (every measured point has 23+); fewer leave SMs idle at the end.
 bool sm90_block_m192_fits(const AttentionParams& p, int sm_count) {
   if (p.head_dim > 64 || (p.causal && p.seqlen_q < 2048)) return false;
   const int64_t tiles = int64_t((p.seqlen_q + 191) / 192) * p.heads_q * p.batch;

@@ -353,8 +353,7 @@ TEST(VarlenAttentionApi, Sm90NeedsTotalK) {
   // sm_count 1: the problem is then large enough for sm90 (sm90_worth_it).
   EXPECT_EQ(fk::select(p, 1).family, fk::KernelFamily::kSm80);
   p.total_k = 9;
-  EXPECT_EQ(fk::select(p, 1).family,
-            has_sm90 ? fk::KernelFamily::kSm90 : fk::KernelFamily::kSm80);
+  EXPECT_EQ(fk::select(p, 1).family, has_sm90 ? fk::KernelFamily::kSm90 : fk::KernelFamily::kSm80);
   p.total_k = -1;
   EXPECT_NE(fk::supported(p).find("total_k must be >= 0"), std::string::npos) << fk::supported(p);
 }

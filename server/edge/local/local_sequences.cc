@@ -76,8 +76,7 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
 // unregisters after its answer finds no lease) and keeps the rest for after the answer.
 absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t bytes,
                         std::shared_ptr<DecodeState> state, const BuildFn& build,
-                        const std::function<void(const DecodeReport&)>& fill,
-                        LocalReply* reply) {
+                        const std::function<void(const DecodeReport&)>& fill, LocalReply* reply) {
   absl::Status status = RunDecode(services, local, bytes, state.get(), build, fill);
   state->hold.shm.leases.clear();
   state->admission = std::move(local.admission);

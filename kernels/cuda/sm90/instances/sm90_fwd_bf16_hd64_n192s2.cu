@@ -6,5 +6,5 @@
 
 namespace flashserve::kernels::cuda::sm90 {
 template cudaError_t launch_sm90<Sm90Traits<__nv_bfloat16, 64, 192, 2, 2>>(const AttentionParams&,
-                                                                cudaStream_t);
+                                                                           cudaStream_t);
 }  // namespace flashserve::kernels::cuda::sm90
