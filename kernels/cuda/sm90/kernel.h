@@ -4,18 +4,22 @@
 // (static or dynamic, see launch.h); the producer hands each tile's index to the consumers with
 // its Q buffer (two where they fit) and loads the next tile's Q and K/V while the consumers
 // finish the current one.
-//  - Warpgroup 0 (producer, setmaxnreg 40 or 56): its warp 0 hands each tile's index to the
+//  - Warpgroup 0 (producer, setmaxnreg 40, or 32 beside 3 consumers): its warp 0 hands each tile's
+//  index to the
 //    consumers (named barriers) and its lane 0 issues TMA copies of the Q tile and of the K and
 //    V tiles, last tile first, into a kStages-deep shared-memory ring; each copy completes on a
 //    "full" mbarrier, and a stage is reused once the consumers arrive on its "empty" mbarrier.
-//  - Warpgroups 1..C (consumers, setmaxnreg 232 or 152) each own 64 query rows: S = Q K^T by
+//  - Warpgroups 1..C (consumers, setmaxnreg 232, or 160 when C = 3) each own 64 query rows: S = Q
+//  K^T by
 //    wgmma with both operands in shared memory, the online softmax (lazy rescale) in registers,
 //    and O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j
 //    runs while the tensor cores do P V of tile j - 1 (issued together with S_j), and the
 //    consumer warpgroups take turns issuing their GEMMs (round robin on named barriers 1..C).
-// Epilogue: O goes through the tile's Q buffer to TMA stores (store_o).
+// Epilogue: O goes through the tile's Q buffer to TMA stores (store_o), or with packed
+// variable-length inputs (T::kPacked) row by row up to the sequence's end (store_o_rows).
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
-// (key tail, causal diagonal) come first; TMA fills rows past the sequence ends with zeros.
+// (key tail, causal diagonal) come first; TMA fills rows past the tensor's end with zeros (packed
+// inputs: rows past a sequence's end belong to the next one, see clear_foreign_v_rows).
 #pragma once
 
 #include <cuda.h>

@@ -32,10 +32,10 @@ struct SchedArgs {
 /// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
 /// Its sequence: lengths, and first rows in q/o and k/v along the tensor maps' row axis (0, or
 /// with packed variable-length inputs cu_seqlens[sequence]); batch is the tensor maps' batch
-/// coordinate (0 when packed) and seq the sequence's index.
+/// coordinate (0 when packed).
 struct BlockWork {
   int m_block, head, head_kv, batch, n_blocks;
-  int seq, seqlen_q, seqlen_k, q_row0, k_row0;
+  int seqlen_q, seqlen_k, q_row0, k_row0;
 };
 
 /// The linear tile order and the work of each tile.
@@ -53,19 +53,19 @@ struct TileScheduler {
     const int m_idx = c.m_idx, hb = c.hb;
     w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
     w.head = hb % p.heads_q;
-    w.seq = hb / p.heads_q;
+    const int seq = hb / p.heads_q;
     w.head_kv = w.head / (p.heads_q / p.heads_kv);
     if constexpr (T::kPacked) {
-      w.q_row0 = p.cu_seqlens_q[w.seq];
-      w.k_row0 = p.cu_seqlens_k[w.seq];
-      w.seqlen_q = p.cu_seqlens_q[w.seq + 1] - w.q_row0;
-      w.seqlen_k = p.cu_seqlens_k[w.seq + 1] - w.k_row0;
+      w.q_row0 = p.cu_seqlens_q[seq];
+      w.k_row0 = p.cu_seqlens_k[seq];
+      w.seqlen_q = p.cu_seqlens_q[seq + 1] - w.q_row0;
+      w.seqlen_k = p.cu_seqlens_k[seq + 1] - w.k_row0;
       w.batch = 0;
     } else {
       w.q_row0 = w.k_row0 = 0;
       w.seqlen_q = p.seqlen_q;
       w.seqlen_k = p.seqlen_k;
-      w.batch = w.seq;
+      w.batch = seq;
     }
     w.n_blocks = (w.seqlen_k + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) {  // one past the last column the tile's last row may see
