@@ -34,14 +34,20 @@ from flashserve.local import ATTEND, ATTENTION, ECHO, HEADER, MAGIC  # noqa: E40
 from flashserve.shm import SystemRegion  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int):
+    """n distinct free ports: all bound at once, so the kernel cannot hand the same one out twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def start(binary, path, spin_us, workers):
-    ports = [free_port() for _ in range(3)]
+    ports = free_ports(3)
     proc = subprocess.Popen([binary, "--backend=cpu", f"--worker_threads={workers}", f"--grpc_port={ports[0]}",
                              f"--http_port={ports[1]}", f"--metrics_port={ports[2]}", f"--local_socket={path}",
                              f"--local_spin_us={spin_us}", "--allow_client_shm", "--log_level=warn",

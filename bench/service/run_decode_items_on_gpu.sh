@@ -7,8 +7,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${FLASHSERVE_BIN:?}" "${OUT:?}"
 mkdir -p "$OUT"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-grpc=$(free_port); http=$(free_port); metrics=$(free_port)
+source "$(dirname "${BASH_SOURCE[0]}")/free_ports.sh"
+read -r grpc http metrics <<<"$(free_ports 3)"
 "$FLASHSERVE_BIN" --backend=cuda --host=127.0.0.1 --grpc_port="$grpc" --http_port="$http" --metrics_port="$metrics" \
   --kv_cache_bytes=${KV_CACHE_BYTES:-$((6 << 30))} --kv_page_tokens=64 --max_sequence_tokens=16384 --batch_window_us=0 \
   --max_request_bytes=2147483647 --max_inflight_bytes=0 --grpc_memory_quota_bytes=0 --queue_capacity=256 \

@@ -58,7 +58,7 @@ export FLASHSERVE_PROTO_ROOT=${FLASHSERVE_PROTO_ROOT:-$PWD/proto}
 { nvidia-smi -L; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv; nproc; } >"$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+source "$(dirname "${BASH_SOURCE[0]}")/free_ports.sh"
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; wait 2>/dev/null; rm -f /tmp/flashserve-decode-$$-*.sock; }
 trap cleanup EXIT
@@ -66,7 +66,7 @@ trap cleanup EXIT
 start_server() {  # name window_us [flags...] -> sets PORT to the server's gRPC port, SOCKET to its socket (or "")
   local name=$1 window=$2 grpc http metrics local_flags=()
   local extra=("${@:3}")
-  grpc=$(free_port); http=$(free_port); metrics=$(free_port)
+  read -r grpc http metrics <<<"$(free_ports 3)"
   SOCKET=""
   if [[ $LOCAL_FLAGS == 1 ]]; then
     SOCKET=/tmp/flashserve-decode-$$-$name.sock  # short: a Unix socket path has at most 107 bytes

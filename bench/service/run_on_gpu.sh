@@ -37,8 +37,8 @@ if [[ ${LOCAL:-1} == 1 ]]; then
   fi
 fi
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port); ECHO=$(free_port)
+source "$(dirname "${BASH_SOURCE[0]}")/free_ports.sh"
+read -r GRPC HTTP METRICS ECHO <<<"$(free_ports 4)"
 # Large requests at concurrency 16 hold 8 GiB of tensors: no inflight-bytes cap, a deep queue, a pinned
 # pool big enough for each of them (537 MB rounds up to a 1 GiB size class) and a receive arena that
 # holds the read buffers of medium requests at concurrency 64 (3 GiB) and of large ones at 16 (~8 GiB). No gRPC

@@ -14,8 +14,8 @@ DECODE=$BUILD/bench/service/flashserve-decode-loadgen
 for b in "$BIN" "$LOADGEN" "$DECODE"; do [[ -x $b ]] || { echo "smoke: $b missing"; exit 2; }; done
 WORK=$(mktemp -d /tmp/fs-smoke-local.XXXXXX)
 SOCK=$WORK/fs.sock
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-GRPC=$(free_port); HTTP=$(free_port); METRICS=$(free_port)
+source "$(dirname "${BASH_SOURCE[0]}")/free_ports.sh"
+read -r GRPC HTTP METRICS <<<"$(free_ports 3)"
 "$BIN" --backend=cpu --host=127.0.0.1 --grpc_port="$GRPC" --http_port="$HTTP" --metrics_port="$METRICS" \
   --allow_client_shm --local_socket="$SOCK" --kv_cache_bytes=$((256 << 20)) --log_level=warn \
   ${SERVER_FLAGS:-} >"$WORK/server.log" 2>&1 &

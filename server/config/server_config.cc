@@ -24,6 +24,15 @@ absl::Status NetworkOptions::Check() const {
   if (absl::Status s = CheckPort("grpc_port", grpc_port); !s.ok()) return s;
   if (absl::Status s = CheckPort("http_port", http_port); !s.ok()) return s;
   if (absl::Status s = CheckPort("metrics_port", metrics_port); !s.ok()) return s;
+  // One port for two listeners fails later as a bare "cannot listen"; name both flags here.
+  if (http_port != 0 && http_port == grpc_port) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_port and --grpc_port must differ, both are ", http_port));
+  }
+  if (metrics_port != 0 && (metrics_port == grpc_port || metrics_port == http_port)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--metrics_port must differ from --grpc_port and --http_port, got ", metrics_port));
+  }
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }

@@ -174,10 +174,20 @@ def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None
 # --- the real server -----------------------------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this process: the kernel may give a just-closed ephemeral
+    port again, and a server started with --grpc_port equal to --http_port refuses to start (a CI flake)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+    raise RuntimeError("no fresh free port in 100 tries")
 
 
 def http_get(url: str, timeout: float = 2.0):
@@ -251,7 +261,7 @@ class ServerProcess:
                 pytest.fail(f"{' '.join(args)} not ready within {READY_TIMEOUT_S} s\n{self.logs()}")
             # Died: retry only if another process took one of our ports in the meantime.
             logs = self.logs()
-            if attempt + 1 < attempts and "in use" in logs.lower():
+            if attempt + 1 < attempts and ("in use" in logs.lower() or "cannot listen" in logs):
                 continue
             pytest.fail(f"{' '.join(args)} exited with code {self.proc.returncode} before ready\n{logs}")
         raise AssertionError("unreachable")

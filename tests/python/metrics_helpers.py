@@ -3,7 +3,6 @@ traffic with known outcomes (successes and server-side failures of chosen gRPC c
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Tuple
@@ -13,6 +12,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 import flashserve
+from conftest import free_port  # noqa: F401  (re-exported: one port ledger per process)
 from flashserve import attention_pb2 as pb
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -37,12 +37,6 @@ DESIGN_FAMILIES = {
 }
 
 Labels = FrozenSet[Tuple[str, str]]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_metrics_server(start_server, *extra_args):

@@ -64,10 +64,16 @@ SHAPES = [
 DTYPES = ["float16", "bfloat16", "float32"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int):
+    """n distinct free ports: all bound at once, so the kernel cannot hand the same one out twice."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def read_status(pid: int):
@@ -81,7 +87,7 @@ def read_status(pid: int):
 
 class Server:
     def __init__(self, binary: Path, log_dir: Path, extra, env=None):
-        self.grpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.grpc_port, self.http_port, self.metrics_port = free_ports(3)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / "soak-server.log"
         args = [str(binary), "--backend=cpu", "--host=127.0.0.1", f"--grpc_port={self.grpc_port}",

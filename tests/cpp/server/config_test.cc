@@ -137,6 +137,8 @@ std::vector<BadValue> BadValues() {
       {"grpc_port", "-1"},
       {"http_port", "65536"},
       {"metrics_port", "70000"},
+      {"http_port", "8001"},     // the default --grpc_port
+      {"metrics_port", "8000"},  // the default --http_port
       {"tls_cert", "cert.pem"},
       {"grpc_memory_quota_bytes", "-2"},
       {"http_max_connections", "0"},
