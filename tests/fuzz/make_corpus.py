@@ -343,6 +343,58 @@ def local_frame_seeds(rng):
     }
 
 
+def decode_step_seeds(rng):
+    """DecodeStepRequests for fuzz_decode_step, whose ids s0, s1, s2 name its three sequences (s0: FLOAT16 2 layers
+    heads 4:2 d8, 5 and 0 rows; s1: BFLOAT16 heads 2:1 d4, 3 rows; s2: like s0 with one layer, 4 rows): valid steps
+    per item and packed, attend-only, causal with more query rows than keys, and each kind of refusal."""
+    from flashserve import sequences_pb2 as spb
+    shapes = {"s0": (4, 2, 8, pb.FLOAT16), "s1": (2, 1, 4, pb.BFLOAT16), "s2": (4, 2, 8, pb.FLOAT16)}
+
+    def rows(n, heads, dim, dtype):
+        return tensor(rng, [n, heads, dim], dtype)
+
+    def step(items, **fields):
+        r = spb.DecodeStepRequest(**fields)
+        for sid, layer, rows_q, rows_kv in items:
+            hq, hkv, d, dtype = shapes.get(sid, shapes["s0"])
+            item = r.items.add(sequence_id=sid, layer=layer)
+            item.q.CopyFrom(rows(rows_q, hq, d, dtype))
+            if rows_kv is not None:
+                item.k.CopyFrom(rows(rows_kv, hkv, d, dtype))
+                item.v.CopyFrom(rows(rows_kv, hkv, d, dtype))
+        return r.SerializeToString()
+
+    def packed(items, rows_q, rows_kv, with_kv=True, **fields):
+        r = spb.DecodeStepRequest(**fields)
+        for sid, layer in items:
+            r.items.add(sequence_id=sid, layer=layer)
+        r.packed.q.CopyFrom(rows(sum(rows_q), 4, 8, pb.FLOAT16))
+        if with_kv:
+            r.packed.k.CopyFrom(rows(sum(rows_kv), 2, 8, pb.FLOAT16))
+            r.packed.v.CopyFrom(rows(sum(rows_kv), 2, 8, pb.FLOAT16))
+        r.packed.rows_q.extend(rows_q)
+        r.packed.rows_kv.extend(rows_kv)
+        return r.SerializeToString()
+
+    return {
+        "one_item": step([("s0", 0, 1, 1)], return_lse=True),
+        "three_items_gqa": step([("s0", 0, 1, 1), ("s0", 1, 1, 1), ("s2", 0, 1, 1)], return_lse=True),
+        "bf16_causal_q_gt_k": step([("s1", 0, 8, 2)], causal=True, return_lse=True),
+        "attend_only": step([("s2", 0, 2, None)], return_lse=True),
+        "empty_layer": step([("s0", 1, 1, 0)], return_lse=True),
+        "cross_pages": step([("s0", 0, 4, 7)], causal=True, return_lse=True, softmax_scale=0.3),
+        "past_limit": step([("s0", 0, 1, 20)]),
+        "unknown_id": step([("zz", 0, 1, 1)]),
+        "same_layer_twice": step([("s2", 0, 1, 1), ("s2", 0, 1, 1)]),
+        "mixed_shapes": step([("s0", 0, 1, 1), ("s1", 0, 1, 1)]),
+        "layer_out_of_range": step([("s2", 1, 1, 1)]),
+        "packed": packed([("s0", 0), ("s2", 0)], [1, 2], [1, 3], return_lse=True),
+        "packed_attend_only": packed([("s0", 0), ("s2", 0)], [1, 1], [], with_kv=False, causal=True),
+        "packed_uneven": packed([("s0", 0), ("s2", 0)], [2, 1], [1, 3], return_lse=True),
+        "packed_counts_wrong": packed([("s0", 0), ("s2", 0)], [1, 1], [1, 5]),
+    }
+
+
 def main():
     rng = random.Random(20261122)
     targets = {
@@ -353,6 +405,7 @@ def main():
         "fuzz_kserve_grpc": kserve_grpc_seeds(rng),
         "fuzz_request_wire": request_wire_seeds(rng),
         "fuzz_local_frame": local_frame_seeds(rng),  # after the others: their seeds do not change
+        "fuzz_decode_step": decode_step_seeds(rng),
     }
     for target, seeds in targets.items():
         directory = HERE / "corpus" / target

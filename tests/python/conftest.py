@@ -201,6 +201,9 @@ def http_get(url: str, timeout: float = 2.0):
         return 0, b""
 
 
+_SERVERS: list = []  # every ServerProcess started in this process, for the logs of a failing test
+
+
 class ServerProcess:
     """One flashserve process on free loopback ports; stdout/stderr go to files under log_dir."""
 
@@ -230,6 +233,7 @@ class ServerProcess:
         return text
 
     def start(self, attempts: int = 3) -> "ServerProcess":
+        _SERVERS.append(self)
         for attempt in range(attempts):
             self.grpc_port, self.http_port = free_port(), free_port()
             args = [
@@ -354,6 +358,19 @@ def start_server(flashserve_bin, tmp_path):
 def client(server):
     with flashserve.Client(server.address, timeout=60) as c:
         yield c
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the logs of the servers running then: a flake on a fresh server (a gRPC
+    handshake that timed out, say) is otherwise lost with its temporary directory."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for server in _SERVERS:
+        if server.proc is not None and (server.proc.poll() is None or report.when == "setup"):
+            report.sections.append((f"flashserve {server.name} ({server.log_dir})", server.logs(limit=3000)))
 
 
 def pytest_configure(config):
