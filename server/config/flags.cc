@@ -25,7 +25,8 @@
 ABSL_FLAG(std::string, host, flashserve::NetworkOptions{}.host,
           "Address the gRPC and HTTP servers bind to (0.0.0.0 for all interfaces)");
 ABSL_FLAG(int, grpc_port, flashserve::NetworkOptions{}.grpc_port,
-          "gRPC port (AttentionService, health, reflection); 0 picks a free port");
+          "gRPC port (AttentionService, health, reflection); 0 picks a free port; the gRPC, HTTP "
+          "and metrics ports must differ");
 ABSL_FLAG(int, http_port, flashserve::NetworkOptions{}.http_port,
           "HTTP port (/v2/health/live, /v2/health/ready); 0 picks a free port");
 ABSL_FLAG(int, metrics_port, flashserve::NetworkOptions{}.metrics_port,
