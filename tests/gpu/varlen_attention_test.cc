@@ -107,13 +107,6 @@ AttentionParams varlen_params(const Packed& pk, bool causal, const void* q, cons
   return p;
 }
 
-std::vector<fk::KernelConfig> sm80_candidates(DType dtype, int head_dim, bool causal) {
-  std::vector<fk::KernelConfig> out;
-  for (const fk::KernelConfig& cfg : fk::candidates(dtype, head_dim, causal))
-    if (cfg.family == fk::KernelFamily::kSm80) out.push_back(cfg);
-  return out;
-}
-
 // Runs the dense kernel (batch 1) on sequence b of the packed device buffers with cfg.
 void run_dense_sequence(const Packed& pk, int b, bool causal, const fk::KernelConfig& cfg,
                         const void* dq, const void* dk, const void* dv, std::vector<uint16_t>* o,

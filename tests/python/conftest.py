@@ -233,7 +233,8 @@ class ServerProcess:
         return text
 
     def start(self, attempts: int = 3) -> "ServerProcess":
-        _SERVERS.append(self)
+        if self not in _SERVERS:  # a restart (same object) is listed once
+            _SERVERS.append(self)
         for attempt in range(attempts):
             self.grpc_port, self.http_port = free_port(), free_port()
             args = [
