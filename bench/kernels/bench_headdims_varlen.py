@@ -18,6 +18,7 @@ import datetime
 import math
 import os
 import random
+import statistics
 import sys
 
 import torch
@@ -145,22 +146,27 @@ def make_varlen_sets(lens, h, d, dtype, l2):
 
 
 def varlen_row(ours, varlen, args, l2, emit, label, lens, d, h, causal, cfg, dense_b, dense_s):
-    """Times varlen on lens, the dense kernel (cfg) on [dense_b, dense_s] and per-sequence launches."""
+    """Times varlen on lens and the dense kernel (cfg) on [dense_b, dense_s] in --rounds
+    interleaved rounds (the median of each: the GPU's clocks drift between seconds-long timings),
+    and per-sequence launches once."""
     dtype = torch.bfloat16
     vsets, cu = make_varlen_sets(lens, h, d, dtype, l2)
+    dsets = make_sets(dense_b, dense_s, dense_s, h, h, d, dtype, l2)
     mx = max(lens)
-    t_var = time_fn(lambda q, k, v, o: varlen(q, k, v, o, cu, cu, mx, mx, causal, cfg), vsets,
-                    args.warmup, args.reps)
+    t_vars, t_denses = [], []
+    for _ in range(args.rounds):
+        t_vars.append(time_fn(lambda q, k, v, o: varlen(q, k, v, o, cu, cu, mx, mx, causal, cfg),
+                              vsets, args.warmup, args.reps))
+        t_denses.append(time_fn(lambda q, k, v, o: ours(q, k, v, o, causal, cfg), dsets,
+                                args.warmup, args.reps))
+    t_var, t_dense = statistics.median(t_vars), statistics.median(t_denses)
     cuts = [0] + [sum(lens[:i + 1]) for i in range(len(lens))]
 
     def per_sequence(q, k, v, o):
         for a, b in zip(cuts, cuts[1:]):
             ours(q[a:b].unsqueeze(0), k[a:b].unsqueeze(0), v[a:b].unsqueeze(0), o[a:b].unsqueeze(0), causal, cfg)
     t_loop = time_fn(per_sequence, vsets, args.warmup, args.reps)
-    del vsets
-    dsets = make_sets(dense_b, dense_s, dense_s, h, h, d, dtype, l2)
-    t_dense = time_fn(lambda q, k, v, o: ours(q, k, v, o, causal, cfg), dsets, args.warmup, args.reps)
-    del dsets
+    del vsets, dsets
     torch.cuda.empty_cache()
     div = 2 if causal else 1
     f_var = sum(4.0 * h * n * n * d / div for n in lens)
@@ -192,13 +198,17 @@ def varlen_section(ours, varlen, args, l2, sms, emit):
             # sm80: the one configuration with a varlen kernel, the default (first sm80 candidate).
             cfg80 = [c for c in ours.candidates(torch.bfloat16, d, causal) if not c.startswith("sm90")][0]
 
-            def configs(s):
+            def configs(s, every_sm90=False):
                 pick = ours.select(torch.bfloat16, 16, s, s, h, h, d, causal, sms)
-                return [cfg80] + ([pick] if pick.startswith("sm90") else [])
+                picks = [pick] if pick.startswith("sm90") else []
+                if every_sm90 and picks:
+                    picks += [c for c in ours.candidates(torch.bfloat16, d, causal)
+                              if c.startswith("sm90") and c != pick]
+                return [cfg80] + picks
             for s in (1024, 4096):
                 for cfg in configs(s):
                     varlen_row(ours, varlen, args, l2, emit, "equal", [s] * 16, d, h, causal, cfg, 16, s)
-            for cfg in configs(rms):
+            for cfg in configs(rms, args.mixed_every_sm90):
                 varlen_row(ours, varlen, args, l2, emit, "mixed", mixed, d, h, causal, cfg, 16, rms)
     emit()
 
@@ -209,6 +219,10 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sections", default="headdims,dense,varlen")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="varlen rows: interleaved rounds of varlen and dense timings (median)")
+    ap.add_argument("--mixed-every-sm90", action="store_true",
+                    help="varlen: mixed lengths also with every other sm90 configuration")
     ap.add_argument("--out", help="also write the markdown here")
     args = ap.parse_args()
     assert args.reps >= 30, "median over at least 30 repetitions"
@@ -227,7 +241,8 @@ def main():
     emit(f"- command: `{' '.join(sys.argv)}`")
     emit(f"- median of {args.reps} calls after {args.warmup} warm-up calls, CUDA events, calls queued "
          f"behind a ~20 ms GPU sleep, inputs rotated over sets totalling > 2x L2; "
-         f"TFLOPS = 4*B*H*S^2*d/t (halved when causal)")
+         f"TFLOPS = 4*B*H*S^2*d/t (halved when causal); varlen rows: median of {args.rounds} "
+         f"interleaved rounds of varlen and dense timings")
     emit()
     sections = args.sections.split(",")
     if "headdims" in sections:

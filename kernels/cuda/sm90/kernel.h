@@ -15,8 +15,9 @@
 //    and O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j
 //    runs while the tensor cores do P V of tile j - 1 (issued together with S_j), and the
 //    consumer warpgroups take turns issuing their GEMMs (round robin on named barriers 1..C).
-// Epilogue: O goes through the tile's Q buffer to TMA stores (store_o), or with packed
-// variable-length inputs (T::kPacked) row by row up to the sequence's end (store_o_rows).
+// Epilogue: O goes through the tile's Q buffer to TMA stores (store_o); with packed
+// variable-length inputs (T::kPacked) a warpgroup whose rows cross the sequence's end writes them
+// row by row instead (store_o_rows).
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
 // (key tail, causal diagonal) come first; TMA fills rows past the tensor's end with zeros (packed
 // inputs: rows past a sequence's end belong to the next one, see clear_foreign_v_rows).
@@ -55,8 +56,11 @@ struct SmemMap {
   __device__ uint32_t v_full(int s) const { return bars + 8 * (2 * kQB + T::kStages + s); }
   __device__ uint32_t k_empty(int s) const { return bars + 8 * (2 * kQB + 2 * T::kStages + s); }
   __device__ uint32_t v_empty(int s) const { return bars + 8 * (2 * kQB + 3 * T::kStages + s); }
-  // The tile index handed to the consumers with Q buffer b (-1: no more tiles).
-  __device__ uint32_t tile_slot(int b) const { return bars + 8 * T::kNumBarriers + 4 * b; }
+  // The tile handed to the consumers with Q buffer b: its index (-1: no more tiles), then,
+  // packed inputs only, its SeqSpan (4 words).
+  __device__ uint32_t tile_slot(int b) const {
+    return bars + 8 * T::kNumBarriers + T::kTileSlotBytes * b;
+  }
   __device__ uint32_t k_stage(int s) const { return k + s * T::kKVBytes; }
   __device__ uint32_t v_stage(int s) const { return v + s * T::kKVBytes; }
 };
@@ -91,14 +95,25 @@ constexpr int kSlotFullThreads = 32 + 128;  // the producer warp + one consumer 
 template <typename T>
 constexpr int kSlotEmptyThreads = 32 + 128 * T::kConsumers;  // + every consumer warpgroup
 
-/// Producer warp: writes tile (or -1) into Q buffer b's slot once every consumer warpgroup
-/// has read the slot's previous value (round >= 1), and releases it to them.
+/// Producer warp: writes tile (or -1) and, packed inputs, its sequence's span into Q buffer b's
+/// slot once every consumer warpgroup has read the slot's previous value (round >= 1), and
+/// releases it to them.
 template <typename T>
-__device__ void hand_over_tile(const SmemMap<T>& sm, int b, int round, int tile) {
+__device__ void hand_over_tile(const SmemMap<T>& sm, int b, int round, int tile,
+                               const SeqSpan& span) {
   static_assert(T::kQBuffers <= 2 && 4 * T::kConsumers + T::kQBuffers < 16, "barrier ids");
   __syncwarp();
   if (round > 0) named_barrier_sync(slot_empty_bar<T>(b), kSlotEmptyThreads<T>);
-  if (threadIdx.x == 0) st_shared_b32(sm.tile_slot(b), uint32_t(tile));
+  if (threadIdx.x == 0) {
+    const uint32_t slot = sm.tile_slot(b);
+    st_shared_b32(slot, uint32_t(tile));
+    if constexpr (T::kPacked) {
+      st_shared_b32(slot + 4, uint32_t(span.q_row0));
+      st_shared_b32(slot + 8, uint32_t(span.k_row0));
+      st_shared_b32(slot + 12, uint32_t(span.seqlen_q));
+      st_shared_b32(slot + 16, uint32_t(span.seqlen_k));
+    }
+  }
   __syncwarp();
 #pragma unroll
   for (int cw = 0; cw < T::kConsumers; ++cw)
@@ -115,12 +130,18 @@ __device__ void drain_slot_reads(int q_iters) {
   }
 }
 
-/// Consumer warpgroup cw: the tile handed over with Q buffer b (-1: no more tiles).
+/// Consumer warpgroup cw: the tile handed over with Q buffer b (-1: no more tiles) and, packed
+/// inputs, its sequence's span (so the consumers read no cu_seqlens on their critical path).
 template <typename T>
-__device__ int take_tile(const SmemMap<T>& sm, int b, int cw) {
+__device__ int take_tile(const SmemMap<T>& sm, int b, int cw, SeqSpan& span) {
   __syncwarp();  // bar.sync is .aligned: the warp's lanes together (store_o diverges lane 0)
   named_barrier_sync(slot_full_bar<T>(b, cw), kSlotFullThreads);
-  const int tile = int(ld_shared_b32(sm.tile_slot(b)));
+  const uint32_t slot = sm.tile_slot(b);
+  const int tile = int(ld_shared_b32(slot));
+  if constexpr (T::kPacked) {
+    span = {int(ld_shared_b32(slot + 4)), int(ld_shared_b32(slot + 8)),
+            int(ld_shared_b32(slot + 12)), int(ld_shared_b32(slot + 16))};
+  }
   if (tile >= 0) named_barrier_arrive(slot_empty_bar<T>(b), kSlotEmptyThreads<T>);
   return tile;
 }
@@ -147,7 +168,8 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
   int kv_iter = 0, q_iter = 0;
   for (int tile = next_tile_warp(sa.slot, -1);; tile = next_tile_warp(sa.slot, tile), ++q_iter) {
     const bool done = tile >= sched.total;
-    const BlockWork w = sched.work(p, done ? 0 : tile);
+    const SeqSpan span = sched.span(p, done ? 0 : tile);
+    const BlockWork w = sched.work(p, done ? 0 : tile, span);
     const bool loads = !done && w.n_blocks > 0;
     auto load = [&](const CUtensorMap* tm, bool is_k, int j) {
       const int g = kv_iter + j, s = g % T::kStages;
@@ -165,7 +187,7 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
     // A fresh empty barrier counts as having completed the round before round 0 (parity 1).
     const int qb = q_iter % T::kQBuffers;
     mbarrier_wait(sm.q_empty(qb), ((q_iter / T::kQBuffers) & 1) ^ 1);
-    hand_over_tile<T>(sm, qb, q_iter / T::kQBuffers, done ? -1 : tile);
+    hand_over_tile<T>(sm, qb, q_iter / T::kQBuffers, done ? -1 : tile, span);
     if (!loads) {
       if (leader) mbarrier_arrive(sm.q_loaded(qb));  // keeps the buffer's phases in step
       if (done) break;
@@ -204,8 +226,9 @@ __device__ __forceinline__ int64_t lse_index(const AttentionParams& p, const Blo
                     : (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row;
 }
 
-/// Packed variable-length outputs: TMA would clip rows only at total_q, so the warpgroup's rows
-/// of O (staged in shared memory at base, swizzled as store_o wrote them) go out row by row,
+/// Packed variable-length outputs crossing the sequence's end: TMA would clip rows only at
+/// total_q, so the warpgroup's rows of O (staged in shared memory at base, swizzled as store_o
+/// wrote them) go out row by row,
 /// 16 bytes per thread and step, up to the sequence's end and head_dim; then Q buffer qb is
 /// released at once (nothing asynchronous reads it).
 template <typename T>
@@ -226,7 +249,9 @@ __device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, con
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
 /// the tile's Q buffer qb (free: every S = Q K^T of the tile has completed) in the 128-byte
 /// swizzled layout, and one thread stores them with one TMA store per 64-column block (rows past
-/// seqlen_q are clipped by the tensor map). That thread releases the Q buffer once the store has
+/// seqlen_q are clipped by the tensor map; packed inputs: store_o_rows where the warpgroup's rows
+/// cross the sequence's end, H100: d64 causal S1024 packed 0.93 of dense with every tile row by
+/// row). That thread releases the Q buffer once the store has
 /// read it: at once with one Q buffer, else at the next tile's first softmax (pending_release),
 /// so the warpgroup does not wait for the read here. LSE goes straight to global memory.
 template <typename T>
@@ -252,7 +277,10 @@ __device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CU
   }
   fence_proxy_async_smem();
   named_barrier_sync(epilogue_bar<T>(cw), 128);  // the warpgroup's rows are all in smem
-  if constexpr (T::kPacked) return store_o_rows<T>(p, sm, w, cw, qb, base);
+  if constexpr (T::kPacked) {
+    if (w.m_block * T::kBlockM + (cw + 1) * T::kRowsPerConsumer > w.seqlen_q)
+      return store_o_rows<T>(p, sm, w, cw, qb, base);
+  }
   if (threadIdx.x % 128 != 0) return;
 #pragma unroll
   for (int cb = 0; cb < T::kColBlocks; ++cb)
@@ -471,10 +499,11 @@ __device__ void consume(const AttentionParams& p, const SmemMap<T>& sm, const CU
   uint32_t pending_release = 0;  // see store_o
   for (int q_iter = 0;; ++q_iter) {
     const int qb = q_iter % T::kQBuffers;
-    const int tile = take_tile<T>(sm, qb, cw);
+    SeqSpan span;
+    const int tile = take_tile<T>(sm, qb, cw, span);
     if (tile < 0) break;
     mbarrier_wait(sm.q_loaded(qb), (q_iter / T::kQBuffers) & 1);
-    const BlockWork w = sched.work(p, tile);
+    const BlockWork w = sched.work(p, tile, T::kPacked ? span : sched.span(p, tile));
     if (w.n_blocks <= 0) {
       release_stored_q(pending_release);
       write_empty_tile<T>(p, w, int(threadIdx.x) - 128);

@@ -64,18 +64,15 @@ cudaError_t launch_sm90_kernel(const AttentionParams& p, cudaStream_t stream) {
       return err;
     attribute_set.fetch_or(bit, std::memory_order_acq_rel);
   }
-  CUtensorMap tm_q, tm_k, tm_v, tm_o{};  // packed outputs go out row by row: no O map to encode
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
   if (cudaError_t err = make_tensor_map(q_view(p), T::kBlockM, &tm_q); err != cudaSuccess)
     return err;
   if (cudaError_t err = make_tensor_map(k_view(p), T::kBlockN, &tm_k); err != cudaSuccess)
     return err;
   if (cudaError_t err = make_tensor_map(v_view(p), T::kBlockN, &tm_v); err != cudaSuccess)
     return err;
-  if constexpr (!T::kPacked) {
-    if (cudaError_t err = make_tensor_map(o_view(p), T::kRowsPerConsumer, &tm_o);
-        err != cudaSuccess)
-      return err;
-  }
+  if (cudaError_t err = make_tensor_map(o_view(p), T::kRowsPerConsumer, &tm_o); err != cudaSuccess)
+    return err;
   int sm_count = 0;
   if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
       err != cudaSuccess)

@@ -33,6 +33,11 @@ struct SchedArgs {
 /// Its sequence: lengths, and first rows in q/o and k/v along the tensor maps' row axis (0, or
 /// with packed variable-length inputs cu_seqlens[sequence]); batch is the tensor maps' batch
 /// coordinate (0 when packed).
+/// A tile's sequence: first rows in q/o and k/v along the tensor maps' row axis, and lengths.
+struct SeqSpan {
+  int q_row0, k_row0, seqlen_q, seqlen_k;
+};
+
 struct BlockWork {
   int m_block, head, head_kv, batch, n_blocks;
   int seqlen_q, seqlen_k, q_row0, k_row0;
@@ -47,26 +52,30 @@ struct TileScheduler {
         total(num_m * p.heads_q * p.batch),
         l2_heads(l2_heads_) {}
 
-  __device__ BlockWork work(const AttentionParams& p, int tile) const {
+  /// The tile's sequence (packed inputs: read from cu_seqlens, so the producer reads it once and
+  /// hands it to the consumers with the tile index, kernel.h).
+  __device__ SeqSpan span(const AttentionParams& p, int tile) const {
+    if constexpr (T::kPacked) {
+      const int seq = tile_coord(tile, num_m, p.heads_q * p.batch, l2_heads).hb / p.heads_q;
+      const int q0 = p.cu_seqlens_q[seq], k0 = p.cu_seqlens_k[seq];
+      return {q0, k0, p.cu_seqlens_q[seq + 1] - q0, p.cu_seqlens_k[seq + 1] - k0};
+    } else {
+      return {0, 0, p.seqlen_q, p.seqlen_k};
+    }
+  }
+
+  __device__ BlockWork work(const AttentionParams& p, int tile, const SeqSpan& s) const {
     BlockWork w;
     const TileCoord c = tile_coord(tile, num_m, p.heads_q * p.batch, l2_heads);
     const int m_idx = c.m_idx, hb = c.hb;
     w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
     w.head = hb % p.heads_q;
-    const int seq = hb / p.heads_q;
     w.head_kv = w.head / (p.heads_q / p.heads_kv);
-    if constexpr (T::kPacked) {
-      w.q_row0 = p.cu_seqlens_q[seq];
-      w.k_row0 = p.cu_seqlens_k[seq];
-      w.seqlen_q = p.cu_seqlens_q[seq + 1] - w.q_row0;
-      w.seqlen_k = p.cu_seqlens_k[seq + 1] - w.k_row0;
-      w.batch = 0;
-    } else {
-      w.q_row0 = w.k_row0 = 0;
-      w.seqlen_q = p.seqlen_q;
-      w.seqlen_k = p.seqlen_k;
-      w.batch = seq;
-    }
+    w.batch = T::kPacked ? 0 : hb / p.heads_q;
+    w.q_row0 = s.q_row0;
+    w.k_row0 = s.k_row0;
+    w.seqlen_q = s.seqlen_q;
+    w.seqlen_k = s.seqlen_k;
     w.n_blocks = (w.seqlen_k + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) {  // one past the last column the tile's last row may see
       const int col_end = (w.m_block + 1) * T::kBlockM + w.seqlen_k - w.seqlen_q;

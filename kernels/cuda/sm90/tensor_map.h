@@ -51,7 +51,7 @@ inline TensorView v_view(const AttentionParams& p) {
                       p.v_batch_stride);
 }
 
-/// The view of p's output o (TMA stores; packed outputs are written row by row instead).
+/// The view of p's output o (TMA stores; packed rows crossing a sequence's end go row by row).
 inline TensorView o_view(const AttentionParams& p) {
   return operand_view(p, p.o, p.seqlen_q, p.total_q, p.heads_q, p.o_row_stride, p.o_head_stride,
                       p.o_batch_stride);

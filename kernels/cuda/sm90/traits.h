@@ -53,17 +53,22 @@ struct Sm90Traits {
   // Two Q buffers where they fit (the next tile's Q loads during the current tile; the current
   // tile's buffer then stages its O for the TMA store), else one (block_n 176 at d128).
   static constexpr int kNumBarriersMax = 4 + 4 * kStages;
+  // Per Q buffer, the tile handed over with it: its index and its sequence's span (SeqSpan).
+  static constexpr uint32_t kTileSlotBytes = 20;
   static constexpr int kQBuffers =
-      2 * kQBytes + kRingBytes + 8 * kNumBarriersMax + 8 + 1024 <= 227 * 1024 ? 2 : 1;
+      2 * kQBytes + kRingBytes + 8 * kNumBarriersMax + 2 * kTileSlotBytes + 1024 <= 227 * 1024
+          ? 2
+          : 1;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
   static constexpr uint32_t kBarOffset = kVOffset + kStages * kKVBytes;
   // Q loaded/empty per Q buffer, full/empty x K/V per stage.
   static constexpr int kNumBarriers = 2 * kQBuffers + 4 * kStages;
-  // + 8: a tile index per Q buffer (scheduler.h); + 1024: the dynamic shared-memory base is
-  // aligned up to 1024 bytes (swizzle atom) in-kernel.
-  static constexpr size_t kSmemBytes = kBarOffset + 8 * kNumBarriers + 8 + 1024;
+  // + the tile slots; + 1024: the dynamic shared-memory base is aligned up to 1024 bytes
+  // (swizzle atom) in-kernel.
+  static constexpr size_t kSmemBytes =
+      kBarOffset + 8 * kNumBarriers + kQBuffers * kTileSlotBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the sm_90 shared-memory limit per block");
 };
 
