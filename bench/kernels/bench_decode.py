@@ -48,8 +48,6 @@ class Ours:
         self.lib.flashserve_decode_set_pdl.restype = None
         self.lib.flashserve_decode_set_deep_issue.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_deep_issue.restype = None
-        self.lib.flashserve_decode_set_l2_ahead.argtypes = [ctypes.c_int]
-        self.lib.flashserve_decode_set_l2_ahead.restype = None
         self.lib.flashserve_decode_last_copy.argtypes = []
         self.lib.flashserve_decode_last_copy.restype = ctypes.c_int
         self.lib.flashserve_decode_set_tma_wide.argtypes = [ctypes.c_int]
@@ -79,9 +77,6 @@ class Ours:
 
     def set_deep_issue(self, mode):
         self.lib.flashserve_decode_set_deep_issue(mode)
-
-    def set_l2_ahead(self, tiles):
-        self.lib.flashserve_decode_set_l2_ahead(tiles)
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -170,20 +165,17 @@ def shapes(quick, mem_budget):
 
 
 def sweep(ours, dtype, l2, sms, args):
-    """Times ours (paged, page 64, TMA) on the target shapes over split counts, without and with
-    the L2 prefetch of tiles ahead (--sweep-ahead)."""
+    """Times ours (paged, page 64) on the target shapes over split counts and prefetch hints."""
     for (d, hq, hkv, b, sq, sk) in ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072),
                                      (128, 32, 8, 8, 16, 32768), (64, 32, 32, 1, 1, 131072)):
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
         kv_bytes = 2 * b * sk * hkv * d * 2
         heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, 128)
-        for ahead in (int(a) for a in args.sweep_ahead.split(",")):
-            copy, hint, pdl = 2, 128, 1
+        for copy, hint, pdl in ((0, 128, 1), (2, 128, 1)):
             ours.set_l2_prefetch(hint)
             ours.set_copy(copy)
             ours.set_pdl(pdl)
-            ours.set_l2_ahead(ahead)
             row = []
             for splits in sorted({1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 66, 96, 128, heur}):
                 if b >= 64 and splits > 8:
@@ -196,12 +188,11 @@ def sweep(ours, dtype, l2, sms, args):
                 t = time_fn(fn, sets, args.warmup, args.reps)
                 row.append(f"{splits}:{kv_bytes / t / 1e12:.2f}")
             print(f"sweep d{d} {hq}:{hkv} B{b} Sq{sq} Sk{sk} heuristic {heur} "
-                  f"{COPY_NAMES[copy]} l2 {hint} pdl {pdl} ahead {ahead}: TB/s by splits "
+                  f"{COPY_NAMES[copy]} l2 {hint} pdl {pdl}: TB/s by splits "
                   + " ".join(row), flush=True)
         ours.set_l2_prefetch(-1)
         ours.set_copy(-1)
         ours.set_pdl(-1)
-        ours.set_l2_ahead(-1)
         del sets, ws
         torch.cuda.empty_cache()
 
@@ -256,18 +247,16 @@ COPY_NAMES = {0: "cp.async", 2: "TMA"}
 
 
 def parse_variant(text):
-    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2p1', ...: K/V copy, then optional deep issue (d), L2
-    hint bytes (l), TMA boxes over all 64-column slices (w) and TMA L2 prefetch distance (p)."""
+    """'c2', 'c2d1', 'c0l256', 'c2w1', ...: K/V copy, then optional deep issue (d), L2 hint bytes
+    (l) and TMA boxes over all 64-column slices (w)."""
     import re
-    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:p(\d))?", text)
+    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?", text)
     if not m:
-        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2p1)")
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1)")
     copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
-    ahead = int(m[5] or -1)
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
-        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "") + \
-        (f" ahead{ahead}" if ahead >= 0 else "")
-    return dict(copy=copy, deep=deep, l2=hint, wide=wide, ahead=ahead, name=name)
+        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "")
+    return dict(copy=copy, deep=deep, l2=hint, wide=wide, name=name)
 
 
 def ab(ours, dtype, l2, sms, args, peak):
@@ -305,7 +294,6 @@ def ab(ours, dtype, l2, sms, args, peak):
                     ours.set_deep_issue(variants[c]["deep"])
                     ours.set_l2_prefetch(variants[c]["l2"])
                     ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
-                    ours.set_l2_ahead(variants[c]["ahead"])
                     sets[0]["o"].fill_(float("nan"))
                     fn(sets[0])
                     torch.cuda.synchronize()
@@ -316,7 +304,6 @@ def ab(ours, dtype, l2, sms, args, peak):
         ours.set_deep_issue(-1)
         ours.set_l2_prefetch(-1)
         ours.lib.flashserve_decode_set_tma_wide(-1)
-        ours.set_l2_ahead(-1)
         med = {k: statistics.median(v) for k, v in times.items()}
         for lname, _ in layouts:
             cells = []
@@ -377,8 +364,6 @@ def main():
                     "(for a profiler such as ncu)")
     ap.add_argument("--profile", action="store_true",
                     help="only print kernel timelines (torch profiler) of two target shapes")
-    ap.add_argument("--sweep-ahead", default="0,2",
-                    help="--sweep: L2 prefetch distances (tiles) to sweep, comma-separated")
     ap.add_argument("--sweep", action="store_true",
                     help="only time paged-64 target shapes over split counts and L2 prefetch hints")
     args = ap.parse_args()

@@ -32,7 +32,6 @@ int& pdl_override();
 int& deep_issue_override();
 int& last_copy();
 int& tma_wide_override();
-int& l2_ahead_override();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -252,7 +251,7 @@ bool expects_tma(const DecodeCase& c) {
   return 2 * (c.head_dim / 64) * (block_n / std::min(ps, block_n)) <= 32;
 }
 
-const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts, L2 prefetch",
+const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts",
                                      "cp.async + PDL", "default"};
 
 // The yardstick: the worse of the two emulations' errors against fp64, output and LSE.
@@ -268,13 +267,12 @@ tu::EmulatedError worst_emulation(const References& ref) {
 }
 
 // Sets the benchmarking knobs for variant (0: cp.async, no PDL; 1: TMA, deep order, wide boxes
-// on even split counts, L2 prefetch 1-3 tiles ahead; 2: cp.async + PDL; 3: the defaults).
+// on even split counts; 2: cp.async + PDL; 3: the defaults).
 void set_variant(int variant, int splits) {
   fk::decode::copy_override() = variant == 1 ? 2 : variant == 3 ? -1 : 0;
   fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
   fk::decode::deep_issue_override() = variant == 1 || variant == 2 ? 1 : variant == 0 ? 0 : -1;
   fk::decode::tma_wide_override() = variant == 1 ? 1 - splits % 2 : -1;
-  fk::decode::l2_ahead_override() = variant == 1 ? 1 + splits % 3 : -1;
 }
 
 // Puts the knobs back to their defaults when a case ends, however it ends.

@@ -11,7 +11,6 @@ int& l2_prefetch_override();  // decode_dispatch.cu
 int& copy_override();
 int& pdl_override();
 int& deep_issue_override();
-int& l2_ahead_override();
 int& last_copy();
 int& tma_wide_override();
 }  // namespace flashserve::kernels::cuda::decode
@@ -137,12 +136,6 @@ __attribute__((visibility("default"))) void flashserve_decode_set_pdl(int mode) 
 /// 0 or -1 the default order). Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_deep_issue(int mode) {
   flashserve::kernels::cuda::decode::deep_issue_override() = mode;
-}
-
-/// Benchmarking knob: TMA loads also prefetch into L2 the K/V tile n tiles past the newest one
-/// in the pipeline (n in 0..8; 0 off, -1 the default). Not thread-safe against concurrent launches.
-__attribute__((visibility("default"))) void flashserve_decode_set_l2_ahead(int n) {
-  flashserve::kernels::cuda::decode::l2_ahead_override() = n < -1 ? -1 : (n > 8 ? 8 : n);
 }
 
 }  // extern "C"

@@ -44,10 +44,6 @@ int& deep_issue_override() {
   static int value = -1;
   return value;
 }
-int& l2_ahead_override() {
-  static int value = -1;
-  return value;
-}
 }  // namespace decode
 
 namespace {
@@ -283,7 +279,6 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   if (copy == 2 && sm90) L.tma = setup_tma(p, k, &L);
   decode::last_copy() = L.tma ? 2 : 0;
   L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
-  L.l2_ahead = L.tma ? std::max(decode::l2_ahead_override(), 0) : 0;
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;

@@ -190,8 +190,6 @@ struct AsyncPipe {
     load_kv<T>(L, w, rows, k_tile);
   }
   __device__ __forceinline__ void commit() { ptx::cp_async_commit(); }
-  __device__ __forceinline__ void lookup_ahead(int /*key0*/) {}  // L2 prefetch: TMA only
-  __device__ __forceinline__ void prefetch() {}
   /// Waits for the tile of step t: at most kStages - 2 younger groups still in flight, or
   /// kStages - 1 when the next tile was issued before the wait (deep).
   __device__ __forceinline__ void wait(int /*t*/, bool deep, uint32_t /*k_tile*/) {
@@ -227,12 +225,8 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
     }
     pipe.commit();
   }
-  // The pipe always holds the lookup of the next tile to load (index t + kStages - 1 at step t)
-  // and, with L.l2_ahead = a, of the next tile to prefetch into L2 (t + kStages - 1 + a).
+  // The pipe always holds the lookup of the next tile to load (index t + kStages - 1 at step t).
   if (T::kStages - 1 < n_tiles) pipe.lookup((w.tile_begin + T::kStages - 1) * T::kBlockN);
-  const int ahead = L.l2_ahead;
-  if (ahead > 0 && T::kStages - 1 + ahead < n_tiles)
-    pipe.lookup_ahead((w.tile_begin + T::kStages - 1 + ahead) * T::kBlockN);
 
   WarpState<T> st;
 #pragma unroll
@@ -265,10 +259,6 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
     if (next < n_tiles) {
       pipe.issue(next % T::kStages, kv_base + 2 * (next % T::kStages) * kTileBytes);
       if (next + 1 < n_tiles) pipe.lookup((w.tile_begin + next + 1) * T::kBlockN);
-    }
-    if (ahead > 0 && next + ahead < n_tiles) {
-      pipe.prefetch();
-      if (next + ahead + 1 < n_tiles) pipe.lookup_ahead((w.tile_begin + next + ahead + 1) * T::kBlockN);
     }
     pipe.commit();
   };

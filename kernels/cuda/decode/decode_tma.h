@@ -46,16 +46,6 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-/// Prefetches a 5-d tiled box (coordinates as tma_load_5d) into L2; nothing lands in shared memory.
-__device__ __forceinline__ void tma_prefetch_l2_5d(const CUtensorMap* map, int c0, int c1, int c2,
-                                                   int c3, int c4) {
-  asm volatile(
-      "cp.async.bulk.prefetch.tensor.5d.L2.global.tile [%0, {%1, %2, %3, %4, %5}];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
-      : "memory");
-}
-
 /// Pipeline of the split kernel on TMA boxes. A tile of kBlockN keys is kBlockN / tma_rows runs
 /// (a run: keys of one page, or the whole tile when pages hold whole tiles or K/V is dense);
 /// lane i < 2 * kTmaHalves * runs of warp 0 owns one (run, operand, 64-column slice) box; with
@@ -71,7 +61,6 @@ struct TmaPipe {
   uint32_t bars;  // kStages mbarriers, 8 bytes apart
   int key0 = 0;
   int page = 0, row = 0;  // this lane's box: page (dense: the sequence) and its first row there
-  int ahead_key0 = 0, ahead_page = 0, ahead_row = 0;  // the same for the L2 prefetch (L.l2_ahead)
   int run = 0, half = 0;
   bool is_v = false, copier = false;
 
@@ -98,36 +87,18 @@ struct TmaPipe {
     return (q_end + 1023) & ~1023u;
   }
 
-  /// This lane's box of the tile starting at key k0: its page (dense: the sequence) and row.
-  __device__ __forceinline__ void box_of(int k0, int& box_page, int& box_row) const {
-    const int key = k0 + run * L.tma_rows;
-    if (L.p.block_table == nullptr) {
-      box_page = w.b;
-      box_row = key;
-    } else {  // power-of-two pages (dispatch); a run past the end is not issued: any page will do
-      const int kk = key < w.sk ? key : 0;
-      box_page = __ldg(L.p.block_table + w.b * L.p.block_table_stride + (kk >> L.page_shift));
-      box_row = kk & (L.p.page_size - 1);
-    }
-  }
-
   __device__ __forceinline__ void lookup(int k0) {
     key0 = k0;
-    if (copier) box_of(k0, page, row);
-  }
-
-  /// The tile the next prefetch() sends to L2 (looked up a step early, as lookup()).
-  __device__ __forceinline__ void lookup_ahead(int k0) {
-    ahead_key0 = k0;
-    if (copier && threadIdx.x < 32) box_of(k0, ahead_page, ahead_row);
-  }
-
-  /// Sends the looked-up ahead tile's boxes to L2, so its TMA load later hits there: one more
-  /// tile's bytes in flight per block without a shared-memory stage.
-  __device__ __forceinline__ void prefetch() {
-    const int runs = min(T::kBlockN / L.tma_rows, (w.sk - ahead_key0 + L.tma_rows - 1) / L.tma_rows);
-    if (threadIdx.x < 32 && copier && run < runs)
-      tma_prefetch_l2_5d(is_v ? &L.tma_v : &L.tma_k, 0, ahead_row, half, w.hkv, ahead_page);
+    if (!copier) return;
+    const int key = k0 + run * L.tma_rows;
+    if (L.p.block_table == nullptr) {
+      page = w.b;
+      row = key;
+    } else {  // power-of-two pages (dispatch); a run past the end is not issued: any page will do
+      const int kk = key < w.sk ? key : 0;
+      page = __ldg(L.p.block_table + w.b * L.p.block_table_stride + (kk >> L.page_shift));
+      row = kk & (L.p.page_size - 1);
+    }
   }
 
   /// Queues the looked-up tile into the stage at k_tile: lane 0 arms the barrier with the bytes

@@ -82,7 +82,6 @@ struct DecodeLaunch {
   bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
   bool pdl = false;       // sm_90: programmatic dependent launch (decode_launch_template.h)
   bool deep_issue = false;  // issue tile t + stages - 1 before waiting for tile t (decode_kernel.h)
-  int l2_ahead = 0;  // TMA only: prefetch into L2 the tile this many past the newest one issued
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
 };
@@ -122,10 +121,6 @@ int& pdl_override();
 /// Whether run_decode asks for the deep issue order (a benchmarking knob,
 /// flashserve_decode_set_deep_issue): -1 default, 0 off, 1 on.
 int& deep_issue_override();
-
-/// TMA K/V tiles prefetched into L2 ahead of the pipeline (a benchmarking knob,
-/// flashserve_decode_set_l2_ahead): -1 default (0), 0 off, n: the tile n past the newest issued.
-int& l2_ahead_override();
 
 /// Programmatic dependent launch, device side (sm_90+; a no-op elsewhere and when the grid was
 /// launched without the attribute): wait until the grid queued before this one has finished and
