@@ -99,7 +99,8 @@ class Ours:
 
 
 def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes, pages):
-    """Input sets: dense q/k/v/o plus, per page size, a shuffled page pool holding the same K/V."""
+    """Input sets: dense q/k/v/o plus, per page size, a shuffled page pool holding the same K/V
+    (a size given as "64o": a pool whose pages lie in sequence order, a diagnostic)."""
     one = 2 * b * sk * hkv * d * 2 * (1 + len(pages))
     n = max(1, math.ceil(3 * l2_bytes / one))
     sets = []
@@ -108,15 +109,16 @@ def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes, pages):
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
         paged = {}
-        for ps in pages:
+        for key in pages:
+            ps, in_order = int(str(key).rstrip("o")), str(key).endswith("o")
             per_seq = sk // ps
-            perm = torch.randperm(b * per_seq, device="cuda")
+            perm = (torch.arange if in_order else torch.randperm)(b * per_seq, device="cuda")
             kp = torch.empty(b * per_seq, ps, hkv, d, device="cuda", dtype=dtype)
             vp = torch.empty_like(kp)
             kp[perm] = k.view(b * per_seq, ps, hkv, d)
             vp[perm] = v.view(b * per_seq, ps, hkv, d)
             table = perm.view(b, per_seq).to(torch.int32)
-            paged[ps] = (kp, vp, table)
+            paged[key] = (kp, vp, table)
         seqlens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
         sets.append(dict(q=q, k=k, v=v, o=torch.empty_like(q), paged=paged, seqlens=seqlens))
     return sets
@@ -272,16 +274,18 @@ def ab(ours, dtype, l2, sms, args, peak):
           flush=True)
     print("|" + "---|" * (10 + len(copies)), flush=True)
     for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
-        pages = (64, 16) if sq == 1 else (64,)
+        pages = ((64, "64o", 16) if args.ab_in_order else (64, 16)) if sq == 1 else (64,)
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
         splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, splits)
         with sdpa_kernel([SDPBackend.MATH]):
             ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
-        layouts = [(f"paged {ps}", lambda s, ps=ps: ours(
-            s["q"], s["paged"][ps][0], s["paged"][ps][1], s["o"], seqlens=s["seqlens"],
-            table=s["paged"][ps][2], page=ps, workspace=ws)) for ps in pages]
+        def page_name(key):
+            return f"paged {key}" if isinstance(key, int) else f"paged {key.rstrip('o')} in order"
+        layouts = [(page_name(key), lambda s, key=key: ours(
+            s["q"], s["paged"][key][0], s["paged"][key][1], s["o"], seqlens=s["seqlens"],
+            table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws)) for key in pages]
         layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws)))
         times = {k: [] for k in ["flash", "cudnn"] + [(l, c) for l, _ in layouts for c in copies]}
         ran, diff = {}, {l: 0.0 for l, _ in layouts}
@@ -360,6 +364,8 @@ def main():
     ap.add_argument("--ab-variants", default="c0,c2",
                     help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--ab-in-order", action="store_true",
+                    help="--ab: also a page-64 pool whose pages lie in sequence order (diagnostic)")
     ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
                     "(for a profiler such as ncu)")
     ap.add_argument("--profile", action="store_true",
