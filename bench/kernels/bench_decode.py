@@ -39,7 +39,7 @@ class Ours:
                        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p])
         g = self.lib.flashserve_decode_num_splits
         g.restype = ctypes.c_int
-        g.argtypes = [ctypes.c_int] * 8
+        g.argtypes = [ctypes.c_int] * 9
         self.lib.flashserve_decode_set_l2_prefetch.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_l2_prefetch.restype = None
         self.lib.flashserve_decode_set_copy.argtypes = [ctypes.c_int]
@@ -56,8 +56,10 @@ class Ours:
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
 
-    def splits(self, dtype, b, sq, sk, hq, hkv, d, sms):
-        return self.lib.flashserve_decode_num_splits(DTYPE_CODE[dtype], b, sq, sk, hq, hkv, d, sms)
+    def splits(self, dtype, b, sq, sk, hq, hkv, d, sms, page=0):
+        """The heuristic's split count for dense K/V (page 0) or pages of `page` keys."""
+        return self.lib.flashserve_decode_num_splits(DTYPE_CODE[dtype], b, sq, sk, hq, hkv, d,
+                                                     page, sms)
 
     def workspace(self, dtype, total_q, hq, d, splits):
         n = self.lib.flashserve_decode_workspace_bytes(DTYPE_CODE[dtype], total_q, hq, d, splits)
@@ -172,7 +174,7 @@ def sweep(ours, dtype, l2, sms, args):
                                      (128, 32, 8, 8, 16, 32768), (64, 32, 32, 1, 1, 131072)):
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
         kv_bytes = 2 * b * sk * hkv * d * 2
-        heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        heur = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, 64)
         ws = ours.workspace(dtype, b * sq, hq, d, 128)
         for copy, hint, pdl in ((0, 128, 1), (2, 128, 1)):
             ours.set_l2_prefetch(hint)
@@ -249,16 +251,27 @@ COPY_NAMES = {0: "cp.async", 2: "TMA"}
 
 
 def parse_variant(text):
-    """'c2', 'c2d1', 'c0l256', 'c2w1', ...: K/V copy, then optional deep issue (d), L2 hint bytes
-    (l) and TMA boxes over all 64-column slices (w)."""
+    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2o1', ...: K/V copy, then optional deep issue (d), L2
+    hint bytes (l), TMA boxes over all 64-column slices (w) and, o1, the split count that gives
+    one block per SM (16-row kernels only; elsewhere the heuristic's)."""
     import re
-    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?", text)
+    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:o(\d))?", text)
     if not m:
-        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1)")
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2o1)")
     copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
+    one_per_sm = m[5] == "1"
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
-        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "")
-    return dict(copy=copy, deep=deep, l2=hint, wide=wide, name=name)
+        (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "") + \
+        (" 1 block/SM" if one_per_sm else "")
+    return dict(copy=copy, deep=deep, l2=hint, wide=wide, one_per_sm=one_per_sm, name=name)
+
+
+def variant_splits(variant, b, sq, hq, hkv, sms):
+    """The split count a variant asks for: 0 (the heuristic's), or with one_per_sm, the most
+    splits that keep (sequences x KV heads x splits) blocks within one per SM."""
+    if not variant["one_per_sm"] or (hq // hkv) * sq > 16:
+        return 0
+    return max(1, sms // (b * hkv))
 
 
 def ab(ours, dtype, l2, sms, args, peak):
@@ -277,16 +290,23 @@ def ab(ours, dtype, l2, sms, args, peak):
         pages = ((64, "64o", 16) if args.ab_in_order else (64, 16)) if sq == 1 else (64,)
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
-        splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
-        ws = ours.workspace(dtype, b * sq, hq, d, splits)
-        with sdpa_kernel([SDPBackend.MATH]):
-            ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
         def page_name(key):
             return f"paged {key}" if isinstance(key, int) else f"paged {key.rstrip('o')} in order"
+        # The heuristic's split count depends on the layout (page size), the workspace on it.
+        splits = {page_name(key): ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, int(str(key).rstrip("o")))
+                  for key in pages}
+        splits["dense"] = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        ws = ours.workspace(dtype, b * sq, hq, d, max(
+            list(splits.values()) + [variant_splits(v, b, sq, hq, hkv, sms) for v in variants]))
+        chosen = {"splits": 0}  # the variant's split count (0: the heuristic's)
+        with sdpa_kernel([SDPBackend.MATH]):
+            ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
         layouts = [(page_name(key), lambda s, key=key: ours(
             s["q"], s["paged"][key][0], s["paged"][key][1], s["o"], seqlens=s["seqlens"],
-            table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws)) for key in pages]
-        layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws)))
+            table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws,
+            splits=chosen["splits"])) for key in pages]
+        layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws,
+                                                splits=chosen["splits"])))
         times = {k: [] for k in ["flash", "cudnn"] + [(l, c) for l, _ in layouts for c in copies]}
         ran, diff = {}, {l: 0.0 for l, _ in layouts}
         for _ in range(args.rounds):
@@ -298,6 +318,7 @@ def ab(ours, dtype, l2, sms, args, peak):
                     ours.set_deep_issue(variants[c]["deep"])
                     ours.set_l2_prefetch(variants[c]["l2"])
                     ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
+                    chosen["splits"] = variant_splits(variants[c], b, sq, hq, hkv, sms)
                     sets[0]["o"].fill_(float("nan"))
                     fn(sets[0])
                     torch.cuda.synchronize()
@@ -316,10 +337,12 @@ def ab(ours, dtype, l2, sms, args, peak):
                 tbs = kv_bytes / t / 1e12
                 want = variants[c]["copy"]
                 note = "" if ran[(lname, c)] == want else f" [ran {COPY_NAMES.get(ran[(lname, c)])}]"
+                fixed = variant_splits(variants[c], b, sq, hq, hkv, sms)
+                note += f" [{fixed} splits]" if fixed else ""
                 cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
                              f"{med['cudnn'] / t:.3f}x){note}")
             rel = " / ".join(f"{med[(lname, copies[0])] / med[(lname, c)]:.3f}x" for c in copies[1:])
-            print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {lname} | {splits} | {med['flash'] * 1e3:.3f} | "
+            print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {lname} | {splits[lname]} | {med['flash'] * 1e3:.3f} | "
                   f"{med['cudnn'] * 1e3:.3f} | " + " | ".join(cells) + f" | {rel} | {diff[lname]:.1e} |",
                   flush=True)
         del sets, ref, ws, layouts
@@ -330,7 +353,7 @@ def only_ours(ours, dtype, l2, sms, args):
     for an external profiler, e.g. ncu --launch-skip)."""
     d, hq, hkv, b, sq, sk = (int(x) for x in args.shape.split(","))
     sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
-    splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+    splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, 64)
     ws = ours.workspace(dtype, b * sq, hq, d, splits)
     for i in range(args.warmup + args.reps):
         s = sets[i % len(sets)]
@@ -416,8 +439,10 @@ def main():
         pages = (64, 16) if sq == 1 else (64,)
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
-        splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
-        ws = ours.workspace(dtype, b * sq, hq, d, splits)
+        # The heuristic's split count depends on the layout (page size), the workspace on it.
+        splits = {f"paged {ps}": ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, ps) for ps in pages}
+        splits["dense"] = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
+        ws = ours.workspace(dtype, b * sq, hq, d, max(splits.values()))
         ref = None
         torch_t = {}
         for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -449,7 +474,7 @@ def main():
             tbs = kv_bytes / t / 1e12
             f = lambda x: f"{x * 1e3:.3f}" if x else "refused"
             r = lambda x: f"{x / t:.2f}" if x else "n/a"
-            emit(f"| {name} | {b} | {sq} | {sk} | {lname} | {splits} | {t * 1e3:.3f} | {tbs:.2f} | "
+            emit(f"| {name} | {b} | {sq} | {sk} | {lname} | {splits[lname]} | {t * 1e3:.3f} | {tbs:.2f} | "
                  f"{100 * tbs / peak if peak else float('nan'):.0f}% | {f(torch_t['flash'])} | "
                  f"{f(torch_t['cudnn'])} | {r(torch_t['flash'])} | {r(torch_t['cudnn'])} | {diff:.1e} |")
         del sets, ref, ws

@@ -70,12 +70,19 @@ __attribute__((visibility("default"))) int flashserve_decode_forward(
   return static_cast<int>(fk::run_decode(p, static_cast<cudaStream_t>(stream)));
 }
 
-/// Splits the heuristic picks (decode_num_splits) for a problem of these sizes.
+/// Splits the heuristic picks (decode_num_splits) for a problem of these sizes, dense K/V
+/// (page_size 0) or paged in pages of page_size keys: the count depends on the layout, so a
+/// workspace must be sized for the layout it runs.
 __attribute__((visibility("default"))) int flashserve_decode_num_splits(
     int dtype, int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int head_dim,
-    int sm_count) {
-  const fk::DecodeParams p = make_params(
+    int page_size, int sm_count) {
+  fk::DecodeParams p = make_params(
       {dtype, batch, seqlen_q, seqlen_k, 0, heads_q, heads_kv, head_dim, 0}, nullptr, 1.0f);
+  static const int32_t kMarker = 0;
+  if (page_size > 0) {
+    p.block_table = &kMarker;  // only says "paged"
+    p.page_size = page_size;
+  }
   return fk::decode_num_splits(p, sm_count);
 }
 

@@ -207,15 +207,30 @@ std::string decode_supported(const DecodeParams& p) {
   return "";
 }
 
+namespace {
+/// Resident blocks per SM the split counts are planned for. At most two: the H100 sweep
+/// (kernels/NOTES.md) found a third adds no bandwidth, while filling it takes 50% more splits.
+/// One where the 16-row kernel loads whole-tile TMA boxes (sm_90+, the default copy, dense K/V
+/// or power-of-two pages >= 64 keys): H100 A/B (kernels-decode-h100-2026-11-25.md), one block
+/// per SM instead of two: d128 B1 Sk128k paged 64 0.976x -> 0.990x cuDNN (dense 0.987x ->
+/// 1.014x), d64 B1 Sk128k paged 64 0.951x -> 1.011x, B8 Sk32k 0.985x -> 0.992x; with pages of
+/// 16 (four boxes per operand and tile) d64 lost 9%, so smaller pages keep two.
+int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
+  const bool pow2_page = (p.page_size & (p.page_size - 1)) == 0;
+  const bool whole_tile_boxes = p.block_table == nullptr || (p.page_size >= kBlockN && pow2_page);
+  if (k.block_m == 16 && whole_tile_boxes && decode::copy_override() != 0 && device_major() >= 9)
+    return 1;
+  return std::clamp(k.blocks_per_sm(), 1, 2);
+}
+}  // namespace
+
 int decode_num_splits(const DecodeParams& p, int sm_count) {
   if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return 1;
   const DecodeKernel k = select_kernel(p);
   if (k.launch == nullptr) return 1;
   const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
-  // At most two resident blocks per SM count: the H100 sweep (kernels/NOTES.md) found a third
-  // adds no bandwidth, while filling it takes 50% more splits (more partials, smaller splits).
-  const int64_t slots = int64_t{std::max(sm_count, 1)} * std::clamp(k.blocks_per_sm(), 1, 2);
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
   const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
   // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
   // 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
