@@ -55,10 +55,9 @@ struct Sm90Traits {
   static constexpr int kNumBarriersMax = 4 + 4 * kStages;
   // Per Q buffer, the tile handed over with it: its index and its sequence's span (SeqSpan).
   static constexpr uint32_t kTileSlotBytes = 20;
-  static constexpr int kQBuffers =
-      2 * kQBytes + kRingBytes + 8 * kNumBarriersMax + 2 * kTileSlotBytes + 1024 <= 227 * 1024
-          ? 2
-          : 1;
+  static constexpr size_t kTwoQBufferBytes =
+      2 * kQBytes + kRingBytes + 8 * kNumBarriersMax + 2 * kTileSlotBytes + 1024;
+  static constexpr int kQBuffers = kTwoQBufferBytes <= 227 * 1024 ? 2 : 1;
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQBuffers * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
