@@ -506,5 +506,32 @@ TEST(DecodeAttentionApi, SplitHeuristicFillsTheGpu) {
   EXPECT_EQ(fk::decode_num_splits(p, 132), 1);  // one tile: nothing to split
 }
 
+// The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on
+// whole-tile TMA boxes (dense K/V, pages of 64) plans one block per SM, pages of 16 and d64 two.
+TEST(DecodeAttentionApi, SplitPlanFollowsTheLayout) {
+  SKIP_WITHOUT_GPU();
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  if (major < 9) GTEST_SKIP() << "the one-block-per-SM plan is for sm_90's TMA path";
+  static const int32_t kMarker = 0;
+  auto splits = [](fk::DecodeParams p, int page_size) {
+    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
+    return fk::decode_num_splits(p, 132);
+  };
+  const fk::DecodeParams d128 =
+      fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 8, 128, false, 0.1f);
+  for (int page : {0, 64, 256}) {
+    SCOPED_TRACE("d128, page " + std::to_string(page));
+    EXPECT_LE(8 * splits(d128, page), 132);  // 8 KV heads x splits blocks: one per SM
+    EXPECT_GE(8 * splits(d128, page), 120);
+  }
+  EXPECT_GT(8 * splits(d128, 16), 132) << "pages of 16: two blocks per SM";
+  EXPECT_GT(8 * splits(d128, 48), 132) << "pages of 48 (cp.async): two blocks per SM";
+  const fk::DecodeParams d64 =
+      fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 32, 64, false, 0.1f);
+  EXPECT_GT(32 * splits(d64, 64), 132) << "d64: two blocks per SM";
+}
+
 }  // namespace
 }  // namespace flashserve::kernels

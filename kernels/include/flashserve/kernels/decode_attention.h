@@ -86,7 +86,9 @@ std::vector<int> decode_head_dims();
 std::string decode_supported(const DecodeParams& p);
 
 /// Splits the heuristic picks for p on a GPU with sm_count SMs: enough blocks for about full
-/// waves, each split at least a few key tiles long.
+/// waves (planned at two resident blocks per SM, one for the d128 kernel on sm_90's whole-tile
+/// TMA loads), each split at least a few key tiles long. Depends on the layout (dense, page
+/// size) and the device: size a workspace from the same p that runs.
 int decode_num_splits(const DecodeParams& p, int sm_count);
 
 /// The autotuner's search space over split counts for p on sm_count SMs: 1, the heuristic's
