@@ -286,7 +286,9 @@ def ab(ours, dtype, l2, sms, args, peak):
           + " | " + " / ".join(v["name"] for v in variants[1:]) + f" vs {variants[0]['name']} | max diff |",
           flush=True)
     print("|" + "---|" * (10 + len(copies)), flush=True)
-    for (d, hq, hkv, b, sq, sk) in AB_SHAPES:
+    shapes_ab = AB_SHAPES if not args.ab_shapes else [
+        tuple(int(x) for x in one.split(",")) for one in args.ab_shapes.split(";")]
+    for (d, hq, hkv, b, sq, sk) in shapes_ab:
         pages = ((64, "64o", 16) if args.ab_in_order else (64, 16)) if sq == 1 else (64,)
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
@@ -387,6 +389,7 @@ def main():
     ap.add_argument("--ab-variants", default="c0,c2",
                     help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
+    ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
     ap.add_argument("--ab-in-order", action="store_true",
                     help="--ab: also a page-64 pool whose pages lie in sequence order (diagnostic)")
     ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
