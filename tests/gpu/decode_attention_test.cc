@@ -528,6 +528,9 @@ TEST(DecodeAttentionApi, SplitPlanFollowsTheLayout) {
   }
   EXPECT_GT(8 * splits(d128, 16), 132) << "pages of 16: two blocks per SM";
   EXPECT_GT(8 * splits(d128, 48), 132) << "pages of 48 (cp.async): two blocks per SM";
+  fk::DecodeParams varlen_k = d128;  // dense K/V packed by cu_seqlens_k: cp.async, two per SM
+  varlen_k.cu_seqlens_k = &kMarker;
+  EXPECT_GT(8 * splits(varlen_k, 0), 132) << "packed varlen K/V: two blocks per SM";
   const fk::DecodeParams d64 =
       fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 32, 64, false, 0.1f);
   EXPECT_GT(32 * splits(d64, 64), 132) << "d64: two blocks per SM";

@@ -210,16 +210,15 @@ std::string decode_supported(const DecodeParams& p) {
 namespace {
 /// Resident blocks per SM the split counts are planned for. At most two: the H100 sweep
 /// (kernels/NOTES.md) found a third adds no bandwidth, while filling it takes 50% more splits.
-/// One for the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, dense K/V
-/// or power-of-two pages >= 64 keys): A/B (kernels-decode-h100-2026-11-25.md), one block per
-/// SM instead of two, H100: B1 Sk128k paged 64 0.976x -> 0.990x cuDNN (dense 0.987x -> 1.014x),
-/// B8 Sk32k 0.985x -> 0.992x; H200: B1 Sk128k 0.982-0.99x, dense 1.004x. Not d64: its block
-/// keeps 48 KB in flight (d128: 64 KB), +6% on the H100 but -20% on the H200, whose bandwidth
-/// needs more bytes in flight per SM; not pages of 16 (four boxes per operand and tile: -9% at
-/// d64 on the H100); d256 not measured.
+/// One for the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, one box
+/// per tile: dense K/V or power-of-two pages >= 64 keys, tma_box_rows): A/B
+/// (kernels-decode-h100-2026-11-25.md), one block per SM instead of two, H100: B1 Sk128k paged 64
+/// 0.976x -> 0.990x cuDNN (dense 0.987x -> 1.014x), B8 Sk32k 0.985x -> 0.992x; H200: B1 Sk128k
+/// 0.982-0.99x, dense 1.004x. Not d64: its block keeps 48 KB in flight (d128: 64 KB), +6% on the
+/// H100 but -20% on the H200, whose bandwidth needs more bytes in flight per SM; not pages of 16
+/// (four boxes per operand and tile: -9% at d64 on the H100); d256 not measured.
 int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
-  const bool pow2_page = (p.page_size & (p.page_size - 1)) == 0;
-  const bool whole_tile_boxes = p.block_table == nullptr || (p.page_size >= kBlockN && pow2_page);
+  const bool whole_tile_boxes = decode::tma_box_rows(p, kBlockN) == kBlockN;
   if (k.block_m == 16 && p.head_dim == 128 && whole_tile_boxes && decode::copy_override() != 0 &&
       device_major() >= 9)
     return 1;

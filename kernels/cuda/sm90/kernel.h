@@ -4,16 +4,15 @@
 // (static or dynamic, see launch.h); the producer hands each tile's index to the consumers with
 // its Q buffer (two where they fit) and loads the next tile's Q and K/V while the consumers
 // finish the current one.
-//  - Warpgroup 0 (producer, setmaxnreg 40, or 32 beside 3 consumers): its warp 0 hands each tile's
-//  index to the
-//    consumers (named barriers) and its lane 0 issues TMA copies of the Q tile and of the K and
-//    V tiles, last tile first, into a kStages-deep shared-memory ring; each copy completes on a
-//    "full" mbarrier, and a stage is reused once the consumers arrive on its "empty" mbarrier.
-//  - Warpgroups 1..C (consumers, setmaxnreg 232, or 160 when C = 3) each own 64 query rows: S = Q
-//  K^T by
-//    wgmma with both operands in shared memory, the online softmax (lazy rescale) in registers,
-//    and O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V tile j
-//    runs while the tensor cores do P V of tile j - 1 (issued together with S_j), and the
+//  - Warpgroup 0 (producer, setmaxnreg 40, or 32 beside 3 consumers): its warp 0 hands each
+//    tile's index to the consumers (named barriers) and its lane 0 issues TMA copies of the Q
+//    tile and of the K and V tiles, last tile first, into a kStages-deep shared-memory ring; each
+//    copy completes on a "full" mbarrier, and a stage is reused once the consumers arrive on its
+//    "empty" mbarrier.
+//  - Warpgroups 1..C (consumers, setmaxnreg 232, or 160 when C = 3) each own 64 query rows:
+//    S = Q K^T by wgmma with both operands in shared memory, the online softmax (lazy rescale) in
+//    registers, and O += P V by wgmma with P from registers. Within a warpgroup the softmax of K/V
+//    tile j runs while the tensor cores do P V of tile j - 1 (issued together with S_j), and the
 //    consumer warpgroups take turns issuing their GEMMs (round robin on named barriers 1..C).
 // Epilogue: O goes through the tile's Q buffer to TMA stores (store_o); with packed
 // variable-length inputs (T::kPacked) a warpgroup whose rows cross the sequence's end writes them
@@ -228,9 +227,8 @@ __device__ __forceinline__ int64_t lse_index(const AttentionParams& p, const Blo
 
 /// Packed variable-length outputs crossing the sequence's end: TMA would clip rows only at
 /// total_q, so the warpgroup's rows of O (staged in shared memory at base, swizzled as store_o
-/// wrote them) go out row by row,
-/// 16 bytes per thread and step, up to the sequence's end and head_dim; then Q buffer qb is
-/// released at once (nothing asynchronous reads it).
+/// wrote them) go out row by row, 16 bytes per thread and step, up to the sequence's end and
+/// head_dim; then Q buffer qb is released at once (nothing asynchronous reads it).
 template <typename T>
 __device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
                              int cw, int qb, uint32_t base) {
@@ -249,11 +247,12 @@ __device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, con
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
 /// the tile's Q buffer qb (free: every S = Q K^T of the tile has completed) in the 128-byte
 /// swizzled layout, and one thread stores them with one TMA store per 64-column block (rows past
-/// seqlen_q are clipped by the tensor map; packed inputs: store_o_rows where the warpgroup's rows
-/// cross the sequence's end, H100: d64 causal S1024 packed 0.93 of dense with every tile row by
-/// row). That thread releases the Q buffer once the store has
-/// read it: at once with one Q buffer, else at the next tile's first softmax (pending_release),
-/// so the warpgroup does not wait for the read here. LSE goes straight to global memory.
+/// seqlen_q are clipped by the tensor map; packed inputs take store_o_rows only where the
+/// warpgroup's rows cross the sequence's end: every tile row by row left d64 causal S1024 at 0.92
+/// of dense, kernels-varlen-h100-2026-11-25.md). That thread releases the Q buffer once the
+/// store has read it: at once with one Q buffer, else at the next tile's first softmax
+/// (pending_release), so the warpgroup does not wait for the read here. LSE goes straight to
+/// global memory.
 template <typename T>
 __device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_o,
                         const BlockWork& w, int cw, int qb, const float (&o)[T::kHeadDim / 2],

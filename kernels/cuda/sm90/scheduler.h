@@ -29,15 +29,14 @@ struct SchedArgs {
   int slot, l2_heads;
 };
 
-/// One tile of work: which query tile of which (batch, head), and how many K/V tiles it sees.
-/// Its sequence: lengths, and first rows in q/o and k/v along the tensor maps' row axis (0, or
-/// with packed variable-length inputs cu_seqlens[sequence]); batch is the tensor maps' batch
-/// coordinate (0 when packed).
-/// A tile's sequence: first rows in q/o and k/v along the tensor maps' row axis, and lengths.
+/// A tile's sequence: first rows in q/o and k/v along the tensor maps' row axis (0, or with
+/// packed variable-length inputs cu_seqlens[sequence]), and lengths.
 struct SeqSpan {
   int q_row0, k_row0, seqlen_q, seqlen_k;
 };
 
+/// One tile of work: which query tile of which (batch, head), how many K/V tiles it sees, and
+/// its sequence's span; batch is the tensor maps' batch coordinate (0 when packed).
 struct BlockWork {
   int m_block, head, head_kv, batch, n_blocks;
   int seqlen_q, seqlen_k, q_row0, k_row0;
