@@ -87,6 +87,9 @@ struct AttendInfo {
   int64_t h2d_us = 0;      // inputs to the device and rows into the pool (0: none)
   int64_t kernel_us = -1;  // the attention launch alone (-1: not measured)
   int64_t d2h_us = 0;      // outputs to where they go (host copy and/or in-place writes; 0: none)
+  // The kernel read the queries / wrote the outputs where the items hold them (packed in item
+  // order in memory the device addresses), without a gather or scatter.
+  bool q_in_place = false, out_in_place = false;
 };
 
 }  // namespace flashserve::kvcache

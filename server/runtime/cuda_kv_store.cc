@@ -13,13 +13,36 @@ namespace {
 
 int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// Where the items' rows (q, or O) start when every item's lie back to back in item order in one
+// kind of memory the device addresses, 16-byte aligned as the kernel reads them (a packed
+// DecodeStep's region); else null.
+template <typename Ptr>
+Ptr PackedInPlace(const kvcache::PagedBatch& batch, const std::vector<int32_t>& cu_q,
+                  int64_t row_bytes, Ptr kvcache::PagedItem::*rows,
+                  kvcache::BytesAt kvcache::PagedItem::*at, bool addressable) {
+  const char* base = static_cast<const char*>(batch.items[0].*rows);
+  if (!addressable || base == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0) {
+    return nullptr;
+  }
+  for (size_t b = 0; b < batch.items.size(); ++b) {
+    const kvcache::PagedItem& item = batch.items[b];
+    if (item.*at != batch.items[0].*at ||
+        static_cast<const char*>(item.*rows) != base + int64_t(cu_q[b]) * row_bytes) {
+      return nullptr;
+    }
+  }
+  return batch.items[0].*rows;
+}
+
 }  // namespace
 
 // Byte offsets of one launch's sections, the same in the pinned host and the device scratch:
-// inputs [q, block table, seqlens_k, cu_seqlens_q, copy ranges] (one H2D copy), outputs [o, lse]
-// (one D2H copy), then the split-KV workspace (device only). The copy ranges: first one per item
-// whose q the device addresses (into the packed q), then one per such O and one per head of
-// such an LSE (out of the packed outputs).
+// inputs [block table, seqlens_k, cu_seqlens_q, copy ranges, q] (one H2D copy, which stops before
+// q when no query is in pageable memory), outputs [o, lse] (one D2H copy), then the split-KV
+// workspace (device only). The copy ranges: first one per item whose q the device addresses
+// (into the packed q), then one per such O and one per head of such an LSE (out of the packed
+// outputs). Queries or outputs that already lie packed in memory the device addresses (a packed
+// DecodeStep's region) are read or written there by the kernel: no range, no copy.
 struct CudaKvStore::Packed {
   int batch = 0;
   int total_q = 0, max_rows_q = 0;
@@ -27,7 +50,10 @@ struct CudaKvStore::Packed {
   std::vector<int32_t> cu_q;  // [batch + 1]
   int q_ranges = 0, out_ranges = 0;
   bool host_outputs = false;  // some O or LSE goes to pageable memory: the D2H copy is needed
-  int64_t q = 0, table = 0, seqlens = 0, cu = 0, ranges = 0, inputs_end = 0;
+  const void* q_in_place = nullptr;  // the packed queries where the items hold them, or null
+  void* out_in_place = nullptr;      // the packed outputs where the items want them, or null
+  int64_t table = 0, seqlens = 0, cu = 0, ranges = 0, q = 0, inputs_end = 0;
+  int64_t copy_end = 0;  // the inputs the host fills: up to q's end only when some q is pageable
   int64_t o = 0, lse = 0, outputs_end = 0;
   int64_t workspace = 0, workspace_bytes = 0;
   int64_t q_row_bytes = 0;  // heads_q * head_dim * element size
@@ -220,7 +246,7 @@ void CudaKvStore::FillRanges(const kvcache::PagedBatch& batch, const Packed& pk,
   auto* range = reinterpret_cast<KvScatterRange*>(host + pk.ranges);
   char* scratch = static_cast<char*>(device_scratch_);
   const int heads = batch.shape.heads_q;
-  for (int b = 0; b < pk.batch; ++b) {  // queries first ...
+  for (int b = 0; b < pk.batch && pk.q_in_place == nullptr; ++b) {  // queries first ...
     const kvcache::PagedItem& item = batch.items[size_t(b)];
     if (!Addressable(item.q_at)) continue;
     char* dst = const_cast<char*>(device) + pk.q + int64_t(pk.cu_q[size_t(b)]) * pk.q_row_bytes;
@@ -229,7 +255,7 @@ void CudaKvStore::FillRanges(const kvcache::PagedBatch& batch, const Packed& pk,
   for (int b = 0; b < pk.batch; ++b) {  // ... then outputs
     const kvcache::PagedItem& item = batch.items[size_t(b)];
     const int32_t row0 = pk.cu_q[size_t(b)];
-    if (Addressable(item.out_at)) {
+    if (Addressable(item.out_at) && pk.out_in_place == nullptr) {
       *range++ = {static_cast<char*>(item.out), scratch + pk.o + int64_t(row0) * pk.q_row_bytes,
                   item.rows_q * pk.q_row_bytes};
     }
@@ -250,25 +276,38 @@ CudaKvStore::Packed CudaKvStore::Plan(const kvcache::PagedBatch& batch) const {
   pk.q_row_bytes = int64_t(s.heads_q) * s.head_dim * int64_t(kernels::dtype_size(s.dtype));
   pk.cu_q.reserve(batch.items.size() + 1);
   pk.cu_q.push_back(0);
+  bool host_q = false;  // some q in pageable memory: the host packs it and the copy carries it
   for (const kvcache::PagedItem& item : batch.items) {
     pk.cu_q.push_back(pk.cu_q.back() + item.rows_q);
     pk.max_rows_q = std::max(pk.max_rows_q, item.rows_q);
     pk.max_pages = std::max<int64_t>(pk.max_pages, int64_t(item.pages.size()));
     pk.max_length = std::max(pk.max_length, item.length);
     pk.q_ranges += Addressable(item.q_at) ? 1 : 0;
+    host_q |= !Addressable(item.q_at);
     const bool out_here = Addressable(item.out_at);
     const bool lse_here = item.lse != nullptr && Addressable(item.lse_at);
     pk.out_ranges += (out_here ? 1 : 0) + (lse_here ? s.heads_q : 0);
     pk.host_outputs |= !out_here || (item.lse != nullptr && !lse_here);
   }
   pk.total_q = pk.cu_q.back();
-  pk.q = 0;
-  pk.table = Align(pk.q + pk.total_q * pk.q_row_bytes);
+  using kvcache::PagedItem;
+  const PagedItem& first = batch.items[0];
+  pk.q_in_place = PackedInPlace(batch, pk.cu_q, pk.q_row_bytes, &PagedItem::q, &PagedItem::q_at,
+                                Addressable(first.q_at));
+  pk.out_in_place = PackedInPlace(batch, pk.cu_q, pk.q_row_bytes, &PagedItem::out,
+                                  &PagedItem::out_at, Addressable(first.out_at));
+  if (pk.q_in_place != nullptr) pk.q_ranges = 0;
+  if (pk.out_in_place != nullptr) pk.out_ranges -= pk.batch;  // the LSE ranges stay
+  pk.table = 0;
   pk.seqlens = Align(pk.table + pk.batch * pk.max_pages * 4);
   pk.cu = Align(pk.seqlens + pk.batch * 4);
   pk.ranges = Align(pk.cu + (pk.batch + 1) * 4);
   const int64_t ranges = pk.q_ranges + pk.out_ranges;
-  pk.inputs_end = pk.ranges + ranges * int64_t(sizeof(KvScatterRange));
+  const int64_t ranges_end = pk.ranges + ranges * int64_t(sizeof(KvScatterRange));
+  pk.q = Align(ranges_end);
+  pk.inputs_end = pk.q + (pk.q_in_place != nullptr ? 0 : pk.total_q * pk.q_row_bytes);
+  // Gathered queries land in the q section on the device: the copy need not carry it.
+  pk.copy_end = host_q ? pk.inputs_end : ranges_end;
   pk.o = Align(pk.inputs_end);
   pk.lse = Align(pk.o + pk.total_q * pk.q_row_bytes);
   pk.outputs_end = pk.lse + int64_t(s.heads_q) * pk.total_q * 4;
@@ -298,6 +337,8 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
   Scatter(batch, pk);
   ReadTimes(info);
   info->kernel = "decode_paged_splitkv";
+  info->q_in_place = pk.q_in_place != nullptr;
+  info->out_in_place = pk.out_in_place != nullptr;
   return absl::OkStatus();
 }
 
@@ -338,7 +379,7 @@ absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed
     return st;
   }
   char* dev = static_cast<char*>(device_scratch_);
-  p.o = dev + pk.o;
+  p.o = pk.out_in_place != nullptr ? pk.out_in_place : dev + pk.o;
   p.lse = reinterpret_cast<float*>(dev + pk.lse);
   p.workspace = workspace > 0 ? dev + pk.workspace : nullptr;
   p.workspace_bytes = size_t(workspace);
@@ -365,15 +406,15 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host, inputs);
   cudaError_t e = cudaEventRecord(events_[0], stream_);
   if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
-    if (absl::Status st = FlushLocked(pk.inputs_end); !st.ok()) return st;
+    if (absl::Status st = FlushLocked(pk.copy_end); !st.ok()) return st;
   } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs
     if (absl::Status st = FlushLocked(); !st.ok()) return st;
-    e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.inputs_end), cudaMemcpyHostToDevice,
+    e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.copy_end), cudaMemcpyHostToDevice,
                         stream_);
   }
   const auto* ranges = reinterpret_cast<const KvScatterRange*>(inputs + pk.ranges);
   if (e == cudaSuccess) e = LaunchKvScatter(ranges, pk.q_ranges, stream_);  // q in place
-  p.q = inputs + pk.q;
+  p.q = pk.q_in_place != nullptr ? pk.q_in_place : inputs + pk.q;
   p.block_table = reinterpret_cast<const int32_t*>(inputs + pk.table);
   p.seqlens_k = reinterpret_cast<const int32_t*>(inputs + pk.seqlens);
   p.cu_seqlens_q = reinterpret_cast<const int32_t*>(inputs + pk.cu);

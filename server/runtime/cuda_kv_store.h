@@ -10,10 +10,12 @@
 // rows the device can address (a client's CUDA region on this device, or a page-locked system
 // region) are read by the scatter where they are. Large writes (prefixes) are copied directly.
 // Launches are serialized (one set of scratch buffers); a batch is one launch, and a step costs
-// one H2D copy (staged rows, their ranges and the launch's packed queries, tables and the
-// ranges below, together), one row scatter, one query gather (items whose q the device
-// addresses), one decode launch, one output scatter (outputs the device addresses) and one D2H
-// copy (only when some output is in pageable memory).
+// one H2D copy (staged rows, their ranges and the launch's tables, ranges and queries in pageable
+// memory, together), one row scatter, one query gather (items whose q the device addresses),
+// one decode launch, one output scatter (outputs the device addresses) and one D2H copy (only
+// when some output is in pageable memory). Queries and outputs that lie packed in item order in
+// memory the device addresses (a packed DecodeStep's CUDA region, or its page-locked system
+// region) need neither gather nor scatter: the kernel reads and writes them there.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -2,7 +2,10 @@
 // step over sequences of different lengths (one empty), GQA, d64/d128, fp16/bf16, odd page sizes,
 // checked against the fp64 reference. The items' q / k / v / O / LSE live in pageable host memory,
 // device memory (a client's CUDA region), page-locked host memory (a registered system region) or
-// a mix of them. Skips without a GPU (label "gpu"; the lead runs these).
+// a mix of them; or, as a packed DecodeStep's region puts them, every item's q back to back and
+// every O back to back in device or page-locked memory, which the kernel reads and writes in
+// place. Skips
+// without a GPU (label "gpu"; the lead runs these).
 #include "runtime/cuda_kv_store.h"
 
 #include <cuda_runtime_api.h>
@@ -41,19 +44,22 @@ bool Compiled(int head_dim) {
   return false;
 }
 
-// Where a test puts an item's tensor; kMixed: each tensor of each item somewhere else.
-enum class Place { kHost, kDevice, kPinned, kMixed };
+// Where a test puts an item's tensor; kMixed: each tensor of each item somewhere else;
+// k*Packed: device / page-locked memory, the items' queries back to back, and their outputs.
+enum class Place { kHost, kDevice, kPinned, kMixed, kDevicePacked, kPinnedPacked };
 
 // One step's tensors in one kind of memory, bump-allocated; `skew` bytes past 16-byte alignment.
 class Arena {
  public:
   Arena(Place place, size_t bytes) : place_(place), bytes_(bytes) {
-    if (place == Place::kDevice) {
+    if (place == Place::kDevice || place == Place::kDevicePacked) {
+      place_ = Place::kDevice;
       EXPECT_EQ(cudaMalloc(&base_, bytes), cudaSuccess);
       return;
     }
+    if (place == Place::kPinnedPacked) place_ = Place::kPinned;
     base_ = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-    if (place == Place::kPinned) {
+    if (place_ == Place::kPinned) {
       EXPECT_EQ(cudaHostRegister(base_, bytes, cudaHostRegisterDefault), cudaSuccess);
     }
   }
@@ -122,6 +128,10 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   int faults = 0;
   int sm_count = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  int host_pointers_work = 0;
+  ASSERT_EQ(
+      cudaDeviceGetAttribute(&host_pointers_work, cudaDevAttrCanUseHostPointerForRegisteredMem, 0),
+      cudaSuccess);
   absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
       CudaKvStore::Create(
           64 << 20, 0,
@@ -171,12 +181,19 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
     auto arena = [&](int i, int t) -> Arena& {
       return *arenas[c.place == Place::kMixed ? size_t((i + t) % 3) : 0];
     };
+    const bool packed = c.place == Place::kDevicePacked || c.place == Place::kPinnedPacked;
+    std::vector<HostRows> q_rows;  // packed: every q first, back to back
+    for (int i = 0; i < 4 && packed; ++i) {
+      q_rows.push_back(arena(i, 0).Put(qs[size_t(i)], c.heads_q, c.head_dim, c.dtype, 0));
+    }
     for (int i = 0; i < 4; ++i) {
-      const int skew = i == 3 ? 2 : 0;
-      items.push_back(
-          {ids[size_t(i)], 0, arena(i, 0).Put(qs[size_t(i)], c.heads_q, c.head_dim, c.dtype, skew),
-           arena(i, 1).Put(ks[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew),
-           arena(i, 2).Put(vs[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew)});
+      const int skew = i == 3 && !packed ? 2 : 0;
+      items.push_back({ids[size_t(i)], 0,
+                       packed
+                           ? q_rows[size_t(i)]
+                           : arena(i, 0).Put(qs[size_t(i)], c.heads_q, c.head_dim, c.dtype, skew),
+                       arena(i, 1).Put(ks[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew),
+                       arena(i, 2).Put(vs[size_t(i)], c.heads_kv, c.head_dim, c.dtype, skew)});
     }
     absl::StatusOr<StepPlan> plan = cache->PrepareStep(items);
     ASSERT_TRUE(plan.ok()) << plan.status();
@@ -185,15 +202,23 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
     plan->batch.causal = causal;
     plan->batch.softmax_scale = scale;
     const size_t lse_count = size_t(c.heads_q * rows_q);
-    for (size_t i = 0; i < 4; ++i) {  // NaN-poisoned outputs
+    for (size_t i = 0; i < 4; ++i) {  // NaN-poisoned outputs (packed: back to back)
       PagedItem& item = plan->batch.items[i];
-      item.out = arena(int(i), 3).Take(qs[i].size() * 2, i == 3 ? 2 : 0);
+      item.out = arena(int(i), 3).Take(qs[i].size() * 2, i == 3 && !packed ? 2 : 0);
       item.out_at = arena(int(i), 3).at();
+    }
+    for (size_t i = 0; i < 4; ++i) {
+      PagedItem& item = plan->batch.items[i];
       item.lse = reinterpret_cast<float*>(arena(int(i), 4).Take(lse_count * 4, 0));
       item.lse_at = arena(int(i), 4).at();
     }
     AttendInfo kernel;
     ASSERT_TRUE((*store)->Attend(plan->batch, &kernel).ok());
+    // Only packed rows are used in place (kDevice has item 3 at an odd offset), page-locked ones
+    // where the device addresses them.
+    const bool in_place = packed && (c.place == Place::kDevicePacked || host_pointers_work);
+    EXPECT_EQ(kernel.q_in_place, in_place);
+    EXPECT_EQ(kernel.out_in_place, in_place);
     std::vector<Bits> outs;
     std::vector<std::vector<float>> lses;
     for (const PagedItem& item : plan->batch.items) {
@@ -217,7 +242,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::kFloat16, 12, 4, 64, 7, Place::kDevice},
                       Case{DType::kBFloat16, 32, 8, 128, 16, Place::kPinned},
                       Case{DType::kFloat16, 32, 8, 128, 64, Place::kMixed},
-                      Case{DType::kBFloat16, 12, 4, 64, 7, Place::kMixed}));
+                      Case{DType::kBFloat16, 12, 4, 64, 7, Place::kMixed},
+                      Case{DType::kBFloat16, 32, 8, 128, 64, Place::kDevicePacked},
+                      Case{DType::kFloat16, 12, 4, 64, 7, Place::kDevicePacked},
+                      Case{DType::kFloat16, 32, 8, 128, 16, Place::kPinnedPacked},
+                      Case{DType::kBFloat16, 8, 8, 64, 7, Place::kPinnedPacked}));
 
 }  // namespace
 }  // namespace flashserve::kvcache
