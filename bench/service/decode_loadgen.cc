@@ -21,6 +21,10 @@
 // the row itself still counts), and client_serialize_us / client_parse_us: what client 0's
 // request serialization and response parsing cost on their own (median of 5; the sync stub pays
 // both on every call, the echo neither).
+// Every row also says where its slowest calls' time went: slow_<total|compute|prepare|queue|stage|
+// h2d|kernel>_us, the medians of the server's timings over the calls at or above the row's p99,
+// and client_wall_s_min / _max, the fastest and slowest client's time for its steps (unequal
+// when the server serves the clients unevenly).
 // The flags: kUsage below (--help prints it); an unknown or malformed flag is an error (exit 2).
 #include <algorithm>
 #include <cstdint>
@@ -72,6 +76,7 @@ struct Sample {
   // Where the server's time went (Timing: parse and build, queue, row staging, and the device
   // times of the input copy + row scatter, the decode kernel and the output copy).
   int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
+  double client_wall_s = 0;  // how long this sample's client took for all its steps
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -200,6 +205,8 @@ std::vector<Sample> RunClients(int clients, int steps, int warmup, const StepCal
         per[size_t(c)].push_back(s);
       }
       ends[size_t(c)] = Clock::now();
+      const double wall = Micros(ends[size_t(c)] - starts[size_t(c)]) / 1e6;
+      for (Sample& s : per[size_t(c)]) s.client_wall_s = wall;
     });
   }
   for (std::thread& t : threads) t.join();
@@ -223,6 +230,35 @@ double Percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
 }
 
+// Where the slowest calls' time went: the median of each server time over the calls at or
+// above the p99 latency (inside the server, or outside it), and the slowest and fastest
+// client's wall time for its steps (how unevenly the server served the clients).
+std::string SlowCallsJson(const std::vector<Sample>& samples, double p99_us) {
+  if (samples.empty()) return "";
+  const std::pair<const char*, int64_t Sample::*> fields[] = {
+      {"total", &Sample::total_us},     {"compute", &Sample::compute_us},
+      {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
+      {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
+      {"kernel", &Sample::kernel_us}};
+  std::string out;
+  for (const auto& [name, field] : fields) {
+    std::vector<double> values;
+    for (const Sample& s : samples) {
+      if (s.latency_us >= p99_us) values.push_back(double(s.*field));
+    }
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), ", \"slow_%s_us\": %.1f", name, Percentile(values, 50));
+    out += buffer;
+  }
+  std::vector<double> walls;
+  for (const Sample& s : samples) walls.push_back(s.client_wall_s);
+  char buffer[96];
+  std::snprintf(
+      buffer, sizeof(buffer), ", \"client_wall_s_min\": %.3f, \"client_wall_s_max\": %.3f",
+      *std::min_element(walls.begin(), walls.end()), *std::max_element(walls.begin(), walls.end()));
+  return out + buffer;
+}
+
 void PrintRow(const std::string& path, const Options& opt, int clients,
               const std::vector<Sample>& samples, double wall_s, const std::string& extra) {
   std::vector<double> latency, total, compute, merged;
@@ -234,7 +270,7 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   }
   double merged_mean = 0;
   for (double m : merged) merged_mean += m / double(merged.size());
-  std::string stages;
+  std::string stages = SlowCallsJson(samples, Percentile(latency, 99) * 1e3);
   const std::pair<const char*, int64_t Sample::*> fields[] = {
       {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
       {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
