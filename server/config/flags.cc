@@ -197,6 +197,10 @@ ABSL_FLAG(bool, batch_when_busy, flashserve::SequenceRuntimeOptions{}.batch_when
           "--batch_window_us");
 ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_batch_sequences,
           "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most");
+ABSL_FLAG(int, decode_launches_in_flight, flashserve::SequenceRuntimeOptions{}.launches_in_flight,
+          "Sequences API: decode launches queued on the GPU at once, in [1, 4]: the next one is "
+          "prepared and queued while one runs; with --batch_when_busy also the batches that run "
+          "at once. 1: one launch at a time");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
           "Log format: text, or json (one JSON object per line)");
 // The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.
@@ -267,6 +271,7 @@ SequenceRuntimeOptions SequencesFromFlags() {
   sequences.batch_window_us = absl::GetFlag(FLAGS_batch_window_us);
   sequences.batch_when_busy = absl::GetFlag(FLAGS_batch_when_busy);
   sequences.max_batch_sequences = absl::GetFlag(FLAGS_max_batch_sequences);
+  sequences.launches_in_flight = absl::GetFlag(FLAGS_decode_launches_in_flight);
   return sequences;
 }
 

@@ -109,8 +109,11 @@ class Backend {
   /// heap memory. Thread-safe.
   virtual PinnedPool* staging_pool() { return nullptr; }
   /// The memory of the Sequences API's KV cache (`bytes` of it) and the paged attention over it
-  /// (server/kvcache/kv_store.h); UNIMPLEMENTED when the backend has none.
-  virtual absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) {
+  /// (server/kvcache/kv_store.h), with up to `launches_in_flight` decode launches queued on the
+  /// device at once (a backend that computes on the caller's thread ignores it); UNIMPLEMENTED
+  /// when the backend has none.
+  virtual absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes,
+                                                                          int launches_in_flight) {
     return absl::UnimplementedError("this backend has no KV cache");
   }
   /// What the backend does for clients' shared-memory regions (page-lock system regions, open

@@ -22,7 +22,9 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
   return backend;
 }
 
-absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CpuBackend::CreateKvStore(int64_t bytes) {
+// The CPU store computes on the caller's thread: nothing is queued, so any number may run at once.
+absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CpuBackend::CreateKvStore(
+    int64_t bytes, int /*launches_in_flight*/) {
   absl::StatusOr<std::unique_ptr<CpuKvStore>> store = CpuKvStore::Create(bytes, pool_.get());
   if (!store.ok()) return store.status();
   return std::unique_ptr<kvcache::KvStore>(std::move(*store));

@@ -25,7 +25,8 @@ class CpuBackend final : public Backend {
   int num_threads() const { return pool_->num_threads(); }
   PinnedPool* staging_pool() override { return buffers_.get(); }
   /// Host memory (runtime/cpu_kv_store.h), attention on this backend's threads.
-  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes,
+                                                                  int launches_in_flight) override;
   /// False once a job asked for a fault (--enable_fault_injection): the CPU twin of a sticky
   /// CUDA error, so the fault -> not live -> drain -> exit 3 path is tested without a GPU.
   bool healthy() const override { return healthy_.load(); }

@@ -393,7 +393,8 @@ absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char*
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
 
-absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(int64_t bytes) {
+absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(
+    int64_t bytes, int launches_in_flight) {
   Device* device = devices_.front().get();
   // Split counts from the autotuner's decode classes where tuned (a miss queues the class for
   // background tuning and answers with the heuristic); the sequences die before the backend.
@@ -401,7 +402,7 @@ absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(int
     return DecodeSplitsFor(chooser_.get(), p, device->sm_count, device->tuned);
   };
   absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
-      bytes, device->index, std::move(choose_splits),
+      bytes, device->index, launches_in_flight, std::move(choose_splits),
       [this, device](cudaError_t e, const char* what) { return DeviceError(device, e, what); });
   if (!store.ok()) return store.status();
   return std::unique_ptr<kvcache::KvStore>(std::move(*store));

@@ -55,7 +55,8 @@ class CudaBackend final : public Backend {
   ShmDeviceAccess* shm_device_access() override { return shm_access_.get(); }
   bool can_launch_now() override;
   /// Device memory of the first GPU (runtime/cuda_kv_store.h).
-  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes) override;
+  absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CreateKvStore(int64_t bytes,
+                                                                  int launches_in_flight) override;
   /// Scheduler workers to use: one per slot (a worker only stages and launches).
   int recommended_concurrency() const;
 

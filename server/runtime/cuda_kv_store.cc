@@ -60,8 +60,12 @@ struct CudaKvStore::Packed {
 };
 
 absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, int device,
+                                                                 int launches_in_flight,
                                                                  SplitChooser choose_splits,
                                                                  ErrorHandler on_error) {
+  if (launches_in_flight < 1) {
+    return absl::InvalidArgumentError("the KV store needs at least one launch in flight");
+  }
   auto store = std::unique_ptr<CudaKvStore>(
       new CudaKvStore(bytes, device, std::move(choose_splits), std::move(on_error)));
   cudaSetDevice(device);
@@ -87,7 +91,12 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
   const size_t stage = size_t(kStageBytes);
   store->staged_ranges_host_.resize(size_t(kRangeBytes));
   e = cudaMalloc(reinterpret_cast<void**>(&store->stage_device_), stage);
-  for (int i = 0; i < 4 && e == cudaSuccess; ++i) e = cudaEventCreate(&store->events_[i]);
+  for (int s = 0; s < launches_in_flight && e == cudaSuccess; ++s) {
+    store->slots_.push_back(std::make_unique<LaunchSlot>());
+    for (cudaEvent_t& event : store->slots_.back()->events) {
+      if (e == cudaSuccess) e = cudaEventCreate(&event);
+    }
+  }
   for (int i = 0; i < 2 && e == cudaSuccess; ++i) {
     e = cudaHostAlloc(reinterpret_cast<void**>(&store->stage_host_[i]), stage,
                       cudaHostAllocDefault);
@@ -110,15 +119,17 @@ CudaKvStore::~CudaKvStore() {
     cudaStreamDestroy(stream_);
   }
   cudaFree(pool_);
-  cudaFree(device_scratch_);
-  cudaFreeHost(host_scratch_);
+  for (const std::unique_ptr<LaunchSlot>& slot : slots_) {
+    cudaFree(slot->device_scratch);
+    cudaFreeHost(slot->host_scratch);
+    for (cudaEvent_t event : slot->events) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+  }
   cudaFree(stage_device_);
   for (int i = 0; i < 2; ++i) {
     cudaFreeHost(stage_host_[i]);
     if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
-  }
-  for (cudaEvent_t event : events_) {
-    if (event != nullptr) cudaEventDestroy(event);
   }
 }
 
@@ -223,7 +234,7 @@ absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int
 }
 
 void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk, char* host,
-                           const char* device) {
+                           const char* device, char* scratch) {
   auto* table = reinterpret_cast<int32_t*>(host + pk.table);
   auto* seqlens = reinterpret_cast<int32_t*>(host + pk.seqlens);
   std::memcpy(host + pk.cu, pk.cu_q.data(), pk.cu_q.size() * sizeof(int32_t));
@@ -238,13 +249,12 @@ void CudaKvStore::FillHost(const kvcache::PagedBatch& batch, const Packed& pk, c
     std::fill(row + item.pages.size(), row + pk.max_pages, 0);  // past the length: never read
     seqlens[b] = int32_t(item.length);
   }
-  FillRanges(batch, pk, host, device);
+  FillRanges(batch, pk, host, device, scratch);
 }
 
 void CudaKvStore::FillRanges(const kvcache::PagedBatch& batch, const Packed& pk, char* host,
-                             const char* device) {
+                             const char* device, char* scratch) {
   auto* range = reinterpret_cast<KvScatterRange*>(host + pk.ranges);
-  char* scratch = static_cast<char*>(device_scratch_);
   const int heads = batch.shape.heads_q;
   for (int b = 0; b < pk.batch && pk.q_in_place == nullptr; ++b) {  // queries first ...
     const kvcache::PagedItem& item = batch.items[size_t(b)];
@@ -317,10 +327,11 @@ CudaKvStore::Packed CudaKvStore::Plan(const kvcache::PagedBatch& batch) const {
 
 absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) {
   const Packed pk = Plan(batch);
-  std::lock_guard<std::mutex> lock(launch_mu_);
+  LaunchSlot& slot = *slots_[size_t(next_slot_.fetch_add(1) % slots_.size())];
+  std::lock_guard<FifoMutex> lock(slot.mu);
   cudaSetDevice(device_);
   kernels::cuda::DecodeParams p;
-  if (absl::Status st = Prepare(batch, pk, &p); !st.ok()) {
+  if (absl::Status st = Prepare(batch, pk, &slot, &p); !st.ok()) {
     // Staged ranges may read a client's region: they must land while its lease is held.
     std::lock_guard<std::mutex> write_lock(write_mu_);
     if (absl::Status flushed = FlushLocked(); !flushed.ok()) return flushed;
@@ -329,13 +340,18 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
     }
     return st;
   }
-  if (absl::Status st = Enqueue(batch, pk, &p); !st.ok()) return st;
-  // Outside write_mu_: other steps stage their rows while this one runs.
-  if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+  if (absl::Status st = Enqueue(batch, pk, slot, &p); !st.ok()) {
+    cudaStreamSynchronize(stream_);  // what was queued may still read the slot's scratch
+    cudaGetLastError();
+    return st;
+  }
+  // This launch's end only (the stream may hold another slot's launch behind it by now); outside
+  // write_mu_: other steps stage their rows, and the next launch is queued, while this one runs.
+  if (const cudaError_t e = cudaEventSynchronize(slot.events[3]); e != cudaSuccess) {
     return on_error_(e, "KV decode launch");
   }
-  Scatter(batch, pk);
-  ReadTimes(info);
+  Scatter(batch, pk, slot);
+  ReadTimes(slot, info);
   info->kernel = "decode_paged_splitkv";
   info->q_in_place = pk.q_in_place != nullptr;
   info->out_in_place = pk.out_in_place != nullptr;
@@ -343,7 +359,7 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
 }
 
 absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed& pk,
-                                  void* params) {
+                                  LaunchSlot* slot, void* params) {
   const kvcache::SequenceShape& s = batch.shape;
   const int64_t elem = int64_t(kernels::dtype_size(s.dtype));
   kernels::cuda::DecodeParams& p = *static_cast<kernels::cuda::DecodeParams*>(params);
@@ -370,15 +386,15 @@ absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed
   p.num_splits = choose_splits_(p);
   const int64_t workspace = int64_t(kernels::cuda::decode_workspace_bytes(p, p.num_splits));
   if (absl::Status st =
-          Reserve(true, pk.workspace + workspace, &device_scratch_, &device_scratch_bytes_);
+          Reserve(true, pk.workspace + workspace, &slot->device_scratch, &slot->device_bytes);
       !st.ok()) {
     return st;
   }
-  if (absl::Status st = Reserve(false, pk.outputs_end, &host_scratch_, &host_scratch_bytes_);
+  if (absl::Status st = Reserve(false, pk.outputs_end, &slot->host_scratch, &slot->host_bytes);
       !st.ok()) {
     return st;
   }
-  char* dev = static_cast<char*>(device_scratch_);
+  char* dev = static_cast<char*>(slot->device_scratch);
   p.o = pk.out_in_place != nullptr ? pk.out_in_place : dev + pk.o;
   p.lse = reinterpret_cast<float*>(dev + pk.lse);
   p.workspace = workspace > 0 ? dev + pk.workspace : nullptr;
@@ -394,23 +410,23 @@ absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed
 }
 
 absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed& pk,
-                                  void* params) {
+                                  const LaunchSlot& slot, void* params) {
   kernels::cuda::DecodeParams& p = *static_cast<kernels::cuda::DecodeParams*>(params);
-  char* host = static_cast<char*>(host_scratch_);
+  char* host = static_cast<char*>(slot.host_scratch);
+  char* scratch = static_cast<char*>(slot.device_scratch);
   // Under write_mu_ until the kernel is queued: a later flush overwrites the device stage, and
   // the stream keeps it behind this kernel only if it is queued after it.
   std::lock_guard<std::mutex> write_lock(write_mu_);
   const int64_t at = InputsAtLocked(pk.inputs_end);
-  const char* inputs = at >= 0 ? stage_device_ + at : static_cast<const char*>(device_scratch_);
-  // events_[0] after the host packing: h2d_us is device time, not this thread's memcpy.
-  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host, inputs);
-  cudaError_t e = cudaEventRecord(events_[0], stream_);
+  const char* inputs = at >= 0 ? stage_device_ + at : scratch;
+  // events[0] after the host packing: h2d_us is device time, not this thread's memcpy.
+  FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host, inputs, scratch);
+  cudaError_t e = cudaEventRecord(slot.events[0], stream_);
   if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
     if (absl::Status st = FlushLocked(pk.copy_end); !st.ok()) return st;
   } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs
     if (absl::Status st = FlushLocked(); !st.ok()) return st;
-    e = cudaMemcpyAsync(device_scratch_, host, size_t(pk.copy_end), cudaMemcpyHostToDevice,
-                        stream_);
+    e = cudaMemcpyAsync(scratch, host, size_t(pk.copy_end), cudaMemcpyHostToDevice, stream_);
   }
   const auto* ranges = reinterpret_cast<const KvScatterRange*>(inputs + pk.ranges);
   if (e == cudaSuccess) e = LaunchKvScatter(ranges, pk.q_ranges, stream_);  // q in place
@@ -418,22 +434,22 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   p.block_table = reinterpret_cast<const int32_t*>(inputs + pk.table);
   p.seqlens_k = reinterpret_cast<const int32_t*>(inputs + pk.seqlens);
   p.cu_seqlens_q = reinterpret_cast<const int32_t*>(inputs + pk.cu);
-  if (e == cudaSuccess) e = cudaEventRecord(events_[1], stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(slot.events[1], stream_);
   if (e == cudaSuccess) e = kernels::cuda::run_decode(p, stream_);
-  if (e == cudaSuccess) e = cudaEventRecord(events_[2], stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(slot.events[2], stream_);
   if (e == cudaSuccess) e = LaunchKvScatter(ranges + pk.q_ranges, pk.out_ranges, stream_);
   if (e == cudaSuccess && pk.host_outputs) {
-    e = cudaMemcpyAsync(host + pk.o, static_cast<char*>(device_scratch_) + pk.o,
-                        size_t(pk.outputs_end - pk.o), cudaMemcpyDeviceToHost, stream_);
+    e = cudaMemcpyAsync(host + pk.o, scratch + pk.o, size_t(pk.outputs_end - pk.o),
+                        cudaMemcpyDeviceToHost, stream_);
   }
-  if (e == cudaSuccess) e = cudaEventRecord(events_[3], stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(slot.events[3], stream_);
   return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV decode launch");
 }
 
-void CudaKvStore::ReadTimes(kvcache::AttendInfo* info) {
+void CudaKvStore::ReadTimes(const LaunchSlot& slot, kvcache::AttendInfo* info) {
   float ms[3] = {0.f, 0.f, 0.f};
   for (int i = 0; i < 3; ++i) {
-    if (cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]) != cudaSuccess) {
+    if (cudaEventElapsedTime(&ms[i], slot.events[i], slot.events[i + 1]) != cudaSuccess) {
       cudaGetLastError();  // not fatal: the time is then reported as 0
       ms[i] = 0.f;
     }
@@ -443,8 +459,9 @@ void CudaKvStore::ReadTimes(kvcache::AttendInfo* info) {
   info->d2h_us = int64_t(ms[2] * 1000.f);
 }
 
-void CudaKvStore::Scatter(const kvcache::PagedBatch& batch, const Packed& pk) {
-  const char* host = static_cast<const char*>(host_scratch_);
+void CudaKvStore::Scatter(const kvcache::PagedBatch& batch, const Packed& pk,
+                          const LaunchSlot& slot) {
+  const char* host = static_cast<const char*>(slot.host_scratch);
   const auto* lse = reinterpret_cast<const float*>(host + pk.lse);
   for (int b = 0; b < pk.batch; ++b) {
     const kvcache::PagedItem& item = batch.items[size_t(b)];

@@ -9,17 +9,20 @@
 // is full. Rows in pageable memory are first staged in pinned memory (and land by one H2D copy);
 // rows the device can address (a client's CUDA region on this device, or a page-locked system
 // region) are read by the scatter where they are. Large writes (prefixes) are copied directly.
-// Launches are serialized (one set of scratch buffers); a batch is one launch, and a step costs
-// one H2D copy (staged rows, their ranges and the launch's tables, ranges and queries in pageable
-// memory, together), one row scatter, one query gather (items whose q the device addresses),
-// one decode launch, one output scatter (outputs the device addresses) and one D2H copy (only
-// when some output is in pageable memory). Queries and outputs that lie packed in item order in
-// memory the device addresses (a packed DecodeStep's CUDA region, or its page-locked system
+// A launch holds one of `launches_in_flight` slots (scratch buffers and timing events) from its
+// preparation until its answers are copied out, so with two slots the next launch is prepared and
+// queued while one runs on the GPU (the one stream keeps them in order). A batch is one launch, and
+// a step costs one H2D copy (staged rows, their ranges and the launch's tables, ranges and queries
+// in pageable memory, together), one row scatter, one query gather (items whose q the device
+// addresses), one decode launch, one output scatter (outputs the device addresses) and one D2H copy
+// (only when some output is in pageable memory). Queries and outputs that lie packed in item order
+// in memory the device addresses (a packed DecodeStep's CUDA region, or its page-locked system
 // region) need neither gather nor scatter: the kernel reads and writes them there.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/fifo_mutex.h"
 #include "flashserve/kernels/decode_attention.h"
 #include "kvcache/kv_store.h"
 
@@ -41,7 +45,9 @@ class CudaKvStore final : public kvcache::KvStore {
   /// The split-KV count for a launch (the autotuner's, or the heuristic's: DecodeSplitsFor).
   using SplitChooser = std::function<int(const kernels::cuda::DecodeParams&)>;
   /// RESOURCE_EXHAUSTED when `bytes` of device memory cannot be had on `device`.
+  /// `launches_in_flight` (>= 1): launches that may be queued on the GPU at once.
   static absl::StatusOr<std::unique_ptr<CudaKvStore>> Create(int64_t bytes, int device,
+                                                             int launches_in_flight,
                                                              SplitChooser choose_splits,
                                                              ErrorHandler on_error);
   ~CudaKvStore() override;
@@ -61,6 +67,16 @@ class CudaKvStore final : public kvcache::KvStore {
  private:
   // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
   struct Packed;
+  // One launch's scratch and timing events, held from Prepare until its answers are copied out.
+  struct LaunchSlot {
+    FifoMutex mu;  // callers of one slot take turns in the order they came
+    void* device_scratch = nullptr;
+    int64_t device_bytes = 0;
+    void* host_scratch = nullptr;  // pinned
+    int64_t host_bytes = 0;
+    // Before the flush, before the kernel, after it, after the D2H copy.
+    cudaEvent_t events[4] = {nullptr, nullptr, nullptr, nullptr};
+  };
   CudaKvStore(int64_t bytes, int device, SplitChooser choose_splits, ErrorHandler on_error)
       : bytes_(bytes),
         device_(device),
@@ -77,22 +93,24 @@ class CudaKvStore final : public kvcache::KvStore {
   // `bytes` of them do not fit there.
   int64_t InputsAtLocked(int64_t bytes) const;
   // Fills `host` with the packed queries (those in pageable memory), tables and copy ranges;
-  // `device` is where `host` will land on the device.
+  // `device` is where `host` will land on the device; `scratch` the launch's device scratch.
   void FillHost(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
-                const char* device);
+                const char* device, char* scratch);
   // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
   void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
-                  const char* device);
+                  const char* device, char* scratch);
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
-  // Reserves the scratch and fills in the decode parameters (inputs' pointers left unset).
-  absl::Status Prepare(const kvcache::PagedBatch& batch, const Packed& packed, void* params);
-  // Queues rows, inputs, the decode kernel and the output copy (timed by events_).
-  absl::Status Enqueue(const kvcache::PagedBatch& batch, const Packed& packed, void* params);
-  // Copies each item's O and LSE out of the pinned scratch.
-  void Scatter(const kvcache::PagedBatch& batch, const Packed& packed);
-  // The device times between events_ (after the stream finished).
-  void ReadTimes(kvcache::AttendInfo* info);
+  // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).
+  absl::Status Prepare(const kvcache::PagedBatch& batch, const Packed& packed, LaunchSlot* slot,
+                       void* params);
+  // Queues rows, inputs, the decode kernel and the output copy (timed by the slot's events).
+  absl::Status Enqueue(const kvcache::PagedBatch& batch, const Packed& packed,
+                       const LaunchSlot& slot, void* params);
+  // Copies each item's O and LSE out of the slot's pinned scratch.
+  void Scatter(const kvcache::PagedBatch& batch, const Packed& packed, const LaunchSlot& slot);
+  // The device times between the slot's events (after they completed).
+  static void ReadTimes(const LaunchSlot& slot, kvcache::AttendInfo* info);
 
   const int64_t bytes_;
   const int device_;
@@ -101,11 +119,9 @@ class CudaKvStore final : public kvcache::KvStore {
   bool host_addressable_ = false;  // page-locked host memory: its host pointer works on device_
   char* pool_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  std::mutex launch_mu_;  // one launch at a time: it owns the scratch below
-  void* device_scratch_ = nullptr;
-  int64_t device_scratch_bytes_ = 0;
-  void* host_scratch_ = nullptr;  // pinned
-  int64_t host_scratch_bytes_ = 0;
+  // Launches take the slots in turn: launch n waits only for launch n - slots to be answered.
+  std::vector<std::unique_ptr<LaunchSlot>> slots_;
+  std::atomic<uint64_t> next_slot_{0};
 
   // The write stage: two pinned buffers used in turn, one device copy of them. A flush lays out
   // [data][ranges][launch inputs] so that one copy moves all of it.
@@ -115,7 +131,7 @@ class CudaKvStore final : public kvcache::KvStore {
   static constexpr int64_t kStageInputBytes = int64_t(8) << 20;  // launch inputs that fit
   static constexpr int64_t kStageBytes = kStageDataBytes + kRangeBytes + 512 + kStageInputBytes;
   static constexpr int64_t kDirectWriteBytes = int64_t(64) << 10;  // and larger: no staging
-  std::mutex write_mu_;  // guards the stage; taken after launch_mu_, never before
+  std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
   char* stage_device_ = nullptr;
@@ -123,8 +139,6 @@ class CudaKvStore final : public kvcache::KvStore {
   std::vector<char> staged_ranges_host_;  // KvScatterRange[kMaxRanges], copied at the flush
   int staged_ranges_ = 0;
   int64_t staged_bytes_ = 0;
-  // Launch timing (under launch_mu_): before the flush, before the kernel, after it, after D2H.
-  cudaEvent_t events_[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
 }  // namespace flashserve

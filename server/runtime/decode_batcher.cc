@@ -1,5 +1,6 @@
 #include "runtime/decode_batcher.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -7,10 +8,11 @@
 namespace flashserve {
 
 DecodeBatcher::DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy,
-                             Flush flush)
+                             int max_running, Flush flush)
     : window_(window),
       max_sequences_(max_sequences),
       when_busy_(when_busy),
+      max_running_(std::max(max_running, 1)),
       flush_(std::move(flush)),
       thread_([this] { Loop(); }) {}
 
@@ -38,9 +40,9 @@ absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences)
                                                        " sequences waiting; "
                                                        "4 x --max_batch_sequences)"));
     }
-    if (when_busy_ && window_ == absl::ZeroDuration() && batches_running_ == 0 &&
+    if (when_busy_ && window_ == absl::ZeroDuration() && batches_running_ < max_running_ &&
         pending_.empty()) {
-      ++batches_running_;  // idle: hand it on from this thread (no hop through the batcher's)
+      ++batches_running_;  // room: hand it on from this thread (no hop through the batcher's)
       idle = true;
     } else {
       if (pending_.empty()) first_arrival_ = std::chrono::steady_clock::now();
@@ -68,9 +70,9 @@ void DecodeBatcher::Loop() {
   const auto window = absl::ToChronoMicroseconds(window_);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    // when_busy: the previous batch must be done first (at shutdown: go at once).
+    // when_busy: a running batch must be done first (at shutdown: go at once).
     cv_.wait(lock, [this] {
-      return stop_ || (!pending_.empty() && !(when_busy_ && batches_running_ > 0));
+      return stop_ || (!pending_.empty() && !(when_busy_ && batches_running_ >= max_running_));
     });
     if (pending_.empty()) return;  // stop_ and nothing left
     // The window starts with the batch's first call; a full batch goes at once.

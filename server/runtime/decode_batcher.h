@@ -1,8 +1,9 @@
 // Collects decode calls and hands them on together, so calls of different clients run as one
 // paged launch: those that arrive within a window (--batch_window_us) of the first waiting one,
-// and/or (--batch_when_busy) those that arrive while the previous batch is still running -- which
-// adds no wait when the server is idle. Bounded: a batch is handed on early when it holds
-// max_sequences sequences, and calls beyond 4x that wait nowhere (refused).
+// and/or (--batch_when_busy) those that arrive while `max_running` batches are still running
+// (--decode_launches_in_flight) -- which adds no wait when the server is idle. Bounded: a batch is
+// handed on early when it holds max_sequences sequences, and calls beyond 4x that wait nowhere
+// (refused).
 #pragma once
 
 #include <condition_variable>
@@ -24,11 +25,13 @@ struct DecodeCall;
 class DecodeBatcher {
  public:
   using Batch = std::vector<std::shared_ptr<DecodeCall>>;
-  /// `flush` receives each batch on the batcher's thread, or (when_busy and idle, no window) on
-  /// the thread that called Add (on_caller_thread). when_busy: a batch is handed on only once
-  /// the previous one is done (BatchDone); what arrives meanwhile joins the next.
+  /// `flush` receives each batch on the batcher's thread, or (when_busy with room, no window) on
+  /// the thread that called Add (on_caller_thread). when_busy: a batch is handed on only while
+  /// fewer than `max_running` are running (not yet BatchDone); what arrives meanwhile joins the
+  /// next.
   using Flush = std::function<void(Batch, bool on_caller_thread)>;
-  DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy, Flush flush);
+  DecodeBatcher(absl::Duration window, int max_sequences, bool when_busy, int max_running,
+                Flush flush);
   /// Stop().
   ~DecodeBatcher();
   /// Hands on what is pending, joins the thread and waits (up to 10 s) until every batch handed
@@ -47,6 +50,7 @@ class DecodeBatcher {
   const absl::Duration window_;
   const int max_sequences_;
   const bool when_busy_;
+  const int max_running_;
   const Flush flush_;
   std::mutex mu_;
   std::condition_variable cv_;

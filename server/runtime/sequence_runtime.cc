@@ -41,6 +41,9 @@ absl::Status SequenceRuntimeOptions::Check() const {
   if (max_batch_sequences < 1 || max_batch_sequences > 65536) {
     return absl::InvalidArgumentError("--max_batch_sequences must be in [1, 65536]");
   }
+  if (launches_in_flight < 1 || launches_in_flight > 4) {
+    return absl::InvalidArgumentError("--decode_launches_in_flight must be in [1, 4]");
+  }
   return absl::OkStatus();
 }
 
@@ -50,7 +53,7 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
   if (absl::Status s = options.Check(); !s.ok()) return s;
   auto runtime = std::unique_ptr<SequenceRuntime>(new SequenceRuntime(options, scheduler));
   absl::StatusOr<std::unique_ptr<kvcache::KvStore>> store =
-      backend->CreateKvStore(options.cache.capacity_bytes);
+      backend->CreateKvStore(options.cache.capacity_bytes, options.launches_in_flight);
   if (!store.ok()) {
     return absl::Status(store.status().code() == absl::StatusCode::kUnimplemented
                             ? absl::StatusCode::kFailedPrecondition
@@ -70,7 +73,7 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
     SequenceRuntime* self = runtime.get();
     runtime->batcher_ = std::make_unique<DecodeBatcher>(
         absl::Microseconds(options.batch_window_us), options.max_batch_sequences,
-        options.batch_when_busy,
+        options.batch_when_busy, options.launches_in_flight,
         [self](DecodeBatcher::Batch batch, bool on_caller_thread) {
           // A call handed on from its own (waiting) thread may run there, as without a batcher.
           const bool run_inline = on_caller_thread && batch.size() == 1 && batch[0]->caller_waits;

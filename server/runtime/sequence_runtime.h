@@ -26,6 +26,9 @@ struct SequenceRuntimeOptions {
   int64_t batch_window_us = 0;     // --batch_window_us; 0: no window
   bool batch_when_busy = false;    // --batch_when_busy: calls arriving mid-launch go next, together
   int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
+  // --decode_launches_in_flight: decode launches queued on the GPU at once (the next one is
+  // prepared while one runs); with --batch_when_busy also the batches that run at once.
+  int launches_in_flight = 2;
 
   /// INVALID_ARGUMENT naming the flag.
   absl::Status Check() const;

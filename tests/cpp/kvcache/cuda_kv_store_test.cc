@@ -10,9 +10,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "flashserve/kernels/decode_attention.h"
@@ -105,6 +107,24 @@ class Arena {
   size_t used_ = 0;
 };
 
+// A store of `bytes` on device 0 with `slots` launches in flight, split counts from the
+// heuristic; CUDA errors count in `*faults`.
+std::unique_ptr<CudaKvStore> MakeStore(int64_t bytes, int slots, std::atomic<int>* faults) {
+  int sm_count = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
+      bytes, 0, slots,
+      [sm_count](const kernels::cuda::DecodeParams& p) {
+        return kernels::cuda::decode_num_splits(p, sm_count);
+      },
+      [faults](cudaError_t e, const char* what) {
+        ++*faults;
+        return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+      });
+  EXPECT_TRUE(store.ok()) << store.status();
+  return store.ok() ? std::move(*store) : nullptr;
+}
+
 template <typename T>
 std::vector<T> Fetch(const void* src, size_t count) {
   std::vector<T> out(count);
@@ -125,28 +145,18 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   const Case c = GetParam();
   if (!Compiled(c.head_dim)) GTEST_SKIP() << "head_dim " << c.head_dim << " not compiled";
   std::mt19937 rng(uint32_t(c.head_dim * 131 + c.page_tokens));
-  int faults = 0;
-  int sm_count = 0;
-  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  std::atomic<int> faults{0};
   int host_pointers_work = 0;
   ASSERT_EQ(
       cudaDeviceGetAttribute(&host_pointers_work, cudaDevAttrCanUseHostPointerForRegisteredMem, 0),
       cudaSuccess);
-  absl::StatusOr<std::unique_ptr<CudaKvStore>> store =
-      CudaKvStore::Create(
-          64 << 20, 0,
-          [sm_count](const kernels::cuda::DecodeParams& p) {
-            return kernels::cuda::decode_num_splits(p, sm_count);
-          },
-          [&faults](cudaError_t e, const char* what) {
-            ++faults;
-            return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
-          });
-  ASSERT_TRUE(store.ok()) << store.status();
+  // Two slots: consecutive steps take them in turn (each grows its own scratch).
+  std::unique_ptr<CudaKvStore> store = MakeStore(64 << 20, 2, &faults);
+  ASSERT_NE(store, nullptr);
   KvCacheOptions options;
   options.capacity_bytes = 64 << 20;
   options.page_tokens = c.page_tokens;
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store->get(), nullptr);
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store.get(), nullptr);
   SequenceShape s{1, c.heads_q, c.heads_kv, c.head_dim, c.dtype};
   const int prefixes[] = {0, 1, 37, 300};  // empty, one row, mid-page, many pages
   std::vector<std::string> ids;
@@ -213,7 +223,7 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
       item.lse_at = arena(int(i), 4).at();
     }
     AttendInfo kernel;
-    ASSERT_TRUE((*store)->Attend(plan->batch, &kernel).ok());
+    ASSERT_TRUE(store->Attend(plan->batch, &kernel).ok());
     // Only packed rows are used in place (kDevice has item 3 at an odd offset), page-locked ones
     // where the device addresses them.
     const bool in_place = packed && (c.place == Place::kDevicePacked || host_pointers_work);
@@ -231,7 +241,7 @@ TEST_P(CudaKvStoreTest, StepsMatchFp64) {
                                      absl::StrCat("step ", step, " sequence ", i), true);
     }
   }
-  EXPECT_EQ(faults, 0);
+  EXPECT_EQ(faults.load(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -247,6 +257,88 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{DType::kFloat16, 12, 4, 64, 7, Place::kDevicePacked},
                       Case{DType::kFloat16, 32, 8, 128, 16, Place::kPinnedPacked},
                       Case{DType::kBFloat16, 8, 8, 64, 7, Place::kPinnedPacked}));
+
+// Threads stepping their own sequences at once, with 1-3 launches in flight: a launch queued
+// while another runs must not take its scratch, outputs or timing events (every answer against
+// the fp64 reference, outputs NaN-poisoned; the pageable and the device-region paths).
+TEST(CudaKvStoreConcurrency, LaunchesInFlightKeepTheirOwnScratch) {
+  if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
+  if (!Compiled(128)) GTEST_SKIP() << "head_dim 128 not compiled";
+  const SequenceShape s{1, 32, 8, 128, DType::kBFloat16};
+  constexpr int kThreads = 4, kPerThread = 3, kSteps = 12;
+  for (int slots : {1, 2, 3}) {
+    std::atomic<int> faults{0};
+    std::unique_ptr<CudaKvStore> store = MakeStore(256 << 20, slots, &faults);
+    ASSERT_NE(store, nullptr);
+    KvCacheOptions options;
+    options.capacity_bytes = 256 << 20;
+    options.page_tokens = 64;
+    std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store.get(), nullptr);
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::mt19937 rng(uint32_t(1000 * slots + t));
+        std::vector<DenseLayer> dense(kPerThread);
+        std::vector<std::string> ids;
+        for (int i = 0; i < kPerThread; ++i) {  // unequal lengths: different split counts
+          const int prefix = 50 + 700 * i + 97 * t;
+          Bits k = RandomRows(&rng, prefix, s.heads_kv, s.head_dim, s.dtype);
+          Bits v = RandomRows(&rng, prefix, s.heads_kv, s.head_dim, s.dtype);
+          dense[size_t(i)].Append(k, v);
+          CreateRequest request;
+          request.shape = s;
+          request.prefix.push_back({0, Rows(k, s.heads_kv, s.head_dim, s.dtype),
+                                    Rows(v, s.heads_kv, s.head_dim, s.dtype)});
+          ids.push_back(cache->CreateSequence(request)->id);
+        }
+        for (int step = 0; step < kSteps; ++step) {
+          // Odd threads keep q and O in device memory (a CUDA region), packed: read in place.
+          Arena arena(t % 2 == 1 ? Place::kDevicePacked : Place::kHost, 4 << 20);
+          std::vector<Bits> qs, ks, vs;
+          std::vector<StepItem> items;
+          std::vector<HostRows> q_rows;
+          for (int i = 0; i < kPerThread; ++i) {
+            qs.push_back(RandomRows(&rng, 1, s.heads_q, s.head_dim, s.dtype));
+            ks.push_back(RandomRows(&rng, 1, s.heads_kv, s.head_dim, s.dtype));
+            vs.push_back(RandomRows(&rng, 1, s.heads_kv, s.head_dim, s.dtype));
+            q_rows.push_back(arena.Put(qs.back(), s.heads_q, s.head_dim, s.dtype, 0));
+          }
+          for (int i = 0; i < kPerThread; ++i) {
+            items.push_back({ids[size_t(i)], 0, q_rows[size_t(i)],
+                             Rows(ks[size_t(i)], s.heads_kv, s.head_dim, s.dtype),
+                             Rows(vs[size_t(i)], s.heads_kv, s.head_dim, s.dtype)});
+          }
+          absl::StatusOr<StepPlan> plan = cache->PrepareStep(items);
+          ASSERT_TRUE(plan.ok()) << plan.status();
+          plan->batch.softmax_scale = 1.f / std::sqrt(float(s.head_dim));
+          std::vector<std::vector<float>> lses(kPerThread);
+          for (int i = 0; i < kPerThread; ++i) {
+            PagedItem& item = plan->batch.items[size_t(i)];
+            item.out = arena.Take(qs[0].size() * 2, 0);  // NaN-poisoned
+            item.out_at = arena.at();
+            lses[size_t(i)].assign(size_t(s.heads_q), std::nanf(""));
+            item.lse = lses[size_t(i)].data();
+          }
+          AttendInfo info;
+          const absl::Status st = store->Attend(plan->batch, &info);
+          ASSERT_TRUE(st.ok()) << st;
+          for (int i = 0; i < kPerThread; ++i) {
+            const Bits out = Fetch<uint16_t>(plan->batch.items[size_t(i)].out, qs[0].size());
+            dense[size_t(i)].Append(ks[size_t(i)], vs[size_t(i)]);
+            failures += testing::CheckAgainstReference(
+                s, dense[size_t(i)], qs[size_t(i)], 1, false, plan->batch.softmax_scale, out,
+                lses[size_t(i)],
+                absl::StrCat(slots, " slots, thread ", t, " step ", step, " sequence ", i), true);
+          }
+        }
+      });
+    }
+    for (std::thread& thread : threads) thread.join();
+    EXPECT_EQ(failures.load(), 0) << slots << " slots";
+    EXPECT_EQ(faults.load(), 0) << slots << " slots";
+  }
+}
 
 }  // namespace
 }  // namespace flashserve::kvcache

@@ -31,13 +31,16 @@ struct Answer {
 
 class SequenceRuntimeTest : public ::testing::Test {
  protected:
+  // `in_flight`: --decode_launches_in_flight, and as many scheduler workers (a CUDA backend has
+  // at least two).
   void Make(int64_t window_us, int queue_capacity = 64, bool when_busy = false,
-            ServerMetrics* metrics = nullptr) {
+            ServerMetrics* metrics = nullptr, int in_flight = 1) {
     CpuBackendOptions cpu;
     cpu.num_threads = 2;
     backend_ = *CpuBackend::Create(cpu);
     SchedulerOptions scheduler;
     scheduler.queue_capacity = queue_capacity;
+    scheduler.num_workers = in_flight;
     scheduler_ = *Scheduler::Create(scheduler);
     SequenceRuntimeOptions options;
     options.cache.capacity_bytes = 8 << 20;
@@ -45,6 +48,7 @@ class SequenceRuntimeTest : public ::testing::Test {
     options.batch_window_us = window_us;
     options.batch_when_busy = when_busy;
     options.max_batch_sequences = 8;
+    options.launches_in_flight = in_flight;
     runtime_ = *SequenceRuntime::Create(options, backend_.get(), scheduler_.get(), metrics);
   }
 
@@ -120,8 +124,17 @@ TEST_F(SequenceRuntimeTest, WithoutAWindowEachCallRunsAlone) {
   for (Holder& h : holders) EXPECT_EQ(h.answer.get_future().get().report.batched_calls, 1);
 }
 
+// Holds `call`'s answer (and so its batch) until `released`.
+void HoldAnswer(DecodeCall* call, std::shared_future<void> released) {
+  auto done = call->done;
+  call->done = [done, released](const absl::Status& st, const DecodeReport& r) {
+    released.wait();
+    done(st, r);
+  };
+}
+
 TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
-  Make(0, 64, /*when_busy=*/true);
+  Make(0, 64, /*when_busy=*/true);  // one launch in flight
   const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
   std::vector<DenseLayer> dense(4);
   std::vector<std::string> ids;
@@ -131,11 +144,7 @@ TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   auto first = Call(s, ids[0], &holders[0]);
-  auto first_done = first->done;
-  first->done = [first_done, released](const absl::Status& st, const DecodeReport& r) {
-    released.wait();
-    first_done(st, r);
-  };
+  HoldAnswer(first.get(), released);
   runtime_->Submit(first);
   // Spaced out, so that a batcher that did not wait for the running launch would have handed
   // each on alone (batched_calls 1).
@@ -148,6 +157,38 @@ TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
     const Answer answer = holders[i].answer.get_future().get();
     ASSERT_TRUE(answer.status.ok()) << answer.status;
     EXPECT_EQ(answer.report.batched_calls, i == 0 ? 1 : 3) << "call " << i;
+    dense[i].Append(holders[i].k, holders[i].v);
+    kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
+                                            1.f / std::sqrt(32.f), holders[i].out, {},
+                                            absl::StrCat("call ", i));
+  }
+}
+
+TEST_F(SequenceRuntimeTest, WhenBusyWithTwoInFlightTheThirdCallWaitsForARunningOne) {
+  Make(0, 64, /*when_busy=*/true, nullptr, /*in_flight=*/2);
+  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
+  std::vector<DenseLayer> dense(4);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 2 + 5 * i));
+  std::vector<Holder> holders(4);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  // Two running batches, each held open: both start at once, alone.
+  for (size_t i = 0; i < 2; ++i) {
+    auto call = Call(s, ids[i], &holders[i]);
+    HoldAnswer(call.get(), released);
+    runtime_->Submit(call);
+  }
+  // Spaced out: a batcher that let a third batch run would hand each on alone.
+  for (size_t i = 2; i < 4; ++i) {
+    runtime_->Submit(Call(s, ids[i], &holders[i]));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  release.set_value();
+  for (size_t i = 0; i < 4; ++i) {
+    const Answer answer = holders[i].answer.get_future().get();
+    ASSERT_TRUE(answer.status.ok()) << answer.status;
+    EXPECT_EQ(answer.report.batched_calls, i < 2 ? 1 : 2) << "call " << i;
     dense[i].Append(holders[i].k, holders[i].v);
     kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
                                             1.f / std::sqrt(32.f), holders[i].out, {},

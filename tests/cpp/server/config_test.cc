@@ -196,6 +196,10 @@ std::vector<BadValue> BadValues() {
       {"local_read_timeout_ms", "0"},
       {"local_spin_us", "-2"},
       {"local_spin_us", "1000001"},
+      {"decode_launches_in_flight", "0"},
+      {"decode_launches_in_flight", "5"},
+      {"max_batch_sequences", "0"},
+      {"batch_window_us", "-1"},
   };
 }
 
