@@ -13,9 +13,9 @@ rm -rf "$OUT/flashserve/_proto" "$OUT/flashserve/__pycache__"
 GEN="$OUT/flashserve/_proto"
 mkdir -p "$GEN/src/flashserve/v1" /tmp/fs-stubs.$$
 protos=(flashserve/v1/attention.proto flashserve/v1/sequences.proto)
-protoc -Iproto --python_out=/tmp/fs-stubs.$$ --grpc_out=/tmp/fs-stubs.$$ \
+protoc -Iproto --python_out=/tmp/fs-stubs.$$ --pyi_out=/tmp/fs-stubs.$$ --grpc_out=/tmp/fs-stubs.$$ \
   --plugin=protoc-gen-grpc="$(command -v grpc_python_plugin)" "${protos[@]/#/proto/}"
-for f in /tmp/fs-stubs.$$/flashserve/v1/*.py; do
+for f in /tmp/fs-stubs.$$/flashserve/v1/*.py /tmp/fs-stubs.$$/flashserve/v1/*.pyi; do  # .pyi: stubs_present wants them
   sed -E 's/^from flashserve\.v1 import ([a-z_]+_pb2) as/from . import \1 as/' "$f" >"$GEN/$(basename "$f")"
 done
 rm -rf /tmp/fs-stubs.$$
