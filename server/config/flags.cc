@@ -199,8 +199,9 @@ ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_bat
           "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most");
 ABSL_FLAG(int, decode_launches_in_flight, flashserve::SequenceRuntimeOptions{}.launches_in_flight,
           "Sequences API: decode launches queued on the GPU at once, in [1, 4]: the next one is "
-          "prepared and queued while one runs; with --batch_when_busy also the batches that run "
-          "at once. 1: one launch at a time");
+          "prepared and queued while one runs (each holds its own scratch); with "
+          "--batch_when_busy also the batches that run at once (at most --streams_per_device). "
+          "1: one launch at a time");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
           "Log format: text, or json (one JSON object per line)");
 // The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.

@@ -51,6 +51,7 @@ class Scheduler {
 
   int queue_depth() const;
   int running() const;
+  int num_workers() const { return options_.num_workers; }
 
  private:
   explicit Scheduler(const SchedulerOptions& options);

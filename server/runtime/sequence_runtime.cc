@@ -71,9 +71,12 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
   runtime->cache_ = std::move(*cache);
   if (options.batch_window_us > 0 || options.batch_when_busy) {
     SequenceRuntime* self = runtime.get();
+    // A batch handed on while no worker is free would only wait in the scheduler's queue, where
+    // it can no longer take in later calls.
+    const int running = std::min(options.launches_in_flight, scheduler->num_workers());
     runtime->batcher_ = std::make_unique<DecodeBatcher>(
         absl::Microseconds(options.batch_window_us), options.max_batch_sequences,
-        options.batch_when_busy, options.launches_in_flight,
+        options.batch_when_busy, running,
         [self](DecodeBatcher::Batch batch, bool on_caller_thread) {
           // A call handed on from its own (waiting) thread may run there, as without a batcher.
           const bool run_inline = on_caller_thread && batch.size() == 1 && batch[0]->caller_waits;

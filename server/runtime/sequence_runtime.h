@@ -27,7 +27,8 @@ struct SequenceRuntimeOptions {
   bool batch_when_busy = false;    // --batch_when_busy: calls arriving mid-launch go next, together
   int max_batch_sequences = 1024;  // --max_batch_sequences: sequences per launch (and per call)
   // --decode_launches_in_flight: decode launches queued on the GPU at once (the next one is
-  // prepared while one runs); with --batch_when_busy also the batches that run at once.
+  // prepared while one runs); with --batch_when_busy also the batches that run at once (at most
+  // the scheduler's workers).
   int launches_in_flight = 2;
 
   /// INVALID_ARGUMENT naming the flag.

@@ -31,16 +31,15 @@ struct Answer {
 
 class SequenceRuntimeTest : public ::testing::Test {
  protected:
-  // `in_flight`: --decode_launches_in_flight, and as many scheduler workers (a CUDA backend has
-  // at least two).
+  // `in_flight`: --decode_launches_in_flight; `workers`: the scheduler's (0: as many).
   void Make(int64_t window_us, int queue_capacity = 64, bool when_busy = false,
-            ServerMetrics* metrics = nullptr, int in_flight = 1) {
+            ServerMetrics* metrics = nullptr, int in_flight = 1, int workers = 0) {
     CpuBackendOptions cpu;
     cpu.num_threads = 2;
     backend_ = *CpuBackend::Create(cpu);
     SchedulerOptions scheduler;
     scheduler.queue_capacity = queue_capacity;
-    scheduler.num_workers = in_flight;
+    scheduler.num_workers = workers > 0 ? workers : in_flight;
     scheduler_ = *Scheduler::Create(scheduler);
     SequenceRuntimeOptions options;
     options.cache.capacity_bytes = 8 << 20;
@@ -86,6 +85,8 @@ class SequenceRuntimeTest : public ::testing::Test {
     };
     return call;
   }
+
+  void HoldThenSpaceOut(int held, const std::vector<int>& batched);
 
   std::mt19937 rng_{7};
   std::unique_ptr<ServerMetrics> metrics_;  // first: the runtime below records into it till its end
@@ -133,30 +134,29 @@ void HoldAnswer(DecodeCall* call, std::shared_future<void> released) {
   };
 }
 
-TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
-  Make(0, 64, /*when_busy=*/true);  // one launch in flight
+// Four one-row calls with when_busy: the first `held` run at once and hold their batches open
+// until released; the others arrive spaced out (a batcher that did not wait for a running batch
+// would hand each on alone), then everything is released. Checks each call's batched_calls and
+// its answer against the fp64 reference.
+void SequenceRuntimeTest::HoldThenSpaceOut(int held, const std::vector<int>& batched) {
   const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
   std::vector<DenseLayer> dense(4);
   std::vector<std::string> ids;
   for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 3 + 7 * i));
   std::vector<Holder> holders(4);
-  // The first call runs alone (idle: no wait) and holds its launch open until released.
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
-  auto first = Call(s, ids[0], &holders[0]);
-  HoldAnswer(first.get(), released);
-  runtime_->Submit(first);
-  // Spaced out, so that a batcher that did not wait for the running launch would have handed
-  // each on alone (batched_calls 1).
-  for (size_t i = 1; i < 4; ++i) {
-    runtime_->Submit(Call(s, ids[i], &holders[i]));
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  for (size_t i = 0; i < 4; ++i) {
+    auto call = Call(s, ids[i], &holders[i]);
+    if (int(i) < held) HoldAnswer(call.get(), released);
+    runtime_->Submit(call);
+    if (int(i) >= held) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   release.set_value();
   for (size_t i = 0; i < 4; ++i) {
     const Answer answer = holders[i].answer.get_future().get();
     ASSERT_TRUE(answer.status.ok()) << answer.status;
-    EXPECT_EQ(answer.report.batched_calls, i == 0 ? 1 : 3) << "call " << i;
+    EXPECT_EQ(answer.report.batched_calls, batched[i]) << "call " << i;
     dense[i].Append(holders[i].k, holders[i].v);
     kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
                                             1.f / std::sqrt(32.f), holders[i].out, {},
@@ -164,36 +164,20 @@ TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
   }
 }
 
+TEST_F(SequenceRuntimeTest, WhenBusyCallsArrivingDuringALaunchShareTheNextOne) {
+  Make(0, 64, /*when_busy=*/true);  // one launch in flight
+  HoldThenSpaceOut(1, {1, 3, 3, 3});
+}
+
 TEST_F(SequenceRuntimeTest, WhenBusyWithTwoInFlightTheThirdCallWaitsForARunningOne) {
   Make(0, 64, /*when_busy=*/true, nullptr, /*in_flight=*/2);
-  const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
-  std::vector<DenseLayer> dense(4);
-  std::vector<std::string> ids;
-  for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 2 + 5 * i));
-  std::vector<Holder> holders(4);
-  std::promise<void> release;
-  std::shared_future<void> released = release.get_future().share();
-  // Two running batches, each held open: both start at once, alone.
-  for (size_t i = 0; i < 2; ++i) {
-    auto call = Call(s, ids[i], &holders[i]);
-    HoldAnswer(call.get(), released);
-    runtime_->Submit(call);
-  }
-  // Spaced out: a batcher that let a third batch run would hand each on alone.
-  for (size_t i = 2; i < 4; ++i) {
-    runtime_->Submit(Call(s, ids[i], &holders[i]));
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  release.set_value();
-  for (size_t i = 0; i < 4; ++i) {
-    const Answer answer = holders[i].answer.get_future().get();
-    ASSERT_TRUE(answer.status.ok()) << answer.status;
-    EXPECT_EQ(answer.report.batched_calls, i < 2 ? 1 : 2) << "call " << i;
-    dense[i].Append(holders[i].k, holders[i].v);
-    kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
-                                            1.f / std::sqrt(32.f), holders[i].out, {},
-                                            absl::StrCat("call ", i));
-  }
+  HoldThenSpaceOut(2, {1, 1, 2, 2});
+}
+
+TEST_F(SequenceRuntimeTest, WhenBusyRunsNoMoreBatchesThanTheSchedulerHasWorkers) {
+  // Two in flight but one worker: a second batch would only wait in the scheduler's queue.
+  Make(0, 64, /*when_busy=*/true, nullptr, /*in_flight=*/2, /*workers=*/1);
+  HoldThenSpaceOut(1, {1, 3, 3, 3});
 }
 
 TEST_F(SequenceRuntimeTest, CancelledAndExpiredCallsAppendNothing) {
