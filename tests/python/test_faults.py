@@ -250,9 +250,14 @@ def test_sigterm_under_load(start_server):
         check_rows(r.out, *problems[i])
     assert after_sigterm >= 2, "too few requests were still queued at SIGTERM for the test to mean anything"
     # Late requests go one at a time; the one in flight when gRPC itself shuts down (after the drain) may get
-    # CANCELLED instead of UNAVAILABLE: a known race (reported), tolerated for that last one only.
-    assert late and all(s.startswith("UNAVAILABLE") for s in late[:-1]), f"requests sent after SIGTERM: {late}"
-    assert late[-1].startswith(("UNAVAILABLE", "CANCELLED")), f"requests sent after SIGTERM: {late}"
+    # CANCELLED instead of UNAVAILABLE: a known race (reported), tolerated for that one only. Those sent after it,
+    # while the process is still exiting (slowly under ASan), find the port closed: UNAVAILABLE too.
+    cancelled = [i for i, s in enumerate(late) if s.startswith("CANCELLED")]
+    assert late and len(cancelled) <= 1, f"requests sent after SIGTERM: {late}"
+    assert all(s.startswith("UNAVAILABLE") for i, s in enumerate(late) if i not in cancelled), \
+        f"requests sent after SIGTERM: {late}"
+    if cancelled:  # at the transition: nothing after it reached the draining server any more
+        assert not any("shutting down" in s for s in late[cancelled[0] + 1:]), f"CANCELLED mid-drain: {late}"
 
 
 def test_sigterm_while_a_request_is_still_uploading(start_server):
