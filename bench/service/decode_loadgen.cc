@@ -22,7 +22,7 @@
 // request serialization and response parsing cost on their own (median of 5; the sync stub pays
 // both on every call, the echo neither).
 // Every row also says where its slowest calls' time went: slow_<total|compute|prepare|queue|stage|
-// h2d|kernel>_us, the medians of the server's timings over the calls at or above the row's p99,
+// h2d|kernel|d2h>_us, the medians of the server's timings over the calls at or above the row's p99,
 // and client_wall_s_min / _max, the fastest and slowest client's time for its steps (unequal
 // when the server serves the clients unevenly).
 // The flags: kUsage below (--help prints it); an unknown or malformed flag is an error (exit 2).
@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <random>
 #include <set>
 #include <string>
@@ -230,25 +231,37 @@ double Percentile(std::vector<double> v, double p) {
   return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
 }
 
+// The server's timings of a sample, by the names the JSON rows give them.
+using SampleTiming = std::pair<const char*, int64_t Sample::*>;
+constexpr SampleTiming kTimings[] = {
+    {"total", &Sample::total_us},     {"compute", &Sample::compute_us},
+    {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
+    {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
+    {"kernel", &Sample::kernel_us},   {"d2h", &Sample::d2h_us}};
+
+// `, "<prefix><name>_us": <median over samples>` for each timing in [first, last).
+std::string MediansJson(const std::vector<const Sample*>& samples, const char* prefix,
+                        const SampleTiming* first, const SampleTiming* last) {
+  std::string out;
+  for (const SampleTiming* t = first; t != last; ++t) {
+    std::vector<double> values;
+    for (const Sample* s : samples) values.push_back(double(s->*(t->second)));
+    char buffer[64];
+    std::snprintf(buffer, sizeof(buffer), ", \"%s%s_us\": %.1f", prefix, t->first,
+                  Percentile(values, 50));
+    out += buffer;
+  }
+  return out;
+}
+
 // Where the slowest calls' time went: the median of each server time over the calls at or
 // above the p99 latency (inside the server, or outside it), and the slowest and fastest
 // client's wall time for its steps (how unevenly the server served the clients).
 std::string SlowCallsJson(const std::vector<Sample>& samples, double p99_us) {
   if (samples.empty()) return "";
-  const std::pair<const char*, int64_t Sample::*> fields[] = {
-      {"total", &Sample::total_us},     {"compute", &Sample::compute_us},
-      {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
-      {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
-      {"kernel", &Sample::kernel_us}};
-  std::string out;
-  for (const auto& [name, field] : fields) {
-    std::vector<double> values;
-    for (const Sample& s : samples) {
-      if (s.latency_us >= p99_us) values.push_back(double(s.*field));
-    }
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), ", \"slow_%s_us\": %.1f", name, Percentile(values, 50));
-    out += buffer;
+  std::vector<const Sample*> slow;
+  for (const Sample& s : samples) {
+    if (s.latency_us >= p99_us) slow.push_back(&s);
   }
   std::vector<double> walls;
   for (const Sample& s : samples) walls.push_back(s.client_wall_s);
@@ -256,7 +269,7 @@ std::string SlowCallsJson(const std::vector<Sample>& samples, double p99_us) {
   std::snprintf(
       buffer, sizeof(buffer), ", \"client_wall_s_min\": %.3f, \"client_wall_s_max\": %.3f",
       *std::min_element(walls.begin(), walls.end()), *std::max_element(walls.begin(), walls.end()));
-  return out + buffer;
+  return MediansJson(slow, "slow_", std::begin(kTimings), std::end(kTimings)) + buffer;
 }
 
 void PrintRow(const std::string& path, const Options& opt, int clients,
@@ -270,18 +283,11 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   }
   double merged_mean = 0;
   for (double m : merged) merged_mean += m / double(merged.size());
-  std::string stages = SlowCallsJson(samples, Percentile(latency, 99) * 1e3);
-  const std::pair<const char*, int64_t Sample::*> fields[] = {
-      {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
-      {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
-      {"kernel", &Sample::kernel_us},   {"d2h", &Sample::d2h_us}};
-  for (const auto& [name, field] : fields) {
-    std::vector<double> values;
-    for (const Sample& s : samples) values.push_back(double(s.*field));
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), ", \"server_%s_us\": %.1f", name, Percentile(values, 50));
-    stages += buffer;
-  }
+  std::vector<const Sample*> all;
+  for (const Sample& s : samples) all.push_back(&s);
+  // server_total_us and server_compute_us are in the row's fixed part.
+  const std::string stages = SlowCallsJson(samples, Percentile(latency, 99) * 1e3) +
+                             MediansJson(all, "server_", kTimings + 2, std::end(kTimings));
   std::printf(
       "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
       "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
@@ -399,10 +405,11 @@ std::string EchoFields(const Options& opt, int clients,
 }
 
 // One concurrency level of the Sequences path; false when it failed (an error row was printed).
-bool SequencesLevel(const Options& opt, int clients, const std::vector<v1::DecodeStepRequest>& requests,
-                    DecodeRegions* regions) {
+bool SequencesLevel(const Options& opt, int clients,
+                    const std::vector<v1::DecodeStepRequest>& requests, DecodeRegions* regions) {
   std::vector<std::unique_ptr<DecodeClient>> conns;
-  std::vector<std::string> responses(static_cast<size_t>(clients));  // each client's first: the echo's size
+  std::vector<std::string> responses(
+      static_cast<size_t>(clients));  // each client's first: the echo's size
   std::string error;
   if (regions != nullptr) regions->PoisonOutputs(&error);
   for (int c = 0; c < clients && error.empty(); ++c) {
