@@ -22,7 +22,7 @@ absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendO
   return backend;
 }
 
-// The CPU store computes on the caller's thread: nothing is queued, so any number may run at once.
+// The CPU store computes on the caller's thread: there is no device queue to keep launches in.
 absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CpuBackend::CreateKvStore(
     int64_t bytes, int /*launches_in_flight*/) {
   absl::StatusOr<std::unique_ptr<CpuKvStore>> store = CpuKvStore::Create(bytes, pool_.get());
