@@ -24,7 +24,9 @@
 // Every row also says where its slowest calls' time went: slow_<total|compute|prepare|queue|stage|
 // h2d|kernel|d2h>_us, the medians of the server's timings over the calls at or above the row's p99,
 // and client_wall_s_min / _max, the fastest and slowest client's time for its steps (unequal
-// when the server serves the clients unevenly).
+// when the server serves the clients unevenly), and attended_p50: the median number of keys a
+// step attended (every step appends a token and levels run one after another on the same
+// sequences, so this is above --context: compare with the kernel alone at this length).
 // The flags: kUsage below (--help prints it); an unknown or malformed flag is an error (exit 2).
 #include <algorithm>
 #include <cstdint>
@@ -78,6 +80,7 @@ struct Sample {
   // times of the input copy + row scatter, the decode kernel and the output copy).
   int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
   double client_wall_s = 0;  // how long this sample's client took for all its steps
+  int64_t length = 0;  // keys its first item attended (the prefix plus every token appended so far)
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -274,9 +277,10 @@ std::string SlowCallsJson(const std::vector<Sample>& samples, double p99_us) {
 
 void PrintRow(const std::string& path, const Options& opt, int clients,
               const std::vector<Sample>& samples, double wall_s, const std::string& extra) {
-  std::vector<double> latency, total, compute, merged;
+  std::vector<double> latency, total, compute, merged, length;
   for (const Sample& s : samples) {
     latency.push_back(s.latency_us / 1e3);
+    length.push_back(double(s.length));
     total.push_back(double(s.total_us));
     compute.push_back(double(s.compute_us));
     merged.push_back(double(s.merged));
@@ -291,10 +295,11 @@ void PrintRow(const std::string& path, const Options& opt, int clients,
   std::printf(
       "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
       "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
-      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f%s%s}\n",
+      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f, \"attended_p50\": %.0f%s%s}\n",
       path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
       Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
-      Percentile(total, 50), Percentile(compute, 50), merged_mean, stages.c_str(), extra.c_str());
+      Percentile(total, 50), Percentile(compute, 50), merged_mean, Percentile(length, 50),
+      stages.c_str(), extra.c_str());
   std::fflush(stdout);
 }
 
@@ -345,6 +350,7 @@ void RecordTiming(const v1::DecodeStepResponse& response, Sample* sample) {
   sample->h2d_us = response.timing().h2d_us();
   sample->kernel_us = response.timing().kernel_us();
   sample->d2h_us = response.timing().d2h_us();
+  sample->length = response.results_size() > 0 ? response.results(0).length() : 0;
 }
 
 // The client's own proto work per call, apart from gRPC: serializing `request` and parsing
