@@ -351,16 +351,18 @@ def ab(ours, dtype, l2, sms, args, peak):
         torch.cuda.empty_cache()
 
 def only_ours(ours, dtype, l2, sms, args):
-    """Runs ours on one paged-64 shape --warmup + --reps times, then cuDNN as often (no timing:
-    for an external profiler, e.g. ncu --launch-skip)."""
+    """Runs ours on one shape --warmup + --reps times per pool of --shape-pages (in that order),
+    then cuDNN as often (no timing: for an external profiler, e.g. ncu --launch-skip)."""
     d, hq, hkv, b, sq, sk = (int(x) for x in args.shape.split(","))
-    sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, (64,))
+    pages = [int(x) if x.isdigit() else x for x in args.shape_pages.split(",")]
+    sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
     splits = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, 64)
     ws = ours.workspace(dtype, b * sq, hq, d, splits)
-    for i in range(args.warmup + args.reps):
-        s = sets[i % len(sets)]
-        ours(s["q"], s["paged"][64][0], s["paged"][64][1], s["o"], seqlens=s["seqlens"],
-             table=s["paged"][64][2], page=64, workspace=ws)
+    for key in pages:
+        for i in range(args.warmup + args.reps):
+            s = sets[i % len(sets)]
+            ours(s["q"], s["paged"][key][0], s["paged"][key][1], s["o"], seqlens=s["seqlens"],
+                 table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws)
     fn = sdpa(SDPBackend.CUDNN_ATTENTION, hq != hkv)
     for i in range(args.warmup + args.reps):
         fn(sets[i % len(sets)])
@@ -392,8 +394,10 @@ def main():
     ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
     ap.add_argument("--ab-in-order", action="store_true",
                     help="--ab: also a page-64 pool whose pages lie in sequence order (diagnostic)")
-    ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (paged 64) --reps times "
+    ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (the pools of --shape-pages) --reps times "
                     "(for a profiler such as ncu)")
+    ap.add_argument("--shape-pages", default="64",
+                    help="--shape: the pools ours runs on, in order (64: shuffled pages of 64 keys, 64o: in order)")
     ap.add_argument("--profile", action="store_true",
                     help="only print kernel timelines (torch profiler) of two target shapes")
     ap.add_argument("--sweep", action="store_true",
