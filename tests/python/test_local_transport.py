@@ -174,6 +174,42 @@ def test_decode_step_and_attend_over_the_socket(local_server, rng):
         region.close()
 
 
+class CountingPoller:
+    """Wraps a client's select.poll object and counts the zero-timeout polls its poll_us loop makes."""
+
+    def __init__(self, poller):
+        self.poller, self.polls = poller, 0
+
+    def poll(self, timeout=None):
+        self.polls += 1
+        return self.poller.poll(timeout)
+
+
+@pytest.mark.parametrize("poll_us", [1_000_000, 1])
+def test_polling_client_gets_the_same_answers(local_server, rng, poll_us):
+    """poll_us 1 s: the reply lands while the client polls; 1 us: the window ends first and recv blocks as before.
+    Either way the answers are the server's (echo bytes, attention against the fp64 reference)."""
+    q, k, v = random_qkv(rng, 1, 33, 200, 4, 2, 64, "float16")
+    with LocalClient(local_server.local_path, timeout=30, poll_us=poll_us) as local:
+        local._poller = counter = CountingPoller(local._poller)
+        data = rng.integers(0, 256, 70_000, dtype=np.uint8).tobytes()
+        assert local.echo(data) == data
+        out, lse = local.attention(q, k, v, causal=True, return_lse=True)
+        assert_matches_reference(out, lse, q, k, v, causal=True)
+        assert counter.polls >= 2  # each call polled before reading
+
+
+def test_blocking_client_never_polls_and_poll_us_is_bounded(local_server):
+    with LocalClient(local_server.local_path, timeout=30) as local:
+        local._poller = counter = CountingPoller(local._poller)
+        assert local.echo(b"x") == b"x" and counter.polls == 0
+    for bad in (-1, 1_000_001):
+        with pytest.raises(ValueError, match="poll_us"):
+            LocalClient(local_server.local_path, poll_us=bad)
+        with pytest.raises(ValueError, match="local_poll_us"):
+            flashserve.SequenceClient(local_server.address, local_poll_us=bad)
+
+
 def test_concurrent_clients(local_server, rng, concurrently):
     problems = [random_qkv(np.random.default_rng(i), 1, 5 + i, 9 + 2 * i, 4, 2, 32, "float16") for i in range(8)]
 

@@ -71,16 +71,18 @@ def _create(client, truth, prefix_rows):
     return seq
 
 
-def test_steps_and_attend_go_over_the_socket_and_match_reference(local_kv_server, rng):
+@pytest.mark.parametrize("poll_us", [0, 200_000])
+def test_steps_and_attend_go_over_the_socket_and_match_reference(local_kv_server, rng, poll_us):
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     grpc_before = _calls(local_kv_server, "DecodeStep") + _calls(local_kv_server, "Attend")
     local_before = _calls(local_kv_server, "LocalDecodeStep")
-    with _client(local_kv_server) as client:
+    with _client(local_kv_server, local_poll_us=poll_us) as client:
         seqs = [_create(client, truth, n) for n in (1, 17, 33)]
         _steps(client, seqs, truth, 6)
         q = truth.query(2)
         out, lse = seqs[1].attend(0, q, causal=True, return_lse=True)
         truth.check(out, q, seqs[1].key, 0, causal=True, lse=lse)
+        assert client._local_clients and all(c.poll_us == poll_us for c in client._local_clients)
     assert _calls(local_kv_server, "LocalDecodeStep") - local_before == 6
     assert _calls(local_kv_server, "DecodeStep") + _calls(local_kv_server, "Attend") == grpc_before
 

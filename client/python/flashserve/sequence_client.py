@@ -20,6 +20,7 @@ Local socket (``local_sockets={endpoint: path}``): a server on this host started
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
 messages, errors and missing ids), one connection per thread; create, append, release and info stay on gRPC. A
 connection that failed is dropped and the next call reconnects, so a restarted server is found again as over gRPC.
+``local_poll_us``: those connections poll for each reply that long before sleeping (LocalClient's ``poll_us``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ._pb import sequences_pb2_grpc as spb_grpc
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
-from .local import LocalClient
+from .local import MAX_POLL_US, LocalClient
 from .packed_step import packed_step_request
 from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows
 
@@ -91,7 +92,7 @@ class SequenceClient:
                  timeout: Optional[float] = None, credentials: Optional[grpc.ChannelCredentials] = None,
                  options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
                  max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None,
-                 packed_steps: bool = True):
+                 packed_steps: bool = True, local_poll_us: int = 0):
         self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self.ring = HashRing(self.endpoints, vnodes)
         self.timeout = timeout
@@ -113,6 +114,9 @@ class SequenceClient:
         if unknown:
             raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
         self.local_sockets = dict(local_sockets or {})
+        if not 0 <= local_poll_us <= MAX_POLL_US:
+            raise ValueError(f"local_poll_us must be in 0..{MAX_POLL_US}, got {local_poll_us}")
+        self.local_poll_us = local_poll_us  # LocalClient's poll_us for the local-socket connections
         self._local = threading.local()  # per thread: {socket path: LocalClient}
         self._local_clients: List[LocalClient] = []  # every connection made, closed by close()
 
@@ -164,7 +168,7 @@ class SequenceClient:
         client = connections.get(path)
         try:
             if client is None:
-                client = LocalClient(path, token=self._token, timeout=timeout)
+                client = LocalClient(path, token=self._token, timeout=timeout, poll_us=self.local_poll_us)
                 connections[path] = client
                 with self._lock:
                     self._local_clients.append(client)
