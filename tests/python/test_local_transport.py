@@ -167,6 +167,8 @@ def test_decode_step_and_attend_over_the_socket(local_server, rng):
             over_grpc = client.stub(client.endpoints[0]).Attend(attend, timeout=30)
             assert over_socket.out.data == over_grpc.out.data and over_socket.lse.data == over_grpc.lse.data
             truth.check(np.frombuffer(over_socket.out.data, np.float16).reshape(q.shape), q, seqs[1].key, 0)
+            attend.return_lse = False
+            assert over_socket.HasField("lse") and not local.attend(attend).HasField("lse")
             with pytest.raises(flashserve.NotFoundError) as info:
                 local.attend(spb.AttendRequest(sequence_id="0" * 32, layer=0, q=tensors.to_proto_rows(q, "q")))
             assert info.value.missing_ids == ("0" * 32,)

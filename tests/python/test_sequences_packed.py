@@ -66,6 +66,7 @@ def _outputs(response, request, qs, region, dtype):
     p, found, first_q, first_lse = request.packed, [], 0, 0
     for q, result in zip(qs, response.results):
         rows, lse = len(q), None
+        assert result.HasField("lse") == request.return_lse  # no empty LSE when none was asked for
         if not p.HasField("out_shm"):
             out = np.frombuffer(result.out.data, ndt).reshape(q.shape)
             if request.return_lse:

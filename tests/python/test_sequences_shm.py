@@ -136,6 +136,7 @@ def run_shm_steps(server, rng, dtype, rows_q, shape, prefixes=(1, 17, 40), steps
                 for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
                     truth.add(seq.key, 0, k, v)
                     assert result.length == truth.length(seq.key, 0)
+                    assert result.HasField("lse") == return_lse  # no empty LSE when none was asked for
                     if where is None:
                         out = np.frombuffer(result.out.data, ndt).reshape(q.shape)
                         lse = np.frombuffer(result.lse.data, np.float32).reshape(q.shape[1], rows_q) \

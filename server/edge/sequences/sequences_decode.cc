@@ -73,7 +73,8 @@ absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& i
     places.lse = at->data;
     places.lse_at = at->at;
   }
-  AddItemOutputsAt(item, return_lse, places, result->mutable_out(), result->mutable_lse(), call);
+  AddItemOutputsAt(item, return_lse, places, result->mutable_out(),
+                   return_lse ? result->mutable_lse() : nullptr, call);
   return absl::OkStatus();
 }
 
@@ -151,7 +152,7 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest&
   call->causal = request.causal();
   call->softmax_scale = *scale;
   AddItemOutputsAt(*item, request.return_lse(), ItemOutputPlaces(), response->mutable_out(),
-                   response->mutable_lse(), call.get());
+                   request.return_lse() ? response->mutable_lse() : nullptr, call.get());
   call->items.push_back(*std::move(item));
   return call;
 }

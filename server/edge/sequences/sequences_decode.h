@@ -36,6 +36,7 @@ struct ItemOutputPlaces {
 };
 /// Appends the item's O (and, with return_lse, LSE) places to `call`; `out` / `lse` (the
 /// response's tensors) get dtype and shape, and data when the place is not in shared memory.
+/// `lse` may be null without return_lse (the answer then carries no LSE field at all).
 void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
                       const ItemOutputPlaces& places, v1::Tensor* out, v1::Tensor* lse,
                       DecodeCall* call);

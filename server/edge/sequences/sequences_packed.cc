@@ -153,7 +153,8 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
     const ItemOutputPlaces places{out_in_shm ? out_place.data + out_at : nullptr, out_place.at,
                                   lse_in_shm ? lse_place.data + lse_at : nullptr, lse_place.at};
     v1::DecodeResult* result = response->add_results();
-    AddItemOutputsAt(item, lse_wanted, places, result->mutable_out(), result->mutable_lse(), call);
+    AddItemOutputsAt(item, lse_wanted, places, result->mutable_out(),
+                     lse_wanted ? result->mutable_lse() : nullptr, call);
     out_at += item.q.rows * item.q.heads * item.q.head_dim * 2;
     lse_at += item.q.rows * item.q.heads * 4;
   }
