@@ -28,7 +28,7 @@ class FifoMutex {
     turn_.notify_all();  // the next ticket's holder is among them; the others sleep again
   }
 
-  /// Threads inside lock() that do not hold the mutex yet (for tests and metrics).
+  /// Threads inside lock() that do not hold the mutex yet (for tests).
   int64_t waiters() const {
     std::lock_guard<std::mutex> guard(mu_);
     const uint64_t outstanding = next_ticket_ - serving_;  // the holder's ticket and the waiters'

@@ -200,7 +200,8 @@ ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_bat
 ABSL_FLAG(int, decode_launches_in_flight, flashserve::SequenceRuntimeOptions{}.launches_in_flight,
           "Sequences API: decode launches queued on the GPU at once, in [1, 4]: the next one is "
           "prepared and queued while one runs (each holds its own scratch); with "
-          "--batch_when_busy also the batches that run at once (at most --streams_per_device). "
+          "--batch_when_busy also the batches that run at once (at most the scheduler's "
+          "workers: --streams_per_device per GPU). "
           "1: one launch at a time");
 ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
           "Log format: text, or json (one JSON object per line)");
