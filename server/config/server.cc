@@ -170,7 +170,7 @@ absl::Status Server::StartGrpc() {
   stream.max_total_bytes = config_.limits.max_inflight_bytes;
   stream.idle_timeout = std::chrono::milliseconds(config_.stream.session_timeout_ms);
   stream_grpc_ = CreateStreamService(runtime_.get(), stream);
-  sequences_grpc_ = CreateSequencesService(runtime_.get(), sequences_.get());
+  sequences_grpc_ = CreateSequencesService(runtime_.get(), sequences_.get(), heap_retention_.get());
 
   GrpcOptions grpc;
   grpc.host = network.host;
@@ -249,6 +249,7 @@ absl::Status Server::StartLocal() {
   LocalServices services;
   services.runtime = runtime_.get();
   services.sequences = sequences_.get();
+  services.heap_retention = heap_retention_.get();
   options.spin_us = options.SpinUsFor(std::thread::hardware_concurrency());
   services.spin = absl::Microseconds(options.spin_us);
   absl::StatusOr<std::unique_ptr<LocalListener>> local = LocalListener::Start(options, services);

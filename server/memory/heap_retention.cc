@@ -28,17 +28,22 @@ HeapRetention::HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold,
 void HeapRetention::Observe(int64_t request_bytes) {
   if (retain_bytes_ <= 0) return;
   if (request_bytes >= kBigRequestBytes) {
-    last_big_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
-    if (!retaining_.load(std::memory_order_relaxed) && !retaining_.exchange(true)) {
-      SetMallocThresholds(kRetainingMmapThreshold, retain_bytes_);
-    }
+    Retain();
   } else if (retaining_.load(std::memory_order_relaxed) &&
-             absl::GetCurrentTimeNanos() - last_big_ns_.load(std::memory_order_relaxed) >
+             absl::GetCurrentTimeNanos() - last_retain_ns_.load(std::memory_order_relaxed) >
                  hold_ns_) {
-    // A big request racing with this may find the thresholds lowered; the next one raises them.
+    // A Retain() racing with this may find the thresholds lowered; the next one raises them.
     if (retaining_.exchange(false)) {
       SetMallocThresholds(base_mmap_threshold_, kGlibcDefaultTrimThreshold);
     }
+  }
+}
+
+void HeapRetention::Retain() {
+  if (retain_bytes_ <= 0) return;
+  last_retain_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  if (!retaining_.load(std::memory_order_relaxed) && !retaining_.exchange(true)) {
+    SetMallocThresholds(kRetainingMmapThreshold, retain_bytes_);
   }
 }
 

@@ -1,4 +1,5 @@
-// Whether big requests' receive buffers come from malloc's heap and stay there between requests.
+// Whether big requests' receive buffers (and decode steps' buffers) come from malloc's heap and stay
+// there between requests.
 //
 // gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc/grpc_edge.cc). Above glibc's
 // mmap threshold (--malloc_mmap_threshold_bytes, 128 KiB) each chunk is its own mmap: zero-filled
@@ -9,8 +10,13 @@
 // amount per malloc arena, and a low mmap threshold is what keeps the RSS of mixed small traffic
 // flat (tests/soak/RESULTS.md).
 //
-// So both thresholds are raised only while big requests (>= kBigRequestBytes) keep arriving, and
-// put back once none has come for `hold`.
+// So both thresholds are raised only while big requests (>= kBigRequestBytes) or decode steps keep
+// arriving, and put back once none has come for `hold`. A decode step is small (~1 MB for 64
+// sequences) but frees its message strings, arena blocks and outputs together after each answer
+// and the next step allocates them again: with glibc's 128 KiB trim threshold the heap's top went
+// back to the system after each step and came back page by page (H200, one client, 64-sequence
+// steps over gRPC: 50-180 page faults and 0.16-0.4 ms per step;
+// bench/results/service-h200-2026-11-28-decode-grpc.md).
 #pragma once
 
 #include <atomic>
@@ -35,6 +41,9 @@ class HeapRetention {
   /// Called for each request once its size is known. Thread-safe; a small request while nothing is
   /// retained costs one relaxed load (the clock is read only for big requests and while retaining).
   void Observe(int64_t request_bytes);
+  /// A call whose buffers the next call will want again arrived (a big request, a decode step):
+  /// retain from now until `hold` after the last such call. Thread-safe; reads the clock.
+  void Retain();
 
   bool retaining() const { return retaining_.load(); }
 
@@ -42,7 +51,7 @@ class HeapRetention {
   const int64_t retain_bytes_;
   const int64_t base_mmap_threshold_;
   const int64_t hold_ns_;
-  std::atomic<int64_t> last_big_ns_{0};
+  std::atomic<int64_t> last_retain_ns_{0};
   std::atomic<bool> retaining_{false};
 };
 

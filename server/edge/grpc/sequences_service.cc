@@ -41,8 +41,9 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
 
 class SequencesService final : public v1::Sequences::CallbackService {
  public:
-  SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences)
-      : runtime_(runtime), sequences_(sequences) {
+  SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences,
+                   HeapRetention* heap_retention)
+      : runtime_(runtime), sequences_(sequences), heap_retention_(heap_retention) {
     SetMessageAllocatorFor_DecodeStep(&decode_step_messages_);
   }
 
@@ -129,6 +130,7 @@ class SequencesService final : public v1::Sequences::CallbackService {
 
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
+  HeapRetention* const heap_retention_;  // may be null
 };
 
 grpc::ServerUnaryReactor* SequencesService::Launch(
@@ -189,6 +191,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
                                                        v1::DecodeStepResponse* response) {
   auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kDecodeStep);
   grpc_call->Start(int64_t(request->ByteSizeLong()));
+  if (heap_retention_ != nullptr) heap_retention_->Retain();
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();
   auto hold = std::make_shared<CallHold>();
@@ -264,8 +267,9 @@ absl::Status SequencesService::DoInfo(const v1::GetSequenceInfoRequest& request,
 }  // namespace
 
 std::unique_ptr<grpc::Service> CreateSequencesService(AttentionRuntime* runtime,
-                                                      SequenceRuntime* sequences) {
-  return std::make_unique<SequencesService>(runtime, sequences);
+                                                      SequenceRuntime* sequences,
+                                                      HeapRetention* heap_retention) {
+  return std::make_unique<SequencesService>(runtime, sequences, heap_retention);
 }
 
 }  // namespace flashserve

@@ -7,6 +7,7 @@
 
 #include <memory>
 
+#include "memory/heap_retention.h"
 #include "runtime/attention_runtime.h"
 #include "runtime/sequence_runtime.h"
 
@@ -20,8 +21,10 @@ namespace flashserve {
 inline constexpr char kMissingSequenceIdsKey[] = "flashserve-missing-sequence-ids";
 
 /// `sequences` null: the server runs without a KV cache and every call is FAILED_PRECONDITION.
-/// Both must outlive the service; register it through GrpcEdge::Create(..., extra_services).
+/// `heap_retention` (may be null) is told of every DecodeStep (HeapRetention::Retain). All must
+/// outlive the service; register it through GrpcEdge::Create(..., extra_services).
 std::unique_ptr<grpc::Service> CreateSequencesService(AttentionRuntime* runtime,
-                                                      SequenceRuntime* sequences);
+                                                      SequenceRuntime* sequences,
+                                                      HeapRetention* heap_retention);
 
 }  // namespace flashserve

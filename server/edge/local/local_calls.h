@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "api/response_wire.h"
+#include "memory/heap_retention.h"
 #include "memory/io_buffers.h"
 #include "runtime/attention_runtime.h"
 #include "runtime/sequence_runtime.h"
@@ -28,6 +29,7 @@ struct LocalServices {
   AttentionRuntime* runtime = nullptr;
   SequenceRuntime* sequences = nullptr;  // null: the server runs without a KV cache
   absl::Duration spin;                   // --local_spin_us
+  HeapRetention* heap_retention = nullptr;  // told of every DecodeStep; may be null
 };
 
 /// One call's answer: an error, or the response message's bytes as pieces (which may point into

@@ -87,6 +87,7 @@ absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t
 }  // namespace
 
 void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalReply* reply) {
+  if (services.heap_retention != nullptr) services.heap_retention->Retain();
   auto state = std::make_shared<DecodeState>(local.payload.size());
   google::protobuf::Arena& arena = state->arena;
   auto& request = *google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);

@@ -54,12 +54,35 @@ TEST(HeapRetention, BigRequestsKeepTheirBuffersOtherwiseTheyAreMmaps) {
   EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
 }
 
+// A decode step is far below kBigRequestBytes but asks for the same: its buffers stay on the heap
+// while steps keep coming, and go back once they stop.
+TEST(HeapRetention, RetainKeepsBuffersUntilHoldPassesWithoutOne) {
+  if (!SetBaseThresholds()) GTEST_SKIP() << "not glibc's malloc (sanitizer build?)";
+  HeapRetention retention(int64_t{64} << 20, kBaseMmapThreshold, absl::Milliseconds(100));
+  retention.Observe(1 << 20);  // a small request alone changes nothing
+  EXPECT_FALSE(retention.retaining());
+  retention.Retain();
+  EXPECT_TRUE(retention.retaining());
+  EXPECT_GE(HeapAfterFreeing(size_t{8} << 20), size_t{8} << 20) << "kept for the next step";
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  retention.Retain();  // steps keep coming: `hold` counts from the last one
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  retention.Observe(1 << 20);
+  EXPECT_TRUE(retention.retaining()) << "120 ms after the first step, 60 ms after the last";
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  retention.Observe(1 << 20);
+  EXPECT_FALSE(retention.retaining());
+  EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
+}
+
 TEST(HeapRetention, DisabledByZeroRetainOrDynamicMmapThreshold) {
   HeapRetention off(0, kBaseMmapThreshold, absl::Seconds(10));
   off.Observe(int64_t{1} << 30);
+  off.Retain();
   EXPECT_FALSE(off.retaining());
   HeapRetention dynamic(int64_t{64} << 20, 0, absl::Seconds(10));
   dynamic.Observe(int64_t{1} << 30);
+  dynamic.Retain();
   EXPECT_FALSE(dynamic.retaining());
 }
 
