@@ -6,6 +6,10 @@ message on machines without a usable NVIDIA GPU."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 import flashserve
@@ -22,12 +26,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 def cuda_kv_server(flashserve_bin, tmp_path_factory):
     if not _gpu_present():
         pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA Sequences tests skipped")
+    path = os.path.join(tempfile.mkdtemp(prefix="fsg", dir="/tmp"), "fs.sock")  # sun_path: at most 107 bytes
     s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("cuda_kv"),
                       ["--backend=cuda", "--kv_cache_bytes=1073741824", "--kv_page_tokens=64",
-                       "--allow_client_shm"],
+                       "--allow_client_shm", f"--local_socket={path}"],
                       name="cuda_kv").start()
+    s.local_path = path
     yield s
     _stop_and_check(s)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64)])
@@ -81,9 +88,11 @@ def test_decode_step_through_system_shm(cuda_kv_server, rng, dtype, rows_q):
                   prefixes=(1, 63, 130, 700), steps=5)
 
 
+@pytest.mark.parametrize("transport", ["grpc", "local"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_packed_decode_steps(cuda_kv_server, rng, dtype):
+def test_packed_decode_steps(cuda_kv_server, rng, dtype, transport):
     """DecodeStepRequest.packed on the device KV pool: one q/k/v tensor per step, inline and through a system region
-    (O and LSE written back packed), uneven rows, some items attend only; the fp64 reference."""
-    run_packed_steps(cuda_kv_server, rng, dtype, shape=dict(heads_q=32, heads_kv=8, head_dim=128),
-                     prefixes=(1, 63, 130, 700), steps=5)
+    (O and LSE written back packed), uneven rows, some items attend only; the fp64 reference. Over gRPC and the local
+    socket: inline outputs are written by the launch into the answer buffer they are sent from."""
+    run_packed_steps(cuda_kv_server, rng, dtype, cuda_kv_server.local_path if transport == "local" else None,
+                     shape=dict(heads_q=32, heads_kv=8, head_dim=128), prefixes=(1, 63, 130, 700), steps=5)

@@ -8,7 +8,7 @@
 
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "edge/grpc/arena_messages.h"
+#include "edge/grpc/answer_slices.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/sequences/sequences_arena.h"
@@ -18,6 +18,7 @@
 #include "edge/sequences/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace flashserve {
 
@@ -39,13 +40,26 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
   context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
 }
 
-class SequencesService final : public v1::Sequences::CallbackService {
+// A DecodeStep's messages (on one arena: a 64-item step is ~1,000 submessages) and the buffer its
+// outputs are sent from, from its arrival until its answer is handed to gRPC.
+struct DecodeStepState {
+  explicit DecodeStepState(size_t payload_bytes) : arena(DecodeStepArenaOptions(payload_bytes)) {}
+  google::protobuf::Arena arena;
+  v1::DecodeStepRequest* request =
+      google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);
+  v1::DecodeStepResponse* response =
+      google::protobuf::Arena::CreateMessage<v1::DecodeStepResponse>(&arena);
+  AnswerPlace answer;
+};
+
+// DecodeStep is a raw method (its bytes in and out): the answer is sent as slices of the buffer
+// its outputs were computed into (edge/grpc/answer_slices.h), not copied into a message first.
+class SequencesService final
+    : public v1::Sequences::WithRawCallbackMethod_DecodeStep<v1::Sequences::CallbackService> {
  public:
   SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences,
                    HeapRetention* heap_retention)
-      : runtime_(runtime), sequences_(sequences), heap_retention_(heap_retention) {
-    SetMessageAllocatorFor_DecodeStep(&decode_step_messages_);
-  }
+      : runtime_(runtime), sequences_(sequences), heap_retention_(heap_retention) {}
 
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
@@ -65,8 +79,8 @@ class SequencesService final : public v1::Sequences::CallbackService {
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
   grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context,
-                                       const v1::DecodeStepRequest* request,
-                                       v1::DecodeStepResponse* response) override;
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
 
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
                                     const v1::ReleaseRequest* request,
@@ -111,22 +125,19 @@ class SequencesService final : public v1::Sequences::CallbackService {
     reactor->Finish(call.Finish(status));
     return reactor;
   }
-  // A DecodeStep's size is not known before it is parsed: blocks for a typical 64-item step.
-  ArenaMessages<v1::DecodeStepRequest, v1::DecodeStepResponse> decode_step_messages_{
-      DecodeStepArenaOptions(16 << 10)};
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
                         v1::CreateSequenceResponse* response);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
   absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response);
   // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
-  // response on success. Answers the gRPC call exactly once, maybe inline.
+  // response on success and returns its size. Answers the gRPC call exactly once, maybe inline.
   // `bytes` are counted against --max_inflight_bytes (into `hold`) before `build` runs.
   grpc::ServerUnaryReactor* Launch(
       grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
       std::shared_ptr<CallHold> hold,
       const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-      std::function<void(const DecodeReport&)> fill, const google::protobuf::Message* response);
+      std::function<int64_t(const DecodeReport&)> fill);
 
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
@@ -137,7 +148,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
     std::shared_ptr<CallHold> hold,
     const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-    std::function<void(const DecodeReport&)> fill, const google::protobuf::Message* response) {
+    std::function<int64_t(const DecodeReport&)> fill) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto admission = std::make_shared<Admission>(runtime_->Admit());
   absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
@@ -155,13 +166,10 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->deadline = ToAbslTime(context->deadline());
   call->cancelled = [context] { return context->IsCancelled(); };
   const std::string first_id = call->items.empty() ? "" : call->items[0].id;
-  call->done = [reactor, context, grpc_call, admission, fill, response, first_id,
+  call->done = [reactor, context, grpc_call, admission, fill = std::move(fill), first_id,
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
-    if (status.ok()) {
-      fill(report);
-      grpc_call->AddBytesOut(int64_t(response->ByteSizeLong()));
-    }
+    if (status.ok()) grpc_call->AddBytesOut(fill(report));
     AddMissing(context, status, first_id);
     hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
     reactor->Finish(grpc_call->Finish(status));
@@ -182,29 +190,44 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
   return Launch(
       context, grpc_call, bytes, std::make_shared<CallHold>(),
       [request, response] { return BuildAttend(*request, response); },
-      [response, received](const DecodeReport& report) { FillAttend(report, received, response); },
-      response);
+      [response, received](const DecodeReport& report) {
+        FillAttend(report, received, response);
+        return int64_t(response->ByteSizeLong());
+      });
 }
 
 grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerContext* context,
-                                                       const v1::DecodeStepRequest* request,
-                                                       v1::DecodeStepResponse* response) {
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
   auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kDecodeStep);
-  grpc_call->Start(int64_t(request->ByteSizeLong()));
+  grpc_call->Start(int64_t(request_bytes->Length()));
   if (heap_retention_ != nullptr) heap_retention_->Retain();
+  auto state = std::make_shared<DecodeStepState>(request_bytes->Length());
+  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(request_bytes));  // reads only
+  if (!state->request->ParseFromZeroCopyStream(&reader)) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    reactor->Finish(grpc_call->Finish(
+        absl::InvalidArgumentError("DecodeStepRequest: malformed protobuf bytes")));
+    return reactor;
+  }
+  state->answer.pool = runtime_->backend().staging_pool();
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();
   auto hold = std::make_shared<CallHold>();
   InitSequenceShm(runtime_->shm_regions(), sequences_, &hold->shm);
   return Launch(
-      context, grpc_call, DecodeStepBytes(*request), hold,
-      [request, max_items, response, hold] {
-        return BuildDecodeStep(*request, max_items, &hold->shm, response);
+      context, grpc_call, DecodeStepBytes(*state->request), hold,
+      [state, max_items, hold] {
+        return BuildDecodeStep(*state->request, max_items, &hold->shm, state->response,
+                               &state->answer);
       },
-      [response, received](const DecodeReport& report) {
-        FillDecodeStep(report, received, response);
-      },
-      response);
+      [state, received, response_bytes](const DecodeReport& report) {
+        FillDecodeStep(report, received, state->response);
+        const AnswerPieces pieces =
+            EncodeDecodeStepAnswer(state->response, state->answer.buffer.get());
+        *response_bytes = AnswerByteBuffer(pieces, state->answer.buffer);
+        return int64_t(pieces.total_bytes);
+      });
 }
 
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,

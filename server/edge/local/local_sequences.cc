@@ -26,6 +26,8 @@ struct DecodeState {
   AttentionRuntime::Admission admission;
   google::protobuf::Arena arena;
   CallHold hold;
+  // Where the outputs the answer's pieces point into are (edge/sequences/answer_buffer.h).
+  AnswerPlace answer;
   std::shared_ptr<DecodeCall> call;
 };
 
@@ -100,14 +102,22 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;
   SequenceShm* shm = &state->hold.shm;
   InitSequenceShm(services.runtime->shm_regions(), services.sequences, shm);
+  AnswerPlace* answer = &state->answer;
+  answer->pool = services.runtime->backend().staging_pool();
   const absl::Time received = local.received;
   reply->status = RunAndKeep(
       services, local, DecodeStepBytes(request), std::move(state),
-      [&] { return BuildDecodeStep(request, max_items, shm, &response); },
+      [&] { return BuildDecodeStep(request, max_items, shm, &response, answer); },
       [&](const DecodeReport& report) { FillDecodeStep(report, received, &response); }, reply);
   if (!reply->status.ok()) return;
-  response.SerializeToString(&reply->bytes);
-  reply->AddPiece(reply->bytes);
+  // O and LSE are written from the answer buffer where they were computed (no copy).
+  AnswerPieces pieces = EncodeDecodeStepAnswer(&response, answer->buffer.get());
+  reply->bytes = std::move(pieces.header);
+  for (const AnswerPieces::Piece& piece : pieces.pieces) {
+    reply->AddPiece(piece.in_buffer
+                        ? std::string_view(answer->buffer->data() + piece.offset, piece.bytes)
+                        : std::string_view(reply->bytes.data() + piece.offset, piece.bytes));
+  }
 }
 
 void ServeLocalAttend(const LocalServices& services, LocalCall local, LocalReply* reply) {

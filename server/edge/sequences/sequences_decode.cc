@@ -57,7 +57,7 @@ void SetPlace(std::vector<kvcache::BytesAt>* places, size_t i, kvcache::BytesAt 
 // One item's O and LSE: into the regions it names, else into the response.
 absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& item,
                             bool return_lse, SequenceShm* shm, v1::DecodeResult* result,
-                            DecodeCall* call) {
+                            DecodeCall* call, AnswerBuffer* answer) {
   const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
   ItemOutputPlaces places;
   if (in.has_out_shm()) {
@@ -74,12 +74,13 @@ absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& i
     places.lse_at = at->at;
   }
   AddItemOutputsAt(item, return_lse, places, result->mutable_out(),
-                   return_lse ? result->mutable_lse() : nullptr, call);
+                   return_lse ? result->mutable_lse() : nullptr, call, answer);
   return absl::OkStatus();
 }
 
 absl::Status AddStepOutputs(const v1::DecodeStepRequest& request, DecodeCall* call,
-                            SequenceShm* shm, v1::DecodeStepResponse* response) {
+                            SequenceShm* shm, v1::DecodeStepResponse* response,
+                            AnswerBuffer* answer) {
   response->mutable_results()->Reserve(request.items_size());
   for (int i = 0; i < request.items_size(); ++i) {
     const v1::DecodeItem& in = request.items(i);
@@ -89,10 +90,36 @@ absl::Status AddStepOutputs(const v1::DecodeStepRequest& request, DecodeCall* ca
           "out_shm / lse_shm given where shared memory is unsupported");
     }
     absl::Status s = AddItemOutputs(in, call->items[size_t(i)], request.return_lse(), shm,
-                                    response->add_results(), call);
+                                    response->add_results(), call, answer);
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat("item ", i, ": ", s.message()));
   }
   return shm == nullptr ? absl::OkStatus() : CheckShmOverlap(*shm);
+}
+
+// Whether some O or LSE travels in the answer (an output in a region does not).
+bool SomeOutputInAnswer(const v1::DecodeStepRequest& request) {
+  const bool lse = request.return_lse();
+  if (request.has_packed()) {
+    return !request.packed().has_out_shm() || (lse && !request.packed().has_lse_shm());
+  }
+  for (const v1::DecodeItem& item : request.items()) {
+    if (!item.has_out_shm() || (lse && !item.has_lse_shm())) return true;
+  }
+  return false;
+}
+
+// A buffer with room for every item's O and, with return_lse, LSE; null when none travels in the
+// answer or the pool has no room.
+std::shared_ptr<AnswerBuffer> AcquireAnswerBuffer(const v1::DecodeStepRequest& request,
+                                                  const std::vector<kvcache::StepItem>& items,
+                                                  PinnedPool* pool) {
+  if (!SomeOutputInAnswer(request)) return nullptr;
+  size_t out_bytes = 0, lse_bytes = 0;
+  for (const kvcache::StepItem& item : items) {
+    out_bytes += size_t(item.q.rows * item.q.heads * item.q.head_dim * 2);
+    if (request.return_lse()) lse_bytes += size_t(item.q.rows * item.q.heads * 4);
+  }
+  return AnswerBuffer::Acquire(pool, out_bytes, lse_bytes);
 }
 
 void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* timing) {
@@ -114,11 +141,14 @@ absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, con
   return RowsFromTensor(tensor, name, optional);
 }
 
-void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
-                      const ItemOutputPlaces& places, v1::Tensor* out, v1::Tensor* lse,
-                      DecodeCall* call) {
+void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutputPlaces places,
+                      v1::Tensor* out, v1::Tensor* lse, DecodeCall* call, AnswerBuffer* answer) {
   const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
   const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
+  if (places.out == nullptr && answer != nullptr) {
+    places.out = answer->TakeOut(size_t(rows * heads * dim * 2), out);
+    places.out_at = answer->at();
+  }
   if (places.out != nullptr) {
     out->set_dtype(dtype);
     for (int64_t d : {rows, heads, dim}) out->add_shape(d);
@@ -128,6 +158,10 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse,
     call->out.push_back(PrepareOutput(out, dtype, {rows, heads, dim}, 2));
   }
   if (!return_lse) return;
+  if (places.lse == nullptr && answer != nullptr) {
+    places.lse = answer->TakeLse(size_t(heads * rows * 4), lse);
+    places.lse_at = answer->at();
+  }
   if (places.lse != nullptr) {
     lse->set_dtype(v1::FLOAT32);
     for (int64_t d : {heads, rows}) lse->add_shape(d);
@@ -152,14 +186,16 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildAttend(const v1::AttendRequest&
   call->causal = request.causal();
   call->softmax_scale = *scale;
   AddItemOutputsAt(*item, request.return_lse(), ItemOutputPlaces(), response->mutable_out(),
-                   request.return_lse() ? response->mutable_lse() : nullptr, call.get());
+                   request.return_lse() ? response->mutable_lse() : nullptr, call.get(),
+                   /*answer=*/nullptr);
   call->items.push_back(*std::move(item));
   return call;
 }
 
 absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStepRequest& request,
                                                             int max_items, SequenceShm* shm,
-                                                            v1::DecodeStepResponse* response) {
+                                                            v1::DecodeStepResponse* response,
+                                                            AnswerPlace* answer) {
   if (request.items_size() < 1 || request.items_size() > max_items) {
     return absl::InvalidArgumentError(absl::StrCat("a DecodeStep holds 1..", max_items,
                                                    " items (--max_batch_sequences), got ",
@@ -175,9 +211,14 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
       ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
   if (!scale.ok()) return scale.status();
   call->softmax_scale = *scale;
+  AnswerBuffer* buffer = nullptr;
+  if (answer != nullptr && answer->pool != nullptr) {
+    answer->buffer = AcquireAnswerBuffer(request, call->items, answer->pool);
+    buffer = answer->buffer.get();
+  }
   const absl::Status outputs = request.has_packed()
-                                   ? AddPackedOutputs(request, shm, call.get(), response)
-                                   : AddStepOutputs(request, call.get(), shm, response);
+                                   ? AddPackedOutputs(request, shm, call.get(), response, buffer)
+                                   : AddStepOutputs(request, call.get(), shm, response, buffer);
   if (!outputs.ok()) return outputs;
   if (shm != nullptr) {
     call->shm_system_inputs = shm->system_inputs;

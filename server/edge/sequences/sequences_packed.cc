@@ -122,7 +122,8 @@ absl::StatusOr<std::vector<kvcache::StepItem>> PackedItems(const v1::DecodeStepR
 }
 
 absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm* shm,
-                              DecodeCall* call, v1::DecodeStepResponse* response) {
+                              DecodeCall* call, v1::DecodeStepResponse* response,
+                              AnswerBuffer* answer) {
   const v1::PackedDecodeRows& packed = request.packed();
   const bool lse_wanted = request.return_lse();
   const bool out_in_shm = packed.has_out_shm(), lse_in_shm = lse_wanted && packed.has_lse_shm();
@@ -154,7 +155,7 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
                                   lse_in_shm ? lse_place.data + lse_at : nullptr, lse_place.at};
     v1::DecodeResult* result = response->add_results();
     AddItemOutputsAt(item, lse_wanted, places, result->mutable_out(),
-                     lse_wanted ? result->mutable_lse() : nullptr, call);
+                     lse_wanted ? result->mutable_lse() : nullptr, call, answer);
     out_at += item.q.rows * item.q.heads * item.q.head_dim * 2;
     lse_at += item.q.rows * item.q.heads * 4;
   }

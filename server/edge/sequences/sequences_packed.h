@@ -20,9 +20,11 @@ struct SequenceShm;
 absl::StatusOr<std::vector<kvcache::StepItem>> PackedItems(const v1::DecodeStepRequest& request,
                                                            SequenceShm* shm);
 
-/// Where each item's O (and LSE) go: its slice of packed.out_shm / lse_shm, or else its own tensor
-/// in `response`'s result (sized here, written by the runtime).
+/// Where each item's O (and LSE) go: its slice of packed.out_shm / lse_shm, or else `answer`
+/// (may be null) or its own tensor in `response`'s result (sized here, written by the runtime).
+class AnswerBuffer;
 absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm* shm,
-                              DecodeCall* call, v1::DecodeStepResponse* response);
+                              DecodeCall* call, v1::DecodeStepResponse* response,
+                              AnswerBuffer* answer);
 
 }  // namespace flashserve

@@ -1,0 +1,141 @@
+#include "edge/sequences/answer_buffer.h"
+
+#include "absl/container/flat_hash_map.h"
+
+namespace flashserve {
+namespace {
+
+constexpr size_t kAlign = 256;
+constexpr uint32_t kLengthDelimited = 2;
+constexpr int kResultsField = 1;             // DecodeStepResponse.results
+constexpr int kOutField = 1, kLseField = 2;  // DecodeResult.out / lse
+constexpr int kTensorDataField = 3;          // Tensor.data
+
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+void AppendVarint(uint64_t v, std::string* out) {
+  while (v >= 0x80) {
+    out->push_back(char(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(char(v));
+}
+
+void AppendTag(int field, std::string* out) {
+  AppendVarint(uint64_t(field) << 3 | kLengthDelimited, out);
+}
+
+// A result tensor's field up to its data: tag, length, dtype and shape, the data's tag and length.
+std::string TensorPrefix(int field, const v1::Tensor& tensor, size_t data_bytes) {
+  const std::string head = tensor.SerializeAsString();  // dtype and shape: its data is empty
+  std::string data_tag;
+  AppendTag(kTensorDataField, &data_tag);
+  AppendVarint(data_bytes, &data_tag);
+  std::string prefix;
+  AppendTag(field, &prefix);
+  AppendVarint(head.size() + data_tag.size() + data_bytes, &prefix);
+  return prefix + head + data_tag;
+}
+
+class PieceWriter {
+ public:
+  explicit PieceWriter(AnswerPieces* out) : out_(out) {}
+  void Header(std::string_view bytes) {
+    if (bytes.empty()) return;
+    const size_t offset = out_->header.size();
+    out_->header.append(bytes);
+    AnswerPieces::Piece* last = out_->pieces.empty() ? nullptr : &out_->pieces.back();
+    if (last != nullptr && !last->in_buffer && last->offset + last->bytes == offset) {
+      last->bytes += bytes.size();  // adjacent header bytes: one piece
+    } else {
+      out_->pieces.push_back({false, offset, bytes.size()});
+    }
+    out_->total_bytes += bytes.size();
+  }
+  void Data(const AnswerBuffer::Span& span, const AnswerBuffer& buffer) {
+    out_->pieces.push_back({true, size_t(span.data - buffer.data()), span.bytes});
+    out_->total_bytes += span.bytes;
+  }
+
+ private:
+  AnswerPieces* const out_;
+};
+
+// One result whose out and/or lse data lie in the buffer.
+void WriteSplicedResult(const v1::DecodeResult& result, const AnswerBuffer::Span* out,
+                        const AnswerBuffer::Span* lse, const AnswerBuffer& buffer,
+                        PieceWriter* writer) {
+  const std::string out_prefix = out ? TensorPrefix(kOutField, result.out(), out->bytes) : "";
+  const std::string lse_prefix = lse ? TensorPrefix(kLseField, result.lse(), lse->bytes) : "";
+  v1::DecodeResult rest = result;
+  if (out != nullptr) rest.clear_out();
+  if (lse != nullptr) rest.clear_lse();
+  const std::string rest_bytes = rest.SerializeAsString();
+  std::string head;
+  AppendTag(kResultsField, &head);
+  AppendVarint(out_prefix.size() + (out ? out->bytes : 0) + lse_prefix.size() +
+                   (lse ? lse->bytes : 0) + rest_bytes.size(),
+               &head);
+  writer->Header(head + out_prefix);
+  if (out != nullptr) writer->Data(*out, buffer);
+  writer->Header(lse_prefix);
+  if (lse != nullptr) writer->Data(*lse, buffer);
+  writer->Header(rest_bytes);
+}
+
+}  // namespace
+
+std::shared_ptr<AnswerBuffer> AnswerBuffer::Acquire(PinnedPool* pool, size_t out_bytes,
+                                                    size_t lse_bytes) {
+  const size_t lse_offset = AlignUp(out_bytes);
+  const size_t total = lse_offset + AlignUp(lse_bytes);
+  if (pool == nullptr || total == 0) return nullptr;
+  PinnedPool::Buffer buffer = pool->Acquire(total);
+  if (!buffer) return nullptr;
+  const kvcache::BytesAt at =
+      pool->options().page_locked ? kvcache::BytesAt::kPageLocked : kvcache::BytesAt::kHost;
+  std::shared_ptr<AnswerBuffer> answer(new AnswerBuffer(std::move(buffer), at));
+  answer->out_ = {0, out_bytes};
+  answer->lse_ = {lse_offset, lse_offset + lse_bytes};
+  return answer;
+}
+
+char* AnswerBuffer::Take(Part* part, size_t bytes, const v1::Tensor* tensor) {
+  if (bytes > part->end - part->next) return nullptr;
+  char* data = buffer_.data() + part->next;
+  part->next += bytes;
+  spans_.push_back({tensor, data, bytes});
+  return data;
+}
+
+AnswerPieces EncodeDecodeStepAnswer(v1::DecodeStepResponse* response, const AnswerBuffer* buffer) {
+  absl::flat_hash_map<const v1::Tensor*, const AnswerBuffer::Span*> in_buffer;
+  if (buffer != nullptr) {
+    for (const AnswerBuffer::Span& span : buffer->spans()) in_buffer[span.tensor] = &span;
+  }
+  auto find = [&](const v1::Tensor* tensor) -> const AnswerBuffer::Span* {
+    auto it = in_buffer.find(tensor);
+    return it == in_buffer.end() ? nullptr : it->second;
+  };
+  AnswerPieces answer;
+  PieceWriter writer(&answer);
+  for (const v1::DecodeResult& result : response->results()) {
+    const AnswerBuffer::Span* out = result.has_out() ? find(&result.out()) : nullptr;
+    const AnswerBuffer::Span* lse = result.has_lse() ? find(&result.lse()) : nullptr;
+    if (out != nullptr || lse != nullptr) {
+      WriteSplicedResult(result, out, lse, *buffer, &writer);
+      continue;
+    }
+    const std::string body = result.SerializeAsString();
+    std::string head;
+    AppendTag(kResultsField, &head);
+    AppendVarint(body.size(), &head);
+    writer.Header(head);
+    writer.Header(body);
+  }
+  response->clear_results();
+  writer.Header(response->SerializeAsString());
+  return answer;
+}
+
+}  // namespace flashserve
