@@ -8,7 +8,8 @@ Paths, per decode step (every sequence appends one token's k/v and attends its q
   full_kv     (a) the same step through AttentionService.Attention shipping each sequence's whole K/V every call
               (split into several calls when one would pass gRPC's 2 GiB message limit).
   sdpa        (c) torch.nn.functional.scaled_dot_product_attention on the local GPU in this process (cache appended
-              in place, then attention over it), timed with CUDA events.
+              in place, then attention over it; the fastest of torch's backends, query heads folded onto their KV
+              head), timed with CUDA events.
 Latency per step = wall time of one client's call (its share of the sequences); p50/p99 after --warmup steps.
 "seq-steps/s" = sequences advanced by one token per second, all clients together. "server us" = the server's own
 DecodeStep timing (total_us / compute_us, medians): what is not in it is transport and the client.
@@ -291,12 +292,19 @@ def bench_full_kv(target: str, token, context: int, sequences: int, concurrency:
 
 def bench_sdpa(context: int, sequences: int, steps: int, warmup: int) -> dict:
     """Append one row per sequence into a preallocated cache, then SDPA over it; CUDA events per step, and the
-    mean of `steps` steps queued back to back (no host gap)."""
+    mean of `steps` steps queued back to back (no host gap). Torch's fastest way for this step: a decode step
+    (one query row, no mask) lets the 4 query heads of a KV head be 4 query rows of that head, so every backend
+    runs it without GQA support and without repeating K/V; each backend torch has (cuDNN, FLASH, EFFICIENT, math)
+    is timed over the warm-up and the fastest is measured ("backend" in the row). Until session 17 the step left the
+    choice to torch's dispatch, which took cuDNN, and cuDNN builds a plan for every new key length: 37-57 ms per step
+    (bench/results/service-h200-2026-11-28-decode-full.md)."""
     import torch
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev, dt = "cuda", torch.bfloat16
-    length = context + warmup + 2 * steps + 1
+    group = HEADS_Q // HEADS_KV
+    length = context + 5 * (warmup + 1) + 2 * steps + 1  # the warm-ups of four backends, then the measured steps
     k_cache = torch.randn(sequences, HEADS_KV, length, HEAD_DIM, device=dev, dtype=dt)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(sequences, HEADS_Q, 1, HEAD_DIM, device=dev, dtype=dt)
@@ -307,27 +315,49 @@ def bench_sdpa(context: int, sequences: int, steps: int, warmup: int) -> dict:
         k_cache[:, :, pos[0]] = new_k
         v_cache[:, :, pos[0]] = new_k
         pos[0] += 1
-        return F.scaled_dot_product_attention(q, k_cache[:, :, :pos[0]], v_cache[:, :, :pos[0]], enable_gqa=True)
+        rows = q.view(sequences, HEADS_KV, group, HEAD_DIM)  # query head h reads KV head h // group
+        out = F.scaled_dot_product_attention(rows, k_cache[:, :, :pos[0]], v_cache[:, :, :pos[0]])
+        return out.view(sequences, HEADS_Q, 1, HEAD_DIM)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
+    def warm_time(backend):
+        """Mean ms of `warmup` queued steps on `backend`, or None when it cannot run this step."""
+        try:
+            with sdpa_kernel([backend]):
+                step()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(warmup):
+                    step()
+                end.record()
+                end.synchronize()
+                return start.elapsed_time(end) / max(warmup, 1)
+        except RuntimeError:
+            return None
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    tried = {name: warm_time(backend) for name, backend in backends.items()}
+    best = min((t, name) for name, t in tried.items() if t is not None)[1]
+    with sdpa_kernel([backends[best]]):
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(steps):
+            step()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    end.synchronize()
     row = percentiles(times)
-    row.update(queued_mean_ms=start.elapsed_time(end) / steps, seq_steps_per_s=sequences / (float(np.median(times))))
+    row.update(queued_mean_ms=start.elapsed_time(end) / steps, seq_steps_per_s=sequences / (float(np.median(times))),
+               backend=best, backends_warm_ms={k: (round(v, 4) if v is not None else None)
+                                                         for k, v in tried.items()})
     return row
 
 
@@ -499,8 +529,8 @@ def run(args) -> List[dict]:
             rows += full_kv_rows(args, full_target, context, levels, rng)
         if args.sdpa and _cuda_available():
             row = bench_sdpa(context, args.sequences, args.steps, args.warmup)
-            rows.append(dict(path="(c) torch SDPA, one process", client="-", context=context, concurrency=1,
-                             **row))
+            rows.append(dict(path=f"(c) torch SDPA ({row['backend']}), one process", client="-", context=context,
+                             concurrency=1, **row))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
