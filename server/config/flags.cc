@@ -88,9 +88,10 @@ ABSL_FLAG(int64_t, device_pool_release_threshold_bytes,
           "mapped for reuse instead of returning it to the driver, per device");
 ABSL_FLAG(int64_t, pinned_pool_bytes, flashserve::MemoryOptions{}.pinned_pool_bytes,
           "Cap of the pool of request buffers (power-of-two size classes from 64 KiB, reused "
-          "between requests): page-locked on the CUDA backend (a request that does not fit is "
-          "served with slower pageable copies), heap memory on the CPU backend (no page faults "
-          "of fresh buffers); 0 disables the pool");
+          "between requests; also a DecodeStep's O/LSE, sent from there): page-locked on the "
+          "CUDA backend (a request that does not fit is served with slower pageable copies, a "
+          "DecodeStep answer is copied into its message), heap memory on the CPU backend (no page "
+          "faults of fresh buffers); 0 disables the pool");
 ABSL_FLAG(bool, allow_client_shm, flashserve::ShmLimits{}.allow,
           "Serve Triton's shared-memory extension (system and CUDA regions of co-located "
           "clients; memory/shm_regions.h). Off: every shared-memory call is refused");
