@@ -1,5 +1,5 @@
 """SIGTERM while a large answer is still being written to a slow reader: every API (native Attention, KServe
-ModelInfer, striped download, KServe REST) must finish writing it within the grace period, not cut it off when
+ModelInfer, striped download, KServe REST, a Sequences DecodeStep) must finish writing it within the grace period, not cut it off when
 gRPC's own shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a
 few MB/s. The other side of that wait: a client that stalls mid-upload holds the exit until the grace period ends,
 and no longer."""
@@ -14,6 +14,9 @@ import numpy as np
 import pytest
 
 import flashserve
+from flashserve import sequences_pb2 as spb
+from flashserve import tensors
+from sequences_truth import Truth
 from tcp_proxy import ThrottlingProxy
 from test_kserve_grpc import infer_request, oip, outputs_of, stub_for  # noqa: F401 - oip is a fixture
 from test_kserve_rest import binary_request, decode
@@ -56,18 +59,14 @@ def _call_striped(address, q, k, v):
         return c.attention(q, k, v)
 
 
-@pytest.mark.parametrize("api", ["native", "kserve", "striped", "rest"])
-def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_server, request):
-    server = start_server("--shutdown_grace_seconds=60", name=f"drain_{api}")
-    proxy = ThrottlingProxy(server.http_port if api == "rest" else server.grpc_port)
-    q, k, v = _inputs()
-    call = {"native": _call_native, "striped": _call_striped, "rest": _call_rest,
-            "kserve": lambda *a: _call_kserve(request.getfixturevalue("oip"), *a)}[api]
+def _answer_to_a_slow_reader(server, proxy, call):
+    """Runs call() (its answer passes `proxy`), sends SIGTERM once 1 MiB of the answer went through; returns
+    (result, exit code, seconds from SIGTERM to the answer's end)."""
     result = {}
 
     def run():
         try:
-            result["out"] = call(proxy.address, q, k, v)
+            result["out"] = call()
             result["at"] = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - reported below
             result["error"] = e
@@ -88,13 +87,51 @@ def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_ser
         code = server.proc.wait(timeout=60)
     finally:
         proxy.close()
-    assert "error" not in result, f"{api}: the answer was cut off: {result.get('error')}\n{server.logs()}"
+    assert "error" not in result, f"the answer was cut off: {result.get('error')}\n{server.logs()}"
     assert code == 0, f"exit code {code}\n{server.logs()}"
+    return result["out"], result["at"] - sigterm_at
+
+
+@pytest.mark.parametrize("api", ["native", "kserve", "striped", "rest"])
+def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_server, request):
+    server = start_server("--shutdown_grace_seconds=60", name=f"drain_{api}")
+    proxy = ThrottlingProxy(server.http_port if api == "rest" else server.grpc_port)
+    q, k, v = _inputs()
+    call = {"native": _call_native, "striped": _call_striped, "rest": _call_rest,
+            "kserve": lambda *a: _call_kserve(request.getfixturevalue("oip"), *a)}[api]
+    out, answered_after = _answer_to_a_slow_reader(server, proxy, lambda: call(proxy.address, q, k, v))
     # The write went on well past the 1 s gRPC gives its calls at shutdown: the drain waited for it.
-    assert result["at"] - sigterm_at > 1.5, f"answer complete {result['at'] - sigterm_at:.2f} s after SIGTERM"
+    assert answered_after > 1.5, f"{api}: answer complete {answered_after:.2f} s after SIGTERM"
     ref = flashserve.reference.attention(q[:, :64], k, v)
-    np.testing.assert_allclose(result["out"][:, :64], ref, atol=1e-5, rtol=0)
-    assert np.isfinite(result["out"]).all()
+    np.testing.assert_allclose(out[:, :64], ref, atol=1e-5, rtol=0)
+    assert np.isfinite(out).all()
+
+
+def test_sigterm_while_a_decode_step_answer_is_written_to_a_slow_reader(start_server, rng):
+    """The same for a DecodeStep, whose answer is sent from the buffer its outputs were computed into
+    (edge/sequences/answer_buffer.h): 64 sequences x 16 query rows x 64 heads x d128 = 16 MiB of O."""
+    server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
+                          name="drain_sequences")
+    proxy = ThrottlingProxy(server.grpc_port)
+    truth = Truth(rng, heads_q=64, heads_kv=8, head_dim=128, dtype="float16")
+    with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
+        seqs = truth.create(setup, [1 + i % 9 for i in range(64)])
+    qs = [truth.query(16) for _ in seqs]
+
+    def step():
+        with flashserve.SequenceClient(proxy.address, timeout=120, reprefill=False) as client:
+            request = spb.DecodeStepRequest()
+            for seq, q in zip(seqs, qs):
+                request.items.add(sequence_id=seq.id, layer=0).q.CopyFrom(tensors.to_proto_rows(q, "q"))
+            return client.stub(client.endpoints[0]).DecodeStep(request, timeout=120)
+
+    response, answered_after = _answer_to_a_slow_reader(server, proxy, step)
+    assert answered_after > 1.5, f"answer complete {answered_after:.2f} s after SIGTERM"
+    assert len(response.results) == len(seqs)
+    for seq, q, result in list(zip(seqs, qs, response.results))[::7]:
+        out = np.frombuffer(result.out.data, np.float16).reshape(q.shape)
+        assert not np.isnan(out.astype(np.float32)).any()
+        truth.check(out, q, seq.key, 0)
 
 
 def test_sigterm_with_a_stalled_upload_waits_out_the_grace_period(start_server):
