@@ -3,6 +3,8 @@
 #include <cstring>
 #include <string>
 
+#include "api/response_wire.h"  // AppendVarint
+
 namespace flashserve {
 namespace {
 
@@ -70,14 +72,6 @@ class SliceReader {
   const std::vector<std::string_view>& slices_;
   size_t index_ = 0, offset_ = 0, position_ = 0, total_ = 0;
 };
-
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(char(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(char(v));
-}
 
 // Reads one field's tag and value and re-encodes it into `out` (protobuf will parse it there).
 // Groups (wire types 3/4, deprecated) are rejected.

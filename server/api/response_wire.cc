@@ -1,7 +1,6 @@
 #include "api/response_wire.h"
 
 namespace flashserve {
-namespace {
 
 void AppendVarint(uint64_t v, std::string* out) {
   while (v >= 0x80) {
@@ -11,9 +10,7 @@ void AppendVarint(uint64_t v, std::string* out) {
   out->push_back(char(v));
 }
 
-// Tag and length of a tensor field whose data (data_bytes long) follows, then its dtype and shape,
-// then the data field's tag and length: the bytes that go right before the data.
-std::string TensorPrefix(int field, const v1::Tensor& header, size_t data_bytes) {
+std::string TensorFieldPrefix(int field, const v1::Tensor& header, size_t data_bytes) {
   v1::Tensor fields;
   fields.set_dtype(header.dtype());
   *fields.mutable_shape() = header.shape();
@@ -29,20 +26,18 @@ std::string TensorPrefix(int field, const v1::Tensor& header, size_t data_bytes)
   return prefix;
 }
 
-}  // namespace
-
 ResponsePieces EncodeAttentionResponse(const v1::AttentionResponse& header, std::string_view out,
                                        std::string_view lse) {
   ResponsePieces pieces;
   v1::AttentionResponse rest = header;
   if (!out.empty()) {
-    pieces.out_prefix = TensorPrefix(1, header.out(), out.size());
+    pieces.out_prefix = TensorFieldPrefix(1, header.out(), out.size());
     rest.clear_out();
   } else {
     rest.mutable_out()->clear_data();
   }
   if (!lse.empty()) {
-    pieces.lse_prefix = TensorPrefix(2, header.lse(), lse.size());
+    pieces.lse_prefix = TensorFieldPrefix(2, header.lse(), lse.size());
     rest.clear_lse();
   } else if (rest.has_lse()) {
     rest.mutable_lse()->clear_data();

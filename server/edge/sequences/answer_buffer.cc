@@ -1,6 +1,7 @@
 #include "edge/sequences/answer_buffer.h"
 
 #include "absl/container/flat_hash_map.h"
+#include "api/response_wire.h"
 
 namespace flashserve {
 namespace {
@@ -9,32 +10,11 @@ constexpr size_t kAlign = 256;
 constexpr uint32_t kLengthDelimited = 2;
 constexpr int kResultsField = 1;             // DecodeStepResponse.results
 constexpr int kOutField = 1, kLseField = 2;  // DecodeResult.out / lse
-constexpr int kTensorDataField = 3;          // Tensor.data
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-void AppendVarint(uint64_t v, std::string* out) {
-  while (v >= 0x80) {
-    out->push_back(char(v | 0x80));
-    v >>= 7;
-  }
-  out->push_back(char(v));
-}
-
 void AppendTag(int field, std::string* out) {
   AppendVarint(uint64_t(field) << 3 | kLengthDelimited, out);
-}
-
-// A result tensor's field up to its data: tag, length, dtype and shape, the data's tag and length.
-std::string TensorPrefix(int field, const v1::Tensor& tensor, size_t data_bytes) {
-  const std::string head = tensor.SerializeAsString();  // dtype and shape: its data is empty
-  std::string data_tag;
-  AppendTag(kTensorDataField, &data_tag);
-  AppendVarint(data_bytes, &data_tag);
-  std::string prefix;
-  AppendTag(field, &prefix);
-  AppendVarint(head.size() + data_tag.size() + data_bytes, &prefix);
-  return prefix + head + data_tag;
 }
 
 class PieceWriter {
@@ -65,8 +45,8 @@ class PieceWriter {
 void WriteSplicedResult(const v1::DecodeResult& result, const AnswerBuffer::Span* out,
                         const AnswerBuffer::Span* lse, const AnswerBuffer& buffer,
                         PieceWriter* writer) {
-  const std::string out_prefix = out ? TensorPrefix(kOutField, result.out(), out->bytes) : "";
-  const std::string lse_prefix = lse ? TensorPrefix(kLseField, result.lse(), lse->bytes) : "";
+  const std::string out_prefix = out ? TensorFieldPrefix(kOutField, result.out(), out->bytes) : "";
+  const std::string lse_prefix = lse ? TensorFieldPrefix(kLseField, result.lse(), lse->bytes) : "";
   v1::DecodeResult rest = result;
   if (out != nullptr) rest.clear_out();
   if (lse != nullptr) rest.clear_lse();
