@@ -75,6 +75,13 @@ class ReceiveArena {
   /// The arena the server's malloc consults; null until one is installed (once, at startup; never
   /// uninstalled, since blocks may be freed at any time until exit).
   static ReceiveArena* Installed() { return installed_.load(std::memory_order_acquire); }
+  /// Whether [data, data + bytes) lies in the installed arena and that arena is page-locked: true
+  /// for gRPC's read buffers and for any other buffer-sized malloc it served (e.g. a parsed
+  /// message's large bytes fields), which a GPU can then read where they are.
+  static bool PageLockedHolds(const void* data, size_t bytes) {
+    const ReceiveArena* arena = Installed();
+    return arena != nullptr && arena->page_locked() && arena->Contains(data, bytes);
+  }
   /// Makes `arena` the process's arena and registers fork handlers that hold its lock across
   /// fork() (so a child never inherits it locked). Returns false, and installs nothing, when an
   /// arena is installed already or installing is refused (then logs a warning); the caller keeps

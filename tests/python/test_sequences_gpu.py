@@ -96,3 +96,11 @@ def test_packed_decode_steps(cuda_kv_server, rng, dtype, transport):
     socket: inline outputs are written by the launch into the answer buffer they are sent from."""
     run_packed_steps(cuda_kv_server, rng, dtype, cuda_kv_server.local_path if transport == "local" else None,
                      shape=dict(heads_q=32, heads_kv=8, head_dim=128), prefixes=(1, 63, 130, 700), steps=5)
+
+
+def test_packed_steps_of_64_sequences(cuda_kv_server, rng):
+    """64 sequences of the Llama-3-8B-like layer: an inline packed step's q (up to 1.5 MB) and k/v are strings large
+    enough for the server's malloc to take from the page-locked receive arena, and the store then reads them where
+    they are (no staging copy); every answer against the fp64 reference."""
+    run_packed_steps(cuda_kv_server, rng, "bfloat16", shape=dict(heads_q=32, heads_kv=8, head_dim=128),
+                     prefixes=tuple(1 + (i * 37) % 300 for i in range(64)), steps=4)

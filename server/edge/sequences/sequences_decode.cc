@@ -5,6 +5,7 @@
 #include "edge/sequences/sequences_convert.h"
 #include "edge/sequences/sequences_packed.h"
 #include "edge/sequences/sequences_shm.h"
+#include "memory/receive_arena.h"
 
 namespace flashserve {
 
@@ -138,7 +139,15 @@ void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* tim
 absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
                                                    bool optional, SequenceShm* shm) {
   if (tensor.has_shm() && shm != nullptr) return ShmRows(tensor, name, shm);
-  return RowsFromTensor(tensor, name, optional);
+  absl::StatusOr<kvcache::HostRows> rows = RowsFromTensor(tensor, name, optional);
+  // Rows in the message whose bytes the server's malloc took from the page-locked receive arena
+  // (buffer-sized strings, e.g. a packed step's q): the GPU store reads them where they are
+  // instead of copying them into its staging first.
+  if (rows.ok() && rows->data != nullptr &&
+      ReceiveArena::PageLockedHolds(tensor.data().data(), tensor.data().size())) {
+    rows->at = kvcache::BytesAt::kPageLocked;
+  }
+  return rows;
 }
 
 void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutputPlaces places,
