@@ -130,6 +130,9 @@ class SequencesService final
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
   absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response);
+  // What a decode call's answer keeps while gRPC writes it: its admission, so that a drain waits
+  // for the answer to be written (a DecodeStep's answer slices hold it).
+  using AnswerHold = std::shared_ptr<void>;
   // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
   // response on success and returns its size. Answers the gRPC call exactly once, maybe inline.
   // `bytes` are counted against --max_inflight_bytes (into `hold`) before `build` runs.
@@ -137,7 +140,7 @@ class SequencesService final
       grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
       std::shared_ptr<CallHold> hold,
       const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-      std::function<int64_t(const DecodeReport&)> fill);
+      std::function<int64_t(const DecodeReport&, AnswerHold)> fill);
 
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
@@ -148,7 +151,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
     std::shared_ptr<CallHold> hold,
     const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-    std::function<int64_t(const DecodeReport&)> fill) {
+    std::function<int64_t(const DecodeReport&, AnswerHold)> fill) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   auto admission = std::make_shared<Admission>(runtime_->Admit());
   absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
@@ -169,11 +172,11 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->done = [reactor, context, grpc_call, admission, fill = std::move(fill), first_id,
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
-    if (status.ok()) grpc_call->AddBytesOut(fill(report));
+    if (status.ok()) grpc_call->AddBytesOut(fill(report, admission));
     AddMissing(context, status, first_id);
     hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
     reactor->Finish(grpc_call->Finish(status));
-    // `admission` is released with this callback: the drain waits until the answer went out.
+    // `admission` is released with this callback, or later with the answer's slices (DecodeStep).
   };
   sequences_->Submit(std::move(call));
   return reactor;
@@ -190,7 +193,8 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
   return Launch(
       context, grpc_call, bytes, std::make_shared<CallHold>(),
       [request, response] { return BuildAttend(*request, response); },
-      [response, received](const DecodeReport& report) {
+      [response, received](const DecodeReport& report, AnswerHold) {
+        // A typed answer of one item's O: no slices to hold anything (it is small).
         FillAttend(report, received, response);
         return int64_t(response->ByteSizeLong());
       });
@@ -221,12 +225,13 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
         return BuildDecodeStep(*state->request, max_items, &hold->shm, state->response,
                                &state->answer);
       },
-      [state, received, response_bytes](const DecodeReport& report) {
+      [state, received, response_bytes](const DecodeReport& report, AnswerHold admission) {
         FillDecodeStep(report, received, state->response);
-        const AnswerPieces pieces =
-            EncodeDecodeStepAnswer(state->response, state->answer.buffer.get());
-        *response_bytes = AnswerByteBuffer(pieces, state->answer.buffer);
-        return int64_t(pieces.total_bytes);
+        AnswerPieces pieces = EncodeDecodeStepAnswer(state->response, state->answer.buffer.get());
+        const auto bytes = int64_t(pieces.total_bytes);
+        *response_bytes =
+            AnswerByteBuffer(std::move(pieces), state->answer.buffer, std::move(admission));
+        return bytes;
       });
 }
 
