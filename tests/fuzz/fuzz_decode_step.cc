@@ -21,6 +21,8 @@
 //     the dtype (the CPU kernel accumulates in fp32 and rounds once); an empty layer gives O = 0
 //     and LSE = -inf.
 //  5. Releasing the sequences returns every page (the pool is empty after each input).
+//  6. With an answer buffer (a third of the inputs), the encoded answer parses back to one result
+//     per item whose O (and LSE) are the bytes the launch wrote (edge/sequences/answer_buffer.h).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "edge/sequences/answer_buffer.h"
 #include "edge/sequences/sequences_decode.h"
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/reference_attention.h"
@@ -311,6 +314,40 @@ void FitAll(v1::DecodeStepRequest* request) {
   if (packed->has_v()) FitData(packed->mutable_v());
 }
 
+PinnedPool* AnswerPool() {
+  static PinnedPool* pool = [] {
+    PinnedPoolOptions options;
+    options.capacity_bytes = size_t{256} << 20;
+    options.page_locked = false;
+    return PinnedPool::Create(options, std::make_unique<HeapAllocator>())->release();
+  }();
+  return pool;
+}
+
+// Oracle 6: the answer's pieces parse to one result per item carrying exactly the bytes at the
+// call's out / lse places.
+void CheckAnswer(v1::DecodeStepResponse* response, const AnswerBuffer& buffer,
+                 const DecodeCall& call) {
+  const AnswerPieces pieces = EncodeDecodeStepAnswer(response, &buffer);
+  std::string wire;
+  for (const AnswerPieces::Piece& piece : pieces.pieces) wire += pieces.View(piece, &buffer);
+  v1::DecodeStepResponse parsed;
+  FUZZ_CHECK(parsed.ParseFromString(wire), "the encoded answer does not parse");
+  FUZZ_CHECK(parsed.results_size() == int(call.items.size()), "one result per item");
+  for (size_t i = 0; i < call.items.size(); ++i) {
+    const HostRows& q = call.items[i].q;
+    const size_t out_bytes = size_t(q.rows * q.heads * q.head_dim * 2);
+    const std::string& out = parsed.results(int(i)).out().data();
+    FUZZ_CHECK(out.size() == out_bytes && std::memcmp(out.data(), call.out[i], out_bytes) == 0,
+               "an answer's O is not what the launch wrote");
+    if (call.lse.empty()) continue;
+    const std::string& lse = parsed.results(int(i)).lse().data();
+    FUZZ_CHECK(lse.size() == size_t(q.rows * q.heads * 4) &&
+                   std::memcmp(lse.data(), call.lse[i], lse.size()) == 0,
+               "an answer's LSE is not what the launch wrote");
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
@@ -323,8 +360,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, int(size))) return 0;
   if (size % 2 == 0) FitAll(&request);
   v1::DecodeStepResponse response;
+  AnswerPlace answer{size % 3 == 0 ? AnswerPool() : nullptr, nullptr};
   absl::StatusOr<std::shared_ptr<DecodeCall>> call =
-      BuildDecodeStep(request, kMaxItems, /*shm=*/nullptr, &response);
+      BuildDecodeStep(request, kMaxItems, /*shm=*/nullptr, &response, &answer);
   if (!call.ok()) {
     FUZZ_CHECK(call.status().code() == absl::StatusCode::kInvalidArgument,
                call.status().ToString());
@@ -339,6 +377,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Fixture& f = TheFixture();
   Live live = CreateSequences(f.cache.get());
   RunStep(call->get(), f.cache.get(), &live);
+  if (answer.buffer != nullptr) CheckAnswer(&response, *answer.buffer, **call);
   const std::vector<std::string> ids(std::begin(live.id), std::end(live.id));
   FUZZ_CHECK(f.cache->Release(ids).empty(), "a live sequence was not found");
   const kvcache::CacheStats stats = f.cache->Stats();
