@@ -1,10 +1,10 @@
-// Whether big requests' receive buffers (and decode steps' buffers) come from malloc's heap and stay
-// there between requests.
+// Whether big requests' receive buffers (and decode steps' buffers) come from malloc's heap and
+// stay there between requests.
 //
-// gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc/grpc_edge.cc). Above glibc's
-// mmap threshold (--malloc_mmap_threshold_bytes, 128 KiB) each chunk is its own mmap: zero-filled
-// and page-faulted in while the request arrives, unmapped when it has been served. For a 50 MB
-// request that was ~10 ms of its ~40 ms on the GPU hosts
+// gRPC reads the socket into chunks of 256 KiB to 4 MiB (server/edge/grpc/grpc_edge.cc). Above
+// glibc's mmap threshold (--malloc_mmap_threshold_bytes, 128 KiB) each chunk is its own mmap:
+// zero-filled and page-faulted in while the request arrives, unmapped when it has been served. For
+// a 50 MB request that was ~10 ms of its ~40 ms on the GPU hosts
 // (bench/results/service-h100-2026-11-22-hot-lane.md). From the heap, with its top kept mapped
 // (M_TRIM_THRESHOLD), the next request reuses the same pages. Keeping them costs up to the retained
 // amount per malloc arena, and a low mmap threshold is what keeps the RSS of mixed small traffic
@@ -15,7 +15,7 @@
 // sequences) but frees its message strings, arena blocks and outputs together after each answer
 // and the next step allocates them again: with glibc's 128 KiB trim threshold the heap's top went
 // back to the system after each step and came back page by page (H200, one client, 64-sequence
-// steps over gRPC: 50-180 page faults and 0.16-0.4 ms per step;
+// steps over gRPC: 50-180 page faults and 0.08-0.6 ms per step;
 // bench/results/service-h200-2026-11-28-decode-grpc.md).
 #pragma once
 

@@ -1,7 +1,7 @@
 """Decode steps keep their heap (HeapRetention::Retain, CPU backend, the real binary): a 64-sequence DecodeStep frees
 its message strings and arena blocks after each answer and the next step allocates them again. With glibc's
 128 KiB thresholds the heap's top went back to the system after every step (and strings above 128 KiB were mmaps of
-their own), faulted in again by the next step (on the H200 hosts 0.16-0.4 ms of a one-client step). Measured here as
+their own), faulted in again by the next step (on the H200 hosts 0.08-0.6 ms of a one-client step). Measured here as
 the server's minor page faults per packed step, over gRPC and the local socket, against a server whose retention is
 off (--malloc_trim_threshold_bytes=0); the last step's answers are checked against the fp64 reference."""
 

@@ -114,9 +114,7 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
   AnswerPieces pieces = EncodeDecodeStepAnswer(&response, answer->buffer.get());
   reply->bytes = std::move(pieces.header);
   for (const AnswerPieces::Piece& piece : pieces.pieces) {
-    reply->AddPiece(piece.in_buffer
-                        ? std::string_view(answer->buffer->data() + piece.offset, piece.bytes)
-                        : std::string_view(reply->bytes.data() + piece.offset, piece.bytes));
+    reply->AddPiece(AnswerPieces::View(piece, reply->bytes, answer->buffer.get()));
   }
 }
 

@@ -1,6 +1,7 @@
 #include "edge/sequences/answer_buffer.h"
 
-#include "absl/container/flat_hash_map.h"
+#include <vector>
+
 #include "api/response_wire.h"
 
 namespace flashserve {
@@ -89,19 +90,19 @@ char* AnswerBuffer::Take(Part* part, size_t bytes, const v1::Tensor* tensor) {
 }
 
 AnswerPieces EncodeDecodeStepAnswer(v1::DecodeStepResponse* response, const AnswerBuffer* buffer) {
-  absl::flat_hash_map<const v1::Tensor*, const AnswerBuffer::Span*> in_buffer;
-  if (buffer != nullptr) {
-    for (const AnswerBuffer::Span& span : buffer->spans()) in_buffer[span.tensor] = &span;
-  }
-  auto find = [&](const v1::Tensor* tensor) -> const AnswerBuffer::Span* {
-    auto it = in_buffer.find(tensor);
-    return it == in_buffer.end() ? nullptr : it->second;
+  // The spans were taken in result order (each item's O, then its LSE): walk them alongside.
+  const std::vector<AnswerBuffer::Span> none;
+  const std::vector<AnswerBuffer::Span>& spans = buffer != nullptr ? buffer->spans() : none;
+  size_t next = 0;
+  auto take = [&](const v1::Tensor* tensor) -> const AnswerBuffer::Span* {
+    if (next == spans.size() || spans[next].tensor != tensor) return nullptr;
+    return &spans[next++];
   };
   AnswerPieces answer;
   PieceWriter writer(&answer);
   for (const v1::DecodeResult& result : response->results()) {
-    const AnswerBuffer::Span* out = result.has_out() ? find(&result.out()) : nullptr;
-    const AnswerBuffer::Span* lse = result.has_lse() ? find(&result.lse()) : nullptr;
+    const AnswerBuffer::Span* out = result.has_out() ? take(&result.out()) : nullptr;
+    const AnswerBuffer::Span* lse = result.has_lse() ? take(&result.lse()) : nullptr;
     if (out != nullptr || lse != nullptr) {
       WriteSplicedResult(result, out, lse, *buffer, &writer);
       continue;

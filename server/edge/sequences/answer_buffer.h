@@ -29,7 +29,8 @@ class AnswerBuffer {
                                                size_t lse_bytes);
 
   /// The next `bytes` of the O part (or LSE part), back to back in call order, for `tensor` (the
-  /// result's tensor, which keeps dtype and shape only); nullptr when the part is full.
+  /// result's tensor, which keeps dtype and shape only); nullptr when the part is full. Taken in
+  /// the results' order, each result's O before its LSE (EncodeDecodeStepAnswer relies on it).
   char* TakeOut(size_t bytes, const v1::Tensor* tensor) { return Take(&out_, bytes, tensor); }
   char* TakeLse(size_t bytes, const v1::Tensor* tensor) { return Take(&lse_, bytes, tensor); }
   kvcache::BytesAt at() const { return at_; }
@@ -68,10 +69,15 @@ struct AnswerPieces {
   std::vector<Piece> pieces;
   size_t total_bytes = 0;
 
-  /// Piece i's bytes (`buffer`: the AnswerBuffer the pieces were encoded against).
-  std::string_view View(const Piece& piece, const AnswerBuffer* buffer) const {
+  /// A piece's bytes, `header` being where the header bytes are now (`buffer`: the AnswerBuffer
+  /// the pieces were encoded against).
+  static std::string_view View(const Piece& piece, std::string_view header,
+                               const AnswerBuffer* buffer) {
     return piece.in_buffer ? std::string_view(buffer->data() + piece.offset, piece.bytes)
-                           : std::string_view(header.data() + piece.offset, piece.bytes);
+                           : header.substr(piece.offset, piece.bytes);
+  }
+  std::string_view View(const Piece& piece, const AnswerBuffer* buffer) const {
+    return View(piece, header, buffer);
   }
 };
 

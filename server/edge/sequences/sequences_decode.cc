@@ -59,17 +59,15 @@ void SetPlace(std::vector<kvcache::BytesAt>* places, size_t i, kvcache::BytesAt 
 absl::Status AddItemOutputs(const v1::DecodeItem& in, const kvcache::StepItem& item,
                             bool return_lse, SequenceShm* shm, v1::DecodeResult* result,
                             DecodeCall* call, AnswerBuffer* answer) {
-  const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
   ItemOutputPlaces places;
   if (in.has_out_shm()) {
-    absl::StatusOr<ShmPlace> at =
-        ShmOutput(in.out_shm(), "out_shm", rows * heads * dim * 2, 1, shm);
+    absl::StatusOr<ShmPlace> at = ShmOutput(in.out_shm(), "out_shm", OutBytes(item.q), 1, shm);
     if (!at.ok()) return at.status();
     places.out = at->data;
     places.out_at = at->at;
   }
   if (return_lse && in.has_lse_shm()) {
-    absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", heads * rows * 4, 4, shm);
+    absl::StatusOr<ShmPlace> at = ShmOutput(in.lse_shm(), "lse_shm", LseBytes(item.q), 4, shm);
     if (!at.ok()) return at.status();
     places.lse = at->data;
     places.lse_at = at->at;
@@ -117,8 +115,8 @@ std::shared_ptr<AnswerBuffer> AcquireAnswerBuffer(const v1::DecodeStepRequest& r
   if (!SomeOutputInAnswer(request)) return nullptr;
   size_t out_bytes = 0, lse_bytes = 0;
   for (const kvcache::StepItem& item : items) {
-    out_bytes += size_t(item.q.rows * item.q.heads * item.q.head_dim * 2);
-    if (request.return_lse()) lse_bytes += size_t(item.q.rows * item.q.heads * 4);
+    out_bytes += size_t(OutBytes(item.q));
+    if (request.return_lse()) lse_bytes += size_t(LseBytes(item.q));
   }
   return AnswerBuffer::Acquire(pool, out_bytes, lse_bytes);
 }
@@ -155,7 +153,7 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutput
   const int64_t rows = item.q.rows, heads = item.q.heads, dim = item.q.head_dim;
   const v1::DType dtype = static_cast<v1::DType>(item.q.dtype);
   if (places.out == nullptr && answer != nullptr) {
-    places.out = answer->TakeOut(size_t(rows * heads * dim * 2), out);
+    places.out = answer->TakeOut(size_t(OutBytes(item.q)), out);
     places.out_at = answer->at();
   }
   if (places.out != nullptr) {
@@ -168,7 +166,7 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutput
   }
   if (!return_lse) return;
   if (places.lse == nullptr && answer != nullptr) {
-    places.lse = answer->TakeLse(size_t(heads * rows * 4), lse);
+    places.lse = answer->TakeLse(size_t(LseBytes(item.q)), lse);
     places.lse_at = answer->at();
   }
   if (places.lse != nullptr) {

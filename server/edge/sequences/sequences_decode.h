@@ -36,6 +36,9 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
 /// (through `shm`) or from its data; `optional`: an unset tensor is 0 rows.
 absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
                                                    bool optional, SequenceShm* shm);
+/// Bytes of an item's O (q's shape and 2-byte dtype) and of its LSE (FLOAT32 [heads, rows]).
+inline int64_t OutBytes(const kvcache::HostRows& q) { return q.rows * q.heads * q.head_dim * 2; }
+inline int64_t LseBytes(const kvcache::HostRows& q) { return q.rows * q.heads * 4; }
 /// Where an item's O / LSE are written: a place in shared memory, or (null) its own response
 /// tensor, which AddItemOutputsAt sizes.
 struct ItemOutputPlaces {

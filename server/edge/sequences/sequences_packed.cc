@@ -134,8 +134,8 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
   }
   int64_t out_bytes = 0, lse_bytes = 0;
   for (const kvcache::StepItem& item : call->items) {
-    out_bytes += item.q.rows * item.q.heads * item.q.head_dim * 2;
-    lse_bytes += item.q.rows * item.q.heads * 4;
+    out_bytes += OutBytes(item.q);
+    lse_bytes += LseBytes(item.q);
   }
   ShmPlace out_place, lse_place;
   if (out_in_shm) {
@@ -156,8 +156,8 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
     v1::DecodeResult* result = response->add_results();
     AddItemOutputsAt(item, lse_wanted, places, result->mutable_out(),
                      lse_wanted ? result->mutable_lse() : nullptr, call, answer);
-    out_at += item.q.rows * item.q.heads * item.q.head_dim * 2;
-    lse_at += item.q.rows * item.q.heads * 4;
+    out_at += OutBytes(item.q);
+    lse_at += LseBytes(item.q);
   }
   return shm == nullptr ? absl::OkStatus() : CheckShmOverlap(*shm);
 }
