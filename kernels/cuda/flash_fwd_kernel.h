@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   using True = std::true_type;
   using False = std::false_type;
   step(True{}, True{});  // the last tile: key tail and/or diagonal, never rescales
-  for (; n_block >= 0 && mask.tile_needs_mask(m_block, kBlockM, n_block, kBlockN);)
+  for (; n_block >= 0 && mask.tile_needs_mask(m_block * kBlockM, n_block, kBlockN);)
     step(False{}, True{});
   for (; n_block >= 0;) step(False{}, False{});
 

@@ -16,12 +16,11 @@ struct Mask {
   }
 
   /// True when key tile [n_block * block_n, (n_block + 1) * block_n) has a column some row of
-  /// query tile [m_block * block_m, ...) must not see: such tiles take the masked path.
-  __device__ __forceinline__ bool tile_needs_mask(int m_block, int block_m, int n_block,
-                                                  int block_n) const {
+  /// the query tile whose first row is first_row must not see: such tiles take the masked path.
+  __device__ __forceinline__ bool tile_needs_mask(int first_row, int n_block, int block_n) const {
     const int col_end = (n_block + 1) * block_n;  // one past the tile's last column
     if (col_end > seqlen_k) return true;
-    return causal && col_end > m_block * block_m + 1 + causal_offset;
+    return causal && col_end > first_row + 1 + causal_offset;
   }
 
   /// Sets to -inf the entries of the warp's S fragments (kMTiles x kNTiles x 4, layout in

@@ -17,6 +17,9 @@
 // Epilogue: O goes through the tile's Q buffer to TMA stores (store_o); with packed
 // variable-length inputs (T::kPacked) a warpgroup whose rows cross the sequence's end writes them
 // row by row instead (store_o_rows).
+// Causal 192-row query tiles end at the sequence's last row (scheduler.h's causal_shift), so the
+// first may start above row 0: TMA fills those Q rows with zeros (or, packed, loads the previous
+// sequence's); they are computed like any row and nothing of theirs is stored.
 // K/V tiles are visited from the last one backwards, as in the sm80 family, so the masked tiles
 // (key tail, causal diagonal) come first; TMA fills rows past the tensor's end with zeros (packed
 // inputs: rows past a sequence's end belong to the next one, see clear_foreign_v_rows).
@@ -197,7 +200,7 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
 #pragma unroll
       for (int cb = 0; cb < T::kColBlocks; ++cb)
         tma_load_4d(sm.q(qb) + cb * T::kBlockM * T::kRowBytes, tm_q, sm.q_loaded(qb), cb * 64,
-                    w.q_row0 + w.m_block * T::kBlockM, w.head, w.batch);
+                    w.q_row0 + w.first_row, w.head, w.batch);
     }
     for (int j = 1; j < w.n_blocks; ++j) {
       load(tm_k, true, j);
@@ -225,17 +228,20 @@ __device__ __forceinline__ int64_t lse_index(const AttentionParams& p, const Blo
                     : (int64_t(w.batch) * p.heads_q + w.head) * p.seqlen_q + row;
 }
 
-/// Packed variable-length outputs crossing the sequence's end: TMA would clip rows only at
-/// total_q, so the warpgroup's rows of O (staged in shared memory at base, swizzled as store_o
-/// wrote them) go out row by row, 16 bytes per thread and step, up to the sequence's end and
-/// head_dim; then Q buffer qb is released at once (nothing asynchronous reads it).
+/// A warpgroup's rows that cross its sequence's start (causal tiles above row 0, scheduler.h's
+/// causal_shift) or, packed variable-length outputs, its end (TMA would clip rows only at 0 and
+/// total_q, and the rows there belong to the neighbouring sequences): its rows of O (staged in
+/// shared memory at base, swizzled as store_o wrote them) go out row by row, 16 bytes per thread
+/// and step, from row 0 to the sequence's end and head_dim; then Q buffer qb is released at once
+/// (nothing asynchronous reads it).
 template <typename T>
 __device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, const BlockWork& w,
                              int cw, int qb, uint32_t base) {
-  const int t = threadIdx.x % 128, first = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer;
-  const int rows = min(T::kRowsPerConsumer, w.seqlen_q - first), chunks = p.head_dim / 8;
+  const int t = threadIdx.x % 128, first = w.first_row + cw * T::kRowsPerConsumer;
+  const int skip = max(0, -first), chunks = p.head_dim / 8;  // rows above the sequence's start
+  const int rows = min(T::kRowsPerConsumer, w.seqlen_q - first) - skip;
   for (int idx = t; idx < rows * chunks; idx += 128) {
-    const int r = idx / chunks, c = idx % chunks;
+    const int r = skip + idx / chunks, c = idx % chunks;
     const uint32_t addr =
         base + (c / 8) * T::kBlockM * T::kRowBytes + r * T::kRowBytes + ((c % 8) ^ (r % 8)) * 16;
     *reinterpret_cast<uint4*>(o_row<T>(p, w, first + r) + c * 8) = ld_shared_v4(addr);
@@ -247,8 +253,8 @@ __device__ void store_o_rows(const AttentionParams& p, const SmemMap<T>& sm, con
 /// Epilogue of consumer warpgroup cw: its normalized 64 x kHeadDim rows of O go into its rows of
 /// the tile's Q buffer qb (free: every S = Q K^T of the tile has completed) in the 128-byte
 /// swizzled layout, and one thread stores them with one TMA store per 64-column block (rows past
-/// seqlen_q are clipped by the tensor map; packed inputs take store_o_rows only where the
-/// warpgroup's rows cross the sequence's end: every tile row by row left d64 causal S1024 at 0.92
+/// seqlen_q are clipped by the tensor map; store_o_rows only where the warpgroup's rows cross
+/// the sequence's start, or packed, its end: every tile row by row left d64 causal S1024 at 0.92
 /// of dense, kernels-varlen-h100-2026-11-25.md). That thread releases the Q buffer once the
 /// store has read it: at once with one Q buffer, else at the next tile's first softmax
 /// (pending_release), so the warpgroup does not wait for the read here. LSE goes straight to
@@ -270,21 +276,21 @@ __device__ void store_o(const AttentionParams& p, const SmemMap<T>& sm, const CU
       st_shared_b32(addr,
                     ptx::pack2<typename T::Element>(o[4 * i2 + 2 * h], o[4 * i2 + 2 * h + 1]));
     }
-    const int row = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + r;
-    if (p.lse != nullptr && lane % 4 == 0 && row < w.seqlen_q)
+    const int row = w.first_row + cw * T::kRowsPerConsumer + r;
+    if (p.lse != nullptr && lane % 4 == 0 && row >= 0 && row < w.seqlen_q)
       p.lse[lse_index<T>(p, w, row)] = lse[h];
   }
   fence_proxy_async_smem();
   named_barrier_sync(epilogue_bar<T>(cw), 128);  // the warpgroup's rows are all in smem
-  if constexpr (T::kPacked) {
-    if (w.m_block * T::kBlockM + (cw + 1) * T::kRowsPerConsumer > w.seqlen_q)
-      return store_o_rows<T>(p, sm, w, cw, qb, base);
-  }
+  const int first = w.first_row + cw * T::kRowsPerConsumer;
+  if ((T::kCausalEndAligned && first < 0) ||
+      (T::kPacked && first + T::kRowsPerConsumer > w.seqlen_q))
+    return store_o_rows<T>(p, sm, w, cw, qb, base);
   if (threadIdx.x % 128 != 0) return;
 #pragma unroll
   for (int cb = 0; cb < T::kColBlocks; ++cb)
     tma_store_4d(tm_o, base + cb * T::kBlockM * T::kRowBytes, cb * 64,
-                 w.q_row0 + w.m_block * T::kBlockM + cw * T::kRowsPerConsumer, w.head, w.batch);
+                 w.q_row0 + first, w.head, w.batch);
   bulk_commit_group();
   if constexpr (T::kQBuffers == 1) {  // the producer waits for this buffer to load the next Q
     bulk_wait_group_read0();
@@ -312,7 +318,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
   constexpr int kN = T::kBlockN, kD = T::kHeadDim;
   const int lane = threadIdx.x % 32;
   const int warp_in_wg = (threadIdx.x / 32) % 4;
-  const int row0 = w.m_block * T::kBlockM + cw * T::kRowsPerConsumer + warp_in_wg * 16 + lane / 4;
+  const int row0 = w.first_row + cw * T::kRowsPerConsumer + warp_in_wg * 16 + lane / 4;
   const Mask mask{w.seqlen_k, w.seqlen_k - w.seqlen_q, p.causal};
   const int col_limit[2] = {mask.col_limit(row0), mask.col_limit(row0 + 8)};
   const float scale_log2 = p.softmax_scale_log2;
@@ -450,7 +456,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
     to_pa(s);
   };
   int i = 1;
-  for (; i < w.n_blocks && mask.tile_needs_mask(w.m_block, T::kBlockM, w.n_blocks - 1 - i, kN); ++i)
+  for (; i < w.n_blocks && mask.tile_needs_mask(w.first_row, w.n_blocks - 1 - i, kN); ++i)
     step(i, std::true_type{});
   for (; i < w.n_blocks; ++i) step(i, std::false_type{});
   take_turn();
@@ -476,15 +482,16 @@ template <typename T>
 __device__ void write_empty_tile(const AttentionParams& p, const BlockWork& w, int t) {
   constexpr int kThreads = 128 * T::kConsumers;
   using Element = typename T::Element;
-  const int rows = min(T::kBlockM, w.seqlen_q - w.m_block * T::kBlockM);
+  const int first = max(0, w.first_row);  // causal_shift: the first tile starts above row 0
+  const int rows = min(T::kBlockM, w.seqlen_q - w.first_row) - (first - w.first_row);
   const int chunks = p.head_dim / 8;  // p's, not the instance's (kernel_head_dim, registry.h)
-  Element* out = o_row<T>(p, w, w.m_block * T::kBlockM);
+  Element* out = o_row<T>(p, w, first);
   for (int idx = t; idx < rows * chunks; idx += kThreads)
     *reinterpret_cast<uint4*>(out + (idx / chunks) * p.o_row_stride + (idx % chunks) * 8) =
         make_uint4(0, 0, 0, 0);
   if (p.lse != nullptr)
     for (int r = t; r < rows; r += kThreads)
-      p.lse[lse_index<T>(p, w, w.m_block * T::kBlockM + r)] = -INFINITY;
+      p.lse[lse_index<T>(p, w, first + r)] = -INFINITY;
 }
 
 /// Consumer warpgroup cw's share of every tile the producer hands to the block.

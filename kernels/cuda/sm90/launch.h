@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "../smem_limit.h"
 #include "kernel.h"
 #include "registry.h"
 #include "tensor_map.h"
@@ -51,19 +52,9 @@ inline int next_sched_slot() {
 /// One kernel variant (T::kPacked or not): tensor maps, grid, launch.
 template <typename T>
 cudaError_t launch_sm90_kernel(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = sm90_fwd_kernel<T>;
-  // Bit d: the >48 KB dynamic shared-memory limit is raised on device d (per-device attribute).
-  static std::atomic<uint64_t> attribute_set{0};
-  int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (attribute_set.load(std::memory_order_acquire) & bit) == 0) {
-    if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(T::kSmemBytes));
-        err != cudaSuccess)
-      return err;
-    attribute_set.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  constexpr auto kernel = sm90_fwd_kernel<T>;
+  if (cudaError_t err = raise_smem_limit<kernel>(int(T::kSmemBytes)); err != cudaSuccess)
+    return err;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
   if (cudaError_t err = make_tensor_map(q_view(p), T::kBlockM, &tm_q); err != cudaSuccess)
     return err;
@@ -73,7 +64,8 @@ cudaError_t launch_sm90_kernel(const AttentionParams& p, cudaStream_t stream) {
     return err;
   if (cudaError_t err = make_tensor_map(o_view(p), T::kRowsPerConsumer, &tm_o); err != cudaSuccess)
     return err;
-  int sm_count = 0;
+  int device = 0, sm_count = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
       err != cudaSuccess)
     return err;

@@ -36,11 +36,23 @@ struct SeqSpan {
 };
 
 /// One tile of work: which query tile of which (batch, head), how many K/V tiles it sees, and
-/// its sequence's span; batch is the tensor maps' batch coordinate (0 when packed).
+/// its sequence's span; batch is the tensor maps' batch coordinate (0 when packed). first_row:
+/// the tile's first query row in its sequence (query tile m: m * kBlockM - causal_shift()).
 struct BlockWork {
-  int m_block, head, head_kv, batch, n_blocks;
+  int first_row, head, head_kv, batch, n_blocks;
   int seqlen_q, seqlen_k, q_row0, k_row0;
 };
+
+/// Causal query tiles of T::kCausalEndAligned kernels end at the sequence's last row (aligned
+/// bottom-right, as the mask is): the row padding a length that is not a multiple of kBlockM
+/// needs then sits above row 0, in the first tile, which sees the fewest keys. Aligned at row 0
+/// it sat in the last tile, which sees every key: 7% of a d64 causal batch of mixed lengths at
+/// 192-row tiles (kernels-decode-h200-2026-11-25.md, varlen 0.912 of dense).
+template <typename T>
+__device__ __forceinline__ int causal_shift(bool causal, int seqlen_q) {
+  if (!T::kCausalEndAligned || !causal) return 0;
+  return (T::kBlockM - seqlen_q % T::kBlockM) % T::kBlockM;
+}
 
 /// The linear tile order and the work of each tile.
 template <typename T>
@@ -67,7 +79,8 @@ struct TileScheduler {
     BlockWork w;
     const TileCoord c = tile_coord(tile, num_m, p.heads_q * p.batch, l2_heads);
     const int m_idx = c.m_idx, hb = c.hb;
-    w.m_block = p.causal ? num_m - 1 - m_idx : m_idx;
+    const int m_block = p.causal ? num_m - 1 - m_idx : m_idx;
+    w.first_row = m_block * T::kBlockM - causal_shift<T>(p.causal, s.seqlen_q);
     w.head = hb % p.heads_q;
     w.head_kv = w.head / (p.heads_q / p.heads_kv);
     w.batch = T::kPacked ? 0 : hb / p.heads_q;
@@ -77,11 +90,11 @@ struct TileScheduler {
     w.seqlen_k = s.seqlen_k;
     w.n_blocks = (w.seqlen_k + T::kBlockN - 1) / T::kBlockN;
     if (p.causal) {  // one past the last column the tile's last row may see
-      const int col_end = (w.m_block + 1) * T::kBlockM + w.seqlen_k - w.seqlen_q;
+      const int col_end = w.first_row + T::kBlockM + w.seqlen_k - w.seqlen_q;
       w.n_blocks = min(w.n_blocks, col_end <= 0 ? 0 : (col_end + T::kBlockN - 1) / T::kBlockN);
     }
     // A tile past a shorter sequence's end: no rows, nothing to load or write.
-    if (w.m_block * T::kBlockM >= w.seqlen_q) w.n_blocks = 0;
+    if (w.first_row >= w.seqlen_q) w.n_blocks = 0;
     return w;
   }
 };

@@ -32,6 +32,12 @@ struct Sm90Traits {
   static constexpr int kRowsPerConsumer = 64;  // wgmma m64
   static constexpr int kBlockM = kConsumers * kRowsPerConsumer;
   static constexpr int kNThreads = 128 * (kConsumers + 1);
+  // Causal 192-row tiles end at the sequence's last row (scheduler.h's causal_shift). 128-row
+  // tiles keep starting at row 0: there a tile's diagonal lines up with the 128-key blocks, and
+  // shifted it crosses two, one more masked block per tile, which cost more than the row padding
+  // saved (H200 A/B, kernels-varlen-h200-2026-11-29.md: 128 rows 0.96-0.99x at S1000 / S2000,
+  // 192 rows 1.03-1.11x, mixed lengths 1.01-1.02x).
+  static constexpr bool kCausalEndAligned = kConsumers == 3;
   // setmaxnreg: the producer needs a few dozen (40: the tile hand-over and dynamic schedule
   // spilled at 24 and 32); the consumers hold S, P and O in registers (ptxas: no spills at 232).
   // Two consumers: 40 * 128 + 232 * 256 = 64512 <= 65536 registers per SM. Three (d=64, block_n
