@@ -77,12 +77,20 @@ class _Item:
         self.k = encode_rows(k, "k") if k is not None else None
         self.v = encode_rows(v, "v") if v is not None else None
 
-    def message(self) -> "spb.DecodeItem":
-        item = spb.DecodeItem(sequence_id=self.seq.id, layer=self.layer, q=self.q)
+    def add_to(self, request: "spb.DecodeStepRequest") -> None:
+        item = request.items.add(sequence_id=self.seq.id, layer=self.layer)
+        item.q.CopyFrom(self.q)
         if self.k is not None:
             item.k.CopyFrom(self.k)
             item.v.CopyFrom(self.v)
-        return item
+
+
+def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
+    """Adds LayerKV(layer, k, v) to a repeated field, copying k and v once: LayerKV(k=k, v=v) and then
+    append() copied them twice (a 32 MiB prefix: 43-51 ms against 6-11 ms on the 2-core build machine)."""
+    entry = repeated.add(layer=layer)
+    entry.k.CopyFrom(k)
+    entry.v.CopyFrom(v)
 
 
 class SequenceClient:
@@ -211,7 +219,7 @@ class SequenceClient:
                                             head_dim=s.head_dim, dtype=tensors.PROTO_DTYPE[s.dtype],
                                             max_tokens=seq.max_tokens, label=seq.label)
         for layer, (k, v) in sorted(prefix.items()):
-            request.prefix.append(spb.LayerKV(layer=layer, k=k, v=v))
+            _add_layer_kv(request.prefix, layer, k, v)
         return request
 
     def _create_on_ring(self, seq: Sequence, prefix, timeout) -> None:
@@ -327,8 +335,9 @@ class SequenceClient:
                    for layer, (k, v) in rows.items()}
 
         def attempt():
-            request = spb.AppendRequest(sequence_id=seq.id, rows=[
-                spb.LayerKV(layer=layer, k=k, v=v) for layer, (k, v) in encoded.items()])
+            request = spb.AppendRequest(sequence_id=seq.id)
+            for layer, (k, v) in encoded.items():
+                _add_layer_kv(request.rows, layer, k, v)
             response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
             with seq.lock:
                 seq.acknowledge(encoded, dict(enumerate(response.layer_lengths)))
@@ -401,7 +410,9 @@ class SequenceClient:
             request = packed_step_request([(prepared[i].seq.id, prepared[i].layer, prepared[i].q, prepared[i].k,
                                             prepared[i].v) for i in group])
         if request is None:
-            request = spb.DecodeStepRequest(items=[prepared[i].message() for i in group])
+            request = spb.DecodeStepRequest()
+            for i in group:
+                prepared[i].add_to(request)
         request.causal, request.return_lse = causal, return_lse
         if softmax_scale is not None:
             request.softmax_scale = float(softmax_scale)
