@@ -71,13 +71,14 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, flashserve::MallocOptions{}.mmap
           "frees and then keeping tensor-sized buffers in per-thread arenas (RSS growth under "
           "mixed traffic; tests/soak/RESULTS.md); 0 keeps glibc's dynamic default");
 ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, flashserve::MallocOptions{}.trim_threshold_bytes,
-          "glibc malloc: while Attention requests of >= 16 MiB or DecodeSteps keep arriving (one "
-          "in the last 10 s), gRPC's receive buffers (256 KiB-4 MiB chunks) come from malloc's "
-          "heap instead of their own mmaps, and free memory at the top of a heap goes back to the "
-          "system only above this many bytes: the next big request or step reuses the pages "
-          "instead of page-faulting them in again (50 MB requests ~10 ms faster, a 64-sequence "
-          "decode step 0.08-0.6 ms). Costs up to this much per malloc arena while it lasts. 0 (or "
-          "--malloc_mmap_threshold_bytes=0): never");
+          "glibc malloc: while Attention, CreateSequence or Append requests of >= 16 MiB or "
+          "DecodeSteps keep arriving (one in the last 10 s), gRPC's receive buffers (256 KiB-4 MiB "
+          "chunks) and message strings below 32 MiB come from malloc's heap instead of their own "
+          "mmaps, and free memory at the top of a heap goes back to the system only above this "
+          "many bytes: the next big request or step reuses the pages instead of page-faulting "
+          "them in again (50 MB requests ~10 ms faster, a 64-sequence decode step 0.08-0.6 ms, an "
+          "8k-token prefix ~8,000 fewer faults). Costs up to this much per malloc arena while it "
+          "lasts. 0 (or --malloc_mmap_threshold_bytes=0): never");
 ABSL_FLAG(int, malloc_arena_max, flashserve::MallocOptions{}.arena_max,
           "glibc malloc: at most this many arenas (glibc's default, 0, is 8 per core). While "
           "--malloc_trim_threshold_bytes keeps big requests' receive buffers, each arena that "

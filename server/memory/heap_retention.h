@@ -10,11 +10,14 @@
 // amount per malloc arena, and a low mmap threshold is what keeps the RSS of mixed small traffic
 // flat (tests/soak/RESULTS.md).
 //
-// So both thresholds are raised only while big requests (>= kBigRequestBytes) or decode steps keep
-// arriving, and put back once none has come for `hold`. A decode step is small (~1 MB for 64
-// sequences) but frees its message strings, arena blocks and outputs together after each answer
-// and the next step allocates them again: with glibc's 128 KiB trim threshold the heap's top went
-// back to the system after each step and came back page by page (H200, one client, 64-sequence
+// So both thresholds are raised only while big requests (>= kBigRequestBytes: Attention, a
+// sequence's CreateSequence / Append) or decode steps keep arriving, and put back once none has
+// come for `hold`. A typed request's tensors are message strings: an 8k-token prefix of a
+// Llama-3-8B-like layer parses into two 16 MiB strings, ~8,000 page faults per CreateSequence while
+// they were mmaps of their own (tests/python/test_decode_heap.py). A decode step is small (~1 MB
+// for 64 sequences) but frees its message strings, arena blocks and outputs together after each
+// answer and the next step allocates them again: with glibc's 128 KiB trim threshold the heap's top
+// went back to the system after each step and came back page by page (H200, one client, 64-sequence
 // steps over gRPC: 50-180 page faults and 0.08-0.6 ms per step;
 // bench/results/service-h200-2026-11-28-decode-grpc.md).
 #pragma once
@@ -29,8 +32,10 @@ namespace flashserve {
 class HeapRetention {
  public:
   static constexpr int64_t kBigRequestBytes = int64_t{16} << 20;
-  // Above gRPC's largest read chunk, so every chunk comes from the heap while retaining.
-  static constexpr int kRetainingMmapThreshold = (4 << 20) + (64 << 10);
+  // Above gRPC's largest read chunk, so every chunk comes from the heap while retaining, and the
+  // most mallopt accepts (half of a non-main arena's 64 MiB heap), so that the message strings of
+  // a sequence's prefix (16 MiB each at 8k tokens) do too.
+  static constexpr int kRetainingMmapThreshold = 32 << 20;
   static constexpr int kGlibcDefaultTrimThreshold = 128 * 1024;
 
   /// retain_bytes: trim threshold while retaining; 0 disables. base_mmap_threshold: the mmap

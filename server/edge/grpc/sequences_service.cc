@@ -64,6 +64,7 @@ class SequencesService final
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
                                            v1::CreateSequenceResponse* response) override {
+    ObserveSize(*request);
     return Unary(context, grpc_methods::kCreateSequence, *request, *response, "",
                  [&] { return DoCreate(*request, response); });
   }
@@ -71,6 +72,7 @@ class SequencesService final
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
                                    const v1::AppendRequest* request,
                                    v1::AppendResponse* response) override {
+    ObserveSize(*request);
     return Unary(context, grpc_methods::kAppend, *request, *response, request->sequence_id(),
                  [&] { return DoAppend(*request, response); });
   }
@@ -107,6 +109,12 @@ class SequencesService final
   }
 
  private:
+  // A prefix or rows of >= 16 MiB (an 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps
+  // malloc's heap as a big Attention request does (memory/heap_retention.h): the next one's
+  // message strings and receive chunks reuse its pages instead of faulting fresh mmaps in.
+  void ObserveSize(const google::protobuf::Message& request) {
+    if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(request.ByteSizeLong()));
+  }
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
   // fills `response`. `sequence_id` (may be empty) is named in the failure log line and, for a
   // NOT_FOUND, in the trailing metadata.

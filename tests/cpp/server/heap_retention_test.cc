@@ -54,6 +54,24 @@ TEST(HeapRetention, BigRequestsKeepTheirBuffersOtherwiseTheyAreMmaps) {
   EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
 }
 
+// A sequence's prefix arrives as message strings of 16 MiB each (8k tokens x 8 heads x d128 x
+// 2 bytes): while retaining, they come from the heap too, and the next prefix reuses the pages.
+TEST(HeapRetention, PrefixSizedStringsComeFromTheHeapWhileRetaining) {
+  if (!SetBaseThresholds()) GTEST_SKIP() << "not glibc's malloc (sanitizer build?)";
+  HeapRetention retention(int64_t{64} << 20, kBaseMmapThreshold, absl::Milliseconds(100));
+  constexpr size_t kPrefixString = size_t{16} << 20;
+  auto heap_after_one = [] {
+    char* p = static_cast<char*>(malloc(kPrefixString));
+    asm volatile("" : : "r"(p) : "memory");  // the compiler would drop a malloc/free pair
+    p[kPrefixString - 1] = 1;
+    free(p);
+    return mallinfo2().arena;
+  };
+  EXPECT_LT(heap_after_one(), kPrefixString) << "an mmap of its own";
+  retention.Observe(int64_t{32} << 20);  // a 32 MiB CreateSequence
+  EXPECT_GE(heap_after_one(), kPrefixString) << "from the heap, kept for the next prefix";
+}
+
 // A decode step is far below kBigRequestBytes but asks for the same: its buffers stay on the heap
 // while steps keep coming, and go back once they stop.
 TEST(HeapRetention, RetainKeepsBuffersUntilHoldPassesWithoutOne) {
