@@ -77,7 +77,7 @@ ABSL_FLAG(int64_t, malloc_trim_threshold_bytes, flashserve::MallocOptions{}.trim
           "mmaps, and free memory at the top of a heap goes back to the system only above this "
           "many bytes: the next big request or step reuses the pages instead of page-faulting "
           "them in again (50 MB requests ~10 ms faster, a 64-sequence decode step 0.08-0.6 ms, an "
-          "8k-token prefix ~8,000 fewer faults). Costs up to this much per malloc arena while it "
+          "8k-token prefix 4,000-8,000 fewer faults). Costs up to this much per malloc arena while it "
           "lasts. 0 (or --malloc_mmap_threshold_bytes=0): never");
 ABSL_FLAG(int, malloc_arena_max, flashserve::MallocOptions{}.arena_max,
           "glibc malloc: at most this many arenas (glibc's default, 0, is 8 per core). While "
