@@ -32,6 +32,36 @@ def _truth(rng):
     return Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
 
 
+# --- the CreateSequence request's wire bytes ---------------------------------------------------------------------------
+
+def test_create_request_bytes_parse_to_the_typed_request(rng):
+    """The client joins a CreateSequence request from its prefix's bytes (flashserve/_wire.py): they must parse to
+    exactly the message the typed path builds: layers given out of order, rows whose lengths need multi-byte varints,
+    a tensor in a shared-memory region (no data), an empty layer, a long label."""
+    from flashserve import sequences_pb2 as spb
+    from flashserve import tensors
+    from flashserve._pb import attention_pb2 as pb
+    from flashserve._wire import create_request_bytes
+
+    def rows(n):
+        return tensors.to_proto_rows(rng.standard_normal((n, 2, 64)).astype(np.float16), "k")
+
+    in_region = pb.Tensor(dtype=tensors.PROTO_DTYPE["float16"], shape=[7, 2, 64],
+                          shm=pb.SharedMemoryRef(region="r\u00e9gion", offset=1 << 40, byte_size=7 * 2 * 64 * 2))
+    empty = pb.Tensor(dtype=tensors.PROTO_DTYPE["float16"], shape=[0, 2, 64])
+    prefix = {5: (rows(300), rows(300)), 0: (rows(1), rows(1)), 2: (in_region, in_region), 3: (empty, empty)}
+    header = spb.CreateSequenceRequest(num_layers=6, heads_q=4, heads_kv=2, head_dim=64,
+                                       dtype=tensors.PROTO_DTYPE["float16"], max_tokens=(1 << 33) + 5,
+                                       label="prefill \u2192 " * 40)
+    typed = spb.CreateSequenceRequest()
+    typed.CopyFrom(header)
+    for layer, (k, v) in sorted(prefix.items()):
+        typed.prefix.add(layer=layer, k=k, v=v)
+    raw = create_request_bytes(header, prefix)
+    assert spb.CreateSequenceRequest.FromString(raw) == typed
+    assert len(raw) == typed.ByteSize()
+
+
 # --- the ring --------------------------------------------------------------------------------------------------------
 
 

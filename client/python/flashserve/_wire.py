@@ -1,0 +1,57 @@
+"""Protobuf wire bytes of the Sequences requests whose size is their tensors (CreateSequence with a prefix), joined
+from the tensors' bytes instead of built as a message and serialized.
+
+A 32 MiB prefix (8k tokens of a Llama-3-8B-like layer) took ~50 ms to copy into the request message and serialize
+(upb, the 2-core build machine); joined here, the tensors' bytes are copied once. The bytes parse to exactly the
+message the typed path builds (tests/python/test_sequences_client.py)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from ._pb import attention_pb2 as pb
+from ._pb import sequences_pb2 as spb
+
+_LAYER_KV = spb.LayerKV.DESCRIPTOR.fields_by_name
+_PREFIX_FIELD = spb.CreateSequenceRequest.DESCRIPTOR.fields_by_name["prefix"].number
+_DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
+_LENGTH_DELIMITED = 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, parts: List[bytes]) -> List[bytes]:
+    """A length-delimited field whose payload is parts joined."""
+    return [_varint(number << 3 | _LENGTH_DELIMITED), _varint(sum(len(p) for p in parts))] + parts
+
+
+def _tensor(t: "pb.Tensor") -> List[bytes]:
+    """t's wire bytes: every field but data serialized, then data as it is (field order does not matter to a parser)."""
+    head = pb.Tensor(dtype=t.dtype, shape=t.shape)
+    if t.HasField("shm"):
+        head.shm.CopyFrom(t.shm)
+    parts = [head.SerializeToString()]
+    if t.data:
+        parts += _field(_DATA_FIELD, [t.data])
+    return parts
+
+
+def _layer_kv(layer: int, k: "pb.Tensor", v: "pb.Tensor") -> List[bytes]:
+    return ([spb.LayerKV(layer=layer).SerializeToString()] + _field(_LAYER_KV["k"].number, _tensor(k))
+            + _field(_LAYER_KV["v"].number, _tensor(v)))
+
+
+def create_request_bytes(header: "spb.CreateSequenceRequest",
+                         prefix: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]) -> bytes:
+    """header (a CreateSequenceRequest without prefix) with prefix {layer: (k, v)} appended, layers in order."""
+    parts = [header.SerializeToString()]
+    for layer, (k, v) in sorted(prefix.items()):
+        parts += _field(_PREFIX_FIELD, _layer_kv(layer, k, v))
+    return b"".join(parts)
