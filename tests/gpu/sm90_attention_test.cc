@@ -240,8 +240,8 @@ TEST(Sm90Dispatch, BlockNFollowsTheMeasuredRule) {
   }
 }
 
-// d=64 takes 192-row tiles (three consumer warpgroups) where the H100 A/B measured them ahead:
-// non-causal, causal from S2048, and only with 4+ waves of tiles.
+// d=64 takes 192-row tiles (three consumer warpgroups) where the A/B measured them ahead:
+// non-causal, causal from S1000 (H200, end-aligned causal tiles), and only with 4+ waves of tiles.
 TEST(Sm90Dispatch, BlockM192FollowsTheMeasuredRule) {
   SKIP_WITHOUT_SM90(DType::kBFloat16, 64);
   auto block_m = [](int b, int s, int h, bool causal) {
@@ -255,7 +255,9 @@ TEST(Sm90Dispatch, BlockM192FollowsTheMeasuredRule) {
   EXPECT_EQ(block_m(16, 1024, 32, false), 192);
   EXPECT_EQ(block_m(4, 16384, 32, false), 192);
   EXPECT_EQ(block_m(16, 2048, 32, true), 192);
-  EXPECT_EQ(block_m(16, 1024, 32, true), 128);  // short causal: more waste on the diagonal
+  EXPECT_EQ(block_m(16, 2000, 32, true), 192);
+  EXPECT_EQ(block_m(16, 1000, 32, true), 192);
+  EXPECT_EQ(block_m(16, 999, 32, true), 128);  // shorter causal: not measured ahead
   EXPECT_EQ(block_m(1, 1024, 16, false), 128);  // 96 tiles of 192 rows: under one wave
 }
 
