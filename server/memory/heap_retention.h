@@ -32,9 +32,9 @@ namespace flashserve {
 class HeapRetention {
  public:
   static constexpr int64_t kBigRequestBytes = int64_t{16} << 20;
-  // Above gRPC's largest read chunk, so every chunk comes from the heap while retaining, and the
-  // most mallopt accepts (half of a non-main arena's 64 MiB heap), so that the message strings of
-  // a sequence's prefix (16 MiB each at 8k tokens) do too.
+  // Above gRPC's largest read chunk, so every chunk comes from the heap while retaining, and at
+  // the ceiling glibc gives its own dynamic threshold (32 MiB on 64-bit; a thread arena's heap is
+  // 64 MiB), so that the message strings of a sequence's prefix (16 MiB each at 8k tokens) do too.
   static constexpr int kRetainingMmapThreshold = 32 << 20;
   static constexpr int kGlibcDefaultTrimThreshold = 128 * 1024;
 

@@ -64,7 +64,6 @@ class SequencesService final
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
                                            const v1::CreateSequenceRequest* request,
                                            v1::CreateSequenceResponse* response) override {
-    ObserveSize(*request);
     return Unary(context, grpc_methods::kCreateSequence, *request, *response, "",
                  [&] { return DoCreate(*request, response); });
   }
@@ -72,7 +71,6 @@ class SequencesService final
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
                                    const v1::AppendRequest* request,
                                    v1::AppendResponse* response) override {
-    ObserveSize(*request);
     return Unary(context, grpc_methods::kAppend, *request, *response, request->sequence_id(),
                  [&] { return DoAppend(*request, response); });
   }
@@ -109,22 +107,20 @@ class SequencesService final
   }
 
  private:
-  // A prefix or rows of >= 16 MiB (an 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps
-  // malloc's heap as a big Attention request does (memory/heap_retention.h): the next one's
-  // message strings and receive chunks reuse its pages instead of faulting fresh mmaps in.
-  void ObserveSize(const google::protobuf::Message& request) {
-    if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(request.ByteSizeLong()));
-  }
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
   // fills `response`. `sequence_id` (may be empty) is named in the failure log line and, for a
-  // NOT_FOUND, in the trailing metadata.
+  // NOT_FOUND, in the trailing metadata. Its size goes to heap retention as an Attention
+  // request's does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token
+  // prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                   const google::protobuf::Message& request,
                                   const google::protobuf::Message& response,
                                   std::string_view sequence_id,
                                   const std::function<absl::Status()>& run) {
     GrpcCall call(runtime_->metrics(), method);
-    call.Start(int64_t(request.ByteSizeLong()));
+    const auto request_bytes = int64_t(request.ByteSizeLong());
+    call.Start(request_bytes);
+    if (heap_retention_ != nullptr) heap_retention_->Observe(request_bytes);
     call.set_session_id(sequence_id);
     const absl::Status status = run();
     AddMissing(context, status, sequence_id);
@@ -202,7 +198,7 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
       context, grpc_call, bytes, std::make_shared<CallHold>(),
       [request, response] { return BuildAttend(*request, response); },
       [response, received](const DecodeReport& report, AnswerHold) {
-        // A typed answer of one item's O: no slices to hold anything (it is small).
+        // A typed answer (one item's O, up to 8 MiB): its admission ends with the done callback.
         FillAttend(report, received, response);
         return int64_t(response->ByteSizeLong());
       });
