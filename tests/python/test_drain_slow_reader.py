@@ -1,6 +1,6 @@
 """SIGTERM while a large answer is still being written to a slow reader: every API (native Attention, KServe
-ModelInfer, striped download, KServe REST, a Sequences DecodeStep) must finish writing it within the grace period, not cut it off when
-gRPC's own shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a
+ModelInfer, striped download, KServe REST, a Sequences DecodeStep or Attend) must finish writing it within the grace
+period, not cut it off when gRPC's own shutdown deadline (1 s) passes. The reader is slowed by a TCP proxy that passes the server's bytes on at a
 few MB/s. The other side of that wait: a client that stalls mid-upload holds the exit until the grace period ends,
 and no longer."""
 
@@ -130,6 +130,34 @@ def test_sigterm_while_a_decode_step_answer_is_written_to_a_slow_reader(start_se
     assert len(response.results) == len(seqs)
     for seq, q, result in list(zip(seqs, qs, response.results))[::7]:
         out = np.frombuffer(result.out.data, np.float16).reshape(q.shape)
+        assert not np.isnan(out.astype(np.float32)).any()
+        truth.check(out, q, seq.key, 0)
+
+
+def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server, rng):
+    """The same for Attend, whose typed answer is built in the call's done callback (its admission ends there):
+    eight answers of 2 MiB on one connection, more than the sockets between server and reader hold, so the drain
+    must count the calls themselves until gRPC has written them."""
+    server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
+                          name="drain_attend")
+    proxy = ThrottlingProxy(server.grpc_port)
+    truth = Truth(rng, heads_q=256, heads_kv=8, head_dim=256, dtype="float16")
+    with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
+        seqs = truth.create(setup, [1 + i % 5 for i in range(8)])
+    qs = [truth.query(16) for _ in seqs]  # 16 x 256 x 256 fp16: 2 MiB of O each
+
+    def attend_all():
+        with flashserve.SequenceClient(proxy.address, timeout=120, reprefill=False) as client:
+            stub = client.stub(client.endpoints[0])
+            futures = [stub.Attend.future(spb.AttendRequest(sequence_id=seq.id, layer=0,
+                                                            q=tensors.to_proto_rows(q, "q")), timeout=120)
+                       for seq, q in zip(seqs, qs)]
+            return [f.result() for f in futures]
+
+    responses, answered_after = _answer_to_a_slow_reader(server, proxy, attend_all)
+    assert answered_after > 1.5, f"answers complete {answered_after:.2f} s after SIGTERM"
+    for seq, q, response in list(zip(seqs, qs, responses))[::3]:
+        out = np.frombuffer(response.out.data, np.float16).reshape(q.shape)
         assert not np.isnan(out.astype(np.float32)).any()
         truth.check(out, q, seq.key, 0)
 

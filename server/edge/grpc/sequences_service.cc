@@ -11,6 +11,7 @@
 #include "edge/grpc/answer_slices.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "edge/sequences/sequences_arena.h"
 #include "edge/sequences/sequences_convert.h"
 #include "edge/sequences/sequences_decode.h"
@@ -39,6 +40,18 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
   const std::string joined = ids.empty() ? std::string(id) : absl::StrJoin(ids, ",");
   context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
 }
+
+// The reactor of a call whose answer carries tensor data (Attend, DecodeStep): it counts as a
+// live call (live_calls.h) until gRPC has written the answer, so that the SIGTERM drain waits for
+// a slow reader. Attend's admission ends in its done callback, before its answer (up to 8 MiB)
+// has left; without this, gRPC's shutdown deadline cut such answers off.
+class LiveUnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  void OnDone() override { delete this; }
+
+ private:
+  LiveCall live_;
+};
 
 // A DecodeStep's messages (on one arena: a 64-item step is ~1,000 submessages) and the buffer its
 // outputs are sent from, from its arrival until its answer is handed to gRPC.
@@ -156,7 +169,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     std::shared_ptr<CallHold> hold,
     const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
     std::function<int64_t(const DecodeReport&, AnswerHold)> fill) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
   auto admission = std::make_shared<Admission>(runtime_->Admit());
   absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
   if (refused.ok() && !*admission) refused = absl::UnavailableError("server shutting down");
@@ -198,7 +211,8 @@ grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* 
       context, grpc_call, bytes, std::make_shared<CallHold>(),
       [request, response] { return BuildAttend(*request, response); },
       [response, received](const DecodeReport& report, AnswerHold) {
-        // A typed answer (one item's O, up to 8 MiB): its admission ends with the done callback.
+        // A typed answer (one item's O, up to 8 MiB): its admission ends with the done callback;
+        // the reactor keeps the call live until the answer is written (LiveUnaryReactor).
         FillAttend(report, received, response);
         return int64_t(response->ByteSizeLong());
       });
