@@ -1,7 +1,8 @@
 // Calls carrying tensor data -- native Attention, KServe ModelInfer, striped uploads and downloads,
-// Sequences Attend and DecodeStep -- that gRPC has not finished yet, counted process-wide. The SIGTERM drain waits for them once the
-// runtime is idle: an answer already handed to gRPC may still be on its way to a slow reader, and
-// gRPC's Shutdown deadline would cut it off (tests/python/test_drain_slow_reader.py).
+// Sequences Attend and DecodeStep -- that gRPC has not finished yet, counted process-wide. The
+// SIGTERM drain waits for them once the runtime is idle: an answer already handed to gRPC may still
+// be on its way to a slow reader, and gRPC's Shutdown deadline would cut it off
+// (tests/python/test_drain_slow_reader.py).
 #pragma once
 
 #include <atomic>
