@@ -29,8 +29,10 @@ from bench_headdims_varlen import OursVarlen, make_varlen_sets  # noqa: E402
 from bench_vs_torch import Ours, make_sets, sdpa_fn, time_fn  # noqa: E402
 
 
-def dense_points():
+def dense_points(sizes=None):
     pts = []  # (d, h, b, s, causal)
+    if sizes:  # only these lengths, causal
+        return [p for s in sizes for p in ((64, 32, 16, s, True), (128, 16, 16, s, True))]
     for s in (1024, 1000, 2048, 2000, 4096, 4000):
         pts.append((64, 32, 16, s, True))
         pts.append((128, 16, 16, s, True))
@@ -64,7 +66,7 @@ def dense_section(a, b, args, l2, sms, emit):
     emit("| d | causal | B | H | S | cfg | A ms | B ms | B/A speed | B TFLOPS | cudnn TFLOPS | flash TFLOPS | "
          "B vs cudnn | A vs cudnn |")
     emit("|" + "---|" * 14)
-    for d, h, bs, s, causal in dense_points():
+    for d, h, bs, s, causal in dense_points(args.dense_sizes):
         sets = make_sets(bs, s, s, h, h, d, torch.bfloat16, l2)
         flops = 4.0 * bs * h * s * s * d / (2 if causal else 1)
         pick = b.select(torch.bfloat16, bs, s, s, h, h, d, causal, sms)
@@ -90,6 +92,8 @@ def varlen_section(a, b, va, vb, args, l2, sms, emit):
     mixed = [rng.randint(128, 4096) for _ in range(16)]
     rms = int(round(math.sqrt(sum(n * n for n in mixed) / len(mixed))))
     for d, h in ((64, 32), (128, 16)):
+        if args.varlen_dims and d not in args.varlen_dims:
+            continue
         for causal in (True, False):
             for lens, dense_s in ((mixed, rms), ([1000] * 16, 1000)):
                 vsets, cu = make_varlen_sets(lens, h, d, torch.bfloat16, l2)
@@ -123,6 +127,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sections", default="dense,varlen")
+    ap.add_argument("--dense-sizes", type=lambda v: [int(x) for x in v.split(",")],
+                    help="dense section: only causal d64/d128 at these lengths")
+    ap.add_argument("--varlen-dims", type=lambda v: [int(x) for x in v.split(",")],
+                    help="varlen section: only these head dims")
     ap.add_argument("--out")
     args = ap.parse_args()
     assert args.reps >= 30, "median over at least 30 repetitions"

@@ -154,9 +154,10 @@ __device__ int take_tile(const SmemMap<T>& sm, int b, int cw, SeqSpan& span) {
 /// frees before a Q buffer does), then, once the consumers have stored the O that Q buffer
 /// q_iter % kQBuffers last staged, the tile's index into the buffer's slot and its Q copy, then
 /// K[j + 1], V[j] pairs, so the consumers' next S = Q K^T never waits behind a V copy. A tile no
-/// row of which sees a key is handed over without copies, and the end of the block's work as
-/// tile -1. kv_iter counts K/V tiles over all of the block's work: tile kv_iter uses stage
-/// kv_iter % kStages in round kv_iter / kStages.
+/// row of which sees a key is handed over without copies (its rows get O = 0, LSE = -inf), a
+/// packed tile with no rows not at all, and the end of the block's work as tile -1. kv_iter
+/// counts K/V tiles over all of the block's work: tile kv_iter uses stage kv_iter % kStages in
+/// round kv_iter / kStages.
 template <typename T>
 __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CUtensorMap* tm_q,
                         const CUtensorMap* tm_k, const CUtensorMap* tm_v, SchedArgs sa) {
@@ -169,9 +170,19 @@ __device__ void produce(const AttentionParams& p, const SmemMap<T>& sm, const CU
   const TileScheduler<T> sched(p, sa.l2_heads);
   int kv_iter = 0, q_iter = 0;
   for (int tile = next_tile_warp(sa.slot, -1);; tile = next_tile_warp(sa.slot, tile), ++q_iter) {
-    const bool done = tile >= sched.total;
-    const SeqSpan span = sched.span(p, done ? 0 : tile);
-    const BlockWork w = sched.work(p, done ? 0 : tile, span);
+    bool done;
+    SeqSpan span;
+    BlockWork w;
+    auto look_up = [&] {
+      done = tile >= sched.total;
+      span = sched.span(p, done ? 0 : tile);
+      w = sched.work(p, done ? 0 : tile, span);
+    };
+    // Packed: a tile past its sequence's end has no rows; handed over, it would hold a Q buffer
+    // and a hand-over round, and the next tile's Q could not load ahead. Take the next one
+    // (kSkipsRowlessTiles: not in the 192-row kernels, whose producer has 32 registers).
+    for (look_up(); T::kSkipsRowlessTiles && !done && w.first_row >= w.seqlen_q; look_up())
+      tile = next_tile_warp(sa.slot, tile);
     const bool loads = !done && w.n_blocks > 0;
     auto load = [&](const CUtensorMap* tm, bool is_k, int j) {
       const int g = kv_iter + j, s = g % T::kStages;

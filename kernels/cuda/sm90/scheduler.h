@@ -7,11 +7,12 @@
 //    fixed-length problems (equal tiles) and for one block per tile (gridDim.x = tiles).
 //  - dynamic (sched_slot >= 0): each producer takes the next tile from a global counter when it
 //    starts loading one, so blocks stay close together in the order (L2 reuse) and the unequal
-//    causal tiles balance like a greedy longest-first list (and packed variable lengths' tiles,
-//    empty past a shorter sequence's end, spread evenly). The counters live in a per-module
-//    pool of kSchedSlots pairs {next tile, finished blocks}; the host hands each launch the next
-//    slot round-robin and the launch's last block resets its pair to 0. Two launches share a
-//    slot only with kSchedSlots - 1 other dynamic launches of the same instance in flight.
+//    causal tiles balance like a greedy longest-first list (and packed variable lengths' tiles
+//    spread evenly; the 128-row kernels' producer skips those past a sequence's end, kernel.h).
+//    The counters live in a per-module pool of kSchedSlots pairs {next tile, finished blocks};
+//    the host hands each launch the next slot round-robin and the launch's last block resets its
+//    pair to 0. Two launches share a slot only with kSchedSlots - 1 other dynamic launches of the
+//    same instance in flight.
 #pragma once
 
 #include "flashserve/kernels/attention_params.h"
