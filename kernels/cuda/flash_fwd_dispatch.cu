@@ -124,11 +124,12 @@ const Entry* find_entry(DType dtype, int head_dim, const KernelConfig& cfg) {
 // point from S1024 and every causal one from S2048, where the 128-row tiles read 0.95-1.11x. Causal
 // S1024 read 0.91 there (128 rows: 1.02): the 192-row tiles' row padding sat in the tile that sees
 // every key. With causal 192-row tiles aligned to the sequence's end (sm90/scheduler.h), on the
-// H200 (kernels-varlen-h200-2026-11-29.md, B16 H32) 192 rows lead from S1000: S1000 0.201 vs
-// 0.202 ms, S1024 0.199-0.200 vs 0.202-0.203, S2000 0.607-0.612 vs 0.661-0.677. Only with 4+
-// waves of 192-row tiles (every measured point has 23+); fewer leave SMs idle at the end.
+// H200 (kernels-varlen-h200-2026-11-29.md, B16 H32) 192 rows lead from S768: S768 0.126 vs
+// 0.130 ms, S999 0.201 vs 0.203, S1024 0.199-0.200 vs 0.202-0.203, S2000 0.607-0.612 vs
+// 0.661-0.677; at S512 they trail (0.076 vs 0.072). Only with 4+ waves of 192-row tiles (every
+// measured point has 23+); fewer leave SMs idle at the end.
 bool sm90_block_m192_fits(const AttentionParams& p, int sm_count) {
-  if (p.head_dim > 64 || (p.causal && p.seqlen_q < 1000)) return false;
+  if (p.head_dim > 64 || (p.causal && p.seqlen_q < 768)) return false;
   const int64_t tiles = int64_t((p.seqlen_q + 191) / 192) * p.heads_q * p.batch;
   return tiles >= 4 * int64_t(sm_count);
 }

@@ -241,7 +241,7 @@ TEST(Sm90Dispatch, BlockNFollowsTheMeasuredRule) {
 }
 
 // d=64 takes 192-row tiles (three consumer warpgroups) where the A/B measured them ahead:
-// non-causal, causal from S1000 (H200, end-aligned causal tiles), and only with 4+ waves of tiles.
+// non-causal, causal from S768 (H200, end-aligned causal tiles), and only with 4+ waves of tiles.
 TEST(Sm90Dispatch, BlockM192FollowsTheMeasuredRule) {
   SKIP_WITHOUT_SM90(DType::kBFloat16, 64);
   auto block_m = [](int b, int s, int h, bool causal) {
@@ -257,7 +257,9 @@ TEST(Sm90Dispatch, BlockM192FollowsTheMeasuredRule) {
   EXPECT_EQ(block_m(16, 2048, 32, true), 192);
   EXPECT_EQ(block_m(16, 2000, 32, true), 192);
   EXPECT_EQ(block_m(16, 1000, 32, true), 192);
-  EXPECT_EQ(block_m(16, 999, 32, true), 128);  // shorter causal: not measured ahead
+  EXPECT_EQ(block_m(16, 768, 32, true), 192);
+  EXPECT_EQ(block_m(16, 767, 32, true), 128);  // shorter causal: S512 measured behind
+  EXPECT_EQ(block_m(16, 512, 32, true), 128);
   EXPECT_EQ(block_m(1, 1024, 16, false), 128);  // 96 tiles of 192 rows: under one wave
 }
 
