@@ -17,6 +17,7 @@ import flashserve
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
 from sequences_truth import Truth
+from metrics_helpers import scrape
 from tcp_proxy import ThrottlingProxy
 from test_kserve_grpc import infer_request, oip, outputs_of, stub_for  # noqa: F401 - oip is a fixture
 from test_kserve_rest import binary_request, decode
@@ -59,9 +60,9 @@ def _call_striped(address, q, k, v):
         return c.attention(q, k, v)
 
 
-def _answer_to_a_slow_reader(server, proxy, call):
-    """Runs call() (its answer passes `proxy`), sends SIGTERM once 1 MiB of the answer went through; returns
-    (result, exit code, seconds from SIGTERM to the answer's end)."""
+def _answer_to_a_slow_reader(server, proxy, call, answered=lambda: True):
+    """Runs call() (its answer passes `proxy`), sends SIGTERM once 1 MiB of the answer went through and
+    `answered()` holds; returns (result, exit code, seconds from SIGTERM to the answer's end)."""
     result = {}
 
     def run():
@@ -76,7 +77,7 @@ def _answer_to_a_slow_reader(server, proxy, call):
         thread.start()
         # SIGTERM once the answer is flowing: its computation is over, gRPC is writing it.
         deadline = time.monotonic() + 60
-        while proxy.to_client < (1 << 20) and thread.is_alive() and time.monotonic() < deadline:
+        while (proxy.to_client < (1 << 20) or not answered()) and thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert thread.is_alive(), f"answered before SIGTERM: {result.get('error')}; slow the proxy down"
         assert proxy.to_client >= (1 << 20), "the answer never started flowing"
@@ -154,7 +155,11 @@ def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server,
                        for seq, q in zip(seqs, qs)]
             return [f.result() for f in futures]
 
-    responses, answered_after = _answer_to_a_slow_reader(server, proxy, attend_all)
+    def all_answered():  # every call computed and its answer handed to gRPC (counted at that point)
+        url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        return scrape(url).value("flashserve_requests_total", method="Attend", status="OK") >= len(seqs)
+
+    responses, answered_after = _answer_to_a_slow_reader(server, proxy, attend_all, all_answered)
     assert answered_after > 1.5, f"answers complete {answered_after:.2f} s after SIGTERM"
     for seq, q, response in list(zip(seqs, qs, responses))[::3]:
         out = np.frombuffer(response.out.data, np.float16).reshape(q.shape)
