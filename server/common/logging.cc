@@ -74,10 +74,9 @@ class JsonFormatter final : public spdlog::formatter {
 
 }  // namespace
 
-std::string LogSafe(absl::string_view text) {
-  constexpr size_t kMax = 128;
+std::string LogSafe(absl::string_view text, size_t max_bytes) {
   std::string out;
-  for (size_t i = 0; i < text.size() && i < kMax; ++i) {
+  for (size_t i = 0; i < text.size() && i < max_bytes; ++i) {
     const unsigned char c = static_cast<unsigned char>(text[i]);
     if (c == '"' || c == '\\') {
       out.push_back('\\');
@@ -90,7 +89,7 @@ std::string LogSafe(absl::string_view text) {
       out.push_back(char(c));
     }
   }
-  if (text.size() > kMax) absl::StrAppend(&out, "...(", text.size(), " bytes)");
+  if (text.size() > max_bytes) absl::StrAppend(&out, "...(", text.size(), " bytes)");
   return out;
 }
 

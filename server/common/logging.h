@@ -17,8 +17,9 @@ absl::Status ConfigureLogging(absl::string_view level, absl::string_view format)
 
 namespace flashserve {
 
-/// A client-supplied string fit for a log line: at most 128 bytes, non-printable bytes as \xNN,
-/// quotes and backslashes escaped (request ids are arbitrary client data).
-std::string LogSafe(absl::string_view text);
+/// A client-supplied string fit for a log line: at most `max_bytes` of it, non-printable bytes as
+/// \xNN, quotes and backslashes escaped (request ids, and messages quoting client data, are
+/// arbitrary bytes: a raw newline would forge a log line).
+std::string LogSafe(absl::string_view text, size_t max_bytes = 128);
 
 }  // namespace flashserve

@@ -76,8 +76,10 @@ struct CacheStats {
   int64_t evictions = 0;
 };
 
-/// The ids a NOT_FOUND status of this layer names (its payload), empty for other statuses.
-std::vector<std::string> MissingSequenceIds(const absl::Status& status);
+/// What a transport may echo of the ids a NOT_FOUND status of this layer misses (gRPC trailing
+/// metadata, a local frame's message): its well-formed ids, comma-joined; empty for other statuses
+/// or when no missing id is well-formed (sequence_id.h: malformed ids are never echoed).
+std::string MissingSequenceIdList(const absl::Status& status);
 
 class SequenceCache;
 

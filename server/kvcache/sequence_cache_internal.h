@@ -10,6 +10,10 @@
 
 namespace flashserve::kvcache {
 
+/// NOT_FOUND for `ids` (unknown or evicted): the message names each (sequence_id.h's
+/// ShownSequenceId), the payload lists the well-formed ones (MissingSequenceIdList).
+absl::Status UnknownSequences(const std::vector<std::string>& ids);
+
 struct SequenceCache::Sequence {
   std::string id;
   std::string label;

@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvcache/sequence_cache_internal.h"
+#include "kvcache/sequence_id.h"
 
 namespace flashserve::kvcache {
 
@@ -48,7 +49,7 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
   Sequence* seq = FindIdleLocked(id, &lock);
   if (seq == nullptr) {
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
-    return absl::NotFoundError(absl::StrCat("unknown or evicted sequence ", std::string(id)));
+    return UnknownSequences({std::string(id)});
   }
   int64_t count = 0;
   if (absl::Status s = ValidateAppend(*seq, rows, &count); !s.ok()) return s;
@@ -106,7 +107,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
   if (seq == nullptr)
-    return absl::NotFoundError(absl::StrCat("unknown or evicted sequence ", std::string(id)));
+    return UnknownSequences({std::string(id)});
   SequenceStatus status = StatusOf(*seq);
   seq->last_used = Now();
   return status;

@@ -1,14 +1,15 @@
 // SequenceCache::PrepareStep: find, validate, append and pin the items of one DecodeStep.
 #include <algorithm>
 #include <optional>
+#include <set>
 #include <tuple>
 #include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #include "kvcache/sequence_cache_internal.h"
+#include "kvcache/sequence_id.h"
 
 namespace flashserve::kvcache {
 
@@ -16,11 +17,24 @@ namespace {
 constexpr char kMissingIdsPayload[] = "type.flashserve.dev/missing-sequence-ids";
 }  // namespace
 
-std::vector<std::string> MissingSequenceIds(const absl::Status& status) {
-  if (status.code() != absl::StatusCode::kNotFound) return {};
-  auto payload = status.GetPayload(kMissingIdsPayload);
-  if (!payload.has_value()) return {};
-  return absl::StrSplit(std::string(*payload), ',', absl::SkipEmpty());
+absl::Status UnknownSequences(const std::vector<std::string>& ids) {
+  std::vector<std::string> shown, well_formed;
+  for (const std::string& id : ids) {
+    shown.push_back(ShownSequenceId(id));
+    if (WellFormedSequenceId(id)) well_formed.push_back(id);
+  }
+  absl::Status status = absl::NotFoundError(
+      absl::StrCat("unknown or evicted sequence(s): ", absl::StrJoin(shown, ",").substr(0, 4096),
+                   " (re-create them with their prefix)"));
+  if (!well_formed.empty())
+    status.SetPayload(kMissingIdsPayload, absl::Cord(absl::StrJoin(well_formed, ",")));
+  return status;
+}
+
+std::string MissingSequenceIdList(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kNotFound) return "";
+  const auto payload = status.GetPayload(kMissingIdsPayload);
+  return payload.has_value() ? std::string(*payload) : "";
 }
 
 absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
@@ -34,12 +48,7 @@ absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
   }
   if (missing.empty()) return absl::OkStatus();
   if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
-  const std::string joined = absl::StrJoin(missing, ",");
-  absl::Status status =
-      absl::NotFoundError(absl::StrCat("unknown or evicted sequence(s): ", joined.substr(0, 4096),
-                                       " (re-create them with their prefix)"));
-  status.SetPayload(kMissingIdsPayload, absl::Cord(joined));
-  return status;
+  return UnknownSequences(missing);
 }
 
 namespace {

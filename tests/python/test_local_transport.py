@@ -172,6 +172,9 @@ def test_decode_step_and_attend_over_the_socket(local_server, rng):
             with pytest.raises(flashserve.NotFoundError) as info:
                 local.attend(spb.AttendRequest(sequence_id="0" * 32, layer=0, q=tensors.to_proto_rows(q, "q")))
             assert info.value.missing_ids == ("0" * 32,)
+            with pytest.raises(flashserve.NotFoundError) as info:  # never echoed: sequence_id.h
+                local.attend(spb.AttendRequest(sequence_id="bad\nid", layer=0, q=tensors.to_proto_rows(q, "q")))
+            assert info.value.missing_ids == () and "bad\nid" not in str(info.value)
     finally:
         region.close()
 

@@ -79,6 +79,49 @@ def test_unknown_ids(setup):
     assert trailing.get("flashserve-missing-sequence-ids") == ghost  # and seq's row was not appended
 
 
+MALFORMED_IDS = ["bad\nid", "x\x01y", "caf\u00e9" * 8, "A" * 32, "a" * 31, "a" * (1 << 20), " " + "a" * 31]
+
+
+@pytest.mark.parametrize("bad", MALFORMED_IDS, ids=["newline", "control", "non_ascii", "upper", "short", "1MiB",
+                                                    "space"])
+def test_malformed_ids_are_not_found_and_never_echoed(setup, kv_server, bad):
+    """An id of another shape than the 32 lowercase hex characters the server issues: NOT_FOUND on every method,
+    no missing-ids metadata, the message bounded and without the id's bytes. (A newline there went into gRPC's
+    trailing metadata and gRPC aborted the server.)"""
+    client, seq, _ = setup
+    stub = client.stub(client.endpoints[0])
+    row = _t(_rows(1))
+    requests = {
+        "Attend": spb.AttendRequest(sequence_id=bad, layer=0, q=_t(_rows(1, 4))),
+        "Append": spb.AppendRequest(sequence_id=bad, rows=[spb.LayerKV(layer=0, k=row, v=row)]),
+        "GetSequenceInfo": spb.GetSequenceInfoRequest(sequence_id=bad),
+        "DecodeStep": spb.DecodeStepRequest(items=[
+            spb.DecodeItem(sequence_id=seq.id, layer=0, q=_t(_rows(1, 4)), k=row, v=row),
+            spb.DecodeItem(sequence_id=bad, layer=0, q=_t(_rows(1, 4)), k=row, v=row)]),
+    }
+    for method, request in requests.items():
+        with pytest.raises(grpc.RpcError) as info:
+            getattr(stub, method)(request, timeout=30)
+        error = info.value
+        assert error.code() == grpc.StatusCode.NOT_FOUND, (method, error.code(), error.details())
+        assert f"a malformed id ({len(bad.encode())} bytes)" in error.details(), (method, error.details())
+        assert bad not in error.details() and len(error.details()) < 4200, method
+        assert "flashserve-missing-sequence-ids" not in dict(error.trailing_metadata() or ()), method
+    released = stub.Release(spb.ReleaseRequest(sequence_ids=[bad]), timeout=30)
+    assert released.released == 0 and list(released.not_found) == [bad]
+    assert kv_server.proc.poll() is None, kv_server.logs()
+    assert "bad\nid" not in kv_server.logs()  # logged escaped: a raw newline would forge a line
+
+
+def test_a_label_cut_mid_character_still_reads_back(kv_server):
+    """The label is kept to 128 bytes; cut inside a UTF-8 character, SequenceInfo (a proto3 string) would not parse
+    on the client."""
+    with flashserve.SequenceClient(kv_server.address, timeout=30, reprefill=False) as client:
+        seq = client.create(**SHAPE, label="x" * 127 + "\u00e9tail")
+        assert seq.info().label == "x" * 127
+        seq.release()
+
+
 @pytest.mark.parametrize("what", ["heads_kv", "head_dim", "k_v_differ"])
 def test_append_with_wrong_shape(setup, what):
     client, seq, _ = setup

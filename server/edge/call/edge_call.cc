@@ -6,12 +6,17 @@
 
 namespace flashserve {
 
+namespace {
+// Status messages may quote client data (names, ids); 4 KiB covers the longest the server writes.
+constexpr size_t kLoggedMessageBytes = 4096;
+}  // namespace
+
 void RecordRefusedCall(ServerMetrics* metrics, std::string_view label, const absl::Status& status) {
   if (metrics != nullptr) {
     metrics->RecordRequest(label, static_cast<int>(status.code()), 0.0, 0, 0);
   }
   spdlog::warn("{} refused: code={} message=\"{}\"", label, absl::StatusCodeToString(status.code()),
-               std::string(status.message()));
+               LogSafe(status.message(), kLoggedMessageBytes));
 }
 
 EdgeCall::EdgeCall(ServerMetrics* metrics, CallMethod method)
@@ -48,7 +53,8 @@ void EdgeCall::Finish(const absl::Status& status) {
   if (!status.ok()) {
     spdlog::warn("{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,
                  LogSafe(request_id_), session_id_.empty() ? "" : " session=", LogSafe(session_id_),
-                 absl::StatusCodeToString(status.code()), std::string(status.message()));
+                 absl::StatusCodeToString(status.code()),
+                 LogSafe(status.message(), kLoggedMessageBytes));
   }
 }
 

@@ -6,7 +6,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "edge/grpc/answer_slices.h"
 #include "edge/grpc/grpc_call.h"
@@ -32,13 +31,10 @@ absl::Status Disabled() {
       "this server runs without a KV cache: start it with --kv_cache_bytes > 0");
 }
 
-// Names the missing ids of a NOT_FOUND in trailing metadata (all of them, or `id`).
-void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status,
-                std::string_view id) {
-  if (status.code() != absl::StatusCode::kNotFound) return;
-  std::vector<std::string> ids = kvcache::MissingSequenceIds(status);
-  const std::string joined = ids.empty() ? std::string(id) : absl::StrJoin(ids, ",");
-  context->AddTrailingMetadata(kMissingSequenceIdsKey, joined);
+// Names the missing ids of a NOT_FOUND in trailing metadata (the well-formed ones).
+void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status) {
+  const std::string ids = kvcache::MissingSequenceIdList(status);
+  if (!ids.empty()) context->AddTrailingMetadata(kMissingSequenceIdsKey, ids);
 }
 
 // The reactor of a call whose answer carries tensor data (Attend, DecodeStep): it counts as a
@@ -121,8 +117,8 @@ class SequencesService final
 
  private:
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
-  // fills `response`. `sequence_id` (may be empty) is named in the failure log line and, for a
-  // NOT_FOUND, in the trailing metadata. Its size goes to heap retention as an Attention
+  // fills `response`. `sequence_id` (may be empty) is named in the failure log line (escaped); a
+  // NOT_FOUND's well-formed missing ids go into the trailing metadata. The request's size goes to heap retention as an Attention
   // request's does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token
   // prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
@@ -136,7 +132,7 @@ class SequencesService final
     if (heap_retention_ != nullptr) heap_retention_->Observe(request_bytes);
     call.set_session_id(sequence_id);
     const absl::Status status = run();
-    AddMissing(context, status, sequence_id);
+    AddMissing(context, status);
     if (status.ok()) call.AddBytesOut(int64_t(response.ByteSizeLong()));
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(call.Finish(status));
@@ -185,12 +181,11 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->received = grpc_call->started();
   call->deadline = ToAbslTime(context->deadline());
   call->cancelled = [context] { return context->IsCancelled(); };
-  const std::string first_id = call->items.empty() ? "" : call->items[0].id;
-  call->done = [reactor, context, grpc_call, admission, fill = std::move(fill), first_id,
+  call->done = [reactor, context, grpc_call, admission, fill = std::move(fill),
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
     if (status.ok()) grpc_call->AddBytesOut(fill(report, admission));
-    AddMissing(context, status, first_id);
+    AddMissing(context, status);
     hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
     reactor->Finish(grpc_call->Finish(status));
     // `admission` is released with this callback, or later with the answer's slices (DecodeStep).

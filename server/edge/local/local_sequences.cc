@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "edge/sequences/sequences_arena.h"
 #include "edge/sequences/sequences_decode.h"
 #include "edge/sequences/sequences_hold.h"
@@ -33,12 +32,10 @@ struct DecodeState {
 
 // gRPC names the ids of a NOT_FOUND in trailing metadata; a frame has only its message, so they
 // are appended to it: "...; missing sequence ids: a,b".
-absl::Status WithMissingIds(const absl::Status& status, const std::string& first_id) {
-  if (status.code() != absl::StatusCode::kNotFound) return status;
-  std::vector<std::string> ids = kvcache::MissingSequenceIds(status);
-  const std::string joined = ids.empty() ? first_id : absl::StrJoin(ids, ",");
-  return absl::Status(status.code(),
-                      absl::StrCat(status.message(), "; missing sequence ids: ", joined));
+absl::Status WithMissingIds(const absl::Status& status) {
+  const std::string ids = kvcache::MissingSequenceIdList(status);
+  if (ids.empty()) return status;
+  return absl::Status(status.code(), absl::StrCat(status.message(), "; missing sequence ids: ", ids));
 }
 
 // Reserves `bytes`, builds the call, submits it and waits for its answer; OK when `fill` ran.
@@ -60,7 +57,6 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   call->received = local.received;
   call->cancelled = std::move(local.peer_gone);
   call->caller_waits = true;  // this thread waits for done(): run the call here, no worker hop
-  const std::string first_id = call->items.empty() ? "" : call->items[0].id;
   auto waiter = std::make_shared<CallWaiter>();
   absl::Status done_status;
   call->done = [waiter, &done_status, &fill](const absl::Status& status,
@@ -71,7 +67,7 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   };
   services.sequences->Submit(std::move(call));
   waiter->Wait(services.spin);
-  return WithMissingIds(done_status, first_id);
+  return WithMissingIds(done_status);
 }
 
 // Runs RunDecode on `state`, then gives the regions back (before the answer: a client that

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kv_test_util.h"
+#include "kvcache/sequence_id.h"
 #include "runtime/cpu_kv_store.h"
 
 namespace flashserve::kvcache {
@@ -177,10 +178,48 @@ TEST_F(SequenceCacheTest, UnknownIdsAreAllNamedAndNothingChanges) {
   const SequenceShape s = Shape(1, 2, 1, 32, DType::kBFloat16);
   std::vector<DenseLayer> a;
   const std::string id = NewSequence(s, &a, 4);
-  const absl::Status st = Step(s, {id, "nope1", "nope2"}, {0, 0, 0}, {&a, &a, &a}, 1, 1, false);
+  const std::string ghost1(32, 'a'), ghost2(32, '0');
+  const absl::Status st = Step(s, {id, ghost1, ghost2}, {0, 0, 0}, {&a, &a, &a}, 1, 1, false);
   ASSERT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
-  EXPECT_EQ(MissingSequenceIds(st), (std::vector<std::string>{"nope1", "nope2"}));
+  EXPECT_EQ(MissingSequenceIdList(st), ghost1 + "," + ghost2);
   EXPECT_EQ(cache_->Info(id)->lengths[0], 4) << "a failed step appended rows";
+}
+
+// Ids of another shape than the server issues are unknown too, but client bytes of any length:
+// never echoed raw (a newline in gRPC trailing metadata aborted the server), and not listed.
+TEST_F(SequenceCacheTest, MalformedIdsAreNotFoundAndNeverEchoed) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kBFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 4);
+  EXPECT_TRUE(WellFormedSequenceId(id));
+  const std::string ghost(32, 'b'), newline = "bad\nid", upper(32, 'A'), huge(1 << 20, 'c');
+  for (const std::string& bad : {newline, upper, huge, std::string(31, 'a'), std::string()}) {
+    EXPECT_FALSE(WellFormedSequenceId(bad)) << bad.size();
+    const absl::Status info = cache_->Info(bad).status();
+    ASSERT_EQ(info.code(), absl::StatusCode::kNotFound) << info;
+    EXPECT_NE(info.message().find("a malformed id (" + std::to_string(bad.size()) + " bytes)"),
+              std::string::npos) << info;
+    EXPECT_EQ(MissingSequenceIdList(info), "");
+    EXPECT_EQ(cache_->Append(bad, {}).status().code(), absl::StatusCode::kNotFound);
+  }
+  const absl::Status st = Step(s, {id, newline, ghost, huge}, {0, 0, 0, 0}, {&a, &a, &a, &a}, 1, 1,
+                               false);
+  ASSERT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_EQ(MissingSequenceIdList(st), ghost);
+  EXPECT_EQ(st.message().find('\n'), std::string::npos) << st;
+  EXPECT_LT(st.message().size(), 4200u);
+  EXPECT_EQ(cache_->Info(id)->lengths[0], 4) << "a failed step appended rows";
+}
+
+TEST_F(SequenceCacheTest, LongLabelsAreCutAtACharacterBoundary) {
+  Make(4 << 20, 16);
+  CreateRequest request;
+  request.shape = Shape(1, 2, 1, 32, DType::kBFloat16);
+  request.label = std::string(127, 'x') + "\xc3\xa9" + "tail";  // é straddles byte 128
+  absl::StatusOr<SequenceStatus> created = cache_->CreateSequence(request);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(cache_->Info(created->id)->label, std::string(127, 'x'));
 }
 
 TEST_F(SequenceCacheTest, PoolFullIsResourceExhaustedAllOrNothingAndReleaseFrees) {
