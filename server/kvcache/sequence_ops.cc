@@ -106,8 +106,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
   std::lock_guard<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
-  if (seq == nullptr)
-    return UnknownSequences({std::string(id)});
+  if (seq == nullptr) return UnknownSequences({std::string(id)});
   SequenceStatus status = StatusOf(*seq);
   seq->last_used = Now();
   return status;

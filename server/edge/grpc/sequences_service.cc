@@ -118,9 +118,10 @@ class SequencesService final
  private:
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
   // fills `response`. `sequence_id` (may be empty) is named in the failure log line (escaped); a
-  // NOT_FOUND's well-formed missing ids go into the trailing metadata. The request's size goes to heap retention as an Attention
-  // request's does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token
-  // prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
+  // NOT_FOUND's well-formed missing ids go into the trailing metadata. The request's size goes to
+  // heap retention as an Attention request's does (memory/heap_retention.h): a CreateSequence /
+  // Append of >= 16 MiB (an 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's
+  // heap for the next one.
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                   const google::protobuf::Message& request,
                                   const google::protobuf::Message& response,

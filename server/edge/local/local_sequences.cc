@@ -6,11 +6,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "edge/local/call_waiter.h"
+#include "edge/local/local_calls.h"
 #include "edge/sequences/sequences_arena.h"
 #include "edge/sequences/sequences_decode.h"
 #include "edge/sequences/sequences_hold.h"
-#include "edge/local/call_waiter.h"
-#include "edge/local/local_calls.h"
 
 namespace flashserve {
 namespace {
@@ -35,7 +35,8 @@ struct DecodeState {
 absl::Status WithMissingIds(const absl::Status& status) {
   const std::string ids = kvcache::MissingSequenceIdList(status);
   if (ids.empty()) return status;
-  return absl::Status(status.code(), absl::StrCat(status.message(), "; missing sequence ids: ", ids));
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), "; missing sequence ids: ", ids));
 }
 
 // Reserves `bytes`, builds the call, submits it and waits for its answer; OK when `fill` ran.

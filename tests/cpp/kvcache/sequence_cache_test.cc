@@ -199,12 +199,13 @@ TEST_F(SequenceCacheTest, MalformedIdsAreNotFoundAndNeverEchoed) {
     const absl::Status info = cache_->Info(bad).status();
     ASSERT_EQ(info.code(), absl::StatusCode::kNotFound) << info;
     EXPECT_NE(info.message().find("a malformed id (" + std::to_string(bad.size()) + " bytes)"),
-              std::string::npos) << info;
+              std::string::npos)
+        << info;
     EXPECT_EQ(MissingSequenceIdList(info), "");
     EXPECT_EQ(cache_->Append(bad, {}).status().code(), absl::StatusCode::kNotFound);
   }
-  const absl::Status st = Step(s, {id, newline, ghost, huge}, {0, 0, 0, 0}, {&a, &a, &a, &a}, 1, 1,
-                               false);
+  const absl::Status st =
+      Step(s, {id, newline, ghost, huge}, {0, 0, 0, 0}, {&a, &a, &a, &a}, 1, 1, false);
   ASSERT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
   EXPECT_EQ(MissingSequenceIdList(st), ghost);
   EXPECT_EQ(st.message().find('\n'), std::string::npos) << st;
