@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/utf8.h"
 #include "kvcache/sequence_cache_internal.h"
 #include "kvcache/sequence_id.h"
 
@@ -96,24 +97,14 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
   return absl::OkStatus();
 }
 
-namespace {
-// At most `max_bytes` of `text`, cut at a UTF-8 character boundary: the label travels back in a
-// proto3 string (SequenceInfo), which a client refuses to parse if it is not valid UTF-8.
-std::string Utf8Prefix(const std::string& text, size_t max_bytes) {
-  if (text.size() <= max_bytes) return text;
-  size_t n = max_bytes;
-  while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;  // continuation
-  return text.substr(0, n);
-}
-}  // namespace
-
 absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request) {
   if (absl::Status s = ValidateCreate(request); !s.ok()) return s;
   absl::StatusOr<std::string> id = NewSequenceId();
   if (!id.ok()) return id.status();
   auto seq = std::make_unique<Sequence>();
   seq->id = *id;
-  seq->label = Utf8Prefix(request.label, 128);
+  // Cut on a character boundary: SequenceInfo returns it in a proto3 string.
+  seq->label = std::string(Utf8Prefix(request.label, 128));
   seq->shape = request.shape;
   seq->format = FormatFor(request.shape, options_.page_tokens);
   seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;

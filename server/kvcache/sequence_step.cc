@@ -23,9 +23,9 @@ absl::Status UnknownSequences(const std::vector<std::string>& ids) {
     shown.push_back(ShownSequenceId(id));
     if (WellFormedSequenceId(id)) well_formed.push_back(id);
   }
-  absl::Status status = absl::NotFoundError(
-      absl::StrCat("unknown or evicted sequence(s): ", absl::StrJoin(shown, ",").substr(0, 4096),
-                   " (re-create them with their prefix)"));
+  absl::Status status = absl::NotFoundError(absl::StrCat(
+      ids.size(), " unknown or evicted sequence(s) (re-create them with their prefix): ",
+      absl::StrJoin(shown, ",").substr(0, 4096)));
   if (!well_formed.empty())
     status.SetPayload(kMissingIdsPayload, absl::Cord(absl::StrJoin(well_formed, ",")));
   return status;

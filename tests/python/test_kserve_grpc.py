@@ -94,6 +94,21 @@ def test_health_and_metadata(oip, stub):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_message_quoting_a_huge_name_keeps_its_code(oip, stub):
+    """A 1 MiB model name quoted whole in the NOT_FOUND message made a trailer past the client's metadata limit (8 KiB
+    by default): the client saw RESOURCE_EXHAUSTED. Messages are cut at 4 KiB (on a UTF-8 character boundary)."""
+    pb2 = oip[0]
+    for name in ("x" * (1 << 20), "\u00e9" * 3000):
+        for call, request in ((stub.ModelReady, pb2.ModelReadyRequest(name=name)),
+                              (stub.ModelInfer, pb2.ModelInferRequest(model_name=name))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(request)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND, (e.value.code(), e.value.details()[:200])
+            details = e.value.details()
+            assert details.startswith("unknown model") and "(cut, " in details and len(details.encode()) < 4200
+            assert "\ufffd" not in details  # not cut inside a character
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_model_infer(oip, stub, rng, make_qkv, check_answer, dtype):
     q, k, v = make_qkv(rng, 2, 33, 65, 8, 2, 64, dtype)

@@ -31,10 +31,14 @@ absl::Status Disabled() {
       "this server runs without a KV cache: start it with --kv_cache_bytes > 0");
 }
 
-// Names the missing ids of a NOT_FOUND in trailing metadata (the well-formed ones).
+// Names the missing ids of a NOT_FOUND in trailing metadata (the well-formed ones), when they fit
+// beside the message (grpc_status.h) in a client's default 8 KiB of trailers: 107 ids. More are
+// left out, and the client treats every id of the call as missing (a restart loses them all).
+constexpr size_t kMaxMissingIdsMetadataBytes = 3584;
 void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status) {
   const std::string ids = kvcache::MissingSequenceIdList(status);
-  if (!ids.empty()) context->AddTrailingMetadata(kMissingSequenceIdsKey, ids);
+  if (!ids.empty() && ids.size() <= kMaxMissingIdsMetadataBytes)
+    context->AddTrailingMetadata(kMissingSequenceIdsKey, ids);
 }
 
 // The reactor of a call whose answer carries tensor data (Attend, DecodeStep): it counts as a
