@@ -108,15 +108,22 @@ def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_ser
     assert np.isfinite(out).all()
 
 
+def _sequences_behind_a_slow_proxy(start_server, rng, name, heads_q, head_dim, prefixes):
+    """A server with a KV cache, a throttling proxy to it, and fp16 sequences (8 KV heads) created directly."""
+    server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
+                          name=name)
+    proxy = ThrottlingProxy(server.grpc_port)
+    truth = Truth(rng, heads_q=heads_q, heads_kv=8, head_dim=head_dim, dtype="float16")
+    with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
+        seqs = truth.create(setup, prefixes)
+    return server, proxy, truth, seqs
+
+
 def test_sigterm_while_a_decode_step_answer_is_written_to_a_slow_reader(start_server, rng):
     """The same for a DecodeStep, whose answer is sent from the buffer its outputs were computed into
     (edge/sequences/answer_buffer.h): 64 sequences x 16 query rows x 64 heads x d128 = 16 MiB of O."""
-    server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
-                          name="drain_sequences")
-    proxy = ThrottlingProxy(server.grpc_port)
-    truth = Truth(rng, heads_q=64, heads_kv=8, head_dim=128, dtype="float16")
-    with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
-        seqs = truth.create(setup, [1 + i % 9 for i in range(64)])
+    server, proxy, truth, seqs = _sequences_behind_a_slow_proxy(start_server, rng, "drain_sequences", 64, 128,
+                                                                [1 + i % 9 for i in range(64)])
     qs = [truth.query(16) for _ in seqs]
 
     def step():
@@ -139,12 +146,8 @@ def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server,
     """The same for Attend, whose typed answer is built in the call's done callback (its admission ends there):
     eight answers of 2 MiB on one connection, more than the sockets between server and reader hold, so the drain
     must count the calls themselves until gRPC has written them."""
-    server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
-                          name="drain_attend")
-    proxy = ThrottlingProxy(server.grpc_port)
-    truth = Truth(rng, heads_q=256, heads_kv=8, head_dim=256, dtype="float16")
-    with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
-        seqs = truth.create(setup, [1 + i % 5 for i in range(8)])
+    server, proxy, truth, seqs = _sequences_behind_a_slow_proxy(start_server, rng, "drain_attend", 256, 256,
+                                                                [1 + i % 5 for i in range(8)])
     qs = [truth.query(16) for _ in seqs]  # 16 x 256 x 256 fp16: 2 MiB of O each
 
     def attend_all():
