@@ -48,8 +48,9 @@ struct Sm90Traits {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "registers");
   // Packed: the producer skips tiles past a sequence's end (kernel.h). H200 A/B
-  // (kernels-varlen-h200-2026-11-29-skip.md): 128-row kernels +1-4% on mixed lengths; the 192-row
-  // kernel (32 producer registers) lost 1.2-1.6% on equal lengths and gained nothing on mixed.
+  // (kernels-varlen-h200-2026-11-29-skip.md), mixed lengths: 128-row kernels with block_n 176 /
+  // 192 +2-4%, block_n 128 within the spread; the 192-row kernel (32 producer registers) lost
+  // 1.2-1.6% on equal lengths and gained nothing on mixed.
   static constexpr bool kSkipsRowlessTiles = kPacked && kConsumers == 2;
   static_assert(kConsumers == 2 || kHeadDim * kBlockN <= 64 * 128, "3 consumers: d64 n128 fit");
 
