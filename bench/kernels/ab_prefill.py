@@ -29,10 +29,10 @@ from bench_headdims_varlen import OursVarlen, make_varlen_sets  # noqa: E402
 from bench_vs_torch import Ours, make_sets, sdpa_fn, time_fn  # noqa: E402
 
 
-def dense_points(sizes=None):
+def dense_points(sizes=None, causal=(True,)):
     pts = []  # (d, h, b, s, causal)
-    if sizes:  # only these lengths, causal
-        return [p for s in sizes for p in ((64, 32, 16, s, True), (128, 16, 16, s, True))]
+    if sizes:  # only these lengths
+        return [(d, h, 16, s, c) for c in causal for s in sizes for d, h in ((64, 32), (128, 16))]
     for s in (1024, 1000, 2048, 2000, 4096, 4000):
         pts.append((64, 32, 16, s, True))
         pts.append((128, 16, 16, s, True))
@@ -66,7 +66,7 @@ def dense_section(a, b, args, l2, sms, emit):
     emit("| d | causal | B | H | S | cfg | A ms | B ms | B/A speed | B TFLOPS | cudnn TFLOPS | flash TFLOPS | "
          "B vs cudnn | A vs cudnn |")
     emit("|" + "---|" * 14)
-    for d, h, bs, s, causal in dense_points(args.dense_sizes):
+    for d, h, bs, s, causal in dense_points(args.dense_sizes, args.dense_causal):
         sets = make_sets(bs, s, s, h, h, d, torch.bfloat16, l2)
         flops = 4.0 * bs * h * s * s * d / (2 if causal else 1)
         pick = b.select(torch.bfloat16, bs, s, s, h, h, d, causal, sms)
@@ -128,7 +128,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sections", default="dense,varlen")
     ap.add_argument("--dense-sizes", type=lambda v: [int(x) for x in v.split(",")],
-                    help="dense section: only causal d64/d128 at these lengths")
+                    help="dense section: only d64/d128 at these lengths (--dense-causal)")
+    ap.add_argument("--dense-causal", type=lambda v: {"yes": (True,), "no": (False,), "both": (True, False)}[v],
+                    default=(True,), help="with --dense-sizes: yes (default), no or both")
     ap.add_argument("--varlen-dims", type=lambda v: [int(x) for x in v.split(",")],
                     help="varlen section: only these head dims")
     ap.add_argument("--out")
