@@ -1,5 +1,6 @@
-"""Protobuf wire bytes of the Sequences requests whose size is their tensors (CreateSequence with a prefix), joined
-from the tensors' bytes instead of built as a message and serialized.
+"""Protobuf wire bytes written by hand: varint (also for the health and KServe shared-memory messages, which are
+not compiled into this package), and the Sequences requests whose size is their tensors (CreateSequence with a
+prefix), joined from the tensors' bytes instead of built as a message and serialized.
 
 A 32 MiB prefix (8k tokens of a Llama-3-8B-like layer) took ~50 ms to copy into the request message and serialize
 (upb, the 2-core build machine); joined here, the tensors' bytes are copied once. The bytes parse to exactly the
@@ -18,7 +19,8 @@ _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _LENGTH_DELIMITED = 2
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
+    """n (>= 0) as a protobuf base-128 varint."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -29,7 +31,7 @@ def _varint(n: int) -> bytes:
 
 def _field(number: int, parts: List[bytes]) -> List[bytes]:
     """A length-delimited field whose payload is parts joined."""
-    return [_varint(number << 3 | _LENGTH_DELIMITED), _varint(sum(len(p) for p in parts))] + parts
+    return [varint(number << 3 | _LENGTH_DELIMITED), varint(sum(len(p) for p in parts))] + parts
 
 
 def _tensor(t: "pb.Tensor") -> List[bytes]:

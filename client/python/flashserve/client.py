@@ -25,6 +25,7 @@ import grpc.aio
 from . import tensors
 from ._pb import attention_pb2 as pb
 from ._pb import attention_pb2_grpc as pb_grpc
+from ._wire import varint
 from .errors import FlashserveError, error_for, from_rpc_error
 from .shm import TorchCudaIpc
 
@@ -131,21 +132,9 @@ def _channel_options(extra: Optional[Sequence[Tuple[str, Any]]]) -> List[Tuple[s
 # Two one-field messages do not justify another generated-code dependency.
 
 
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
 def _encode_health_request(service: str) -> bytes:
     raw = service.encode()
-    return b"\x0a" + _encode_varint(len(raw)) + raw if raw else b""
+    return b"\x0a" + varint(len(raw)) + raw if raw else b""
 
 
 def _decode_varint(data: bytes, pos: int) -> Tuple[int, int]:

@@ -17,6 +17,7 @@ from typing import Any, List, Tuple
 import numpy as np
 
 from ._pb import attention_pb2 as pb
+from ._wire import varint
 
 _REGISTER = "/inference.GRPCInferenceService/SystemSharedMemoryRegister"
 _UNREGISTER = "/inference.GRPCInferenceService/SystemSharedMemoryUnregister"
@@ -25,13 +26,6 @@ ALIGN = 64  # tensors start 64-byte aligned: the server's backends read aligned 
 
 def _field(number: int, value) -> bytes:
     """One protobuf field (the KServe messages are not compiled into this package): str, bytes or unsigned int."""
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-            n >>= 7
-            if not n:
-                return bytes(out)
     if isinstance(value, int):
         return varint(number << 3) + varint(value)
     data = value.encode() if isinstance(value, str) else bytes(value)
