@@ -32,8 +32,9 @@ absl::Status Disabled() {
 }
 
 // Names the missing ids of a NOT_FOUND in trailing metadata (the well-formed ones), when they fit
-// beside the message (grpc_status.h) in a client's default 8 KiB of trailers: 107 ids. More are
-// left out, and the client treats every id of the call as missing (a restart loses them all).
+// beside the message (grpc_status.h) in a client's default 8 KiB of trailers: 108 ids (32 bytes
+// and a comma each). More are left out, and the client treats every id of the call as missing (a
+// restart loses them all).
 constexpr size_t kMaxMissingIdsMetadataBytes = 3584;
 void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status) {
   const std::string ids = kvcache::MissingSequenceIdList(status);
