@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -135,6 +136,23 @@ def test_model_infer_typed_fp32_and_requested_outputs(oip, stub, rng, make_qkv, 
     outputs = outputs_of(stub.ModelInfer(request, timeout=60))
     assert list(outputs) == ["LSE", "O"]
     check_answer(outputs["O"], outputs["LSE"], q, k, v)
+
+
+def test_a_name_with_a_newline_cannot_forge_a_log_line(oip, limits_server):
+    """A failure's log line quotes its status message, which quotes the client's model name: the message is escaped,
+    so a newline in the name cannot start a line of its own (it did before: message= was written raw)."""
+    channel, stub = stub_for(oip, limits_server.address)
+    forged = "[2026-01-01 00:00:00.000] [flashserve] [error] forged by a client"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelReady(oip[0].ModelReadyRequest(name="x\n" + forged), timeout=30)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    deadline = time.monotonic() + 5
+    while "x\\x0a[2026-01-01" not in limits_server.logs() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    logs = limits_server.logs()
+    assert "x\\x0a[2026-01-01" in logs, logs[-2000:]
+    assert not any(line.startswith(forged) for line in logs.splitlines()), logs[-2000:]
+    channel.close()
 
 
 def test_model_infer_errors(oip, limits_server):
