@@ -7,6 +7,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/protobuf_errors.h"
 #include "spdlog/formatter.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
@@ -103,6 +104,7 @@ absl::Status ConfigureLogging(absl::string_view level, absl::string_view format)
   // Logs go to stderr (stdout stays free for tools that print results).
   spdlog::set_default_logger(spdlog::stderr_color_mt("flashserve"));
   spdlog::set_level(parsed);
+  RouteProtobufLogs();
   if (format == "json") {
     spdlog::set_formatter(std::make_unique<JsonFormatter>());
   } else if (format != "text") {

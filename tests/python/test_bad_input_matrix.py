@@ -14,9 +14,10 @@ the size it is *told*, so the matrix checks:
     --grpc_memory_quota_bytes=16MiB it is cut off (RESOURCE_EXHAUSTED) while the server's RSS grows < 40 MiB.
 
 Bytes that do not parse as an AttentionRequest (garbage, truncated, invalid UTF-8 in a string, nested groups) get
-INVALID_ARGUMENT "AttentionRequest: ..." from the server's own zero-copy parser (server/api/request_wire.h). Observed
-with gRPC 1.51 (Debian 12) and recorded in the table: on the typed GetServerInfo method a failed deserialization gets
-UNIMPLEMENTED with an empty message -- the gRPC C++ callback API's answer, not INVALID_ARGUMENT; initial metadata over 8 KiB gets RESOURCE_EXHAUSTED or, racing with gRPC closing the
+INVALID_ARGUMENT "AttentionRequest: ..." from the server's own zero-copy parser (server/api/request_wire.h); every
+other method parses its own request too (INVALID_ARGUMENT "flashserve.v1.GetServerInfoRequest: malformed protobuf
+bytes"; gRPC 1.51's typed methods answered UNIMPLEMENTED with an empty message). Observed with gRPC 1.51 (Debian 12)
+and recorded in the table: initial metadata over 8 KiB gets RESOURCE_EXHAUSTED or, racing with gRPC closing the
 connection, UNAVAILABLE "Stream removed".
 
 Run alone: .venv/bin/python -m pytest -q tests/python/test_bad_input_matrix.py  (about 3 s; -s prints what each case
@@ -55,10 +56,8 @@ UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 CANCELLED = grpc.StatusCode.CANCELLED
 ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
 ATTENTION = "/flashserve.v1.AttentionService/Attention"
-# What gRPC 1.51's callback API answers when the request bytes do not parse (see the module docstring). Servers that
-# parse the bytes themselves would answer INVALID_ARGUMENT; both are accepted, anything else (OK, INTERNAL from a
-# crash path, UNAVAILABLE from a dead process) is not.
-PARSE_FAILURE = {UNIMPLEMENTED: "", INVALID: ""}  # typed methods (GetServerInfo): gRPC's answer varies
+# Every method parses its own request (server/edge/grpc/grpc_call.h; test_unparsable_requests.py covers them all).
+PARSE_FAILURE = {INVALID: "flashserve.v1.GetServerInfoRequest: malformed protobuf bytes"}
 BAD_BYTES = {INVALID: "AttentionRequest: malformed protobuf bytes"}  # Attention: the server's own parser
 CALL_TIMEOUT_S = 20
 NO_ANSWER = grpc.StatusCode.DEADLINE_EXCEEDED  # raw HTTP/2 calls: nothing came back on the stream in time
@@ -694,7 +693,7 @@ CASES = [
     Case("prefix claims 2^31-1 bytes at --max_request_bytes=2147483647, stream reset",
          claimed_size(2**31 - 1, end_stream=False, reset=True), RESET_STREAM, target="max_server"),
     Case("prefix claims 2^32-1 bytes, stream ends after 60 KB", claimed_size(2**32 - 1, end_stream=True, reset=False),
-         {**PARSE_FAILURE, EXHAUSTED: "larger than max"}, target="max_server"),
+         {INVALID: "AttentionRequest: no complete message", EXHAUSTED: "larger than max"}, target="max_server"),
     Case("compressed flag without grpc-encoding", lambda t: raw_grpc_call(
         t.grpc_port, b"\x01" + struct.pack(">I", len(GOOD_BYTES)), GOOD_BYTES, end_stream=True, reset=False),
         {OK: "", INVALID: "", grpc.StatusCode.INTERNAL: "", UNIMPLEMENTED: ""}),

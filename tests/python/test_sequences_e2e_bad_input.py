@@ -126,6 +126,18 @@ def test_a_step_missing_many_ids_is_not_found_with_every_default_client(setup, c
     assert listed == (",".join(ghosts) if count <= 108 else None), (listed or "")[:80]
 
 
+def test_a_release_names_at_most_as_many_sequences_as_a_step(setup):
+    """Release locks the cache for its whole list: past --max_batch_sequences (1024 here) it is refused whole (the
+    sequence it names stays), up to it every unknown id is listed."""
+    client, seq, _ = setup
+    ghosts = [f"{i:032x}" for i in range(1, 1024)]
+    _fails(client, "Release", spb.ReleaseRequest(sequence_ids=[seq.id] + ghosts + ["f" * 32]), INVALID,
+           "at most 1024 sequences", "got 1025")
+    released = client.stub(client.endpoints[0]).Release(spb.ReleaseRequest(sequence_ids=ghosts + ["f" * 32]),
+                                                        timeout=30)
+    assert released.released == 0 and list(released.not_found) == ghosts + ["f" * 32]
+
+
 def test_a_label_cut_mid_character_still_reads_back(kv_server):
     """The label is kept to 128 bytes; cut inside a UTF-8 character, SequenceInfo (a proto3 string) would not parse
     on the client."""

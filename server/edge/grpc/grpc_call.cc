@@ -1,6 +1,42 @@
 #include "edge/grpc/grpc_call.h"
 
+#include "common/protobuf_errors.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
+#include "grpcpp/support/proto_buffer_reader.h"
+#include "grpcpp/support/proto_buffer_writer.h"
+
 namespace flashserve {
+
+absl::Status ParseRequest(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message) {
+  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&raw));  // reads only
+  return ParseMessage(&reader, message);
+}
+
+absl::Status SerializeAnswer(const google::protobuf::MessageLite& response,
+                             grpc::ByteBuffer* raw_response) {
+  bool own_buffer = false;
+  const grpc::Status s =
+      grpc::GenericSerialize<grpc::ProtoBufferWriter, google::protobuf::MessageLite>(
+          response, raw_response, &own_buffer);
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError("the answer could not be serialized: " + s.error_message());
+}
+
+void FinishUnary(grpc::ServerUnaryReactor* reactor, GrpcCall* call, absl::Status status,
+                 const google::protobuf::MessageLite& response, grpc::ByteBuffer* raw_response) {
+  if (status.ok()) status = SerializeAnswer(response, raw_response);
+  if (status.ok()) call->AddBytesOut(int64_t(raw_response->Length()));
+  reactor->Finish(call->Finish(status));
+}
+
+grpc::ServerUnaryReactor* AnswerUnary(grpc::CallbackServerContext* context, GrpcCall* call,
+                                      const absl::Status& status,
+                                      const google::protobuf::MessageLite& response,
+                                      grpc::ByteBuffer* raw_response) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  FinishUnary(reactor, call, status, response, raw_response);
+  return reactor;
+}
 
 const std::vector<GrpcMethod>& GrpcMethods() {
   using namespace grpc_methods;  // NOLINT(build/namespaces): the table below reads better

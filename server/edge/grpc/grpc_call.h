@@ -23,6 +23,9 @@
 #include "absl/status/status.h"
 #include "edge/call/edge_call.h"
 #include "edge/grpc/grpc_status.h"
+#include "google/protobuf/message_lite.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/status.h"
 #include "metrics/server_metrics.h"
 
@@ -103,5 +106,57 @@ class GrpcCall : public EdgeCall {
     return ToGrpcStatus(status);
   }
 };
+
+// Every method of the edge is registered raw (request and answer as bytes) and parses its own
+// request: gRPC's typed callback methods answer a request that does not parse (truncated, a
+// proto3 string that is not UTF-8) UNIMPLEMENTED with no message before any handler runs --
+// uncounted, and read by clients as "no such method".
+
+/// A generated service with each of its methods' `WithRawCallbackMethod_X` templates applied:
+/// `Wrapped<S::Service, S::WithRawCallbackMethod_A, S::WithRawCallbackMethod_B>` is
+/// `S::WithRawCallbackMethod_A<S::WithRawCallbackMethod_B<S::Service>>`.
+template <typename Base, template <typename> class... Wrappers>
+struct WrappedService {
+  using type = Base;
+};
+template <typename Base, template <typename> class First, template <typename> class... Rest>
+struct WrappedService<Base, First, Rest...> {
+  using type = First<typename WrappedService<Base, Rest...>::type>;
+};
+template <typename Base, template <typename> class... Wrappers>
+using Wrapped = typename WrappedService<Base, Wrappers...>::type;
+
+/// `raw` parsed into `message`; INVALID_ARGUMENT naming the message (and the field protobuf
+/// named) when it does not parse (common/protobuf_errors.h).
+absl::Status ParseRequest(const grpc::ByteBuffer& raw, google::protobuf::MessageLite* message);
+
+/// Ends a unary call: when `status` is ok, `response` is serialized into the raw method's
+/// `raw_response` and counted as sent; then `reactor` finishes with `status`.
+void FinishUnary(grpc::ServerUnaryReactor* reactor, GrpcCall* call, absl::Status status,
+                 const google::protobuf::MessageLite& response, grpc::ByteBuffer* raw_response);
+/// FinishUnary on the call's default reactor, for a handler that answers before it returns.
+grpc::ServerUnaryReactor* AnswerUnary(grpc::CallbackServerContext* context, GrpcCall* call,
+                                      const absl::Status& status,
+                                      const google::protobuf::MessageLite& response,
+                                      grpc::ByteBuffer* raw_response);
+
+/// `response` into a raw method's answer (INTERNAL only past protobuf's 2 GiB).
+absl::Status SerializeAnswer(const google::protobuf::MessageLite& response,
+                             grpc::ByteBuffer* raw_response);
+
+/// A raw unary method answered on gRPC's thread, recorded as `method` in `metrics` (may be null):
+/// parses the request, runs `run(request, &response, &call)` unless it did not parse, answers.
+template <typename Request, typename Response, typename Run>
+grpc::ServerUnaryReactor* ServeUnary(grpc::CallbackServerContext* context, ServerMetrics* metrics,
+                                     const GrpcMethod& method, const grpc::ByteBuffer& raw_request,
+                                     grpc::ByteBuffer* raw_response, Run&& run) {
+  GrpcCall call(metrics, method);
+  call.Start(int64_t(raw_request.Length()));
+  Request request;
+  Response response;
+  absl::Status status = ParseRequest(raw_request, &request);
+  if (status.ok()) status = run(request, &response, &call);
+  return AnswerUnary(context, &call, status, response, raw_response);
+}
 
 }  // namespace flashserve

@@ -22,10 +22,10 @@ namespace {
 
 constexpr const char kServiceName[] = "flashserve.v1.AttentionService";
 
-// Attention is served by AttentionRouter (edge/grpc/attention_call.h) through the generic callback API,
-// so it is marked generic here; GetServerInfo is an ordinary typed method.
+// Attention is served by AttentionRouter (edge/grpc/attention_call.h) through the generic callback
+// API, so it is marked generic here; GetServerInfo is raw (grpc_call.h says why).
 using AttentionServiceBase = v1::AttentionService::WithGenericMethod_Attention<
-    v1::AttentionService::WithCallbackMethod_GetServerInfo<v1::AttentionService::Service>>;
+    v1::AttentionService::WithRawCallbackMethod_GetServerInfo<v1::AttentionService::Service>>;
 
 class AttentionServiceImpl final : public AttentionServiceBase {
  public:
@@ -33,15 +33,14 @@ class AttentionServiceImpl final : public AttentionServiceBase {
       : runtime_(runtime), identity_(identity) {}
 
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetServerInfoRequest* /*request*/,
-                                          v1::ServerInfo* info) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kGetServerInfo);
-    call.Start();
-    FillServerInfo(info);
-    call.AddBytesOut(int64_t(info->ByteSizeLong()));
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call.Finish(absl::OkStatus()));
-    return reactor;
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override {
+    return ServeUnary<v1::GetServerInfoRequest, v1::ServerInfo>(
+        context, runtime_->metrics(), grpc_methods::kGetServerInfo, *request, response,
+        [this](const v1::GetServerInfoRequest&, v1::ServerInfo* info, GrpcCall*) {
+          FillServerInfo(info);
+          return absl::OkStatus();
+        });
   }
 
  private:

@@ -7,11 +7,10 @@
 
 #include "absl/time/clock.h"
 #include "edge/grpc/grpc_call.h"
-#include "edge/grpc/kserve_shm_grpc.h"
 #include "edge/grpc/grpc_status.h"
+#include "edge/grpc/kserve_shm_grpc.h"
 #include "edge/grpc/live_calls.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/support/message_allocator.h"
 #include "inference/open_inference_grpc.grpc.pb.h"
 #include "runtime/shm_requests.h"
 
@@ -21,35 +20,13 @@ namespace {
 using inference::ModelInferRequest;
 using inference::ModelInferResponse;
 
-// ModelInfer's messages are ours, not gRPC's, so the handler may move the raw input bytes out of
-// the request into the AttentionRequest instead of copying them. gRPC releases them when it has
-// finished the call, response written: they also count the call for the shutdown drain.
-class InferMessages final : public grpc::MessageHolder<ModelInferRequest, ModelInferResponse> {
- public:
-  InferMessages() {
-    set_request(&request_);
-    set_response(&response_);
-  }
-  void Release() override { delete this; }
-
- private:
-  ModelInferRequest request_;
-  ModelInferResponse response_;
-  LiveCall live_;
-};
-
-class InferAllocator final : public grpc::MessageAllocator<ModelInferRequest, ModelInferResponse> {
- public:
-  grpc::MessageHolder<ModelInferRequest, ModelInferResponse>* AllocateMessages() override {
-    return new InferMessages;
-  }
-};
-
 // One ModelInfer in flight: the native request/response it becomes. Deleted by its done callback.
 struct InferCall {
   explicit InferCall(ServerMetrics* metrics) : call(metrics, grpc_methods::kModelInfer) {}
+  ModelInferRequest infer_request;  // parsed here: its raw input bytes are moved, not copied
   v1::AttentionRequest request;
   v1::AttentionResponse response;
+  ModelInferResponse infer_response;
   std::vector<kserve::OutputSpec> outputs;
   kserve::ShmParams shm_inputs[3];  // Q, K, V in a client's shared-memory region
   ShmLeases leases;                 // given back before the answer
@@ -70,8 +47,29 @@ ShmReferences ShmReferencesOf(const InferCall& call) {
   return refs;
 }
 
-class KServeGrpcService final : public inference::GRPCInferenceService::CallbackService {
+using Kserve = inference::GRPCInferenceService;
+using KServeBase =
+    Wrapped<Kserve::Service, Kserve::WithRawCallbackMethod_ServerLive,
+            Kserve::WithRawCallbackMethod_ServerReady, Kserve::WithRawCallbackMethod_ModelReady,
+            Kserve::WithRawCallbackMethod_ServerMetadata,
+            Kserve::WithRawCallbackMethod_ModelMetadata, Kserve::WithRawCallbackMethod_ModelInfer,
+            Kserve::WithRawCallbackMethod_SystemSharedMemoryStatus,
+            Kserve::WithRawCallbackMethod_SystemSharedMemoryRegister,
+            Kserve::WithRawCallbackMethod_SystemSharedMemoryUnregister,
+            Kserve::WithRawCallbackMethod_CudaSharedMemoryStatus,
+            Kserve::WithRawCallbackMethod_CudaSharedMemoryRegister,
+            Kserve::WithRawCallbackMethod_CudaSharedMemoryUnregister>;
+
+// Health methods: open without a token and not counted (edge/grpc/grpc_auth.h, grpc_call.h); a
+// request that does not parse is still answered INVALID_ARGUMENT and logged.
+constexpr GrpcMethod kServerLive{"/inference.GRPCInferenceService/ServerLive", "ServerLive"};
+constexpr GrpcMethod kServerReady{"/inference.GRPCInferenceService/ServerReady", "ServerReady"};
+
+// Every method is raw (its bytes in and out): grpc_call.h says why.
+class KServeGrpcService final : public KServeBase {
  public:
+  using Raw = grpc::ByteBuffer;
+
   KServeGrpcService(AttentionRuntime* runtime, const kserve::KServeOptions& options)
       : runtime_(runtime) {
     model_.name = options.model_name;
@@ -79,102 +77,111 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
     for (kernels::DType dtype : runtime->limits().dtypes) {
       model_.dtypes.push_back(static_cast<v1::DType>(dtype));
     }
-    SetMessageAllocatorFor_ModelInfer(&allocator_);
   }
 
-  // Health: open without a token and not counted (edge/grpc/grpc_auth.h, grpc_call.h).
-  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
-                                       const inference::ServerLiveRequest* /*request*/,
-                                       inference::ServerLiveResponse* response) override {
-    response->set_live(runtime_->live());  // false once the backend is unusable (sticky fault)
-    return FinishHealth(context);
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context, const Raw* request,
+                                       Raw* response) override {
+    return ServeUnary<inference::ServerLiveRequest, inference::ServerLiveResponse>(
+        context, nullptr, kServerLive, *request, response, [this](auto&, auto* live, GrpcCall*) {
+          live->set_live(runtime_->live());  // false once the backend is unusable (sticky fault)
+          return absl::OkStatus();
+        });
   }
 
-  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
-                                        const inference::ServerReadyRequest* /*request*/,
-                                        inference::ServerReadyResponse* response) override {
-    response->set_ready(runtime_->ready());
-    return FinishHealth(context);
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context, const Raw* request,
+                                        Raw* response) override {
+    return ServeUnary<inference::ServerReadyRequest, inference::ServerReadyResponse>(
+        context, nullptr, kServerReady, *request, response, [this](auto&, auto* ready, GrpcCall*) {
+          ready->set_ready(runtime_->ready());
+          return absl::OkStatus();
+        });
   }
 
-  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
-                                       const inference::ModelReadyRequest* request,
-                                       inference::ModelReadyResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kModelReady);
-    call.Start();
-    absl::Status s = kserve::CheckModel(model_, request->name(), request->version());
-    if (s.ok()) response->set_ready(runtime_->ready());
-    return Finish(context, &call, s, *response);
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context, const Raw* request,
+                                       Raw* response) override {
+    return Serve<inference::ModelReadyRequest, inference::ModelReadyResponse>(
+        context, grpc_methods::kModelReady, *request, response,
+        [this](const inference::ModelReadyRequest& asked, inference::ModelReadyResponse* ready) {
+          absl::Status s = kserve::CheckModel(model_, asked.name(), asked.version());
+          if (s.ok()) ready->set_ready(runtime_->ready());
+          return s;
+        });
   }
 
-  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
-                                           const inference::ServerMetadataRequest* /*request*/,
-                                           inference::ServerMetadataResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kServerMetadata);
-    call.Start();
-    response->set_name(model_.server_name);
-    response->set_version(model_.server_version);
-    for (const std::string& extension : kserve::Extensions()) response->add_extensions(extension);
-    return Finish(context, &call, absl::OkStatus(), *response);
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context, const Raw* request,
+                                           Raw* response) override {
+    return Serve<inference::ServerMetadataRequest, inference::ServerMetadataResponse>(
+        context, grpc_methods::kServerMetadata, *request, response,
+        [this](auto&, inference::ServerMetadataResponse* metadata) {
+          metadata->set_name(model_.server_name);
+          metadata->set_version(model_.server_version);
+          for (const std::string& extension : kserve::Extensions()) {
+            metadata->add_extensions(extension);
+          }
+          return absl::OkStatus();
+        });
   }
 
-  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
-                                          const inference::ModelMetadataRequest* request,
-                                          inference::ModelMetadataResponse* response) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kModelMetadata);
-    call.Start();
-    absl::Status s = kserve::CheckModel(model_, request->name(), request->version());
-    if (s.ok()) kserve::FillGrpcModelMetadata(model_, response);
-    return Finish(context, &call, s, *response);
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context, const Raw* request,
+                                          Raw* response) override {
+    return Serve<inference::ModelMetadataRequest, inference::ModelMetadataResponse>(
+        context, grpc_methods::kModelMetadata, *request, response,
+        [this](const inference::ModelMetadataRequest& asked,
+               inference::ModelMetadataResponse* metadata) {
+          absl::Status s = kserve::CheckModel(model_, asked.name(), asked.version());
+          if (s.ok()) kserve::FillGrpcModelMetadata(model_, metadata);
+          return s;
+        });
   }
 
-#define FLASHSERVE_SHM_CALL(Method, Work, ARGS)                                           \
-  grpc::ServerUnaryReactor* Method(grpc::CallbackServerContext* context,                   \
-                                   const inference::Method##Request* request,              \
-                                   inference::Method##Response* response) override {       \
-    GrpcCall call(runtime_->metrics(), grpc_methods::k##Method);                            \
-    call.Start();                                                                           \
-    return Finish(context, &call, kserve::Work ARGS, *response);                            \
+#define FLASHSERVE_SHM_CALL(Method, Work, ARGS)                                                    \
+  grpc::ServerUnaryReactor* Method(grpc::CallbackServerContext* context, const Raw* raw,           \
+                                   Raw* raw_response) override {                                   \
+    return Serve<inference::Method##Request, inference::Method##Response>(                         \
+        context, grpc_methods::k##Method, *raw, raw_response,                                      \
+        [this](const inference::Method##Request& request, inference::Method##Response* response) { \
+          return kserve::Work ARGS;                                                                \
+        });                                                                                        \
   }
   // Triton's shared-memory extension (edge/grpc/kserve_shm_grpc.h).
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryStatus, SystemShmStatus, (*runtime_, *request, response))
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryRegister, SystemShmRegister, (*runtime_, *request))
-  FLASHSERVE_SHM_CALL(SystemSharedMemoryUnregister, SystemShmUnregister, (*runtime_, *request))
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryStatus, CudaShmStatus, (*runtime_, *request, response))
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryRegister, CudaShmRegister, (*runtime_, *request))
-  FLASHSERVE_SHM_CALL(CudaSharedMemoryUnregister, CudaShmUnregister, (*runtime_, *request))
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryStatus, SystemShmStatus, (*runtime_, request, response))
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryRegister, SystemShmRegister, (*runtime_, request))
+  FLASHSERVE_SHM_CALL(SystemSharedMemoryUnregister, SystemShmUnregister, (*runtime_, request))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryStatus, CudaShmStatus, (*runtime_, request, response))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryRegister, CudaShmRegister, (*runtime_, request))
+  FLASHSERVE_SHM_CALL(CudaSharedMemoryUnregister, CudaShmUnregister, (*runtime_, request))
 #undef FLASHSERVE_SHM_CALL
 
-  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const ModelInferRequest* /*request*/,
-                                       ModelInferResponse* response) override {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    // The allocator made the messages: the request is ours to take the raw bytes from.
-    ModelInferRequest* request =
-        static_cast<grpc::MessageHolder<ModelInferRequest, ModelInferResponse>*>(
-            context->GetRpcAllocatorState())
-            ->request();
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context, const Raw* raw_request,
+                                       Raw* raw_response) override {
+    // Counts as a live call until gRPC has written the answer (live_calls.h).
+    grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();
     auto* call_state = new InferCall(runtime_->metrics());
-    call_state->call.Start(int64_t(request->ByteSizeLong()));
+    call_state->call.Start(int64_t(raw_request->Length()));
     call_state->received = call_state->call.started();
-    call_state->id = request->id();
-    call_state->call.set_request_id(request->id());
-
-    auto done = [this, reactor, response, call_state](const absl::Status& status) {
+    auto done = [this, reactor, raw_response, call_state](absl::Status status) {
       call_state->leases.clear();  // the output is in its region: the client may unregister now
       if (status.ok()) {
         kserve::AttentionToGrpcInfer(model_, call_state->id, call_state->outputs,
-                                     &call_state->response, response);
-        call_state->call.AddBytesOut(int64_t(response->ByteSizeLong()));
+                                     &call_state->response, &call_state->infer_response);
+        status = SerializeAnswer(call_state->infer_response, raw_response);
+        if (status.ok()) call_state->call.AddBytesOut(int64_t(raw_response->Length()));
       }
       const grpc::Status finished = call_state->call.Finish(status);
       delete call_state;
       reactor->Finish(finished);
     };
+    ModelInferRequest* request = &call_state->infer_request;
+    absl::Status converted = ParseRequest(*raw_request, request);
+    if (!converted.ok()) {
+      done(converted);
+      return reactor;
+    }
+    call_state->id = request->id();
+    call_state->call.set_request_id(request->id());
 
     int64_t timeout_us = 0;
-    absl::Status converted =
-        kserve::CheckModel(model_, request->model_name(), request->model_version());
+    converted = kserve::CheckModel(model_, request->model_name(), request->model_version());
     if (converted.ok()) {
       converted = kserve::GrpcInferToAttention(request, &call_state->request, &call_state->outputs,
                                                &timeout_us, call_state->shm_inputs);
@@ -202,24 +209,18 @@ class KServeGrpcService final : public inference::GRPCInferenceService::Callback
   }
 
  private:
-  static grpc::ServerUnaryReactor* FinishHealth(grpc::CallbackServerContext* context) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
-  }
-  // Ends a unary call with `status` (its response counted as sent when ok).
-  static grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, GrpcCall* call,
-                                          const absl::Status& status,
-                                          const google::protobuf::MessageLite& response) {
-    if (status.ok()) call->AddBytesOut(int64_t(response.ByteSizeLong()));
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call->Finish(status));
-    return reactor;
+  // A counted method answered on gRPC's thread: `run(request, &response)`.
+  template <typename Request, typename Response, typename Run>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, const GrpcMethod& method,
+                                  const Raw& raw_request, Raw* raw_response, Run&& run) {
+    return ServeUnary<Request, Response>(context, runtime_->metrics(), method, raw_request,
+                                         raw_response,
+                                         [&](const Request& request, Response* response,
+                                             GrpcCall*) { return run(request, response); });
   }
 
   AttentionRuntime* const runtime_;
   kserve::ModelInfo model_;
-  InferAllocator allocator_;
 };
 
 }  // namespace

@@ -8,10 +8,12 @@
 #include <atomic>
 #include <cstdint>
 
+#include "grpcpp/support/server_callback.h"
+
 namespace flashserve {
 
 /// One live call, from construction to destruction: a member of the object gRPC destroys when it
-/// has finished the call (a reactor, or the call's message holder). Thread-safe.
+/// has finished the call (a reactor). Thread-safe.
 class LiveCall {
  public:
   LiveCall() { count_.fetch_add(1); }
@@ -24,6 +26,18 @@ class LiveCall {
 
  private:
   static inline std::atomic<int64_t> count_{0};
+};
+
+/// The reactor of a unary call whose answer carries tensor data (ModelInfer, Attend, DecodeStep):
+/// a live call until gRPC has written the answer. Their admission ends in the runtime's done
+/// callback, before an answer of up to gigabytes has left: without this the drain found the
+/// runtime idle and gRPC's shutdown deadline cut such answers off.
+class LiveUnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  void OnDone() override { delete this; }
+
+ private:
+  LiveCall live_;
 };
 
 }  // namespace flashserve

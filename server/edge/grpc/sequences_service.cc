@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "edge/grpc/answer_slices.h"
 #include "edge/grpc/grpc_call.h"
@@ -18,7 +19,6 @@
 #include "edge/sequences/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace flashserve {
 
@@ -42,16 +42,10 @@ void AddMissing(grpc::CallbackServerContext* context, const absl::Status& status
     context->AddTrailingMetadata(kMissingSequenceIdsKey, ids);
 }
 
-// The reactor of a call whose answer carries tensor data (Attend, DecodeStep): it counts as a
-// live call (live_calls.h) until gRPC has written the answer, so that the SIGTERM drain waits for
-// a slow reader. Attend's admission ends in its done callback, before its answer (up to 8 MiB)
-// has left; without this, gRPC's shutdown deadline cut such answers off.
-class LiveUnaryReactor final : public grpc::ServerUnaryReactor {
- public:
-  void OnDone() override { delete this; }
-
- private:
-  LiveCall live_;
+// An Attend's messages, from its arrival until its answer is serialized.
+struct AttendState {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
 };
 
 // A DecodeStep's messages (on one arena: a 64-item step is ~1,000 submessages) and the buffer its
@@ -66,100 +60,108 @@ struct DecodeStepState {
   AnswerPlace answer;
 };
 
-// DecodeStep is a raw method (its bytes in and out): the answer is sent as slices of the buffer
-// its outputs were computed into (edge/grpc/answer_slices.h), not copied into a message first.
-class SequencesService final
-    : public v1::Sequences::WithRawCallbackMethod_DecodeStep<v1::Sequences::CallbackService> {
+// The sequence id a call's failure log line names (none for the calls of many or no sequences).
+std::string_view SequenceIdOf(const v1::AppendRequest& request) { return request.sequence_id(); }
+std::string_view SequenceIdOf(const v1::GetSequenceInfoRequest& request) {
+  return request.sequence_id();
+}
+template <typename Request>
+std::string_view SequenceIdOf(const Request& /*request*/) {
+  return {};
+}
+
+using S = v1::Sequences;
+using SequencesBase =
+    Wrapped<S::Service, S::WithRawCallbackMethod_CreateSequence, S::WithRawCallbackMethod_Append,
+            S::WithRawCallbackMethod_Attend, S::WithRawCallbackMethod_DecodeStep,
+            S::WithRawCallbackMethod_Release, S::WithRawCallbackMethod_GetSequenceInfo,
+            S::WithRawCallbackMethod_GetKvPoolInfo>;
+
+// Every method is raw (its bytes in and out; grpc_call.h says why): a DecodeStep's answer is sent
+// as slices of the buffer its outputs were computed into (edge/grpc/answer_slices.h), not copied
+// into a message first.
+class SequencesService final : public SequencesBase {
  public:
   SequencesService(AttentionRuntime* runtime, SequenceRuntime* sequences,
                    HeapRetention* heap_retention)
       : runtime_(runtime), sequences_(sequences), heap_retention_(heap_retention) {}
 
-  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context,
-                                           const v1::CreateSequenceRequest* request,
-                                           v1::CreateSequenceResponse* response) override {
-    return Unary(context, grpc_methods::kCreateSequence, *request, *response, "",
-                 [&] { return DoCreate(*request, response); });
+  using Raw = grpc::ByteBuffer;
+
+  grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context, const Raw* request,
+                                           Raw* response) override {
+    return Unary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
+        context, grpc_methods::kCreateSequence, *request, response, &SequencesService::DoCreate);
   }
 
-  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context,
-                                   const v1::AppendRequest* request,
-                                   v1::AppendResponse* response) override {
-    return Unary(context, grpc_methods::kAppend, *request, *response, request->sequence_id(),
-                 [&] { return DoAppend(*request, response); });
+  grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context, const Raw* request,
+                                   Raw* response) override {
+    return Unary<v1::AppendRequest, v1::AppendResponse>(context, grpc_methods::kAppend, *request,
+                                                        response, &SequencesService::DoAppend);
   }
 
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
-  grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context,
-                                       const grpc::ByteBuffer* request,
-                                       grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context, const Raw* request,
+                                   Raw* response) override;
+  grpc::ServerUnaryReactor* DecodeStep(grpc::CallbackServerContext* context, const Raw* request,
+                                       Raw* response) override;
 
-  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
-                                    const v1::ReleaseRequest* request,
-                                    v1::ReleaseResponse* response) override {
-    return Unary(context, grpc_methods::kRelease, *request, *response, "",
-                 [&] { return DoRelease(*request, response); });
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context, const Raw* request,
+                                    Raw* response) override {
+    return Unary<v1::ReleaseRequest, v1::ReleaseResponse>(context, grpc_methods::kRelease, *request,
+                                                          response, &SequencesService::DoRelease);
   }
 
   grpc::ServerUnaryReactor* GetSequenceInfo(grpc::CallbackServerContext* context,
-                                            const v1::GetSequenceInfoRequest* request,
-                                            v1::SequenceInfo* response) override {
-    return Unary(context, grpc_methods::kGetSequenceInfo, *request, *response,
-                 request->sequence_id(), [&] { return DoInfo(*request, response); });
+                                            const Raw* request, Raw* response) override {
+    return Unary<v1::GetSequenceInfoRequest, v1::SequenceInfo>(
+        context, grpc_methods::kGetSequenceInfo, *request, response, &SequencesService::DoInfo);
   }
 
-  grpc::ServerUnaryReactor* GetKvPoolInfo(grpc::CallbackServerContext* context,
-                                          const v1::GetKvPoolInfoRequest* request,
-                                          v1::KvPoolInfo* response) override {
-    return Unary(context, grpc_methods::kGetKvPoolInfo, *request, *response, "", [&] {
-      response->set_enabled(sequences_ != nullptr);
-      if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
-      return absl::OkStatus();
-    });
+  grpc::ServerUnaryReactor* GetKvPoolInfo(grpc::CallbackServerContext* context, const Raw* request,
+                                          Raw* response) override {
+    return Unary<v1::GetKvPoolInfoRequest, v1::KvPoolInfo>(
+        context, grpc_methods::kGetKvPoolInfo, *request, response, &SequencesService::DoPoolInfo);
   }
 
  private:
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
-  // fills `response`. `sequence_id` (may be empty) is named in the failure log line (escaped); a
-  // NOT_FOUND's well-formed missing ids go into the trailing metadata. The request's size goes to
-  // heap retention as an Attention request's does (memory/heap_retention.h): a CreateSequence /
-  // Append of >= 16 MiB (an 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's
-  // heap for the next one.
+  // fills the response from the parsed request. The call's sequence id (if it has one) is named
+  // in the failure log line (escaped); a NOT_FOUND's well-formed missing ids go into the trailing
+  // metadata. The request's size goes to heap retention as an Attention request's does
+  // (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token prefix of a
+  // Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
+  template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
-                                  const google::protobuf::Message& request,
-                                  const google::protobuf::Message& response,
-                                  std::string_view sequence_id,
-                                  const std::function<absl::Status()>& run) {
-    GrpcCall call(runtime_->metrics(), method);
-    const auto request_bytes = int64_t(request.ByteSizeLong());
-    call.Start(request_bytes);
-    if (heap_retention_ != nullptr) heap_retention_->Observe(request_bytes);
-    call.set_session_id(sequence_id);
-    const absl::Status status = run();
-    AddMissing(context, status);
-    if (status.ok()) call.AddBytesOut(int64_t(response.ByteSizeLong()));
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call.Finish(status));
-    return reactor;
+                                  const Raw& raw_request, Raw* raw_response,
+                                  absl::Status (SequencesService::*run)(const Request&,
+                                                                        Response*)) {
+    if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(raw_request.Length()));
+    return ServeUnary<Request, Response>(
+        context, runtime_->metrics(), method, raw_request, raw_response,
+        [&](const Request& request, Response* response, GrpcCall* call) {
+          call->set_session_id(SequenceIdOf(request));
+          absl::Status status = (this->*run)(request, response);
+          AddMissing(context, status);
+          return status;
+        });
   }
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
                         v1::CreateSequenceResponse* response);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
   absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response);
+  absl::Status DoPoolInfo(const v1::GetKvPoolInfoRequest& request, v1::KvPoolInfo* response);
   // What a decode call's answer keeps while gRPC writes it: its admission, so that a drain waits
   // for the answer to be written (a DecodeStep's answer slices hold it).
   using AnswerHold = std::shared_ptr<void>;
-  // Admits a built decode call and hands it to the SequenceRuntime; `fill` completes the
-  // response on success and returns its size. Answers the gRPC call exactly once, maybe inline.
+  // Admits a built decode call and hands it to the SequenceRuntime; `fill` writes the answer on
+  // success and returns its size. Answers the gRPC call exactly once, maybe inline.
   // `bytes` are counted against --max_inflight_bytes (into `hold`) before `build` runs.
   grpc::ServerUnaryReactor* Launch(
       grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
       std::shared_ptr<CallHold> hold,
       const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-      std::function<int64_t(const DecodeReport&, AnswerHold)> fill);
+      std::function<absl::StatusOr<int64_t>(const DecodeReport&, AnswerHold)> fill);
 
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
@@ -170,7 +172,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     grpc::CallbackServerContext* context, std::shared_ptr<GrpcCall> grpc_call, int64_t bytes,
     std::shared_ptr<CallHold> hold,
     const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
-    std::function<int64_t(const DecodeReport&, AnswerHold)> fill) {
+    std::function<absl::StatusOr<int64_t>(const DecodeReport&, AnswerHold)> fill) {
   grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
   auto admission = std::make_shared<Admission>(runtime_->Admit());
   absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
@@ -190,10 +192,15 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->done = [reactor, context, grpc_call, admission, fill = std::move(fill),
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
-    if (status.ok()) grpc_call->AddBytesOut(fill(report, admission));
-    AddMissing(context, status);
+    absl::Status answered = status;
+    if (answered.ok()) {
+      absl::StatusOr<int64_t> sent = fill(report, admission);
+      if (sent.ok()) grpc_call->AddBytesOut(*sent);
+      answered = sent.status();
+    }
+    AddMissing(context, answered);
     hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
-    reactor->Finish(grpc_call->Finish(status));
+    reactor->Finish(grpc_call->Finish(answered));
     // `admission` is released with this callback, or later with the answer's slices (DecodeStep).
   };
   sequences_->Submit(std::move(call));
@@ -201,37 +208,37 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
 }
 
 grpc::ServerUnaryReactor* SequencesService::Attend(grpc::CallbackServerContext* context,
-                                                   const v1::AttendRequest* request,
-                                                   v1::AttendResponse* response) {
+                                                   const Raw* request_bytes, Raw* response_bytes) {
   auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kAttend);
-  grpc_call->Start(int64_t(request->ByteSizeLong()));
-  grpc_call->set_session_id(request->sequence_id());
+  grpc_call->Start(int64_t(request_bytes->Length()));
+  auto state = std::make_shared<AttendState>();
+  if (absl::Status parsed = ParseRequest(*request_bytes, &state->request); !parsed.ok()) {
+    return AnswerUnary(context, grpc_call.get(), parsed, state->response, response_bytes);
+  }
+  grpc_call->set_session_id(state->request.sequence_id());
   const absl::Time received = grpc_call->started();
-  const int64_t bytes = AttendBytes(*request);
   return Launch(
-      context, grpc_call, bytes, std::make_shared<CallHold>(),
-      [request, response] { return BuildAttend(*request, response); },
-      [response, received](const DecodeReport& report, AnswerHold) {
-        // A typed answer (one item's O, up to 8 MiB): its admission ends with the done callback;
-        // the reactor keeps the call live until the answer is written (LiveUnaryReactor).
-        FillAttend(report, received, response);
-        return int64_t(response->ByteSizeLong());
+      context, grpc_call, AttendBytes(state->request), std::make_shared<CallHold>(),
+      [state] { return BuildAttend(state->request, &state->response); },
+      [state, received, response_bytes](const DecodeReport& report,
+                                        AnswerHold) -> absl::StatusOr<int64_t> {
+        // One item's O (up to 8 MiB) serialized into the answer: its admission ends with the done
+        // callback; the reactor keeps the call live until the answer is written (LiveUnaryReactor).
+        FillAttend(report, received, &state->response);
+        if (absl::Status s = SerializeAnswer(state->response, response_bytes); !s.ok()) return s;
+        return int64_t(response_bytes->Length());
       });
 }
 
 grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerContext* context,
-                                                       const grpc::ByteBuffer* request_bytes,
-                                                       grpc::ByteBuffer* response_bytes) {
+                                                       const Raw* request_bytes,
+                                                       Raw* response_bytes) {
   auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kDecodeStep);
   grpc_call->Start(int64_t(request_bytes->Length()));
   if (heap_retention_ != nullptr) heap_retention_->Retain();
   auto state = std::make_shared<DecodeStepState>(request_bytes->Length());
-  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(request_bytes));  // reads only
-  if (!state->request->ParseFromZeroCopyStream(&reader)) {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(grpc_call->Finish(
-        absl::InvalidArgumentError("DecodeStepRequest: malformed protobuf bytes")));
-    return reactor;
+  if (absl::Status parsed = ParseRequest(*request_bytes, state->request); !parsed.ok()) {
+    return AnswerUnary(context, grpc_call.get(), parsed, *state->response, response_bytes);
   }
   state->answer.pool = runtime_->backend().staging_pool();
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
@@ -244,7 +251,8 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
         return BuildDecodeStep(*state->request, max_items, &hold->shm, state->response,
                                &state->answer);
       },
-      [state, received, response_bytes](const DecodeReport& report, AnswerHold admission) {
+      [state, received, response_bytes](const DecodeReport& report,
+                                        AnswerHold admission) -> absl::StatusOr<int64_t> {
         FillDecodeStep(report, received, state->response);
         AnswerPieces pieces = EncodeDecodeStepAnswer(state->response, state->answer.buffer.get());
         const auto bytes = int64_t(pieces.total_bytes);
@@ -295,10 +303,24 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
 absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
                                          v1::ReleaseResponse* response) {
   if (sequences_ == nullptr) return Disabled();
+  // Bounded as a DecodeStep is: the cache's lock is held for the whole list.
+  const int max_ids = sequences_->options().max_batch_sequences;
+  if (request.sequence_ids_size() > max_ids) {
+    return absl::InvalidArgumentError(absl::StrCat("a Release names at most ", max_ids,
+                                                   " sequences (--max_batch_sequences), got ",
+                                                   request.sequence_ids_size()));
+  }
   const std::vector<std::string> ids(request.sequence_ids().begin(), request.sequence_ids().end());
   const std::vector<std::string> missing = sequences_->cache().Release(ids);
   response->set_released(int32_t(ids.size() - missing.size()));
   for (const std::string& id : missing) response->add_not_found(id);
+  return absl::OkStatus();
+}
+
+absl::Status SequencesService::DoPoolInfo(const v1::GetKvPoolInfoRequest& /*request*/,
+                                          v1::KvPoolInfo* response) {
+  response->set_enabled(sequences_ != nullptr);
+  if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
   return absl::OkStatus();
 }
 

@@ -18,12 +18,18 @@ namespace flashserve {
 
 namespace {
 
-using StreamServiceBase = v1::AttentionStreamService::WithCallbackMethod_OpenSession<
-    v1::AttentionStreamService::WithRawCallbackMethod_Upload<
-        v1::AttentionStreamService::WithCallbackMethod_Compute<
-            v1::AttentionStreamService::WithRawCallbackMethod_Download<
-                v1::AttentionStreamService::WithCallbackMethod_CloseSession<
-                    v1::AttentionStreamService::Service>>>>>;
+// Every method is raw (its bytes in and out): grpc_call.h says why.
+using Stream = v1::AttentionStreamService;
+using StreamServiceBase =
+    Wrapped<Stream::Service, Stream::WithRawCallbackMethod_OpenSession,
+            Stream::WithRawCallbackMethod_Upload, Stream::WithRawCallbackMethod_Compute,
+            Stream::WithRawCallbackMethod_Download, Stream::WithRawCallbackMethod_CloseSession>;
+
+// A Compute's messages, from its arrival until its answer is serialized.
+struct ComputeState {
+  v1::ComputeRequest request;
+  v1::AttentionResponse response;
+};
 
 class StreamService final : public StreamServiceBase {
  public:
@@ -41,22 +47,21 @@ class StreamService final : public StreamServiceBase {
     reaper_.join();
   }
 
-  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
-                                        const v1::AttentionRequest* header,
-                                        v1::SessionInfo* info) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kOpenSession);
-    call.Start(int64_t(header->ByteSizeLong()));
-    call.set_request_id(header->request_id());
-    // Validated in full (as a native request is) before anything is allocated.
-    absl::StatusOr<std::shared_ptr<StreamSession>> session = table_.Open(*header);
-    if (session.ok()) {
-      info->set_session_id((*session)->id());
-      info->set_idle_timeout_ms(int64_t(table_.limits().idle_timeout.count()));
-      call.AddBytesOut(int64_t(info->ByteSizeLong()));
-    }
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call.Finish(session.status()));
-    return reactor;
+  using Raw = grpc::ByteBuffer;
+
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context, const Raw* request,
+                                        Raw* response) override {
+    return ServeUnary<v1::AttentionRequest, v1::SessionInfo>(
+        context, runtime_->metrics(), grpc_methods::kOpenSession, *request, response,
+        [this](const v1::AttentionRequest& header, v1::SessionInfo* info, GrpcCall* call) {
+          call->set_request_id(header.request_id());
+          // Validated in full (as a native request is) before anything is allocated.
+          absl::StatusOr<std::shared_ptr<StreamSession>> session = table_.Open(header);
+          if (!session.ok()) return session.status();
+          info->set_session_id((*session)->id());
+          info->set_idle_timeout_ms(int64_t(table_.limits().idle_timeout.count()));
+          return absl::OkStatus();
+        });
   }
 
   grpc::ServerReadReactor<grpc::ByteBuffer>* Upload(grpc::CallbackServerContext* context,
@@ -64,13 +69,20 @@ class StreamService final : public StreamServiceBase {
     return NewUploadReactor(context, &table_, response, runtime_->metrics());
   }
 
-  grpc::ServerUnaryReactor* Compute(grpc::CallbackServerContext* context,
-                                    const v1::ComputeRequest* request,
-                                    v1::AttentionResponse* response) override {
+  grpc::ServerUnaryReactor* Compute(grpc::CallbackServerContext* context, const Raw* raw_request,
+                                    Raw* raw_response) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     // Shared with the runtime's done callback, which finishes it.
     auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kCompute);
-    grpc_call->Start(int64_t(request->ByteSizeLong()));
+    grpc_call->Start(int64_t(raw_request->Length()));
+    auto state = std::make_shared<ComputeState>();
+    v1::AttentionResponse* response = &state->response;
+    absl::Status parsed = ParseRequest(*raw_request, &state->request);
+    if (!parsed.ok()) {
+      reactor->Finish(grpc_call->Finish(parsed));
+      return reactor;
+    }
+    const v1::ComputeRequest* request = &state->request;
     grpc_call->set_session_id(request->session_id());
     absl::StatusOr<std::shared_ptr<StreamSession>> found = table_.Find(request->session_id());
     if (!found.ok()) {
@@ -100,7 +112,7 @@ class StreamService final : public StreamServiceBase {
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
-    call.done = [this, reactor, session, response, inline_output,
+    call.done = [this, reactor, session, state, response, raw_response, inline_output,
                  grpc_call](const absl::Status& status) {
       if (status.ok() && inline_output) {
         // K = 1: the output goes back in this response (one copy out of the session's buffers).
@@ -114,8 +126,7 @@ class StreamService final : public StreamServiceBase {
       if (!status.ok() || inline_output) {
         session->EndCompute(false);
         table_.Erase(session->id());
-        if (status.ok()) grpc_call->AddBytesOut(int64_t(response->ByteSizeLong()));
-        reactor->Finish(grpc_call->Finish(status));
+        FinishUnary(reactor, grpc_call.get(), status, *response, raw_response);
         return;
       }
       // The output stays in the session for Download; the response says what it is.
@@ -130,8 +141,7 @@ class StreamService final : public StreamServiceBase {
       response->set_kernel(full.kernel());
       response->set_request_id(full.request_id());
       session->EndCompute(true);
-      grpc_call->AddBytesOut(int64_t(response->ByteSizeLong()));
-      reactor->Finish(grpc_call->Finish(absl::OkStatus()));
+      FinishUnary(reactor, grpc_call.get(), absl::OkStatus(), *response, raw_response);
     };
     runtime_->Submit(std::move(call));
     return reactor;
@@ -142,22 +152,21 @@ class StreamService final : public StreamServiceBase {
     return NewDownloadReactor(request, &table_, runtime_->metrics());
   }
 
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
-                                         const v1::CloseSessionRequest* request,
-                                         v1::CloseSessionResponse* /*response*/) override {
-    GrpcCall call(runtime_->metrics(), grpc_methods::kCloseSession);
-    call.Start(int64_t(request->ByteSizeLong()));
-    call.set_session_id(request->session_id());
-    absl::StatusOr<std::shared_ptr<StreamSession>> found = table_.Find(request->session_id());
-    if (found.ok() && (*found)->state() == StreamSession::State::kComputing) {
-      // The runtime holds it; it is dropped when Compute answers (or by the idle reaper after).
-      (*found)->Touch();
-    } else {
-      table_.Erase(request->session_id());
-    }
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-    reactor->Finish(call.Finish(absl::OkStatus()));
-    return reactor;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context, const Raw* request,
+                                         Raw* response) override {
+    return ServeUnary<v1::CloseSessionRequest, v1::CloseSessionResponse>(
+        context, runtime_->metrics(), grpc_methods::kCloseSession, *request, response,
+        [this](const v1::CloseSessionRequest& close, v1::CloseSessionResponse*, GrpcCall* call) {
+          call->set_session_id(close.session_id());
+          absl::StatusOr<std::shared_ptr<StreamSession>> found = table_.Find(close.session_id());
+          if (found.ok() && (*found)->state() == StreamSession::State::kComputing) {
+            // The runtime holds it; dropped when Compute answers (or by the idle reaper after).
+            (*found)->Touch();
+          } else {
+            table_.Erase(close.session_id());
+          }
+          return absl::OkStatus();
+        });
   }
 
  private:

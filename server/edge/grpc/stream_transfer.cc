@@ -138,11 +138,7 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   // Parses the request and reserves the range it asks for.
   absl::Status Begin(const grpc::ByteBuffer* request) {
     v1::DownloadRequest parsed;
-    grpc::ByteBuffer copy(*request);
-    grpc::ProtoBufferReader reader(&copy);
-    if (!parsed.ParseFromZeroCopyStream(&reader)) {
-      return absl::InvalidArgumentError("malformed DownloadRequest");
-    }
+    if (absl::Status s = ParseRequest(*request, &parsed); !s.ok()) return s;
     call_.set_session_id(parsed.session_id());
     absl::StatusOr<std::shared_ptr<StreamSession>> found = table_->Find(parsed.session_id());
     if (!found.ok()) return found.status();

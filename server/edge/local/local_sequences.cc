@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/protobuf_errors.h"
 #include "edge/local/call_waiter.h"
 #include "edge/local/local_calls.h"
 #include "edge/sequences/sequences_arena.h"
@@ -90,10 +91,8 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
   auto state = std::make_shared<DecodeState>(local.payload.size());
   google::protobuf::Arena& arena = state->arena;
   auto& request = *google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);
-  if (!request.ParseFromArray(local.payload.data(), int(local.payload.size()))) {
-    reply->status = absl::InvalidArgumentError("DecodeStepRequest: unreadable message");
-    return;
-  }
+  reply->status = ParseMessage(local.payload, &request);
+  if (!reply->status.ok()) return;
   auto& response = *google::protobuf::Arena::CreateMessage<v1::DecodeStepResponse>(&arena);
   const int max_items =
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;
@@ -117,10 +116,8 @@ void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalR
 
 void ServeLocalAttend(const LocalServices& services, LocalCall local, LocalReply* reply) {
   v1::AttendRequest request;
-  if (!request.ParseFromArray(local.payload.data(), int(local.payload.size()))) {
-    reply->status = absl::InvalidArgumentError("AttendRequest: unreadable message");
-    return;
-  }
+  reply->status = ParseMessage(local.payload, &request);
+  if (!reply->status.ok()) return;
   v1::AttendResponse response;
   const absl::Time received = local.received;
   reply->status = RunAndKeep(

@@ -1,10 +1,12 @@
 // The gRPC edge's shared pieces without a server: the per-call wrapper (metrics, inflight, status),
-// the method table against the .proto services, the token gate's rule, the memory quota's rule.
+// the method table against the .proto services, parsing a raw request, the token gate's rule,
+// the memory quota's rule.
 #include <unistd.h>
 
 #include <set>
 #include <string>
 
+#include "common/protobuf_errors.h"
 #include "edge/grpc/grpc_auth.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_memory_quota.h"
@@ -102,6 +104,48 @@ TEST(GrpcMethodsTest, CoverEveryServedMethodOfTheProtos) {
   }
   EXPECT_EQ(GrpcMethodLabels().size(), GrpcMethods().size() + 1);  // + "other"
   EXPECT_EQ(FindGrpcMethod("/grpc.health.v1.Health/Check"), nullptr);
+}
+
+grpc::ByteBuffer Bytes(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// A raw method's request: parsed, or INVALID_ARGUMENT naming the message -- and the field, when a
+// string is not UTF-8 (protobuf's complaint is taken into the status, not logged).
+TEST(ParseRequestTest, NamesTheMessageAndTheFieldThatIsNotUtf8) {
+  RouteProtobufLogs();
+  v1::GetSequenceInfoRequest good;
+  good.set_sequence_id("0123456789abcdef0123456789abcdef");
+  v1::GetSequenceInfoRequest parsed;
+  ASSERT_TRUE(ParseRequest(Bytes(good.SerializeAsString()), &parsed).ok());
+  EXPECT_EQ(parsed.sequence_id(), good.sequence_id());
+
+  const absl::Status not_utf8 = ParseRequest(Bytes("\x0a\x02\xff\xfe"), &parsed);
+  EXPECT_EQ(not_utf8.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(not_utf8.message(),
+            "flashserve.v1.GetSequenceInfoRequest: malformed protobuf bytes (String field "
+            "'flashserve.v1.GetSequenceInfoRequest.sequence_id' contains invalid UTF-8 data)");
+  // Garbage carries no reason; the reason of the failure before does not linger.
+  const absl::Status garbage = ParseRequest(Bytes("\xff\xff\xff"), &parsed);
+  EXPECT_EQ(garbage.message(), "flashserve.v1.GetSequenceInfoRequest: malformed protobuf bytes");
+  // Truncated inside a string.
+  const std::string whole = good.SerializeAsString();
+  EXPECT_EQ(ParseMessage(std::string_view(whole).substr(0, 10), &parsed).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ParseRequestTest, AnAnswerSerializesToWhatItSays) {
+  v1::SequenceInfo info;
+  info.set_sequence_id("abc");
+  info.add_layer_lengths(7);
+  grpc::ByteBuffer raw;
+  ASSERT_TRUE(SerializeAnswer(info, &raw).ok());
+  v1::SequenceInfo back;
+  ASSERT_TRUE(ParseRequest(raw, &back).ok());
+  EXPECT_EQ(back.sequence_id(), "abc");
+  ASSERT_EQ(back.layer_lengths_size(), 1);
+  EXPECT_EQ(back.layer_lengths(0), 7);
 }
 
 TEST(GrpcTokenGateTest, EveryCallButHealthNeedsTheToken) {
