@@ -49,17 +49,38 @@ def test_create_request_bytes_parse_to_the_typed_request(rng):
     in_region = pb.Tensor(dtype=tensors.PROTO_DTYPE["float16"], shape=[7, 2, 64],
                           shm=pb.SharedMemoryRef(region="r\u00e9gion", offset=1 << 40, byte_size=7 * 2 * 64 * 2))
     empty = pb.Tensor(dtype=tensors.PROTO_DTYPE["float16"], shape=[0, 2, 64])
-    prefix = {5: (rows(300), rows(300)), 0: (rows(1), rows(1)), 2: (in_region, in_region), 3: (empty, empty)}
+    host = tensors.to_host_rows(rng.standard_normal((129, 2, 64)).astype(np.float16), "k")  # what create() sends
+    prefix = {5: (rows(300), rows(300)), 0: (rows(1), rows(1)), 2: (in_region, in_region), 3: (empty, empty),
+              4: (host, host)}
     header = spb.CreateSequenceRequest(num_layers=6, heads_q=4, heads_kv=2, head_dim=64,
                                        dtype=tensors.PROTO_DTYPE["float16"], max_tokens=(1 << 33) + 5,
                                        label="prefill \u2192 " * 40)
     typed = spb.CreateSequenceRequest()
     typed.CopyFrom(header)
-    for layer, (k, v) in sorted(prefix.items()):
+    as_proto = {layer: tuple(t if isinstance(t, pb.Tensor) else pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data)
+                             for t in kv) for layer, kv in prefix.items()}
+    for layer, (k, v) in sorted(as_proto.items()):
         typed.prefix.add(layer=layer, k=k, v=v)
     raw = create_request_bytes(header, prefix)
     assert spb.CreateSequenceRequest.FromString(raw) == typed
     assert len(raw) == typed.ByteSize()
+
+
+def test_history_joins_a_prefix_and_appended_rows(rng):
+    """A sequence's history (what a re-prefill sends): the prefix as HostRows, then appended pb.Tensor rows, joined
+    per layer in order; its byte count comes from the shapes."""
+    from flashserve import tensors
+    from flashserve._seq_history import LayerHistory
+
+    arrays = [rng.standard_normal((n, 2, 64)).astype(np.float16) for n in (5, 1, 3)]
+    history = LayerHistory(2)
+    history.replace({1: (tensors.to_host_rows(arrays[0], "k"), tensors.to_host_rows(-arrays[0], "v"))})
+    for a in arrays[1:]:
+        history.add(1, tensors.to_proto_rows(a, "k"), tensors.to_proto_rows(-a, "v"))
+    k, v = history.prefix()[1]
+    assert list(k.shape) == [9, 2, 64] and history.rows(1) == 9 and 0 not in history.prefix()
+    assert k.data == np.concatenate(arrays).tobytes() and v.data == (-np.concatenate(arrays)).tobytes()
+    assert history.bytes == 2 * 9 * 2 * 64 * 2
 
 
 # --- the ring --------------------------------------------------------------------------------------------------------

@@ -2,40 +2,44 @@
 
 The server holds the K/V cache; when it loses a sequence (TTL eviction, restart, the server left) the client sends
 the rows again as the new sequence's prefix. ``LayerHistory`` keeps the encoded rows that the server acknowledged,
-per layer, as wire tensors: re-sending them is a byte concatenation, no re-encoding.
+per layer, as wire tensors (pb.Tensor from appends, tensors.HostRows from a prefix): re-sending them is a byte
+concatenation, no re-encoding.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
 from ._pb import attention_pb2 as pb
+from .tensors import ITEMSIZE, NAME_OF_PROTO_DTYPE, HostRows
+
+Rows = Union["pb.Tensor", HostRows]
 
 
 class LayerHistory:
     """Acknowledged K/V rows of every layer, in append order. Not thread-safe: the owner's lock guards it."""
 
     def __init__(self, num_layers: int):
-        self._k: List[List[pb.Tensor]] = [[] for _ in range(num_layers)]
-        self._v: List[List[pb.Tensor]] = [[] for _ in range(num_layers)]
+        self._k: List[List[Rows]] = [[] for _ in range(num_layers)]
+        self._v: List[List[Rows]] = [[] for _ in range(num_layers)]
         self.bytes = 0
 
-    def add(self, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
+    def add(self, layer: int, k: Rows, v: Rows) -> None:
         if not k.shape or k.shape[0] == 0:
             return
         self._k[layer].append(k)
         self._v[layer].append(v)
-        self.bytes += len(k.data) + len(v.data)
+        self.bytes += _data_bytes(k) + _data_bytes(v)
 
     def rows(self, layer: int) -> int:
         return sum(int(t.shape[0]) for t in self._k[layer])
 
-    def prefix(self) -> Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]:
+    def prefix(self) -> Dict[int, Tuple[Rows, Rows]]:
         """{layer: (k, v)} with every acknowledged row of each non-empty layer, as single wire tensors."""
         return {layer: (_concat(self._k[layer]), _concat(self._v[layer]))
                 for layer in range(len(self._k)) if self._k[layer]}
 
-    def replace(self, prefix: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]) -> None:
+    def replace(self, prefix: Dict[int, Tuple[Rows, Rows]]) -> None:
         """Forgets everything and keeps ``prefix`` (what a re-created sequence starts with)."""
         for layer in range(len(self._k)):
             self._k[layer], self._v[layer] = [], []
@@ -44,10 +48,18 @@ class LayerHistory:
             self.add(layer, k, v)
 
 
-def _concat(pieces: List["pb.Tensor"]) -> "pb.Tensor":
+def _data_bytes(t: Rows) -> int:
+    """The size of t's data, from its shape (reading a pb.Tensor's data copies it)."""
+    count = 1
+    for n in t.shape:
+        count *= int(n)
+    return count * ITEMSIZE.get(NAME_OF_PROTO_DTYPE.get(t.dtype, ""), 1)
+
+
+def _concat(pieces: List[Rows]) -> Rows:
     """Row-major [rows, heads, d] tensors joined along rows: their bytes one after another."""
     if len(pieces) == 1:
         return pieces[0]
     first = pieces[0]
     rows = sum(int(t.shape[0]) for t in pieces)
-    return pb.Tensor(dtype=first.dtype, shape=[rows] + list(first.shape[1:]), data=b"".join(t.data for t in pieces))
+    return HostRows(first.dtype, (rows,) + tuple(first.shape[1:]), b"".join(t.data for t in pieces))

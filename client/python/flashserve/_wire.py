@@ -3,12 +3,13 @@ not compiled into this package), and the Sequences requests whose size is their 
 prefix), joined from the tensors' bytes instead of built as a message and serialized.
 
 A 32 MiB prefix (8k tokens of a Llama-3-8B-like layer) took ~50 ms to copy into the request message and serialize
-(upb, the 2-core build machine); joined here, the tensors' bytes are copied once. The bytes parse to exactly the
+(upb, the 2-core build machine); joined here from HostRows (sequences.encode_prefix: the array's bytes), they are
+copied once more, in the join. The bytes parse to exactly the
 message the typed path builds (tests/python/test_sequences_client.py)."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
@@ -34,24 +35,25 @@ def _field(number: int, parts: List[bytes]) -> List[bytes]:
     return [varint(number << 3 | _LENGTH_DELIMITED), varint(sum(len(p) for p in parts))] + parts
 
 
-def _tensor(t: "pb.Tensor") -> List[bytes]:
-    """t's wire bytes: every field but data serialized, then data as it is (field order does not matter to a parser)."""
+def _tensor(t) -> List[bytes]:
+    """t's wire bytes (a pb.Tensor or tensors.HostRows): every field but data serialized, then data as it is (field
+    order does not matter to a parser). A pb.Tensor's data is read once: each read copies it out of the message."""
     head = pb.Tensor(dtype=t.dtype, shape=t.shape)
-    if t.HasField("shm"):
+    if isinstance(t, pb.Tensor) and t.HasField("shm"):
         head.shm.CopyFrom(t.shm)
     parts = [head.SerializeToString()]
-    if t.data:
-        parts += _field(_DATA_FIELD, [t.data])
+    data = t.data
+    if data:
+        parts += _field(_DATA_FIELD, [data])
     return parts
 
 
-def _layer_kv(layer: int, k: "pb.Tensor", v: "pb.Tensor") -> List[bytes]:
+def _layer_kv(layer: int, k, v) -> List[bytes]:
     return ([spb.LayerKV(layer=layer).SerializeToString()] + _field(_LAYER_KV["k"].number, _tensor(k))
             + _field(_LAYER_KV["v"].number, _tensor(v)))
 
 
-def create_request_bytes(header: "spb.CreateSequenceRequest",
-                         prefix: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]) -> bytes:
+def create_request_bytes(header: "spb.CreateSequenceRequest", prefix: Dict[int, Tuple[Any, Any]]) -> bytes:
     """header (a CreateSequenceRequest without prefix) with prefix {layer: (k, v)} appended, layers in order."""
     parts = [header.SerializeToString()]
     for layer, (k, v) in sorted(prefix.items()):

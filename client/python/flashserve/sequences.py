@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import tensors
 from ._pb import attention_pb2 as pb
@@ -46,8 +46,18 @@ def encode_rows(x: Any, field: str) -> "pb.Tensor":
     return x if isinstance(x, pb.Tensor) else tensors.to_proto_rows(x, field)
 
 
-def encode_prefix(prefix: Optional[Prefix]) -> Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]:
-    return {int(layer): (encode_rows(k, f"prefix[{layer}].k"), encode_rows(v, f"prefix[{layer}].v"))
+# A wire tensor of rows: a pb.Tensor, or HostRows (tensors.py), which reads like one.
+Rows = Union["pb.Tensor", tensors.HostRows]
+
+
+def encode_prefix_rows(x: Any, field: str) -> Rows:
+    """A prefix tensor: as HostRows (its bytes copied once; _wire.py joins them into the request), or an already
+    encoded pb.Tensor as it is."""
+    return x if isinstance(x, (pb.Tensor, tensors.HostRows)) else tensors.to_host_rows(x, field)
+
+
+def encode_prefix(prefix: Optional[Prefix]) -> Dict[int, Tuple[Rows, Rows]]:
+    return {int(layer): (encode_prefix_rows(k, f"prefix[{layer}].k"), encode_prefix_rows(v, f"prefix[{layer}].v"))
             for layer, (k, v) in (prefix or {}).items()}
 
 
@@ -114,7 +124,7 @@ class Sequence:
 
     # --- state, used by SequenceClient under self.lock ---------------------------------------------------------------
 
-    def acknowledge(self, rows: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]], lengths: Mapping[int, int]) -> None:
+    def acknowledge(self, rows: Dict[int, Tuple[Rows, Rows]], lengths: Mapping[int, int]) -> None:
         """The server appended ``rows``; ``lengths`` are its layer lengths after that."""
         if self._history is not None:
             for layer, (k, v) in rows.items():
@@ -122,7 +132,7 @@ class Sequence:
         for layer, length in lengths.items():
             self.lengths[layer] = int(length)
 
-    def recovery_prefix(self) -> Optional[Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]]:
+    def recovery_prefix(self) -> Optional[Dict[int, Tuple[Rows, Rows]]]:
         """Every row the server should hold, to re-create the sequence; None when nothing can supply them."""
         if self._history is not None:
             return self._history.prefix()
@@ -130,7 +140,7 @@ class Sequence:
             return encode_prefix(self._prefix_source(self))
         return None
 
-    def reset_history(self, prefix: Dict[int, Tuple["pb.Tensor", "pb.Tensor"]]) -> None:
+    def reset_history(self, prefix: Dict[int, Tuple[Rows, Rows]]) -> None:
         if self._history is not None:
             self._history.replace(prefix)
 
