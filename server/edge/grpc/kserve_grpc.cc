@@ -47,18 +47,18 @@ ShmReferences ShmReferencesOf(const InferCall& call) {
   return refs;
 }
 
-using Kserve = inference::GRPCInferenceService;
+using KServe = inference::GRPCInferenceService;
 using KServeBase =
-    Wrapped<Kserve::Service, Kserve::WithRawCallbackMethod_ServerLive,
-            Kserve::WithRawCallbackMethod_ServerReady, Kserve::WithRawCallbackMethod_ModelReady,
-            Kserve::WithRawCallbackMethod_ServerMetadata,
-            Kserve::WithRawCallbackMethod_ModelMetadata, Kserve::WithRawCallbackMethod_ModelInfer,
-            Kserve::WithRawCallbackMethod_SystemSharedMemoryStatus,
-            Kserve::WithRawCallbackMethod_SystemSharedMemoryRegister,
-            Kserve::WithRawCallbackMethod_SystemSharedMemoryUnregister,
-            Kserve::WithRawCallbackMethod_CudaSharedMemoryStatus,
-            Kserve::WithRawCallbackMethod_CudaSharedMemoryRegister,
-            Kserve::WithRawCallbackMethod_CudaSharedMemoryUnregister>;
+    Wrapped<KServe::Service, KServe::WithRawCallbackMethod_ServerLive,
+            KServe::WithRawCallbackMethod_ServerReady, KServe::WithRawCallbackMethod_ModelReady,
+            KServe::WithRawCallbackMethod_ServerMetadata,
+            KServe::WithRawCallbackMethod_ModelMetadata, KServe::WithRawCallbackMethod_ModelInfer,
+            KServe::WithRawCallbackMethod_SystemSharedMemoryStatus,
+            KServe::WithRawCallbackMethod_SystemSharedMemoryRegister,
+            KServe::WithRawCallbackMethod_SystemSharedMemoryUnregister,
+            KServe::WithRawCallbackMethod_CudaSharedMemoryStatus,
+            KServe::WithRawCallbackMethod_CudaSharedMemoryRegister,
+            KServe::WithRawCallbackMethod_CudaSharedMemoryUnregister>;
 
 // Health methods: open without a token and not counted (edge/grpc/grpc_auth.h, grpc_call.h); a
 // request that does not parse is still answered INVALID_ARGUMENT and logged.
