@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -95,6 +96,37 @@ absl::Status HttpListener::Impl::CheckHeaders(MHD_Connection* connection) const 
   return absl::OkStatus();
 }
 
+absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection) const {
+  struct Framing {
+    int content_lengths = 0, transfer_encodings = 0;
+    std::string first_length;
+    bool lengths_differ = false;
+  } framing;
+  MHD_get_connection_values(
+      connection, MHD_HEADER_KIND,
+      [](void* cls, MHD_ValueKind, const char* key, const char* value) -> MHD_Result {
+        auto* f = static_cast<Framing*>(cls);
+        const std::string v = value ? value : "";
+        if (absl::EqualsIgnoreCase(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
+          if (f->content_lengths++ == 0) f->first_length = v;
+          f->lengths_differ |= v != f->first_length;
+        } else if (absl::EqualsIgnoreCase(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
+          ++f->transfer_encodings;
+        }
+        return MHD_YES;
+      },
+      &framing);
+  // RFC 9112 6.3: either makes the body's end ambiguous, which a proxy in front may read
+  // differently (request smuggling).
+  if (framing.lengths_differ) {
+    return absl::InvalidArgumentError("request framing: Content-Length headers that differ");
+  }
+  if (framing.content_lengths > 0 && framing.transfer_encodings > 0) {
+    return absl::InvalidArgumentError("request framing: both Transfer-Encoding and Content-Length");
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 void FreeHeldResponse(void* cls) { delete static_cast<HttpResponse*>(cls); }
@@ -177,6 +209,13 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
   if (absl::Status s = CheckHeaders(connection); !s.ok()) {
     return Respond(connection, st, s, "", MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE);
   }
+  if (absl::Status s = CheckFraming(connection); !s.ok()) {
+    // Answered, then the connection closed: where the body ends is not known.
+    spdlog::debug("{} request refused: {}", options.name, LogSafe(s.message()));
+    HttpResponse refused = HttpResponse::Json(400, HttpErrorJson(s.message()));
+    refused.headers.emplace_back(MHD_HTTP_HEADER_CONNECTION, "close");
+    return Respond(connection, st, std::move(refused), "");
+  }
   const std::string path(url);
   std::vector<std::string> matches;
   st->route = Find(method, path, &matches);
@@ -258,8 +297,10 @@ MHD_Result HttpListener::Impl::Finish(MHD_Connection* connection, const char* ur
     {
       std::lock_guard<std::mutex> lock(st->pending->mu);
       answer = std::move(st->pending->answer);
+      st->pending->answer.reset();
     }
     if (!answer) return MHD_YES;  // not ours to answer yet (cannot happen: resumed with it)
+    Unsuspend(st->pending);
     return Respond(connection, st, *std::move(answer), metric);
   }
   if (st->route != nullptr && st->route->route.get) {
@@ -272,11 +313,17 @@ MHD_Result HttpListener::Impl::Finish(MHD_Connection* connection, const char* ur
   SetPhase(connection, Phase::kBusy);
   st->pending = std::make_shared<PendingAnswer>();
   st->pending->connection = connection;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    suspended.insert(st->pending);
+  }
   MHD_suspend_connection(connection);
   st->upload->OnComplete([pending = st->pending](HttpAnswer answer) {
     std::lock_guard<std::mutex> lock(pending->mu);
-    if (pending->connection == nullptr) return;  // the connection is gone
+    // The connection is gone, or shutdown answered it already.
+    if (pending->connection == nullptr || pending->resumed) return;
     pending->answer = std::move(answer);
+    pending->resumed = true;
     MHD_resume_connection(pending->connection);
   });
   return MHD_YES;

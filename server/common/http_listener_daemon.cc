@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -126,8 +127,11 @@ void OnCompleted(void* cls, MHD_Connection* connection, void** request_context,
   *request_context = nullptr;
   if (st != nullptr) {
     if (st->pending != nullptr) {
-      std::lock_guard<std::mutex> lock(st->pending->mu);
-      st->pending->connection = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(st->pending->mu);
+        st->pending->connection = nullptr;
+      }
+      impl->Unsuspend(st->pending);
     }
     if (st->begun && !st->answered && st->route != nullptr && !st->route->route.metric.empty() &&
         impl->options.on_finished) {
@@ -190,6 +194,14 @@ void LogFromMhd(void* cls, const char* format, va_list args) {
   const std::string text(absl::StripTrailingAsciiWhitespace(line));
   spdlog::debug("{}: libmicrohttpd: {}", static_cast<HttpListener::Impl*>(cls)->options.name,
                 LogSafe(text));
+}
+
+// libmicrohttpd's fatal errors (it aborts after this returns): one more log line like the rest.
+void PanicFromMhd(void* /*cls*/, const char* file, unsigned int line, const char* reason) {
+  spdlog::critical("libmicrohttpd fatal error at {}:{}: {}", file ? file : "?", line,
+                   LogSafe(reason ? reason : ""));
+  spdlog::default_logger()->flush();
+  std::abort();
 }
 
 }  // namespace
@@ -263,6 +275,7 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
     items.push_back({MHD_OPTION_HTTPS_MEM_KEY, 0, impl.tls_key.data()});
   }
   items.push_back({MHD_OPTION_END, 0, nullptr});
+  MHD_set_panic_func(&PanicFromMhd, nullptr);  // process-wide; every listener sets the same
   impl.daemon = MHD_start_daemon(flags, 0, nullptr, nullptr, &OnAccess, &impl,
                                  MHD_OPTION_ARRAY, items.data(), MHD_OPTION_END);
   if (impl.daemon == nullptr) {
@@ -279,6 +292,37 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
   listener->port_ = info != nullptr ? info->port : options.port;
   impl.sweeper = std::thread([&impl] { impl.Sweep(); });
   return listener;
+}
+
+void HttpListener::Impl::Unsuspend(const std::shared_ptr<PendingAnswer>& pending) {
+  std::lock_guard<std::mutex> lock(mu);
+  suspended.erase(pending);
+}
+
+void HttpListener::Impl::AnswerSuspended(const HttpAnswer& answer, absl::Duration wait) {
+  std::vector<std::shared_ptr<PendingAnswer>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    waiting.assign(suspended.begin(), suspended.end());
+  }
+  for (const std::shared_ptr<PendingAnswer>& pending : waiting) {
+    std::lock_guard<std::mutex> lock(pending->mu);
+    if (pending->connection == nullptr || pending->resumed) continue;
+    pending->answer = answer;
+    pending->resumed = true;
+    MHD_resume_connection(pending->connection);
+  }
+  // Resumed connections are answered on the daemon's threads (Finish), which then unlist them.
+  const absl::Time deadline = absl::Now() + wait;
+  while (absl::Now() < deadline) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (suspended.empty()) return;
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  spdlog::warn("{}: {} answer(s) not written before the listener stopped", options.name,
+               suspended.size());
 }
 
 HttpListener::~HttpListener() { Stop(); }
@@ -300,6 +344,10 @@ void HttpListener::Stop(absl::Duration finish_answers) {
       absl::SleepFor(absl::Milliseconds(10));
     }
   }
+  // Requests still computing (their work outlived the server's grace period) are answered 503:
+  // libmicrohttpd aborts when stopped with a connection suspended.
+  impl_->AnswerSuspended(absl::UnavailableError("server shutting down: the answer was not ready"),
+                         absl::Seconds(2));
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     impl_->stop = true;

@@ -39,6 +39,7 @@ struct PendingAnswer {
   std::mutex mu;
   MHD_Connection* connection = nullptr;  // null once the request is over (closed, shut down)
   std::optional<HttpAnswer> answer;
+  bool resumed = false;  // the answer is in and the connection resumed: exactly once
 };
 
 struct CompiledRoute {
@@ -76,8 +77,11 @@ struct HttpListener::Impl {
   MHD_Daemon* daemon = nullptr;
   std::string tls_cert, tls_key;  // must outlive the daemon
 
-  std::mutex mu;  // guards connections and stop
+  std::mutex mu;  // guards connections, suspended and stop
   std::set<ConnectionState*> connections;
+  // Requests waiting suspended for their answer. libmicrohttpd aborts the process when it is
+  // stopped with a connection suspended, so Stop answers these first (AnswerSuspended).
+  std::set<std::shared_ptr<PendingAnswer>> suspended;
   bool stop = false;
   std::condition_variable stop_cv;
   std::thread sweeper;
@@ -85,11 +89,16 @@ struct HttpListener::Impl {
   // The timeouts (http_listener_daemon.cc).
   void SetPhase(MHD_Connection* connection, Phase phase);
   void Sweep();
+  // Answers every request still suspended with `answer` and waits (up to `wait`) until each is
+  // resumed and answered or its connection closed (http_listener_daemon.cc).
+  void AnswerSuspended(const HttpAnswer& answer, absl::Duration wait);
+  void Unsuspend(const std::shared_ptr<PendingAnswer>& pending);
 
   // The middleware (http_listener.cc).
   const CompiledRoute* Find(absl::string_view method, const std::string& path,
                             std::vector<std::string>* matches) const;
   absl::Status CheckHeaders(MHD_Connection* connection) const;
+  absl::Status CheckFraming(MHD_Connection* connection) const;
   MHD_Result Respond(MHD_Connection* connection, RequestState* st, HttpAnswer answer,
                      absl::string_view metric, int forced_status = 0);
   MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,

@@ -316,7 +316,8 @@ bool Server::Drain(const StopEvent& stop) {
   grpc_edge_->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");
   if (local_ != nullptr) local_->Stop(drained);
-  http_edge_->Stop();
+  // Past the grace period nothing more is waited for, as for gRPC above.
+  http_edge_->Stop(drained ? absl::Seconds(10) : absl::ZeroDuration());
   spdlog::debug("shutdown: HTTP stopped");
   metrics_http_->Stop();  // before the scheduler its queue-depth callback reads goes away
   spdlog::info("stopped");

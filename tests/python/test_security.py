@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -159,3 +162,30 @@ def test_binds_loopback_by_default(server):
     # The startup line is near the start of the log (other tests' traffic may follow it).
     startup = (server.log_dir / f"{server.name}.stderr").read_text(errors="replace")[:4000]
     assert "grpc=127.0.0.1:" in startup and "http=127.0.0.1:" in startup, startup
+
+
+def test_grpc_core_log_lines_stay_json(flashserve_bin, cert, tmp_path):
+    """gRPC core logs a failed TLS handshake itself (a plaintext client on the TLS port: one line per connection);
+    with --log_format=json that line was gRPC's own "E1129 ... ssl_transport_security.cc" among the JSON objects. It
+    goes through the server's logger now."""
+    from conftest import ServerProcess
+
+    args = [f"--tls_cert={cert / 'cert.pem'}", f"--tls_key={cert / 'key.pem'}", "--log_format=json"]
+    server = ServerProcess(flashserve_bin, tmp_path, args, name="json_tls")
+    _start_tls(server, cert / "cert.pem")
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                try:
+                    s.recv(100)
+                except OSError:
+                    pass
+        time.sleep(0.5)
+    finally:
+        server.stop()
+    stderr = (tmp_path / "json_tls.stderr").read_text()
+    assert "Handshake failed" in stderr, stderr[-2000:]  # gRPC said it...
+    for line in stderr.splitlines():  # ...as one JSON object per line, like every line
+        record = json.loads(line)
+        assert {"time", "level", "msg"} <= set(record), line

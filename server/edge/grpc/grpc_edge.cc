@@ -12,6 +12,7 @@
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
 #include "flashserve/v1/attention.grpc.pb.h"
+#include "grpc/support/log.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -70,6 +71,17 @@ class AttentionServiceImpl final : public AttentionServiceBase {
   AttentionRuntime* runtime_;
   const ServerIdentity identity_;
 };
+
+// gRPC core's own log lines (a failed TLS handshake, a port that cannot be bound) through the
+// server's logger: with --log_format=json they were gRPC's "E1129 ..." lines among JSON objects.
+void LogFromGrpc(gpr_log_func_args* args) {
+  const spdlog::level::level_enum level =
+      args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+      : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                : spdlog::level::debug;
+  spdlog::log(level, "gRPC: {} ({}:{})", LogSafe(args->message ? args->message : "", 1024),
+              args->file ? args->file : "?", args->line);
+}
 
 // Message limits, the memory quota and the HTTP/2 settings of the listening port.
 void ConfigureTransport(const GrpcOptions& options, int64_t memory_quota_bytes,
@@ -160,6 +172,7 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
                  kInjectDeviceFaultRequestId);
   }
 
+  gpr_set_log_function(&LogFromGrpc);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -211,7 +211,18 @@ absl::StatusOr<AttentionProblem> ValidateSessionHeader(const v1::AttentionReques
       return absl::InvalidArgumentError(
           absl::StrCat(names[i], ".data: must be empty in OpenSession (send it with Upload)"));
     }
+    // A session's tensors travel in Upload chunks and O in the answer or Download: a reference
+    // here would be ignored, the region never read or written.
+    if (tensors[i]->has_shm()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          names[i], ".shm: shared memory is not supported by the stream service (use Attention)"));
+    }
     data_bytes[i] = ImpliedBytes(*tensors[i]);
+  }
+  if (header.has_out_shm() || header.has_lse_shm()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        header.has_out_shm() ? "out_shm" : "lse_shm",
+        ": shared memory is not supported by the stream service (use Attention)"));
   }
   return ValidateAttentionRequest(header, limits, data_bytes);
 }

@@ -82,6 +82,6 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
 
 int HttpEdge::port() const { return listener_->port(); }
 
-void HttpEdge::Stop() { listener_->Stop(); }
+void HttpEdge::Stop(absl::Duration finish_answers) { listener_->Stop(finish_answers); }
 
 }  // namespace flashserve

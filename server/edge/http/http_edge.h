@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "common/auth.h"
 #include "edge/kserve/kserve_model.h"
 #include "runtime/attention_runtime.h"
@@ -43,7 +44,9 @@ class HttpEdge {
                                                           const kserve::KServeOptions& kserve);
   ~HttpEdge();
   int port() const;
-  void Stop();
+  /// Stops listening; answers being written may finish for `finish_answers`, requests still
+  /// computing are answered 503 (common/http_listener.h).
+  void Stop(absl::Duration finish_answers = absl::Seconds(10));
 
  private:
   explicit HttpEdge(std::unique_ptr<HttpListener> listener);

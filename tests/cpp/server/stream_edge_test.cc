@@ -352,6 +352,35 @@ TEST(SessionTableTest, RefusesWithTheNativeApisMessages) {
   }
 }
 
+// A session's tensors travel in Upload chunks, O in the answer or Download: a shared-memory
+// reference in the header was accepted and ignored (the region never read or written).
+TEST(SessionTableTest, RefusesSharedMemoryReferences) {
+  SessionTable table(StreamLimits{}, Accepted());
+  std::vector<std::pair<std::string, v1::AttentionRequest>> headers;
+  for (const char* name : {"q", "k", "v", "out_shm", "lse_shm"}) {
+    v1::AttentionRequest h = Header();
+    v1::SharedMemoryRef ref;
+    ref.set_region("r");
+    ref.set_byte_size(64);
+    const std::string n = name;
+    if (n == "q") *h.mutable_q()->mutable_shm() = ref;
+    if (n == "k") *h.mutable_k()->mutable_shm() = ref;
+    if (n == "v") *h.mutable_v()->mutable_shm() = ref;
+    if (n == "out_shm") *h.mutable_out_shm() = ref;
+    if (n == "lse_shm") *h.mutable_lse_shm() = ref;
+    headers.emplace_back(n, h);
+  }
+  for (const auto& [name, header] : headers) {
+    const absl::Status status = table.Open(header).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(status.message().find("shared memory is not supported by the stream service"),
+              std::string::npos)
+        << name << ": " << status;
+    EXPECT_EQ(status.message().rfind(name, 0), 0u) << status;
+  }
+  EXPECT_EQ(table.size(), 0u);
+}
+
 TEST(SessionIdTest, Is128RandomBitsInHex) {
   constexpr int kIds = 2000;
   std::set<std::string> ids;

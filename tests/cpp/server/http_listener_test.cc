@@ -1,0 +1,138 @@
+// The HTTP listener without a server: a request whose answer never comes is answered 503 when
+// the listener stops (libmicrohttpd aborted the process when stopped with a connection
+// suspended), and ambiguous request framing is refused with the connection closed.
+#include "common/http_listener.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+// Keeps every reply it is handed and never answers (work that outlives the server).
+struct HeldReplies {
+  std::mutex mu;
+  std::vector<HttpReply> replies;
+  std::atomic<int> count{0};
+};
+
+class HoldingUpload final : public HttpUpload {
+ public:
+  explicit HoldingUpload(std::shared_ptr<HeldReplies> held) : held_(std::move(held)) {}
+  absl::Status OnBody(absl::string_view) override { return absl::OkStatus(); }
+  void OnComplete(HttpReply reply) override {
+    std::lock_guard<std::mutex> lock(held_->mu);
+    held_->replies.push_back(std::move(reply));
+    held_->count.fetch_add(1);
+  }
+
+ private:
+  std::shared_ptr<HeldReplies> held_;
+};
+
+std::unique_ptr<HttpListener> StartHolding(std::shared_ptr<HeldReplies> held) {
+  HttpRoute route;
+  route.method = "POST";
+  route.pattern = "/work";
+  route.max_body_bytes = 1 << 20;
+  route.post = [held](const HttpRequest&) -> absl::StatusOr<std::unique_ptr<HttpUpload>> {
+    return std::unique_ptr<HttpUpload>(new HoldingUpload(held));
+  };
+  absl::StatusOr<std::unique_ptr<HttpListener>> listener =
+      HttpListener::Start(HttpListenerOptions{}, {route});
+  EXPECT_TRUE(listener.ok()) << listener.status();
+  return listener.ok() ? *std::move(listener) : nullptr;
+}
+
+int Connect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(uint16_t(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  timeval timeout{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  return fd;
+}
+
+// Everything the server sends until it closes the connection (or 10 s pass).
+std::string ReadAll(int fd) {
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) out.append(buf, size_t(n));
+  return out;
+}
+
+TEST(HttpListenerStop, AnswersARequestStillWaitingFor503) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);
+  ASSERT_NE(listener, nullptr);
+  const int fd = Connect(listener->port());
+  const std::string request = "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+  ASSERT_EQ(send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+  for (int i = 0; i < 1000 && held->count.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(held->count.load(), 1);
+
+  listener->Stop(absl::Milliseconds(50));  // aborted the process before
+  const std::string answer = ReadAll(fd);
+  close(fd);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 503", 0), 0u) << answer;
+  EXPECT_NE(answer.find("server shutting down"), std::string::npos) << answer;
+  // The work finishing later finds the request over.
+  std::lock_guard<std::mutex> lock(held->mu);
+  held->replies[0](HttpResponse::Json(200, "{}"));
+}
+
+TEST(HttpListenerFraming, AmbiguousBodiesAreRefusedAndTheConnectionClosed) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);
+  ASSERT_NE(listener, nullptr);
+  const std::string smuggled = "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+  const std::string cases[] = {
+      // The second request rides in the body that the second Content-Length claims.
+      "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: " +
+          std::to_string(2 + smuggled.size()) + "\r\n\r\n{}" + smuggled,
+      "POST /work HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n"
+      "2\r\n{}\r\n0\r\n\r\n" +
+          smuggled};
+  for (const std::string& request : cases) {
+    const int fd = Connect(listener->port());
+    ASSERT_EQ(send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+    const std::string answer = ReadAll(fd);  // returns: the server closed the connection
+    close(fd);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 400", 0), 0u) << answer;
+    EXPECT_NE(answer.find("request framing"), std::string::npos) << answer;
+    EXPECT_EQ(answer.find("HTTP/1.1", 1), std::string::npos) << "a second answer: " << answer;
+  }
+  EXPECT_EQ(held->count.load(), 0);  // neither request, nor the smuggled one, was served
+  // Equal duplicates and a plain body still work (answered when the held reply is called).
+  const int fd = Connect(listener->port());
+  const std::string plain = "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+  ASSERT_EQ(send(fd, plain.data(), plain.size(), 0), ssize_t(plain.size()));
+  for (int i = 0; i < 1000 && held->count.load() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(held->count.load(), 1);
+  {
+    std::lock_guard<std::mutex> lock(held->mu);
+    held->replies[0](HttpResponse::Json(200, R"({"ok":1})"));
+  }
+  char buf[512];
+  const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+  close(fd);
+  ASSERT_GT(n, 0);
+  EXPECT_EQ(std::string(buf, size_t(n)).rfind("HTTP/1.1 200", 0), 0u);
+}
+
+}  // namespace
+}  // namespace flashserve
