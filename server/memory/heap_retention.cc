@@ -23,27 +23,51 @@ HeapRetention::HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold,
                              absl::Duration hold)
     : retain_bytes_(base_mmap_threshold > 0 ? retain_bytes : 0),
       base_mmap_threshold_(base_mmap_threshold),
-      hold_ns_(absl::ToInt64Nanoseconds(hold)) {}
+      hold_ns_(absl::ToInt64Nanoseconds(hold)) {
+  if (retain_bytes_ > 0) ender_ = std::thread([this] { EndAfterHold(); });
+}
+
+HeapRetention::~HeapRetention() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (ender_.joinable()) ender_.join();
+}
 
 void HeapRetention::Observe(int64_t request_bytes) {
-  if (retain_bytes_ <= 0) return;
-  if (request_bytes >= kBigRequestBytes) {
-    Retain();
-  } else if (retaining_.load(std::memory_order_relaxed) &&
-             absl::GetCurrentTimeNanos() - last_retain_ns_.load(std::memory_order_relaxed) >
-                 hold_ns_) {
-    // A Retain() racing with this may find the thresholds lowered; the next one raises them.
-    if (retaining_.exchange(false)) {
-      SetMallocThresholds(base_mmap_threshold_, kGlibcDefaultTrimThreshold);
-    }
-  }
+  if (request_bytes >= kBigRequestBytes) Retain();
 }
 
 void HeapRetention::Retain() {
   if (retain_bytes_ <= 0) return;
   last_retain_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
-  if (!retaining_.load(std::memory_order_relaxed) && !retaining_.exchange(true)) {
+  if (retaining_.load(std::memory_order_relaxed)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (retaining_.load()) return;
     SetMallocThresholds(kRetainingMmapThreshold, retain_bytes_);
+    retaining_.store(true);
+  }
+  cv_.notify_all();
+}
+
+void HeapRetention::EndAfterHold() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (!retaining_.load()) {
+      cv_.wait(lock, [this] { return stop_ || retaining_.load(); });
+      continue;
+    }
+    const int64_t wait_ns = last_retain_ns_.load() + hold_ns_ - absl::GetCurrentTimeNanos();
+    if (wait_ns > 0) {
+      cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns), [this] { return stop_; });
+      continue;
+    }
+    SetMallocThresholds(base_mmap_threshold_, kGlibcDefaultTrimThreshold);
+    retaining_.store(false);
+    malloc_trim(0);  // what was kept goes back now, not at some later free
   }
 }
 

@@ -11,8 +11,10 @@
 // flat (tests/soak/RESULTS.md).
 //
 // So both thresholds are raised only while big requests (>= kBigRequestBytes: Attention, a
-// sequence's CreateSequence / Append) or decode steps keep arriving, and put back once none has
-// come for `hold`. A typed request's tensors are message strings: an 8k-token prefix of a
+// sequence's CreateSequence / Append) or decode steps keep arriving, and put back -- the kept heap
+// trimmed -- once none has come for `hold`, by a thread of its own: when it was the next small
+// request that ended it, traffic that never calls Observe (the local socket's Echo, KServe, or
+// none at all) kept hundreds of MB after one decode step. A typed request's tensors are message strings: an 8k-token prefix of a
 // Llama-3-8B-like layer parses into two 16 MiB strings, ~8,000 page faults per CreateSequence while
 // they were mmaps of their own (tests/python/test_decode_heap.py). A decode step is small (~1 MB
 // for 64 sequences) but frees its message strings, arena blocks and outputs together after each
@@ -23,7 +25,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <mutex>
+#include <thread>
 
 #include "absl/time/time.h"
 
@@ -42,9 +47,12 @@ class HeapRetention {
   /// threshold otherwise (the server's --malloc_mmap_threshold_bytes); 0 (glibc's dynamic default,
   /// which already keeps big buffers) disables too.
   HeapRetention(int64_t retain_bytes, int64_t base_mmap_threshold, absl::Duration hold);
+  ~HeapRetention();
+  HeapRetention(const HeapRetention&) = delete;
+  HeapRetention& operator=(const HeapRetention&) = delete;
 
-  /// Called for each request once its size is known. Thread-safe; a small request while nothing is
-  /// retained costs one relaxed load (the clock is read only for big requests and while retaining).
+  /// Called for each request once its size is known: a big one retains. Thread-safe; a small
+  /// request costs nothing.
   void Observe(int64_t request_bytes);
   /// A call whose buffers the next call will want again arrived (a big request, a decode step):
   /// retain from now until `hold` after the last such call. Thread-safe; reads the clock.
@@ -53,11 +61,18 @@ class HeapRetention {
   bool retaining() const { return retaining_.load(); }
 
  private:
+  // The thread: ends retention `hold` after the last Retain (thresholds back, heap trimmed).
+  void EndAfterHold();
+
   const int64_t retain_bytes_;
   const int64_t base_mmap_threshold_;
   const int64_t hold_ns_;
   std::atomic<int64_t> last_retain_ns_{0};
   std::atomic<bool> retaining_{false};
+  std::mutex mu_;  // guards the transitions (mallopt calls) and stop_
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::thread ender_;  // last: started once the rest is set up; only when retention is enabled
 };
 
 }  // namespace flashserve

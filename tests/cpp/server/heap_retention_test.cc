@@ -48,9 +48,8 @@ TEST(HeapRetention, BigRequestsKeepTheirBuffersOtherwiseTheyAreMmaps) {
 
   retention.Observe(4 << 20);  // smaller requests within `hold`: still retaining
   EXPECT_TRUE(retention.retaining());
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  retention.Observe(4 << 20);  // no big request for `hold`: back to the base thresholds
-  EXPECT_FALSE(retention.retaining());
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  EXPECT_FALSE(retention.retaining()) << "no big request for `hold`: back to the base thresholds";
   EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
 }
 
@@ -85,12 +84,22 @@ TEST(HeapRetention, RetainKeepsBuffersUntilHoldPassesWithoutOne) {
   std::this_thread::sleep_for(std::chrono::milliseconds(60));
   retention.Retain();  // steps keep coming: `hold` counts from the last one
   std::this_thread::sleep_for(std::chrono::milliseconds(60));
-  retention.Observe(1 << 20);
   EXPECT_TRUE(retention.retaining()) << "120 ms after the first step, 60 ms after the last";
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  retention.Observe(1 << 20);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
   EXPECT_FALSE(retention.retaining());
   EXPECT_LT(HeapAfterFreeing(size_t{32} << 20), size_t{8} << 20) << "the kept memory goes back";
+}
+
+// Nothing else has to come for retention to end: one decode step followed by traffic that never
+// calls Observe (or by nothing) kept the heap's hundreds of MB until the next small request.
+TEST(HeapRetention, EndsOnItsOwnAndGivesTheKeptHeapBack) {
+  if (!SetBaseThresholds()) GTEST_SKIP() << "not glibc's malloc (sanitizer build?)";
+  HeapRetention retention(int64_t{64} << 20, kBaseMmapThreshold, absl::Milliseconds(100));
+  retention.Retain();
+  EXPECT_GE(HeapAfterFreeing(size_t{32} << 20), size_t{32} << 20) << "kept for the next step";
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // no call of any kind meanwhile
+  EXPECT_FALSE(retention.retaining());
+  EXPECT_LT(mallinfo2().arena, size_t{8} << 20) << "given back without another malloc or free";
 }
 
 TEST(HeapRetention, DisabledByZeroRetainOrDynamicMmapThreshold) {
