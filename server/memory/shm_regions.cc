@@ -5,10 +5,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -19,6 +21,7 @@ namespace flashserve {
 // One registered region: its memory stays mapped (opened) until the last reference goes.
 struct ShmRegistry::Region {
   ShmRegionInfo info;
+  ShmMemory memory;  // what it is, whatever its name (overlap checks)
   std::string owner;
   char* data = nullptr;        // the region's first byte (system: mapping + offset)
   void* mapping = nullptr;     // system: what mmap returned
@@ -92,6 +95,7 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
   }
   if (status.ok()) {
     region->fd = fd;  // kept: a lease checks the object still covers the region
+    region->memory = {ShmType::kSystem, uint64_t(st.st_dev), uint64_t(st.st_ino)};
   } else {
     close(fd);
   }
@@ -143,6 +147,62 @@ absl::Status CheckSpan(absl::string_view what, uint64_t offset, uint64_t bytes, 
   if (offset > size || bytes > size - offset) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": offset ", offset, " + byte_size ",
                                                    bytes, " is beyond its ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+bool StartsBefore(const ShmUse* a, const ShmUse* b) {
+  return std::tie(a->memory.type, a->memory.dev, a->memory.ino, a->position) <
+         std::tie(b->memory.type, b->memory.dev, b->memory.ino, b->position);
+}
+
+std::string Where(const ShmUse& use) {
+  return absl::StrCat(use.tensor, " (region \"", use.region, "\", offset ", use.offset, ", ",
+                      use.bytes, " bytes)");
+}
+
+absl::Status Overlap(const ShmUse& output, const ShmUse& other) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      Where(output), " overlaps ", Where(other),
+      output.region == other.region ? "" : " (the two regions are the same shared memory)",
+      ": a shared-memory output may share no byte with another tensor of the request"));
+}
+
+}  // namespace
+
+ShmUse UseOf(const ShmSpan& span, const char* tensor, absl::string_view region, uint64_t offset,
+             bool output) {
+  return ShmUse{tensor,      std::string(region), offset, uint64_t(span.bytes),
+                span.memory, span.position,       output};
+}
+
+absl::Status CheckShmOverlaps(const std::vector<ShmUse>& uses) {
+  std::vector<const ShmUse*> sorted;
+  bool any_output = false;
+  for (const ShmUse& use : uses) {
+    if (use.bytes == 0) continue;
+    sorted.push_back(&use);
+    any_output = any_output || use.output;
+  }
+  if (!any_output) return absl::OkStatus();
+  // By memory, then start: a use overlaps an earlier one of its memory iff it starts before that
+  // one's end, so only the earlier use (and output) reaching furthest needs keeping.
+  std::sort(sorted.begin(), sorted.end(), StartsBefore);
+  auto end = [](const ShmUse* use) { return use->position + use->bytes; };
+  const ShmUse* reach = nullptr;         // null: none yet in this memory
+  const ShmUse* output_reach = nullptr;  // null: no output yet in this memory
+  for (const ShmUse* use : sorted) {
+    if (reach != nullptr && !(reach->memory == use->memory)) reach = output_reach = nullptr;
+    if (output_reach != nullptr && use->position < end(output_reach)) {
+      return Overlap(*output_reach, *use);
+    }
+    if (use->output && reach != nullptr && use->position < end(reach)) return Overlap(*use, *reach);
+    if (reach == nullptr || end(use) > end(reach)) reach = use;
+    if (use->output && (output_reach == nullptr || end(use) > end(output_reach))) {
+      output_reach = use;
+    }
   }
   return absl::OkStatus();
 }
@@ -223,6 +283,7 @@ absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view
   }
   auto region = std::make_shared<Region>();
   region->info = {std::string(name), ShmType::kCuda, "", 0, byte_size, int(device)};
+  region->memory.type = ShmType::kCuda;
   region->owner = std::string(owner);
   region->device = device_;
   absl::StatusOr<void*> opened = device_->OpenIpc(raw_handle, int(device), size_t(byte_size));
@@ -306,6 +367,9 @@ absl::StatusOr<ShmSpan> ShmRegistry::LeaseWhole(absl::string_view name,
   span.bytes = size_t(region->info.byte_size);
   span.type = region->info.type;
   span.device = region->info.device;
+  span.memory = region->memory;
+  span.position = region->info.type == ShmType::kCuda ? reinterpret_cast<uintptr_t>(region->data)
+                                                      : region->info.offset;
   span.kind = region->info.type == ShmType::kCuda ? MemoryKind::kDevice
               : region->pinned                    ? MemoryKind::kPageLocked
                                                   : MemoryKind::kHeap;
@@ -323,6 +387,7 @@ absl::StatusOr<ShmSpan> ShmRegistry::SubSpan(const ShmSpan& whole, absl::string_
   ShmSpan span = whole;
   span.data = whole.data + offset;
   span.bytes = size_t(bytes);
+  span.position = whole.position + offset;
   return span;
 }
 

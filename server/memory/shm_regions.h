@@ -8,6 +8,8 @@
 //   - off unless enabled (--allow_client_shm); names and keys validated;
 //   - limits on the number of regions and their bytes (--shm_max_regions, --shm_max_bytes);
 //   - a reference (offset, byte size) must lie inside its region, overflow-checked;
+//   - a call's output may share no byte with its other tensors (CheckShmOverlaps), compared in the
+//     memory (ShmMemory) rather than by region names, which a client may alias;
 //   - a region used by a request cannot go away under it: Unregister of a region with leases
 //     fails (FAILED_PRECONDITION, naming the count) and leaves it registered. Edges drop a
 //     request's leases before they answer, so a client that unregisters after its answer never
@@ -66,6 +68,18 @@ struct ShmRegionInfo {
   int device = -1;      // cuda: the device the memory is on
 };
 
+/// Which memory a region is, whatever name it was registered under: two names for one shm object
+/// (or one CUDA allocation) give the same ShmMemory, so overlaps are found through aliases.
+/// System: the object's (st_dev, st_ino), unique while the registry holds it open. CUDA: the
+/// process's one address space (a handle opened twice gives the same pointer; driver 580 checked).
+struct ShmMemory {
+  ShmType type = ShmType::kSystem;
+  uint64_t dev = 0, ino = 0;  // system only
+  bool operator==(const ShmMemory& o) const {
+    return type == o.type && dev == o.dev && ino == o.ino;
+  }
+};
+
 /// A lease on part of a region: the memory stays mapped (and the region registered) while one
 /// exists. Copyable; the last copy gives the lease back.
 struct ShmSpan {
@@ -75,6 +89,9 @@ struct ShmSpan {
   MemoryKind kind = MemoryKind::kHeap;
   int device = -1;
   ShmType type = ShmType::kSystem;
+  ShmMemory memory;
+  uint64_t position = 0;  // where `data` is in `memory`: system: its offset in the object;
+                          // cuda: its device address
 
   TensorBytes AsInput() const;
   TensorTarget AsOutput() const;
@@ -128,6 +145,23 @@ class ShmRegistry {
   std::map<std::string, std::shared_ptr<Region>, std::less<>> regions_;  // guarded by mu_
   int64_t bytes_ = 0;                                                    // guarded by mu_
 };
+
+/// One tensor of a call in a region, as the call named it, for CheckShmOverlaps.
+struct ShmUse {
+  const char* tensor = "";  // a literal: "O", "out_shm"
+  std::string region;       // the name the call used
+  uint64_t offset = 0, bytes = 0;
+  ShmMemory memory;
+  uint64_t position = 0;  // ShmSpan::position
+  bool output = false;
+};
+/// `span` (leased from `region` at `offset`) as a use of the call.
+ShmUse UseOf(const ShmSpan& span, const char* tensor, absl::string_view region, uint64_t offset,
+             bool output);
+/// INVALID_ARGUMENT naming both tensors when an output shares a byte of memory with another use
+/// (an input or another output), whatever names the regions were given: a kernel may read an input
+/// after it wrote the output there. Inputs may overlap one another (they are only read).
+absl::Status CheckShmOverlaps(const std::vector<ShmUse>& uses);
 
 /// OK for a region name: 1..128 characters of [A-Za-z0-9_.-].
 absl::Status CheckRegionName(absl::string_view name);

@@ -67,6 +67,7 @@ absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
   const v1::AttentionRequest& request = *call->request;
   const v1::Tensor* messages[3] = {&request.q(), &request.k(), &request.v()};
   bool any_input = false, cuda = false, from_message[3] = {false, false, false};
+  std::vector<ShmUse> uses;  // checked for overlaps before the call goes anywhere
   for (int i = 0; i < 3; ++i) {
     if (!refs.inputs[i].set()) {
       // Validation compares every input's bytes with its shape: name the message's own (unless
@@ -86,6 +87,8 @@ absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
     if (!span.ok()) return span.status();
     call->inputs[i] = span->AsInput();
     leases->push_back(std::move(span->lease));
+    uses.push_back(UseOf(*span, kInputNames[i], refs.inputs[i].region, refs.inputs[i].offset,
+                         /*output=*/false));
     any_input = true;
     cuda = cuda || span->type == ShmType::kCuda;
   }
@@ -100,7 +103,11 @@ absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
     if (!span.ok()) return span.status();
     call->regions[i] = span->AsOutput();
     leases->push_back(std::move(span->lease));
+    uses.push_back(UseOf(*span, kOutputNames[i], refs.outputs[i].region, refs.outputs[i].offset,
+                         /*output=*/true));
   }
+  // The whole range a reference names counts (an output's may be more than it needs).
+  if (absl::Status s = CheckShmOverlaps(uses); !s.ok()) return s;
   if (any_input) call->shm_input_path = cuda ? "shm_cuda" : "shm_system";
   return absl::OkStatus();
 }

@@ -42,8 +42,9 @@ using ShmLeases = std::vector<std::shared_ptr<void>>;
 
 /// Points `call` at the regions `refs` names (inputs not in a region: where call->inputs says, or
 /// the request message's data fields) and takes their leases; an input both given and named in a
-/// region is refused. Errors name the tensor: no such region, outside it, shared
-/// memory disabled. `call->request` must be set.
+/// region is refused, and so is an output that overlaps an input or the other output (compared in
+/// the memory itself: two names for one object do not hide it). Errors name the tensor: no such
+/// region, outside it, overlapping, shared memory disabled. `call->request` must be set.
 absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
                        absl::string_view owner, AttentionRuntime::Call* call, ShmLeases* leases);
 

@@ -1,6 +1,5 @@
 #include "edge/sequences/sequences_shm.h"
 
-#include <algorithm>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
@@ -78,7 +77,7 @@ absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* 
       RowsFromBytes(tensor, name, span->data, int64_t(span->bytes));
   if (!rows.ok()) return rows;
   rows->at = PlaceOf(*span);
-  shm->inputs.emplace_back(span->data, span->data + span->bytes);
+  shm->uses.push_back(UseOf(*span, name, tensor.shm().region(), tensor.shm().offset(), false));
   (span->kind == MemoryKind::kDevice ? shm->cuda_inputs : shm->system_inputs) = true;
   return rows;
 }
@@ -95,37 +94,10 @@ absl::StatusOr<ShmPlace> ShmOutput(const v1::SharedMemoryRef& ref, const char* n
     return absl::InvalidArgumentError(
         absl::StrCat(name, ": must start at a multiple of ", alignment, " bytes in the region"));
   }
-  shm->outputs.emplace_back(span->data, span->data + span->bytes);
+  shm->uses.push_back(UseOf(*span, name, ref.region(), ref.offset(), /*output=*/true));
   return ShmPlace{span->data, PlaceOf(*span)};
 }
 
-absl::Status CheckShmOverlap(const SequenceShm& shm) {
-  if (shm.outputs.empty()) return absl::OkStatus();
-  // Sorted by start: a span overlaps an earlier one iff it starts before that one's end.
-  struct Span {
-    const char* begin;
-    const char* end;
-    bool output;
-  };
-  std::vector<Span> spans;
-  for (const auto& [b, e] : shm.inputs) spans.push_back({b, e, false});
-  for (const auto& [b, e] : shm.outputs) spans.push_back({b, e, true});
-  std::sort(spans.begin(), spans.end(),
-            [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  const char* any_end = nullptr;     // furthest end of the spans so far
-  const char* output_end = nullptr;  // furthest end of the output spans so far
-  for (const Span& s : spans) {
-    if (s.begin == s.end) continue;
-    const bool hits_output = output_end != nullptr && s.begin < output_end;
-    const bool output_hits = s.output && any_end != nullptr && s.begin < any_end;
-    if (hits_output || output_hits) {
-      return absl::InvalidArgumentError(
-          "a shared-memory output (out_shm / lse_shm) overlaps another tensor of the call");
-    }
-    if (any_end == nullptr || s.end > any_end) any_end = s.end;
-    if (s.output && (output_end == nullptr || s.end > output_end)) output_end = s.end;
-  }
-  return absl::OkStatus();
-}
+absl::Status CheckShmOverlap(const SequenceShm& shm) { return CheckShmOverlaps(shm.uses); }
 
 }  // namespace flashserve

@@ -21,7 +21,7 @@ struct SequenceShm {
   ShmRegistry* regions = nullptr;  // null: shared memory disabled
   int store_device = -1;           // the KV store's CUDA device (-1: it reads host memory only)
   ShmLeases leases;
-  std::vector<std::pair<const char*, const char*>> inputs, outputs;  // [begin, end)
+  std::vector<ShmUse> uses;  // each tensor in a region, for CheckShmOverlap
   // Some input came from a system / a CUDA region (DecodeCall's request_inputs_total paths).
   bool system_inputs = false, cuda_inputs = false;
   // Each region the call names, leased once as a whole (a step names one or two regions
@@ -49,7 +49,8 @@ absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* 
 /// starting at a multiple of `alignment` (LSE is written as floats).
 absl::StatusOr<ShmPlace> ShmOutput(const v1::SharedMemoryRef& ref, const char* name, int64_t bytes,
                                 int alignment, SequenceShm* shm);
-/// INVALID_ARGUMENT when an output span overlaps another input or output span.
+/// INVALID_ARGUMENT naming both when an output span overlaps another input or output span, in
+/// the memory itself (two names for one shm object do not hide an overlap).
 absl::Status CheckShmOverlap(const SequenceShm& shm);
 
 }  // namespace flashserve

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -223,6 +224,95 @@ TEST(ShmRegistry, ARegionBelongsToItsOwner) {
   EXPECT_TRUE(registry.Lease("r", 0, 1, "token-a").ok());
 }
 
+TEST(ShmRegistry, TwoNamesForOneObjectGiveSpansOfTheSameMemory) {
+  ShmObject object(3 * 4096), other(3 * 4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("a", object.key(), 0, 3 * 4096, "").ok());
+  ASSERT_TRUE(registry.RegisterSystem("b", object.key(), 4096 + 100, 4096, "").ok());
+  ASSERT_TRUE(registry.RegisterSystem("c", other.key(), 0, 3 * 4096, "").ok());
+  absl::StatusOr<ShmSpan> a = registry.Lease("a", 4096 + 108, 16, "");
+  absl::StatusOr<ShmSpan> b = registry.Lease("b", 8, 16, "");
+  absl::StatusOr<ShmSpan> c = registry.Lease("c", 4096 + 108, 16, "");
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_NE(a->data, b->data);  // mapped once per registration
+  EXPECT_TRUE(a->memory == b->memory);
+  EXPECT_EQ(a->position, 4096u + 108);
+  EXPECT_EQ(b->position, a->position);  // counted from the object's start, not the region's
+  EXPECT_FALSE(a->memory == c->memory);
+  absl::StatusOr<ShmSpan> whole = registry.LeaseWhole("b", "");
+  ASSERT_TRUE(whole.ok());
+  EXPECT_EQ(ShmRegistry::SubSpan(*whole, "b", 8, 16)->position, b->position);
+}
+
+TEST(ShmOverlaps, AnOutputMayShareNoByteWithAnotherTensorUnderAnyName) {
+  ShmObject object(2 * 4096), other(2 * 4096);
+  ShmRegistry registry(Allowed(), nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 0, 2 * 4096, "").ok());
+  ASSERT_TRUE(registry.RegisterSystem("alias", object.key(), 1000, 4096, "").ok());
+  ASSERT_TRUE(registry.RegisterSystem("other", other.key(), 0, 2 * 4096, "").ok());
+  auto span = [&](const char* name, uint64_t offset, uint64_t bytes) {
+    absl::StatusOr<ShmSpan> s = registry.Lease(name, offset, bytes, "");
+    EXPECT_TRUE(s.ok()) << s.status();
+    return *s;
+  };
+  struct Case {
+    const char* what;
+    std::vector<const char*> names;
+    std::vector<uint64_t> offsets, bytes;
+    std::vector<bool> outputs;
+    const char* refused;  // null: accepted; else words of the message
+  };
+  const std::vector<Case> cases = {
+      {"adjacent", {"r", "r", "r"}, {0, 100, 200}, {100, 100, 50}, {false, false, true}, nullptr},
+      {"inputs overlap",
+       {"r", "r", "r"},
+       {0, 50, 200},
+       {100, 100, 50},
+       {false, false, true},
+       nullptr},
+      {"other object", {"r", "other"}, {0, 0}, {100, 100}, {false, true}, nullptr},
+      {"empty output", {"r", "r"}, {0, 50}, {100, 0}, {false, true}, nullptr},
+      {"output over an input",
+       {"r", "r", "r"},
+       {0, 100, 150},
+       {100, 100, 8},
+       {false, false, true},
+       "out2 (region \"r\", offset 150, 8 bytes) overlaps in1"},
+      {"input over an output", {"r", "r"}, {96, 0}, {8, 100}, {false, true}, "out1"},
+      {"output over output", {"r", "r"}, {0, 99}, {100, 10}, {true, true}, "overlaps"},
+      // A long input ending last: the short one after it must not hide it.
+      {"inside a wide input",
+       {"r", "r", "r"},
+       {0, 10, 50},
+       {1000, 10, 10},
+       {false, false, true},
+       "overlaps in0"},
+      {"alias",
+       {"r", "alias"},
+       {1000 + 500, 504},
+       {16, 8},
+       {false, true},
+       "out1 (region \"alias\", offset 504, 8 bytes) overlaps in0 (region \"r\", offset 1500, "
+       "16 bytes) (the two regions are the same shared memory)"},
+      {"alias adjacent", {"r", "alias"}, {1000 + 500, 516}, {16, 8}, {false, true}, nullptr},
+  };
+  static const char* kTensors[2][3] = {{"in0", "in1", "in2"}, {"out0", "out1", "out2"}};
+  for (const Case& c : cases) {
+    std::vector<ShmUse> uses;
+    for (size_t i = 0; i < c.names.size(); ++i) {
+      uses.push_back(UseOf(span(c.names[i], c.offsets[i], c.bytes[i]), kTensors[c.outputs[i]][i],
+                           c.names[i], c.offsets[i], c.outputs[i]));
+    }
+    const absl::Status s = CheckShmOverlaps(uses);
+    if (c.refused == nullptr) {
+      EXPECT_TRUE(s.ok()) << c.what << ": " << s;
+      continue;
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << s;
+    EXPECT_NE(s.message().find(c.refused), std::string::npos) << c.what << ": " << s;
+  }
+}
+
 // The GPU side, faked: what the registry asks of it and when.
 class FakeDevice : public ShmDeviceAccess {
  public:
@@ -270,6 +360,29 @@ TEST(ShmRegistry, SystemRegionsArePinnedOnceAndCudaRegionsOpenedOnce) {
   EXPECT_EQ(device.pinned, 1);  // the system region stays
   ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "s", "").ok());
   EXPECT_EQ(device.pinned, 0);
+}
+
+// cudaIpcOpenMemHandle opens a handle twice to one pointer (as the fake does): two names for one
+// allocation are the same memory.
+TEST(ShmOverlaps, TwoNamesForOneCudaAllocationAreTheSameMemory) {
+  FakeDevice device;
+  ShmRegistry registry(Allowed(), &device);
+  ASSERT_TRUE(registry.RegisterCuda("c", std::string(64, 'h'), 0, 256, "").ok());
+  ASSERT_TRUE(registry.RegisterCuda("c2", std::string(64, 'h'), 0, 128, "").ok());
+  absl::StatusOr<ShmSpan> in = registry.Lease("c", 64, 32, "");
+  absl::StatusOr<ShmSpan> out = registry.Lease("c2", 80, 16, "");
+  absl::StatusOr<ShmSpan> next = registry.Lease("c2", 96, 16, "");
+  ASSERT_TRUE(in.ok() && out.ok() && next.ok());
+  EXPECT_TRUE(in->memory == out->memory);
+  EXPECT_EQ(out->position, reinterpret_cast<uintptr_t>(device.memory) + 80);
+  const absl::Status s =
+      CheckShmOverlaps({UseOf(*in, "Q", "c", 64, false), UseOf(*out, "O", "c2", 80, true)});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("O (region \"c2\", offset 80, 16 bytes) overlaps Q"),
+            std::string::npos)
+      << s;
+  EXPECT_TRUE(
+      CheckShmOverlaps({UseOf(*in, "Q", "c", 64, false), UseOf(*next, "O", "c2", 96, true)}).ok());
 }
 
 TEST(ShmRegistry, CudaRegionsNeedADevice) {
