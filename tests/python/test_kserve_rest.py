@@ -194,6 +194,27 @@ def test_errors_bad_request(limits_server):
     assert requests.post(url, data=body, headers=headers, timeout=30).status_code == 200
 
 
+def test_json_numbers_past_the_dtype_are_refused(limits_server):
+    """A JSON number the datatype cannot hold (1e39 as FP32, 65520 as FP16) became inf: a silently different input
+    (O came back null). Now 400 naming the element; the largest values each dtype holds still go through."""
+    url = infer_url(limits_server)
+    q, k, v = small_qkv(np.float32)
+    for datatype, value in (("FP32", 1e39), ("FP32", -3.5e38), ("FP16", 65520.0), ("FP16", 1e6), ("BF16", 3.4e38)):
+        bad = dict(json_input("K", k), datatype=datatype)
+        bad["data"] = list(bad["data"])
+        bad["data"][3] = value
+        inputs = [dict(json_input("Q", q), datatype=datatype), bad, dict(json_input("V", v), datatype=datatype)]
+        message = error_of(requests.post(url, json={"inputs": inputs}, timeout=30), 400)
+        assert "inputs[1].data[3]" in message and "outside the range of" in message, message
+    for datatype, value in (("FP32", 3.4e38), ("FP16", 65504.0), ("FP16", 65519.0), ("BF16", 3.38e38)):
+        kk = dict(json_input("K", k), datatype=datatype)
+        kk["data"] = list(kk["data"])
+        kk["data"][3] = value
+        inputs = [dict(json_input("Q", q), datatype=datatype), kk, dict(json_input("V", v), datatype=datatype)]
+        response = requests.post(url, json={"inputs": inputs}, timeout=30)
+        assert response.status_code == 200, (datatype, value, response.text[:300])
+
+
 def test_errors_not_found(limits_server):
     s = limits_server
     q, k, v = small_qkv()

@@ -47,16 +47,32 @@ ParamValue FromJson(const json& value) {
   }
   return v;
 }
-// Counts the numbers of a (possibly nested) JSON array; INVALID_ARGUMENT for anything else.
-absl::Status CountJsonNumbers(const json& data, absl::string_view field, int depth,
-                              int64_t* count) {
+// Whether `dtype` holds x as a finite number. A JSON number past its range (1e39 as FP32, 1e6 as
+// FP16) would otherwise arrive as inf: a silently different input.
+bool FitsDtype(double x, kernels::DType dtype) {
+  constexpr double kFloatToInf = 3.4028235677973366e38;  // float's max plus half an ulp
+  if (!(std::fabs(x) < kFloatToInf)) return false;        // (casting past it is undefined)
+  char bytes[4];
+  kernels::store_element(bytes, 0, dtype, static_cast<float>(x));
+  return std::isfinite(kernels::load_element(bytes, 0, dtype));
+}
+
+// Counts the numbers of a (possibly nested) JSON array; INVALID_ARGUMENT for anything else and for
+// a number `dtype` cannot hold.
+absl::Status CountJsonNumbers(const json& data, absl::string_view field, kernels::DType dtype,
+                              int depth, int64_t* count) {
   if (depth > kMaxJsonDataDepth) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".data: nested too deeply"));
   }
   for (const json& element : data) {
     if (element.is_array()) {
-      RETURN_IF_ERROR(CountJsonNumbers(element, field, depth + 1, count));
+      RETURN_IF_ERROR(CountJsonNumbers(element, field, dtype, depth + 1, count));
     } else if (element.is_number()) {
+      if (!FitsDtype(element.get<double>(), dtype)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".data[", *count, "]: ", element.get<double>(),
+                         " is outside the range of ", std::string(kernels::dtype_name(dtype))));
+      }
       ++*count;
     } else {
       return absl::InvalidArgumentError(
@@ -238,8 +254,8 @@ absl::Status ParseRestInput(const json& input, size_t i, int64_t max_binary_byte
     return absl::InvalidArgumentError(field + ".data: must be a list of numbers");
   }
   int64_t count = 0;
-  RETURN_IF_ERROR(CountJsonNumbers(*data, field, 0, &count));
   const auto kdtype = static_cast<kernels::DType>(dtype);
+  RETURN_IF_ERROR(CountJsonNumbers(*data, field, kdtype, 0, &count));
   tensor->mutable_data()->resize(size_t(count) * kernels::dtype_size(kdtype));
   int64_t index = 0;
   StoreJsonNumbers(*data, kdtype, tensor->mutable_data()->data(), &index);
