@@ -216,6 +216,21 @@ def test_bad_create(setup, field, value):
     _fails(client, "CreateSequence", request, INVALID)
 
 
+def test_a_tensor_in_shared_memory_where_a_call_takes_none(setup):
+    """CreateSequence's prefix and Append's rows carry their bytes in the message: a shm reference there was read
+    as "0 data bytes do not match shape"; it says what is wrong now."""
+    from flashserve._pb import attention_pb2 as pb
+    client, seq, _ = setup
+    in_region = pb.Tensor(dtype=tensors.PROTO_DTYPE["float16"], shape=[2, 2, 64],
+                          shm=pb.SharedMemoryRef(region="r", offset=0, byte_size=2 * 2 * 64 * 2))
+    create = spb.CreateSequenceRequest(num_layers=1, heads_q=4, heads_kv=2, head_dim=64,
+                                       dtype=tensors.PROTO_DTYPE["float16"],
+                                       prefix=[spb.LayerKV(layer=0, k=in_region, v=_t(_rows(2)))])
+    _fails(client, "CreateSequence", create, INVALID, "k.shm: shared memory is not supported in this call")
+    append = spb.AppendRequest(sequence_id=seq.id, rows=[spb.LayerKV(layer=0, k=_t(_rows(2)), v=in_region)])
+    _fails(client, "Append", append, INVALID, "v.shm: shared memory is not supported in this call")
+
+
 def test_prefix_with_two_entries_for_one_layer(setup):
     client, _, _ = setup
     layer_kv = spb.LayerKV(layer=0, k=_t(_rows(2)), v=_t(_rows(2)))

@@ -13,6 +13,10 @@ constexpr int64_t kMaxFactor = int64_t(1) << 16;
 
 absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const char* name,
                                                  bool optional) {
+  if (tensor.has_shm()) {  // else read as "0 data bytes do not match shape"
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ".shm: shared memory is not supported in this call (DecodeStep takes it)"));
+  }
   if (optional && tensor.shape_size() == 0 && tensor.data().empty()) return kvcache::HostRows();
   return RowsFromBytes(tensor, name, tensor.data().data(), int64_t(tensor.data().size()));
 }

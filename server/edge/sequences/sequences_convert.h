@@ -10,7 +10,8 @@
 namespace flashserve {
 
 /// Rows [rows, heads, head_dim] of FLOAT16/BFLOAT16 whose data holds exactly their bytes.
-/// `optional`: an unset tensor (no shape, no data) is 0 rows.
+/// `optional`: an unset tensor (no shape, no data) is 0 rows. A shared-memory reference is refused
+/// (DecodeTensorRows resolves those where a call takes them).
 absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const char* name,
                                                  bool optional);
 /// The same for a tensor whose `bytes` bytes are at `data` (a shared-memory span), not in it.
