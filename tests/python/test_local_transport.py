@@ -298,6 +298,16 @@ def test_trickled_header_and_payload_time_out(local_server):
             assert answer is None or answer[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], answer
 
 
+def test_a_stalled_header_says_how_much_of_it_came(local_server):
+    """The timeout's message counts the header's bytes from its first: it said "0 of 14" for a header stalled after
+    10 of its 24 bytes (the first read's bytes were left out)."""
+    with raw_connect(local_server.local_path) as sock:
+        sock.sendall(frame(2, b"x" * 100)[:10])
+        status, body = read_frame(sock)  # after --local_read_timeout_ms=500
+    assert status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], body
+    assert f"10 of {HEADER.size} bytes arrived".encode() in body, body
+
+
 def test_garbage_message_is_refused_and_the_connection_lives(local_server):
     with LocalClient(local_server.local_path, timeout=10) as local:
         for method in (3, 4, 5):
@@ -369,7 +379,9 @@ def test_auth_hello_and_region_ownership(flashserve_bin, tmp_path, rng):
             assert_closed(sock)
         with raw_connect(path) as sock:  # a Hello too long to be a token is not even read
             sock.sendall(frame(1, size=1 << 20))
-            assert read_frame(sock)[0] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            status, body = read_frame(sock)
+            assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+            assert b"a Hello holds at most 4096 bytes (the token), got 1048576" in body, body
         with pytest.raises(flashserve.FlashserveError) as info:
             LocalClient(path, token=TOKEN[:-1] + "X")
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED

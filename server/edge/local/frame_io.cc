@@ -38,7 +38,7 @@ bool WaitReadable(int fd, absl::Time deadline) {
 
 }  // namespace
 
-absl::Status FrameReader::ReadFull(char* dest, size_t bytes) {
+absl::Status FrameReader::ReadFull(char* dest, size_t bytes, size_t already) {
   size_t done = 0;
   while (done < bytes) {
     const ssize_t n = recv(fd_, dest + done, bytes - done, MSG_DONTWAIT);
@@ -54,7 +54,8 @@ absl::Status FrameReader::ReadFull(char* dest, size_t bytes) {
     if (!WaitReadable(fd_, deadline_)) {
       return absl::DeadlineExceededError(
           absl::StrCat("local frame: not complete within ", absl::FormatDuration(timeout_),
-                       " (--local_read_timeout_ms); ", done, " of ", bytes, " bytes arrived"));
+                       " (--local_read_timeout_ms); ", already + done, " of ", already + bytes,
+                       " bytes arrived"));
     }
   }
   return absl::OkStatus();
@@ -79,7 +80,8 @@ FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::St
   const ssize_t first = ReadFirst(bytes, sizeof(bytes));
   if (first <= 0) return Result::kClosed;
   deadline_ = absl::Now() + timeout_;
-  *error = ReadFull(reinterpret_cast<char*>(bytes) + first, sizeof(bytes) - size_t(first));
+  *error = ReadFull(reinterpret_cast<char*>(bytes) + first, sizeof(bytes) - size_t(first),
+                    size_t(first));
   if (!error->ok()) return Result::kRefused;
   *header = local::DecodeHeader(bytes);
   *error = CheckRequestHeader(*header, max_payload_bytes_);

@@ -36,7 +36,8 @@ class FrameReader {
 
  private:
   // Reads exactly `bytes` into `dest` by deadline_.
-  absl::Status ReadFull(char* dest, size_t bytes);
+  // `already`: bytes of the same piece read before (named in the timeout's message).
+  absl::Status ReadFull(char* dest, size_t bytes, size_t already = 0);
   // The first bytes of the next frame: polls for idle_spin_, then blocks. <= 0: closed.
   ssize_t ReadFirst(unsigned char* dest, size_t bytes);
 

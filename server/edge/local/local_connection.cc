@@ -92,8 +92,13 @@ class Connection {
     EdgeCall metrics(services_.runtime->metrics(), MethodOf(method));
     if (!authed_ && (method != local::Method::kHello || header.payload_bytes > kMaxHelloBytes)) {
       // Refused before the payload is read (or allocated); the connection closes.
-      const absl::Status refused = absl::UnauthenticatedError(
-          "local socket: send a Hello with the server's bearer token first");
+      const absl::Status refused =
+          method == local::Method::kHello
+              ? absl::UnauthenticatedError(absl::StrCat("local socket: a Hello holds at most ",
+                                                        kMaxHelloBytes, " bytes (the token), got ",
+                                                        header.payload_bytes))
+              : absl::UnauthenticatedError(
+                    "local socket: send a Hello with the server's bearer token first");
       metrics.Finish(refused);
       WriteErrorFrame(fd_, refused).IgnoreError();
       return false;
