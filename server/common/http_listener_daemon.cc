@@ -96,6 +96,33 @@ void HttpListener::Impl::Sweep() {
         c->fd = -1;
       }
     }
+    EvictIdleAtTheCap(now);
+  }
+}
+
+void HttpListener::Impl::EvictIdleAtTheCap(absl::Time now) {
+  // At --http_max_connections new connections wait in the listen backlog, health probes too: a
+  // client holding thousands of idle connections kept /v2/health/ready unanswered. As nginx does
+  // with keep-alive connections, the ones idle longest (between requests, for at least
+  // kMinIdleToEvict) are closed to keep a few slots free; a client reconnects when it next sends.
+  constexpr absl::Duration kMinIdleToEvict = absl::Milliseconds(500);
+  const size_t cap = size_t(std::max(options.max_connections, 1));
+  const size_t spare = std::max<size_t>(1, cap / 16);
+  std::vector<ConnectionState*> idle;
+  size_t open = 0;
+  for (ConnectionState* c : connections) {
+    if (c->fd < 0) continue;
+    ++open;
+    if (c->phase == Phase::kAwaiting && now - c->since >= kMinIdleToEvict) idle.push_back(c);
+  }
+  if (open + spare <= cap) return;
+  std::sort(idle.begin(), idle.end(),
+            [](const ConnectionState* a, const ConnectionState* b) { return a->since < b->since; });
+  for (ConnectionState* c : idle) {
+    if (open + spare <= cap) break;
+    shutdown(c->fd, SHUT_RDWR);
+    c->fd = -1;
+    --open;
   }
 }
 

@@ -89,6 +89,7 @@ struct HttpListener::Impl {
   // The timeouts (http_listener_daemon.cc).
   void SetPhase(MHD_Connection* connection, Phase phase);
   void Sweep();
+  void EvictIdleAtTheCap(absl::Time now);  // under mu
   // Answers every request still suspended with `answer` and waits (up to `wait`) until each is
   // resumed and answered or its connection closed (http_listener_daemon.cc).
   void AnswerSuspended(const HttpAnswer& answer, absl::Duration wait);

@@ -210,8 +210,9 @@ ABSL_FLAG(std::string, log_format, flashserve::LogOptions{}.format,
           "Log format: text, or json (one JSON object per line)");
 // The HTTP ports (8000 and 8002) against hostile clients: server/edge/http/README.md.
 ABSL_FLAG(int, http_max_connections, flashserve::HttpLimitsOptions{}.max_connections,
-          "HTTP and metrics ports: open connections each; at the cap new ones wait unaccepted "
-          "(the open-file soft limit is raised to fit them, else the cap lowered, with a warning)");
+          "HTTP and metrics ports: open connections each; near the cap the longest idle ones are "
+          "closed, at it new ones wait unaccepted (the open-file soft limit is raised to fit "
+          "them, else the cap lowered, with a warning)");
 ABSL_FLAG(int, http_max_connections_per_ip, flashserve::HttpLimitsOptions{}.max_connections_per_ip,
           "HTTP and metrics ports: open connections per client address; 0: no per-address cap");
 ABSL_FLAG(int, http_max_header_bytes, flashserve::HttpLimitsOptions{}.max_header_bytes,

@@ -435,12 +435,13 @@ def test_token_is_checked_before_the_body_is_read(start_server, tmp_path):
 
 def test_connection_cap(start_server):
     """At --http_max_connections the server stops accepting: a further connection waits in the listen backlog,
-    unanswered, until a held one closes; then it is served."""
-    server = start_server("--http_max_connections=20")
+    unanswered, while the held ones are busy (here: mid-request, their headers incomplete); once one closes it is
+    served."""
+    server = start_server("--http_max_connections=20", "--http_header_timeout_s=30")
     held = [connect(server.http_port) for _ in range(20)]
     for s in held:
-        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert status_of(s) == 200
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # not idle: a request under way
+    time.sleep(1.5)  # past the idle eviction's 0.5 s: busy connections are never evicted
     extra = connect(server.http_port)
     extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
     extra.settimeout(1.0)
@@ -451,6 +452,35 @@ def test_connection_cap(start_server):
     extra.close()
     for s in held:
         s.close()
+
+
+def test_idle_connections_at_the_cap_make_room_for_health(start_server):
+    """Idle connections held by one client filled --http_max_connections and /v2/health/ready went unanswered (a
+    liveness probe failing means a restart). At the cap the ones idle longest are closed (as nginx does with
+    keep-alive connections): a probe over a new connection is answered within a second or so, and a client whose
+    idle connection was closed just reconnects."""
+    server = start_server("--http_max_connections=32")
+    held = [connect(server.http_port) for _ in range(32)]  # opened, never sent anything
+    time.sleep(0.2)
+    start = time.monotonic()
+    probe = connect(server.http_port)
+    probe.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(probe, timeout=10) == 200
+    waited = time.monotonic() - start
+    print(f"probe answered after {waited:.2f} s at the cap")
+    assert waited < 3, waited
+    probe.close()
+    closed = 0
+    for s in held:
+        s.settimeout(0.01)
+        try:
+            closed += s.recv(1) == b""
+        except (socket.timeout, BlockingIOError):
+            pass
+        except ConnectionResetError:
+            closed += 1
+        s.close()
+    assert 1 <= closed < 32, closed  # the longest idle made room; not every connection was dropped
 
 
 def test_health_answers_while_every_inference_computes(start_server, rng):
