@@ -136,7 +136,7 @@ void TensorSpans::CopyTo(char* dest) const {
 absl::Status ParseAttentionRequestWire(const std::vector<std::string_view>& slices,
                                        WireRequest* out) {
   auto malformed = [] {
-    return absl::InvalidArgumentError("AttentionRequest: malformed protobuf bytes");
+    return absl::InvalidArgumentError("flashserve.v1.AttentionRequest: malformed protobuf bytes");
   };
   SliceReader in(slices);
   std::string skeleton;  // the request without tensor data, re-encoded for ParseFromString

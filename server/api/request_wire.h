@@ -35,7 +35,7 @@ struct WireRequest {
 };
 
 /// Parses `slices` (the serialized request, split anywhere). The slices must outlive every use of
-/// `out->data`. INVALID_ARGUMENT ("AttentionRequest: ...") on malformed bytes.
+/// `out->data`. INVALID_ARGUMENT ("flashserve.v1.AttentionRequest: ...") on malformed bytes.
 absl::Status ParseAttentionRequestWire(const std::vector<std::string_view>& slices,
                                        WireRequest* out);
 

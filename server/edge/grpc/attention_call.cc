@@ -75,7 +75,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client ended or cancelled the call without a complete request
-      Answer(absl::InvalidArgumentError("AttentionRequest: no complete message was received"));
+      Answer(absl::InvalidArgumentError("flashserve.v1.AttentionRequest: no complete message was received"));
       return;
     }
     // The server's clock (Timing.total_us, request_duration_seconds) starts with the whole request.
@@ -99,7 +99,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
  private:
   // Parses the received request and submits it; runs on the gRPC thread or on the hot lane.
   void Process() {
-    absl::Status parsed = absl::InvalidArgumentError("AttentionRequest: unreadable message");
+    absl::Status parsed = absl::InvalidArgumentError("flashserve.v1.AttentionRequest: unreadable message");
     if (request_.Dump(&slices_).ok()) {
       std::vector<std::string_view> views;
       views.reserve(slices_.size());

@@ -103,7 +103,7 @@ bool Same(const google::protobuf::Message& a, const google::protobuf::Message& b
 
 void ExpectMalformed(const absl::Status& status) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_TRUE(absl::StartsWith(status.message(), "AttentionRequest:")) << status;
+  EXPECT_TRUE(absl::StartsWith(status.message(), "flashserve.v1.AttentionRequest:")) << status;
 }
 
 // `spans` locate exactly `data`, every piece inside one of the slices (no copy was made).
@@ -449,7 +449,8 @@ std::string B(std::initializer_list<int> bytes) {
   return s;
 }
 
-// Each is refused by protobuf as well (checked), as INVALID_ARGUMENT "AttentionRequest: ...".
+// Each is refused by protobuf as well (checked), as INVALID_ARGUMENT
+// "flashserve.v1.AttentionRequest: ...".
 TEST(RequestWire, MalformedInputIsRefused) {
   const std::string valid_q = MakeTensor(v1::FLOAT32, {1}, "abcd").SerializeAsString();
   const std::vector<MalformedCase> cases = {
