@@ -1,5 +1,5 @@
 // cpu::attention_forward: picks the tile kernel for this CPU once, splits the problem into
-// (query block, batch, head) tasks and runs them on the thread pool.
+// (query block, batch, head) tasks and runs them on the thread pool until done or stopped.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -64,7 +64,7 @@ Isa best_isa() {
   return best;
 }
 
-void attention_forward_isa(const AttentionParams& p, ThreadPool* pool, Isa isa) {
+bool attention_forward_isa(const AttentionParams& p, ThreadPool* pool, Isa isa, StopSignal* stop) {
   const TileKernel kernel = kernel_for(isa);
   const int blocks = (p.seqlen_q + kernel.block_q - 1) / kernel.block_q;
   const int64_t heads = int64_t{p.batch} * p.heads_q;
@@ -76,18 +76,27 @@ void attention_forward_isa(const AttentionParams& p, ThreadPool* pool, Isa isa) 
     const int block = blocks - 1 - static_cast<int>(t / heads);
     const int64_t bh = t % heads;
     const int q0 = block * kernel.block_q;
-    kernel.run(p, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q), q0,
-               std::min(kernel.block_q, p.seqlen_q - q0), thread_workspace(workspace_floats));
+    return kernel.run(p, static_cast<int>(bh / p.heads_q), static_cast<int>(bh % p.heads_q), q0,
+                      std::min(kernel.block_q, p.seqlen_q - q0), thread_workspace(workspace_floats),
+                      stop);
   };
   if (pool != nullptr && pool->num_threads() > 1 && tasks > 1) {
-    pool->parallel_for(tasks, task);
+    pool->parallel_for_while(tasks, task);
   } else {
-    for (int64_t t = 0; t < tasks; ++t) task(t);
+    for (int64_t t = 0; t < tasks; ++t) {
+      if (!task(t)) return false;
+    }
   }
+  // A task that saw the stop left the rest unrun; the signal stays set once seen.
+  return stop == nullptr || !stop->stop_requested();
 }
 
 void attention_forward(const AttentionParams& p, ThreadPool* pool) {
   attention_forward_isa(p, pool, best_isa());
+}
+
+bool attention_forward(const AttentionParams& p, ThreadPool* pool, StopSignal* stop) {
+  return attention_forward_isa(p, pool, best_isa(), stop);
 }
 
 }  // namespace flashserve::kernels::cpu

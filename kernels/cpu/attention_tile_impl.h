@@ -156,8 +156,8 @@ FLASHSERVE_TILE_TARGET inline void pv_block_n(int n, const float* pt, const floa
 }
 
 template <class S>
-FLASHSERVE_TILE_TARGET void run_block(const AttentionParams& p, int b, int h, int q0, int nq,
-                                      float* ws_base) {
+FLASHSERVE_TILE_TARGET bool run_block(const AttentionParams& p, int b, int h, int q0, int nq,
+                                      float* ws_base, StopSignal* stop) {
   using V = typename S::V;
   constexpr int W = S::kWidth;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -208,6 +208,9 @@ FLASHSERVE_TILE_TARGET void run_block(const AttentionParams& p, int b, int h, in
   const int k_end = p.causal ? std::clamp(q0 + nq + offset, 0, p.seqlen_k) : p.seqlen_k;
 
   for (int j0 = 0; j0 < k_end; j0 += kBlockK) {
+    // A tile is microseconds of work (64 x 64 x head_dim), so a stopped request leaves at once
+    // even when one block sees millions of keys.
+    if (stop != nullptr && stop->stop_requested()) return false;
     const int nk = std::min(kBlockK, k_end - j0);
     for (int j = 0; j < nk; ++j) {
       S::convert_in(k_base + (j0 + j) * p.k_row_stride * int64_t(esize), p.dtype, kt + j * d, d);
@@ -279,6 +282,7 @@ FLASHSERVE_TILE_TARGET void run_block(const AttentionParams& p, int b, int h, in
                    : static_cast<float>(double(m[i]) * 0.6931471805599453 + std::log(double(l[i])));
     }
   }
+  return true;
 }
 
 }  // namespace

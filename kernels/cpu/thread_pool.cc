@@ -1,6 +1,7 @@
 // cpu::ThreadPool: fixed workers sharing a FIFO of parallel_for jobs. Each job hands out indices
 // through an atomic counter, so concurrent callers (and nested calls) share the workers and every
-// caller makes progress on its own job even when all workers are busy elsewhere.
+// caller makes progress on its own job even when all workers are busy elsewhere. A job whose fn
+// says stop hands out no more indices (a cancelled request frees the workers at once).
 // fn must not throw: an exception escaping a worker thread ends the process (std::terminate).
 #include <algorithm>
 #include <atomic>
@@ -17,18 +18,20 @@ namespace flashserve::kernels::cpu {
 namespace {
 
 struct Job {
-  const std::function<void(int64_t)>* fn = nullptr;  // owned by the caller, alive until done
+  const std::function<bool(int64_t)>* fn = nullptr;  // owned by the caller, alive until done
   int64_t n = 0;
   std::atomic<int64_t> next{0};      // next index to hand out
-  std::atomic<int64_t> finished{0};  // indices whose fn call has returned
+  std::atomic<int64_t> finished{0};  // indices whose fn call has returned, or skipped
   std::mutex mu;
   std::condition_variable done_cv;
 
   // Runs indices until none are left. Safe to call from any number of threads.
   void work() {
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
-      (*fn)(i);
-      if (finished.fetch_add(1) + 1 == n) {
+      int64_t done = 1;
+      // fn said stop: the indices not handed out yet never will be; they count as finished.
+      if (!(*fn)(i)) done += std::max<int64_t>(0, n - next.exchange(n));
+      if (finished.fetch_add(done) + done == n) {
         std::lock_guard<std::mutex> lock(mu);
         done_cv.notify_all();
       }
@@ -86,9 +89,18 @@ ThreadPool::~ThreadPool() {
 int ThreadPool::num_threads() const { return static_cast<int>(impl_->workers.size()) + 1; }
 
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  parallel_for_while(n, [&fn](int64_t i) {
+    fn(i);
+    return true;
+  });
+}
+
+void ThreadPool::parallel_for_while(int64_t n, const std::function<bool(int64_t)>& fn) {
   if (n <= 0) return;
   if (n == 1 || impl_->workers.empty()) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!fn(i)) return;
+    }
     return;
   }
   auto job = std::make_shared<Job>();

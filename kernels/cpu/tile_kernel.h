@@ -26,7 +26,9 @@ struct TileKernel {
   size_t (*workspace_floats)(int head_dim);
   /// Computes rows [q0, q0 + nq) (nq <= block_q) of batch b, query head h: writes O and LSE.
   /// workspace: workspace_floats(head_dim) floats, 64-byte aligned, owned by the calling thread.
-  void (*run)(const AttentionParams& p, int b, int h, int q0, int nq, float* workspace);
+  /// Checks `stop` (may be null) before each key tile; false when it stopped (rows unwritten).
+  bool (*run)(const AttentionParams& p, int b, int h, int q0, int nq, float* workspace,
+              StopSignal* stop);
 };
 
 TileKernel tile_kernel_scalar();
@@ -34,7 +36,8 @@ TileKernel tile_kernel_avx2();
 TileKernel tile_kernel_avx512();
 
 /// attention_forward with an explicit instruction set (tests and benchmarks compare them).
-/// Requires supported(p).empty() and isa_available(isa).
-void attention_forward_isa(const AttentionParams& p, ThreadPool* pool, Isa isa);
+/// Requires supported(p).empty() and isa_available(isa). False when `stop` stopped it.
+bool attention_forward_isa(const AttentionParams& p, ThreadPool* pool, Isa isa,
+                           StopSignal* stop = nullptr);
 
 }  // namespace flashserve::kernels::cpu

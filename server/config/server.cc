@@ -312,7 +312,10 @@ bool Server::Drain(const StopEvent& stop) {
     if (WaitForSignalUntil(deadline)) spdlog::info("signal received: stopping now");
     runtime_->StopAccepting();
   }
-  if (!drained) spdlog::warn("grace period over with requests still running; cancelling them");
+  if (!drained) {
+    spdlog::warn("grace period over with requests still running; cancelling them");
+    runtime_->CancelRunning();  // running CPU work stops; gRPC's Shutdown below ends the calls
+  }
   grpc_edge_->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());
   spdlog::debug("shutdown: gRPC stopped");
   if (local_ != nullptr) local_->Stop(drained);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,10 @@ struct PagedBatch {
   bool causal = false;
   float softmax_scale = 0.f;
   std::vector<PagedItem> items;
+  // True once no call of the launch waits for its answer (each cancelled or past its deadline):
+  // a store that can stop running work (the CPU's) polls it and returns CANCELLED. Thread-safe;
+  // may be empty.
+  std::function<bool()> stop;
 };
 
 /// What ran for one PagedBatch and, where the store can measure it, its device time.

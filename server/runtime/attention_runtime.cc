@@ -224,8 +224,8 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
                      " us in the queue; not run")));
     return;
   }
-  if (call.cancelled && call.cancelled()) {
-    call.done(absl::CancelledError("cancelled by the client"));
+  if (Cancelled(call)) {
+    call.done(absl::CancelledError(CancelledBy()));
     return;
   }
   const AttentionProblem& problem = job->problem;
@@ -246,6 +246,7 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
   backend_job.tensors.o = placed.o;
   backend_job.tensors.lse = placed.lse;
   backend_job.deadline = call.deadline;
+  backend_job.cancelled = [this, &call] { return Cancelled(call); };
   backend_job.inject_device_fault = call.inject_device_fault;
   // The job (request, response, buffers, input owner) stays alive until its done() runs, so the
   // backend may keep reading and writing its tensors after this worker returns.
@@ -257,14 +258,27 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
   });
 }
 
+bool AttentionRuntime::Cancelled(const Call& call) const {
+  return cancelling_.load() || (call.cancelled && call.cancelled());
+}
+
+// After CancelRunning gRPC cancels every call too: the shutdown is the reason then.
+const char* AttentionRuntime::CancelledBy() const {
+  return cancelling_.load() ? "cancelled by the server's shutdown (grace period over)"
+                            : "cancelled by the client";
+}
+
 absl::Status AttentionRuntime::Finish(const Job& job, absl::Time started, JobResult result) {
   const Call& call = job.call;
   const AttentionProblem& problem = job.problem;
   v1::AttentionResponse* response = call.response;
   // A client that went away while its job ran gets CANCELLED (counted and logged as such),
-  // not an OK nobody reads.
-  if (result.status.ok() && call.cancelled && call.cancelled()) {
-    result.status = absl::CancelledError("cancelled by the client while computing");
+  // not an OK nobody reads; so does a job the backend stopped for it.
+  if (result.status.code() == absl::StatusCode::kCancelled ||
+      (result.status.ok() && Cancelled(call))) {
+    const absl::string_view stopped = result.status.message();  // e.g. "stopped after 12 us"
+    result.status = absl::CancelledError(
+        absl::StrCat(CancelledBy(), " while computing", stopped.empty() ? "" : "; ", stopped));
   }
   if (!result.status.ok()) {
     response->clear_out();

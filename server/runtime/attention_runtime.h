@@ -108,6 +108,9 @@ class AttentionRuntime {
   bool live() const { return backend_->healthy(); }
   /// Refuse new work with UNAVAILABLE from now on (work already queued still runs).
   void StopAccepting();
+  /// The shutdown's grace period is over: calls not yet answered are cancelled (running CPU work
+  /// stops), and their answers and log lines name the server, not the client, as the reason.
+  void CancelRunning() { cancelling_.store(true); }
   /// Waits until every accepted request has been answered (queued, running and, on an
   /// asynchronous backend, still on the device); false if `deadline` came first.
   bool WaitIdle(absl::Time deadline);
@@ -132,6 +135,9 @@ class AttentionRuntime {
   void Leave();  // one accepted call answered
   // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
   void Execute(std::shared_ptr<Job> job);
+  // Whether nobody wants the call's answer any more, and who said so (for its message).
+  bool Cancelled(const Call& call) const;
+  const char* CancelledBy() const;
   // Fills the response from a finished job; the status to answer with.
   absl::Status Finish(const Job& job, absl::Time started, JobResult result);
 
@@ -150,6 +156,7 @@ class AttentionRuntime {
   const int64_t max_inflight_bytes_;
   std::atomic<int64_t> inflight_bytes_{0};
   std::atomic<bool> accepting_{true};  // written under idle_mu_
+  std::atomic<bool> cancelling_{false};  // CancelRunning was called
   std::mutex idle_mu_;
   std::condition_variable idle_cv_;
   int64_t outstanding_ = 0;  // admitted or accepted, not yet answered; guarded by idle_mu_

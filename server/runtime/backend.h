@@ -49,8 +49,12 @@ struct BackendJob {
   // Inputs the backend reads directly (ReadsDirectly) and outputs it writes directly
   // (WritesDirectly): the runtime has staged whatever it could not (runtime/tensor_placement.h).
   JobTensors tensors;
-  // A job still waiting for a device when this passes is answered DEADLINE_EXCEEDED, not run.
+  // A job still waiting for a device when this passes is answered DEADLINE_EXCEEDED, not run; a
+  // backend that can stop running work (the CPU's) stops it then.
   absl::Time deadline = absl::InfiniteFuture();
+  // True once nobody wants the answer (the client went away, the shutdown's grace is over): a
+  // backend that can stop running work polls it and answers CANCELLED. Thread-safe; may be empty.
+  std::function<bool()> cancelled;
   // Test hook (--enable_fault_injection only): fault the device instead of computing.
   bool inject_device_fault = false;
 };

@@ -1,9 +1,22 @@
 #include "runtime/cpu_backend.h"
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "runtime/cpu_kv_store.h"
 
 namespace flashserve {
+namespace {
+
+// Why a job stopped early; its partial output is never sent (the runtime clears it on an error).
+absl::Status StoppedStatus(const BackendJob& job, int64_t computed_us) {
+  if (absl::Now() >= job.deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("deadline passed while computing; stopped after ", computed_us, " us"));
+  }
+  return absl::CancelledError(absl::StrCat("stopped after ", computed_us, " us"));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CpuBackend>> CpuBackend::Create(const CpuBackendOptions& options) {
   if (absl::Status s = options.Check(); !s.ok()) return s;
@@ -58,8 +71,13 @@ absl::Status CpuBackend::Run(const BackendJob& job, PhaseTiming* timing, std::st
     return absl::InvalidArgumentError(why);
   }
   const absl::Time start = absl::Now();
-  kernels::cpu::attention_forward(params, pool_.get());
+  // Work grows as seqlen_q x seqlen_k: once nobody waits for the answer the threads must go to
+  // the next request, not finish this one (tens of seconds for a large one).
+  kernels::cpu::StopSignal stop(
+      [&job] { return absl::Now() >= job.deadline || (job.cancelled && job.cancelled()); });
+  const bool finished = kernels::cpu::attention_forward(params, pool_.get(), &stop);
   timing->compute_us = absl::ToInt64Microseconds(absl::Now() - start);
+  if (!finished) return StoppedStatus(job, timing->compute_us);
   *kernel = "cpu_tiled_online_softmax";
   return absl::OkStatus();
 }

@@ -21,6 +21,9 @@ class CpuBackend final : public Backend {
   static absl::StatusOr<std::unique_ptr<CpuBackend>> Create(const CpuBackendOptions& options);
 
   const BackendCapabilities& capabilities() const override { return capabilities_; }
+  /// Stops early (DEADLINE_EXCEEDED or CANCELLED; partial output) once job.deadline passes or
+  /// job.cancelled() holds: its threads look between key tiles, so they are free for the next
+  /// job within a millisecond or so.
   absl::Status Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) override;
   int num_threads() const { return pool_->num_threads(); }
   PinnedPool* staging_pool() override { return buffers_.get(); }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace flashserve {
 
@@ -76,7 +77,16 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atten
     }
   }
   Scratch scratch;
+  // A launch over a long cache with many query heads computes for seconds: stop between items
+  // and key tiles once no call waits for it.
+  kernels::cpu::StopSignal stop(batch.stop);
+  const absl::Time start = absl::Now();
+  const auto stopped = [&start] {
+    return absl::CancelledError(
+        absl::StrCat("stopped after ", absl::ToInt64Microseconds(absl::Now() - start), " us"));
+  };
   for (const kvcache::PagedItem& item : batch.items) {
+    if (stop.stop_requested()) return stopped();
     const int64_t q_bytes = int64_t(item.rows_q) * s.heads_q * s.head_dim * elem;
     if (item.length == 0) {  // no key: O = 0, LSE = -inf (as the kernels define it)
       std::memset(item.out, 0, size_t(q_bytes));
@@ -104,7 +114,7 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atten
     if (std::string why = kernels::cpu::supported(p); !why.empty()) {
       return absl::InvalidArgumentError(why);
     }
-    kernels::cpu::attention_forward(p, pool_);
+    if (!kernels::cpu::attention_forward(p, pool_, &stop)) return stopped();
     std::memcpy(item.out, o, size_t(q_bytes));
   }
   info->kernel = "cpu_paged_gather";

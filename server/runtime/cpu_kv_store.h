@@ -25,7 +25,8 @@ class CpuKvStore final : public kvcache::KvStore {
   int64_t capacity_bytes() const override { return bytes_; }
   /// kHost and kPageLocked sources alike; FAILED_PRECONDITION for kDevice.
   absl::Status Write(int64_t offset, const void* src, int64_t bytes, kvcache::BytesAt at) override;
-  /// FAILED_PRECONDITION for an item whose q, O or LSE is kDevice.
+  /// FAILED_PRECONDITION for an item whose q, O or LSE is kDevice. CANCELLED (outputs partly
+  /// written) when batch.stop says so, within milliseconds.
   absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
 
  private:

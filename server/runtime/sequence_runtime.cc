@@ -23,6 +23,20 @@ bool SameLaunch(const kvcache::PagedBatch& a, const kvcache::PagedBatch& b) {
          std::memcmp(&a.softmax_scale, &b.softmax_scale, sizeof(float)) == 0;
 }
 
+// Nobody waits for the call's answer any more.
+bool Gone(const DecodeCall& call) {
+  return (call.cancelled && call.cancelled()) || absl::Now() >= call.deadline;
+}
+
+// What a call of a launch the store stopped (PagedBatch::stop) is answered.
+absl::Status StoppedAnswer(const DecodeCall& call, const absl::Status& stopped) {
+  if (absl::Now() >= call.deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("deadline passed while computing; ", stopped.message()));
+  }
+  return absl::CancelledError(absl::StrCat("cancelled while computing; ", stopped.message()));
+}
+
 }  // namespace
 
 // A call whose rows are appended and whose sequences are pinned, waiting for its launch.
@@ -201,6 +215,10 @@ void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
   for (Prepared* p : launch) {
     for (kvcache::PagedItem& item : p->plan.batch.items) merged.items.push_back(std::move(item));
   }
+  // Merged calls share the launch: it stops only when none of them waits.
+  merged.stop = [&launch] {
+    return std::all_of(launch.begin(), launch.end(), [](Prepared* p) { return Gone(*p->call); });
+  };
   kvcache::AttendInfo info;
   const absl::Time t0 = absl::Now();
   const absl::Status status = store_->Attend(merged, &info);
@@ -215,7 +233,8 @@ void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
     p->report.d2h_us = info.d2h_us;
     p->report.batched_calls = int(launch.size());
     p->plan = kvcache::StepPlan();  // unpin before answering
-    p->call->done(status, p->report);
+    const bool stopped = status.code() == absl::StatusCode::kCancelled;
+    p->call->done(stopped ? StoppedAnswer(*p->call, status) : status, p->report);
   }
 }
 
