@@ -11,7 +11,7 @@
 //
 // Oracles:
 //  1. Ours on the slices and ours on the unsplit bytes give the same status, header and data.
-//  2. Ours fails only with INVALID_ARGUMENT "AttentionRequest: ...".
+//  2. Ours fails only with INVALID_ARGUMENT "flashserve.v1.AttentionRequest: ...".
 //  3. Ours and protobuf both succeed or both fail, except where the bytes use one of the encodings
 //     on which the two are known to differ (FirstDeviation below; found by this target, see
 //     tests/fuzz/RESULTS.md). Each allows one direction only, and only when the walk that both
@@ -219,7 +219,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::Status status = flashserve::ParseAttentionRequestWire(slices.views, &ours);
   if (!status.ok()) {
     FUZZ_CHECK(status.code() == absl::StatusCode::kInvalidArgument, status.ToString());
-    FUZZ_CHECK(absl::StartsWith(status.message(), "AttentionRequest:"), status.ToString());
+    FUZZ_CHECK(absl::StartsWith(status.message(), "flashserve.v1.AttentionRequest:"), status.ToString());
   }
 
   // 1. The split does not matter.

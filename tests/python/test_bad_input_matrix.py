@@ -14,7 +14,7 @@ the size it is *told*, so the matrix checks:
     --grpc_memory_quota_bytes=16MiB it is cut off (RESOURCE_EXHAUSTED) while the server's RSS grows < 40 MiB.
 
 Bytes that do not parse as an AttentionRequest (garbage, truncated, invalid UTF-8 in a string, nested groups) get
-INVALID_ARGUMENT "AttentionRequest: ..." from the server's own zero-copy parser (server/api/request_wire.h); every
+INVALID_ARGUMENT "flashserve.v1.AttentionRequest: ..." from the server's own zero-copy parser (server/api/request_wire.h); every
 other method parses its own request too (INVALID_ARGUMENT "flashserve.v1.GetServerInfoRequest: malformed protobuf
 bytes"; gRPC 1.51's typed methods answered UNIMPLEMENTED with an empty message). Observed with gRPC 1.51 (Debian 12)
 and recorded in the table: initial metadata over 8 KiB gets RESOURCE_EXHAUSTED or, racing with gRPC closing the
@@ -58,7 +58,7 @@ ITEMSIZE = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
 ATTENTION = "/flashserve.v1.AttentionService/Attention"
 # Every method parses its own request (server/edge/grpc/grpc_call.h; test_unparsable_requests.py covers them all).
 PARSE_FAILURE = {INVALID: "flashserve.v1.GetServerInfoRequest: malformed protobuf bytes"}
-BAD_BYTES = {INVALID: "AttentionRequest: malformed protobuf bytes"}  # Attention: the server's own parser
+BAD_BYTES = {INVALID: "flashserve.v1.AttentionRequest: malformed protobuf bytes"}  # Attention: the server's own parser
 CALL_TIMEOUT_S = 20
 NO_ANSWER = grpc.StatusCode.DEADLINE_EXCEEDED  # raw HTTP/2 calls: nothing came back on the stream in time
 RESET_STREAM = {CANCELLED: "", NO_ANSWER: ""}  # what a client that reset its stream may see
@@ -693,7 +693,7 @@ CASES = [
     Case("prefix claims 2^31-1 bytes at --max_request_bytes=2147483647, stream reset",
          claimed_size(2**31 - 1, end_stream=False, reset=True), RESET_STREAM, target="max_server"),
     Case("prefix claims 2^32-1 bytes, stream ends after 60 KB", claimed_size(2**32 - 1, end_stream=True, reset=False),
-         {INVALID: "AttentionRequest: no complete message", EXHAUSTED: "larger than max"}, target="max_server"),
+         {INVALID: "flashserve.v1.AttentionRequest: no complete message", EXHAUSTED: "larger than max"}, target="max_server"),
     Case("compressed flag without grpc-encoding", lambda t: raw_grpc_call(
         t.grpc_port, b"\x01" + struct.pack(">I", len(GOOD_BYTES)), GOOD_BYTES, end_stream=True, reset=False),
         {OK: "", INVALID: "", grpc.StatusCode.INTERNAL: "", UNIMPLEMENTED: ""}),
