@@ -348,8 +348,12 @@ void HttpListener::Impl::AnswerSuspended(const HttpAnswer& answer, absl::Duratio
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
-  spdlog::warn("{}: {} answer(s) not written before the listener stopped", options.name,
-               suspended.size());
+  size_t left = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    left = suspended.size();
+  }
+  spdlog::warn("{}: {} answer(s) not written before the listener stopped", options.name, left);
 }
 
 HttpListener::~HttpListener() { Stop(); }
