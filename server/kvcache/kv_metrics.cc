@@ -21,9 +21,14 @@ KvCacheMetrics::KvCacheMetrics(metrics::Registry* registry) {
                  ->AddCounter("flashserve_kv_evictions_total",
                               "Sequences evicted after --sequence_ttl_s idle")
                  .Get();
+  already_appended_ = registry
+                          ->AddCounter("flashserve_kv_already_appended_total",
+                                       "Appends (an Append's layer, a DecodeStep item) whose "
+                                       "expected_length found the rows appended by an earlier try")
+                          .Get();
   refused_ = &registry->AddCounter("flashserve_kv_refusals_total",
                                    "Sequence calls refused, by reason", {"reason"});
-  for (std::string_view reason : {"pool_full", "max_sequences", "not_found"}) {
+  for (std::string_view reason : {"pool_full", "max_sequences", "not_found", "length_mismatch"}) {
     refused_->Labels({reason});
   }
   launch_sequences_ =

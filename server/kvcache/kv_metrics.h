@@ -19,8 +19,11 @@ class KvCacheMetrics {
   void RecordCreated() { created_->Increment(); }
   void RecordReleased(int64_t n) { released_->Increment(uint64_t(n)); }
   void RecordEvicted(int64_t n) { evicted_->Increment(uint64_t(n)); }
-  /// reason: "pool_full", "max_sequences" or "not_found".
+  /// reason: "pool_full", "max_sequences", "not_found" or "length_mismatch" (expected_length).
   void RecordRefused(std::string_view reason);
+  /// Layers of an Append or DecodeStep items whose expected_length found their rows already
+  /// appended by an earlier try (a retry after a lost answer), not appended again.
+  void RecordAlreadyAppended(int64_t n) { already_appended_->Increment(uint64_t(n)); }
   /// One paged launch: sequences (items) in it and DecodeStep calls merged into it.
   void RecordLaunch(int64_t sequences, int64_t calls);
 
@@ -33,6 +36,7 @@ class KvCacheMetrics {
   metrics::Counter* created_;
   metrics::Counter* released_;
   metrics::Counter* evicted_;
+  metrics::Counter* already_appended_;
   metrics::Family<metrics::Counter>* refused_;
   metrics::Histogram* launch_sequences_;
   metrics::Histogram* launch_calls_;

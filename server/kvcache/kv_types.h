@@ -59,6 +59,9 @@ struct HostRows {
 struct LayerRows {
   int layer = 0;
   HostRows k, v;
+  // >= 0: the layer's length before these rows as the client counts it (a retry-safe append,
+  // sequences.proto LayerKV.expected_length); -1: not checked.
+  int64_t expected_length = -1;
 };
 
 /// One sequence's part of a paged launch: q's rows are the last rows_q positions of `length`

@@ -66,6 +66,14 @@ struct StepItem {
   std::string id;
   int layer = 0;
   HostRows q, k, v;
+  int64_t expected_length = -1;  // as LayerRows::expected_length
+};
+
+/// What Append did: every layer's length after it, and the layers whose expected_length found
+/// the rows already appended by an earlier try (left as they were).
+struct AppendResult {
+  std::vector<int64_t> lengths;
+  std::vector<int> already_appended;
 };
 
 struct CacheStats {
@@ -95,6 +103,8 @@ class StepPlan {
   ~StepPlan();
 
   PagedBatch batch;
+  // Per item of `batch`: its rows were already there (expected_length), not appended again.
+  std::vector<bool> already_appended;
 
  private:
   friend class SequenceCache;
@@ -113,11 +123,12 @@ class SequenceCache {
 
   /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences.
   absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request);
-  /// Appends rows to one or more layers; the layers' lengths after it.
-  absl::StatusOr<std::vector<int64_t>> Append(std::string_view id,
-                                              const std::vector<LayerRows>& rows);
+  /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
+  /// length nor its length less the rows (nothing appended then).
+  absl::StatusOr<AppendResult> Append(std::string_view id, const std::vector<LayerRows>& rows);
   /// Validates every item, appends their rows and pins their sequences. All items must share
-  /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once.
+  /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once. Items whose
+  /// expected_length finds their rows already there are not appended again (ABORTED as Append).
   absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items);
   /// Releases the sequences; returns the ids that were not found.
   std::vector<std::string> Release(const std::vector<std::string>& ids);
@@ -139,8 +150,9 @@ class SequenceCache {
   Sequence* FindLocked(std::string_view id);  // needs mu_
   Sequence* FindLocked(const std::string& id);
   absl::Status ValidateCreate(const CreateRequest& request) const;
-  absl::Status ValidateStep(const std::vector<StepItem>& items,
-                            const std::vector<Sequence*>& found) const;
+  // Also sets (*fresh_rows)[i]: the rows item i appends (0 when expected_length finds them there).
+  absl::Status ValidateStep(const std::vector<StepItem>& items, const std::vector<Sequence*>& found,
+                            std::vector<int64_t>* fresh_rows) const;
   absl::Status FindAll(const std::vector<StepItem>& items,
                        std::vector<Sequence*>* found);  // needs mu_
   // Pages to add to `seq`'s layer for it to hold `new_length` tokens.
@@ -158,9 +170,10 @@ class SequenceCache {
                         const HostRows& v);
   // The sequence `id` once no Append on it is running (waits, releasing mu_); null: not found.
   Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock);
-  // Validates an Append's rows against `seq`; the pages it needs in *count.
+  // Validates an Append's rows against `seq`; the pages it needs in *count, the layers whose
+  // rows are already there (expected_length) in *already.
   absl::Status ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
-                              int64_t* count) const;
+                              int64_t* count, std::vector<int>* already) const;
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);

@@ -43,6 +43,10 @@ struct SequenceCache::Sequence {
 absl::Status CheckKvRows(const SequenceShape& shape, const HostRows& k, const HostRows& v);
 /// INVALID_ARGUMENT unless q is 1..kMaxQueryRows rows of `shape`'s queries.
 absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q);
+/// Whether `rows` sent for a layer of `length` tokens with `expected` (the client's count of the
+/// layer before them; < 0: unchecked) are already there from an earlier try of the call (true)
+/// or are to be appended (false). ABORTED ("layer L holds ...") when the length is neither.
+absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expected, int64_t rows);
 /// INVALID_ARGUMENT unless a and b have the same heads, head_dim and dtype.
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b);
 

@@ -46,6 +46,17 @@ absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expected, int64_t rows) {
+  if (expected < 0 || length == expected) return false;
+  // Lengths, not bytes, are compared: the client asserts it is the layer's only writer.
+  if (rows > 0 && length - rows == expected) return true;
+  return absl::AbortedError(absl::StrCat(
+      "layer ", layer, " holds ", length, " tokens but the call expected ", expected,
+      " before its ", rows,
+      " row(s): another writer appended, or the client's count is off; nothing was appended "
+      "(GetSequenceInfo has the lengths)"));
+}
+
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {
   if (a.heads_q != b.heads_q || a.heads_kv != b.heads_kv || a.head_dim != b.head_dim ||
       a.dtype != b.dtype) {

@@ -1,6 +1,7 @@
 // SequenceCache: append, release, info, eviction and the published statistics.
 #include <algorithm>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/str_cat.h"
 #include "kvcache/sequence_cache_internal.h"
 #include "kvcache/sequence_id.h"
@@ -18,7 +19,7 @@ SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
 }
 
 absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
-                                           int64_t* count) const {
+                                           int64_t* count, std::vector<int>* already) const {
   std::vector<bool> seen(size_t(seq.shape.num_layers), false);
   for (const LayerRows& r : rows) {
     if (r.layer < 0 || r.layer >= seq.shape.num_layers || seen[size_t(r.layer)]) {
@@ -28,7 +29,14 @@ absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vecto
     }
     seen[size_t(r.layer)] = true;
     if (absl::Status s = CheckKvRows(seq.shape, r.k, r.v); !s.ok()) return s;
-    const int64_t after = seq.lengths[size_t(r.layer)] + r.k.rows;
+    const int64_t length = seq.lengths[size_t(r.layer)];
+    absl::StatusOr<bool> there = RowsAlreadyThere(r.layer, length, r.expected_length, r.k.rows);
+    if (!there.ok()) return there.status();
+    if (*there) {
+      already->push_back(r.layer);
+      continue;
+    }
+    const int64_t after = length + r.k.rows;
     if (after > seq.max_tokens) {
       return absl::InvalidArgumentError(
           absl::StrCat("appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
@@ -42,8 +50,8 @@ absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vecto
 // Pages are taken and the tables grown under the lock; the rows are copied outside it (a large
 // append would otherwise stall every other sequence's steps), with the sequence pinned and marked
 // appending; the lengths move under the lock once every row is in place.
-absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
-                                                           const std::vector<LayerRows>& rows) {
+absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
+                                                   const std::vector<LayerRows>& given) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindIdleLocked(id, &lock);
@@ -52,7 +60,16 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
     return UnknownSequences({std::string(id)});
   }
   int64_t count = 0;
-  if (absl::Status s = ValidateAppend(*seq, rows, &count); !s.ok()) return s;
+  AppendResult result;
+  if (absl::Status s = ValidateAppend(*seq, given, &count, &result.already_appended); !s.ok()) {
+    if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
+      metrics_->RecordRefused("length_mismatch");
+    return s;
+  }
+  std::vector<LayerRows> rows;  // the layers that take their rows
+  for (const LayerRows& r : given) {
+    if (!absl::c_linear_search(result.already_appended, r.layer)) rows.push_back(r);
+  }
   std::vector<int64_t> fresh;
   if (absl::Status s = TakePages(seq->format.page_bytes, count, &fresh); !s.ok()) return s;
   for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
@@ -67,7 +84,7 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
   if (written.ok()) {  // a device fault leaves the lengths (the grown pages stay the sequence's)
     for (const LayerRows& r : rows) seq->lengths[size_t(r.layer)] += r.k.rows;
   }
-  std::vector<int64_t> lengths = seq->lengths;
+  result.lengths = seq->lengths;
   seq->appending = false;
   seq->last_used = Now();
   if (--seq->pins == 0) {
@@ -81,7 +98,9 @@ absl::StatusOr<std::vector<int64_t>> SequenceCache::Append(std::string_view id,
   lock.unlock();
   appended_.notify_all();
   if (!written.ok()) return written;
-  return lengths;
+  if (metrics_ != nullptr && !result.already_appended.empty())
+    metrics_->RecordAlreadyAppended(int64_t(result.already_appended.size()));
+  return result;
 }
 
 std::vector<std::string> SequenceCache::Release(const std::vector<std::string>& ids) {

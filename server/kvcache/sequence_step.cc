@@ -79,7 +79,9 @@ absl::Status CheckNoRepeats(const std::vector<StepItem>& items,
 }  // namespace
 
 absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
-                                         const std::vector<Sequence*>& found) const {
+                                         const std::vector<Sequence*>& found,
+                                         std::vector<int64_t>* fresh_rows) const {
+  fresh_rows->assign(items.size(), 0);
   for (size_t i = 0; i < items.size(); ++i) {
     const StepItem& item = items[i];
     const Sequence& seq = *found[i];
@@ -95,11 +97,18 @@ absl::Status SequenceCache::ValidateStep(const std::vector<StepItem>& items,
     if (absl::Status s = CheckKvRows(seq.shape, item.k, item.v); !s.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("item ", i, ": ", s.message()));
     }
-    const int64_t after = seq.lengths[size_t(item.layer)] + item.k.rows;
-    if (after > seq.max_tokens) {
+    const int64_t length = seq.lengths[size_t(item.layer)];
+    absl::StatusOr<bool> there =
+        RowsAlreadyThere(item.layer, length, item.expected_length, item.k.rows);
+    if (!there.ok()) {
+      return absl::Status(there.status().code(),
+                          absl::StrCat("item ", i, ": ", there.status().message()));
+    }
+    (*fresh_rows)[i] = *there ? 0 : item.k.rows;
+    if (length + (*fresh_rows)[i] > seq.max_tokens) {
       return absl::InvalidArgumentError(absl::StrCat(
           "item ", i, ": appending ", item.k.rows, " rows would make layer ", item.layer, " ",
-          after, " tokens, past the sequence's limit of ", seq.max_tokens));
+          length + item.k.rows, " tokens, past the sequence's limit of ", seq.max_tokens));
     }
   }
   return CheckNoRepeats(items, found);
@@ -127,13 +136,18 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
       break;
     appended_.wait(lock);
   }
-  if (absl::Status s = ValidateStep(items, found); !s.ok()) return s;
+  std::vector<int64_t> fresh_rows;
+  if (absl::Status s = ValidateStep(items, found, &fresh_rows); !s.ok()) {
+    if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
+      metrics_->RecordRefused("length_mismatch");
+    return s;
+  }
   const absl::Time now = Now();
   int64_t count = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     found[i]->last_used = now;  // in use: not evicted to make room for this very step
     count += PagesToGrow(*found[i], items[i].layer,
-                         found[i]->lengths[size_t(items[i].layer)] + items[i].k.rows);
+                         found[i]->lengths[size_t(items[i].layer)] + fresh_rows[i]);
   }
   std::vector<int64_t> fresh;
   if (absl::Status s = TakePages(found[0]->format.page_bytes, count, &fresh); !s.ok()) return s;
@@ -141,9 +155,14 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
   plan.cache_ = this;
   plan.batch.shape = found[0]->shape;
   plan.batch.format = found[0]->format;
+  int64_t already = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     Sequence* seq = found[i];
-    if (absl::Status s = WriteRows(seq, items[i].layer, items[i].k, items[i].v, &fresh); !s.ok()) {
+    const bool there = fresh_rows[i] < items[i].k.rows;
+    already += there;
+    absl::Status s =
+        there ? absl::OkStatus() : WriteRows(seq, items[i].layer, items[i].k, items[i].v, &fresh);
+    if (!s.ok()) {
       pages_.Free(seq->format.page_bytes, fresh);                      // a device fault
       for (void* p : plan.pinned_) --static_cast<Sequence*>(p)->pins;  // under mu_ already
       plan.pinned_.clear();
@@ -153,13 +172,16 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
     ++seq->pins;
     plan.pinned_.push_back(seq);
     plan.batch.items.push_back(ItemFor(*seq, items[i].layer, items[i].q));
+    plan.already_appended.push_back(there);
   }
+  if (metrics_ != nullptr && already > 0) metrics_->RecordAlreadyAppended(already);
   PublishLocked();
   return plan;
 }
 
 StepPlan::StepPlan(StepPlan&& other) noexcept
     : batch(std::move(other.batch)),
+      already_appended(std::move(other.already_appended)),
       cache_(std::exchange(other.cache_, nullptr)),
       pinned_(std::move(other.pinned_)) {}
 
@@ -167,6 +189,7 @@ StepPlan& StepPlan::operator=(StepPlan&& other) noexcept {
   if (this != &other) {
     Unpin();
     batch = std::move(other.batch);
+    already_appended = std::move(other.already_appended);
     cache_ = std::exchange(other.cache_, nullptr);
     pinned_ = std::move(other.pinned_);
   }

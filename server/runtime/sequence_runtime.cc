@@ -174,6 +174,7 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
     if (i < call->lse_at.size()) item.lse_at = call->lse_at[i];
     p.report.lengths.push_back(p.plan.batch.items[i].length);
   }
+  p.report.already_appended = p.plan.already_appended;
   return p;
 }
 

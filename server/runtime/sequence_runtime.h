@@ -45,6 +45,8 @@ struct DecodeReport {
   std::string kernel;
   int batched_calls = 1;         // calls that ran in the same launch
   std::vector<int64_t> lengths;  // per item: the layer's length after the append
+  // Per item: expected_length found its rows already appended (not appended again).
+  std::vector<bool> already_appended;
 };
 
 /// One DecodeStep (or Attend: one item, no rows) as the runtime runs it. The edge keeps the

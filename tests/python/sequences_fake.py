@@ -76,9 +76,25 @@ class FakeSequences(spb_grpc.SequencesServicer):
         self._note("Append", context)
         with self.lock:
             seq = self._get(context, request.sequence_id)
-            for layer_kv in request.rows:
-                self._append(seq, layer_kv.layer, layer_kv.k, layer_kv.v)
-            return spb.AppendResponse(layer_lengths=[len(k) for k in seq.k])
+            there = [self._already_there(context, seq, r.layer, r, r.k) for r in request.rows]
+            for layer_kv, already in zip(request.rows, there):
+                if not already:
+                    self._append(seq, layer_kv.layer, layer_kv.k, layer_kv.v)
+            return spb.AppendResponse(layer_lengths=[len(k) for k in seq.k],
+                                      already_appended_layers=[r.layer for r, a in zip(request.rows, there) if a])
+
+    @staticmethod
+    def _already_there(context, seq, layer, message, k) -> bool:
+        """expected_length as the server reads it: False (append), True (an earlier try's rows), or ABORTED."""
+        if not message.HasField("expected_length"):
+            return False
+        length, rows = len(seq.k[layer]), (k.shape[0] if k.shape else 0)
+        if length == message.expected_length:
+            return False
+        if rows and length == message.expected_length + rows:
+            return True
+        context.abort(grpc.StatusCode.ABORTED, f"layer {layer} holds {length} tokens but the call expected "
+                                               f"{message.expected_length} before its {rows} row(s)")
 
     @staticmethod
     def _append(seq, layer, k, v):
@@ -120,11 +136,15 @@ class FakeSequences(spb_grpc.SequencesServicer):
             failure, self.fail_next_step = self.fail_next_step, None
             if failure is not None and not failure[1]:
                 context.abort(failure[0], "injected failure before the append")
+            items = self._items_of(request)
+            there = [self._already_there(context, self.seqs[i.sequence_id], i.layer, i, i.k) for i in items]
             results = []
-            for item in self._items_of(request):
+            for item, already in zip(items, there):
                 seq = self.seqs[item.sequence_id]
-                self._append(seq, item.layer, item.k, item.v)
+                if not already:
+                    self._append(seq, item.layer, item.k, item.v)
                 results.append(self._attend(seq, item.layer, item.q, request.causal, scale, request.return_lse))
+                results[-1].already_appended = already
             if failure is not None:
                 context.abort(failure[0], "injected failure after the append")
         return spb.DecodeStepResponse(results=results, kernel="fake", batched_calls=1)
@@ -145,6 +165,8 @@ class FakeSequences(spb_grpc.SequencesServicer):
         items, first_q, first_kv = [], 0, 0
         for item, rq, rkv in zip(request.items, rows_q, rows_kv):
             one = spb.DecodeItem(sequence_id=item.sequence_id, layer=item.layer, q=piece(p.q, first_q, rq))
+            if item.HasField("expected_length"):
+                one.expected_length = item.expected_length
             if rkv:
                 one.k.CopyFrom(piece(p.k, first_kv, rkv))
                 one.v.CopyFrom(piece(p.v, first_kv, rkv))

@@ -4,6 +4,7 @@ sequence, a server leaving the ring, the routing header. The real server: test_s
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 
 import grpc
 import numpy as np
@@ -216,6 +217,54 @@ def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended)
         _decode_rounds(client, [seq], truth, 3)
         assert seq.reprefills == int(appended) and not seq.uncertain
         assert len(fakes[0].servicer.seqs) == 1  # the inconsistent copy was released
+
+
+@pytest.mark.parametrize("packed_steps", [True, False])
+def test_a_step_retried_after_its_answer_was_lost_appends_once(fakes, rng, packed_steps):
+    """UNAVAILABLE after the server appended (a connection cut between it and a lone endpoint, e.g. a proxy): the
+    client retries, and the step's expected_length lets the server see the rows there and attend without appending
+    them again. Without it the retry appended the token twice: a wrong answer from then on."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30, packed_steps=packed_steps) as client:
+        k, v = truth.rows(4)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        fakes[0].servicer.fail_next_step = (grpc.StatusCode.UNAVAILABLE, True)
+        _decode_rounds(client, [seq], truth, 3)
+        assert client.stats["already_appended"] == 1 and seq.reprefills == 0
+        assert [len(x) for x in fakes[0].servicer.seqs[seq.id].k] == [7, 0]
+
+
+def test_appends_to_one_layer_from_many_threads_all_land(fakes, rng):
+    """Each append names the length it follows; two threads naming the same one would see the second taken for
+    a retry of the first (not appended). The client runs appends to one layer one at a time."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = client.create(**SHAPE)
+        rows = [truth.rows(1) for _ in range(48)]
+
+        def worker(i):
+            for k, v in rows[i::8]:
+                seq.append(0, k, v)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(worker, range(8)))
+        assert client.stats["already_appended"] == 0
+        assert seq.lengths[0] == 48 and len(fakes[0].servicer.seqs[seq.id].k[0]) == 48
+
+
+def test_an_unexpected_length_is_aborted(fakes, rng):
+    """Another writer appended behind the client's back: its next append is refused (ABORTED), nothing appended."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = client.create(**SHAPE)
+        other = fakes[0].servicer.seqs[seq.id]
+        other.k[0] = np.zeros((2, 2, 16))  # two rows the client never sent
+        other.v[0] = np.zeros((2, 2, 16))
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.append(0, *truth.rows(1))
+        assert info.value.code == grpc.StatusCode.ABORTED and "holds 2 tokens" in str(info.value)
+        assert len(other.k[0]) == 2
 
 
 def test_route_header_and_release(fakes, rng):

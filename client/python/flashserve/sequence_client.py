@@ -13,8 +13,9 @@ re-create the sequence with every row the client keeps (or ``prefix_source`` giv
 (the server left) -> mark the endpoint down for ``down_s`` seconds, re-create the sequence on the next endpoint of the
 ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed ambiguously (deadline, cancelled,
 internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
-client's and re-creates on a mismatch. Every server call is all-or-nothing, so a retried step appends its rows
-exactly once: no wrong answer, only a slower one.
+client's and re-creates on a mismatch. Every server call is all-or-nothing, and every append names the length it
+follows (expected_length: a retry whose first try was applied finds its rows there and is not applied again), so a
+retried step appends its rows exactly once: no wrong answer, only a slower one.
 
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
@@ -25,6 +26,7 @@ connection that failed is dropped and the next call reconnects, so a restarted s
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +88,26 @@ class _Item:
             item.v.CopyFrom(self.v)
 
 
+@contextlib.contextmanager
+def _appending(pairs):
+    """Holds the (sequence, layer) pairs a call appends to for the call and its retries: another append of this
+    client to one of them waits (both would name the same expected_length). Taken in one order: no deadlock."""
+    taken = []
+    try:
+        for seq, layer in sorted(set(pairs), key=lambda pair: (id(pair[0]), pair[1])):
+            with seq._written:
+                while layer in seq._writing:
+                    seq._written.wait()
+                seq._writing.add(layer)
+            taken.append((seq, layer))
+        yield
+    finally:
+        for seq, layer in taken:
+            with seq._written:
+                seq._writing.discard(layer)
+                seq._written.notify_all()
+
+
 def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
     """Adds LayerKV(layer, k, v) to a repeated field, copying k and v once: LayerKV(k=k, v=v) and then
     append() copied them twice (32 MiB of rows: 43-51 ms against 6-11 ms on the 2-core build machine)."""
@@ -118,7 +140,9 @@ class SequenceClient:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
         # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
-        self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0}
+        # already_appended: appends a retry found applied by its lost first try (expected_length), not applied again.
+        self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0,
+                      "already_appended": 0}
         unknown = set(local_sockets or {}) - set(self.endpoints)
         if unknown:
             raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
@@ -351,12 +375,20 @@ class SequenceClient:
             request = spb.AppendRequest(sequence_id=seq.id)
             for layer, (k, v) in encoded.items():
                 _add_layer_kv(request.rows, layer, k, v)
+                request.rows[-1].expected_length = seq.lengths[layer]
             response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
+            self._count_already_appended(len(response.already_appended_layers))
             with seq.lock:
                 seq.acknowledge(encoded, dict(enumerate(response.layer_lengths)))
                 return list(seq.lengths)
 
-        return self._with_recovery([seq], attempt, timeout, appends=True)
+        with _appending((seq, layer) for layer in encoded):
+            return self._with_recovery([seq], attempt, timeout, appends=True)
+
+    def _count_already_appended(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self.stats["already_appended"] += n
 
     def attend(self, seq: Sequence, layer: int, q, causal: bool = False, softmax_scale: Optional[float] = None,
                return_lse: bool = False, timeout: Optional[float] = None):
@@ -381,9 +413,14 @@ class SequenceClient:
         prepared = [_Item(entry) for entry in items]
         for item in prepared:
             self._check_live(item.seq)
+        with _appending((item.seq, item.layer) for item in prepared if item.k is not None):
+            return self._decode_step(prepared, (bool(causal), softmax_scale, bool(return_lse), timeout))
+
+    def _decode_step(self, prepared: List[_Item], options) -> list:
+        """decode_step's calls and retries (its appends held by _appending)."""
+        timeout = options[-1]
         results: List[Any] = [None] * len(prepared)
         pending = list(range(len(prepared)))
-        options = (bool(causal), softmax_scale, bool(return_lse), timeout)
         for n in range(self.max_attempts):
             self._settle_uncertain({id(prepared[i].seq): prepared[i].seq for i in pending}.values(), timeout)
             groups = _group_by_endpoint(prepared, pending)
@@ -426,10 +463,14 @@ class SequenceClient:
             request = spb.DecodeStepRequest()
             for i in group:
                 prepared[i].add_to(request)
+        for entry, i in zip(request.items, group):  # packed or not: a scalar of the item itself
+            if prepared[i].k is not None:
+                entry.expected_length = prepared[i].seq.lengths[prepared[i].layer]
         request.causal, request.return_lse = causal, return_lse
         if softmax_scale is not None:
             request.softmax_scale = float(softmax_scale)
         response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+        self._count_already_appended(sum(1 for result in response.results if result.already_appended))
         with self._lock:
             self.stats["max_batched_calls"] = max(self.stats["max_batched_calls"], int(response.batched_calls))
         if len(response.results) != len(group):

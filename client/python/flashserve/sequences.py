@@ -12,9 +12,12 @@ The client keeps every acknowledged K/V row (``keep_history=True``, the default)
 them, so that when the server loses the sequence (TTL eviction, restart, the server left the ring) it re-creates the
 sequence with those rows and retries the call: the answer is the same, only slower. ``reprefills`` counts that.
 
-Thread safety: a Sequence may be used from several threads, but appends to the same layer from two threads at once
-have no defined order (the server applies them in arrival order, the history in completion order): give each
-thread its own layers, or attend only.
+Retries: every append names the layer's length it follows (``expected_length``), so a call retried after its answer
+was lost (a dropped connection, with one endpoint or a proxy) appends its rows once: the server finds them there and
+attends without appending again (``stats["already_appended"]`` counts those).
+
+Thread safety: a Sequence may be used from several threads. Appends to the same layer from two threads run one after
+the other (in no defined order); appends to different layers run at once.
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ class Sequence:
         self.reprefills = 0
         self.released = False
         self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
+        # Layers with an append of this client in flight: the next waits (an append names the length it follows,
+        # expected_length, which two concurrent appends to one layer would both name).
+        self._writing: set = set()
+        self._written = threading.Condition(threading.Lock())
         self._history = LayerHistory(spec.num_layers) if keep_history else None
         self._prefix_source = prefix_source
         self.lock = threading.RLock()

@@ -293,10 +293,11 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
     if (!converted.ok()) return converted.status();
     rows.push_back(*converted);
   }
-  absl::StatusOr<std::vector<int64_t>> lengths =
+  absl::StatusOr<kvcache::AppendResult> appended =
       sequences_->cache().Append(request.sequence_id(), rows);
-  if (!lengths.ok()) return lengths.status();
-  for (int64_t length : *lengths) response->add_layer_lengths(length);
+  if (!appended.ok()) return appended.status();
+  for (int64_t length : appended->lengths) response->add_layer_lengths(length);
+  for (int layer : appended->already_appended) response->add_already_appended_layers(layer);
   return absl::OkStatus();
 }
 

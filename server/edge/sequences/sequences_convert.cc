@@ -62,7 +62,20 @@ absl::StatusOr<kvcache::LayerRows> LayerRowsFrom(const v1::LayerKV& layer) {
   if (!v.ok()) return v.status();
   out.k = *k;
   out.v = *v;
+  absl::StatusOr<int64_t> expected =
+      ExpectedLengthFrom(layer.has_expected_length(), layer.expected_length());
+  if (!expected.ok()) return expected.status();
+  out.expected_length = *expected;
   return out;
+}
+
+absl::StatusOr<int64_t> ExpectedLengthFrom(bool has, int64_t value) {
+  if (!has) return -1;
+  if (value < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "expected_length must be >= 0 (the layer's length before the rows), got ", value));
+  }
+  return value;
 }
 
 absl::StatusOr<kvcache::CreateRequest> CreateRequestFrom(const v1::CreateSequenceRequest& request) {
@@ -78,6 +91,11 @@ absl::StatusOr<kvcache::CreateRequest> CreateRequestFrom(const v1::CreateSequenc
   out.max_tokens = request.max_tokens();
   out.label = request.label();
   for (const v1::LayerKV& layer : request.prefix()) {
+    if (layer.has_expected_length()) {
+      return absl::InvalidArgumentError(
+          "a prefix layer carries no expected_length (it is for Append: a new sequence's layers "
+          "start empty)");
+    }
     absl::StatusOr<kvcache::LayerRows> rows = LayerRowsFrom(layer);
     if (!rows.ok()) return rows.status();
     out.prefix.push_back(*rows);

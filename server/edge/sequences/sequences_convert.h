@@ -17,7 +17,10 @@ absl::StatusOr<kvcache::HostRows> RowsFromTensor(const v1::Tensor& tensor, const
 /// The same for a tensor whose `bytes` bytes are at `data` (a shared-memory span), not in it.
 absl::StatusOr<kvcache::HostRows> RowsFromBytes(const v1::Tensor& tensor, const char* name,
                                                 const char* data, int64_t bytes);
+/// A LayerKV's rows and expected_length (>= 0 when set; -1 unset).
 absl::StatusOr<kvcache::LayerRows> LayerRowsFrom(const v1::LayerKV& layer);
+/// An optional expected_length as the cache takes it: -1 when unset, INVALID_ARGUMENT below 0.
+absl::StatusOr<int64_t> ExpectedLengthFrom(bool has, int64_t value);
 absl::StatusOr<kvcache::CreateRequest> CreateRequestFrom(const v1::CreateSequenceRequest& request);
 /// The scale to use: the request's (finite, > 0, <= 1e4) or 1/sqrt(head_dim).
 absl::StatusOr<float> ScaleFrom(bool has_scale, float scale, int64_t head_dim);

@@ -49,6 +49,22 @@ absl::StatusOr<std::vector<kvcache::StepItem>> EachItem(const v1::DecodeStepRequ
   return items;
 }
 
+// Each item's expected_length (packed or not: a scalar of the item itself).
+absl::Status SetExpectedLengths(const v1::DecodeStepRequest& request,
+                                std::vector<kvcache::StepItem>* items) {
+  for (int i = 0; i < request.items_size(); ++i) {
+    const v1::DecodeItem& in = request.items(i);
+    absl::StatusOr<int64_t> expected =
+        ExpectedLengthFrom(in.has_expected_length(), in.expected_length());
+    if (!expected.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", i, ": ", expected.status().message()));
+    }
+    (*items)[size_t(i)].expected_length = *expected;
+  }
+  return absl::OkStatus();
+}
+
 // places[i] = at, where a shorter vector means kHost for the rest (DecodeCall::out_at).
 void SetPlace(std::vector<kvcache::BytesAt>* places, size_t i, kvcache::BytesAt at) {
   if (places->size() <= i) places->resize(i + 1, kvcache::BytesAt::kHost);
@@ -214,6 +230,7 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
       request.has_packed() ? PackedItems(request, shm) : EachItem(request, shm);
   if (!items.ok()) return items.status();
   call->items = *std::move(items);
+  if (absl::Status s = SetExpectedLengths(request, &call->items); !s.ok()) return s;
   absl::StatusOr<float> scale =
       ScaleFrom(request.has_softmax_scale(), request.softmax_scale(), call->items[0].q.head_dim);
   if (!scale.ok()) return scale.status();
@@ -244,6 +261,8 @@ void FillDecodeStep(const DecodeReport& report, absl::Time received,
                     v1::DecodeStepResponse* response) {
   for (size_t i = 0; i < report.lengths.size() && int(i) < response->results_size(); ++i) {
     response->mutable_results(int(i))->set_length(report.lengths[i]);
+    if (i < report.already_appended.size() && report.already_appended[i])
+      response->mutable_results(int(i))->set_already_appended(true);
   }
   response->set_kernel(report.kernel);
   response->set_batched_calls(report.batched_calls);
