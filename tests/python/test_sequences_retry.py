@@ -22,17 +22,21 @@ from flashserve import sequences_pb2_grpc as spb_grpc
 from flashserve import tensors
 from metrics_helpers import scrape
 from sequences_truth import Truth
+from test_gpu_e2e import _gpu_present
 
 pytestmark = pytest.mark.e2e
 SHAPE = dict(num_layers=2, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
 
 
-@pytest.fixture(scope="module")
-def retry_server(flashserve_bin, tmp_path_factory):
+@pytest.fixture(scope="module", params=["cpu", "cuda"])
+def retry_server(request, flashserve_bin, tmp_path_factory):
+    """The same tests on both KV stores (the CUDA one defers its rows to the launch's stream)."""
+    if request.param == "cuda" and not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): the CUDA KV store's run is skipped")
     path = os.path.join(tempfile.mkdtemp(prefix="fsr", dir="/tmp"), "fs.sock")
     s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("seq_retry"),
-                      ["--kv_cache_bytes=67108864", "--kv_page_tokens=16", f"--local_socket={path}"],
-                      name="seq_retry").start()
+                      [f"--backend={request.param}", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
+                       f"--local_socket={path}"], name=f"seq_retry_{request.param}").start()
     s.local_path = path
     yield s
     _stop_and_check(s)
@@ -142,7 +146,7 @@ def test_an_unexpected_length_is_aborted_and_changes_nothing(retry_server, stub,
     assert _metric(retry_server, "flashserve_kv_refusals_total", reason="length_mismatch") == before + 2
 
 
-def test_bad_expected_lengths_are_invalid(stub, rng):
+def test_bad_expected_lengths_are_invalid(retry_server, stub, rng):
     truth = _truth(rng)
     sid = _create(stub, truth, "x", 2)
     request, _, _ = _step_request(truth, [sid], [-1], packed=True)
