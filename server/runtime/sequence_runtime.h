@@ -68,7 +68,10 @@ struct DecodeCall {
   absl::Time submitted;  // set by SequenceRuntime::Submit
   absl::Time deadline = absl::InfiniteFuture();
   std::function<bool()> cancelled;  // may be empty
-  /// Called exactly once, on some thread. On an error no row of the call was appended.
+  /// Called exactly once, on some thread. On an error before the launch no row of the call was
+  /// appended; a launch that failed (device fault) or was stopped (the CPU store's deadline or
+  /// cancel) leaves them appended -- a retry naming expected_length is then answered without
+  /// appending them again.
   std::function<void(const absl::Status&, const DecodeReport&)> done;
   /// The submitting thread waits for done() anyway (the local socket): without a batch window the
   /// call runs on it when a scheduler worker would be idle, instead of waking a worker.
