@@ -3,6 +3,10 @@
 // The libmicrohttpd daemon around it: http_listener_daemon.cc.
 #include "common/http_listener.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/match.h"
@@ -157,7 +161,37 @@ MHD_Response* ToMhd(HttpResponse response) {
   return r;
 }
 
+// Whether the peer closed or reset the TCP connection, seen without taking a byte: an error or
+// hangup, its FIN (POLLRDHUP: also when bytes are still pending, such as a TLS client's
+// close_notify; a client that only stopped sending looks the same, and nginx and Go's net/http
+// take it for gone too), or end of input. Pending bytes alone (a pipelined request) are no sign.
+bool SocketClosedByPeer(int fd) {
+  pollfd p{fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if ((p.revents & (POLLHUP | POLLERR | POLLRDHUP)) != 0) return true;
+  if ((p.revents & POLLIN) == 0) return false;
+  char byte;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+int ConnectionFd(MHD_Connection* connection) {
+  const MHD_ConnectionInfo* info =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+  return info != nullptr ? info->connect_fd : -1;
+}
+
 }  // namespace
+
+// The socket is looked at only while the connection is suspended: libmicrohttpd then neither
+// reads nor closes it. Once resumed it may close it and the number may name another client's
+// connection; `resumed` and `connection` change under `mu`, which is held while looking.
+bool http_internal::PendingAnswer::PeerGone() {
+  std::lock_guard<std::mutex> lock(mu);
+  if (connection == nullptr) return true;  // over: nobody is left to receive an answer
+  if (resumed) return false;  // answered (or by the shutdown): the server's doing, not the client's
+  return fd >= 0 && SocketClosedByPeer(fd);
+}
 
 MHD_Result HttpListener::Impl::Respond(MHD_Connection* connection, RequestState* st,
                                        HttpAnswer answer, absl::string_view metric,
@@ -179,26 +213,30 @@ MHD_Result HttpListener::Impl::Respond(MHD_Connection* connection, RequestState*
   const MHD_Result queued =
       r == nullptr ? MHD_NO : MHD_queue_response(connection, unsigned(http_status), r);
   if (r != nullptr) MHD_destroy_response(r);
+  Report(*st, metric, status, http_status, bytes_out);
+  return queued;
+}
 
+void HttpListener::Impl::Report(const RequestState& st, absl::string_view metric,
+                                const absl::Status& status, int http_status, int64_t bytes_out) {
   if (!metric.empty()) {
     HttpCallRecord record;
     record.metric = std::string(metric);
     record.status = status;
     record.http_status = http_status;
-    record.seconds = absl::ToDoubleSeconds(absl::Now() - st->started);
-    record.bytes_in = st->bytes_in;
+    record.seconds = absl::ToDoubleSeconds(absl::Now() - st.started);
+    record.bytes_in = st.bytes_in;
     record.bytes_out = bytes_out;
     if (options.on_finished) options.on_finished(record);
   }
   if (!status.ok() && http_status != 404) {
-    const std::string context = st->upload ? st->upload->LogContext() : std::string();
+    const std::string context = st.upload ? st.upload->LogContext() : std::string();
     const auto level = metric.empty() || http_status == 401 ? spdlog::level::debug
                                                             : spdlog::level::warn;
     spdlog::log(level, "{} {} failed: {}http={} code={} message=\"{}\"", options.name,
                 metric.empty() ? "request" : std::string(metric), context, http_status,
                 absl::StatusCodeToString(status.code()), LogSafe(status.message()));
   }
-  return queued;
 }
 
 MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url,
@@ -313,19 +351,25 @@ MHD_Result HttpListener::Impl::Finish(MHD_Connection* connection, const char* ur
   SetPhase(connection, Phase::kBusy);
   st->pending = std::make_shared<PendingAnswer>();
   st->pending->connection = connection;
+  st->pending->fd = ConnectionFd(connection);
   {
     std::lock_guard<std::mutex> lock(mu);
     suspended.insert(st->pending);
   }
   MHD_suspend_connection(connection);
-  st->upload->OnComplete([pending = st->pending](HttpAnswer answer) {
-    std::lock_guard<std::mutex> lock(pending->mu);
-    // The connection is gone, or shutdown answered it already.
-    if (pending->connection == nullptr || pending->resumed) return;
-    pending->answer = std::move(answer);
-    pending->resumed = true;
-    MHD_resume_connection(pending->connection);
-  });
+  // A client that leaves now is seen only through peer_gone: the work stops, and its CANCELLED
+  // answer is counted and logged whether it is written to the dead connection (Respond) or the
+  // connection is closed first (OnCompleted: ReportUnanswered).
+  st->upload->OnComplete(
+      [pending = st->pending](HttpAnswer answer) {
+        std::lock_guard<std::mutex> lock(pending->mu);
+        // The connection is gone, or shutdown answered it already.
+        if (pending->connection == nullptr || pending->resumed) return;
+        pending->answer = std::move(answer);
+        pending->resumed = true;
+        MHD_resume_connection(pending->connection);
+      },
+      [pending = st->pending] { return pending->PeerGone(); });
   return MHD_YES;
 }
 

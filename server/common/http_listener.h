@@ -70,6 +70,11 @@ struct HttpResponse {
 using HttpAnswer = absl::StatusOr<HttpResponse>;
 /// Hands the answer back from any thread, exactly once.
 using HttpReply = std::function<void(HttpAnswer)>;
+/// Whether the client of a request waiting for its answer has left: its connection closed or
+/// reset (a client that only stopped sending counts too: TCP cannot tell the two apart). For the
+/// runtime's `cancelled`, as gRPC's IsCancelled; true for good once the request is over. Cheap (a
+/// poll(), sometimes a recv(MSG_PEEK)) and callable from any thread, for as long as it is kept.
+using HttpPeerGone = std::function<bool()>;
 
 /// The receiver of one request body (POST routes). Called on the listener's threads, one call
 /// at a time per request: keep OnBody short (copy, count, validate), never wait in it.
@@ -80,8 +85,9 @@ class HttpUpload {
   /// is read and dropped (the connection stays usable) and the error is the answer.
   virtual absl::Status OnBody(absl::string_view piece) = 0;
   /// The whole body is in (OnBody never failed). Start the work and answer through `reply`,
-  /// from any thread, when done; the connection waits suspended meanwhile, holding no thread.
-  virtual void OnComplete(HttpReply reply) = 0;
+  /// from any thread, when done; the connection waits suspended meanwhile, holding no thread
+  /// (nor watched: `peer_gone` says when the client has left and the work may stop).
+  virtual void OnComplete(HttpReply reply, HttpPeerGone peer_gone) = 0;
   /// For the log line of a failure (e.g. the request's id); may be empty.
   virtual std::string LogContext() const { return {}; }
 };

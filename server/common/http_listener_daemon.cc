@@ -147,32 +147,52 @@ MHD_Result OnAccess(void* cls, MHD_Connection* connection, const char* url, cons
   return impl->Finish(connection, url, method, st);
 }
 
+// Ends a suspended request's PendingAnswer; returns its answer if it came but was never written
+// (the connection, resumed for it, closed first: a client gone while its work ran).
+std::optional<HttpAnswer> EndPending(HttpListener::Impl* impl, RequestState* st) {
+  if (st->pending == nullptr) return std::nullopt;
+  std::optional<HttpAnswer> unwritten;
+  {
+    std::lock_guard<std::mutex> lock(st->pending->mu);
+    st->pending->connection = nullptr;
+    unwritten = std::move(st->pending->answer);
+    st->pending->answer.reset();
+  }
+  impl->Unsuspend(st->pending);
+  return unwritten;
+}
+
+// A counted request that ended without an answer: why, for its metrics (and, when its work
+// failed, such as CANCELLED for a client that left, the work's reason and a log line).
+void ReportUnanswered(HttpListener::Impl* impl, const RequestState& st,
+                      MHD_RequestTerminationCode code, const std::optional<HttpAnswer>& unwritten) {
+  if (!st.begun || st.answered || st.route == nullptr || st.route->route.metric.empty()) return;
+  if (unwritten && !unwritten->ok()) {
+    impl->Report(st, st.route->route.metric, unwritten->status(), 0, 0);
+    return;
+  }
+  const absl::Status why = !st.closed_because.ok() ? st.closed_because
+                           : code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
+                               ? HttpTimeoutError("idle")
+                               : absl::CancelledError("connection closed");
+  if (!impl->options.on_finished) return;
+  HttpCallRecord record;
+  record.metric = st.route->route.metric;
+  record.status = why;
+  record.http_status = 0;
+  record.seconds = absl::ToDoubleSeconds(absl::Now() - st.started);
+  record.bytes_in = st.bytes_in;
+  impl->options.on_finished(record);
+}
+
 void OnCompleted(void* cls, MHD_Connection* connection, void** request_context,
                  MHD_RequestTerminationCode code) {
   auto* impl = static_cast<HttpListener::Impl*>(cls);
   auto* st = static_cast<RequestState*>(*request_context);
   *request_context = nullptr;
   if (st != nullptr) {
-    if (st->pending != nullptr) {
-      {
-        std::lock_guard<std::mutex> lock(st->pending->mu);
-        st->pending->connection = nullptr;
-      }
-      impl->Unsuspend(st->pending);
-    }
-    if (st->begun && !st->answered && st->route != nullptr && !st->route->route.metric.empty() &&
-        impl->options.on_finished) {
-      HttpCallRecord record;
-      record.metric = st->route->route.metric;
-      record.status = !st->closed_because.ok() ? st->closed_because
-                      : code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
-                          ? HttpTimeoutError("idle")
-                          : absl::CancelledError("connection closed");
-      record.http_status = 0;
-      record.seconds = absl::ToDoubleSeconds(absl::Now() - st->started);
-      record.bytes_in = st->bytes_in;
-      impl->options.on_finished(record);
-    }
+    const std::optional<HttpAnswer> unwritten = EndPending(impl, st);
+    ReportUnanswered(impl, *st, code, unwritten);
     delete st;
   }
   impl->SetPhase(connection, Phase::kAwaiting);

@@ -38,8 +38,12 @@ struct ConnectionState {
 struct PendingAnswer {
   std::mutex mu;
   MHD_Connection* connection = nullptr;  // null once the request is over (closed, shut down)
+  int fd = -1;  // the connection's socket; read only while suspended (libmicrohttpd's after)
   std::optional<HttpAnswer> answer;
   bool resumed = false;  // the answer is in and the connection resumed: exactly once
+
+  // HttpPeerGone: whether the client closed or reset the connection.
+  bool PeerGone();
 };
 
 struct CompiledRoute {
@@ -102,6 +106,10 @@ struct HttpListener::Impl {
   absl::Status CheckFraming(MHD_Connection* connection) const;
   MHD_Result Respond(MHD_Connection* connection, RequestState* st, HttpAnswer answer,
                      absl::string_view metric, int forced_status = 0);
+  // The request's metrics record (`metric` empty: none) and the log line of a failure;
+  // http_status 0: the connection closed before an answer was written.
+  void Report(const RequestState& st, absl::string_view metric, const absl::Status& status,
+              int http_status, int64_t bytes_out);
   MHD_Result Begin(MHD_Connection* connection, const char* url, const char* method,
                    RequestState* st);
   MHD_Result Body(MHD_Connection* connection, RequestState* st, absl::string_view piece);

@@ -242,7 +242,7 @@ class InferUpload : public HttpUpload {
     return exchange_->body.Consume(piece.data(), piece.size());
   }
 
-  void OnComplete(HttpReply reply) override {
+  void OnComplete(HttpReply reply, HttpPeerGone peer_gone) override {
     if (absl::Status s = exchange_->body.Finish(); !s.ok()) {
       reply(s);
       return;
@@ -258,6 +258,9 @@ class InferUpload : public HttpUpload {
     if (exchange->infer.timeout_us > 0) {
       call.deadline = received + absl::Microseconds(exchange->infer.timeout_us);
     }
+    // A client that closed its connection is a cancel: queued, it is dropped; computing, the CPU
+    // backend stops (else a client could leave work of tens of seconds behind, for free).
+    call.cancelled = std::move(peer_gone);
     if (absl::Status s = AttachShm(*rest->runtime, ShmReferencesOf(exchange->infer), "", &call,
                                    &exchange->leases);
         !s.ok()) {

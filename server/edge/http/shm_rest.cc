@@ -27,7 +27,7 @@ class JsonUpload : public HttpUpload {
     body_.append(piece.data(), piece.size());
     return absl::OkStatus();
   }
-  void OnComplete(HttpReply reply) override { reply(handler_(body_)); }
+  void OnComplete(HttpReply reply, HttpPeerGone) override { reply(handler_(body_)); }
 
  private:
   Handler handler_;

@@ -1,6 +1,7 @@
 // The HTTP listener without a server: a request whose answer never comes is answered 503 when
 // the listener stops (libmicrohttpd aborted the process when stopped with a connection
-// suspended), and ambiguous request framing is refused with the connection closed.
+// suspended), ambiguous request framing is refused with the connection closed, and a request
+// waiting for its answer learns when its client has left (peer_gone).
 #include "common/http_listener.h"
 
 #include <arpa/inet.h>
@@ -24,6 +25,7 @@ namespace {
 struct HeldReplies {
   std::mutex mu;
   std::vector<HttpReply> replies;
+  std::vector<HttpPeerGone> peers;
   std::atomic<int> count{0};
 };
 
@@ -31,9 +33,10 @@ class HoldingUpload final : public HttpUpload {
  public:
   explicit HoldingUpload(std::shared_ptr<HeldReplies> held) : held_(std::move(held)) {}
   absl::Status OnBody(absl::string_view) override { return absl::OkStatus(); }
-  void OnComplete(HttpReply reply) override {
+  void OnComplete(HttpReply reply, HttpPeerGone peer_gone) override {
     std::lock_guard<std::mutex> lock(held_->mu);
     held_->replies.push_back(std::move(reply));
+    held_->peers.push_back(std::move(peer_gone));
     held_->count.fetch_add(1);
   }
 
@@ -132,6 +135,105 @@ TEST(HttpListenerFraming, AmbiguousBodiesAreRefusedAndTheConnectionClosed) {
   close(fd);
   ASSERT_GT(n, 0);
   EXPECT_EQ(std::string(buf, size_t(n)).rfind("HTTP/1.1 200", 0), 0u);
+}
+
+// Sends one POST /work and waits until its upload holds the reply (the connection suspended).
+void PostAndWaitHeld(int fd, const HeldReplies& held, int count) {
+  const std::string request = "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+  ASSERT_EQ(send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+  for (int i = 0; i < 1000 && held.count.load() < count; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(held.count.load(), count);
+}
+
+// Whether `peer_gone` turns true within 5 s (the kernel sees the close at once; a loaded machine
+// may delay this thread, never the answer).
+bool BecomesGone(const HttpPeerGone& peer_gone) {
+  for (int i = 0; i < 1000; ++i) {
+    if (peer_gone()) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return false;
+}
+
+HttpPeerGone HeldPeer(HeldReplies* held, int i) {
+  std::lock_guard<std::mutex> lock(held->mu);
+  return held->peers[size_t(i)];
+}
+
+void Reply(HeldReplies* held, int i, HttpAnswer answer) {
+  std::lock_guard<std::mutex> lock(held->mu);
+  held->replies[size_t(i)](std::move(answer));
+}
+
+TEST(HttpListenerPeerGone, AClosedOrResetConnectionIsGoneAndItsLateAnswerIsHarmless) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);
+  ASSERT_NE(listener, nullptr);
+  for (const bool reset : {false, true}) {
+    const int n = held->count.load() + 1;
+    const int fd = Connect(listener->port());
+    PostAndWaitHeld(fd, *held, n);
+    const HttpPeerGone peer_gone = HeldPeer(held.get(), n - 1);
+    EXPECT_FALSE(peer_gone());
+    if (reset) {  // SO_LINGER 0: close sends RST instead of FIN
+      linger hard{1, 0};
+      setsockopt(fd, SOL_SOCKET, SO_LINGER, &hard, sizeof(hard));
+    }
+    close(fd);
+    EXPECT_TRUE(BecomesGone(peer_gone)) << (reset ? "reset" : "closed");
+    // The work's answer comes later: written to nobody, the connection then closed; still gone.
+    Reply(held.get(), n - 1, absl::CancelledError("cancelled by the client"));
+    EXPECT_TRUE(BecomesGone(peer_gone));
+  }
+  // The listener still serves, and stops without waiting for the closed ones.
+  const int fd = Connect(listener->port());
+  PostAndWaitHeld(fd, *held, 3);
+  Reply(held.get(), 2, HttpResponse::Json(200, R"({"ok":1})"));
+  const std::string answer = [&] {
+    char buf[512];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    return n > 0 ? std::string(buf, size_t(n)) : std::string();
+  }();
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200", 0), 0u) << answer;
+  close(fd);
+  listener->Stop(absl::Seconds(1));
+}
+
+TEST(HttpListenerPeerGone, PendingBytesAreNotGoneButAFinAfterThemIs) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);
+  ASSERT_NE(listener, nullptr);
+  const int fd = Connect(listener->port());
+  PostAndWaitHeld(fd, *held, 1);
+  const HttpPeerGone peer_gone = HeldPeer(held.get(), 0);
+  // A pipelined next request waits unread while the connection is suspended: the client is there.
+  const std::string next = "GET /next HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(send(fd, next.data(), next.size(), 0), ssize_t(next.size()));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_FALSE(peer_gone());
+  // Bytes then the end of input (a TLS client's close_notify, then FIN): gone, bytes or not.
+  shutdown(fd, SHUT_WR);
+  EXPECT_TRUE(BecomesGone(peer_gone));
+  Reply(held.get(), 0, absl::CancelledError("cancelled by the client"));
+  close(fd);
+  listener->Stop(absl::Seconds(1));
+}
+
+TEST(HttpListenerPeerGone, AnAnsweredRequestIsOver) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);
+  ASSERT_NE(listener, nullptr);
+  const int fd = Connect(listener->port());
+  PostAndWaitHeld(fd, *held, 1);
+  const HttpPeerGone peer_gone = HeldPeer(held.get(), 0);
+  Reply(held.get(), 0, HttpResponse::Json(200, R"({"ok":1})"));
+  char buf[512];
+  ASSERT_GT(recv(fd, buf, sizeof(buf), 0), 0);
+  // The connection stays open (keep-alive), but its socket is libmicrohttpd's again and may be
+  // closed and its number reused: never looked at, the request counts as over.
+  EXPECT_TRUE(BecomesGone(peer_gone));
+  close(fd);
+  listener->Stop(absl::Seconds(1));
 }
 
 }  // namespace
