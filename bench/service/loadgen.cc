@@ -138,7 +138,9 @@ Options ParseOptions(int argc, char** argv) {
   if (!std::all_of(o.stripes.begin(), o.stripes.end(), positive)) {
     flags.Fail("--stripes: each >= 1");
   }
-  if (o.chunk_bytes < 1) flags.Fail("--chunk_mib: > 0");
+  // The server's DownloadRequest.chunk_bytes range (the same size serves uploads and downloads).
+  if (o.chunk_bytes < 4096 || o.chunk_bytes > (int64_t{64} << 20))
+    flags.Fail("--chunk_mib: 4 KiB .. 64 MiB (0.00390625 .. 64)");
   for (const std::string& name : o.shapes) {
     const bool known = std::any_of(kShapes.begin(), kShapes.end(),
                                    [&](const Shape& s) { return s.name == name; });

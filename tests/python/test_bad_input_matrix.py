@@ -597,7 +597,8 @@ SHM_CASES = [
          exactly(INVALID, "beyond its 4096 bytes"), target="shm_matrix_server"),
     Case("shm infer: offset 2^64-1", with_shm_object(4096, lambda key: _register_then(
         key, send_http("/v2/models/attention/infer", _shm_infer("m", 2**64 - 1, 64)))),
-         exactly(INVALID, "beyond its 4096 bytes"), target="shm_matrix_server"),
+         exactly(INVALID, "offset 18446744073709551615 + byte_size 64 is beyond its 4096 bytes"),
+         target="shm_matrix_server"),
     Case("shm infer: byte_size not the tensor's", with_shm_object(4096, lambda key: _register_then(
         key, send_http("/v2/models/attention/infer", _shm_infer("m", 0, 60)))),
          exactly(INVALID, "bytes"), target="shm_matrix_server"),

@@ -181,6 +181,9 @@ def test_errors_bad_request(limits_server):
          "parameters.causal"),
         (json.dumps({"inputs": [dict(json_input("Q", q), datatype="INT8"), json_input("K", k),
                                 json_input("V", v)]}).encode(), {}, "datatype"),
+        (json.dumps({"inputs": [dict(json_input("Q", q), shape=[1, 4, 2, 2**64 - 1]), json_input("K", k),
+                                json_input("V", v)]}).encode(), {},
+         "inputs[0].shape: 18446744073709551615 does not fit a signed 64-bit integer"),  # not shown as 2^63-1
     ]
     body, headers = binary_request(q, k, v)
     cases.append((body[:-2], headers, "binary_data_size adds up to"))  # body shorter than the sizes say
@@ -213,6 +216,28 @@ def test_json_numbers_past_the_dtype_are_refused(limits_server):
         inputs = [dict(json_input("Q", q), datatype=datatype), kk, dict(json_input("V", v), datatype=datatype)]
         response = requests.post(url, json={"inputs": inputs}, timeout=30)
         assert response.status_code == 200, (datatype, value, response.text[:300])
+
+
+def test_duplicate_json_keys_are_refused(limits_server):
+    """nlohmann kept a repeated key's last value, while a proxy or WAF in front that reads the first judged another
+    request than the server ran. Now 400 naming the key, at the top level and inside a tensor (an escaped spelling
+    of the same key too); the same bodies with each key once still run."""
+    url = infer_url(limits_server)
+    q, k, v = small_qkv()
+    inputs = json.dumps([json_input("Q", q), json_input("K", k), json_input("V", v)])
+    q_on = inputs[2:]  # Q's members, then K and V: '"name": "Q", ...}, {...}, {...}]'
+    assert q_on.startswith('"name": "Q"')
+    cases = [
+        ('{"inputs": %s, "inputs": %s}' % (json.dumps([json_input("Q", q)]), inputs), "inputs"),
+        ('{"inputs": [{"datatype": "FP32", %s}' % q_on, "datatype"),
+        ('{"inputs": [{"data\\u0074ype": "FP32", %s}' % q_on, "datatype"),
+        ('{"parameters": {"causal": true, "causal": false}, "inputs": %s}' % inputs, "causal"),
+    ]
+    for body, key in cases:
+        message = error_of(requests.post(url, data=body.encode(), timeout=30), 400)
+        assert f'duplicate key "{key}" in a JSON object' in message, (body[:80], message)
+    for body in ('{"inputs": %s}' % inputs, '{"inputs": [{%s}' % q_on):
+        assert requests.post(url, data=body.encode(), timeout=30).status_code == 200
 
 
 def test_errors_not_found(limits_server):

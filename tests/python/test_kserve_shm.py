@@ -265,6 +265,52 @@ def test_system_shm_safety(shm_server, tmp_path):
     assert shm_server.proc.poll() is None
 
 
+def test_rest_shm_bodies_are_read_as_sent(shm_server):
+    """The REST shared-memory calls, by hand (tritonclient never sends these): a key given twice was read as its last
+    value (a proxy reading the first saw another region), and an infer offset past int64 came back in the error as
+    9223372036854775807, a number the client never sent. Now both are 400 saying what was sent."""
+    import requests
+    from multiprocessing import shared_memory
+
+    base = f"{shm_server.http}/v2"
+    obj = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        key = "/" + obj.name
+
+        def post(path, body):
+            return requests.post(f"{base}/{path}", data=body.encode(), timeout=30)
+
+        def refused(response, fragment):
+            assert response.status_code == 400, (response.status_code, response.text)
+            assert fragment in response.json()["error"], (fragment, response.text)
+
+        register = "systemsharedmemory/region/dup/register"
+        refused(post(register, '{"key": "%s", "offset": 4090, "offset": 0, "byte_size": 16}' % key),
+                'duplicate key "offset" in a JSON object')
+        refused(post("cudasharedmemory/region/c/register",
+                     '{"raw_handle": {"b64": "AAAA", "b64": "BBBB"}, "device_id": 0, "byte_size": 16}'),
+                'duplicate key "b64" in a JSON object')
+        refused(post("cudasharedmemory/region/c/register",
+                     '{"raw_handle": {"b64": "AAAA"}, "device_id": 18446744073709551615, "byte_size": 16}'),
+                "device_id: 18446744073709551615 is not a device")
+        assert post(register, json.dumps({"key": key, "offset": 0, "byte_size": 4096})).status_code == 200
+
+        def tensor(name, offset):
+            return {"name": name, "datatype": "FP32", "shape": [1, 4, 2, 8],
+                    "parameters": {"shared_memory_region": "dup", "shared_memory_byte_size": 256,
+                                   "shared_memory_offset": offset}}
+        for offset in (2**64 - 1, 2**63):
+            body = json.dumps({"inputs": [tensor("Q", offset), tensor("K", 0), tensor("V", 0)]})
+            response = post("models/attention/infer", body)
+            refused(response, f'Q: shared-memory region "dup": offset {offset} + byte_size 256 is beyond its 4096')
+        body = json.dumps({"inputs": [tensor("Q", 0), tensor("K", 0), tensor("V", 0)]})
+        assert post("models/attention/infer", body).status_code == 200
+        assert post("systemsharedmemory/region/dup/unregister", "").status_code == 200
+    finally:
+        obj.close()
+        obj.unlink()
+
+
 OFF_SCRIPT = COMMON + textwrap.dedent("""
     h = shm.create_shared_memory_region("r", f"/fs_off_{tag}", 4096)
     report["http"] = error_of(lambda: http.register_system_shared_memory("r", f"/fs_off_{tag}", 4096))

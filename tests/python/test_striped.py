@@ -141,6 +141,28 @@ def test_output_downloads_once_and_ends_session(stub, rng, make_qkv):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_download_chunk_bytes_outside_the_range_is_refused(stub, rng, make_qkv):
+    """chunk_bytes was clamped without a word (-1 meant the 4 MiB default, 100 became 4096, 1 GiB 64 MiB). Now
+    0 is the default, 4096 .. 64 MiB are used as given, anything else is INVALID_ARGUMENT naming the field, and a
+    refused call reserves nothing: every byte can still be downloaded."""
+    q, k, v = make_qkv(rng, 1, 128, 128, 2, 2, 8, "float32")  # O: 8 KiB
+    sid = stub.OpenSession(_header(s=128, dtype=pb.FLOAT32)).session_id
+    for tensor, x in ((pb.TENSOR_Q, q), (pb.TENSOR_K, k), (pb.TENSOR_V, v)):
+        stub.Upload(iter([pb.AttentionChunk(session_id=sid, tensor=tensor, offset=0, data=x.tobytes())]))
+    stub.Compute(pb.ComputeRequest(session_id=sid))
+    for bad in (-1, 1, 4095, (64 << 20) + 1, 1 << 40):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, chunk_bytes=bad), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, e.value.details())
+        assert f"DownloadRequest.chunk_bytes: {bad} is outside [4096, 67108864]" in e.value.details()
+    first = list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, length=6144, chunk_bytes=4096)))
+    assert [len(c.data) for c in first] == [4096, 2048]
+    rest = list(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT, offset=6144, chunk_bytes=0)))
+    assert [len(c.data) for c in rest] == [2048]  # the default (4 MiB) holds the rest
+    out = np.frombuffer(b"".join(c.data for c in first + rest), dtype=np.float32).reshape(q.shape)
+    assert np.abs(out - flashserve.reference.attention(q, k, v)).max() < 1e-4
+
+
 def test_abandoned_sessions_are_dropped(start_server):
     s = start_server("--stream_session_timeout_ms=300", "--stream_max_sessions=2")
     with grpc.insecure_channel(s.address) as channel:
@@ -196,3 +218,11 @@ def test_striped_calls_are_counted_like_every_call(server, rng, make_qkv):
     tensor_bytes = q.nbytes + k.nbytes + v.nbytes
     assert tensor_bytes <= delta("flashserve_request_bytes_total", direction="in") < tensor_bytes + 4096
     assert q.nbytes <= delta("flashserve_request_bytes_total", direction="out") < q.nbytes + 4096
+
+
+def test_client_refuses_chunk_sizes_the_server_would_refuse():
+    """The client's chunk size is also its Download chunk: past 64 MiB the server now refuses it (it was clamped)."""
+    for bad in (4095, (64 << 20) + 1):
+        with pytest.raises(ValueError, match="4096"):
+            flashserve.StripedClient("127.0.0.1:1", chunk_bytes=bad)
+    flashserve.StripedClient("127.0.0.1:1", chunk_bytes=64 << 20).close()

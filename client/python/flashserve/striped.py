@@ -32,6 +32,7 @@ from .client import AttentionResult, Timing, _channel_options
 from .errors import from_rpc_error
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 64 << 20  # a Download chunk at most (DownloadRequest.chunk_bytes)
 # Outputs smaller than this come back inline in the Compute response.
 INLINE_OUTPUT_BYTES = 1 << 20
 
@@ -68,8 +69,8 @@ class StripedClient:
     ):
         if stripes < 1:
             raise ValueError("stripes must be >= 1")
-        if chunk_bytes < 4096:
-            raise ValueError("chunk_bytes must be >= 4096")
+        if not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:  # the server's DownloadRequest.chunk_bytes range
+            raise ValueError(f"chunk_bytes must be in 4096..{MAX_CHUNK_BYTES}")
         self.address = address
         self.stripes = stripes
         self.chunk_bytes = chunk_bytes

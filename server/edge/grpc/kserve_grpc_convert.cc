@@ -20,15 +20,17 @@ ParamValue FromGrpc(const inference::InferParameter& p) {
     case inference::InferParameter::kInt64Param:
       v.type = ParamValue::kInt;
       v.i = p.int64_param();
+      v.u = uint64_t(v.i);
       v.d = double(v.i);
       v.negative = v.i < 0;
       break;
     case inference::InferParameter::kUint64Param:
       v.type = ParamValue::kInt;
-      v.i = p.uint64_param() > uint64_t(std::numeric_limits<int64_t>::max())
+      v.u = p.uint64_param();
+      v.i = v.u > uint64_t(std::numeric_limits<int64_t>::max())
                 ? std::numeric_limits<int64_t>::max()
-                : int64_t(p.uint64_param());
-      v.d = double(p.uint64_param());
+                : int64_t(v.u);
+      v.d = double(v.u);
       break;
     case inference::InferParameter::kDoubleParam:
       v.type = ParamValue::kDouble;

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/live_calls.h"
 #include "edge/grpc/stream_chunk.h"
@@ -108,8 +109,6 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
 class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  static constexpr int64_t kDefaultChunk = int64_t{4} << 20;
-
   DownloadReactor(const grpc::ByteBuffer* request, SessionTable* table, ServerMetrics* metrics)
       : table_(table), call_(metrics, grpc_methods::kDownload) {
     call_.Start(int64_t(request->Length()));
@@ -140,6 +139,9 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     v1::DownloadRequest parsed;
     if (absl::Status s = ParseRequest(*request, &parsed); !s.ok()) return s;
     call_.set_session_id(parsed.session_id());
+    // Before the range is reserved: a reserved byte cannot be downloaded again.
+    absl::StatusOr<int64_t> chunk = DownloadChunkBytes(parsed.chunk_bytes());
+    if (!chunk.ok()) return chunk.status();
     absl::StatusOr<std::shared_ptr<StreamSession>> found = table_->Find(parsed.session_id());
     if (!found.ok()) return found.status();
     session_ = std::move(*found);
@@ -150,9 +152,7 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     base_offset_ = parsed.offset();
     data_ = span->first;
     length_ = span->second;
-    chunk_ = parsed.chunk_bytes() <= 0
-                 ? kDefaultChunk
-                 : std::clamp<int64_t>(parsed.chunk_bytes(), 4096, int64_t{64} << 20);
+    chunk_ = *chunk;
     return absl::OkStatus();
   }
 
@@ -185,13 +185,23 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
   int tensor_ = 0;
   int64_t base_offset_ = 0;
   const char* data_ = nullptr;
-  int64_t length_ = 0, pos_ = 0, chunk_ = kDefaultChunk;
+  int64_t length_ = 0, pos_ = 0, chunk_ = kDefaultDownloadChunkBytes;
   grpc::ByteBuffer buffer_;
   GrpcCall call_;  // metrics, failure log, status conversion
   LiveCall live_;  // until gRPC has finished the call (OnDone)
 };
 
 }  // namespace
+
+absl::StatusOr<int64_t> DownloadChunkBytes(int64_t requested) {
+  if (requested == 0) return kDefaultDownloadChunkBytes;
+  if (requested < kMinDownloadChunkBytes || requested > kMaxDownloadChunkBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DownloadRequest.chunk_bytes: ", requested, " is outside [", kMinDownloadChunkBytes, ", ",
+        kMaxDownloadChunkBytes, "] (0: the default, ", kDefaultDownloadChunkBytes, ")"));
+  }
+  return requested;
+}
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* NewUploadReactor(grpc::CallbackServerContext* context,
                                                             SessionTable* table,

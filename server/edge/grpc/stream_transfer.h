@@ -5,6 +5,9 @@
 // (edge/grpc/grpc_call.h).
 #pragma once
 
+#include <cstdint>
+
+#include "absl/status/statusor.h"
 #include "edge/grpc/stream_session.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
@@ -15,6 +18,15 @@ class CallbackServerContext;
 }  // namespace grpc
 
 namespace flashserve {
+
+/// DownloadRequest.chunk_bytes: bytes of data per streamed chunk.
+inline constexpr int64_t kDefaultDownloadChunkBytes = int64_t{4} << 20;  // when 0
+inline constexpr int64_t kMinDownloadChunkBytes = 4096;
+inline constexpr int64_t kMaxDownloadChunkBytes = int64_t{64} << 20;
+/// The chunk size a Download uses: the default for 0, the value itself within [min, max];
+/// anything else INVALID_ARGUMENT naming the field and the range (not clamped: a client asking
+/// for 1 byte or -5 would silently get something else).
+absl::StatusOr<int64_t> DownloadChunkBytes(int64_t requested);
 
 /// The reactor of one Upload call: reads chunks into their sessions' buffers until the client
 /// ends the stream, then answers an UploadAck (serialized into `response`). Deletes itself when

@@ -1,6 +1,6 @@
 #include "edge/http/shm_rest.h"
 
-#include <limits>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -8,6 +8,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "edge/http/kserve_json.h"
 #include "nlohmann/json.hpp"
 #include "runtime/shm_requests.h"
 
@@ -36,10 +37,12 @@ class JsonUpload : public HttpUpload {
 
 absl::StatusOr<json> ParseObject(const std::string& body) {
   if (body.empty()) return json::object();
-  json parsed = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  json parsed;
+  const absl::Status status = kserve::ParseJsonUniqueKeys(body, &parsed);
   if (parsed.is_discarded() || !parsed.is_object()) {
     return absl::InvalidArgumentError("request body: must be a JSON object");
   }
+  RETURN_IF_ERROR(status);  // a key given twice (two "offset"s)
   return parsed;
 }
 
@@ -85,9 +88,12 @@ HttpAnswer RegisterCuda(AttentionRuntime* runtime, const std::string& name,
   if (device == request.end() || !device->is_number_integer()) {
     return absl::InvalidArgumentError("device_id: must be an integer");
   }
-  const int64_t device_id = device->is_number_unsigned() && device->get<uint64_t>() > INT64_MAX
-                                ? std::numeric_limits<int64_t>::max()
-                                : device->get<int64_t>();
+  if (device->is_number_unsigned() && device->get<uint64_t>() > INT64_MAX) {
+    // Named as sent (an int64 would show it clamped to INT64_MAX).
+    return absl::InvalidArgumentError(
+        absl::StrCat("device_id: ", device->get<uint64_t>(), " is not a device"));
+  }
+  const int64_t device_id = device->get<int64_t>();
   ASSIGN_OR_RETURN(uint64_t byte_size, Unsigned(request, "byte_size", -1));
   RETURN_IF_ERROR(RegisterCudaShm(*runtime, name, raw, device_id, byte_size, ""));
   return HttpResponse::Json(200, "{}");

@@ -85,7 +85,13 @@ absl::StatusOr<bool> ApplyShmParameter(absl::string_view field, absl::string_vie
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".parameters.", key, ": must be an integer >= 0"));
   }
-  (offset ? shm->offset : shm->byte_size) = uint64_t(value.i);
+  // Sizes are checked as int64 later: one past it is refused here, named as sent. An offset is
+  // kept as sent (uint64, as the native API's): the region's range check then names it.
+  if (!offset && value.u > uint64_t(INT64_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".parameters.", key, ": ", value.u,
+                                                   " does not fit a signed 64-bit integer"));
+  }
+  (offset ? shm->offset : shm->byte_size) = value.u;
   (offset ? shm->has_offset : shm->has_byte_size) = true;
   return true;
 }

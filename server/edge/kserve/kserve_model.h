@@ -84,7 +84,8 @@ struct ParamValue {
   enum Type { kBool, kInt, kDouble, kString, kOther };
   Type type = kOther;
   bool b = false;
-  int64_t i = 0;  // kInt
+  int64_t i = 0;   // kInt (INT64_MAX for a value past it: see u)
+  uint64_t u = 0;  // kInt given >= 0: the value as sent, up to 2^64-1
   double d = 0;   // kInt and kDouble
   std::string s;  // kString
   bool negative = false;  // kInt given below zero

@@ -1,14 +1,14 @@
 // KServe v2 / Open Inference Protocol conversions, without a server.
-#include "edge/grpc/kserve_grpc_convert.h"
-#include "edge/http/kserve_json.h"
-#include "edge/kserve/kserve_model.h"
-
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "edge/grpc/kserve_grpc_convert.h"
+#include "edge/http/kserve_json.h"
+#include "edge/kserve/kserve_model.h"
 #include "flashserve/kernels/float_convert.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -178,6 +178,10 @@ TEST(KServeConvertTest, MalformedRequestsNameTheField) {
        },
        "inputs[0].shape"},
       {[](json& b) {
+         b["inputs"][0]["shape"] = {1, 2, 1, std::numeric_limits<uint64_t>::max()};
+       },
+       "inputs[0].shape: 18446744073709551615 does not fit a signed 64-bit integer"},
+      {[](json& b) {
          b["inputs"][0]["parameters"] = {{"binary_data_size", 16}};
        },
        "both data and binary_data_size"},
@@ -206,6 +210,42 @@ TEST(KServeConvertTest, MalformedRequestsNameTheField) {
   RestInferRequest r;
   EXPECT_THAT(ParseRestInferHeader("{\"inputs\": [", 0, kMax, &r).message(),
               HasSubstr("not valid JSON"));
+}
+
+// nlohmann keeps a repeated key's last value; a proxy in front may read the first. Refused at
+// any depth, escaped spellings of one key included; the same key in sibling objects is fine.
+TEST(KServeConvertTest, DuplicateJsonKeysAreRefused) {
+  const std::string inputs = JsonRequest()["inputs"].dump();  // [{"data":...,"datatype":"FP32",...
+  const std::string q_rest = inputs.substr(2);                // Q's members on, then K and V
+  struct Case {
+    std::string body;
+    const char* key;
+  };
+  const Case cases[] = {
+      {"{\"inputs\":[],\"inputs\":" + inputs + "}", "inputs"},
+      {"{\"inputs\":[{\"datatype\":\"FP16\"," + q_rest + "}", "datatype"},
+      {"{\"inputs\":[{\"data\\u0074ype\":\"FP16\"," + q_rest + "}", "datatype"},
+      {"{\"parameters\":{\"causal\":true,\"causal\":false},\"inputs\":" + inputs + "}", "causal"},
+  };
+  RestInferRequest once;  // the same bodies with each key once
+  ASSERT_TRUE(ParseRestInferHeader("{\"inputs\":[{" + q_rest + "}", 0, kMax, &once).ok());
+  for (const Case& c : cases) {
+    RestInferRequest r;
+    const absl::Status s = ParseRestInferHeader(c.body, 0, kMax, &r);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.body;
+    EXPECT_THAT(s.message(),
+                HasSubstr(absl::StrCat("duplicate key \"", c.key, "\" in a JSON object")))
+        << c.body;
+  }
+  json parsed;
+  EXPECT_TRUE(
+      ParseJsonUniqueKeys(R"({"a":[{"k":1},{"k":2}],"b":{"a":{"a":1}},"k":3})", &parsed).ok());
+  EXPECT_EQ(parsed["a"][1]["k"], 2);
+  const std::string long_key(1000, 'x');
+  absl::Status s = ParseJsonUniqueKeys("{\"" + long_key + "\":1,\"" + long_key + "\":2}", &parsed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_LT(s.message().size(), 200u) << "the key is shown clipped";
+  EXPECT_THAT(ParseJsonUniqueKeys("{\"a\":", &parsed).message(), HasSubstr("not valid JSON"));
 }
 
 TEST(KServeConvertTest, RestResponseJsonAndBinary) {
@@ -390,6 +430,22 @@ TEST(KServeConvertTest, RestSharedMemoryReferences) {
   refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", -1}}, "integer >= 0");
   refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", 16},
            {"shared_memory_offset", -8}}, "shared_memory_offset: must be an integer >= 0");
+  // Past int64: an offset is kept as sent (it was INT64_MAX, which the region's range error then
+  // showed); a size is refused, named as sent.
+  json huge = JsonRequest();
+  huge["inputs"][0].erase("data");
+  huge["inputs"][0]["parameters"] = {
+      {"shared_memory_region", "r"},
+      {"shared_memory_byte_size", 16},
+      {"shared_memory_offset", std::numeric_limits<uint64_t>::max()}};
+  RestInferRequest as_sent;
+  ASSERT_TRUE(Parse(huge, &as_sent).ok());
+  EXPECT_EQ(as_sent.shm_inputs[0].offset, std::numeric_limits<uint64_t>::max());
+  refused({{"shared_memory_region", "r"}, {"shared_memory_byte_size", uint64_t{1} << 63}},
+          "inputs[0].parameters.shared_memory_byte_size: 9223372036854775808 does not fit a "
+          "signed 64-bit integer");
+  refused({{"binary_data_size", uint64_t{1} << 63}},
+          "binary_data_size: 9223372036854775808 does not fit");
 }
 
 // gRPC: inputs in shared memory have no raw_input_contents entry; the others keep theirs in order.
@@ -425,6 +481,18 @@ TEST(KServeConvertTest, GrpcSharedMemoryReferences) {
   inference::ModelInferRequest no_shm = request;  // an edge that takes no shared memory
   s = GrpcInferToAttention(&no_shm, &out, &outputs, &timeout_us);
   EXPECT_THAT(s.message(), HasSubstr("inputs[1]: shared memory is not accepted here"));
+
+  // uint64 parameters past int64, as REST's: an offset kept as sent (it was INT64_MAX, which the
+  // region's range error then showed), a size refused and named as sent.
+  inference::ModelInferRequest far = request;
+  auto& far_params = *far.mutable_inputs(1)->mutable_parameters();
+  far_params["shared_memory_offset"].set_uint64_param(std::numeric_limits<uint64_t>::max());
+  ASSERT_TRUE(GrpcInferToAttention(&far, &out, &outputs, &timeout_us, shm).ok());
+  EXPECT_EQ(shm[1].offset, std::numeric_limits<uint64_t>::max());
+  far_params["shared_memory_byte_size"].set_uint64_param(uint64_t{1} << 63);
+  s = GrpcInferToAttention(&far, &out, &outputs, &timeout_us, shm);
+  EXPECT_THAT(s.message(), HasSubstr("inputs[1].parameters.shared_memory_byte_size: "
+                                     "9223372036854775808 does not fit a signed 64-bit integer"));
 }
 
 }  // namespace

@@ -1,14 +1,17 @@
-// Reassembly, header validation, session ids and chunk parsing of the striped streaming edge
-// (pure logic, no gRPC server).
+// Reassembly, header validation, session ids, chunk parsing and Download chunk sizes of the
+// striped streaming edge (pure logic, no gRPC server).
 #include <atomic>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "edge/grpc/stream_chunk.h"
 #include "edge/grpc/stream_session.h"
+#include "edge/grpc/stream_transfer.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 
@@ -248,6 +251,21 @@ TEST(SessionTableTest, DownloadsEachOutputByteOnce) {
   EXPECT_FALSE(s.FullyDownloaded());
   ASSERT_TRUE(s.ReserveDownload(v1::TENSOR_LSE, 0, 0).ok());
   EXPECT_TRUE(s.FullyDownloaded());
+}
+
+// 0 is the default; [4 KiB, 64 MiB] is used as given; the rest is refused, not clamped.
+TEST(DownloadChunkBytesTest, DefaultRangeAndRefusals) {
+  EXPECT_EQ(*DownloadChunkBytes(0), int64_t{4} << 20);
+  EXPECT_EQ(*DownloadChunkBytes(4096), 4096);
+  EXPECT_EQ(*DownloadChunkBytes(int64_t{64} << 20), int64_t{64} << 20);
+  for (int64_t bad : {int64_t{-1}, int64_t{1}, int64_t{4095}, (int64_t{64} << 20) + 1,
+                      std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()}) {
+    absl::StatusOr<int64_t> chunk = DownloadChunkBytes(bad);
+    EXPECT_EQ(chunk.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_EQ(chunk.status().message(),
+              absl::StrCat("DownloadRequest.chunk_bytes: ", bad,
+                           " is outside [4096, 67108864] (0: the default, 4194304)"));
+  }
 }
 
 TEST(AppendChunkHeaderTest, MatchesProtobuf) {
