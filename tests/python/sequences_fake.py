@@ -4,6 +4,12 @@ It implements what the client relies on (create with prefix, append, attend, Dec
 with the missing ids in trailing metadata, release, info) and nothing of the server's memory management: the real
 server is tested by test_sequences_e2e*.py. ``forget_all()`` plays an eviction or a restart; ``stop()`` a server
 that leaves.
+
+Failure injection: ``fail_next_step`` / ``fail_next_append`` = (grpc.StatusCode, whether the rows were appended
+first), or a list of those for the next calls in turn. ``hold("DecodeStep" | "Append", where)`` stops the next such
+call "before" it reads anything (a request on its way, or one the server has not got to yet: the real server's Append
+applies however late, DecodeStep once it has started running) or "after" it applied and built its answer (an answer
+on its way back) until the test lets it go; ``hold("GetSequenceInfo", "after")`` the same for an info answer.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 from concurrent import futures
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import grpc
 import numpy as np
@@ -32,15 +38,59 @@ class _FakeSeq:
         self.v: List[np.ndarray] = list(self.k)
 
 
+def _next_failure(armed):
+    """(this call's failure or None, what stays armed): a tuple is one failure, a list one per call in turn."""
+    if isinstance(armed, list):
+        return (armed[0], armed[1:] or None) if armed else (None, None)
+    return armed, None
+
+
+class Hold:
+    """One held call: ``entered`` is set when it stops, it goes on when ``proceed`` is set, ``finished`` when its
+    handler returns (answered or failed)."""
+
+    def __init__(self, where: str):
+        assert where in ("before", "after"), where
+        self.where = where
+        self.entered, self.proceed, self.finished = threading.Event(), threading.Event(), threading.Event()
+
+    def wait_entered(self, timeout: float = 10.0) -> "Hold":
+        assert self.entered.wait(timeout), "the held call never came"
+        return self
+
+    def release(self, wait: bool = True, timeout: float = 10.0) -> None:
+        self.proceed.set()
+        if wait:
+            assert self.finished.wait(timeout), "the held call did not finish"
+
+
 class FakeSequences(spb_grpc.SequencesServicer):
     def __init__(self):
         self.seqs: Dict[str, _FakeSeq] = {}
         self.lock = threading.Lock()
         self.calls: List[str] = []
         self.metadata_seen: List[dict] = []
-        # One-shot failures of the next DecodeStep: (grpc.StatusCode, whether the rows were appended first).
+        # One-shot failures of the next DecodeStep: (grpc.StatusCode, whether the rows were appended first), or a list
+        # of them for the next DecodeSteps in turn.
         self.fail_next_step = None
+        self.fail_next_append = None  # the same for the next Append
+        self.holds: Dict[str, Hold] = {}  # method -> the next call of it to hold (hold())
         self.packed_steps = 0  # DecodeSteps that came packed (DecodeStepRequest.packed)
+
+    def hold(self, method: str, where: str) -> Hold:
+        """Holds the next call of ``method`` ("before" it reads anything, or "after" it applied); see Hold."""
+        self.holds[method] = Hold(where)
+        return self.holds[method]
+
+    def _held(self, method: str, where: str) -> Optional[Hold]:
+        with self.lock:
+            hold = self.holds.get(method)
+            if hold is None or hold.where != where:
+                return None
+            del self.holds[method]
+        hold.entered.set()
+        hold.proceed.wait(30)
+        return hold
 
     def forget_all(self):
         with self.lock:
@@ -74,14 +124,29 @@ class FakeSequences(spb_grpc.SequencesServicer):
 
     def Append(self, request, context):
         self._note("Append", context)
-        with self.lock:
-            seq = self._get(context, request.sequence_id)
-            there = [self._already_there(context, seq, r.layer, r, r.k) for r in request.rows]
-            for layer_kv, already in zip(request.rows, there):
-                if not already:
-                    self._append(seq, layer_kv.layer, layer_kv.k, layer_kv.v)
-            return spb.AppendResponse(layer_lengths=[len(k) for k in seq.k],
-                                      already_appended_layers=[r.layer for r, a in zip(request.rows, there) if a])
+        holds = []
+        try:
+            holds.append(self._held("Append", "before"))
+            with self.lock:
+                seq = self._get(context, request.sequence_id)
+                failure, self.fail_next_append = _next_failure(self.fail_next_append)
+                if failure is not None and not failure[1]:
+                    context.abort(failure[0], "injected failure before the append")
+                there = [self._already_there(context, seq, r.layer, r, r.k) for r in request.rows]
+                for layer_kv, already in zip(request.rows, there):
+                    if not already:
+                        self._append(seq, layer_kv.layer, layer_kv.k, layer_kv.v)
+                if failure is not None:
+                    context.abort(failure[0], "injected failure after the append")
+                response = spb.AppendResponse(layer_lengths=[len(k) for k in seq.k],
+                                              already_appended_layers=[r.layer for r, a in zip(request.rows, there)
+                                                                       if a])
+            holds.append(self._held("Append", "after"))
+            return response
+        finally:
+            for hold in holds:
+                if hold is not None:
+                    hold.finished.set()
 
     @staticmethod
     def _already_there(context, seq, layer, message, k) -> bool:
@@ -128,12 +193,24 @@ class FakeSequences(spb_grpc.SequencesServicer):
 
     def DecodeStep(self, request, context):
         self._note("DecodeStep", context)
+        holds = []
+        try:
+            holds.append(self._held("DecodeStep", "before"))
+            response = self._decode_step(request, context)
+            holds.append(self._held("DecodeStep", "after"))
+            return response
+        finally:
+            for hold in holds:
+                if hold is not None:
+                    hold.finished.set()
+
+    def _decode_step(self, request, context):
         scale = request.softmax_scale if request.HasField("softmax_scale") else None
         with self.lock:
             missing = [i.sequence_id for i in request.items if i.sequence_id not in self.seqs]
             if missing:
                 self._missing(context, list(dict.fromkeys(missing)))
-            failure, self.fail_next_step = self.fail_next_step, None
+            failure, self.fail_next_step = _next_failure(self.fail_next_step)
             if failure is not None and not failure[1]:
                 context.abort(failure[0], "injected failure before the append")
             items = self._items_of(request)
@@ -184,8 +261,12 @@ class FakeSequences(spb_grpc.SequencesServicer):
         self._note("GetSequenceInfo", context)
         with self.lock:
             seq = self._get(context, request.sequence_id)
-            return spb.SequenceInfo(sequence_id=request.sequence_id, num_layers=seq.num_layers,
+            info = spb.SequenceInfo(sequence_id=request.sequence_id, num_layers=seq.num_layers,
                                     layer_lengths=[len(k) for k in seq.k])
+        hold = self._held("GetSequenceInfo", "after")
+        if hold is not None:
+            hold.finished.set()
+        return info
 
 
 class FakeSequencesServer:

@@ -31,6 +31,11 @@ class LayerHistory:
         self._v[layer].append(v)
         self.bytes += _data_bytes(k) + _data_bytes(v)
 
+    def take_back(self, layer: int, k: Rows) -> None:
+        """Forgets the last add(layer, k, ...) (k: the same object)."""
+        if self._k[layer] and self._k[layer][-1] is k:
+            self.bytes -= _data_bytes(self._k[layer].pop()) + _data_bytes(self._v[layer].pop())
+
     def rows(self, layer: int) -> int:
         return sum(int(t.shape[0]) for t in self._k[layer])
 

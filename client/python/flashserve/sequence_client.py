@@ -13,9 +13,12 @@ re-create the sequence with every row the client keeps (or ``prefix_source`` giv
 (the server left) -> mark the endpoint down for ``down_s`` seconds, re-create the sequence on the next endpoint of the
 ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed ambiguously (deadline, cancelled,
 internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
-client's and re-creates on a mismatch. Every server call is all-or-nothing, and every append names the length it
-follows (expected_length: a retry whose first try was applied finds its rows there and is not applied again), so a
-retried step appends its rows exactly once: no wrong answer, only a slower one.
+client's and re-creates on a mismatch; after a failure that may still be running on the server (deadline, cancelled,
+or UNAVAILABLE the client does not retry: its rows may land after any check) it re-creates without asking. Every
+server call is all-or-nothing, and every append names the length it follows (expected_length: a retry whose first
+try was applied finds its rows there and is not applied again), so a retried step appends its rows exactly once: no
+wrong answer, only a slower one. Only an append's answer sets a layer's length, and an answer from a sequence id the
+client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
 
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
@@ -50,6 +53,10 @@ ROUTE_HEADER = "x-sequence-key"
 # Failures after which the server may or may not have appended the rows it was sent.
 _AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.INTERNAL}
+# Failures after which the call may still be on its way or running on the server (the client stopped waiting, or the
+# connection broke with the request sent): its rows may land after any look at the lengths. UNAVAILABLE is retried
+# (the same expected_length, or a new sequence elsewhere); when the client gives up on it, it is one of these.
+_MAY_LAND = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
 # A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff; retries through a
 # single endpoint wait 0.1, 0.2, 0.4 ... s.
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -80,8 +87,8 @@ class _Item:
         self.k = encode_rows(k, "k") if k is not None else None
         self.v = encode_rows(v, "v") if v is not None else None
 
-    def add_to(self, request: "spb.DecodeStepRequest") -> None:
-        item = request.items.add(sequence_id=self.seq.id, layer=self.layer)
+    def add_to(self, request: "spb.DecodeStepRequest", sequence_id: str) -> None:
+        item = request.items.add(sequence_id=sequence_id, layer=self.layer)
         item.q.CopyFrom(self.q)
         if self.k is not None:
             item.k.CopyFrom(self.k)
@@ -106,6 +113,15 @@ def _appending(pairs):
             with seq._written:
                 seq._writing.discard(layer)
                 seq._written.notify_all()
+
+
+def _mark_uncertain(seqs: Iterable[Sequence], sent_ids: Iterable[str], code: grpc.StatusCode) -> None:
+    """A call that sent rows to these sequences (ids as sent) failed with ``code`` and is not retried: its rows may be
+    there. A sequence re-created since (another id) is left alone: the call's rows are not in it."""
+    for seq, sent_id in zip(seqs, sent_ids):
+        with seq.lock:
+            if seq.id == sent_id:
+                seq.doubt(may_land=code in _MAY_LAND)
 
 
 def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
@@ -271,7 +287,7 @@ class SequenceClient:
                     raise
                 self.mark_down(endpoint)
                 continue
-            seq.id, seq.endpoint, seq.uncertain = response.sequence_id, endpoint, False
+            seq.id, seq.endpoint, seq.uncertain, seq.may_land = response.sequence_id, endpoint, False, False
             seq.max_tokens = int(response.max_tokens) or seq.max_tokens
             seq.lengths = [int(n) for n in response.layer_lengths] or [0] * seq.spec.num_layers
             return
@@ -282,6 +298,9 @@ class SequenceClient:
         with seq.lock:
             if seq.id != failed_id:
                 return
+            if seq.released:  # release() ran while the failed call was on its way: nothing to bring back
+                raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"sequence {failed_id} was released by this client")
             prefix = seq.recovery_prefix()
             if prefix is None:
                 raise error_for(grpc.StatusCode.NOT_FOUND,
@@ -318,22 +337,29 @@ class SequenceClient:
 
     def _settle_uncertain(self, seqs: Iterable[Sequence], timeout) -> None:
         """Before using a sequence whose last append failed ambiguously: re-create it unless the server's lengths
-        are the client's (the rows were not appended)."""
+        are the client's (the rows were not appended). After a failure that may still land (seq.may_land) the
+        lengths prove nothing (the rows may come after the look): always re-create."""
         for seq in seqs:
-            if not seq.uncertain:
-                continue
-            failed_id = seq.id
-            try:
-                info = self._rpc(seq.endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=failed_id),
-                                 seq.key, timeout)
-                same = [int(n) for n in info.layer_lengths] == seq.lengths
-            except (NotFoundError, UnavailableError):
+            while True:
+                with seq.lock:
+                    if not seq.uncertain:
+                        break
+                    failed_id, endpoint, doubts, may_land = seq.id, seq.endpoint, seq.doubts, seq.may_land
                 same = False
-            if same:
-                seq.uncertain = False
-                continue
-            self._release_quietly(seq.endpoint, failed_id, seq.key)
-            self._reprefill(seq, failed_id, timeout)
+                try:
+                    if not may_land:
+                        info = self._rpc(endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=failed_id),
+                                         seq.key, timeout)
+                        same = [int(n) for n in info.layer_lengths] == seq.lengths
+                except (NotFoundError, UnavailableError):
+                    same = False
+                if same:
+                    with seq.lock:  # only the doubts this look saw: a failure since may have appended after it
+                        if seq.doubts == doubts and seq.id == failed_id:
+                            seq.uncertain = False
+                    continue
+                self._release_quietly(endpoint, failed_id, seq.key)
+                self._reprefill(seq, failed_id, timeout)  # then look again: a new id may have a new doubt
 
     def _release_quietly(self, endpoint: str, sequence_id: str, key: str) -> None:
         try:
@@ -342,21 +368,33 @@ class SequenceClient:
             pass  # gone with its server, or freed by its TTL later
 
     def _with_recovery(self, seqs: List[Sequence], attempt, timeout, appends: bool):
-        """attempt() is one RPC on seqs[0].endpoint for seqs; a lost sequence is re-created and the RPC retried."""
-        for n in range(self.max_attempts):
-            self._settle_uncertain(seqs, timeout)
-            ids, endpoint = [s.id for s in seqs], seqs[0].endpoint
-            try:
-                return attempt()
-            except FlashserveError as e:
-                if appends and e.code in _AMBIGUOUS:
-                    for seq in seqs:
-                        seq.uncertain = True
+        """attempt(ids) is one RPC on seqs[0].endpoint for seqs (ids: theirs as read once, under their locks); a lost
+        sequence is re-created and the RPC retried."""
+        doubtful = []  # (ids, code) of the tries whose rows may be on the server
+        try:
+            for n in range(self.max_attempts):
+                self._settle_uncertain(seqs, timeout)
+                ids, endpoint = [], seqs[0].endpoint
+                for seq in seqs:
+                    with seq.lock:
+                        ids.append(seq.id)
+                try:
+                    return attempt(ids)
+                except FlashserveError as e:
+                    if appends and e.code in _AMBIGUOUS | _MAY_LAND:
+                        doubtful.append((ids, e.code))
+                    if not self.reprefill or n + 1 == self.max_attempts or (appends and e.code in _AMBIGUOUS):
+                        raise
+                    self._recover(e, seqs, ids, endpoint, timeout, n)
+                except BaseException:  # interrupted with the request maybe sent: as a cancelled call
+                    if appends:
+                        doubtful.append((ids, grpc.StatusCode.CANCELLED))
                     raise
-                if not self.reprefill or n + 1 == self.max_attempts:
-                    raise
-                self._recover(e, seqs, ids, endpoint, timeout, n)
-        raise AssertionError("unreachable")
+            raise AssertionError("unreachable")
+        except BaseException:
+            for ids, code in doubtful:  # given up, whatever the last error: any earlier try's rows may be there
+                _mark_uncertain(seqs, ids, code)
+            raise
 
     # --- calls -------------------------------------------------------------------------------------------------------
 
@@ -371,15 +409,25 @@ class SequenceClient:
         encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
                    for layer, (k, v) in rows.items()}
 
-        def attempt():
-            request = spb.AppendRequest(sequence_id=seq.id)
+        def attempt(ids):
+            sent_id = ids[0]
+            with seq.lock:  # the lengths of the id read (a re-create changes both)
+                if seq.id != sent_id:
+                    raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created meanwhile",
+                                        missing_ids=(sent_id,))
+                expected = {layer: seq.lengths[layer] for layer in encoded}
+            request = spb.AppendRequest(sequence_id=sent_id)
             for layer, (k, v) in encoded.items():
                 _add_layer_kv(request.rows, layer, k, v)
-                request.rows[-1].expected_length = seq.lengths[layer]
+                request.rows[-1].expected_length = expected[layer]
             response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
             self._count_already_appended(len(response.already_appended_layers))
             with seq.lock:
-                seq.acknowledge(encoded, dict(enumerate(response.layer_lengths)))
+                if seq.id != sent_id:  # re-created while this ran, without these rows: send them again
+                    raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created while an "
+                                        "append to it ran", missing_ids=(sent_id,))
+                # Only the appended layers: the others' lengths in this answer may be older than the client's.
+                seq.acknowledge(encoded, {layer: response.layer_lengths[layer] for layer in encoded})
                 return list(seq.lengths)
 
         with _appending((seq, layer) for layer in encoded):
@@ -396,8 +444,8 @@ class SequenceClient:
         self._check_live(seq)
         item = _Item((seq, layer, q))
 
-        def attempt():
-            request = spb.AttendRequest(sequence_id=seq.id, layer=int(layer), q=item.q, causal=bool(causal),
+        def attempt(ids):
+            request = spb.AttendRequest(sequence_id=ids[0], layer=int(layer), q=item.q, causal=bool(causal),
                                         return_lse=bool(return_lse))
             if softmax_scale is not None:
                 request.softmax_scale = float(softmax_scale)
@@ -414,38 +462,56 @@ class SequenceClient:
         for item in prepared:
             self._check_live(item.seq)
         with _appending((item.seq, item.layer) for item in prepared if item.k is not None):
-            return self._decode_step(prepared, (bool(causal), softmax_scale, bool(return_lse), timeout))
+            results: List[Any] = [None] * len(prepared)
+            doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
+            try:
+                return self._decode_step(prepared, results, doubtful,
+                                         (bool(causal), softmax_scale, bool(return_lse), timeout))
+            except BaseException:
+                # A step that raises appended nothing, for the caller (who may well send it again). Its tries that
+                # failed in a way that may have appended (every group, every try, not only the error raised) make
+                # their sequences uncertain; items that one server took while another server's share failed are
+                # taken back: the client forgets their rows and the next call re-creates the sequence without them.
+                for seq, sent_id, code in doubtful:
+                    _mark_uncertain([seq], [sent_id], code)
+                for item, result in zip(prepared, results):
+                    if result is not None and item.k is not None:
+                        with item.seq.lock:
+                            item.seq.take_back(item.layer, item.k)
+                            item.seq.doubt(may_land=False)
+                raise
 
-    def _decode_step(self, prepared: List[_Item], options) -> list:
-        """decode_step's calls and retries (its appends held by _appending)."""
+    def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options) -> list:
+        """decode_step's calls and retries (its appends held by _appending); fills results, and doubtful with
+        (sequence, id sent, code) of the items whose rows a failed try may have left on a server."""
         timeout = options[-1]
-        results: List[Any] = [None] * len(prepared)
         pending = list(range(len(prepared)))
         for n in range(self.max_attempts):
             self._settle_uncertain({id(prepared[i].seq): prepared[i].seq for i in pending}.values(), timeout)
-            groups = _group_by_endpoint(prepared, pending)
-            runs = [(g, [prepared[i].seq.id for i in g], prepared[g[0]].seq.endpoint) for g in groups]
+            runs = _runs_by_endpoint(prepared, pending)
             outcomes = self._run_groups(prepared, runs, results, options)
             failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
-            if not failed:
-                return results
-            for (group, ids, endpoint), error in failed:
-                seqs = [prepared[i].seq for i in group]
-                if error.code in _AMBIGUOUS:
-                    for seq in seqs:
-                        seq.uncertain = True
+            for (group, sent, _), error in failed:
+                if error.code in _AMBIGUOUS | _MAY_LAND:
+                    doubtful.extend((prepared[i].seq, sent_id, error.code) for i, (sent_id, _) in zip(group, sent)
+                                    if prepared[i].k is not None)
+            for (group, sent, endpoint), error in failed:
                 if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
                     raise error
-                self._recover(error, seqs, ids, endpoint, timeout, n)
-            pending = [i for (group, _, _), _ in failed for i in group]
-        raise AssertionError("unreachable")
+                self._recover(error, [prepared[i].seq for i in group], [i for i, _ in sent], endpoint, timeout, n)
+            # Failed groups' items, and items answered from a sequence re-created meanwhile (_step_group).
+            pending = [i for i in pending if results[i] is None]
+            if not pending:
+                return results
+        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} decode item(s) were answered by sequences that "
+                        f"another call re-created meanwhile, {self.max_attempts} times")
 
     def _run_groups(self, prepared, runs, results, options) -> List[Optional[FlashserveError]]:
         """Sends one DecodeStep per group (in parallel when several); fills results; returns each group's error."""
         def one(run):
-            group, _, endpoint = run
+            group, sent, endpoint = run
             try:
-                self._step_group(prepared, group, endpoint, results, *options)
+                self._step_group(prepared, group, sent, endpoint, results, *options)
                 return None
             except FlashserveError as e:
                 return e
@@ -454,34 +520,49 @@ class SequenceClient:
             return [one(runs[0])]
         return list(self._pool.map(one, runs))
 
-    def _step_group(self, prepared, group, endpoint, results, causal, softmax_scale, return_lse, timeout) -> None:
+    def _step_group(self, prepared, group, sent, endpoint, results, causal, softmax_scale, return_lse,
+                    timeout) -> None:
+        """One DecodeStep of the group's items to (id, expected_length) ``sent``; fills results of the items whose
+        sequence still has the id sent (the others are left None: sent again by the caller)."""
         request = None
         if self.packed_steps:
-            request = packed_step_request([(prepared[i].seq.id, prepared[i].layer, prepared[i].q, prepared[i].k,
-                                            prepared[i].v) for i in group])
+            request = packed_step_request([(sequence_id, prepared[i].layer, prepared[i].q, prepared[i].k,
+                                            prepared[i].v) for i, (sequence_id, _) in zip(group, sent)])
         if request is None:
             request = spb.DecodeStepRequest()
-            for i in group:
-                prepared[i].add_to(request)
-        for entry, i in zip(request.items, group):  # packed or not: a scalar of the item itself
+            for i, (sequence_id, _) in zip(group, sent):
+                prepared[i].add_to(request, sequence_id)
+        for entry, i, (_, expected) in zip(request.items, group, sent):  # packed or not: a scalar of the item itself
             if prepared[i].k is not None:
-                entry.expected_length = prepared[i].seq.lengths[prepared[i].layer]
+                entry.expected_length = expected
         request.causal, request.return_lse = causal, return_lse
         if softmax_scale is not None:
             request.softmax_scale = float(softmax_scale)
-        response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+        try:
+            response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+            if len(response.results) != len(group):
+                raise error_for(grpc.StatusCode.INTERNAL,
+                                f"DecodeStep answered {len(response.results)} results for {len(group)} items")
+            # Every answer read before any is acknowledged: an answer that cannot be read fails the group whole.
+            answers = [_answer(result, prepared[i], return_lse) for i, result in zip(group, response.results)]
+        except FlashserveError:
+            raise  # the caller judges by the code
+        except BaseException:  # interrupted, or an answer the caller's tensors cannot take (out of memory ...)
+            appended = [j for j, i in enumerate(group) if prepared[i].k is not None]
+            _mark_uncertain([prepared[group[j]].seq for j in appended], [sent[j][0] for j in appended],
+                            grpc.StatusCode.CANCELLED)
+            raise
         self._count_already_appended(sum(1 for result in response.results if result.already_appended))
         with self._lock:
             self.stats["max_batched_calls"] = max(self.stats["max_batched_calls"], int(response.batched_calls))
-        if len(response.results) != len(group):
-            raise error_for(grpc.StatusCode.INTERNAL,
-                            f"DecodeStep answered {len(response.results)} results for {len(group)} items")
-        for i, result in zip(group, response.results):
+        for i, (sent_id, _), result, answer in zip(group, sent, response.results, answers):
             item = prepared[i]
             with item.seq.lock:
-                rows = {item.layer: (item.k, item.v)} if item.k is not None else {}
-                item.seq.acknowledge(rows, {item.layer: result.length})
-            results[i] = _answer(result, item, return_lse)
+                if item.seq.id != sent_id:  # re-created while this ran, without these rows: the caller sends again
+                    continue
+                if item.k is not None:  # an attend-only item's length may be older than an append acknowledged since
+                    item.seq.acknowledge({item.layer: (item.k, item.v)}, {item.layer: result.length})
+                results[i] = answer  # with its acknowledgement: decode_step takes back those with a result
 
     # --- release and information ----------------------------------------------------------------------------------
 
@@ -523,11 +604,18 @@ class SequenceClient:
         self.close()
 
 
-def _group_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[List[int]]:
-    groups: Dict[str, List[int]] = {}
+def _runs_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[Tuple[List[int], list, str]]:
+    """The items as one (items, [(sequence id, expected_length)], endpoint) per endpoint, each item's id, length and
+    endpoint read together (a re-create by another thread changes all three)."""
+    groups: Dict[str, Tuple[List[int], list]] = {}
     for i in indices:
-        groups.setdefault(prepared[i].seq.endpoint, []).append(i)
-    return list(groups.values())
+        seq = prepared[i].seq
+        with seq.lock:
+            sent, endpoint = (seq.id, seq.lengths[prepared[i].layer]), seq.endpoint
+        group = groups.setdefault(endpoint, ([], []))
+        group[0].append(i)
+        group[1].append(sent)
+    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]
 
 
 def _answer(response, item: _Item, return_lse: bool):

@@ -10,7 +10,9 @@
 
 The client keeps every acknowledged K/V row (``keep_history=True``, the default) or asks ``prefix_source(seq)`` for
 them, so that when the server loses the sequence (TTL eviction, restart, the server left the ring) it re-creates the
-sequence with those rows and retries the call: the answer is the same, only slower. ``reprefills`` counts that.
+sequence with those rows and retries the call: the answer is the same, only slower. ``reprefills`` counts that. Of
+what ``prefix_source`` gives it takes each layer's first ``seq.lengths[layer]`` rows (those the server acknowledged):
+the source may be the caller's own cache, already holding the rows of the call being retried.
 
 Retries: every append names the layer's length it follows (``expected_length``), so a call retried after its answer
 was lost (a dropped connection, with one endpoint or a proxy) appends its rows once: the server finds them there and
@@ -27,9 +29,12 @@ import threading
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+import grpc
+
 from . import tensors
 from ._pb import attention_pb2 as pb
 from ._seq_history import LayerHistory
+from .errors import error_for
 
 # (k, v) per layer: arrays [rows, heads_kv, head_dim] (numpy or torch), or already encoded wire tensors.
 Prefix = Mapping[int, Tuple[Any, Any]]
@@ -64,6 +69,29 @@ def encode_prefix(prefix: Optional[Prefix]) -> Dict[int, Tuple[Rows, Rows]]:
             for layer, (k, v) in (prefix or {}).items()}
 
 
+def _first_rows(t: Rows, n: int) -> Rows:
+    if int(t.shape[0]) == n:
+        return t
+    row_bytes = len(t.data) // int(t.shape[0])
+    return tensors.HostRows(t.dtype, (n,) + tuple(t.shape[1:]), bytes(t.data[:n * row_bytes]))
+
+
+def _acknowledged_rows(prefix: Dict[int, Tuple[Rows, Rows]], lengths: List[int]) -> Dict[int, Tuple[Rows, Rows]]:
+    """prefix_source's rows cut to the rows the server acknowledged (``lengths``): the source may be the caller's own
+    cache, which already holds the rows of a call in flight -- that call appends them again once the sequence is
+    re-created. Fewer rows than acknowledged: FAILED_PRECONDITION (a re-created sequence would lack some)."""
+    fitted = {}
+    for layer, n in enumerate(lengths):
+        k, v = prefix.get(layer, (None, None))
+        have = min(int(k.shape[0]), int(v.shape[0])) if k is not None and k.shape and v.shape else 0
+        if have < n:
+            raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"prefix_source gave {have} rows for layer {layer}; the server had acknowledged {n}")
+        if n:
+            fitted[layer] = (_first_rows(k, n), _first_rows(v, n))
+    return fitted
+
+
 class Sequence:
     """One server-side sequence. Made by SequenceClient.create; ``id`` changes when it is re-created elsewhere."""
 
@@ -80,6 +108,8 @@ class Sequence:
         self.reprefills = 0
         self.released = False
         self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
+        self.may_land = False  # ... and may still be applied later (a deadline, UNAVAILABLE): re-create, don't check
+        self.doubts = 0  # failures that made it uncertain: a check of the lengths clears only those it began after
         # Layers with an append of this client in flight: the next waits (an append names the length it follows,
         # expected_length, which two concurrent appends to one layer would both name).
         self._writing: set = set()
@@ -139,12 +169,24 @@ class Sequence:
         for layer, length in lengths.items():
             self.lengths[layer] = int(length)
 
+    def doubt(self, may_land: bool) -> None:
+        """A call that sent rows failed, and they may be on the server (under self.lock)."""
+        self.uncertain = True
+        self.may_land = self.may_land or may_land
+        self.doubts += 1
+
+    def take_back(self, layer: int, k: Rows) -> None:
+        """Forgets the last acknowledged append of ``layer`` (rows ``k``; appends to a layer run one at a time)."""
+        if self._history is not None:
+            self._history.take_back(layer, k)
+        self.lengths[layer] -= int(k.shape[0]) if k.shape else 0
+
     def recovery_prefix(self) -> Optional[Dict[int, Tuple[Rows, Rows]]]:
         """Every row the server should hold, to re-create the sequence; None when nothing can supply them."""
         if self._history is not None:
             return self._history.prefix()
         if self._prefix_source is not None:
-            return encode_prefix(self._prefix_source(self))
+            return _acknowledged_rows(encode_prefix(self._prefix_source(self)), self.lengths)
         return None
 
     def reset_history(self, prefix: Dict[int, Tuple[Rows, Rows]]) -> None:
