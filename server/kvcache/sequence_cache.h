@@ -124,12 +124,16 @@ class SequenceCache {
   /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences.
   absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request);
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
-  /// length nor its length less the rows (nothing appended then).
-  absl::StatusOr<AppendResult> Append(std::string_view id, const std::vector<LayerRows>& rows);
+  /// length nor its length less the rows (nothing appended then). DEADLINE_EXCEEDED, nothing
+  /// appended, when `deadline` passed while it waited for another append to the sequence.
+  absl::StatusOr<AppendResult> Append(std::string_view id, const std::vector<LayerRows>& rows,
+                                      absl::Time deadline = absl::InfiniteFuture());
   /// Validates every item, appends their rows and pins their sequences. All items must share
   /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once. Items whose
-  /// expected_length finds their rows already there are not appended again (ABORTED as Append).
-  absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items);
+  /// expected_length finds their rows already there are not appended again (ABORTED as Append;
+  /// DEADLINE_EXCEEDED as Append).
+  absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items,
+                                       absl::Time deadline = absl::InfiniteFuture());
   /// Releases the sequences; returns the ids that were not found.
   std::vector<std::string> Release(const std::vector<std::string>& ids);
   absl::StatusOr<SequenceStatus> Info(std::string_view id);

@@ -57,6 +57,13 @@ absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expecte
       "(GetSequenceInfo has the lengths)"));
 }
 
+absl::Status CheckDeadline(absl::Time now, absl::Time deadline) {
+  if (now < deadline) return absl::OkStatus();
+  return absl::DeadlineExceededError(
+      "the call's deadline passed while it waited for another append to its sequence; nothing was "
+      "appended");
+}
+
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {
   if (a.heads_q != b.heads_q || a.heads_kv != b.heads_kv || a.head_dim != b.head_dim ||
       a.dtype != b.dtype) {

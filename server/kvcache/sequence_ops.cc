@@ -51,7 +51,8 @@ absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vecto
 // append would otherwise stall every other sequence's steps), with the sequence pinned and marked
 // appending; the lengths move under the lock once every row is in place.
 absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
-                                                   const std::vector<LayerRows>& given) {
+                                                   const std::vector<LayerRows>& given,
+                                                   absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindIdleLocked(id, &lock);
@@ -59,6 +60,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
     return UnknownSequences({std::string(id)});
   }
+  if (absl::Status s = CheckDeadline(Now(), deadline); !s.ok()) return s;
   int64_t count = 0;
   AppendResult result;
   if (absl::Status s = ValidateAppend(*seq, given, &count, &result.already_appended); !s.ok()) {

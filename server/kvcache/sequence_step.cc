@@ -124,7 +124,8 @@ PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows&
   return item;
 }
 
-absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items) {
+absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items,
+                                                    absl::Time deadline) {
   if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
@@ -136,6 +137,7 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
       break;
     appended_.wait(lock);
   }
+  if (absl::Status s = CheckDeadline(Now(), deadline); !s.ok()) return s;
   std::vector<int64_t> fresh_rows;
   if (absl::Status s = ValidateStep(items, found, &fresh_rows); !s.ok()) {
     if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)

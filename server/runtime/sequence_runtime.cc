@@ -150,7 +150,7 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
     return std::nullopt;
   }
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<kvcache::StepPlan> plan = cache_->PrepareStep(call->items);
+  absl::StatusOr<kvcache::StepPlan> plan = cache_->PrepareStep(call->items, call->deadline);
   if (!plan.ok()) {
     call->done(plan.status(), {});
     return std::nullopt;

@@ -127,30 +127,35 @@ class SequencesService final : public SequencesBase {
   // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
   // fills the response from the parsed request. The call's sequence id (if it has one) is named
   // in the failure log line (escaped); a NOT_FOUND's well-formed missing ids go into the trailing
-  // metadata. The request's size goes to heap retention as an Attention request's does
-  // (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token prefix of a
+  // metadata. `run` gets the call's deadline (an Append checks it again after waiting for another
+  // append to its sequence). The request's size goes to heap retention as an Attention request's
+  // does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token prefix of a
   // Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                   const Raw& raw_request, Raw* raw_response,
-                                  absl::Status (SequencesService::*run)(const Request&,
-                                                                        Response*)) {
+                                  absl::Status (SequencesService::*run)(const Request&, Response*,
+                                                                        absl::Time deadline)) {
     if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(raw_request.Length()));
     return ServeUnary<Request, Response>(
         context, runtime_->metrics(), method, raw_request, raw_response,
         [&](const Request& request, Response* response, GrpcCall* call) {
           call->set_session_id(SequenceIdOf(request));
-          absl::Status status = (this->*run)(request, response);
+          absl::Status status = (this->*run)(request, response, ToAbslTime(context->deadline()));
           AddMissing(context, status);
           return status;
         });
   }
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
-                        v1::CreateSequenceResponse* response);
-  absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response);
-  absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response);
-  absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response);
-  absl::Status DoPoolInfo(const v1::GetKvPoolInfoRequest& request, v1::KvPoolInfo* response);
+                        v1::CreateSequenceResponse* response, absl::Time deadline);
+  absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response,
+                        absl::Time deadline);
+  absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response,
+                         absl::Time deadline);
+  absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response,
+                      absl::Time deadline);
+  absl::Status DoPoolInfo(const v1::GetKvPoolInfoRequest& request, v1::KvPoolInfo* response,
+                          absl::Time deadline);
   // What a decode call's answer keeps while gRPC writes it: its admission, so that a drain waits
   // for the answer to be written (a DecodeStep's answer slices hold it).
   using AnswerHold = std::shared_ptr<void>;
@@ -263,7 +268,8 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
 }
 
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
-                                        v1::CreateSequenceResponse* response) {
+                                        v1::CreateSequenceResponse* response,
+                                        absl::Time /*deadline*/) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
@@ -281,7 +287,7 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
 }
 
 absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
-                                        v1::AppendResponse* response) {
+                                        v1::AppendResponse* response, absl::Time deadline) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
@@ -294,7 +300,7 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
     rows.push_back(*converted);
   }
   absl::StatusOr<kvcache::AppendResult> appended =
-      sequences_->cache().Append(request.sequence_id(), rows);
+      sequences_->cache().Append(request.sequence_id(), rows, deadline);
   if (!appended.ok()) return appended.status();
   for (int64_t length : appended->lengths) response->add_layer_lengths(length);
   for (int layer : appended->already_appended) response->add_already_appended_layers(layer);
@@ -302,7 +308,7 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
 }
 
 absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
-                                         v1::ReleaseResponse* response) {
+                                         v1::ReleaseResponse* response, absl::Time /*deadline*/) {
   if (sequences_ == nullptr) return Disabled();
   // Bounded as a DecodeStep is: the cache's lock is held for the whole list.
   const int max_ids = sequences_->options().max_batch_sequences;
@@ -319,14 +325,14 @@ absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
 }
 
 absl::Status SequencesService::DoPoolInfo(const v1::GetKvPoolInfoRequest& /*request*/,
-                                          v1::KvPoolInfo* response) {
+                                          v1::KvPoolInfo* response, absl::Time /*deadline*/) {
   response->set_enabled(sequences_ != nullptr);
   if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
   return absl::OkStatus();
 }
 
 absl::Status SequencesService::DoInfo(const v1::GetSequenceInfoRequest& request,
-                                      v1::SequenceInfo* response) {
+                                      v1::SequenceInfo* response, absl::Time /*deadline*/) {
   if (sequences_ == nullptr) return Disabled();
   absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request.sequence_id());
   if (!info.ok()) return info.status();

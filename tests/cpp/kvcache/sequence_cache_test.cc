@@ -547,5 +547,46 @@ TEST(SequenceCacheAppend, CopiesOutsideTheLockAndStepsOnTheSameSequenceWaitForIt
   EXPECT_EQ(same.get(), 33);
 }
 
+// A call that waited for another append to its sequence past its deadline appends nothing: its
+// client saw DEADLINE_EXCEEDED and moved on (before, the rows landed later, never acknowledged).
+TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
+  GatedStore store(/*gated_bytes=*/4096);
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 64;
+  std::atomic<int64_t> now_s{1000};
+  options.clock = [&now_s] { return absl::FromUnixSeconds(now_s.load()); };
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(7);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  CreateRequest create;
+  create.shape = {2, 1, 1, 64, f16};
+  const std::string a = cache->CreateSequence(create)->id;
+  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
+  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
+  const HostRows row = testing::Rows(one, 1, 64, f16);
+  auto appended = std::async(std::launch::async, [&] {
+    return cache->Append(a, {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}});
+  });
+  store.WaitUntilBlocked();
+  const absl::Time deadline = absl::FromUnixSeconds(1005);
+  auto late_append = std::async(std::launch::async, [&] {
+    return cache->Append(a, {{1, row, row}}, deadline).status();
+  });
+  auto late_step = std::async(std::launch::async, [&] {
+    return cache->PrepareStep({StepItem{a, 1, row, row, row}}, deadline).status();
+  });
+  EXPECT_EQ(late_append.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  now_s = 1006;  // both deadlines pass while they wait
+  store.Open();
+  ASSERT_TRUE(appended.get().ok());
+  EXPECT_EQ(late_append.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(late_step.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 0}));
+  // In time, the same calls append.
+  EXPECT_TRUE(cache->Append(a, {{1, row, row}}, absl::FromUnixSeconds(2000)).ok());
+  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 1}));
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache
