@@ -59,10 +59,10 @@ absl::Status DecodeBatcher::Add(std::shared_ptr<DecodeCall> call, int sequences)
 }
 
 void DecodeBatcher::BatchDone() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    --batches_running_;
-  }
+  // Notify under the lock: once batches_running_ reaches 0, Stop() may return and the batcher be
+  // destroyed, so this thread must not touch cv_ after releasing mu_.
+  std::lock_guard<std::mutex> lock(mu_);
+  --batches_running_;
   cv_.notify_all();
 }
 

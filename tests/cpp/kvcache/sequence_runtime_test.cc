@@ -1,7 +1,8 @@
 // SequenceRuntime on the CPU backend: calls within --batch_window_us, or (--batch_when_busy) that
 // arrive while a launch runs, share one launch (and stay correct), calls of another shape get their own, cancelled / expired / queue-full calls change
 // nothing, and a call with too many items is refused before anything runs; accepted calls count
-// their shared-memory input paths in request_inputs_total.
+// their shared-memory input paths in request_inputs_total; a DecodeBatcher may be destroyed right
+// after its last batch is done.
 #include "runtime/sequence_runtime.h"
 
 #include <condition_variable>
@@ -14,6 +15,7 @@
 #include "kv_test_util.h"
 #include "metrics/server_metrics.h"
 #include "runtime/cpu_backend.h"
+#include "runtime/decode_batcher.h"
 
 namespace flashserve {
 namespace {
@@ -295,6 +297,27 @@ TEST_F(SequenceRuntimeTest, TheEdgesTimeIsPrepareNotQueue) {
   EXPECT_GE(answer.report.prepare_us, 30000);
   EXPECT_GE(answer.report.queue_us, 0);
   EXPECT_LT(answer.report.queue_us, 20000);  // an idle scheduler starts it at once
+}
+
+// A batch answered from another thread just before the batcher is destroyed: Stop() returns once
+// the batch is done, so BatchDone must not touch the batcher after making that visible (it once
+// notified the condition variable after unlocking; ThreadSanitizer saw the notify race the
+// destructor).
+TEST(DecodeBatcherTest, DestroyedRightAfterItsLastBatchIsDone) {
+  for (int i = 0; i < 100; ++i) {
+    std::thread runner;
+    DecodeBatcher* batcher_ptr = nullptr;
+    auto batcher = std::make_unique<DecodeBatcher>(
+        absl::ZeroDuration(), 8, /*when_busy=*/true, /*max_running=*/1,
+        [&](DecodeBatcher::Batch, bool) {
+          runner = std::thread([&batcher_ptr] { batcher_ptr->BatchDone(); });
+        });
+    batcher_ptr = batcher.get();
+    // Idle, no window: handed on from this thread, whose flush starts the runner.
+    ASSERT_TRUE(batcher->Add(nullptr, 1).ok());
+    batcher.reset();  // Stop() waits for BatchDone, then the batcher goes
+    runner.join();
+  }
 }
 
 }  // namespace
