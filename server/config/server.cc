@@ -55,9 +55,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (absl::Status s = server->StartBackend(); !s.ok()) return s;
   server->StartMetrics();
   if (absl::Status s = server->StartRuntime(); !s.ok()) return s;
+  // The local socket first: the health answers (gRPC, HTTP) say ready only once every listener is
+  // bound (a local socket path that cannot be bound exits 2 without a moment of "ready").
+  if (absl::Status s = server->StartLocal(); !s.ok()) return s;
   if (absl::Status s = server->StartGrpc(); !s.ok()) return s;
   if (absl::Status s = server->StartHttp(); !s.ok()) return s;
-  if (absl::Status s = server->StartLocal(); !s.ok()) return s;
   server->LogServing();
   return server;
 }
