@@ -97,7 +97,8 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request) {
+absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request,
+                                                             absl::Time deadline) {
   if (absl::Status s = ValidateCreate(request); !s.ok()) return s;
   absl::StatusOr<std::string> id = NewSequenceId();
   if (!id.ok()) return id.status();
@@ -134,6 +135,9 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   for (const LayerRows& rows : request.prefix) {
     if (written.ok()) written = WriteRows(raw, rows.layer, rows.k, rows.v, &fresh);
   }
+  // A client that stopped waiting would leave the sequence unnamed until its TTL (a re-prefill
+  // storm under tight deadlines piled them up): not kept.
+  if (written.ok()) written = CheckDeadline(Now(), deadline, "while its prefix was written");
   std::lock_guard<std::mutex> lock(mu_);
   raw->pins = 0;
   if (!written.ok()) {

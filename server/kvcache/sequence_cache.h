@@ -121,8 +121,10 @@ class SequenceCache {
                                                                KvCacheMetrics* metrics);
   ~SequenceCache();
 
-  /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences.
-  absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request);
+  /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences;
+  /// DEADLINE_EXCEEDED (nothing kept) when `deadline` passed while the prefix was written.
+  absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request,
+                                                absl::Time deadline = absl::InfiniteFuture());
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
   /// length nor its length less the rows (nothing appended then). DEADLINE_EXCEEDED, nothing
   /// appended, when `deadline` passed while it waited for another append to the sequence.

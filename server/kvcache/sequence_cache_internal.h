@@ -47,9 +47,10 @@ absl::Status CheckQueryRows(const SequenceShape& shape, const HostRows& q);
 /// layer before them; < 0: unchecked) are already there from an earlier try of the call (true)
 /// or are to be appended (false). ABORTED ("layer L holds ...") when the length is neither.
 absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expected, int64_t rows);
-/// DEADLINE_EXCEEDED once `now` reached `deadline` (a call that waited for another append to its
-/// sequence: its client has stopped waiting and must not find its rows applied later).
-absl::Status CheckDeadline(absl::Time now, absl::Time deadline);
+/// DEADLINE_EXCEEDED once `now` reached `deadline`, saying the call's deadline passed `while_what`
+/// (its client has stopped waiting and must not find the call's rows, or a sequence, applied
+/// later).
+absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* while_what);
 /// INVALID_ARGUMENT unless a and b have the same heads, head_dim and dtype.
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b);
 

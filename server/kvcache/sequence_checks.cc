@@ -57,11 +57,10 @@ absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expecte
       "(GetSequenceInfo has the lengths)"));
 }
 
-absl::Status CheckDeadline(absl::Time now, absl::Time deadline) {
+absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* while_what) {
   if (now < deadline) return absl::OkStatus();
   return absl::DeadlineExceededError(
-      "the call's deadline passed while it waited for another append to its sequence; nothing was "
-      "appended");
+      absl::StrCat("the call's deadline passed ", while_what, "; nothing of it was kept"));
 }
 
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {

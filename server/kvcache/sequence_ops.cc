@@ -60,7 +60,10 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
     return UnknownSequences({std::string(id)});
   }
-  if (absl::Status s = CheckDeadline(Now(), deadline); !s.ok()) return s;
+  if (absl::Status s =
+          CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
+      !s.ok())
+    return s;
   int64_t count = 0;
   AppendResult result;
   if (absl::Status s = ValidateAppend(*seq, given, &count, &result.already_appended); !s.ok()) {

@@ -137,7 +137,10 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
       break;
     appended_.wait(lock);
   }
-  if (absl::Status s = CheckDeadline(Now(), deadline); !s.ok()) return s;
+  if (absl::Status s =
+          CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
+      !s.ok())
+    return s;
   std::vector<int64_t> fresh_rows;
   if (absl::Status s = ValidateStep(items, found, &fresh_rows); !s.ok()) {
     if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)

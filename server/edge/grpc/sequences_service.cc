@@ -268,8 +268,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
 }
 
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
-                                        v1::CreateSequenceResponse* response,
-                                        absl::Time /*deadline*/) {
+                                        v1::CreateSequenceResponse* response, absl::Time deadline) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
@@ -277,7 +276,8 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
   if (absl::Status s = hold.Reserve(runtime_, int64_t(request.ByteSizeLong())); !s.ok()) return s;
   absl::StatusOr<kvcache::CreateRequest> create = CreateRequestFrom(request);
   if (!create.ok()) return create.status();
-  absl::StatusOr<kvcache::SequenceStatus> created = sequences_->cache().CreateSequence(*create);
+  absl::StatusOr<kvcache::SequenceStatus> created =
+      sequences_->cache().CreateSequence(*create, deadline);
   if (!created.ok()) return created.status();
   response->set_sequence_id(created->id);
   response->set_ttl_ms(absl::ToInt64Milliseconds(sequences_->options().cache.ttl));

@@ -588,5 +588,34 @@ TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
   EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 1}));
 }
 
+// A CreateSequence whose deadline passed while its prefix was written is not kept: its client
+// never learns the id (it would hold pages, unnamed, until its TTL).
+TEST(SequenceCacheCreate, ASequenceWhosePrefixOutlivedItsDeadlineIsNotKept) {
+  GatedStore store(/*gated_bytes=*/4096);
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 64;
+  std::atomic<int64_t> now_s{1000};
+  options.clock = [&now_s] { return absl::FromUnixSeconds(now_s.load()); };
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(9);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
+  CreateRequest create;
+  create.shape = {1, 1, 1, 64, f16};
+  create.prefix = {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}};
+  auto created = std::async(std::launch::async, [&] {
+    return cache->CreateSequence(create, absl::FromUnixSeconds(1005)).status();
+  });
+  store.WaitUntilBlocked();
+  now_s = 1006;
+  store.Open();
+  EXPECT_EQ(created.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cache->Stats().sequences, 0);
+  EXPECT_EQ(cache->Stats().used_bytes, 0);
+  EXPECT_TRUE(cache->CreateSequence(create, absl::FromUnixSeconds(2000)).ok());  // in time: kept
+  EXPECT_EQ(cache->Stats().sequences, 1);
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache
