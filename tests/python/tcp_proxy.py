@@ -1,8 +1,12 @@
-"""A loopback TCP proxy that slows one or both directions of a connection (tests of the shutdown drain)."""
+"""Loopback proxies for tests: ThrottlingProxy slows one or both directions of a connection (the shutdown drain);
+AnswerCutter loses one answer on its way back (retries of calls that ran)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 
@@ -88,3 +92,85 @@ class ThrottlingProxy:
         with self._lock:
             for s in self._sockets:
                 s.close()
+
+
+class AnswerCutter:
+    """A proxy that loses one answer, as a proxy restart or a network cut between a client and its one endpoint would:
+    after cut_next_answer(keep, wait_for), the next connection to carry server -> client bytes passes the first `keep`
+    of them (inside a frame header or payload: half an answer) and, once max(keep, wait_for) of them have arrived,
+    is closed both ways (the server ran the call; the client never gets its answer). `cut` counts the cuts.
+    TCP to 127.0.0.1:`port` (address: "127.0.0.1:N"), or a Unix socket to `unix_target` (address: a socket path)."""
+
+    def __init__(self, port: int | None = None, unix_target: str | None = None):
+        self.port, self.unix_target = port, unix_target
+        self.armed = None  # (keep, wait_for, arming number)
+        self.armings = 0
+        self.cut = 0
+        self.lock = threading.Lock()
+        if unix_target is None:
+            self.listener = socket.create_server(("127.0.0.1", 0))
+            self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        else:
+            self.address = os.path.join(tempfile.mkdtemp(prefix="fsc", dir="/tmp"), "cut.sock")  # <= 107 bytes
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.listener.bind(self.address)
+            self.listener.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_next_answer(self, keep: int = 0, wait_for: int = 0) -> None:
+        with self.lock:
+            self.armings += 1
+            self.armed = (keep, wait_for, self.armings)
+
+    def _connect(self):
+        if self.unix_target is None:
+            return socket.create_connection(("127.0.0.1", self.port))
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.connect(self.unix_target)
+        return upstream
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = self._connect()
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, to_client):
+        seen, arming = 0, 0  # answer bytes of this connection since the cut numbered `arming` was armed
+        try:
+            while data := src.recv(1 << 16):
+                if to_client:
+                    with self.lock:
+                        armed, cut = self.armed, False
+                        if armed is not None:
+                            keep, wait_for, number = armed
+                            if number != arming:
+                                seen, arming = 0, number
+                            passed, seen = data[:max(0, keep - seen)], seen + len(data)
+                            cut = seen >= max(keep, wait_for)
+                            if cut:
+                                self.armed, self.cut = None, self.cut + 1
+                            data = passed
+                    if data:
+                        dst.sendall(data)
+                    if cut:
+                        break
+                    continue
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.listener.close()
+        if self.unix_target is not None:
+            shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -40,6 +39,7 @@ pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in 
 
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
+from tcp_proxy import AnswerCutter  # noqa: E402
 
 SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
 UNAVAILABLE, INTERNAL = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL
@@ -463,62 +463,6 @@ def kv_server(flashserve_bin, tmp_path_factory):
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
-class UnixAnswerCutter:
-    """A Unix-socket proxy in front of the server's local socket. cut_next_answer(n): the connection that next carries
-    a reply passes its first n bytes (n < 16: inside the frame header; more: inside the payload) and is then closed
-    both ways: the server ran the call, the client has half an answer."""
-
-    def __init__(self, target: str):
-        self.target = target
-        self.path = os.path.join(tempfile.mkdtemp(prefix="fsc", dir="/tmp"), "cut.sock")
-        self.armed = None
-        self.cut = 0
-        self.lock = threading.Lock()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.path)
-        self.listener.listen(16)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut_next_answer(self, n: int) -> None:
-        with self.lock:
-            self.armed = n
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            upstream.connect(self.target)
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src, dst, to_client):
-        try:
-            while data := src.recv(1 << 16):
-                if to_client:
-                    with self.lock:
-                        n, self.armed = self.armed, None
-                    if n is not None:
-                        dst.sendall(data[:n])
-                        self.cut += 1
-                        break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self):
-        self.listener.close()
-        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
-
-
 def _e2e_truth(rng):
     return Truth(rng, E2E_SHAPE["heads_q"], E2E_SHAPE["heads_kv"], E2E_SHAPE["head_dim"], E2E_SHAPE["dtype"])
 
@@ -543,17 +487,17 @@ def test_local_socket_answer_cut_mid_frame(kv_server, rng, cut_at, reprefill):
     a new connection (the server finds the rows there: expected_length); with it off the caller sees UNAVAILABLE and
     the next steps must still be right (before, they were not: the sequence was not marked uncertain)."""
     truth = _e2e_truth(rng)
-    cutter = UnixAnswerCutter(kv_server.local_path)
+    cutter = AnswerCutter(unix_target=kv_server.local_path)
     try:
         with flashserve.SequenceClient(kv_server.address, timeout=30, reprefill=reprefill,
-                                       local_sockets={kv_server.address: cutter.path}) as client:
+                                       local_sockets={kv_server.address: cutter.address}) as client:
             seqs = []
             for i in range(2):
                 k, v = truth.rows(7 + i)
                 seqs.append(client.create(**E2E_SHAPE, prefix={0: (k, v)}))
                 truth.add(seqs[-1].key, 0, k, v)
             _e2e_steps(client, seqs, truth, 1)
-            cutter.cut_next_answer(cut_at)
+            cutter.cut_next_answer(keep=cut_at)
             qs, kvs = [truth.query(2) for _ in seqs], [truth.rows(2) for _ in seqs]
             items = [(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)]
             if reprefill:
@@ -588,11 +532,10 @@ def _wait_reconnected(client, timeout=10.0):
 @pytest.mark.e2e
 def test_grpc_answer_dropped_with_reprefill_off(kv_server, rng):
     """The same over gRPC, behind a TCP proxy that drops the connection carrying the step's answer
-    (test_sequences_retry.AnswerDroppingProxy): UNAVAILABLE to the caller, right answers after."""
-    from test_sequences_retry import AnswerDroppingProxy
+    (tcp_proxy.AnswerCutter): UNAVAILABLE to the caller, right answers after."""
 
     truth = _e2e_truth(rng)
-    proxy = AnswerDroppingProxy(int(kv_server.address.rsplit(":", 1)[1]))
+    proxy = AnswerCutter(port=int(kv_server.address.rsplit(":", 1)[1]))
     try:
         with flashserve.SequenceClient(proxy.address, timeout=30, reprefill=False) as client:
             seqs = []
@@ -601,10 +544,10 @@ def test_grpc_answer_dropped_with_reprefill_off(kv_server, rng):
                 seqs.append(client.create(**E2E_SHAPE, prefix={0: (k, v)}, key=f"d{i}"))
                 truth.add(f"d{i}", 0, k, v)
             _e2e_steps(client, seqs, truth, 1)
-            proxy.drop_next_answer(16 << 10)  # O: 2 x 16 rows x 8 heads x 64 x 2 B = 32 KiB; nothing else is as big
+            proxy.cut_next_answer(wait_for=16 << 10)  # O: 2 x 16 rows x 8 heads x 64 x 2 B = 32 KiB; nothing else is as big
             with pytest.raises(flashserve.UnavailableError):
                 client.decode_step([(s, 0, truth.query(16), *truth.rows(2)) for s in seqs], causal=True)
-            assert proxy.dropped == 1
+            assert proxy.cut == 1
             _wait_reconnected(client)
             _e2e_steps(client, seqs, truth, 2)
     finally:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
-import threading
 
 import grpc
 import numpy as np
@@ -22,6 +20,7 @@ from flashserve import sequences_pb2_grpc as spb_grpc
 from flashserve import tensors
 from metrics_helpers import scrape
 from sequences_truth import Truth
+from tcp_proxy import AnswerCutter
 from test_gpu_e2e import _gpu_present
 
 pytestmark = pytest.mark.e2e
@@ -164,63 +163,11 @@ def test_bad_expected_lengths_are_invalid(retry_server, stub, rng):
     assert _lengths(stub, sid) == [2, 0]
 
 
-class AnswerDroppingProxy:
-    """Loopback TCP proxy to a server. drop_next_answer(n): the connection that next carries >= n bytes from the
-    server to the client is closed before they pass (the call ran; its answer is lost), as a proxy restart or a
-    network cut between a client and its one endpoint would."""
-
-    def __init__(self, port: int):
-        self.port = port
-        self.armed_bytes = None
-        self.dropped = 0
-        self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def drop_next_answer(self, min_bytes: int) -> None:
-        with self.lock:
-            self.armed_bytes = min_bytes
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src, dst, to_client):
-        seen = 0
-        try:
-            while data := src.recv(1 << 16):
-                if to_client:
-                    with self.lock:
-                        seen = seen + len(data) if self.armed_bytes is not None else 0
-                        if self.armed_bytes is not None and seen >= self.armed_bytes:
-                            self.armed_bytes, self.dropped = None, self.dropped + 1
-                            break
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self):
-        self.listener.close()
-
-
 def test_client_behind_a_dropped_answer_retries_to_the_right_answer(retry_server, rng):
     """The step ran and appended; its answer never reached the client (UNAVAILABLE). The client retries through its
     one endpoint; the server finds the rows there (expected_length) and answers without appending them twice."""
     truth = _truth(rng)
-    proxy = AnswerDroppingProxy(int(retry_server.address.rsplit(":", 1)[1]))
+    proxy = AnswerCutter(port=int(retry_server.address.rsplit(":", 1)[1]))
     try:
         with flashserve.SequenceClient(proxy.address, timeout=30) as client:
             seqs = []
@@ -232,13 +179,13 @@ def test_client_behind_a_dropped_answer_retries_to_the_right_answer(retry_server
                 qs = [truth.query(16) for _ in seqs]  # O of 4 x 16 rows x 8 heads x 64 x 2 B = 128 KiB
                 kvs = [truth.rows(2) for _ in seqs]
                 if step == 1:
-                    proxy.drop_next_answer(64 << 10)
+                    proxy.cut_next_answer(wait_for=64 << 10)
                 outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], causal=True)
                 for i, (seq, q, out) in enumerate(zip(seqs, qs, outs)):
                     truth.add(f"s{i}", 0, *kvs[i])
                     truth.check(out, q, f"s{i}", 0, causal=True)
                     assert seq.info().layer_lengths[0] == truth.length(f"s{i}", 0)
-            assert proxy.dropped == 1
+            assert proxy.cut == 1
             assert client.stats["already_appended"] == 4 and client.stats["reprefills"] == 0
     finally:
         proxy.close()

@@ -547,16 +547,21 @@ TEST(SequenceCacheAppend, CopiesOutsideTheLockAndStepsOnTheSameSequenceWaitForIt
   EXPECT_EQ(same.get(), 33);
 }
 
+// A cache over `store` (pages of 64 tokens) whose clock reads *now_s, in Unix seconds.
+std::unique_ptr<SequenceCache> CacheWithClock(KvStore* store, std::atomic<int64_t>* now_s) {
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 64;
+  options.clock = [now_s] { return absl::FromUnixSeconds(now_s->load()); };
+  return *SequenceCache::Create(options, store, nullptr);
+}
+
 // A call that waited for another append to its sequence past its deadline appends nothing: its
 // client saw DEADLINE_EXCEEDED and moved on (before, the rows landed later, never acknowledged).
 TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
   GatedStore store(/*gated_bytes=*/4096);
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 64;
   std::atomic<int64_t> now_s{1000};
-  options.clock = [&now_s] { return absl::FromUnixSeconds(now_s.load()); };
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
   std::mt19937 rng(7);
   const kernels::DType f16 = kernels::DType::kFloat16;
   CreateRequest create;
@@ -592,12 +597,8 @@ TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
 // never learns the id (it would hold pages, unnamed, until its TTL).
 TEST(SequenceCacheCreate, ASequenceWhosePrefixOutlivedItsDeadlineIsNotKept) {
   GatedStore store(/*gated_bytes=*/4096);
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 64;
   std::atomic<int64_t> now_s{1000};
-  options.clock = [&now_s] { return absl::FromUnixSeconds(now_s.load()); };
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
   std::mt19937 rng(9);
   const kernels::DType f16 = kernels::DType::kFloat16;
   testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
