@@ -31,6 +31,8 @@ from test_allocators import _sanitized
 pytestmark = pytest.mark.e2e
 SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128)  # the Llama-3-8B-like layer: q and O 512 KiB per step
 SEQUENCES, WARMUP, STEPS = 64, 4, 12
+INPUT_PAGES_PER_STEP = 192  # q, k and v of a step: 768 KiB of 4 KiB pages
+KV_PAGES_PER_STEP = 64  # the pool's pages a step's new rows touch, one per sequence
 
 
 def _minor_faults(pid: int) -> int:
@@ -105,9 +107,14 @@ def test_decode_steps_page_fault_less_while_retaining(heap_servers, rng, transpo
     off = _faults_per_step(heap_servers["retention_off"], rng, transport)
     # A step's inline inputs are 768 KiB = 192 pages (q, k, v parsed into three strings); both servers also fault in
     # the KV pool's new pages (64 per step) and the CPU kernel's scratch. Seen on the 2-core build machine (medians):
-    # gRPC 114-138 vs 250-366 per step, local socket 0-1 vs 144-204. Retention must keep at least half of the
-    # inputs' pages.
-    assert off - retaining > 96, f"{transport}: {retaining:.0f} faults per step retaining vs {off:.0f} without"
+    # gRPC 97-140 vs 220-417 per step, local socket 0-1 vs 144-204; with the Retain() calls removed 279-359 vs
+    # 226-417 (gRPC) and 172-204 vs 172-204 (local). The server without retention varies from run to run (220-353 in
+    # 8 runs of one binary): measured against it, "96 fewer" failed on an unchanged server (129 vs 220) and passed
+    # with retention removed (279 vs 384), and a ratio sat at the edge either way. So the bound is the request's own:
+    # retention keeps at least half of the inputs' pages, the KV pool's new pages aside (removed: 300-309 vs 160).
+    bound = KV_PAGES_PER_STEP + INPUT_PAGES_PER_STEP / 2
+    assert retaining < min(bound, off), (f"{transport}: {retaining:.0f} faults per step retaining vs {off:.0f} "
+                                         f"without (bound {bound:.0f})")
 
 
 PREFIX_TOKENS, CREATES = 8192, 10  # 32 MiB per CreateSequence
