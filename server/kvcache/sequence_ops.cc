@@ -64,6 +64,9 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
           CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
       !s.ok())
     return s;
+  // In use from here: not evicted by TakePages making room (it was found; the sweep that would
+  // have evicted it may not have run yet), which would free it under this call.
+  seq->last_used = Now();
   int64_t count = 0;
   AppendResult result;
   if (absl::Status s = ValidateAppend(*seq, given, &count, &result.already_appended); !s.ok()) {

@@ -269,6 +269,26 @@ TEST_F(SequenceCacheTest, IdleSequencesAreEvictedAfterTheTtlAndPinnedOnesAreNot)
   EXPECT_EQ(cache_->Stats().used_bytes, 0);
 }
 
+// An Append to a sequence idle past its TTL that no sweep has evicted yet (they run at most every
+// TTL/8), on a full pool: making room for its pages must not evict the very sequence it appends
+// to. It did, and the append then grew the freed sequence's page table (heap use-after-free).
+TEST_F(SequenceCacheTest, AnAppendThatMakesRoomDoesNotEvictItsOwnSequence) {
+  Make(2 << 20, 64, absl::Seconds(80));  // one slab; a sweep at most every 10 s
+  const SequenceShape s = Shape(1, 2, 2, 128, DType::kFloat16);  // 64 KiB pages: 32 in the pool
+  std::vector<DenseLayer> a, b;
+  const std::string id_a = NewSequence(s, &a, 64 * 20);  // 20 whole pages
+  now_ += absl::Seconds(75);
+  const std::string id_b = NewSequence(s, &b, 64 * 12);  // 12 pages: full; its sweep spared a
+  now_ += absl::Seconds(6);  // a idle for 81 s, the last sweep 6 s ago
+  Bits k = RandomRows(&rng_, 1, 2, 128, DType::kFloat16);
+  const HostRows row = Rows(k, 2, 128, DType::kFloat16);
+  const absl::StatusOr<AppendResult> appended = cache_->Append(id_a, {{0, row, row}});
+  EXPECT_EQ(appended.status().code(), absl::StatusCode::kResourceExhausted) << appended.status();
+  ASSERT_TRUE(cache_->Info(id_a).ok()) << "evicted while it was appended to";
+  EXPECT_EQ(cache_->Info(id_a)->lengths[0], 64 * 20);
+  EXPECT_TRUE(cache_->Info(id_b).ok());
+}
+
 TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
   Make(4 << 20, 16);
   const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
