@@ -100,9 +100,30 @@ class Ours:
             raise RuntimeError(f"flashserve_decode_forward failed: cudaError {err}")
 
 
+def page_key(key):
+    """A pool's key: its page size, then how its pages lie (bench's diagnostics): "" shuffled, "o" in
+    sequence order, "g" in order within 2 MiB runs whose order is shuffled, "w" shuffled only within
+    each 2 MiB of the pool. g and w tell address translation (2 MiB) from finer placement."""
+    text = str(key)
+    mode = text[-1] if text[-1].isalpha() else ""
+    return int(text.rstrip("ogw")), mode
+
+
+def page_order(n, per_run, mode):
+    """A permutation of n page slots laid out as page_key's mode says (runs of per_run pages)."""
+    if mode == "o":
+        return torch.arange(n, device="cuda")
+    if mode not in ("g", "w") or per_run <= 1:
+        return torch.randperm(n, device="cuda")
+    runs = torch.arange(n, device="cuda").view(-1, per_run)  # n is a multiple of per_run here
+    if mode == "g":
+        return runs[torch.randperm(runs.shape[0], device="cuda")].reshape(-1)
+    inner = torch.argsort(torch.rand(runs.shape, device="cuda"), dim=1)
+    return torch.gather(runs, 1, inner).reshape(-1)
+
+
 def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes, pages):
-    """Input sets: dense q/k/v/o plus, per page size, a shuffled page pool holding the same K/V
-    (a size given as "64o": a pool whose pages lie in sequence order, a diagnostic)."""
+    """Input sets: dense q/k/v/o plus, per page key (page_key), a page pool holding the same K/V."""
     one = 2 * b * sk * hkv * d * 2 * (1 + len(pages))
     n = max(1, math.ceil(3 * l2_bytes / one))
     sets = []
@@ -112,9 +133,12 @@ def make_sets(b, sq, sk, hq, hkv, d, dtype, l2_bytes, pages):
         v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
         paged = {}
         for key in pages:
-            ps, in_order = int(str(key).rstrip("o")), str(key).endswith("o")
+            ps, mode = page_key(key)
             per_seq = sk // ps
-            perm = (torch.arange if in_order else torch.randperm)(b * per_seq, device="cuda")
+            per_run = max(1, (2 << 20) // (ps * hkv * d * 2))
+            if (b * per_seq) % per_run:
+                per_run = 1
+            perm = page_order(b * per_seq, per_run, mode)
             kp = torch.empty(b * per_seq, ps, hkv, d, device="cuda", dtype=dtype)
             vp = torch.empty_like(kp)
             kp[perm] = k.view(b * per_seq, ps, hkv, d)
@@ -289,13 +313,18 @@ def ab(ours, dtype, l2, sms, args, peak):
     shapes_ab = AB_SHAPES if not args.ab_shapes else [
         tuple(int(x) for x in one.split(",")) for one in args.ab_shapes.split(";")]
     for (d, hq, hkv, b, sq, sk) in shapes_ab:
-        pages = ((64, "64o", 16) if args.ab_in_order else (64, 16)) if sq == 1 else (64,)
+        if args.ab_pages:
+            pages = tuple(int(x) if x.isdigit() else x for x in args.ab_pages.split(","))
+        else:
+            pages = ((64, "64o", 16) if args.ab_in_order else (64, 16)) if sq == 1 else (64,)
         sets = make_sets(b, sq, sk, hq, hkv, d, dtype, l2, pages)
         kv_bytes = 2 * b * sk * hkv * d * 2
         def page_name(key):
-            return f"paged {key}" if isinstance(key, int) else f"paged {key.rstrip('o')} in order"
+            size, mode = page_key(key)
+            return f"paged {size}" + {"": "", "o": " in order", "g": " 2MiB runs shuffled",
+                                      "w": " shuffled within 2MiB"}[mode]
         # The heuristic's split count depends on the layout (page size), the workspace on it.
-        splits = {page_name(key): ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, int(str(key).rstrip("o")))
+        splits = {page_name(key): ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, page_key(key)[0])
                   for key in pages}
         splits["dense"] = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
         ws = ours.workspace(dtype, b * sq, hq, d, max(
@@ -305,7 +334,7 @@ def ab(ours, dtype, l2, sms, args, peak):
             ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
         layouts = [(page_name(key), lambda s, key=key: ours(
             s["q"], s["paged"][key][0], s["paged"][key][1], s["o"], seqlens=s["seqlens"],
-            table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws,
+            table=s["paged"][key][2], page=page_key(key)[0], workspace=ws,
             splits=chosen["splits"])) for key in pages]
         layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws,
                                                 splits=chosen["splits"])))
@@ -362,7 +391,7 @@ def only_ours(ours, dtype, l2, sms, args):
         for i in range(args.warmup + args.reps):
             s = sets[i % len(sets)]
             ours(s["q"], s["paged"][key][0], s["paged"][key][1], s["o"], seqlens=s["seqlens"],
-                 table=s["paged"][key][2], page=int(str(key).rstrip("o")), workspace=ws)
+                 table=s["paged"][key][2], page=page_key(key)[0], workspace=ws)
     fn = sdpa(SDPBackend.CUDNN_ATTENTION, hq != hkv)
     for i in range(args.warmup + args.reps):
         fn(sets[i % len(sets)])
@@ -392,6 +421,7 @@ def main():
                     help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
+    ap.add_argument("--ab-pages", help="--ab: the page pools, e.g. 64,64o,64g,64w (bench_decode.page_key)")
     ap.add_argument("--ab-in-order", action="store_true",
                     help="--ab: also a page-64 pool whose pages lie in sequence order (diagnostic)")
     ap.add_argument("--shape", help="only run ours on d,hq,hkv,b,sq,sk (the pools of --shape-pages) --reps times "

@@ -3,11 +3,33 @@
 #include <algorithm>
 
 namespace flashserve::kvcache {
+namespace {
+
+bool BitSet(const std::vector<uint64_t>& bits, int64_t i) {
+  return (bits[size_t(i >> 6)] >> (i & 63)) & 1;
+}
+
+// The first set bit in [from, end), or -1.
+int64_t FirstSetBit(const std::vector<uint64_t>& bits, int64_t from, int64_t end) {
+  for (int64_t i = from; i < end;) {
+    const uint64_t word = bits[size_t(i >> 6)] >> (i & 63);
+    if (word != 0) {
+      const int64_t at = i + __builtin_ctzll(word);
+      return at < end ? at : -1;
+    }
+    i = (i | 63) + 1;  // the next word
+  }
+  return -1;
+}
+
+// The roomiest slab is by_room's last entry; among equally roomy ones the lowest index.
+std::pair<int64_t, int64_t> RoomKey(int64_t free, int64_t slab) { return {free, -slab}; }
+
+}  // namespace
 
 PageAllocator::PageAllocator(int64_t capacity_bytes) {
   const int64_t slabs = std::max<int64_t>(0, capacity_bytes / kSlabBytes);
-  slab_class_.assign(size_t(slabs), 0);
-  slab_used_.assign(size_t(slabs), 0);
+  slabs_.resize(size_t(slabs));
   // Highest index last popped first, so the arena fills from its start.
   for (int64_t s = slabs - 1; s >= 0; --s) free_slabs_.push_back(s);
 }
@@ -18,55 +40,89 @@ bool PageAllocator::ValidPageBytes(int64_t page_bytes) {
 
 int64_t PageAllocator::Available(int64_t page_bytes) const {
   auto it = classes_.find(page_bytes);
-  const int64_t loose = it == classes_.end() ? 0 : int64_t(it->second.free_pages.size());
-  return loose + free_slabs() * (kSlabBytes / page_bytes);
+  const int64_t loose = it == classes_.end() ? 0 : it->second.free_pages;
+  return loose + free_slabs() * PagesPerSlab(page_bytes);
 }
 
 void PageAllocator::CarveSlab(int64_t page_bytes, SizeClass* size_class) {
-  const int64_t slab = free_slabs_.back();
+  const int64_t index = free_slabs_.back();
   free_slabs_.pop_back();
-  slab_class_[size_t(slab)] = page_bytes;
-  const int64_t start = slab * kSlabBytes;
-  // Pushed from the end, so pages are handed out in ascending order.
-  for (int64_t offset = start + kSlabBytes - page_bytes; offset >= start; offset -= page_bytes) {
-    size_class->free_pages.push_back(offset);
-  }
+  Slab& slab = slabs_[size_t(index)];
+  const int64_t pages = PagesPerSlab(page_bytes);
+  slab.page_bytes = page_bytes;
+  slab.free = pages;
+  slab.free_bits.assign(size_t((pages + 63) / 64), 0);
+  for (int64_t i = 0; i < pages; ++i) slab.free_bits[size_t(i >> 6)] |= uint64_t(1) << (i & 63);
+  size_class->free_pages += pages;
+  size_class->by_room.insert(RoomKey(pages, index));
 }
 
-bool PageAllocator::Allocate(int64_t page_bytes, int64_t count, std::vector<int64_t>* offsets) {
+int64_t PageAllocator::SlabFor(int64_t page_bytes, int64_t after, SizeClass* size_class) {
+  if (after >= 0) {
+    const int64_t index = after / kSlabBytes;
+    const Slab& slab = slabs_[size_t(index)];
+    if (slab.page_bytes == page_bytes && slab.free > 0) return index;
+  }
+  if (size_class->by_room.empty()) CarveSlab(page_bytes, size_class);
+  return -size_class->by_room.rbegin()->second;
+}
+
+int64_t PageAllocator::TakePage(int64_t index, int64_t from, SizeClass* size_class) {
+  Slab& slab = slabs_[size_t(index)];
+  const int64_t pages = PagesPerSlab(slab.page_bytes);
+  int64_t page = FirstSetBit(slab.free_bits, from, pages);
+  if (page < 0) page = FirstSetBit(slab.free_bits, 0, pages);
+  slab.free_bits[size_t(page >> 6)] &= ~(uint64_t(1) << (page & 63));
+  size_class->by_room.erase(RoomKey(slab.free, index));
+  if (--slab.free > 0) size_class->by_room.insert(RoomKey(slab.free, index));
+  --size_class->free_pages;
+  return index * kSlabBytes + page * slab.page_bytes;
+}
+
+bool PageAllocator::Allocate(int64_t page_bytes, int64_t count, std::vector<int64_t>* offsets,
+                             int64_t after) {
   if (count < 0 || Available(page_bytes) < count) return false;
   SizeClass& size_class = classes_[page_bytes];
   for (int64_t i = 0; i < count; ++i) {
-    if (size_class.free_pages.empty()) CarveSlab(page_bytes, &size_class);
-    const int64_t offset = size_class.free_pages.back();
-    size_class.free_pages.pop_back();
-    ++slab_used_[size_t(offset / kSlabBytes)];
-    offsets->push_back(offset);
+    const int64_t slab = SlabFor(page_bytes, after, &size_class);
+    // In the run's slab, the page after its last one if free (ascending addresses).
+    const int64_t from =
+        after >= 0 && after / kSlabBytes == slab ? (after % kSlabBytes) / page_bytes + 1 : 0;
+    after = TakePage(slab, from, &size_class);
+    offsets->push_back(after);
   }
   used_bytes_ += count * page_bytes;
   pages_used_ += count;
   return true;
 }
 
-void PageAllocator::ReturnSlab(int64_t slab, SizeClass* size_class) {
-  const int64_t start = slab * kSlabBytes;
-  std::vector<int64_t>& pages = size_class->free_pages;
-  pages.erase(std::remove_if(pages.begin(), pages.end(),
-                             [&](int64_t o) { return o >= start && o < start + kSlabBytes; }),
-              pages.end());
-  slab_class_[size_t(slab)] = 0;
-  free_slabs_.push_back(slab);
+void PageAllocator::ReturnSlab(int64_t index, SizeClass* size_class) {
+  Slab& slab = slabs_[size_t(index)];
+  size_class->by_room.erase(RoomKey(slab.free, index));
+  size_class->free_pages -= slab.free;
+  slab = Slab{};
+  free_slabs_.push_back(index);
 }
 
 void PageAllocator::Free(int64_t page_bytes, const std::vector<int64_t>& offsets) {
   SizeClass& size_class = classes_[page_bytes];
   for (int64_t offset : offsets) {
-    const int64_t slab = offset / kSlabBytes;
-    size_class.free_pages.push_back(offset);
-    if (--slab_used_[size_t(slab)] == 0) ReturnSlab(slab, &size_class);
+    const int64_t index = offset / kSlabBytes;
+    Slab& slab = slabs_[size_t(index)];
+    const int64_t page = (offset % kSlabBytes) / page_bytes;
+    if (slab.page_bytes != page_bytes || BitSet(slab.free_bits, page)) continue;  // not handed out
+    slab.free_bits[size_t(page >> 6)] |= uint64_t(1) << (page & 63);
+    size_class.by_room.erase(RoomKey(slab.free, index));
+    ++slab.free;
+    ++size_class.free_pages;
+    used_bytes_ -= page_bytes;
+    --pages_used_;
+    if (slab.free == PagesPerSlab(page_bytes)) {
+      ReturnSlab(index, &size_class);
+    } else {
+      size_class.by_room.insert(RoomKey(slab.free, index));
+    }
   }
-  used_bytes_ -= int64_t(offsets.size()) * page_bytes;
-  pages_used_ -= int64_t(offsets.size());
 }
 
 }  // namespace flashserve::kvcache

@@ -111,8 +111,9 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
   seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
   seq->lengths.assign(size_t(request.shape.num_layers), 0);
   seq->page_ids.resize(size_t(request.shape.num_layers));
-  int64_t count = 0;
-  for (const LayerRows& rows : request.prefix) count += PagesToGrow(*seq, rows.layer, rows.k.rows);
+  std::vector<PageRun> runs;
+  for (const LayerRows& rows : request.prefix)
+    runs.push_back(RunToGrow(*seq, rows.layer, rows.k.rows));
   std::vector<int64_t> fresh;
   Sequence* raw = seq.get();
   {
@@ -124,7 +125,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
       return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
                                                        " live (--max_sequences); release some"));
     }
-    if (absl::Status s = TakePages(raw->format.page_bytes, count, &fresh); !s.ok()) return s;
+    if (absl::Status s = TakePages(raw->format.page_bytes, runs, &fresh); !s.ok()) return s;
     raw->pins = 1;  // hidden (not ready) and pinned while its prefix is written
     raw->last_used = Now();
     table_.emplace(raw->id, std::move(seq));
@@ -158,11 +159,27 @@ int64_t SequenceCache::PagesToGrow(const Sequence& seq, int layer, int64_t new_l
   return std::max<int64_t>(0, needed - int64_t(seq.page_ids[size_t(layer)].size()));
 }
 
-absl::Status SequenceCache::TakePages(int64_t page_bytes, int64_t count,
-                                      std::vector<int64_t>* offsets) {
+SequenceCache::PageRun SequenceCache::RunToGrow(const Sequence& seq, int layer,
+                                                int64_t new_length) const {
+  const std::vector<int32_t>& ids = seq.page_ids[size_t(layer)];
+  PageRun run;
+  run.after = ids.empty() ? -1 : int64_t(ids.back()) * seq.format.page_bytes;
+  run.count = PagesToGrow(seq, layer, new_length);
+  return run;
+}
+
+absl::Status SequenceCache::TakePages(int64_t page_bytes, const std::vector<PageRun>& runs,
+                                      std::vector<int64_t>* fresh) {
+  int64_t count = 0;
+  for (const PageRun& run : runs) count += run.count;
   if (count == 0) return absl::OkStatus();
   if (pages_.Available(page_bytes) < count) EvictIdleLocked();
-  if (pages_.Allocate(page_bytes, count, offsets)) return absl::OkStatus();
+  if (pages_.Available(page_bytes) >= count) {
+    std::vector<int64_t> taken;
+    for (const PageRun& run : runs) pages_.Allocate(page_bytes, run.count, &taken, run.after);
+    fresh->insert(fresh->end(), taken.rbegin(), taken.rend());
+    return absl::OkStatus();
+  }
   if (metrics_ != nullptr) metrics_->RecordRefused("pool_full");
   return absl::ResourceExhaustedError(
       absl::StrCat("KV cache full: ", count, " pages of ", page_bytes, " bytes needed, ",

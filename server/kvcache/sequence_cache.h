@@ -163,9 +163,17 @@ class SequenceCache {
                        std::vector<Sequence*>* found);  // needs mu_
   // Pages to add to `seq`'s layer for it to hold `new_length` tokens.
   int64_t PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const;
-  // Takes `count` pages of `page_bytes`, evicting idle sequences first if that makes room.
-  absl::Status TakePages(int64_t page_bytes, int64_t count,
-                         std::vector<int64_t>* offsets);  // needs mu_
+  // The pages a layer grows by, as a run that continues its last page (PageAllocator::Allocate).
+  struct PageRun {
+    int64_t after = -1;  // the layer's last page (byte offset); -1: it has none
+    int64_t count = 0;
+  };
+  PageRun RunToGrow(const Sequence& seq, int layer, int64_t new_length) const;
+  // Takes every run's pages of `page_bytes` (all or nothing), evicting idle sequences first if
+  // that makes room. `fresh` gets them in the order GrowTable takes them (from its back): the
+  // callers grow the runs' layers in the order of `runs`.
+  absl::Status TakePages(int64_t page_bytes, const std::vector<PageRun>& runs,
+                         std::vector<int64_t>* fresh);  // needs mu_
   // Appends rows at the layer's end, growing its page table from `fresh` (pages already taken).
   absl::Status WriteRows(Sequence* seq, int layer, const HostRows& k, const HostRows& v,
                          std::vector<int64_t>* fresh);
@@ -176,10 +184,11 @@ class SequenceCache {
                         const HostRows& v);
   // The sequence `id` once no Append on it is running (waits, releasing mu_); null: not found.
   Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock);
-  // Validates an Append's rows against `seq`; the pages it needs in *count, the layers whose
-  // rows are already there (expected_length) in *already.
+  // Validates an Append's rows against `seq`; the pages each layer taking rows grows by in
+  // *runs (in the order of `rows`), the layers whose rows are already there (expected_length) in
+  // *already.
   absl::Status ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
-                              int64_t* count, std::vector<int>* already) const;
+                              std::vector<PageRun>* runs, std::vector<int>* already) const;
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);

@@ -19,7 +19,8 @@ SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
 }
 
 absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
-                                           int64_t* count, std::vector<int>* already) const {
+                                           std::vector<PageRun>* runs,
+                                           std::vector<int>* already) const {
   std::vector<bool> seen(size_t(seq.shape.num_layers), false);
   for (const LayerRows& r : rows) {
     if (r.layer < 0 || r.layer >= seq.shape.num_layers || seen[size_t(r.layer)]) {
@@ -42,7 +43,7 @@ absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vecto
           absl::StrCat("appending ", r.k.rows, " rows to layer ", r.layer, " would make it ", after,
                        " tokens, past the sequence's limit of ", seq.max_tokens));
     }
-    *count += PagesToGrow(seq, r.layer, after);
+    runs->push_back(RunToGrow(seq, r.layer, after));
   }
   return absl::OkStatus();
 }
@@ -67,9 +68,9 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   // In use from here: not evicted by TakePages making room (it was found; the sweep that would
   // have evicted it may not have run yet), which would free it under this call.
   seq->last_used = Now();
-  int64_t count = 0;
+  std::vector<PageRun> runs;
   AppendResult result;
-  if (absl::Status s = ValidateAppend(*seq, given, &count, &result.already_appended); !s.ok()) {
+  if (absl::Status s = ValidateAppend(*seq, given, &runs, &result.already_appended); !s.ok()) {
     if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
       metrics_->RecordRefused("length_mismatch");
     return s;
@@ -79,7 +80,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
     if (!absl::c_linear_search(result.already_appended, r.layer)) rows.push_back(r);
   }
   std::vector<int64_t> fresh;
-  if (absl::Status s = TakePages(seq->format.page_bytes, count, &fresh); !s.ok()) return s;
+  if (absl::Status s = TakePages(seq->format.page_bytes, runs, &fresh); !s.ok()) return s;
   for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
   seq->appending = true;
   ++seq->pins;  // not freed by a Release or eviction meanwhile

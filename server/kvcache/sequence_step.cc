@@ -148,14 +148,14 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
     return s;
   }
   const absl::Time now = Now();
-  int64_t count = 0;
+  std::vector<PageRun> runs;
   for (size_t i = 0; i < items.size(); ++i) {
     found[i]->last_used = now;  // in use: not evicted to make room for this very step
-    count += PagesToGrow(*found[i], items[i].layer,
-                         found[i]->lengths[size_t(items[i].layer)] + fresh_rows[i]);
+    runs.push_back(RunToGrow(*found[i], items[i].layer,
+                             found[i]->lengths[size_t(items[i].layer)] + fresh_rows[i]));
   }
   std::vector<int64_t> fresh;
-  if (absl::Status s = TakePages(found[0]->format.page_bytes, count, &fresh); !s.ok()) return s;
+  if (absl::Status s = TakePages(found[0]->format.page_bytes, runs, &fresh); !s.ok()) return s;
   StepPlan plan;
   plan.cache_ = this;
   plan.batch.shape = found[0]->shape;

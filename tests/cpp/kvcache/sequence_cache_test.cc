@@ -289,6 +289,32 @@ TEST_F(SequenceCacheTest, AnAppendThatMakesRoomDoesNotEvictItsOwnSequence) {
   EXPECT_TRUE(cache_->Info(id_b).ok());
 }
 
+// A layer that grows takes its next page in its last page's slab while that has room, though
+// another slab is roomier: the decode kernel reads a layer within few 2 MiB slabs faster
+// (page_allocator.h). Prefixes and steps alike pass the layer's last page to the allocator.
+TEST_F(SequenceCacheTest, AGrowingLayerKeepsItsPagesInItsSlab) {
+  Make(4 << 20, 64);  // two slabs of 32 pages (64 KiB)
+  const SequenceShape s = Shape(1, 2, 2, 128, DType::kFloat16);
+  std::vector<DenseLayer> a, filler, b;
+  const std::string id_a = NewSequence(s, &a, 64 * 10);       // slab 0: pages 0-9
+  const std::string id_f = NewSequence(s, &filler, 64 * 22);  // slab 0: 10-31
+  const std::string id_b = NewSequence(s, &b, 64 * 4);        // slab 1: 0-3
+  EXPECT_TRUE(cache_->Release({id_f}).empty());               // slab 0: 22 pages free, slab 1: 28
+  Bits q = RandomRows(&rng_, 1, 2, 128, DType::kFloat16);
+  Bits k = RandomRows(&rng_, 1, 2, 128, DType::kFloat16);
+  const HostRows qr = Rows(q, 2, 128, DType::kFloat16), kr = Rows(k, 2, 128, DType::kFloat16);
+  absl::StatusOr<StepPlan> plan =
+      cache_->PrepareStep({{id_a, 0, qr, kr, kr}, {id_b, 0, qr, kr, kr}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const std::vector<int32_t>& pages_a = plan->batch.items[0].pages;
+  const std::vector<int32_t>& pages_b = plan->batch.items[1].pages;
+  ASSERT_EQ(pages_a.size(), 11u);
+  EXPECT_EQ(pages_a.back(), 10) << "a's 11th page left a's slab";
+  ASSERT_EQ(pages_b.size(), 5u);
+  EXPECT_EQ(pages_b.back(), 32 + 4) << "b's 5th page left b's slab";
+  for (size_t i = 1; i < pages_a.size(); ++i) EXPECT_EQ(pages_a[i], pages_a[i - 1] + 1);
+}
+
 TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
   Make(4 << 20, 16);
   const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
