@@ -67,29 +67,38 @@ int64_t PageAllocator::SlabFor(int64_t page_bytes, int64_t after, SizeClass* siz
   return -size_class->by_room.rbegin()->second;
 }
 
-int64_t PageAllocator::TakePage(int64_t index, int64_t from, SizeClass* size_class) {
+int64_t PageAllocator::TakePages(int64_t index, int64_t from, int64_t want, SizeClass* size_class,
+                                 std::vector<int64_t>* offsets) {
   Slab& slab = slabs_[size_t(index)];
   const int64_t pages = PagesPerSlab(slab.page_bytes);
-  int64_t page = FirstSetBit(slab.free_bits, from, pages);
-  if (page < 0) page = FirstSetBit(slab.free_bits, 0, pages);
-  slab.free_bits[size_t(page >> 6)] &= ~(uint64_t(1) << (page & 63));
+  const int64_t take = std::min(want, slab.free);
+  // Its free pages at and past `from` first, then those before (a run's pages ascend).
+  for (int64_t n = 0, at = from; n < take; ++n) {
+    int64_t page = FirstSetBit(slab.free_bits, at, pages);
+    if (page < 0) page = FirstSetBit(slab.free_bits, 0, from);
+    slab.free_bits[size_t(page >> 6)] &= ~(uint64_t(1) << (page & 63));
+    offsets->push_back(index * kSlabBytes + page * slab.page_bytes);
+    at = page + 1;
+  }
+  // One update of the slab's place in by_room for all of them.
   size_class->by_room.erase(RoomKey(slab.free, index));
-  if (--slab.free > 0) size_class->by_room.insert(RoomKey(slab.free, index));
-  --size_class->free_pages;
-  return index * kSlabBytes + page * slab.page_bytes;
+  slab.free -= take;
+  if (slab.free > 0) size_class->by_room.insert(RoomKey(slab.free, index));
+  size_class->free_pages -= take;
+  return take;
 }
 
 bool PageAllocator::Allocate(int64_t page_bytes, int64_t count, std::vector<int64_t>* offsets,
                              int64_t after) {
   if (count < 0 || Available(page_bytes) < count) return false;
   SizeClass& size_class = classes_[page_bytes];
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t left = count; left > 0;) {
     const int64_t slab = SlabFor(page_bytes, after, &size_class);
-    // In the run's slab, the page after its last one if free (ascending addresses).
+    // In the run's slab, from the page after its last one (ascending addresses).
     const int64_t from =
         after >= 0 && after / kSlabBytes == slab ? (after % kSlabBytes) / page_bytes + 1 : 0;
-    after = TakePage(slab, from, &size_class);
-    offsets->push_back(after);
+    left -= TakePages(slab, from, left, &size_class, offsets);
+    after = offsets->back();
   }
   used_bytes_ += count * page_bytes;
   pages_used_ += count;
@@ -106,23 +115,33 @@ void PageAllocator::ReturnSlab(int64_t index, SizeClass* size_class) {
 
 void PageAllocator::Free(int64_t page_bytes, const std::vector<int64_t>& offsets) {
   SizeClass& size_class = classes_[page_bytes];
-  for (int64_t offset : offsets) {
-    const int64_t index = offset / kSlabBytes;
+  // A layer's pages come in runs within slabs: by_room moves once per run of one slab.
+  int64_t index = -1, freed = 0;
+  auto settle = [&] {
+    if (freed == 0) return;
     Slab& slab = slabs_[size_t(index)];
-    const int64_t page = (offset % kSlabBytes) / page_bytes;
-    if (slab.page_bytes != page_bytes || BitSet(slab.free_bits, page)) continue;  // not handed out
-    slab.free_bits[size_t(page >> 6)] |= uint64_t(1) << (page & 63);
     size_class.by_room.erase(RoomKey(slab.free, index));
-    ++slab.free;
-    ++size_class.free_pages;
-    used_bytes_ -= page_bytes;
-    --pages_used_;
+    slab.free += freed;
+    size_class.free_pages += freed;
+    used_bytes_ -= freed * page_bytes;
+    pages_used_ -= freed;
+    freed = 0;
     if (slab.free == PagesPerSlab(page_bytes)) {
       ReturnSlab(index, &size_class);
     } else {
       size_class.by_room.insert(RoomKey(slab.free, index));
     }
+  };
+  for (int64_t offset : offsets) {
+    if (offset / kSlabBytes != index) settle();
+    index = offset / kSlabBytes;
+    Slab& slab = slabs_[size_t(index)];
+    const int64_t page = (offset % kSlabBytes) / page_bytes;
+    if (slab.page_bytes != page_bytes || BitSet(slab.free_bits, page)) continue;  // not handed out
+    slab.free_bits[size_t(page >> 6)] |= uint64_t(1) << (page & 63);
+    ++freed;
   }
+  settle();
 }
 
 }  // namespace flashserve::kvcache

@@ -63,8 +63,10 @@ class PageAllocator {
   // A slab of this size with a free page for a run whose last page is at `after`.
   int64_t SlabFor(int64_t page_bytes, int64_t after, SizeClass* size_class);
   void CarveSlab(int64_t page_bytes, SizeClass* size_class);
-  // Hands out the first free page of `slab` at or past page `from` (else its first free one).
-  int64_t TakePage(int64_t slab, int64_t from, SizeClass* size_class);
+  // Appends up to `want` free pages of `slab` to `offsets`, those at or past page `from` first;
+  // returns how many.
+  int64_t TakePages(int64_t slab, int64_t from, int64_t want, SizeClass* size_class,
+                    std::vector<int64_t>* offsets);
   void ReturnSlab(int64_t slab, SizeClass* size_class);
 
   std::vector<Slab> slabs_;
