@@ -178,12 +178,12 @@ def test_a_call_interrupted_after_the_server_appended_does_not_poison_the_next_s
     the client neither acknowledged them nor marked the sequence uncertain: the next step was taken for a retry of
     them (wrong answer), or ABORTED for an Append of another row count."""
     truth = _truth(rng)
-    from flashserve import sequence_client
+    from flashserve import _seq_step
 
     with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
         seq = _create(client, truth)
         if where == "step_answer":
-            monkeypatch.setattr(sequence_client, "_answer", lambda *a: (_ for _ in ()).throw(MemoryError("OOM")))
+            monkeypatch.setattr(_seq_step, "_answer", lambda *a: (_ for _ in ()).throw(MemoryError("OOM")))
             expected = MemoryError
         else:
             real = client._rpc

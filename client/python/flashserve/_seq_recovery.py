@@ -1,0 +1,188 @@
+"""SequenceClient's recovery: creating a sequence on its ring endpoint, re-creating one a server lost (re-prefill), and
+the bookkeeping of calls that failed after sending rows (sequence_client.py's module docstring says the rules)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterable, List
+
+import grpc
+
+from . import tensors
+from ._pb import sequences_pb2 as spb
+from ._wire import create_request_bytes
+from .errors import FlashserveError, NotFoundError, UnavailableError, error_for
+from .sequences import Sequence
+
+# Failures after which the server may or may not have appended the rows it was sent.
+_AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.INTERNAL}
+# Failures after which the call may still be on its way or running on the server (the client stopped waiting, or the
+# connection broke with the request sent): its rows may land after any look at the lengths. UNAVAILABLE is retried
+# (the same expected_length, or a new sequence elsewhere); when the client gives up on it, it is one of these.
+_MAY_LAND = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
+# Retries through a single endpoint after UNAVAILABLE wait 0.1, 0.2, 0.4 ... s.
+_UNAVAILABLE_BACKOFF_S = 0.1
+
+
+@contextlib.contextmanager
+def _appending(pairs):
+    """Holds the (sequence, layer) pairs a call appends to for the call and its retries: another append of this
+    client to one of them waits (both would name the same expected_length). Taken in one order: no deadlock."""
+    taken = []
+    try:
+        for seq, layer in sorted(set(pairs), key=lambda pair: (id(pair[0]), pair[1])):
+            with seq._written:
+                while layer in seq._writing:
+                    seq._written.wait()
+                seq._writing.add(layer)
+            taken.append((seq, layer))
+        yield
+    finally:
+        for seq, layer in taken:
+            with seq._written:
+                seq._writing.discard(layer)
+                seq._written.notify_all()
+
+
+def _mark_uncertain(seqs: Iterable[Sequence], sent_ids: Iterable[str], code: grpc.StatusCode) -> None:
+    """A call that sent rows to these sequences (ids as sent) failed with ``code`` and is not retried: its rows may be
+    there. A sequence re-created since (another id) is left alone: the call's rows are not in it."""
+    for seq, sent_id in zip(seqs, sent_ids):
+        with seq.lock:
+            if seq.id == sent_id:
+                seq.doubt(may_land=code in _MAY_LAND)
+
+
+
+class _Recovery:
+    """Mixin of SequenceClient (which supplies endpoints, reprefill, max_attempts, stats, _lock, _rpc, pick and
+    mark_down)."""
+
+    def _create_request(self, seq: Sequence, prefix) -> bytes:
+        """The CreateSequenceRequest's wire bytes (_wire.py: the prefix's bytes copied once)."""
+        s = seq.spec
+        header = spb.CreateSequenceRequest(num_layers=s.num_layers, heads_q=s.heads_q, heads_kv=s.heads_kv,
+                                           head_dim=s.head_dim, dtype=tensors.PROTO_DTYPE[s.dtype],
+                                           max_tokens=seq.max_tokens, label=seq.label)
+        return create_request_bytes(header, prefix)
+
+    def _create_on_ring(self, seq: Sequence, prefix, timeout) -> None:
+        """CreateSequence on the key's endpoint; an unreachable endpoint is marked down and the next one tried."""
+        request = self._create_request(seq, prefix)
+        for _ in range(len(self.endpoints)):
+            endpoint = self.pick(seq.key)
+            try:
+                response = self._rpc(endpoint, "CreateSequence", request, seq.key, timeout)
+            except UnavailableError:
+                if len(self.endpoints) == 1 or not self.reprefill:
+                    raise
+                self.mark_down(endpoint)
+                continue
+            seq.id, seq.endpoint, seq.uncertain, seq.may_land = response.sequence_id, endpoint, False, False
+            seq.max_tokens = int(response.max_tokens) or seq.max_tokens
+            seq.lengths = [int(n) for n in response.layer_lengths] or [0] * seq.spec.num_layers
+            return
+        raise error_for(grpc.StatusCode.UNAVAILABLE, f"no endpoint could create the sequence ({self.endpoints})")
+
+    def _reprefill(self, seq: Sequence, failed_id: str, timeout) -> None:
+        """Re-creates seq with every row the server should hold, unless another thread already did."""
+        with seq.lock:
+            if seq.id != failed_id:
+                return
+            if seq.released:  # release() ran while the failed call was on its way: nothing to bring back
+                raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"sequence {failed_id} was released by this client")
+            prefix = seq.recovery_prefix()
+            if prefix is None:
+                raise error_for(grpc.StatusCode.NOT_FOUND,
+                                f"sequence {failed_id} was lost by {seq.endpoint} and the client keeps no history "
+                                "(keep_history=False and no prefix_source) to re-create it")
+            self._create_on_ring(seq, prefix, timeout)
+            seq.reprefills += 1
+            with self._lock:
+                self.stats["reprefills"] += 1
+
+    def _recover(self, error: FlashserveError, seqs: List[Sequence], ids: List[str], endpoint: str,
+                 timeout, attempt: int = 0) -> None:
+        """Re-creates the sequences a failed call lost, or re-raises ``error`` when it is not a lost sequence."""
+        if isinstance(error, NotFoundError):
+            with self._lock:
+                self.stats["not_found"] += 1
+            missing = set(error.missing_ids) or set(ids)  # a NOT_FOUND without the list: every id is a suspect
+            lost = [(s, i) for s, i in zip(seqs, ids) if i in missing]
+        elif isinstance(error, UnavailableError) and len(self.endpoints) > 1:
+            self.mark_down(endpoint)
+            lost = list(zip(seqs, ids))
+        elif isinstance(error, UnavailableError):
+            # One endpoint, e.g. a proxy that routes by x-sequence-key: it moves the key to another server, which
+            # answers NOT_FOUND on the retry, and that re-creates the sequence; or a server restarting. A lone
+            # server that stays down fails every retry and the error reaches the caller.
+            time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** attempt)
+            return
+        else:
+            raise error
+        for seq, failed_id in dict((id(s), (s, i)) for s, i in lost).values():
+            self._reprefill(seq, failed_id, timeout)
+
+    def _settle_uncertain(self, seqs: Iterable[Sequence], timeout) -> None:
+        """Before using a sequence whose last append failed ambiguously: re-create it unless the server's lengths
+        are the client's (the rows were not appended). After a failure that may still land (seq.may_land) the
+        lengths prove nothing (the rows may come after the look): always re-create."""
+        for seq in seqs:
+            while True:
+                with seq.lock:
+                    if not seq.uncertain:
+                        break
+                    failed_id, endpoint, doubts, may_land = seq.id, seq.endpoint, seq.doubts, seq.may_land
+                same = False
+                try:
+                    if not may_land:
+                        info = self._rpc(endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=failed_id),
+                                         seq.key, timeout)
+                        same = [int(n) for n in info.layer_lengths] == seq.lengths
+                except (NotFoundError, UnavailableError):
+                    same = False
+                if same:
+                    with seq.lock:  # only the doubts this look saw: a failure since may have appended after it
+                        if seq.doubts == doubts and seq.id == failed_id:
+                            seq.uncertain = False
+                    continue
+                self._release_quietly(endpoint, failed_id, seq.key)
+                self._reprefill(seq, failed_id, timeout)  # then look again: a new id may have a new doubt
+
+    def _release_quietly(self, endpoint: str, sequence_id: str, key: str) -> None:
+        try:
+            self._rpc(endpoint, "Release", spb.ReleaseRequest(sequence_ids=[sequence_id]), key, 5.0)
+        except FlashserveError:
+            pass  # gone with its server, or freed by its TTL later
+
+    def _with_recovery(self, seqs: List[Sequence], attempt, timeout, appends: bool):
+        """attempt(ids) is one RPC on seqs[0].endpoint for seqs (ids: theirs as read once, under their locks); a lost
+        sequence is re-created and the RPC retried."""
+        doubtful = []  # (ids, code) of the tries whose rows may be on the server
+        try:
+            for n in range(self.max_attempts):
+                self._settle_uncertain(seqs, timeout)
+                ids, endpoint = [], seqs[0].endpoint
+                for seq in seqs:
+                    with seq.lock:
+                        ids.append(seq.id)
+                try:
+                    return attempt(ids)
+                except FlashserveError as e:
+                    if appends and e.code in _AMBIGUOUS | _MAY_LAND:
+                        doubtful.append((ids, e.code))
+                    if not self.reprefill or n + 1 == self.max_attempts or (appends and e.code in _AMBIGUOUS):
+                        raise
+                    self._recover(e, seqs, ids, endpoint, timeout, n)
+                except BaseException:  # interrupted with the request maybe sent: as a cancelled call
+                    if appends:
+                        doubtful.append((ids, grpc.StatusCode.CANCELLED))
+                    raise
+            raise AssertionError("unreachable")
+        except BaseException:
+            for ids, code in doubtful:  # given up, whatever the last error: any earlier try's rows may be there
+                _mark_uncertain(seqs, ids, code)
+            raise

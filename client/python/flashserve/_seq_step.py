@@ -1,0 +1,156 @@
+"""SequenceClient's DecodeStep: items encoded once, one call per endpoint holding some of the sequences (in
+parallel), retries with re-prefill, and answers acknowledged only from the sequence ids they were sent to."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import grpc
+
+from . import tensors
+from ._pb import sequences_pb2 as spb
+from ._seq_recovery import _AMBIGUOUS, _MAY_LAND, _mark_uncertain
+from .errors import FlashserveError, error_for
+from .packed_step import packed_step_request
+from .sequences import Sequence, encode_rows
+
+DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
+
+
+class _Item:
+    """One DecodeStep item, encoded once (retries re-send the same bytes)."""
+
+    __slots__ = ("seq", "layer", "q", "k", "v", "kind", "device")
+
+    def __init__(self, entry):
+        seq, layer, q = entry[0], int(entry[1]), entry[2]
+        k = entry[3] if len(entry) > 3 else None
+        v = entry[4] if len(entry) > 4 else None
+        if (k is None) != (v is None):
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, "decode item: give both k and v, or neither")
+        self.seq, self.layer = seq, layer
+        self.kind = "torch" if tensors.is_torch(q) else "numpy"
+        self.device = q.device if self.kind == "torch" else None
+        self.q = encode_rows(q, "q")
+        self.k = encode_rows(k, "k") if k is not None else None
+        self.v = encode_rows(v, "v") if v is not None else None
+
+    def add_to(self, request: "spb.DecodeStepRequest", sequence_id: str) -> None:
+        item = request.items.add(sequence_id=sequence_id, layer=self.layer)
+        item.q.CopyFrom(self.q)
+        if self.k is not None:
+            item.k.CopyFrom(self.k)
+            item.v.CopyFrom(self.v)
+
+
+
+class _DecodeSteps:
+    """Mixin of SequenceClient (which supplies max_attempts, reprefill, packed_steps, stats, _lock, _pool, _rpc,
+    _recover, _settle_uncertain and _count_already_appended)."""
+
+    def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options) -> list:
+        """decode_step's calls and retries (its appends held by _appending); fills results, and doubtful with
+        (sequence, id sent, code) of the items whose rows a failed try may have left on a server."""
+        timeout = options[-1]
+        pending = list(range(len(prepared)))
+        for n in range(self.max_attempts):
+            self._settle_uncertain({id(prepared[i].seq): prepared[i].seq for i in pending}.values(), timeout)
+            runs = _runs_by_endpoint(prepared, pending)
+            outcomes = self._run_groups(prepared, runs, results, options)
+            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
+            for (group, sent, _), error in failed:
+                if error.code in _AMBIGUOUS | _MAY_LAND:
+                    doubtful.extend((prepared[i].seq, sent_id, error.code) for i, (sent_id, _) in zip(group, sent)
+                                    if prepared[i].k is not None)
+            for (group, sent, endpoint), error in failed:
+                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
+                    raise error
+                self._recover(error, [prepared[i].seq for i in group], [i for i, _ in sent], endpoint, timeout, n)
+            # Failed groups' items, and items answered from a sequence re-created meanwhile (_step_group).
+            pending = [i for i in pending if results[i] is None]
+            if not pending:
+                return results
+        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} decode item(s) were answered by sequences that "
+                        f"another call re-created meanwhile, {self.max_attempts} times")
+
+    def _run_groups(self, prepared, runs, results, options) -> List[Optional[FlashserveError]]:
+        """Sends one DecodeStep per group (in parallel when several); fills results; returns each group's error."""
+        def one(run):
+            group, sent, endpoint = run
+            try:
+                self._step_group(prepared, group, sent, endpoint, results, *options)
+                return None
+            except FlashserveError as e:
+                return e
+
+        if len(runs) == 1:
+            return [one(runs[0])]
+        return list(self._pool.map(one, runs))
+
+    def _step_group(self, prepared, group, sent, endpoint, results, causal, softmax_scale, return_lse,
+                    timeout) -> None:
+        """One DecodeStep of the group's items to (id, expected_length) ``sent``; fills results of the items whose
+        sequence still has the id sent (the others are left None: sent again by the caller)."""
+        request = None
+        if self.packed_steps:
+            request = packed_step_request([(sequence_id, prepared[i].layer, prepared[i].q, prepared[i].k,
+                                            prepared[i].v) for i, (sequence_id, _) in zip(group, sent)])
+        if request is None:
+            request = spb.DecodeStepRequest()
+            for i, (sequence_id, _) in zip(group, sent):
+                prepared[i].add_to(request, sequence_id)
+        for entry, i, (_, expected) in zip(request.items, group, sent):  # packed or not: a scalar of the item itself
+            if prepared[i].k is not None:
+                entry.expected_length = expected
+        request.causal, request.return_lse = causal, return_lse
+        if softmax_scale is not None:
+            request.softmax_scale = float(softmax_scale)
+        try:
+            response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+            if len(response.results) != len(group):
+                raise error_for(grpc.StatusCode.INTERNAL,
+                                f"DecodeStep answered {len(response.results)} results for {len(group)} items")
+            # Every answer read before any is acknowledged: an answer that cannot be read fails the group whole.
+            answers = [_answer(result, prepared[i], return_lse) for i, result in zip(group, response.results)]
+        except FlashserveError:
+            raise  # the caller judges by the code
+        except BaseException:  # interrupted, or an answer the caller's tensors cannot take (out of memory ...)
+            appended = [j for j, i in enumerate(group) if prepared[i].k is not None]
+            _mark_uncertain([prepared[group[j]].seq for j in appended], [sent[j][0] for j in appended],
+                            grpc.StatusCode.CANCELLED)
+            raise
+        self._count_already_appended(sum(1 for result in response.results if result.already_appended))
+        with self._lock:
+            self.stats["max_batched_calls"] = max(self.stats["max_batched_calls"], int(response.batched_calls))
+        for i, (sent_id, _), result, answer in zip(group, sent, response.results, answers):
+            item = prepared[i]
+            with item.seq.lock:
+                if item.seq.id != sent_id:  # re-created while this ran, without these rows: the caller sends again
+                    continue
+                if item.k is not None:  # an attend-only item's length may be older than an append acknowledged since
+                    item.seq.acknowledge({item.layer: (item.k, item.v)}, {item.layer: result.length})
+                results[i] = answer  # with its acknowledgement: decode_step takes back those with a result
+
+
+def _runs_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[Tuple[List[int], list, str]]:
+    """The items as one (items, [(sequence id, expected_length)], endpoint) per endpoint, each item's id, length and
+    endpoint read together (a re-create by another thread changes all three)."""
+    groups: Dict[str, Tuple[List[int], list]] = {}
+    for i in indices:
+        seq = prepared[i].seq
+        with seq.lock:
+            sent, endpoint = (seq.id, seq.lengths[prepared[i].layer]), seq.endpoint
+        group = groups.setdefault(endpoint, ([], []))
+        group[0].append(i)
+        group[1].append(sent)
+    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]
+
+
+def _answer(response, item: _Item, return_lse: bool):
+    """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse."""
+    out = tensors.from_proto(response.out, item.kind, item.device)
+    if not return_lse:
+        return out
+    if not response.HasField("lse"):
+        raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse")
+    return out, tensors.from_proto(response.lse, item.kind, item.device)
