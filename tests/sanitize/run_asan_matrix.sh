@@ -10,9 +10,10 @@
 #
 #   tests/sanitize/run_asan_matrix.sh                  # C++ tests + test_bad_input_matrix.py
 #   tests/sanitize/run_asan_matrix.sh tests/python/test_faults.py   # more Python files, same checks
-#   ASAN_TARGETS=flashserve ASAN_SOAK_MINUTES=2 tests/sanitize/run_asan_matrix.sh FILES...
-#       # what .ci/run does: only the server is built (no C++ tests), FILES are run instead of the
-#       # matrix, then a 2-minute soak (RSS growth not judged: ASan's quarantine holds freed memory)
+#   ASAN_TARGETS="flashserve kvcache_test" ASAN_SOAK_MINUTES=2 tests/sanitize/run_asan_matrix.sh FILES...
+#       # what .ci/run does: only the server and the *_test binaries named are built, those tests run
+#       # whole, FILES are run instead of the matrix, then a 2-minute soak (RSS growth not judged:
+#       # ASan's quarantine holds freed memory)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -57,10 +58,22 @@ export LSAN_OPTIONS="suppressions=$SUPPRESSIONS:print_suppressions=1:fast_unwind
 
 status=0
 rm -f "$BUILD_DIR/ctest.log"
+unit_tests=()
+for t in $TARGETS; do [[ $t == *_test ]] && unit_tests+=("$t"); done
 if [ -z "$TARGETS" ]; then
   echo "== ctest (C++ unit tests, sanitized) ($(( $(date +%s) - start )) s)"
   ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$(nproc)" --timeout 900 >"$BUILD_DIR/ctest.log" 2>&1 || status=1
   tail -5 "$BUILD_DIR/ctest.log"
+elif ((${#unit_tests[@]})); then
+  # The *_test targets named in ASAN_TARGETS (GoogleTest binaries), run whole.
+  echo "== C++ unit tests, sanitized: ${unit_tests[*]} ($(( $(date +%s) - start )) s)"
+  : >"$BUILD_DIR/ctest.log"
+  for t in "${unit_tests[@]}"; do
+    bin=$(find "$BUILD_DIR/tests" -type f -name "$t" -perm -u+x | head -n 1)
+    if [ -z "$bin" ]; then echo "!! no $t built in $BUILD_DIR/tests"; status=1; continue; fi
+    "$bin" >>"$BUILD_DIR/ctest.log" 2>&1 || { echo "!! $t failed"; status=1; }
+    grep -E '^\[  (PASSED|FAILED) ' "$BUILD_DIR/ctest.log" | tail -n 2
+  done
 fi
 
 echo "== pytest against the sanitized server: ${PYTEST_FILES[*]} ($(( $(date +%s) - start )) s)"
