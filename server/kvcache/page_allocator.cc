@@ -58,7 +58,7 @@ void PageAllocator::CarveSlab(int64_t page_bytes, SizeClass* size_class) {
 }
 
 int64_t PageAllocator::SlabFor(int64_t page_bytes, int64_t after, SizeClass* size_class) {
-  if (after >= 0) {
+  if (after >= 0 && after < capacity_bytes()) {
     const int64_t index = after / kSlabBytes;
     const Slab& slab = slabs_[size_t(index)];
     if (slab.page_bytes == page_bytes && slab.free > 0) return index;
@@ -133,6 +133,7 @@ void PageAllocator::Free(int64_t page_bytes, const std::vector<int64_t>& offsets
     }
   };
   for (int64_t offset : offsets) {
+    if (offset < 0 || offset >= capacity_bytes()) continue;  // never handed out
     if (offset / kSlabBytes != index) settle();
     index = offset / kSlabBytes;
     Slab& slab = slabs_[size_t(index)];

@@ -136,7 +136,11 @@ TEST(PageAllocator, FreeingAPageTwiceOrOneNeverHandedOutChangesNothing) {
   std::vector<int64_t> a;
   ASSERT_TRUE(pages.Allocate(kPage, 2, &a));
   pages.Free(kPage, {a[0]});
-  pages.Free(kPage, {a[0], 7 * kSlab / 8 + kSlab});  // again; a page of a free slab
+  // Again; a page of a free slab; offsets outside the pool.
+  pages.Free(kPage, {a[0], 7 * kSlab / 8 + kSlab, -kPage, 9 * kSlab});
+  std::vector<int64_t> b;
+  ASSERT_TRUE(pages.Allocate(kPage, 1, &b, 9 * kSlab));  // a hint outside the pool: a new run
+  pages.Free(kPage, b);
   EXPECT_EQ(pages.pages_used(), 1);
   EXPECT_EQ(pages.used_bytes(), kPage);
   EXPECT_EQ(pages.Available(kPage), 15);
