@@ -176,7 +176,9 @@ absl::Status SequenceCache::TakePages(int64_t page_bytes, const std::vector<Page
   if (pages_.Available(page_bytes) < count) EvictIdleLocked();
   if (pages_.Available(page_bytes) >= count) {
     std::vector<int64_t> taken;
-    for (const PageRun& run : runs) pages_.Allocate(page_bytes, run.count, &taken, run.after);
+    for (const PageRun& run : runs) {
+      if (run.count > 0) pages_.Allocate(page_bytes, run.count, &taken, run.after);
+    }
     fresh->insert(fresh->end(), taken.rbegin(), taken.rend());
     return absl::OkStatus();
   }
