@@ -174,6 +174,11 @@ class SequenceCache {
   // callers grow the runs' layers in the order of `runs`.
   absl::Status TakePages(int64_t page_bytes, const std::vector<PageRun>& runs,
                          std::vector<int64_t>* fresh);  // needs mu_
+  // PrepareStep's appends: the rows of each item not `there` (expected_length found them), at its
+  // layer's end, from `fresh` (pages already taken); no length moves unless every row landed.
+  absl::Status WriteStepRows(const std::vector<StepItem>& items,
+                             const std::vector<Sequence*>& found, const std::vector<bool>& there,
+                             std::vector<int64_t>* fresh);
   // Appends rows at the layer's end, growing its page table from `fresh` (pages already taken).
   absl::Status WriteRows(Sequence* seq, int layer, const HostRows& k, const HostRows& v,
                          std::vector<int64_t>* fresh);

@@ -124,6 +124,28 @@ PagedItem SequenceCache::ItemFor(const Sequence& seq, int layer, const HostRows&
   return item;
 }
 
+// All or nothing, as Append: every item's rows are written before any length moves, so a write
+// that fails half-way (a device fault) leaves every length as it was (the pages grown for the rows
+// stay the sequences').
+absl::Status SequenceCache::WriteStepRows(const std::vector<StepItem>& items,
+                                          const std::vector<Sequence*>& found,
+                                          const std::vector<bool>& there,
+                                          std::vector<int64_t>* fresh) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!there[i]) GrowTable(found[i], items[i].layer, items[i].k.rows, fresh);
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (there[i]) continue;
+    const StepItem& item = items[i];
+    const int64_t from = found[i]->lengths[size_t(item.layer)];
+    if (absl::Status s = CopyRows(*found[i], item.layer, from, item.k, item.v); !s.ok()) return s;
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!there[i]) found[i]->lengths[size_t(items[i].layer)] += items[i].k.rows;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items,
                                                     absl::Time deadline) {
   if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
@@ -156,6 +178,12 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
   }
   std::vector<int64_t> fresh;
   if (absl::Status s = TakePages(found[0]->format.page_bytes, runs, &fresh); !s.ok()) return s;
+  std::vector<bool> there(items.size());
+  for (size_t i = 0; i < items.size(); ++i) there[i] = fresh_rows[i] < items[i].k.rows;
+  if (absl::Status s = WriteStepRows(items, found, there, &fresh); !s.ok()) {
+    PublishLocked();
+    return s;
+  }
   StepPlan plan;
   plan.cache_ = this;
   plan.batch.shape = found[0]->shape;
@@ -163,21 +191,11 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
   int64_t already = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     Sequence* seq = found[i];
-    const bool there = fresh_rows[i] < items[i].k.rows;
-    already += there;
-    absl::Status s =
-        there ? absl::OkStatus() : WriteRows(seq, items[i].layer, items[i].k, items[i].v, &fresh);
-    if (!s.ok()) {
-      pages_.Free(seq->format.page_bytes, fresh);                      // a device fault
-      for (void* p : plan.pinned_) --static_cast<Sequence*>(p)->pins;  // under mu_ already
-      plan.pinned_.clear();
-      plan.cache_ = nullptr;
-      return s;
-    }
+    already += there[i];
     ++seq->pins;
     plan.pinned_.push_back(seq);
     plan.batch.items.push_back(ItemFor(*seq, items[i].layer, items[i].q));
-    plan.already_appended.push_back(there);
+    plan.already_appended.push_back(there[i]);
   }
   if (metrics_ != nullptr && already > 0) metrics_->RecordAlreadyAppended(already);
   PublishLocked();
