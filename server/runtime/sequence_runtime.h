@@ -3,9 +3,11 @@
 // and, with a batch window, merged across calls into one paged launch (runtime/decode_batcher.h).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,7 +91,8 @@ class SequenceRuntime {
   static absl::StatusOr<std::unique_ptr<SequenceRuntime>> Create(
       const SequenceRuntimeOptions& options, Backend* backend, Scheduler* scheduler,
       ServerMetrics* metrics);
-  /// Answers calls still waiting for their batch with UNAVAILABLE.
+  /// Answers calls still waiting for their batch with UNAVAILABLE, then waits until every call
+  /// handed to the scheduler has run (each uses the cache and the store).
   ~SequenceRuntime();
 
   kvcache::SequenceCache& cache() { return *cache_; }
@@ -117,6 +120,8 @@ class SequenceRuntime {
   void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher, bool run_inline);
   // One paged launch over calls that share a shape, mask and scale; answers each of them.
   void RunLaunch(const std::vector<PreparedDecode*>& launch);
+  // A job of Dispatch ended (it ran, or the scheduler refused it).
+  void JobEnded();
 
   const SequenceRuntimeOptions options_;
   Scheduler* const scheduler_;
@@ -125,6 +130,12 @@ class SequenceRuntime {
   std::unique_ptr<kvcache::KvStore> store_;
   std::unique_ptr<kvcache::SequenceCache> cache_;
   std::unique_ptr<DecodeBatcher> batcher_;  // null when batch_window_us == 0
+  // Jobs handed to the scheduler and not yet ended. They use this runtime (its cache, store and
+  // batcher), and the scheduler may run a queued one after its owner began destroying the
+  // runtime (the server destroys the runtime first): the destructor waits for them.
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_ended_;
+  int jobs_ = 0;
 };
 
 }  // namespace flashserve

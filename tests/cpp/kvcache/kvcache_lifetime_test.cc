@@ -1,5 +1,6 @@
-// Lifetimes and all-or-nothing failures of the KV cache: a step whose rows fail to land half-way
-// changes no sequence.
+// Lifetimes and all-or-nothing failures of the KV cache and the decode runtime: a step whose rows
+// fail to land half-way changes no sequence, and a SequenceRuntime is not destroyed under a decode
+// call it accepted.
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -71,3 +72,86 @@ TEST(SequenceCacheStepFailure, AStepWhoseRowsFailHalfWayChangesNoLength) {
 
 }  // namespace
 }  // namespace flashserve::kvcache
+
+namespace flashserve {
+namespace {
+
+using kernels::DType;
+using kvcache::testing::Bits;
+using kvcache::testing::RandomRows;
+using kvcache::testing::Rows;
+
+// A gate that a scheduler job waits at until the test opens it.
+class Gate {
+ public:
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return open_; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// A decode call the scheduler accepted but has not run yet refers to the runtime (its cache, its
+// store): the runtime must not go away before it ran. It did: the server destroys the runtime
+// before the scheduler, whose destructor then ran the queued call on the freed runtime (heap
+// use-after-free, e.g. after a grace period that ended with decode calls still queued).
+TEST(SequenceRuntimeLifetime, DestroyingTheRuntimeWaitsForTheDecodeCallsItQueued) {
+  CpuBackendOptions cpu;
+  cpu.num_threads = 1;
+  std::unique_ptr<CpuBackend> backend = *CpuBackend::Create(cpu);
+  SchedulerOptions scheduler_options;
+  scheduler_options.num_workers = 1;
+  std::unique_ptr<Scheduler> scheduler = *Scheduler::Create(scheduler_options);
+  SequenceRuntimeOptions options;
+  options.cache.capacity_bytes = 4 << 20;
+  options.cache.page_tokens = 16;
+  options.launches_in_flight = 1;
+  std::unique_ptr<SequenceRuntime> runtime =
+      *SequenceRuntime::Create(options, backend.get(), scheduler.get(), nullptr);
+  const DType f16 = DType::kFloat16;
+  kvcache::CreateRequest create;
+  create.shape = {1, 1, 1, 32, f16};
+  const std::string id = runtime->cache().CreateSequence(create)->id;
+
+  Gate gate;  // holds the only worker, so the decode call below waits in the queue
+  ASSERT_TRUE(scheduler->Submit([&gate] { gate.Wait(); }).ok());
+  std::mt19937 rng(17);
+  const Bits q = RandomRows(&rng, 1, 1, 32, f16), k = RandomRows(&rng, 1, 1, 32, f16);
+  Bits out(q.size(), 0x7e00);
+  std::promise<absl::Status> answered;
+  auto call = std::make_shared<DecodeCall>();
+  call->items.push_back({id, 0, Rows(q, 1, 32, f16), Rows(k, 1, 32, f16), Rows(k, 1, 32, f16)});
+  call->softmax_scale = 0.125f;
+  call->out.push_back(out.data());
+  call->received = absl::Now();
+  call->done = [&answered](const absl::Status& s, const DecodeReport&) { answered.set_value(s); };
+  runtime->Submit(call);
+  call.reset();
+
+  std::atomic<bool> destroyed{false};
+  std::thread destroyer([&] {
+    runtime.reset();
+    destroyed = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(destroyed.load()) << "the runtime was destroyed with a decode call still queued";
+  gate.Open();
+  destroyer.join();
+  std::future<absl::Status> answer = answered.get_future();
+  ASSERT_EQ(answer.wait_for(std::chrono::seconds(0)), std::future_status::ready)
+      << "the runtime's destructor returned before its queued call was answered";
+  EXPECT_TRUE(answer.get().ok());
+  scheduler.reset();
+}
+
+}  // namespace
+}  // namespace flashserve
