@@ -125,7 +125,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
       return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
                                                        " live (--max_sequences); release some"));
     }
-    if (absl::Status s = TakePages(raw->format.page_bytes, runs, &fresh); !s.ok()) return s;
+    if (absl::Status s = TakePages(raw->format.page_bytes, runs, {}, &fresh); !s.ok()) return s;
     raw->pins = 1;  // hidden (not ready) and pinned while its prefix is written
     raw->last_used = Now();
     table_.emplace(raw->id, std::move(seq));
@@ -169,11 +169,16 @@ SequenceCache::PageRun SequenceCache::RunToGrow(const Sequence& seq, int layer,
 }
 
 absl::Status SequenceCache::TakePages(int64_t page_bytes, const std::vector<PageRun>& runs,
+                                      const std::vector<Sequence*>& in_use,
                                       std::vector<int64_t>* fresh) {
   int64_t count = 0;
   for (const PageRun& run : runs) count += run.count;
   if (count == 0) return absl::OkStatus();
-  if (pages_.Available(page_bytes) < count) EvictIdleLocked();
+  if (pages_.Available(page_bytes) < count) {
+    for (Sequence* seq : in_use) ++seq->pins;
+    EvictIdleLocked();
+    for (Sequence* seq : in_use) --seq->pins;
+  }
   if (pages_.Available(page_bytes) >= count) {
     std::vector<int64_t> taken;
     for (const PageRun& run : runs) {

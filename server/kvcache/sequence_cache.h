@@ -170,9 +170,12 @@ class SequenceCache {
   };
   PageRun RunToGrow(const Sequence& seq, int layer, int64_t new_length) const;
   // Takes every run's pages of `page_bytes` (all or nothing), evicting idle sequences first if
-  // that makes room. `fresh` gets them in the order GrowTable takes them (from its back): the
-  // callers grow the runs' layers in the order of `runs`.
+  // that makes room -- never one of `in_use`, the sequences the call works on (pinned meanwhile:
+  // however long ago the clock says they were used, they must not be freed under the call).
+  // `fresh` gets the pages in the order GrowTable takes them (from its back): the callers grow
+  // the runs' layers in the order of `runs`.
   absl::Status TakePages(int64_t page_bytes, const std::vector<PageRun>& runs,
+                         const std::vector<Sequence*>& in_use,
                          std::vector<int64_t>* fresh);  // needs mu_
   // PrepareStep's appends: the rows of each item not `there` (expected_length found them), at its
   // layer's end, from `fresh` (pages already taken); no length moves unless every row landed.

@@ -65,9 +65,6 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
           CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
       !s.ok())
     return s;
-  // In use from here: not evicted by TakePages making room (it was found; the sweep that would
-  // have evicted it may not have run yet), which would free it under this call.
-  seq->last_used = Now();
   std::vector<PageRun> runs;
   AppendResult result;
   if (absl::Status s = ValidateAppend(*seq, given, &runs, &result.already_appended); !s.ok()) {
@@ -80,7 +77,11 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
     if (!absl::c_linear_search(result.already_appended, r.layer)) rows.push_back(r);
   }
   std::vector<int64_t> fresh;
-  if (absl::Status s = TakePages(seq->format.page_bytes, runs, &fresh); !s.ok()) return s;
+  // `seq` is not evicted by TakePages making room (it was found; the sweep that would have
+  // evicted it may not have run yet, or the clock jumped), which would free it under this call.
+  const absl::Status taken = TakePages(seq->format.page_bytes, runs, {seq}, &fresh);
+  seq->last_used = Now();  // used, even by an append that found no room
+  if (!taken.ok()) return taken;
   for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
   seq->appending = true;
   ++seq->pins;  // not freed by a Release or eviction meanwhile

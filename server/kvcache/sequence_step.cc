@@ -169,15 +169,17 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
       metrics_->RecordRefused("length_mismatch");
     return s;
   }
-  const absl::Time now = Now();
   std::vector<PageRun> runs;
   for (size_t i = 0; i < items.size(); ++i) {
-    found[i]->last_used = now;  // in use: not evicted to make room for this very step
     runs.push_back(RunToGrow(*found[i], items[i].layer,
                              found[i]->lengths[size_t(items[i].layer)] + fresh_rows[i]));
   }
   std::vector<int64_t> fresh;
-  if (absl::Status s = TakePages(found[0]->format.page_bytes, runs, &fresh); !s.ok()) return s;
+  // In use: not evicted to make room for this very step (pinned while it is made).
+  const absl::Status taken = TakePages(found[0]->format.page_bytes, runs, found, &fresh);
+  const absl::Time now = Now();
+  for (Sequence* seq : found) seq->last_used = now;  // used, even by a step that found no room
+  if (!taken.ok()) return taken;
   std::vector<bool> there(items.size());
   for (size_t i = 0; i < items.size(); ++i) there[i] = fresh_rows[i] < items[i].k.rows;
   if (absl::Status s = WriteStepRows(items, found, there, &fresh); !s.ok()) {

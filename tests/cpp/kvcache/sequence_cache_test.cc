@@ -289,6 +289,22 @@ TEST_F(SequenceCacheTest, AnAppendThatMakesRoomDoesNotEvictItsOwnSequence) {
   EXPECT_TRUE(cache_->Info(id_b).ok());
 }
 
+// The same for a step: its sequences are pinned while room is made for its rows.
+TEST_F(SequenceCacheTest, AStepThatMakesRoomDoesNotEvictItsOwnSequences) {
+  Make(2 << 20, 64, absl::Seconds(80));
+  const SequenceShape s = Shape(1, 2, 2, 128, DType::kFloat16);
+  std::vector<DenseLayer> a, b;
+  const std::string id_a = NewSequence(s, &a, 64 * 20);
+  now_ += absl::Seconds(75);
+  const std::string id_b = NewSequence(s, &b, 64 * 12);
+  now_ += absl::Seconds(6);
+  const absl::Status st = Step(s, {id_a}, {0}, {&a}, 1, 1, false);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  ASSERT_TRUE(cache_->Info(id_a).ok()) << "evicted while a step used it";
+  EXPECT_EQ(cache_->Info(id_a)->lengths[0], 64 * 20);
+  EXPECT_TRUE(cache_->Info(id_b).ok());
+}
+
 // A layer that grows takes its next page in its last page's slab while that has room, though
 // another slab is roomier: the decode kernel reads a layer within few 2 MiB slabs faster
 // (page_allocator.h). Prefixes and steps alike pass the layer's last page to the allocator.
