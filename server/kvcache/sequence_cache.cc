@@ -1,6 +1,7 @@
 #include "kvcache/sequence_cache.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -78,6 +79,15 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "a page of ", options_.page_tokens, " tokens of this shape needs ", format.page_bytes,
         " bytes, more than ", PageAllocator::kSlabBytes, " (lower --kv_page_tokens)"));
+  }
+  // Page numbers are 32-bit (the launches' page tables): a pool that holds more pages of this
+  // size than that could hand out a page whose number wraps (a silent wrong answer).
+  if (options_.capacity_bytes / format.page_bytes > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pages of this shape are ", format.page_bytes,
+                     " bytes: --kv_cache_bytes=", options_.capacity_bytes,
+                     " would hold more than 2^31 - 1 of them, which page tables cannot "
+                     "number (raise --kv_page_tokens or lower --kv_cache_bytes)"));
   }
   const int64_t limit = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
   std::vector<bool> seen(size_t(shape.num_layers), false);

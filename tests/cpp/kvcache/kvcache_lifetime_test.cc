@@ -25,14 +25,18 @@ using testing::Rows;
 // no bytes: enough for the cache's bookkeeping.
 class RefusingStore final : public KvStore {
  public:
+  explicit RefusingStore(int64_t capacity = 4 << 20) : capacity_(capacity) {}
   std::string_view kind() const override { return "refusing"; }
-  int64_t capacity_bytes() const override { return 4 << 20; }
+  int64_t capacity_bytes() const override { return capacity_; }
   absl::Status Write(int64_t, const void* src, int64_t, BytesAt) override {
     if (src == refused) return absl::InternalError("refused write (device fault)");
     return absl::OkStatus();
   }
   absl::Status Attend(const PagedBatch&, AttendInfo*) override { return absl::OkStatus(); }
   const void* refused = nullptr;
+
+ private:
+  const int64_t capacity_;
 };
 
 // A step is all or nothing: when the second item's rows fail to land, the first item's rows,
@@ -68,6 +72,25 @@ TEST(SequenceCacheStepFailure, AStepWhoseRowsFailHalfWayChangesNoLength) {
   *plan = StepPlan();
   EXPECT_TRUE(cache->Release({a, b}).empty());
   EXPECT_EQ(cache->Stats().pages_used, 0);
+}
+
+// Page numbers are 32-bit in the page tables: a shape whose pages a pool could hold more than
+// 2^31 - 1 of is refused when it is created, not numbered wrongly once the pool fills.
+TEST(SequenceCacheCreate, AShapeWhosePagesThePoolCouldNotNumberIsRefused) {
+  const int64_t pool = int64_t(1) << 40;  // 1 TiB (only the bookkeeping exists: 512 Ki slabs)
+  RefusingStore store(pool);
+  KvCacheOptions options;
+  options.capacity_bytes = pool;
+  options.page_tokens = 1;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  CreateRequest tiny;  // a page of 1 token, 1 KV head of 8: 32 bytes, rounded up to 256
+  tiny.shape = {1, 1, 1, 8, DType::kFloat16};
+  const absl::StatusOr<SequenceStatus> refused = cache->CreateSequence(tiny);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("2^31 - 1"), std::string::npos) << refused.status();
+  CreateRequest wide = tiny;  // 32 heads: pages of 1 KiB, 2^30 of them in the pool
+  wide.shape.heads_kv = wide.shape.heads_q = 32;
+  EXPECT_TRUE(cache->CreateSequence(wide).ok());
 }
 
 }  // namespace
