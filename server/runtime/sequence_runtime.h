@@ -91,8 +91,9 @@ class SequenceRuntime {
   static absl::StatusOr<std::unique_ptr<SequenceRuntime>> Create(
       const SequenceRuntimeOptions& options, Backend* backend, Scheduler* scheduler,
       ServerMetrics* metrics);
-  /// Answers calls still waiting for their batch with UNAVAILABLE, then waits until every call
-  /// handed to the scheduler has run (each uses the cache and the store).
+  /// Hands on the calls still waiting for their batch (run, or answered UNAVAILABLE once the
+  /// scheduler stopped accepting), then waits until every call handed to the scheduler has ended
+  /// (each uses the cache and the store).
   ~SequenceRuntime();
 
   kvcache::SequenceCache& cache() { return *cache_; }
