@@ -182,14 +182,19 @@ class FakeSequences(spb_grpc.SequencesServicer):
 
     def Attend(self, request, context):
         self._note("Attend", context)
-        scale = request.softmax_scale if request.HasField("softmax_scale") else None
-        with self.lock:
-            seq = self._get(context, request.sequence_id)
-            r = self._attend(seq, request.layer, request.q, request.causal, scale, request.return_lse)
-        response = spb.AttendResponse(out=r.out, length=r.length, kernel="fake")
-        if request.return_lse:
-            response.lse.CopyFrom(r.lse)
-        return response
+        hold = self._held("Attend", "before")
+        try:
+            scale = request.softmax_scale if request.HasField("softmax_scale") else None
+            with self.lock:
+                seq = self._get(context, request.sequence_id)
+                r = self._attend(seq, request.layer, request.q, request.causal, scale, request.return_lse)
+            response = spb.AttendResponse(out=r.out, length=r.length, kernel="fake")
+            if request.return_lse:
+                response.lse.CopyFrom(r.lse)
+            return response
+        finally:
+            if hold is not None:
+                hold.finished.set()
 
     def DecodeStep(self, request, context):
         self._note("DecodeStep", context)

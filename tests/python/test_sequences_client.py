@@ -253,6 +253,51 @@ def test_appends_to_one_layer_from_many_threads_all_land(fakes, rng):
         assert seq.lengths[0] == 48 and len(fakes[0].servicer.seqs[seq.id].k[0]) == 48
 
 
+def test_an_attend_does_not_see_the_row_of_an_append_still_in_flight(fakes, rng):
+    """An attend on a layer while another thread's append to it is in flight: the append lands on the server, then
+    fails for its caller (its deadline passed while the answer was on its way), so the client forgets the row and
+    re-creates the sequence without it. Before, the attend ran meanwhile and its answer included that row: a state
+    of the layer that, for the caller, never existed. Attends now wait for the layer's appends in flight (and
+    appends for its attends)."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(5)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        hold = fakes[0].servicer.hold("Append", "after")  # applied on the server, the answer held back
+        row_k, row_v = truth.rows(1)
+        q = truth.query()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            appended = pool.submit(seq.append, 0, row_k, row_v, 0.5)
+            hold.wait_entered()
+            attended = pool.submit(seq.attend, 0, q)
+            with pytest.raises(flashserve.FlashserveError) as failed:
+                appended.result(timeout=10)
+            assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            hold.release(wait=False)
+            out = attended.result(timeout=30)
+        truth.check(out, q, seq.key, 0)  # the five rows only: the append failed for its caller
+        assert seq.reprefills == 1 and seq.lengths[0] == 5
+
+
+def test_attends_to_one_layer_do_not_wait_for_each_other(fakes, rng):
+    """Attends register as readers of their layer: two in flight at once both reach the server."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(3)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        hold = fakes[0].servicer.hold("Attend", "before")
+        q1, q2 = truth.query(), truth.query()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(seq.attend, 0, q1)
+            hold.wait_entered()
+            second = pool.submit(seq.attend, 0, q2)
+            truth.check(second.result(timeout=10), q2, seq.key, 0)  # while the first is still held
+            hold.release()
+            truth.check(first.result(timeout=10), q1, seq.key, 0)
+
+
 def test_an_unexpected_length_is_aborted(fakes, rng):
     """Another writer appended behind the client's back: its next append is refused (ABORTED), nothing appended."""
     truth = _truth(rng)

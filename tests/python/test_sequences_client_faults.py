@@ -376,7 +376,9 @@ def test_a_late_answer_does_not_set_back_the_length_of_a_layer_it_did_not_append
     """Thread U's call does not append to layer 0 (an attend-only step item of layer 0, or an Append to layer 1) and
     its answer, which carries layer 0's length as the server saw it, arrives after main's step appended to layer 0.
     Before, U's answer set the client's length of layer 0 back: main's next step named the old length, the server
-    took it for a retry, dropped the row and attended over the previous one (wrong answer)."""
+    took it for a retry, dropped the row and attended over the previous one (wrong answer). An attend-only item of
+    layer 0 now holds main's append to layer 0 back until it is answered (test_sequences_client.py): that late
+    answer can no longer come after the append, which must wait for it instead of hanging."""
     truth = _truth(rng)
     fake = fakes[0].servicer
     with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
@@ -389,9 +391,15 @@ def test_a_late_answer_does_not_set_back_the_length_of_a_layer_it_did_not_append
             kz, vz = truth.rows(2)
             u = _Thread(lambda: seq.append(1, kz, vz))
         hold.wait_entered()
-        _step(seq, truth, layer=0)
+        main = _Thread(lambda: _step(seq, truth, layer=0))
+        if slow == "attend_only_step":
+            time.sleep(0.3)
+            assert main.is_alive(), "an append to layer 0 ran while an attend over it was in flight"
+        else:
+            main.join()
         hold.release(wait=False)
         u.join()
+        main.join()
         if slow == "append_of_another_layer":
             truth.add(seq.key, 1, kz, vz)
         for _ in range(2):

@@ -24,6 +24,7 @@ the other (in no defined order); appends to different layers run at once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import uuid
@@ -110,9 +111,12 @@ class Sequence:
         self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
         self.may_land = False  # ... and may still be applied later (a deadline, UNAVAILABLE): re-create, don't check
         self.doubts = 0  # failures that made it uncertain: a check of the lengths clears only those it began after
-        # Layers with an append of this client in flight: the next waits (an append names the length it follows,
-        # expected_length, which two concurrent appends to one layer would both name).
+        # Per layer, this client's calls in flight (_seq_recovery._holding): the append (an append names the length it
+        # follows, expected_length, which two concurrent appends to one layer would both name; and its rows may
+        # still be taken back), attends reading it, appends waiting for them.
         self._writing: set = set()
+        self._reading: collections.Counter = collections.Counter()
+        self._waiting_writers: collections.Counter = collections.Counter()
         self._written = threading.Condition(threading.Lock())
         self._history = LayerHistory(spec.num_layers) if keep_history else None
         self._prefix_source = prefix_source
