@@ -1,7 +1,9 @@
 #include "memory/pinned_pool.h"
 
+#include <mutex>
 #include <new>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -23,10 +25,26 @@ size_t RoundUpPowerOfTwo(size_t n) {
 
 }  // namespace
 
+struct PinnedPool::Buffer::Core {
+  Core(const PinnedPoolOptions& pool_options, std::unique_ptr<HostAllocator> host_allocator)
+      : options(pool_options), allocator(std::move(host_allocator)) {}
+  int ClassIndex(size_t class_bytes) const;
+  /// Back on its class's free list, or freed: when that class keeps enough spares, or once the
+  /// pool is gone (nothing would ever take it from the list again).
+  void Release(void* data, size_t capacity);
+
+  const PinnedPoolOptions options;
+  const std::unique_ptr<HostAllocator> allocator;
+  mutable std::mutex mu;
+  std::vector<std::vector<void*>> free_lists;  // [class index]: cached buffers of that class
+  PinnedPoolStats stats;                       // guarded by mu
+  bool pool_destroyed = false;                 // guarded by mu
+};
+
 PinnedPool::Buffer& PinnedPool::Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
     reset();
-    pool_ = std::exchange(other.pool_, nullptr);
+    core_ = std::move(other.core_);
     data_ = std::exchange(other.data_, nullptr);
     capacity_ = std::exchange(other.capacity_, 0);
   }
@@ -34,8 +52,8 @@ PinnedPool::Buffer& PinnedPool::Buffer::operator=(Buffer&& other) noexcept {
 }
 
 void PinnedPool::Buffer::reset() {
-  if (data_ != nullptr) pool_->Release(data_, capacity_);
-  pool_ = nullptr;
+  if (data_ != nullptr) core_->Release(data_, capacity_);
+  core_.reset();
   data_ = nullptr;
   capacity_ = 0;
 }
@@ -53,111 +71,123 @@ absl::StatusOr<std::unique_ptr<PinnedPool>> PinnedPool::Create(
 }
 
 PinnedPool::PinnedPool(const PinnedPoolOptions& options, std::unique_ptr<HostAllocator> allocator)
-    : options_(options), allocator_(std::move(allocator)) {
+    : core_(std::make_shared<Core>(options, std::move(allocator))) {
   // One list per class from min_class_bytes up to the largest power of two within the cap.
-  for (size_t c = options_.min_class_bytes; c != 0 && c <= options_.capacity_bytes; c <<= 1) {
-    free_lists_.emplace_back();
+  for (size_t c = options.min_class_bytes; c != 0 && c <= options.capacity_bytes; c <<= 1) {
+    core_->free_lists.emplace_back();
   }
 }
 
-PinnedPool::~PinnedPool() { Trim(); }
-
-size_t PinnedPool::ClassSize(size_t bytes) const {
-  if (bytes > options_.capacity_bytes) return 0;
-  const size_t c = bytes <= options_.min_class_bytes ? options_.min_class_bytes
-                                                     : RoundUpPowerOfTwo(bytes);
-  return c <= options_.capacity_bytes ? c : 0;
+PinnedPool::~PinnedPool() {
+  {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    core_->pool_destroyed = true;  // buffers still out are freed when returned
+  }
+  Trim();
 }
 
-int PinnedPool::ClassIndex(size_t class_bytes) const {
+const PinnedPoolOptions& PinnedPool::options() const { return core_->options; }
+
+size_t PinnedPool::ClassSize(size_t bytes) const {
+  const PinnedPoolOptions& options = core_->options;
+  if (bytes > options.capacity_bytes) return 0;
+  const size_t c =
+      bytes <= options.min_class_bytes ? options.min_class_bytes : RoundUpPowerOfTwo(bytes);
+  return c <= options.capacity_bytes ? c : 0;
+}
+
+int PinnedPool::Buffer::Core::ClassIndex(size_t class_bytes) const {
   int index = 0;
-  for (size_t c = options_.min_class_bytes; c < class_bytes; c <<= 1) ++index;
+  for (size_t c = options.min_class_bytes; c < class_bytes; c <<= 1) ++index;
   return index;
 }
 
 PinnedPool::Buffer PinnedPool::Acquire(size_t bytes) {
+  Core& core = *core_;
   const size_t class_bytes = ClassSize(bytes == 0 ? 1 : bytes);
   std::vector<std::pair<void*, size_t>> evicted;  // freed after the lock is dropped
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (class_bytes == 0 || stats_.used_bytes + int64_t(class_bytes) >
-                                int64_t(options_.capacity_bytes)) {
+    std::lock_guard<std::mutex> lock(core.mu);
+    if (class_bytes == 0 ||
+        core.stats.used_bytes + int64_t(class_bytes) > int64_t(core.options.capacity_bytes)) {
       // Even with every cached buffer freed, the buffers in use leave no room.
-      stats_.refusals++;
+      core.stats.refusals++;
       return Buffer();
     }
-    std::vector<void*>& list = free_lists_[size_t(ClassIndex(class_bytes))];
+    std::vector<void*>& list = core.free_lists[size_t(core.ClassIndex(class_bytes))];
     if (!list.empty()) {
       void* data = list.back();
       list.pop_back();
-      stats_.used_bytes += int64_t(class_bytes);
-      stats_.reuses++;
-      return Buffer(this, data, class_bytes);
+      core.stats.used_bytes += int64_t(class_bytes);
+      core.stats.reuses++;
+      return Buffer(core_, data, class_bytes);
     }
     // Make room under the cap by freeing cached buffers, largest classes first (fewest frees).
-    for (size_t i = free_lists_.size();
-         i-- > 0 && stats_.reserved_bytes + int64_t(class_bytes) >
-                        int64_t(options_.capacity_bytes);) {
-      const size_t size = options_.min_class_bytes << i;
-      while (!free_lists_[i].empty() && stats_.reserved_bytes + int64_t(class_bytes) >
-                                            int64_t(options_.capacity_bytes)) {
-        evicted.emplace_back(free_lists_[i].back(), size);
-        free_lists_[i].pop_back();
-        stats_.reserved_bytes -= int64_t(size);
-        stats_.evictions++;
+    for (size_t i = core.free_lists.size();
+         i-- > 0 &&
+         core.stats.reserved_bytes + int64_t(class_bytes) > int64_t(core.options.capacity_bytes);) {
+      const size_t size = core.options.min_class_bytes << i;
+      while (!core.free_lists[i].empty() && core.stats.reserved_bytes + int64_t(class_bytes) >
+                                                int64_t(core.options.capacity_bytes)) {
+        evicted.emplace_back(core.free_lists[i].back(), size);
+        core.free_lists[i].pop_back();
+        core.stats.reserved_bytes -= int64_t(size);
+        core.stats.evictions++;
       }
     }
     // Room is now guaranteed (used + class <= cap, nothing cached is left in the way): claim it
     // before allocating without the lock, so concurrent Acquires cannot overshoot the cap.
-    stats_.reserved_bytes += int64_t(class_bytes);
-    stats_.used_bytes += int64_t(class_bytes);
+    core.stats.reserved_bytes += int64_t(class_bytes);
+    core.stats.used_bytes += int64_t(class_bytes);
   }
-  for (const auto& [pointer, size] : evicted) allocator_->Free(pointer);
-  void* data = allocator_->Allocate(class_bytes);
-  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [pointer, size] : evicted) core.allocator->Free(pointer);
+  void* data = core.allocator->Allocate(class_bytes);
+  std::lock_guard<std::mutex> lock(core.mu);
   if (data == nullptr) {
-    stats_.reserved_bytes -= int64_t(class_bytes);
-    stats_.used_bytes -= int64_t(class_bytes);
-    stats_.refusals++;
+    core.stats.reserved_bytes -= int64_t(class_bytes);
+    core.stats.used_bytes -= int64_t(class_bytes);
+    core.stats.refusals++;
     return Buffer();
   }
-  stats_.allocations++;
-  return Buffer(this, data, class_bytes);
+  core.stats.allocations++;
+  return Buffer(core_, data, class_bytes);
 }
 
-void PinnedPool::Release(void* data, size_t capacity) {
+void PinnedPool::Buffer::Core::Release(void* data, size_t capacity) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stats_.used_bytes -= int64_t(capacity);
-    std::vector<void*>& list = free_lists_[size_t(ClassIndex(capacity))];
-    if (options_.max_cached_per_class == 0 || list.size() < options_.max_cached_per_class) {
+    std::lock_guard<std::mutex> lock(mu);
+    stats.used_bytes -= int64_t(capacity);
+    std::vector<void*>& list = free_lists[size_t(ClassIndex(capacity))];
+    if (!pool_destroyed &&
+        (options.max_cached_per_class == 0 || list.size() < options.max_cached_per_class)) {
       list.push_back(data);
       return;
     }
-    stats_.reserved_bytes -= int64_t(capacity);
-    stats_.evictions++;
+    stats.reserved_bytes -= int64_t(capacity);
+    stats.evictions++;
   }
-  allocator_->Free(data);  // that class already keeps enough spares
+  allocator->Free(data);  // that class already keeps enough spares, or the pool is gone
 }
 
 void PinnedPool::Trim() {
+  Core& core = *core_;
   std::vector<std::vector<void*>> lists;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    lists.resize(free_lists_.size());
-    lists.swap(free_lists_);
+    std::lock_guard<std::mutex> lock(core.mu);
+    lists.resize(core.free_lists.size());
+    lists.swap(core.free_lists);
     for (size_t i = 0; i < lists.size(); ++i) {
-      stats_.reserved_bytes -= int64_t(lists[i].size() * (options_.min_class_bytes << i));
+      core.stats.reserved_bytes -= int64_t(lists[i].size() * (core.options.min_class_bytes << i));
     }
   }
   for (const std::vector<void*>& list : lists) {
-    for (void* pointer : list) allocator_->Free(pointer);
+    for (void* pointer : list) core.allocator->Free(pointer);
   }
 }
 
 PinnedPoolStats PinnedPool::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->stats;
 }
 
 }  // namespace flashserve

@@ -16,8 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
-#include <vector>
+#include <utility>
 
 #include "absl/status/statusor.h"
 
@@ -61,7 +60,9 @@ struct PinnedPoolStats {
   int64_t refusals = 0;        // Acquires that got an empty Buffer
 };
 
-/// Thread-safe. Must outlive every Buffer it handed out.
+/// Thread-safe. A Buffer may outlive the pool (nothing in gRPC's API promises an answer's slices
+/// are dropped before the server destroys the backend that owns the pool): returned then, it is
+/// freed at once.
 class PinnedPool {
  public:
   /// A buffer from the pool, returned to it when destroyed (or reset). Move-only; empty when the
@@ -83,9 +84,10 @@ class PinnedPool {
 
    private:
     friend class PinnedPool;
-    Buffer(PinnedPool* pool, void* data, size_t capacity)
-        : pool_(pool), data_(data), capacity_(capacity) {}
-    PinnedPool* pool_ = nullptr;
+    struct Core;  // pinned_pool.cc
+    Buffer(std::shared_ptr<Core> core, void* data, size_t capacity)
+        : core_(std::move(core)), data_(data), capacity_(capacity) {}
+    std::shared_ptr<Core> core_;  // shared, not a PinnedPool*: the buffer may outlive the pool
     void* data_ = nullptr;
     size_t capacity_ = 0;
   };
@@ -102,18 +104,15 @@ class PinnedPool {
   void Trim();
 
   PinnedPoolStats stats() const;
-  const PinnedPoolOptions& options() const { return options_; }
+  const PinnedPoolOptions& options() const;
 
  private:
+  using Core = Buffer::Core;
   PinnedPool(const PinnedPoolOptions& options, std::unique_ptr<HostAllocator> allocator);
-  void Release(void* data, size_t capacity);
-  int ClassIndex(size_t class_bytes) const;
 
-  const PinnedPoolOptions options_;
-  const std::unique_ptr<HostAllocator> allocator_;
-  mutable std::mutex mu_;
-  std::vector<std::vector<void*>> free_lists_;  // [class index]: cached buffers of that class
-  PinnedPoolStats stats_;
+  // The allocator, free lists and stats: shared with every Buffer handed out, so that one returned
+  // after the pool is destroyed still reaches the allocator.
+  const std::shared_ptr<Core> core_;
 };
 
 }  // namespace flashserve
