@@ -186,7 +186,8 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   absl::StatusOr<std::shared_ptr<DecodeCall>> built =
       refused.ok() ? build() : absl::StatusOr<std::shared_ptr<DecodeCall>>(refused);
   if (!built.ok()) {
-    hold.reset();  // bytes and leases given back before the answer
+    hold->shm.ReleaseLeases();  // before the answer (`build` still holds `hold`)
+    hold.reset();               // and the bytes
     reactor->Finish(grpc_call->Finish(built.status()));
     return reactor;
   }
@@ -204,7 +205,10 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
       answered = sent.status();
     }
     AddMissing(context, answered);
-    hold.reset();  // O is in place: a client that unregisters after the answer finds no lease
+    // O is in place: a client that unregisters after the answer finds no lease (`build` may
+    // still hold `hold` when the call ran inline, so the leases go explicitly).
+    hold->shm.ReleaseLeases();
+    hold.reset();
     reactor->Finish(grpc_call->Finish(answered));
     // `admission` is released with this callback, or later with the answer's slices (DecodeStep).
   };

@@ -27,6 +27,14 @@ struct SequenceShm {
   // Each region the call names, leased once as a whole (a step names one or two regions
   // 5 x items times; leasing every span took a lookup and an fstat each).
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;
+
+  /// Gives every region back once the call's outputs are in place, before its answer: a client
+  /// that unregisters after reading it must find no lease. `regions_leased` holds one in each
+  /// whole span, as `leases` does.
+  void ReleaseLeases() {
+    leases.clear();
+    regions_leased.clear();
+  }
 };
 
 class SequenceRuntime;

@@ -1,0 +1,50 @@
+// A Sequences call's leases on clients' shared-memory regions are all given back before its
+// answer (edge/sequences/sequences_shm.h): memory/shm_regions.h promises that a client that
+// unregisters after its answer never finds its region in use.
+#include "edge/sequences/sequences_shm.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace flashserve {
+namespace {
+
+// ReleaseLeases drops the lease each whole region span keeps (regions_leased) as well as the list
+// of leases. The local socket cleared only the list before writing its answer: the region stayed
+// in use until the answer was written, so a client unregistering right after reading it could be
+// refused FAILED_PRECONDITION "in use".
+TEST(SequenceShmLeases, ReleaseLeasesGivesEveryRegionBack) {
+  const std::string key = "/fs_seq_shm_test_" + std::to_string(getpid());
+  const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(ftruncate(fd, 4096), 0);
+  close(fd);
+  ShmLimits limits;
+  limits.allow = true;
+  ShmRegistry registry(limits, nullptr);
+  ASSERT_TRUE(registry.RegisterSystem("r", key, 0, 4096, "").ok());
+  SequenceShm shm;
+  InitSequenceShm(&registry, nullptr, &shm);
+  v1::Tensor q;  // [1 row, 2 heads, 8] fp16 = 32 bytes at offset 64 of the region
+  q.set_dtype(v1::FLOAT16);
+  for (int64_t d : {1, 2, 8}) q.add_shape(d);
+  q.mutable_shm()->set_region("r");
+  q.mutable_shm()->set_offset(64);
+  q.mutable_shm()->set_byte_size(32);
+  ASSERT_TRUE(ShmRows(q, "q", &shm).ok());
+  shm.leases.clear();  // what the local socket gave back before its answer
+  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(),
+            absl::StatusCode::kFailedPrecondition)
+      << "the whole span in regions_leased holds a lease too";
+  shm.ReleaseLeases();
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
+  shm_unlink(key.c_str());
+}
+
+}  // namespace
+}  // namespace flashserve
