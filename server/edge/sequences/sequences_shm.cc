@@ -24,7 +24,6 @@ absl::StatusOr<ShmSpan> LeaseOnce(const v1::SharedMemoryRef& ref, SequenceShm* s
   if (whole == nullptr) {
     absl::StatusOr<ShmSpan> leased = shm->regions->LeaseWhole(ref.region(), /*owner=*/"");
     if (!leased.ok()) return leased.status();
-    shm->leases.push_back(leased->lease);
     shm->regions_leased.emplace_back(ref.region(), *std::move(leased));
     whole = &shm->regions_leased.back().second;
   }

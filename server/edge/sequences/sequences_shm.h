@@ -16,25 +16,22 @@
 
 namespace flashserve {
 
-/// One call's spans in shared memory. Keep `leases` until the call's outputs are written.
+/// One call's spans in shared memory. Keep its leases (regions_leased) until the call's outputs
+/// are written.
 struct SequenceShm {
   ShmRegistry* regions = nullptr;  // null: shared memory disabled
   int store_device = -1;           // the KV store's CUDA device (-1: it reads host memory only)
-  ShmLeases leases;
   std::vector<ShmUse> uses;  // each tensor in a region, for CheckShmOverlap
   // Some input came from a system / a CUDA region (DecodeCall's request_inputs_total paths).
   bool system_inputs = false, cuda_inputs = false;
   // Each region the call names, leased once as a whole (a step names one or two regions
-  // 5 x items times; leasing every span took a lookup and an fstat each).
+  // 5 x items times; leasing every span took a lookup and an fstat each). Each whole span holds
+  // the call's only lease on its region.
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;
 
   /// Gives every region back once the call's outputs are in place, before its answer: a client
-  /// that unregisters after reading it must find no lease. `regions_leased` holds one in each
-  /// whole span, as `leases` does.
-  void ReleaseLeases() {
-    leases.clear();
-    regions_leased.clear();
-  }
+  /// that unregisters after reading it must find no lease.
+  void ReleaseLeases() { regions_leased.clear(); }
 };
 
 class SequenceRuntime;

@@ -14,10 +14,10 @@
 namespace flashserve {
 namespace {
 
-// ReleaseLeases drops the lease each whole region span keeps (regions_leased) as well as the list
-// of leases. The local socket cleared only the list before writing its answer: the region stayed
-// in use until the answer was written, so a client unregistering right after reading it could be
-// refused FAILED_PRECONDITION "in use".
+// The call holds its region while it runs and ReleaseLeases gives it back. The lease used to be
+// kept twice (a list of leases, and each whole region span): the local socket cleared only the
+// list before writing its answer, so the region stayed in use until the answer was written and a
+// client unregistering right after reading it could be refused FAILED_PRECONDITION "in use".
 TEST(SequenceShmLeases, ReleaseLeasesGivesEveryRegionBack) {
   const std::string key = "/fs_seq_shm_test_" + std::to_string(getpid());
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -37,10 +37,9 @@ TEST(SequenceShmLeases, ReleaseLeasesGivesEveryRegionBack) {
   q.mutable_shm()->set_offset(64);
   q.mutable_shm()->set_byte_size(32);
   ASSERT_TRUE(ShmRows(q, "q", &shm).ok());
-  shm.leases.clear();  // what the local socket gave back before its answer
   EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(),
             absl::StatusCode::kFailedPrecondition)
-      << "the whole span in regions_leased holds a lease too";
+      << "a region a call uses must not go away under it";
   shm.ReleaseLeases();
   EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
   shm_unlink(key.c_str());
