@@ -3,7 +3,6 @@ the bookkeeping of calls that failed after sending rows (sequence_client.py's mo
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Iterable, List
 
@@ -24,50 +23,6 @@ _AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc
 _MAY_LAND = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
 # Retries through a single endpoint after UNAVAILABLE wait 0.1, 0.2, 0.4 ... s.
 _UNAVAILABLE_BACKOFF_S = 0.1
-
-
-@contextlib.contextmanager
-def _holding(writes: Iterable = (), reads: Iterable = ()):
-    """Holds, for a call and its retries, the (sequence, layer) pairs it appends to (writes) and those it attends
-    over without appending (reads). An append waits for the layer's other append (both would name the same
-    expected_length) and for its attends in flight; an attend waits for the layer's append in flight (its rows may
-    still be taken back when it fails: the attend would have seen a row that, for the caller, was never appended),
-    not for other attends; an append waiting goes before attends that come after it. Taken in one order: no
-    deadlock."""
-    wanted = {pair: False for pair in reads}
-    wanted.update((pair, True) for pair in writes)
-    taken = []
-    try:
-        for (seq, layer), write in sorted(wanted.items(), key=lambda e: (id(e[0][0]), e[0][1])):
-            with seq._written:
-                if write:
-                    _wait_to_write(seq, layer)
-                else:
-                    while layer in seq._writing or seq._waiting_writers[layer]:
-                        seq._written.wait()
-                    seq._reading[layer] += 1
-            taken.append((seq, layer, write))
-        yield
-    finally:
-        for seq, layer, write in taken:
-            with seq._written:
-                if write:
-                    seq._writing.discard(layer)
-                else:
-                    seq._reading[layer] -= 1
-                seq._written.notify_all()
-
-
-def _wait_to_write(seq: Sequence, layer: int) -> None:
-    """Under seq._written: waits until no other call appends to or attends over the layer, then takes it."""
-    seq._waiting_writers[layer] += 1
-    try:
-        while layer in seq._writing or seq._reading[layer]:
-            seq._written.wait()
-    finally:
-        seq._waiting_writers[layer] -= 1
-        seq._written.notify_all()  # attends held back by this waiting append (also if the wait was interrupted)
-    seq._writing.add(layer)
 
 
 def _mark_uncertain(seqs: Iterable[Sequence], sent_ids: Iterable[str], code: grpc.StatusCode) -> None:

@@ -49,7 +49,7 @@ class _DecodeSteps:
     _recover, _settle_uncertain and _count_already_appended)."""
 
     def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options) -> list:
-        """decode_step's calls and retries (its layers held by _holding); fills results, and doubtful with
+        """decode_step's calls and retries (its layers held by hold_layers); fills results, and doubtful with
         (sequence, id sent, code) of the items whose rows a failed try may have left on a server."""
         timeout = options[-1]
         pending = list(range(len(prepared)))

@@ -40,13 +40,13 @@ from . import tensors
 from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
-from ._seq_recovery import _holding, _mark_uncertain, _Recovery
+from ._seq_recovery import _mark_uncertain, _Recovery
 from ._seq_step import _answer, _DecodeSteps, _Item, DecodeInput
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
 from .local import MAX_POLL_US, LocalClient
-from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows
+from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows, hold_layers
 
 ROUTE_HEADER = "x-sequence-key"
 # A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff.
@@ -235,7 +235,7 @@ class SequenceClient(_Recovery, _DecodeSteps):
                 seq.acknowledge(encoded, {layer: response.layer_lengths[layer] for layer in encoded})
                 return list(seq.lengths)
 
-        with _holding(writes=[(seq, layer) for layer in encoded]):
+        with hold_layers(writes=[(seq, layer) for layer in encoded]):
             return self._with_recovery([seq], attempt, timeout, appends=True)
 
     def _count_already_appended(self, n: int) -> None:
@@ -257,7 +257,7 @@ class SequenceClient(_Recovery, _DecodeSteps):
             response = self._rpc(seq.endpoint, "Attend", request, seq.key, timeout)
             return _answer(response, item, return_lse)
 
-        with _holding(reads=[(seq, int(layer))]):
+        with hold_layers(reads=[(seq, int(layer))]):
             return self._with_recovery([seq], attempt, timeout, appends=False)
 
     def decode_step(self, items: Iterable[DecodeInput], causal: bool = False, softmax_scale: Optional[float] = None,
@@ -267,7 +267,7 @@ class SequenceClient(_Recovery, _DecodeSteps):
         prepared = [_Item(entry) for entry in items]
         for item in prepared:
             self._check_live(item.seq)
-        with _holding(writes=[(item.seq, item.layer) for item in prepared if item.k is not None],
+        with hold_layers(writes=[(item.seq, item.layer) for item in prepared if item.k is not None],
                       reads=[(item.seq, item.layer) for item in prepared if item.k is None]):
             results: List[Any] = [None] * len(prepared)
             doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []

@@ -25,10 +25,11 @@ the other (in no defined order); appends to different layers run at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import uuid
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import grpc
 
@@ -111,7 +112,7 @@ class Sequence:
         self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
         self.may_land = False  # ... and may still be applied later (a deadline, UNAVAILABLE): re-create, don't check
         self.doubts = 0  # failures that made it uncertain: a check of the lengths clears only those it began after
-        # Per layer, this client's calls in flight (_seq_recovery._holding): the append (an append names the length it
+        # Per layer, this client's calls in flight (hold_layers, below): the append (an append names the length it
         # follows, expected_length, which two concurrent appends to one layer would both name; and its rows may
         # still be taken back), attends reading it, appends waiting for them.
         self._writing: set = set()
@@ -200,3 +201,47 @@ class Sequence:
     @property
     def history_bytes(self) -> int:
         return self._history.bytes if self._history is not None else 0
+
+
+@contextlib.contextmanager
+def hold_layers(writes: Iterable = (), reads: Iterable = ()):
+    """Holds, for a call and its retries, the (sequence, layer) pairs it appends to (writes) and those it attends
+    over without appending (reads). An append waits for the layer's other append (both would name the same
+    expected_length) and for its attends in flight; an attend waits for the layer's append in flight (its rows may
+    still be taken back when it fails: the attend would have seen a row that, for the caller, was never appended),
+    not for other attends; an append waiting goes before attends that come after it. Taken in one order: no
+    deadlock."""
+    wanted = {pair: False for pair in reads}
+    wanted.update((pair, True) for pair in writes)
+    taken = []
+    try:
+        for (seq, layer), write in sorted(wanted.items(), key=lambda e: (id(e[0][0]), e[0][1])):
+            with seq._written:
+                if write:
+                    _wait_to_write(seq, layer)
+                else:
+                    while layer in seq._writing or seq._waiting_writers[layer]:
+                        seq._written.wait()
+                    seq._reading[layer] += 1
+            taken.append((seq, layer, write))
+        yield
+    finally:
+        for seq, layer, write in taken:
+            with seq._written:
+                if write:
+                    seq._writing.discard(layer)
+                else:
+                    seq._reading[layer] -= 1
+                seq._written.notify_all()
+
+
+def _wait_to_write(seq: Sequence, layer: int) -> None:
+    """Under seq._written: waits until no other call appends to or attends over the layer, then takes it."""
+    seq._waiting_writers[layer] += 1
+    try:
+        while layer in seq._writing or seq._reading[layer]:
+            seq._written.wait()
+    finally:
+        seq._waiting_writers[layer] -= 1
+        seq._written.notify_all()  # attends held back by this waiting append (also if the wait was interrupted)
+    seq._writing.add(layer)
