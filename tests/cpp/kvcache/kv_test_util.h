@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -18,6 +20,31 @@
 namespace flashserve::kvcache::testing {
 
 using Bits = std::vector<uint16_t>;
+
+/// Threads wait at it until the test opens it; the test can wait until one is waiting.
+class Gate {
+ public:
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    waiting_ = true;
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return open_; });
+  }
+  void WaitUntilWaiting() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return waiting_; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool waiting_ = false, open_ = false;
+};
 
 inline Bits RandomRows(std::mt19937* rng, int64_t rows, int64_t heads, int64_t head_dim,
                        kernels::DType dtype) {

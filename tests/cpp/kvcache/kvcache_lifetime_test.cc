@@ -101,27 +101,9 @@ namespace {
 
 using kernels::DType;
 using kvcache::testing::Bits;
+using kvcache::testing::Gate;
 using kvcache::testing::RandomRows;
 using kvcache::testing::Rows;
-
-// A gate that a scheduler job waits at until the test opens it.
-class Gate {
- public:
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return open_; });
-  }
-  void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
-};
 
 // A decode call the scheduler accepted but has not run yet refers to the runtime (its cache, its
 // store): the runtime must not go away before it ran. It did: the server destroys the runtime

@@ -542,32 +542,19 @@ class GatedStore final : public KvStore {
   std::string_view kind() const override { return "gated"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
   absl::Status Write(int64_t, const void*, int64_t bytes, kvcache::BytesAt) override {
-    if (bytes < gated_bytes_) return absl::OkStatus();
-    std::unique_lock<std::mutex> lock(mu_);
-    waiting_ = true;
-    cv_.notify_all();
-    cv_.wait(lock, [this] { return open_; });
+    if (bytes >= gated_bytes_) gate_.Wait();
     return absl::OkStatus();
   }
   absl::Status Attend(const PagedBatch&, AttendInfo* info) override {
     info->kernel = "gated";
     return absl::OkStatus();
   }
-  void WaitUntilBlocked() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return waiting_; });
-  }
-  void Open() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
+  void WaitUntilBlocked() { gate_.WaitUntilWaiting(); }
+  void Open() { gate_.Open(); }
 
  private:
   const int64_t gated_bytes_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool waiting_ = false, open_ = false;
+  testing::Gate gate_;
 };
 
 TEST(SequenceCacheAppend, CopiesOutsideTheLockAndStepsOnTheSameSequenceWaitForIt) {
