@@ -8,7 +8,7 @@
 //
 // Where a page goes: a sequence's layer is a run of pages read in token order, and the decode
 // kernel reads a run that stays within few 2 MiB slabs as fast as dense K/V, one whose pages are
-// scattered over the pool 1-3% slower (address translation per page;
+// scattered over the pool 1-3.5% slower (address translation per page;
 // bench/results/kernels-decode-h200-2026-11-29-placement.md). So a run continues in its last page's
 // slab while that has room, then in the slab of its size with the most free pages, and only then
 // in an empty slab (which keeps the slabs of one size packed).
