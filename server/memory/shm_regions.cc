@@ -15,6 +15,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "memory/shm_fault_guard.h"
 
 namespace flashserve {
 
@@ -28,13 +29,19 @@ struct ShmRegistry::Region {
   size_t mapping_bytes = 0;
   bool pinned = false;         // system: page-locked through ShmDeviceAccess
   int fd = -1;                 // system: the object, kept open to see it shrink (fstat per lease)
+  int guard = -1;              // system: the mapping's ShmFaultGuard slot
   ShmDeviceAccess* device = nullptr;
   std::atomic<int> leases{0};  // requests using it now
+
+  // OK unless the object no longer covers the region or an access to it faulted (SIGBUS, see
+  // shm_fault_guard.h): what the server read or wrote there since is not the client's.
+  absl::Status Intact() const;
 
   ~Region() {
     if (fd >= 0) close(fd);
     if (info.type == ShmType::kSystem && mapping != nullptr) {
       if (pinned) device->UnpinHost(data);
+      ShmFaultGuard::Unwatch(guard);
       munmap(mapping, mapping_bytes);
     } else if (info.type == ShmType::kCuda && data != nullptr) {
       device->CloseIpc(data, info.device);
@@ -91,6 +98,12 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
     } else {
       region->mapping = p;
       region->data = static_cast<char*>(p) + (offset - start);
+      region->guard = ShmFaultGuard::Watch(p, region->mapping_bytes);
+      if (region->guard < 0) {
+        status = absl::ResourceExhaustedError(absl::StrCat(
+            "already ", ShmFaultGuard::kMaxWatched, " system regions mapped (the most this "
+            "server watches for faults); unregister some first"));
+      }
     }
   }
   if (status.ok()) {
@@ -103,6 +116,22 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
 }
 
 }  // namespace
+
+absl::Status ShmRegistry::Region::Intact() const {
+  if (info.type != ShmType::kSystem) return absl::OkStatus();
+  const char* what = nullptr;
+  struct stat st;
+  if (ShmFaultGuard::Faulted(guard)) {
+    what = "an access to it faulted (its object was cut short, or /dev/shm could not back it)";
+  } else if (fd >= 0 && (fstat(fd, &st) != 0 ||
+                         uint64_t(st.st_size) < info.offset + info.byte_size)) {
+    what = "its object shrank below the region";
+  }
+  if (what == nullptr) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "shared-memory region \"", info.name, "\" (key \"", info.key, "\"): ", what,
+      "; nothing read from or written to it since counts: unregister it and register it again"));
+}
 
 const char* ShmTypeName(ShmType type) { return type == ShmType::kSystem ? "system" : "cuda"; }
 
@@ -351,17 +380,9 @@ absl::StatusOr<ShmSpan> ShmRegistry::LeaseWhole(absl::string_view name,
   auto it = regions_.find(name);
   if (it == regions_.end() || it->second->owner != owner) return Unknown(name);
   std::shared_ptr<Region> region = it->second;
-  if (region->fd >= 0) {
-    // A client that shrank its object would make the server's next access fault (SIGBUS):
-    // refuse instead. (Shrinking it while a request runs still faults; see README.)
-    struct stat st;
-    if (fstat(region->fd, &st) != 0 ||
-        uint64_t(st.st_size) < region->info.offset + region->info.byte_size) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "shared-memory region \"", name, "\": its object (key \"", region->info.key,
-          "\") shrank below the region; unregister and register it again"));
-    }
-  }
+  // Refused before any access: a shrunk object would fault, a faulted mapping is no longer the
+  // client's memory.
+  if (absl::Status s = region->Intact(); !s.ok()) return s;
   ShmSpan span;
   span.data = region->data;
   span.bytes = size_t(region->info.byte_size);
@@ -376,6 +397,11 @@ absl::StatusOr<ShmSpan> ShmRegistry::LeaseWhole(absl::string_view name,
   region->leases.fetch_add(1);
   span.lease = std::shared_ptr<void>(region.get(), [region](void*) { region->leases.fetch_sub(1); });
   return span;
+}
+
+absl::Status ShmRegistry::CheckLease(const std::shared_ptr<void>& lease) {
+  if (lease == nullptr) return absl::OkStatus();
+  return static_cast<const Region*>(lease.get())->Intact();
 }
 
 absl::StatusOr<ShmSpan> ShmRegistry::SubSpan(const ShmSpan& whole, absl::string_view name,

@@ -14,6 +14,8 @@
 //     fails (FAILED_PRECONDITION, naming the count) and leaves it registered. Edges drop a
 //     request's leases before they answer, so a client that unregisters after its answer never
 //     sees this;
+//   - a region whose object the client cuts short while the server uses it does not crash the
+//     server (shm_fault_guard.h): the requests using it fail and the region is refused after;
 //   - a region belongs to the owner that registered it (the caller's bearer token when auth is
 //     on; "" otherwise): another owner can neither see, use nor unregister it.
 #pragma once
@@ -125,6 +127,12 @@ class ShmRegistry {
   /// INVALID_ARGUMENT naming the region when beyond it.
   static absl::StatusOr<ShmSpan> SubSpan(const ShmSpan& whole, absl::string_view name,
                                          uint64_t offset, uint64_t bytes);
+  /// OK unless the region of `lease` (a ShmSpan's) stopped being the client's memory while the
+  /// lease was held: its object shrank, or an access faulted (shm_fault_guard.h). Edges check the
+  /// leases of a call before answering it: what the call read there was not the client's data
+  /// and what it wrote there never reaches the client, so it must not be answered OK.
+  /// FAILED_PRECONDITION naming the region (which stays refused until registered again).
+  static absl::Status CheckLease(const std::shared_ptr<void>& lease);
 
   bool enabled() const { return limits_.allow; }
   int region_count() const;

@@ -38,6 +38,15 @@ void UpdateMetrics(AttentionRuntime& runtime) {
 
 }  // namespace
 
+absl::Status ReleaseShmLeases(absl::Status status, ShmLeases* leases) {
+  for (const std::shared_ptr<void>& lease : *leases) {
+    if (!status.ok()) break;
+    status = ShmRegistry::CheckLease(lease);
+  }
+  leases->clear();
+  return status;
+}
+
 bool ShmReferences::any() const {
   for (const ShmReference& r : inputs) {
     if (r.set()) return true;

@@ -48,6 +48,11 @@ using ShmLeases = std::vector<std::shared_ptr<void>>;
 absl::Status AttachShm(AttentionRuntime& runtime, const ShmReferences& refs,
                        absl::string_view owner, AttentionRuntime::Call* call, ShmLeases* leases);
 
+/// Gives a finished call's leases back (before its answer) and returns the status to answer:
+/// `status`, or, when it is OK but one of the call's regions stopped being the client's memory
+/// while the call used it (ShmRegistry::CheckLease: the object was cut short), that error.
+absl::Status ReleaseShmLeases(absl::Status status, ShmLeases* leases);
+
 /// The registry's calls, with flashserve_shm_regions / _region_bytes set afterwards. A runtime
 /// without a registry refuses them as disabled.
 absl::Status RegisterSystemShm(AttentionRuntime& runtime, absl::string_view name,

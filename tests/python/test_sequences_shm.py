@@ -6,6 +6,8 @@ outside the region) change nothing; DecodeStep counts against --max_inflight_byt
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import urllib.request
 from multiprocessing import shared_memory
@@ -242,3 +244,55 @@ def test_decode_steps_count_against_max_inflight_bytes(flashserve_bin, tmp_path,
             assert stub.DecodeStep(step(b), timeout=30).results[0].length == 8  # given back: accepted now
     finally:
         _stop_and_check(s)
+
+
+def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng):
+    """A client that ftruncates the region its DecodeStep reads k/v from, at a random moment: the server must not
+    die (SIGBUS), and no later answer may be wrong. A step whose region faulted fails (FAILED_PRECONDITION) and
+    releases the sequences it appended to (their new rows may be zeros, not the client's), so they answer NOT_FOUND
+    and are created again; a step refused before it read anything ("shrank") changes nothing."""
+    truth = Truth(rng, **SHAPE, dtype="float16")
+    outcomes = []
+    with flashserve.SequenceClient(shm_server.address, timeout=30, reprefill=False) as client:
+        seqs = truth.create(client, [1200] * 8)
+        stub = client.stub(client.endpoints[0])
+        for round_ in range(40):
+            region = Region(shm_server, f"cut{round_}", 1 << 20)
+            qs = [truth.query() for _ in seqs]
+            kvs = [truth.rows(1) for _ in seqs]
+            request, _ = _step_request(region, seqs, qs, kvs, [True] * len(seqs), False)
+            cutter = threading.Timer(rng.uniform(0, 0.003), os.ftruncate, (region.shm._fd, 0))
+            cutter.start()
+            try:
+                stub.DecodeStep(request, timeout=30)
+                outcomes.append("ok")
+                for seq, (k, v) in zip(seqs, kvs):
+                    truth.add(seq.key, 0, k, v)
+            except grpc.RpcError as e:
+                # Refused at the lease ("shrank": nothing read), or found after the call used the region
+                # (a fault, or a shrink seen at the end): its sequences released.
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, (e.code(), e.details())
+                assert "shrank" in e.details() or "faulted" in e.details(), e.details()
+                outcomes.append("released" if "were released" in e.details() else "refused")
+            cutter.join()
+            region.close()
+            for i, seq in enumerate(seqs):  # every sequence answers right, or is gone after a fault
+                q = truth.query()
+                try:
+                    truth.check(seq.attend(0, q), q, seq.key, 0)
+                except flashserve.NotFoundError:
+                    assert outcomes[-1] == "released", outcomes
+                    seqs[i] = truth.create(client, [300])[0]
+    assert server_alive(shm_server)
+    # Cuts must land before and during steps, or the test shows nothing.
+    assert "released" in outcomes and "refused" in outcomes, outcomes
+    assert faults_seen(shm_server.logs()), "no cut landed while a step read or wrote the region"
+
+
+def faults_seen(logs: str) -> bool:
+    return "an access to it faulted" in logs
+
+
+def server_alive(server) -> bool:
+    with urllib.request.urlopen(f"{server.http}/v2/health/live", timeout=10) as r:
+        return r.status == 200 and server.proc.poll() is None

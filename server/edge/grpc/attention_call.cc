@@ -142,8 +142,8 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.inject_device_fault =
         options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
     call.done = [this](const absl::Status& status) {
-      leases_.clear();  // the output is in its region: the client may unregister now
-      Answer(status);
+      // The output is in its region: the client may unregister now.
+      Answer(ReleaseShmLeases(status, &leases_));
     };
     runtime_->Submit(std::move(call), std::move(admission_));
   }

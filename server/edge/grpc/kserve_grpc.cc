@@ -160,7 +160,8 @@ class KServeGrpcService final : public KServeBase {
     call_state->call.Start(int64_t(raw_request->Length()));
     call_state->received = call_state->call.started();
     auto done = [this, reactor, raw_response, call_state](absl::Status status) {
-      call_state->leases.clear();  // the output is in its region: the client may unregister now
+      // The output is in its region: the client may unregister now.
+      status = ReleaseShmLeases(std::move(status), &call_state->leases);
       if (status.ok()) {
         kserve::AttentionToGrpcInfer(model_, call_state->id, call_state->outputs,
                                      &call_state->response, &call_state->infer_response);

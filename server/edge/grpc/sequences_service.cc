@@ -186,7 +186,8 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   absl::StatusOr<std::shared_ptr<DecodeCall>> built =
       refused.ok() ? build() : absl::StatusOr<std::shared_ptr<DecodeCall>>(refused);
   if (!built.ok()) {
-    hold->shm.ReleaseLeases();  // before the answer (`build` still holds `hold`)
+    // Before the answer (`build` still holds `hold`); nothing was appended yet.
+    hold->shm.ReleaseLeases().IgnoreError();
     hold.reset();               // and the bytes
     reactor->Finish(grpc_call->Finish(built.status()));
     return reactor;
@@ -195,7 +196,8 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   call->received = grpc_call->started();
   call->deadline = ToAbslTime(context->deadline());
   call->cancelled = [context] { return context->IsCancelled(); };
-  call->done = [reactor, context, grpc_call, admission, fill = std::move(fill),
+  kvcache::SequenceCache* cache = &sequences_->cache();
+  call->done = [reactor, context, grpc_call, admission, cache, fill = std::move(fill),
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
     absl::Status answered = status;
@@ -207,7 +209,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     AddMissing(context, answered);
     // O is in place: a client that unregisters after the answer finds no lease (`build` may
     // still hold `hold` when the call ran inline, so the leases go explicitly).
-    hold->shm.ReleaseLeases();
+    answered = FinishSequenceShm(std::move(answered), &hold->shm, cache);
     hold.reset();
     reactor->Finish(grpc_call->Finish(answered));
     // `admission` is released with this callback, or later with the answer's slices (DecodeStep).

@@ -268,8 +268,9 @@ class InferUpload : public HttpUpload {
       reply(s);
       return;
     }
-    call.done = [rest, exchange, reply = std::move(reply)](const absl::Status& s) {
-      exchange->leases.clear();  // the output is in its region: the client may unregister now
+    call.done = [rest, exchange, reply = std::move(reply)](const absl::Status& done) {
+      // The output is in its region: the client may unregister now.
+      const absl::Status s = ReleaseShmLeases(done, &exchange->leases);
       reply(s.ok() ? Answer(*rest, exchange) : HttpAnswer(s));
     };
     rest->runtime->Submit(std::move(call));

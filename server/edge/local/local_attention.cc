@@ -67,8 +67,8 @@ void ServeLocalAttention(const LocalServices& services, LocalCall local, LocalRe
   auto waiter = std::make_shared<CallWaiter>();
   absl::Status done_status;
   call.done = [waiter, &done_status, &leases](const absl::Status& status) {
-    leases.clear();  // the output is in its region: the client may unregister now
-    done_status = status;
+    // The output is in its region: the client may unregister now.
+    done_status = ReleaseShmLeases(status, &leases);
     waiter->Notify();
   };
   services.runtime->Submit(std::move(call), std::move(local.admission));

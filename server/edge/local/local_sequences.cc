@@ -78,7 +78,8 @@ absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t
                         std::shared_ptr<DecodeState> state, const BuildFn& build,
                         const std::function<void(const DecodeReport&)>& fill, LocalReply* reply) {
   absl::Status status = RunDecode(services, local, bytes, state.get(), build, fill);
-  state->hold.shm.ReleaseLeases();
+  status = FinishSequenceShm(std::move(status), &state->hold.shm,
+                             services.sequences == nullptr ? nullptr : &services.sequences->cache());
   state->admission = std::move(local.admission);
   reply->after_write = std::move(state);
   return status;

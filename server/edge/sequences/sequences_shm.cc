@@ -64,6 +64,27 @@ kvcache::BytesAt PlaceOf(const ShmSpan& span) {
 
 }  // namespace
 
+absl::Status SequenceShm::ReleaseLeases() {
+  absl::Status intact;
+  for (const auto& [region, span] : regions_leased) {
+    if (intact.ok()) intact = ShmRegistry::CheckLease(span.lease);
+  }
+  regions_leased.clear();
+  return intact;
+}
+
+absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
+                               kvcache::SequenceCache* cache) {
+  absl::Status intact = shm->ReleaseLeases();
+  if (intact.ok()) return status;
+  if (cache != nullptr && !shm->fed.empty()) {
+    cache->Release(shm->fed);
+    intact = absl::Status(intact.code(), absl::StrCat(intact.message(), "; the sequences this call "
+                                                      "appended rows to from it were released"));
+  }
+  return status.ok() ? intact : status;
+}
+
 absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* name,
                                           SequenceShm* shm) {
   if (!tensor.data().empty()) {

@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "flashserve/v1/sequences.pb.h"
 #include "kvcache/kv_types.h"
+#include "kvcache/sequence_cache.h"
 #include "memory/shm_regions.h"
 #include "runtime/shm_requests.h"
 
@@ -28,11 +29,22 @@ struct SequenceShm {
   // 5 x items times; leasing every span took a lookup and an fstat each). Each whole span holds
   // the call's only lease on its region.
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;
+  // With system_inputs: the sequences the call appends rows to (FinishSequenceShm).
+  std::vector<std::string> fed;
 
-  /// Gives every region back once the call's outputs are in place, before its answer: a client
-  /// that unregisters after reading it must find no lease.
-  void ReleaseLeases() { regions_leased.clear(); }
+  /// Gives every region back once the call's outputs are in place, before its answer (a client
+  /// that unregisters after reading it must find no lease). OK unless one of them stopped being
+  /// the client's memory while the call used it (ShmRegistry::CheckLease).
+  absl::Status ReleaseLeases();
 };
+
+/// Gives a finished call's regions back (before its answer) and returns the status to answer:
+/// `status`, or the error of a region that stopped being the client's memory while the call used
+/// it. Then the sequences the call fed from system regions are released (`cache`): their new
+/// rows may be zeros instead of the client's, so the client's next call finds them gone
+/// (NOT_FOUND) and re-creates them, as after an eviction.
+absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
+                               kvcache::SequenceCache* cache);
 
 class SequenceRuntime;
 /// Readies `shm` for one call on a server with these regions (null: shared memory off) and this
