@@ -100,9 +100,10 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
       region->data = static_cast<char*>(p) + (offset - start);
       region->guard = ShmFaultGuard::Watch(p, region->mapping_bytes);
       if (region->guard < 0) {
-        status = absl::ResourceExhaustedError(absl::StrCat(
-            "already ", ShmFaultGuard::kMaxWatched, " system regions mapped (the most this "
-            "server watches for faults); unregister some first"));
+        status = absl::ResourceExhaustedError(
+            absl::StrCat("already ", ShmFaultGuard::kMaxWatched,
+                         " system regions mapped (the most this "
+                         "server watches for faults); unregister some first"));
       }
     }
   }
@@ -123,8 +124,8 @@ absl::Status ShmRegistry::Region::Intact() const {
   struct stat st;
   if (ShmFaultGuard::Faulted(guard)) {
     what = "an access to it faulted (its object was cut short, or /dev/shm could not back it)";
-  } else if (fd >= 0 && (fstat(fd, &st) != 0 ||
-                         uint64_t(st.st_size) < info.offset + info.byte_size)) {
+  } else if (fd >= 0 &&
+             (fstat(fd, &st) != 0 || uint64_t(st.st_size) < info.offset + info.byte_size)) {
     what = "its object shrank below the region";
   }
   if (what == nullptr) return absl::OkStatus();

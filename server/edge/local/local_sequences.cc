@@ -78,8 +78,9 @@ absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t
                         std::shared_ptr<DecodeState> state, const BuildFn& build,
                         const std::function<void(const DecodeReport&)>& fill, LocalReply* reply) {
   absl::Status status = RunDecode(services, local, bytes, state.get(), build, fill);
-  status = FinishSequenceShm(std::move(status), &state->hold.shm,
-                             services.sequences == nullptr ? nullptr : &services.sequences->cache());
+  status =
+      FinishSequenceShm(std::move(status), &state->hold.shm,
+                        services.sequences == nullptr ? nullptr : &services.sequences->cache());
   state->admission = std::move(local.admission);
   reply->after_write = std::move(state);
   return status;

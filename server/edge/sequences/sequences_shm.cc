@@ -79,7 +79,8 @@ absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
   if (intact.ok()) return status;
   if (cache != nullptr && !shm->fed.empty()) {
     cache->Release(shm->fed);
-    intact = absl::Status(intact.code(), absl::StrCat(intact.message(), "; the sequences this call "
+    intact = absl::Status(intact.code(), absl::StrCat(intact.message(),
+                                                      "; the sequences this call "
                                                       "appended rows to from it were released"));
   }
   return status.ok() ? intact : status;

@@ -64,7 +64,7 @@ TEST(ShmFaultGuard, AnObjectCutShortUnderALeaseFailsTheLeaseInsteadOfKillingTheS
   EXPECT_TRUE(ShmRegistry::CheckLease(span->lease).ok());
 
   object.Resize(kPage);  // the client cuts it short while a request holds the region
-  EXPECT_EQ(ReadByte(span->data + 5), 'a');           // still the client's page
+  EXPECT_EQ(ReadByte(span->data + 5), 'a');            // still the client's page
   EXPECT_EQ(ReadByte(span->data + 3 * kPage + 1), 0);  // past the end: SIGBUS without the guard
   span->data[2 * kPage + 7] = 'b';                     // and a write past the end
   EXPECT_EQ(ReadByte(span->data + 2 * kPage + 7), 'b');
@@ -76,8 +76,7 @@ TEST(ShmFaultGuard, AnObjectCutShortUnderALeaseFailsTheLeaseInsteadOfKillingTheS
   // Refused from now on, even once the object is long enough again: the mapping is not the
   // client's memory any more.
   object.Resize(4 * kPage);
-  EXPECT_EQ(registry.Lease("r", 0, 16, "").status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(registry.Lease("r", 0, 16, "").status().code(), absl::StatusCode::kFailedPrecondition);
   span = absl::UnknownError("lease given back");
   ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
   // Registered again it is shared with the client as before.
@@ -117,8 +116,8 @@ TEST(ShmFaultGuard, ThreadsCopyingFromARegionCutShortAllFinish) {
       std::vector<char> into(64 * kPage);
       while (!go.load()) std::this_thread::yield();
       for (int round = 0; round < 50; ++round) {
-        std::memcpy(into.data(), span->data, into.size());     // reads
-        std::memset(span->data + t * kPage, t + 1, kPage);     // and writes
+        std::memcpy(into.data(), span->data, into.size());  // reads
+        std::memset(span->data + t * kPage, t + 1, kPage);  // and writes
       }
     });
   }
