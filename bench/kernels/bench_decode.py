@@ -52,6 +52,12 @@ class Ours:
         self.lib.flashserve_decode_last_copy.restype = ctypes.c_int
         self.lib.flashserve_decode_set_tma_wide.argtypes = [ctypes.c_int]
         self.lib.flashserve_decode_set_tma_wide.restype = None
+        self.lib.flashserve_decode_set_wide_tiles.argtypes = [ctypes.c_int]
+        self.lib.flashserve_decode_set_wide_tiles.restype = None
+        self.lib.flashserve_decode_last_block_n.argtypes = []
+        self.lib.flashserve_decode_last_block_n.restype = ctypes.c_int
+        self.lib.flashserve_decode_last_stages.argtypes = []
+        self.lib.flashserve_decode_last_stages.restype = ctypes.c_int
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -79,6 +85,14 @@ class Ours:
 
     def set_deep_issue(self, mode):
         self.lib.flashserve_decode_set_deep_issue(mode)
+
+    def set_wide_tiles(self, mode):
+        """128-key tiles of the d64 16-row kernel: 0 never, 1 always, 2 / 3 always with that many stages, -1 default
+        (dense, pages >= 64; stages by the split plan)."""
+        self.lib.flashserve_decode_set_wide_tiles(mode)
+
+    def last_block_n(self):
+        return self.lib.flashserve_decode_last_block_n()
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -275,19 +289,23 @@ COPY_NAMES = {0: "cp.async", 2: "TMA"}
 
 
 def parse_variant(text):
-    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2o1', ...: K/V copy, then optional deep issue (d), L2
-    hint bytes (l), TMA boxes over all 64-column slices (w) and, o1, the split count that gives
-    one block per SM (16-row kernels only; elsewhere the heuristic's)."""
+    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2t1', 'c2o1', ...: K/V copy, then optional deep issue (d),
+    L2 hint bytes (l), TMA boxes over all 64-column slices (w), key tiles of the d64 16-row kernel
+    (t: 0 64 keys, 1 128 keys, 2 / 3 128 keys with 2 / 3 stages; absent: the default, 128 on dense K/V and pages
+    >= 64) and, o1, the
+    split count that gives one block per SM (16-row kernels only; elsewhere the heuristic's)."""
     import re
-    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:o(\d))?", text)
+    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?", text)
     if not m:
-        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2o1)")
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2t1, c2o1)")
     copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
-    one_per_sm = m[5] == "1"
+    tiles = int(m[5] or -1)
+    one_per_sm = m[6] == "1"
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
         (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "") + \
-        (" 1 block/SM" if one_per_sm else "")
-    return dict(copy=copy, deep=deep, l2=hint, wide=wide, one_per_sm=one_per_sm, name=name)
+        (f" tiles{tiles}" if tiles >= 0 else "") + (" 1 block/SM" if one_per_sm else "")
+    return dict(copy=copy, deep=deep, l2=hint, wide=wide, tiles=tiles, one_per_sm=one_per_sm,
+                name=name)
 
 
 def variant_splits(variant, b, sq, hq, hkv, sms):
@@ -302,7 +320,8 @@ def ab(ours, dtype, l2, sms, args, peak):
     """Side by side (default split count and PDL): torch FLASH and CUDNN on the dense tensors, and
     ours in each variant of --ab-variants (K/V copy, deep issue, L2 hint) on paged 64, paged 16
     (Sq 1) and dense K/V, interleaved over --rounds rounds (median of each round's median), so
-    that drift hits all columns alike. A cell names the copy that really ran when it fell back."""
+    that drift hits all columns alike. A cell names the copy that really ran when it fell back, and
+    the tile width when a t variant's could not apply (t1 compiles only for d64 with <= 16 rows)."""
     variants = [parse_variant(x) for x in args.ab_variants.split(",")]
     copies = list(range(len(variants)))
     print("| model | B | Sq | Sk | layout | splits | flash ms | cudnn ms | "
@@ -323,12 +342,18 @@ def ab(ours, dtype, l2, sms, args, peak):
             size, mode = page_key(key)
             return f"paged {size}" + {"": "", "o": " in order", "g": " 2MiB runs shuffled",
                                       "w": " shuffled within 2MiB"}[mode]
-        # The heuristic's split count depends on the layout (page size), the workspace on it.
+        # The heuristic's split count depends on the layout (page size) and the tile width (the
+        # variants' t), the workspace on it: sized for the most any variant's heuristic picks.
         splits = {page_name(key): ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, page_key(key)[0])
                   for key in pages}
         splits["dense"] = ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)
-        ws = ours.workspace(dtype, b * sq, hq, d, max(
-            list(splits.values()) + [variant_splits(v, b, sq, hq, hkv, sms) for v in variants]))
+        most = max(list(splits.values()) + [variant_splits(v, b, sq, hq, hkv, sms) for v in variants])
+        for v in variants:
+            ours.set_wide_tiles(v["tiles"])
+            most = max([most, ours.splits(dtype, b, sq, sk, hq, hkv, d, sms)] +
+                       [ours.splits(dtype, b, sq, sk, hq, hkv, d, sms, page_key(key)[0]) for key in pages])
+        ours.set_wide_tiles(-1)
+        ws = ours.workspace(dtype, b * sq, hq, d, most)
         chosen = {"splits": 0}  # the variant's split count (0: the heuristic's)
         with sdpa_kernel([SDPBackend.MATH]):
             ref = sdpa(SDPBackend.MATH, hq != hkv)(sets[0]).float()
@@ -339,7 +364,7 @@ def ab(ours, dtype, l2, sms, args, peak):
         layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws,
                                                 splits=chosen["splits"])))
         times = {k: [] for k in ["flash", "cudnn"] + [(l, c) for l, _ in layouts for c in copies]}
-        ran, diff = {}, {l: 0.0 for l, _ in layouts}
+        ran, ran_keys, diff = {}, {}, {l: 0.0 for l, _ in layouts}
         for _ in range(args.rounds):
             for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 times[tname].append(time_fn(sdpa(backend, hq != hkv), sets, args.warmup, args.reps))
@@ -349,17 +374,20 @@ def ab(ours, dtype, l2, sms, args, peak):
                     ours.set_deep_issue(variants[c]["deep"])
                     ours.set_l2_prefetch(variants[c]["l2"])
                     ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
+                    ours.set_wide_tiles(variants[c]["tiles"])
                     chosen["splits"] = variant_splits(variants[c], b, sq, hq, hkv, sms)
                     sets[0]["o"].fill_(float("nan"))
                     fn(sets[0])
                     torch.cuda.synchronize()
                     ran[(lname, c)] = ours.last_copy()
+                    ran_keys[(lname, c)] = (ours.last_block_n(), ours.lib.flashserve_decode_last_stages())
                     diff[lname] = max(diff[lname], (sets[0]["o"].float() - ref).abs().max().item())
                     times[(lname, c)].append(time_fn(fn, sets, args.warmup, args.reps))
         ours.set_copy(-1)
         ours.set_deep_issue(-1)
         ours.set_l2_prefetch(-1)
         ours.lib.flashserve_decode_set_tma_wide(-1)
+        ours.set_wide_tiles(-1)
         med = {k: statistics.median(v) for k, v in times.items()}
         for lname, _ in layouts:
             cells = []
@@ -368,6 +396,11 @@ def ab(ours, dtype, l2, sms, args, peak):
                 tbs = kv_bytes / t / 1e12
                 want = variants[c]["copy"]
                 note = "" if ran[(lname, c)] == want else f" [ran {COPY_NAMES.get(ran[(lname, c)])}]"
+                keys, stages = ran_keys[(lname, c)]
+                if variants[c]["tiles"] >= 0 and (keys == 128) != (variants[c]["tiles"] >= 1):
+                    note += f" [ran {keys}-key tiles]"
+                if keys == 128 and variants[c]["tiles"] in (-1, 1):
+                    note += f" [{stages} stages]"
                 fixed = variant_splits(variants[c], b, sq, hq, hkv, sms)
                 note += f" [{fixed} splits]" if fixed else ""
                 cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
@@ -418,7 +451,8 @@ def main():
     ap.add_argument("--ab", action="store_true",
                     help="only the side-by-side table: the copies of --ab-copies vs torch")
     ap.add_argument("--ab-variants", default="c0,c2",
-                    help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]")
+                    help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]"
+                    "[w<TMA boxes over all slices 0|1>][t<d64 16-row key tiles: 0 64, 1 128, 2|3 128 with 2|3 stages>][o1]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
     ap.add_argument("--ab-pages", help="--ab: the page pools, e.g. 64,64o,64g,64w (bench_decode.page_key)")

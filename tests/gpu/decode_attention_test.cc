@@ -1,13 +1,16 @@
 // Correctness of the split-KV decode kernels (kernels/cuda/decode) against fp64 and
 // dtype-emulating CPU references, on fresh random inputs: dense, dense varlen and paged K/V
 // (odd page sizes, shuffled pages, sequences ending mid-page, empty sequences, huge block
-// tables), Sq 1..16 with causal, GQA groups 1..16, forced and heuristic split counts.
+// tables), Sq 1..16 with causal, GQA groups 1..16, forced and heuristic split counts; at d64 both
+// key tile widths of the 16-row kernel (64 keys, and 128 on 2 stages: DecodeAttentionWide).
 // Unused page-pool rows and unused block-table entries are poisoned (NaN rows, out-of-range page
 // ids), so reading past a sequence shows up as NaN output or a sanitizer error; outputs are
 // NaN-poisoned before every run. Tolerance: the kernel's error against fp64 may be at most twice
 // that of the worse of two same-precision emulations (P rounded against the final row max, and
 // against a running max over 16-key blocks, as one warp of the kernel does), as in
 // cuda_attention_test.cc.
+#include "flashserve/kernels/decode_attention.h"
+
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -17,10 +20,10 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "flashserve/kernels/attention_params.h"
-#include "flashserve/kernels/decode_attention.h"
 #include "flashserve/kernels/reference_attention.h"
 #include "flashserve/kernels/tuner.h"
 #include "gpu_test_support.h"
@@ -32,6 +35,9 @@ int& pdl_override();
 int& deep_issue_override();
 int& last_copy();
 int& tma_wide_override();
+int& wide_tiles_override();
+int& last_block_n();
+int& last_stages();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -233,10 +239,36 @@ bool uses_varlen_lse(const DecodeCase& c) {
   return c.layout == Layout::kDenseVarlen || c.varlen_q;
 }
 
+// Keys per tile and stages of the kernel run_decode must pick for c (parameters p, `splits`
+// splits, 0: the heuristic's) with the knobs as set, restated from select_kernel / wide_stages
+// (decode_dispatch.cu): 32 above 32 packed rows (group x Sq), else 64, except 128 for d64 with
+// <= 16 rows (wide_tiles_override 1, 2, 3: always; -1: unless the key axis is split and the pages
+// are < 64 keys; 0: never). Stages of the 128-key kernel: the knob's 2 or 3, else 3 unsplit, 2
+// for splits of >= 4096 keys, else 3.
+struct ExpectedTiles {
+  int block_n = 64;
+  int stages = 0;  // 128-key kernels only
+};
+ExpectedTiles expected_tiles(const DecodeCase& c, const fk::DecodeParams& p, int splits) {
+  int max_sq = 0;
+  for (int sq : c.sq) max_sq = std::max(max_sq, sq);
+  const int rows = (c.heads_q / c.heads_kv) * std::max(max_sq, 1);
+  if (rows > 32) return {32, 0};
+  const int knob = fk::decode::wide_tiles_override();
+  if (c.head_dim != 64 || rows > 16 || knob == 0) return {64, 0};
+  if (knob == 2 || knob == 3) return {128, knob};
+  int sms = 0;
+  EXPECT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int used = splits > 0 ? splits : fk::decode_num_splits(p, sms);
+  if (used == 1) return {128, 3};
+  if (knob < 0 && c.layout == Layout::kPaged && c.page_size < 64) return {64, 0};
+  return {128, p.seqlen_k / used >= 4096 ? 2 : 3};
+}
+
 // Whether the TMA copy (knob 2, the default) must really run for c, restated from its documented limits
 // (decode_tensor_map.h): sm_90+, head_dim a multiple of 64, no packed varlen K/V, power-of-two
 // pages >= 8 with at most 32 boxes per key tile. Otherwise it falls back to cp.async.
-bool expects_tma(const DecodeCase& c) {
+bool expects_tma(const DecodeCase& c, int block_n) {
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -245,9 +277,6 @@ bool expects_tma(const DecodeCase& c) {
   if (c.layout == Layout::kDense) return true;
   const int ps = c.page_size;
   if (ps < 8 || (ps & (ps - 1)) != 0) return false;
-  int max_rows = 0;
-  for (size_t b = 0; b < c.sq.size(); ++b) max_rows = std::max(max_rows, c.sq[b]);
-  const int block_n = (c.heads_q / c.heads_kv) * max_rows > 32 ? 32 : 64;
   return 2 * (c.head_dim / 64) * (block_n / std::min(ps, block_n)) <= 32;
 }
 
@@ -289,8 +318,16 @@ void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
   ASSERT_EQ(dev.lse.poison(), cudaSuccess);
   ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const ExpectedTiles want = expected_tiles(c, p, splits);
   if (variant % 2 == 1 && hp.total_q > 0) {
-    ASSERT_EQ(fk::decode::last_copy(), expects_tma(c) ? 2 : 0) << "TMA path taken or not";
+    ASSERT_EQ(fk::decode::last_copy(), expects_tma(c, want.block_n) ? 2 : 0)
+        << "TMA path taken or not";
+  }
+  if (hp.total_q > 0) {
+    ASSERT_EQ(fk::decode::last_block_n(), want.block_n) << "keys per tile";
+    if (want.block_n == 128) {
+      ASSERT_EQ(fk::decode::last_stages(), want.stages) << "stages";
+    }
   }
   std::vector<uint16_t> out(dev.out_elems);
   std::vector<float> lse(dev.lse_elems);
@@ -386,6 +423,65 @@ INSTANTIATE_TEST_SUITE_P(Grid, DecodeAttention, ::testing::ValuesIn(all_cases())
                            return case_name(param_info.param) + "_" + std::to_string(param_info.index);
                          });
 
+// d64 with both key tile widths of the 16-row kernel: every case runs with wide_tiles_override 0
+// (64-key tiles, 4 stages), 2 and 3 (128-key tiles with 2 / 3 stages, wherever compiled: also on
+// pages smaller than a tile, which then cross pages -- no tile_in_page, a page per row or TMA box)
+// and -1 (the default choice).
+// Pages of 8 to 256 keys (power of two or not), dense and dense varlen K/V; sequences of 0, 1 and
+// 4099 keys ending mid-tile, mid-page and on tile and page edges; Sq 1..16 with causal; GQA
+// groups 1..16; more than 16 rows, where the knob changes nothing.
+std::vector<DecodeCase> wide_cases() {
+  std::vector<DecodeCase> cs;
+  const auto dense = Layout::kDense, varlen = Layout::kDenseVarlen, paged = Layout::kPaged;
+  const DType fp16 = DType::kFloat16;  // the rest bf16
+  const std::vector<int> ends = {1, 63, 64, 65, 127, 128, 129, 1000, 4099};
+  const std::vector<int> one(ends.size(), 1), two(6, 2);
+  cs.push_back({"san", paged, one, ends, 8, 8, 64, false, 64, false, 2});
+  cs.push_back({"san", paged, one, ends, 8, 2, 64, true, 16, false, 1, 1.f, fp16});
+  const std::vector<int> ends2 = {0, 127, 128, 129, 1000, 4099};  // Sq 2 > Sk 0: unseen rows
+  cs.push_back({"wide", paged, two, ends2, 16, 2, 64, true, 128, false, 0, 1.f, fp16});
+  cs.push_back({"san", paged, {1, 1, 1, 1, 1}, {1, 8, 9, 129, 777}, 4, 4, 64, false, 8, false, 3});
+  cs.push_back({"wide", paged, {4, 1, 3, 0}, {4, 31, 33, 2000}, 8, 2, 64, true, 32, true, 1});
+  cs.push_back({"wide", paged, {1, 1, 1, 1, 1}, {1, 99, 100, 101, 4099}, 8, 2, 64, false, 100});
+  cs.push_back({"wide", paged, {16, 16, 16}, {16, 200, 1500}, 4, 4, 64, true, 33, false, 0, 1.f});
+  cs.push_back({"wide", paged, {8, 8, 8, 8, 8}, {0, 255, 256, 257, 5000}, 4, 2, 64, true, 256});
+  cs.push_back({"wide", paged, {1, 1}, {20000, 3}, 4, 4, 64, false, 64, false, 0, 1.f, fp16});
+  cs.push_back({"wide", paged, {1, 4}, {3000, 1025}, 8, 2, 64, true, 64, true, 0, 8.f});
+  cs.push_back({"wide", dense, {16, 16}, {4099, 4099}, 16, 16, 64, true, 0});
+  cs.push_back({"wide", dense, {1, 1, 1}, {1, 1, 1}, 32, 2, 64, false, 0, false, 0, 1.f, fp16});
+  cs.push_back({"wide", dense, {5}, {127}, 4, 2, 64, true, 0});
+  cs.push_back({"wide", dense, {1}, {129}, 16, 1, 64, false, 0, false, 0, 8.f, fp16});
+  cs.push_back({"wide", varlen, {1, 4, 0, 2}, {1, 127, 129, 1000}, 8, 2, 64, true, 0});
+  // More than 16 rows: 32 (64-key tiles) and 64 (32-key tiles) whatever the knob.
+  cs.push_back({"rows", paged, {8, 8}, {100, 1000}, 16, 4, 64, true, 64});
+  cs.push_back({"rows", dense, {8}, {1000}, 16, 2, 64, true, 0, false, 0, 1.f, fp16});
+  return cs;
+}
+
+class DecodeAttentionWide : public ::testing::TestWithParam<std::tuple<DecodeCase, int>> {};
+
+// Puts the tile width knob back to its default when a case ends, however it ends.
+struct DefaultTilesAfter {
+  ~DefaultTilesAfter() { fk::decode::wide_tiles_override() = -1; }
+};
+
+TEST_P(DecodeAttentionWide, MatchesReference) {
+  SKIP_WITHOUT_GPU();
+  const DefaultTilesAfter restore;
+  fk::decode::wide_tiles_override() = std::get<1>(GetParam());
+  check_case(std::get<0>(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Grid, DecodeAttentionWide,
+    ::testing::Combine(::testing::ValuesIn(wide_cases()), ::testing::Values(0, 2, 3, -1)),
+    [](const ::testing::TestParamInfo<std::tuple<DecodeCase, int>>& param_info) {
+      const int knob = std::get<1>(param_info.param);
+      return case_name(std::get<0>(param_info.param)) + "_tiles" +
+             (knob < 0 ? std::string("default") : std::to_string(knob)) + "_" +
+             std::to_string(param_info.index);
+    });
+
 // An empty sequence alone, one split: O = 0 and LSE = -inf straight from the split kernel.
 TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
   SKIP_WITHOUT_GPU();
@@ -463,6 +559,19 @@ TEST(DecodeAttentionApi, SplitCandidates) {
   EXPECT_GE(c.size(), 3u);  // 1, and the 1- and 2-wave counts (17 or 33, 33 or 66 here)
   p.seqlen_k = 100;  // two key tiles: at most two splits
   for (int s : fk::decode_split_candidates(p, 132)) EXPECT_LE(s, 2);
+}
+
+// The tile width sets how many splits a sequence can take (at least two key tiles each): 256 keys
+// are two 128-key tiles of the d64 16-row kernel (dense: the default), four of 64 keys.
+TEST(DecodeAttentionApi, TileWidthSetsTheSplitLimit) {
+  const DefaultTilesAfter restore;
+  const fk::DecodeParams p =
+      fk::make_dense_decode_params(DType::kFloat16, 1, 1, 256, 32, 32, 64, false, 0.1f);
+  EXPECT_EQ(fk::decode_num_splits(p, 132), 1);
+  for (int s : fk::decode_split_candidates(p, 132)) EXPECT_LE(s, 2);
+  fk::decode::wide_tiles_override() = 0;
+  EXPECT_EQ(fk::decode_num_splits(p, 132), 2);
+  for (int s : fk::decode_split_candidates(p, 132)) EXPECT_LE(s, 4);
 }
 
 // The split-count autotuner: every candidate ran, matched the heuristic's output and was timed;

@@ -13,6 +13,9 @@ int& pdl_override();
 int& deep_issue_override();
 int& last_copy();
 int& tma_wide_override();
+int& wide_tiles_override();
+int& last_block_n();
+int& last_stages();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -128,9 +131,28 @@ __attribute__((visibility("default"))) void flashserve_decode_set_tma_wide(int m
   flashserve::kernels::cuda::decode::tma_wide_override() = mode;
 }
 
+/// Benchmarking knob: 128-key tiles for the head_dim 64 problems of <= 16 packed rows (query heads
+/// per KV head x Sq): 0 never (64-key tiles), 1 always (also on pages < 64 keys), 2 / 3 always
+/// with that many pipeline stages, -1 the default (dense K/V and pages >= 64 keys; 1 and -1 take
+/// 2 stages for long key splits, else 3). Other head dims and row counts: 64-key tiles (32 above
+/// 32 rows) whatever the mode. Not thread-safe.
+__attribute__((visibility("default"))) void flashserve_decode_set_wide_tiles(int mode) {
+  flashserve::kernels::cuda::decode::wide_tiles_override() = mode;
+}
+
 /// The K/V copy the last decode launch used: 0 cp.async, 2 TMA, -1 none yet.
 __attribute__((visibility("default"))) int flashserve_decode_last_copy() {
   return flashserve::kernels::cuda::decode::last_copy();
+}
+
+/// Keys per tile of the kernel the last decode launch used (32, 64 or 128; 0 none yet).
+__attribute__((visibility("default"))) int flashserve_decode_last_block_n() {
+  return flashserve::kernels::cuda::decode::last_block_n();
+}
+
+/// Pipeline stages of the kernel the last decode launch used (0 none yet).
+__attribute__((visibility("default"))) int flashserve_decode_last_stages() {
+  return flashserve::kernels::cuda::decode::last_stages();
 }
 
 /// Benchmarking knob: programmatic dependent launch of the decode kernels (sm_90 and later;

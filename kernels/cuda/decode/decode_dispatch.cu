@@ -16,6 +16,7 @@ FLASHSERVE_DECODE_INSTANCES(extern, 64)
 FLASHSERVE_DECODE_INSTANCES(extern, 96)
 FLASHSERVE_DECODE_INSTANCES(extern, 128)
 FLASHSERVE_DECODE_INSTANCES(extern, 256)
+FLASHSERVE_DECODE_WIDE_INSTANCES(extern)
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels::cuda {
@@ -36,8 +37,20 @@ int& tma_wide_override() {
   static int value = -1;
   return value;
 }
+int& wide_tiles_override() {
+  static int value = -1;
+  return value;
+}
 int& last_copy() {
   static int value = -1;
+  return value;
+}
+int& last_block_n() {
+  static int value = 0;
+  return value;
+}
+int& last_stages() {
+  static int value = 0;
   return value;
 }
 int& deep_issue_override() {
@@ -54,8 +67,13 @@ using decode::DecodeLaunch;
 constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
 constexpr int kMaxSplits = 128;
 constexpr int kMaxGridYZ = 65535;
-constexpr int kBlockN = 64;          // keys per tile of the 16/32-row kernels (64-row: 32)
+// Keys per tile are the selected kernel's (DecodeKernel::block_n): 64 for the 16/32-row kernels,
+// 32 for the 64-row ones, 128 for the d64 16-row kernel on dense K/V and pages >= kWidePage.
 constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue and partials
+// The d64 16-row kernel on 128-key tiles (2 or 3 stages): where and why, wide_stages below.
+constexpr int kWideBlockN = 128;
+constexpr int kWidePage = 64;         // smallest page it reads when the key axis is split
+constexpr int kLongSplitKeys = 4096;  // splits this long take 2 stages
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
@@ -82,11 +100,19 @@ DecodeKernel kernel_for(int head_dim, int rows) {
   }
 }
 
-/// The split kernel for p: packed rows per (sequence, KV head) choose 16, 32 or 64-row blocks.
-DecodeKernel select_kernel(const DecodeParams& p) {
-  const int rows = (p.heads_q / p.heads_kv) * std::max(p.seqlen_q, 1);
-  return p.dtype == DType::kBFloat16 ? kernel_for<__nv_bfloat16>(p.head_dim, rows)
-                                     : kernel_for<__half>(p.head_dim, rows);
+/// The d64 16-row kernel on 128-key tiles with `stages` (2 or 3) pipeline stages.
+template <typename Element>
+DecodeKernel wide_kernel(int stages) {
+  return stages == 2 ? decode::decode_kernel<Element, 64, 1, kWideBlockN, 2>()
+                     : decode::decode_kernel<Element, 64, 1, kWideBlockN, 3>();
+}
+
+/// The split kernel for p on sm_count SMs (defined below, after the split plan it uses).
+DecodeKernel select_kernel(const DecodeParams& p, int sm_count);
+
+/// Key tiles of the longest sequence (p.seqlen_k, at least one key) for k's tile width.
+int key_tiles(const DecodeParams& p, const DecodeKernel& k) {
+  return (std::max(p.seqlen_k, 1) + k.block_n - 1) / k.block_n;
 }
 
 int row_blocks(const DecodeParams& p, const DecodeKernel& k) {
@@ -150,9 +176,8 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 /// Fills L's TMA fields for p; false (cp.async then) when the TMA path cannot load p. A kernel
 /// built without sm_90 code ignores them (decode_kernel.h selects the pipe per architecture).
 bool setup_tma(const DecodeParams& p, const DecodeKernel& k, DecodeLaunch* L) {
-  const int block_n = k.block_m == 64 ? 32 : kBlockN;  // DecodeTraits::kBlockN
-  L->tma_rows = decode::tma_box_rows(p, block_n);
-  L->tma_wide = decode::tma_wide_override() == 1 && L->tma_rows == block_n;
+  L->tma_rows = decode::tma_box_rows(p, k.block_n);
+  L->tma_wide = decode::tma_wide_override() == 1 && L->tma_rows == k.block_n;
   return L->tma_rows > 0 &&
          decode::make_kv_tensor_map(p, false, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_k) &&
          decode::make_kv_tensor_map(p, true, L->tma_rows, L->tma_wide, L->l2_prefetch, &L->tma_v);
@@ -201,7 +226,7 @@ std::string decode_supported(const DecodeParams& p) {
                         check_strides("v", p.v_batch_stride, p.v_row_stride, p.v_head_stride),
                         check_strides("o", p.o_batch_stride, p.o_row_stride, p.o_head_stride)})
     if (!s.empty()) return s;
-  const DecodeKernel k = select_kernel(p);
+  const DecodeKernel k = select_kernel(p, 1);  // no tile width changes the row blocks
   if (int64_t{p.heads_kv} * row_blocks(p, k) > kMaxGridYZ)
     return "heads_kv * row blocks exceeds the grid limit (65535)";
   return "";
@@ -218,19 +243,16 @@ namespace {
 /// H100 but -20% on the H200, whose bandwidth needs more bytes in flight per SM; not pages of 16
 /// (four boxes per operand and tile: -9% at d64 on the H100); d256 not measured.
 int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
-  const bool whole_tile_boxes = decode::tma_box_rows(p, kBlockN) == kBlockN;
+  const bool whole_tile_boxes = decode::tma_box_rows(p, k.block_n) == k.block_n;
   if (k.block_m == 16 && p.head_dim == 128 && whole_tile_boxes && decode::copy_override() != 0 &&
       device_major() >= 9)
     return 1;
   return std::clamp(k.blocks_per_sm(), 1, 2);
 }
-}  // namespace
 
-int decode_num_splits(const DecodeParams& p, int sm_count) {
-  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return 1;
-  const DecodeKernel k = select_kernel(p);
-  if (k.launch == nullptr) return 1;
-  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
+/// decode_num_splits for kernel k.
+int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
+  const int tiles = key_tiles(p, k);
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
   const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
   const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
@@ -249,12 +271,53 @@ int decode_num_splits(const DecodeParams& p, int sm_count) {
   return 1;
 }
 
+/// 0: p runs on 64-key tiles; 2 or 3: on the d64 16-row kernel with 128-key tiles and that many
+/// stages. Unsplit (one block per sequence and KV head): 128 keys and 3 stages, whatever the
+/// pages (two blocks per SM, as the split plan assumes; the 64-key kernel fits three, and its
+/// waves then end ragged). Split: pages < kWidePage keep 64-key tiles; otherwise 128 keys, with
+/// 2 stages when each split is long (>= kLongSplitKeys), else 3. H200, session 23 (K1, K2, K4;
+/// 3-5 interleaved rounds, % of 4.8 TB/s, ratios to the 64-key kernel):
+///  - unsplit batches of 512 blocks (B16 MHA, B64 GQA 32:8, Sk 1k-64k): 77-81% -> 93-95% dense
+///    and pages of 64, 73-76% -> 87-94% on pages of 16 (2 stages: 83-89%); B64 Sk4k-16k MHA
+///    0.99-1.00x; B256 Sk1k pages of 16 0.99x;
+///  - split: B1 Sk128k 1.006-1.026x with 2 stages (3: 0.99-1.01x); B4 Sk16k-64k 1.02-1.03x
+///    (3: 1.01x); pages of 16 0.95-0.96x with either (so 64 keys there).
+/// wide_tiles_override: 0 never, 1 this choice of stages wherever compiled (split small pages
+/// too), 2 / 3 that depth wherever compiled.
+int wide_stages(const DecodeParams& p, int rows, int sm_count) {
+  if (p.head_dim != 64 || rows > 16) return 0;
+  const int mode = decode::wide_tiles_override();
+  if (mode == 0 || mode == 2 || mode == 3) return mode;
+  // Both depths plan the same splits (same tiles; both fit >= 2 blocks per SM).
+  const int splits =
+      p.num_splits > 0 ? p.num_splits : plan_splits(p, wide_kernel<__half>(3), sm_count);
+  if (splits == 1) return 3;
+  if (mode < 0 && p.block_table != nullptr && p.page_size < kWidePage) return 0;
+  return p.seqlen_k / splits >= kLongSplitKeys ? 2 : 3;
+}
+
+DecodeKernel select_kernel(const DecodeParams& p, int sm_count) {
+  const int rows = (p.heads_q / p.heads_kv) * std::max(p.seqlen_q, 1);
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (const int stages = wide_stages(p, rows, sm_count); stages > 0)
+    return bf16 ? wide_kernel<__nv_bfloat16>(stages) : wide_kernel<__half>(stages);
+  return bf16 ? kernel_for<__nv_bfloat16>(p.head_dim, rows) : kernel_for<__half>(p.head_dim, rows);
+}
+}  // namespace
+
+int decode_num_splits(const DecodeParams& p, int sm_count) {
+  if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return 1;
+  const DecodeKernel k = select_kernel(p, sm_count);
+  if (k.launch == nullptr) return 1;
+  return plan_splits(p, k, sm_count);
+}
+
 std::vector<int> decode_split_candidates(const DecodeParams& p, int sm_count) {
   std::vector<int> out{1};
   if (p.heads_kv < 1 || p.heads_q < p.heads_kv || p.heads_q % p.heads_kv != 0) return out;
-  const DecodeKernel k = select_kernel(p);
+  const DecodeKernel k = select_kernel(p, sm_count);
   if (k.launch == nullptr) return out;
-  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
+  const int tiles = key_tiles(p, k);
   const int limit = std::min(tiles, kMaxSplits);
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
   const int64_t slots = int64_t{std::max(sm_count, 1)} * std::clamp(k.blocks_per_sm(), 1, 2);
@@ -278,7 +341,10 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   if (!decode_supported(p).empty()) return cudaErrorInvalidValue;
   const int total_q = total_q_rows(p);
   if (p.batch == 0 || total_q == 0) return cudaSuccess;
-  const DecodeKernel k = select_kernel(p);
+  const int sm_count = sm_count_of_current_device();
+  const DecodeKernel k = select_kernel(p, sm_count);
+  decode::last_block_n() = k.block_n;
+  decode::last_stages() = k.stages;
   DecodeLaunch L;
   L.p = p;
   L.group = p.heads_q / p.heads_kv;
@@ -289,7 +355,9 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
     L.page_shift = 0;
     while ((1 << L.page_shift) < p.page_size) ++L.page_shift;
   }
-  L.tile_in_page = L.page_shift >= 6;  // kBlockN (64, or 32) divides the page
+  // A power-of-two page of >= block_n keys holds whole tiles (tiles start at multiples of
+  // block_n, a power of two): one block-table read per tile. Smaller pages: one per row / box.
+  L.tile_in_page = L.page_shift >= 0 && (1 << L.page_shift) >= k.block_n;
   const int copy = decode::copy_override() >= 0 ? decode::copy_override() : kDefaultCopySm90;
   const bool sm90 = device_major() >= 9;
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
@@ -298,8 +366,8 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
   L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
           device_major() >= 9;
-  const int tiles = (std::max(p.seqlen_k, 1) + kBlockN - 1) / kBlockN;
-  const int splits = p.num_splits > 0 ? p.num_splits : decode_num_splits(p, sm_count_of_current_device());
+  const int tiles = key_tiles(p, k);
+  const int splits = p.num_splits > 0 ? p.num_splits : plan_splits(p, k, sm_count);
   L.num_splits = std::max(1, std::min(splits, tiles));
   if (L.num_splits == 1) return k.launch(L, stream);
 

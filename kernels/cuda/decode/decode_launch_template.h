@@ -1,4 +1,5 @@
-// Definition of decode_kernel<Element, kHeadDim, kWarpsM>(); included only by decode_d*.cu.
+// Definition of decode_kernel<Element, kHeadDim, kWarpsM, kBlockN, kStages>(); included only by
+// decode_d*.cu.
 #pragma once
 
 #include "../smem_limit.h"
@@ -32,13 +33,15 @@ int split_blocks_per_sm() {
 }
 }  // namespace
 
-template <typename Element, int kHeadDim, int kWarpsM>
+template <typename Element, int kHeadDim, int kWarpsM, int kBlockN, int kStages>
 DecodeKernel decode_kernel() {
-  using T = DecodeTraits<Element, kHeadDim, kWarpsM>;
+  using T = DecodeTraits<Element, kHeadDim, kWarpsM, kBlockN, kStages>;
   DecodeKernel k;
   k.launch = &launch_split<T>;
   k.blocks_per_sm = &split_blocks_per_sm<T>;
   k.block_m = T::kBlockM;
+  k.block_n = T::kBlockN;
+  k.stages = T::kStages;
   return k;
 }
 

@@ -16,8 +16,10 @@ namespace flashserve::kernels::cuda::decode {
 /// that KV head and K/V are read once per block. kWarpsM warps are stacked over rows (16 each),
 /// kWarpsN = 4 / kWarpsM side by side over keys (kWarpN keys each); the kWarpsN partial softmax
 /// states are merged once, after the last tile. Decode (<= 16 rows) uses kWarpsM = 1: four
-/// warps split each 64-key tile; speculative decode with many rows uses kWarpsM = 2 or 4.
-template <typename Element_, int kHeadDim_, int kWarpsM_>
+/// warps split each 64-key tile (128-key tile: the d64 wide kernel); speculative decode with
+/// many rows uses kWarpsM = 2 or 4. kBlockN_ (keys per tile) and kStages_: 0 for the defaults
+/// (below).
+template <typename Element_, int kHeadDim_, int kWarpsM_, int kBlockN_ = 0, int kStages_ = 0>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -26,9 +28,11 @@ struct DecodeTraits {
   static constexpr int kWarpsM = kWarpsM_;
   static constexpr int kWarpsN = kWarps / kWarpsM;
   static constexpr int kBlockM = 16 * kWarpsM;
-  // 64 keys per tile; 32 when four warps are stacked over 64 rows, so that the 64-row blocks
-  // still fit two per SM at d128 with four stages.
-  static constexpr int kBlockN = kWarpsM == 4 ? 32 : 64;
+  // 64 keys per tile by default; 32 when four warps are stacked over 64 rows, so that the 64-row
+  // blocks still fit two per SM at d128 with four stages. 128 (kBlockN_, instantiated only for the
+  // d64 16-row kernel, FLASHSERVE_DECODE_WIDE_INSTANCES): each warp reads 32 keys per tile, as
+  // cuDNN's d64 decode kernel tiles 16 x 128 keys (kernels/NOTES.md, session 22, K4-K5).
+  static constexpr int kBlockN = kBlockN_ > 0 ? kBlockN_ : (kWarpsM == 4 ? 32 : 64);
   static constexpr int kWarpN = kBlockN / kWarpsN;
   static constexpr int kNTiles = kWarpN / 8;     // n8 tiles of S per warp
   static constexpr int kDTiles = kHeadDim / 8;   // n8 tiles of O per warp
@@ -38,8 +42,11 @@ struct DecodeTraits {
   // (the family's XOR swizzle needs 8 chunks per row, which d32 / d96 do not have).
   static constexpr int kRowElems = kHeadDim + 8;
   // Deep enough that each SM keeps >= 64 KB of K/V loads in flight (memory speed needs ~25 KB
-  // per SM on an H100), shallow enough for two blocks per SM up to d128.
-  static constexpr int kStages = (kHeadDim <= 64 || kBlockN == 32) ? 4 : (kHeadDim <= 128 ? 3 : 2);
+  // per SM on an H100), shallow enough for two blocks per SM up to d128. The d64 128-key kernels
+  // come with 2 and 3 stages (kStages_; decode_dispatch.cu's select_kernel says which runs where).
+  static constexpr int kStages = kStages_ > 0                        ? kStages_
+                                 : (kHeadDim <= 64 || kBlockN == 32) ? 4
+                                                                     : (kHeadDim <= 128 ? 3 : 2);
   static constexpr int kTileElems = kBlockN * kRowElems;
   static constexpr int kQElems = kBlockM * kRowElems;
   static constexpr size_t kPipelineBytes = size_t(kQElems + 2 * kStages * kTileElems) * 2;
@@ -61,6 +68,11 @@ struct DecodeTraits {
   static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16");
   static_assert(kWarpN % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert((kBlockN * kChunks) % kThreads == 0, "tile loads must divide over the threads");
+  // Power of two: a power-of-two page >= kBlockN then holds whole tiles (DecodeLaunch::
+  // tile_in_page); <= 256: a TMA box's row count (decode_tensor_map.cc).
+  static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128,
+                "tile widths: 32, 64 or 128 keys");
+  static_assert(kStages >= 2, "the pipeline waits for all but kStages - 2 younger tiles");
 };
 
 /// Runtime arguments of the split and combine kernels (passed by value, __grid_constant__).
@@ -79,7 +91,9 @@ struct DecodeLaunch {
   bool tma_wide = false;  // one box spans all 64-column slices (tma_rows == kBlockN only)
   CUtensorMap tma_k{}, tma_v{};
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
-  bool tile_in_page = false;  // page_size a power of two >= 64: a key tile never crosses a page
+  // page_size a power of two >= the kernel's kBlockN: a key tile never crosses a page, so one
+  // block-table read serves the whole tile (lookup_rows, decode_tile_io.h)
+  bool tile_in_page = false;
   bool pdl = false;       // sm_90: programmatic dependent launch (decode_launch_template.h)
   bool deep_issue = false;  // issue tile t + stages - 1 before waiting for tile t (decode_kernel.h)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
@@ -91,10 +105,13 @@ struct DecodeKernel {
   cudaError_t (*launch)(const DecodeLaunch&, cudaStream_t) = nullptr;
   int (*blocks_per_sm)() = nullptr;
   int block_m = 16;
+  int block_n = 64;  // keys per tile (DecodeTraits::kBlockN): tile counts, TMA boxes, tile_in_page
+  int stages = 4;    // DecodeTraits::kStages (tests and benchmarks: which kernel ran)
 };
 
-/// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files.
-template <typename Element, int kHeadDim, int kWarpsM>
+/// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files (kBlockN and
+/// kStages 0: the defaults, see DecodeTraits).
+template <typename Element, int kHeadDim, int kWarpsM, int kBlockN = 0, int kStages = 0>
 DecodeKernel decode_kernel();
 
 /// The L2 prefetch size run_decode passes to the kernels (a benchmarking knob; see
@@ -110,9 +127,21 @@ int& copy_override();
 /// benchmarking knob, flashserve_decode_set_tma_wide): -1 default, 0 no, 1 yes.
 int& tma_wide_override();
 
+/// Whether the d64 16-row problems run the kernel on 128-key tiles (a benchmarking knob,
+/// flashserve_decode_set_wide_tiles): -1 default (dense K/V and pages >= 64 keys, stages by the
+/// split plan), 0 never (64-key tiles), 1 always where compiled (head_dim 64, <= 16 packed rows;
+/// any page size; stages by the split plan), 2 / 3 always where compiled, with that many stages.
+int& wide_tiles_override();
+
 /// The K/V copy run_decode's last launch used (0 cp.async, 2 TMA; -1 none yet), so
 /// that tests can tell a path that ran from one that fell back. Not thread-safe.
 int& last_copy();
+
+/// Keys per tile of the kernel run_decode's last launch used (32, 64 or 128; 0 none yet), so
+/// that tests can tell which tile width ran. Not thread-safe.
+int& last_block_n();
+/// Pipeline stages of that kernel (DecodeTraits::kStages; 0 none yet). Not thread-safe.
+int& last_stages();
 
 /// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
 /// flashserve_decode_set_pdl): -1 default, 0 off, 1 on (used only on sm_90 and later).
@@ -160,5 +189,13 @@ cudaError_t launch_decode_combine(const DecodeLaunch& launch, cudaStream_t strea
   EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 1>();            \
   EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 2>();            \
   EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, HEAD_DIM, 4>();
+
+/// The d64 16-row kernels on 128-key tiles with 2 and 3 stages, chosen by select_kernel in
+/// decode_dispatch.cu for dense K/V and pages >= 64 keys; compiled for head_dim 64 only.
+#define FLASHSERVE_DECODE_WIDE_INSTANCES(EXTERN)                              \
+  EXTERN template DecodeKernel decode_kernel<__half, 64, 1, 128, 2>();        \
+  EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, 64, 1, 128, 2>(); \
+  EXTERN template DecodeKernel decode_kernel<__half, 64, 1, 128, 3>();        \
+  EXTERN template DecodeKernel decode_kernel<__nv_bfloat16, 64, 1, 128, 3>();
 
 }  // namespace flashserve::kernels::cuda::decode
