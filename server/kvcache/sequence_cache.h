@@ -190,8 +190,13 @@ class SequenceCache {
   void GrowTable(Sequence* seq, int layer, int64_t rows, std::vector<int64_t>* fresh);
   absl::Status CopyRows(const Sequence& seq, int layer, int64_t from, const HostRows& k,
                         const HostRows& v);
-  // The sequence `id` once no Append on it is running (waits, releasing mu_); null: not found.
-  Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock);
+  // The sequence `id` once no Append on it is running (waits, releasing mu_, at most until
+  // `deadline`: then it may still be appending); null: not found.
+  Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
+                           absl::Time deadline);
+  // Waits (mu_ held through `lock`) until an append ends or `deadline` passes; false once it has
+  // passed. Waits in slices that re-read Now(), so a test's clock ends the wait too.
+  bool WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline);
   // Validates an Append's rows against `seq`; the pages each layer taking rows grows by in
   // *runs (in the order of `rows`), the layers whose rows are already there (expected_length) in
   // *already.

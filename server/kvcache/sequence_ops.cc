@@ -7,12 +7,24 @@
 #include "kvcache/sequence_id.h"
 
 namespace flashserve::kvcache {
+namespace {
+// How long a call waiting for another append sleeps before it looks at the clock again.
+constexpr absl::Duration kAppendWaitSlice = absl::Milliseconds(20);
+}  // namespace
+
+bool SequenceCache::WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline) {
+  const absl::Duration left = deadline - Now();
+  if (left <= absl::ZeroDuration()) return false;
+  appended_.wait_for(*lock, absl::ToChronoNanoseconds(std::min(left, kAppendWaitSlice)));
+  return true;
+}
 
 SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
-                                                      std::unique_lock<std::mutex>* lock) {
+                                                       std::unique_lock<std::mutex>* lock,
+                                                       absl::Time deadline) {
   Sequence* seq = FindLocked(id);
-  while (seq != nullptr && seq->appending) {
-    appended_.wait(*lock);
+  // Past the deadline the caller answers DEADLINE_EXCEEDED (a large append may copy for seconds).
+  while (seq != nullptr && seq->appending && WaitForAppendLocked(lock, deadline)) {
     seq = FindLocked(id);  // it may have been released meanwhile
   }
   return seq;
@@ -56,7 +68,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
                                                    absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
-  Sequence* seq = FindIdleLocked(id, &lock);
+  Sequence* seq = FindIdleLocked(id, &lock, deadline);
   if (seq == nullptr) {
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
     return UnknownSequences({std::string(id)});

@@ -157,7 +157,7 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
     if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
     if (std::none_of(found.begin(), found.end(), [](const Sequence* q) { return q->appending; }))
       break;
-    appended_.wait(lock);
+    if (!WaitForAppendLocked(&lock, deadline)) break;  // answered DEADLINE_EXCEEDED below
   }
   if (absl::Status s =
           CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");

@@ -642,6 +642,44 @@ TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
   EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 1}));
 }
 
+// A call waiting for another append to its sequence answers DEADLINE_EXCEEDED once its deadline
+// passes, while that append is still copying (before, it waited for the copy however long that
+// took, seconds for a large one, past its client's deadline).
+TEST(SequenceCacheAppend, CallsWaitingForAnotherAppendGiveUpAtTheirDeadline) {
+  GatedStore store(/*gated_bytes=*/4096);
+  std::atomic<int64_t> now_s{1000};
+  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
+  std::mt19937 rng(8);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  CreateRequest create;
+  create.shape = {2, 1, 1, 64, f16};
+  const std::string a = cache->CreateSequence(create)->id;
+  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
+  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
+  const HostRows row = testing::Rows(one, 1, 64, f16);
+  auto appended = std::async(std::launch::async, [&] {
+    return cache->Append(a, {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}});
+  });
+  store.WaitUntilBlocked();
+  const absl::Time deadline = absl::FromUnixSeconds(1005);
+  auto late_append = std::async(std::launch::async, [&] {
+    return cache->Append(a, {{1, row, row}}, deadline).status();
+  });
+  auto late_step = std::async(std::launch::async, [&] {
+    return cache->PrepareStep({StepItem{a, 1, row, row, row}}, deadline).status();
+  });
+  EXPECT_EQ(late_step.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  now_s = 1006;  // the deadline passes; the first append is still copying
+  const bool gave_up = late_append.wait_for(std::chrono::seconds(5)) == std::future_status::ready &&
+                       late_step.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  store.Open();  // whatever happened, so that every thread ends
+  ASSERT_TRUE(gave_up) << "calls kept waiting for another append past their deadline";
+  EXPECT_EQ(late_append.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(late_step.get().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(appended.get().ok());
+  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 0}));
+}
+
 // A CreateSequence whose deadline passed while its prefix was written is not kept: its client
 // never learns the id (it would hold pages, unnamed, until its TTL).
 TEST(SequenceCacheCreate, ASequenceWhosePrefixOutlivedItsDeadlineIsNotKept) {
