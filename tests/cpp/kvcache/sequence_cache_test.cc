@@ -279,7 +279,7 @@ TEST_F(SequenceCacheTest, AnAppendThatMakesRoomDoesNotEvictItsOwnSequence) {
   const std::string id_a = NewSequence(s, &a, 64 * 20);  // 20 whole pages
   now_ += absl::Seconds(75);
   const std::string id_b = NewSequence(s, &b, 64 * 12);  // 12 pages: full; its sweep spared a
-  now_ += absl::Seconds(6);  // a idle for 81 s, the last sweep 6 s ago
+  now_ += absl::Seconds(6);                              // a idle for 81 s, the last sweep 6 s ago
   Bits k = RandomRows(&rng_, 1, 2, 128, DType::kFloat16);
   const HostRows row = Rows(k, 2, 128, DType::kFloat16);
   const absl::StatusOr<AppendResult> appended = cache_->Append(id_a, {{0, row, row}});
@@ -605,79 +605,72 @@ std::unique_ptr<SequenceCache> CacheWithClock(KvStore* store, std::atomic<int64_
   return *SequenceCache::Create(options, store, nullptr);
 }
 
+// Sequence A (two layers) with a 32-row append to layer 0 held in its copy by the gate, and an
+// Append and a step of one row to layer 1, deadline 1005 s, waiting behind it (clock at 1000 s).
+class LateCallsBehindACopy : public ::testing::Test {
+ protected:
+  LateCallsBehindACopy() {
+    const kernels::DType f16 = kernels::DType::kFloat16;
+    CreateRequest create;
+    create.shape = {2, 1, 1, 64, f16};
+    a_ = cache_->CreateSequence(create)->id;
+    appended_ = std::async(std::launch::async, [this, f16] {
+      return cache_->Append(
+          a_, {{0, testing::Rows(big_, 1, 64, f16), testing::Rows(big_, 1, 64, f16)}});
+    });
+    store_.WaitUntilBlocked();
+    late_append_ = std::async(std::launch::async, [this] {
+      return cache_->Append(a_, {{1, row_, row_}}, kDeadline).status();
+    });
+    late_step_ = std::async(std::launch::async, [this] {
+      return cache_->PrepareStep({StepItem{a_, 1, row_, row_, row_}}, kDeadline).status();
+    });
+  }
+  ~LateCallsBehindACopy() override { store_.Open(); }  // the futures then wait for their threads
+
+  const absl::Time kDeadline = absl::FromUnixSeconds(1005);
+  GatedStore store_{/*gated_bytes=*/4096};
+  std::atomic<int64_t> now_s_{1000};
+  std::unique_ptr<SequenceCache> cache_ = CacheWithClock(&store_, &now_s_);
+  std::mt19937 rng_{7};
+  testing::Bits big_ = testing::RandomRows(&rng_, 32, 1, 64, kernels::DType::kFloat16);
+  testing::Bits one_ = testing::RandomRows(&rng_, 1, 1, 64, kernels::DType::kFloat16);
+  HostRows row_ = testing::Rows(one_, 1, 64, kernels::DType::kFloat16);
+  std::string a_;
+  std::future<absl::StatusOr<AppendResult>> appended_;
+  std::future<absl::Status> late_append_, late_step_;
+};
+
 // A call that waited for another append to its sequence past its deadline appends nothing: its
 // client saw DEADLINE_EXCEEDED and moved on (before, the rows landed later, never acknowledged).
-TEST(SequenceCacheAppend, CallsThatWaitedPastTheirDeadlineAppendNothing) {
-  GatedStore store(/*gated_bytes=*/4096);
-  std::atomic<int64_t> now_s{1000};
-  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
-  std::mt19937 rng(7);
-  const kernels::DType f16 = kernels::DType::kFloat16;
-  CreateRequest create;
-  create.shape = {2, 1, 1, 64, f16};
-  const std::string a = cache->CreateSequence(create)->id;
-  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
-  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
-  const HostRows row = testing::Rows(one, 1, 64, f16);
-  auto appended = std::async(std::launch::async, [&] {
-    return cache->Append(a, {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}});
-  });
-  store.WaitUntilBlocked();
-  const absl::Time deadline = absl::FromUnixSeconds(1005);
-  auto late_append = std::async(std::launch::async, [&] {
-    return cache->Append(a, {{1, row, row}}, deadline).status();
-  });
-  auto late_step = std::async(std::launch::async, [&] {
-    return cache->PrepareStep({StepItem{a, 1, row, row, row}}, deadline).status();
-  });
-  EXPECT_EQ(late_append.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
-  now_s = 1006;  // both deadlines pass while they wait
-  store.Open();
-  ASSERT_TRUE(appended.get().ok());
-  EXPECT_EQ(late_append.get().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(late_step.get().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 0}));
+TEST_F(LateCallsBehindACopy, CallsThatWaitedPastTheirDeadlineAppendNothing) {
+  EXPECT_EQ(late_append_.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  now_s_ = 1006;  // both deadlines pass while they wait
+  store_.Open();
+  ASSERT_TRUE(appended_.get().ok());
+  EXPECT_EQ(late_append_.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(late_step_.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(cache_->Info(a_)->lengths, (std::vector<int64_t>{32, 0}));
   // In time, the same calls append.
-  EXPECT_TRUE(cache->Append(a, {{1, row, row}}, absl::FromUnixSeconds(2000)).ok());
-  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 1}));
+  EXPECT_TRUE(cache_->Append(a_, {{1, row_, row_}}, absl::FromUnixSeconds(2000)).ok());
+  EXPECT_EQ(cache_->Info(a_)->lengths, (std::vector<int64_t>{32, 1}));
 }
 
 // A call waiting for another append to its sequence answers DEADLINE_EXCEEDED once its deadline
 // passes, while that append is still copying (before, it waited for the copy however long that
 // took, seconds for a large one, past its client's deadline).
-TEST(SequenceCacheAppend, CallsWaitingForAnotherAppendGiveUpAtTheirDeadline) {
-  GatedStore store(/*gated_bytes=*/4096);
-  std::atomic<int64_t> now_s{1000};
-  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
-  std::mt19937 rng(8);
-  const kernels::DType f16 = kernels::DType::kFloat16;
-  CreateRequest create;
-  create.shape = {2, 1, 1, 64, f16};
-  const std::string a = cache->CreateSequence(create)->id;
-  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
-  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
-  const HostRows row = testing::Rows(one, 1, 64, f16);
-  auto appended = std::async(std::launch::async, [&] {
-    return cache->Append(a, {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}});
-  });
-  store.WaitUntilBlocked();
-  const absl::Time deadline = absl::FromUnixSeconds(1005);
-  auto late_append = std::async(std::launch::async, [&] {
-    return cache->Append(a, {{1, row, row}}, deadline).status();
-  });
-  auto late_step = std::async(std::launch::async, [&] {
-    return cache->PrepareStep({StepItem{a, 1, row, row, row}}, deadline).status();
-  });
-  EXPECT_EQ(late_step.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
-  now_s = 1006;  // the deadline passes; the first append is still copying
-  const bool gave_up = late_append.wait_for(std::chrono::seconds(5)) == std::future_status::ready &&
-                       late_step.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  store.Open();  // whatever happened, so that every thread ends
+TEST_F(LateCallsBehindACopy, CallsWaitingForAnotherAppendGiveUpAtTheirDeadline) {
+  EXPECT_EQ(late_step_.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  now_s_ = 1006;  // the deadline passes; the first append is still copying
+  const bool gave_up =
+      late_append_.wait_for(std::chrono::seconds(5)) == std::future_status::ready &&
+      late_step_.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  store_.Open();  // whatever happened, so that every thread ends
   ASSERT_TRUE(gave_up) << "calls kept waiting for another append past their deadline";
-  EXPECT_EQ(late_append.get().code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(late_step.get().code(), absl::StatusCode::kDeadlineExceeded);
-  ASSERT_TRUE(appended.get().ok());
-  EXPECT_EQ(cache->Info(a)->lengths, (std::vector<int64_t>{32, 0}));
+  EXPECT_EQ(late_append_.get().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(late_step_.get().code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_TRUE(appended_.get().ok());
+  EXPECT_EQ(cache_->Info(a_)->lengths, (std::vector<int64_t>{32, 0}));
 }
 
 // A CreateSequence whose deadline passed while its prefix was written is not kept: its client
