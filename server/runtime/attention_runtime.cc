@@ -1,7 +1,8 @@
 #include "runtime/attention_runtime.h"
 
 #include <chrono>
-
+#include <condition_variable>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +24,18 @@ void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<
 
 }  // namespace
 
+// What an Admission needs once its runtime may be gone.
+struct AttentionRuntime::Admission::Core {
+  void Leave() {  // one admitted or accepted call answered
+    std::lock_guard<std::mutex> lock(mu);
+    if (--outstanding == 0) idle_cv.notify_all();
+  }
+
+  std::mutex mu;
+  std::condition_variable idle_cv;  // outstanding reached 0
+  int64_t outstanding = 0;          // admitted or accepted, not yet answered; guarded by mu
+};
+
 // One accepted call from validation to its answer.
 struct AttentionRuntime::Job {
   Call call;
@@ -39,37 +52,33 @@ AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, Valid
       copier_(copier),
       limits_(std::move(limits)),
       metrics_(metrics),
-      max_inflight_bytes_(max_inflight_bytes) {}
+      max_inflight_bytes_(max_inflight_bytes),
+      admissions_(std::make_shared<Admission::Core>()) {}
 
 void AttentionRuntime::StopAccepting() {
   // Every job reaches the scheduler through Submit, so this gate is the only one: calls admitted
   // before it still get queued.
-  std::lock_guard<std::mutex> lock(idle_mu_);
+  std::lock_guard<std::mutex> lock(admissions_->mu);
   accepting_.store(false);
 }
 
 AttentionRuntime::Admission AttentionRuntime::Admit() {
-  std::lock_guard<std::mutex> lock(idle_mu_);
+  std::lock_guard<std::mutex> lock(admissions_->mu);
   if (!accepting_.load()) return Admission();
-  ++outstanding_;
-  return Admission(this);
+  ++admissions_->outstanding;
+  return Admission(admissions_);
 }
 
 AttentionRuntime::Admission& AttentionRuntime::Admission::operator=(Admission&& other) noexcept {
   if (this != &other) {
-    if (runtime_ != nullptr) runtime_->Leave();
-    runtime_ = std::exchange(other.runtime_, nullptr);
+    if (core_ != nullptr) core_->Leave();
+    core_ = std::move(other.core_);
   }
   return *this;
 }
 
 AttentionRuntime::Admission::~Admission() {
-  if (runtime_ != nullptr) runtime_->Leave();
-}
-
-void AttentionRuntime::Leave() {
-  std::lock_guard<std::mutex> lock(idle_mu_);
-  if (--outstanding_ == 0) idle_cv_.notify_all();
+  if (core_ != nullptr) core_->Leave();
 }
 
 void AttentionRuntime::Submit(Call call) { Submit(std::move(call), Admission()); }
@@ -106,10 +115,10 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
     }
   }
   // From here the call counts as outstanding until its done() has returned.
-  admission.runtime_ = nullptr;
-  call.done = [this, done = std::move(call.done)](const absl::Status& status) {
+  call.done = [core = std::move(admission.core_),
+               done = std::move(call.done)](const absl::Status& status) {
     done(status);
-    Leave();
+    core->Leave();
   };
   const bool external = !call.inputs[0].empty() || !call.inputs[1].empty() ||
                         !call.inputs[2].empty() || call.io != nullptr;
@@ -156,8 +165,8 @@ absl::Status CheckRegionOutputs(const AttentionRuntime::Call& call, const Attent
       return absl::InvalidArgumentError("LSE: a shared-memory output given without return_lse");
     }
     if (int64_t(target.bytes) < need[i]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          names[i], ": shared-memory output of ", target.bytes, " bytes, ", need[i], " needed"));
+      return absl::InvalidArgumentError(absl::StrCat(names[i], ": shared-memory output of ",
+                                                     target.bytes, " bytes, ", need[i], " needed"));
     }
   }
   return absl::OkStatus();
@@ -198,17 +207,19 @@ absl::Status AttentionRuntime::Place(Call& call, Job* job) {
 }
 
 AttentionRuntime::~AttentionRuntime() {
-  std::unique_lock<std::mutex> lock(idle_mu_);
-  idle_cv_.wait_for(lock, std::chrono::seconds(10), [this] { return outstanding_ == 0; });
+  Admission::Core& core = *admissions_;
+  std::unique_lock<std::mutex> lock(core.mu);
+  core.idle_cv.wait_for(lock, std::chrono::seconds(10), [&core] { return core.outstanding == 0; });
 }
 
 bool AttentionRuntime::WaitIdle(absl::Time deadline) {
   if (!scheduler_->WaitIdle(deadline)) return false;
-  std::unique_lock<std::mutex> lock(idle_mu_);
-  while (outstanding_ > 0) {
+  Admission::Core& core = *admissions_;
+  std::unique_lock<std::mutex> lock(core.mu);
+  while (core.outstanding > 0) {
     const absl::Duration left = deadline - absl::Now();
     if (left <= absl::ZeroDuration()) return false;
-    idle_cv_.wait_for(lock, absl::ToChronoMicroseconds(left));
+    core.idle_cv.wait_for(lock, absl::ToChronoMicroseconds(left));
   }
   return true;
 }

@@ -14,12 +14,12 @@
 #include "absl/time/time.h"
 #include "api/validation.h"
 #include "flashserve/v1/attention.pb.h"
-#include "metrics/server_metrics.h"
-#include "runtime/backend.h"
 #include "memory/io_buffers.h"
 #include "memory/parallel_copy.h"
 #include "memory/shm_regions.h"
 #include "memory/tensor_bytes.h"
+#include "metrics/server_metrics.h"
+#include "runtime/backend.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {
@@ -77,21 +77,23 @@ class AttentionRuntime {
 
   /// Holds a place for a call an edge has received but not yet submitted (it is still parsing
   /// the request): StopAccepting does not turn it away and WaitIdle waits for it. Empty (false)
-  /// once the runtime stopped accepting. Released when destroyed unless passed to Submit.
+  /// once the runtime stopped accepting. Released when destroyed unless passed to Submit. May
+  /// outlive the runtime (a DecodeStep's answer keeps its own until gRPC drops the slices).
   class Admission {
    public:
     Admission() = default;
-    Admission(Admission&& other) noexcept : runtime_(std::exchange(other.runtime_, nullptr)) {}
+    Admission(Admission&& other) noexcept : core_(std::move(other.core_)) {}
     Admission& operator=(Admission&& other) noexcept;
     Admission(const Admission&) = delete;
     Admission& operator=(const Admission&) = delete;
     ~Admission();
-    explicit operator bool() const { return runtime_ != nullptr; }
+    explicit operator bool() const { return core_ != nullptr; }
 
    private:
     friend class AttentionRuntime;
-    explicit Admission(AttentionRuntime* runtime) : runtime_(runtime) {}
-    AttentionRuntime* runtime_ = nullptr;
+    struct Core;  // attention_runtime.cc
+    explicit Admission(std::shared_ptr<Core> core) : core_(std::move(core)) {}
+    std::shared_ptr<Core> core_;  // shared, not an AttentionRuntime*: see above
   };
   Admission Admit();
 
@@ -132,7 +134,6 @@ class AttentionRuntime {
 
  private:
   struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)
-  void Leave();  // one accepted call answered
   // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
   void Execute(std::shared_ptr<Job> job);
   // Whether nobody wants the call's answer any more, and who said so (for its message).
@@ -155,11 +156,11 @@ class AttentionRuntime {
   ShmRegistry* shm_regions_ = nullptr;
   const int64_t max_inflight_bytes_;
   std::atomic<int64_t> inflight_bytes_{0};
-  std::atomic<bool> accepting_{true};  // written under idle_mu_
+  std::atomic<bool> accepting_{true};    // written under admissions_->mu
   std::atomic<bool> cancelling_{false};  // CancelRunning was called
-  std::mutex idle_mu_;
-  std::condition_variable idle_cv_;
-  int64_t outstanding_ = 0;  // admitted or accepted, not yet answered; guarded by idle_mu_
+  // The count of calls admitted or accepted and not yet answered, with its lock: shared with
+  // every Admission, so that one released after the runtime is destroyed still finds them.
+  const std::shared_ptr<Admission::Core> admissions_;
 };
 
 }  // namespace flashserve
