@@ -341,7 +341,9 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   if (!decode_supported(p).empty()) return cudaErrorInvalidValue;
   const int total_q = total_q_rows(p);
   if (p.batch == 0 || total_q == 0) return cudaSuccess;
-  const int sm_count = sm_count_of_current_device();
+  // The SM count only plans splits; a caller that names its split count (the server's tuned
+  // ones) does not pay the device queries on every launch.
+  const int sm_count = p.num_splits > 0 ? 1 : sm_count_of_current_device();
   const DecodeKernel k = select_kernel(p, sm_count);
   decode::last_block_n() = k.block_n;
   decode::last_stages() = k.stages;
@@ -359,13 +361,12 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   // block_n, a power of two): one block-table read per tile. Smaller pages: one per row / box.
   L.tile_in_page = L.page_shift >= 0 && (1 << L.page_shift) >= k.block_n;
   const int copy = decode::copy_override() >= 0 ? decode::copy_override() : kDefaultCopySm90;
-  const bool sm90 = device_major() >= 9;
+  const bool sm90 = device_major() >= 9;  // one query for the TMA and PDL choices below
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   if (copy == 2 && sm90) L.tma = setup_tma(p, k, &L);
   decode::last_copy() = L.tma ? 2 : 0;
   L.deep_issue = decode::deep_issue_override() == 1;  // off by default: no gain on H100 (run 6)
-  L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) &&
-          device_major() >= 9;
+  L.pdl = (decode::pdl_override() < 0 ? kPdlByDefault : decode::pdl_override() == 1) && sm90;
   const int tiles = key_tiles(p, k);
   const int splits = p.num_splits > 0 ? p.num_splits : plan_splits(p, k, sm_count);
   L.num_splits = std::max(1, std::min(splits, tiles));
