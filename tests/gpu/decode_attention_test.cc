@@ -2,7 +2,7 @@
 // dtype-emulating CPU references, on fresh random inputs: dense, dense varlen and paged K/V
 // (odd page sizes, shuffled pages, sequences ending mid-page, empty sequences, huge block
 // tables), Sq 1..16 with causal, GQA groups 1..16, forced and heuristic split counts; at d64 both
-// key tile widths of the 16-row kernel (64 keys, and 128 on 2 stages: DecodeAttentionWide).
+// key tile widths of the 16-row kernel (64 keys, and 128 on 2 or 3 stages: DecodeAttentionWide).
 // Unused page-pool rows and unused block-table entries are poisoned (NaN rows, out-of-range page
 // ids), so reading past a sequence shows up as NaN output or a sanitizer error; outputs are
 // NaN-poisoned before every run. Tolerance: the kernel's error against fp64 may be at most twice

@@ -68,7 +68,7 @@ constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
 constexpr int kMaxSplits = 128;
 constexpr int kMaxGridYZ = 65535;
 // Keys per tile are the selected kernel's (DecodeKernel::block_n): 64 for the 16/32-row kernels,
-// 32 for the 64-row ones, 128 for the d64 16-row kernel on dense K/V and pages >= kWidePage.
+// 32 for the 64-row ones, 128 for the d64 16-row kernel where wide_stages picks it.
 constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue and partials
 // The d64 16-row kernel on 128-key tiles (2 or 3 stages): where and why, wide_stages below.
 constexpr int kWideBlockN = 128;
@@ -275,13 +275,13 @@ int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
 /// stages. Unsplit (one block per sequence and KV head): 128 keys and 3 stages, whatever the
 /// pages (two blocks per SM, as the split plan assumes; the 64-key kernel fits three, and its
 /// waves then end ragged). Split: pages < kWidePage keep 64-key tiles; otherwise 128 keys, with
-/// 2 stages when each split is long (>= kLongSplitKeys), else 3. H200, session 23 (K1, K2, K4;
-/// 3-5 interleaved rounds, % of 4.8 TB/s, ratios to the 64-key kernel):
-///  - unsplit batches of 512 blocks (B16 MHA, B64 GQA 32:8, Sk 1k-64k): 77-81% -> 93-95% dense
-///    and pages of 64, 73-76% -> 87-94% on pages of 16 (2 stages: 83-89%); B64 Sk4k-16k MHA
-///    0.99-1.00x; B256 Sk1k pages of 16 0.99x;
-///  - split: B1 Sk128k 1.006-1.026x with 2 stages (3: 0.99-1.01x); B4 Sk16k-64k 1.02-1.03x
-///    (3: 1.01x); pages of 16 0.95-0.96x with either (so 64 keys there).
+/// 2 stages when each split is long (>= kLongSplitKeys), else 3. H200, session 23 (K2, K4, K5;
+/// 3 interleaved rounds, % of 4.8 TB/s, ratios to the 64-key kernel):
+///  - unsplit batches of 512 blocks (B16 MHA, B64 GQA 32:8, Sk 4k-64k): 76-81% -> 86-95% dense
+///    and pages of 64, 71-76% -> 85-94% on pages of 16 (2 stages: 82-89%, 76-81% on pages of
+///    16); B64 Sk4k-16k MHA 0.99-1.00x; B256 Sk1k pages of 16 0.99x;
+///  - split: B1 Sk128k 1.006-1.033x with 2 stages (3: 0.99-1.02x); B4 Sk16k-64k 1.02-1.05x
+///    (3: 0.99-1.02x); pages of 16 0.93-0.96x with either (so 64 keys there).
 /// wide_tiles_override: 0 never, 1 this choice of stages wherever compiled (split small pages
 /// too), 2 / 3 that depth wherever compiled.
 int wide_stages(const DecodeParams& p, int rows, int sm_count) {

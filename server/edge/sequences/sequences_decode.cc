@@ -247,8 +247,10 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   if (shm != nullptr) {
     call->shm_system_inputs = shm->system_inputs;
     call->shm_cuda_inputs = shm->cuda_inputs;
-    for (const kvcache::StepItem& item : call->items) {
-      if (shm->system_inputs && item.k.rows > 0) shm->fed.push_back(item.id);
+    if (shm->system_inputs) {
+      for (const kvcache::StepItem& item : call->items) {
+        if (item.k.rows > 0) shm->fed.push_back(item.id);
+      }
     }
   }
   return call;
