@@ -5,7 +5,9 @@
 // Exit codes (README "Server flags", ShutdownOptions): 0 after a drain on SIGINT/SIGTERM; 1 when
 // the server cannot start (a port in use, no usable backend); 2 for a refused flag or file; 3 when
 // the backend turned unhealthy (a sticky CUDA fault): the process drains for
-// --shutdown_grace_seconds and exits so that its supervisor restarts it with a fresh GPU context.
+// --shutdown_grace_seconds and exits so that its supervisor restarts it with a fresh GPU context;
+// 3 also when the shutdown outlasts the grace period by over 20 s (a device launch that never
+// completes).
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,8 +39,13 @@ int main(int argc, char** argv) {
                : ShutdownOptions::kExitStartFailed;
   }
   const flashserve::StopEvent stop = (*server)->WaitForStop();
+  flashserve::ExitIfShutdownOutlasts(
+      absl::Seconds(config->shutdown.grace_seconds + ShutdownOptions::kShutdownOverrunSeconds),
+      ShutdownOptions::kExitBackendUnhealthy);
   (*server)->Drain(stop);
   // A signal that came with (or just before) a device fault still ends in a restart.
-  return flashserve::ExitCodeFor((*server)->live() ? stop.reason
-                                                   : flashserve::StopReason::kBackendUnhealthy);
+  const int exit_code = flashserve::ExitCodeFor(
+      (*server)->live() ? stop.reason : flashserve::StopReason::kBackendUnhealthy);
+  server->reset();  // the destructors, bounded by the limit above
+  return exit_code;
 }

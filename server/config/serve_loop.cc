@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
 #include <ctime>
+#include <thread>
 
 #include "absl/time/clock.h"
 #include "config/server_config.h"
+#include "spdlog/spdlog.h"
 
 namespace flashserve {
 namespace {
@@ -60,6 +63,18 @@ bool WaitForSignalUntil(absl::Time deadline) {
 int ExitCodeFor(StopReason reason) {
   return reason == StopReason::kBackendUnhealthy ? ShutdownOptions::kExitBackendUnhealthy
                                                  : ShutdownOptions::kExitOk;
+}
+
+void ExitIfShutdownOutlasts(absl::Duration limit, int exit_code) {
+  std::thread([limit, exit_code] {
+    absl::SleepFor(limit);
+    spdlog::error(
+        "shutdown still running after {} s (a device launch that never completes?); "
+        "exiting now with code {}",
+        absl::ToInt64Seconds(limit), exit_code);
+    spdlog::default_logger()->flush();
+    std::_Exit(exit_code);
+  }).detach();
 }
 
 }  // namespace flashserve

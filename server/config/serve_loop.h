@@ -33,4 +33,12 @@ bool WaitForSignalUntil(absl::Time deadline);
 /// The process's exit code for how it stopped (ShutdownOptions::kExit*).
 int ExitCodeFor(StopReason reason);
 
+/// Bounds the shutdown: if the process is still running `limit` from now, logs and ends it at
+/// once with `exit_code`, running no destructors. The end of a drain (gRPC's Shutdown waits for
+/// every call's answer) and the teardown after it (AttentionRuntime, the backend's completion
+/// threads) wait for every launch the device accepted, and a hung device never completes one;
+/// the supervisor should restart the process, not find it stuck with its signals blocked.
+/// Starts a detached thread; call once, when the shutdown begins.
+void ExitIfShutdownOutlasts(absl::Duration limit, int exit_code);
+
 }  // namespace flashserve

@@ -136,6 +136,10 @@ struct ShutdownOptions {
   static constexpr int kExitStartFailed = 1;
   static constexpr int kExitBadConfig = 2;
   static constexpr int kExitBackendUnhealthy = 3;
+  // The shutdown may outlast grace_seconds by this long before the process exits with
+  // kExitBackendUnhealthy regardless (ExitIfShutdownOutlasts): only a device that never completes
+  // a launch holds it that long.
+  static constexpr int kShutdownOverrunSeconds = 20;
   int grace_seconds = 10;  // in-flight requests may finish for this long, then are cancelled
 
   absl::Status Check() const;

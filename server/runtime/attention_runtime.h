@@ -50,7 +50,7 @@ class AttentionRuntime {
     // Where the runtime stores `io` once placed, before done() (may be null): the edge sends O
     // and LSE from there.
     std::shared_ptr<IoBuffers>* buffers_out = nullptr;
-    bool inject_device_fault = false;  // test hook, see BackendJob
+    InjectedFault inject = InjectedFault::kNone;  // test hook, see BackendJob
     // O and LSE into a client's shared-memory region (data null: the usual way); at least the
     // output's size. The edge holds the region's lease (memory/shm_regions.h) until done() and
     // gives it back before it answers; done() comes after the output is complete there.
@@ -71,8 +71,11 @@ class AttentionRuntime {
   AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
                    ServerMetrics* metrics = nullptr, int64_t max_inflight_bytes = 0,
                    ParallelCopier* copier = nullptr);
-  /// Waits (up to 10 s) for calls whose done() is still running on another thread: their
-  /// completion wrapper touches this object after handing the answer back.
+  /// Waits, without a bound, for every accepted job to end: a queued job runs Execute on this
+  /// object, and the backend's completion and the call's done() wrapper touch it too. A device
+  /// that never completes a launch holds it forever; the process's shutdown limit ends that
+  /// (ExitIfShutdownOutlasts, config/serve_loop.h). Admissions are not waited for: they may
+  /// outlive the runtime.
   ~AttentionRuntime();
 
   /// Holds a place for a call an edge has received but not yet submitted (it is still parsing
@@ -134,6 +137,7 @@ class AttentionRuntime {
 
  private:
   struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)
+  class JobTicket;  // counts a Job in jobs_ for as long as it lives
   // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
   void Execute(std::shared_ptr<Job> job);
   // Whether nobody wants the call's answer any more, and who said so (for its message).
@@ -161,6 +165,9 @@ class AttentionRuntime {
   // The count of calls admitted or accepted and not yet answered, with its lock: shared with
   // every Admission, so that one released after the runtime is destroyed still finds them.
   const std::shared_ptr<Admission::Core> admissions_;
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_ended_;  // jobs_ reached 0
+  int64_t jobs_ = 0;                    // Jobs alive; guarded by jobs_mu_
 };
 
 }  // namespace flashserve

@@ -43,6 +43,14 @@ struct PhaseTiming {
   int64_t d2h_us = 0;
 };
 
+// Test hooks (--enable_fault_injection only), chosen by a request's request_id
+// (edge/grpc/attention_call.h): what a broken device does, on demand.
+enum class InjectedFault {
+  kNone,
+  kDeviceFault,  // fault the device instead of computing (the sticky-error path)
+  kDeviceHang,   // never complete, not even when cancelled (the CPU backend; CUDA ignores it)
+};
+
 /// One job as a backend receives it: the problem, where its tensors are, and how to run it.
 struct BackendJob {
   AttentionProblem problem;
@@ -55,8 +63,7 @@ struct BackendJob {
   // True once nobody wants the answer (the client went away, the shutdown's grace is over): a
   // backend that can stop running work polls it and answers CANCELLED. Thread-safe; may be empty.
   std::function<bool()> cancelled;
-  // Test hook (--enable_fault_injection only): fault the device instead of computing.
-  bool inject_device_fault = false;
+  InjectedFault inject = InjectedFault::kNone;  // test hook (--enable_fault_injection only)
 };
 
 /// What a finished job reports.

@@ -53,7 +53,11 @@ CpuBackend::CpuBackend(int num_threads)
 
 absl::Status CpuBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {
   if (!healthy_.load()) return absl::UnavailableError("the backend faulted earlier; server not ready");
-  if (job.inject_device_fault) {
+  if (job.inject == InjectedFault::kDeviceHang) {
+    // A launch the device never completes: nothing ends it, not the deadline, not the shutdown.
+    for (;;) absl::SleepFor(absl::Hours(1));
+  }
+  if (job.inject == InjectedFault::kDeviceFault) {
     healthy_.store(false);
     return absl::InternalError("injected fault (--enable_fault_injection): backend unusable");
   }

@@ -166,7 +166,7 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
 
 int CudaBackend::PipelineChunksFor(Slot* slot, const Job& job, const char* base,
                                    const kernels::AttentionParams& params) {
-  if (job.spec.inject_device_fault || slot->pipeline == nullptr) return 1;
+  if (job.spec.inject == InjectedFault::kDeviceFault || slot->pipeline == nullptr) return 1;
   const int chunks = PipelineChunks(params, job.spec.tensors, job.layout, base != nullptr,
                                     copy_pipeline_chunks_);
   if (chunks == 1) return 1;  // most jobs: decided without the lock
@@ -202,7 +202,7 @@ void CudaBackend::QueueInOrder(Slot* slot, Job* job, char* base,
   job->Step(QueueInputCopies(tensors, job->layout, base, index, stream, &slot->batch),
             "H2D copy");
   job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
-  if (job->spec.inject_device_fault && job->launch_error == cudaSuccess) {
+  if (job->spec.inject == InjectedFault::kDeviceFault && job->launch_error == cudaSuccess) {
     job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
   } else if (job->launch_error == cudaSuccess &&
              job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {

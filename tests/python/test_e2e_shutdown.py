@@ -1,6 +1,7 @@
 """SIGTERM drains: a request in flight completes with a correct answer and the process exits 0."""
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -77,3 +78,46 @@ def test_new_requests_after_sigterm_are_refused_or_served(start_server):
     with flashserve.Client(server.address, timeout=5) as c:
         with pytest.raises(flashserve.UnavailableError):
             c.server_info()
+
+
+HANG_ID = "flashserve-test:inject-device-hang"  # with --enable_fault_injection: a job that never completes
+
+
+def test_a_device_that_never_completes_a_launch_bounds_the_exit(start_server):
+    """A job the device never completes holds the end of the drain (gRPC's Shutdown waits for its answer) and the
+    teardown (the runtime waits for it, else its completion would run on freed memory). The process must still end:
+    20 s after the grace period it exits 3 (restart me) without running destructors. Before the bound it hung for
+    good, its signals blocked."""
+    server = start_server("--enable_fault_injection", "--shutdown_grace_seconds=1", "--worker_threads=1",
+                          name="hang")
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 8, 2, 16)).astype(np.float32) for _ in range(3))
+    errors = []
+
+    def call():
+        try:
+            with flashserve.Client(server.address, timeout=120) as c:
+                c.attention(q, k, v, request_id=HANG_ID)
+        except BaseException as e:  # noqa: BLE001 - the hung call must fail, not answer
+            errors.append(e)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _inflight(server) < 1:
+        time.sleep(0.01)
+    assert _inflight(server) >= 1, f"the hanging request never arrived\n{server.logs()}"
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    try:
+        code = server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        pytest.fail(f"still running 60 s after SIGTERM with a hung job\n{server.logs()}")
+    took = time.monotonic() - signalled
+    thread.join(timeout=30)
+    logs = server.logs()
+    assert code == 3, f"exit code {code}\n{logs}"
+    assert "shutdown still running" in logs, logs
+    assert 20 <= took < 45, f"exited {took:.1f} s after SIGTERM (grace 1 s + teardown limit 20 s)\n{logs}"
+    assert errors, "the hung request was answered"

@@ -139,8 +139,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
         return;
       }
     }
-    call.inject_device_fault =
-        options_.fault_injection && wire_.header.request_id() == kInjectDeviceFaultRequestId;
+    if (options_.fault_injection) call.inject = InjectedFaultFor(wire_.header.request_id());
     call.done = [this](const absl::Status& status) {
       // The output is in its region: the client may unregister now.
       Answer(ReleaseShmLeases(status, &leases_));

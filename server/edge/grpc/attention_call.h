@@ -13,20 +13,29 @@
 #pragma once
 
 #include <memory>
+#include <string_view>
 
-#include "memory/heap_retention.h"
 #include "edge/grpc/hot_lane.h"
 #include "grpcpp/generic/async_generic_service.h"
+#include "memory/heap_retention.h"
 #include "runtime/attention_runtime.h"
 
 namespace flashserve {
 
-// With AttentionCallOptions::fault_injection, a request with this request_id faults its GPU.
+// With AttentionCallOptions::fault_injection, a request with one of these request_ids faults its
+// GPU, or hangs as a launch the device never completes (InjectedFault).
 inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
+inline constexpr char kInjectDeviceHangRequestId[] = "flashserve-test:inject-device-hang";
+
+inline InjectedFault InjectedFaultFor(std::string_view request_id) {
+  if (request_id == kInjectDeviceFaultRequestId) return InjectedFault::kDeviceFault;
+  if (request_id == kInjectDeviceHangRequestId) return InjectedFault::kDeviceHang;
+  return InjectedFault::kNone;
+}
 
 // The bearer token is checked before a call reaches the router (edge/grpc/grpc_auth.h).
 struct AttentionCallOptions {
-  bool fault_injection = false;      // honour kInjectDeviceFaultRequestId (tests only)
+  bool fault_injection = false;  // honour the kInject*RequestIds (tests only)
   // > 0: requests under 4 MiB are processed on a HotLane that polls this long between them
   // (edge/grpc/hot_lane.h); 0: on the gRPC thread that received them.
   int64_t hot_lane_spin_us = 0;

@@ -167,9 +167,10 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   }
   impl->router = std::make_unique<AttentionRouter>(runtime, call_options);
   if (options.enable_fault_injection) {
-    spdlog::warn("--enable_fault_injection: a request with request_id \"{}\" faults its device "
-                 "(test use only)",
-                 kInjectDeviceFaultRequestId);
+    spdlog::warn(
+        "--enable_fault_injection: a request with request_id \"{}\" faults its device, "
+        "one with \"{}\" hangs it (test use only)",
+        kInjectDeviceFaultRequestId, kInjectDeviceHangRequestId);
   }
 
   gpr_set_log_function(&LogFromGrpc);

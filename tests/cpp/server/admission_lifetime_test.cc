@@ -1,6 +1,6 @@
 // An Admission that outlives its AttentionRuntime. A DecodeStep's answer keeps its admission until
 // gRPC drops the answer's slices, and nothing in gRPC's API promises that happens before the
-// server destroys the runtime (whose destructor waits for admissions only 10 s).
+// server destroys the runtime (whose destructor waits for its jobs, not for admissions).
 //
 // Before the fix the admission pointed at the runtime, and releasing it locked and decremented the
 // runtime's freed memory. The test refills that memory with zeros (glibc hands the freed block
@@ -22,7 +22,7 @@
 namespace flashserve {
 namespace {
 
-constexpr unsigned kChildSeconds = 30;  // the runtime's destructor alone waits 10 s
+constexpr unsigned kChildSeconds = 30;  // a hang on a garbage lock ends here
 constexpr int kRefills = 64;            // blocks of the runtime's size allocated after it is gone
 
 // Never runs a job: the test only admits.
@@ -49,7 +49,7 @@ int ReleaseAdmissionAfterTheRuntime() {
   runtime_testing::Harness<IdleBackend> h(/*capacity=*/1);
   AttentionRuntime::Admission admission = h.runtime->Admit();
   if (!admission) return 2;
-  h.runtime.reset();  // ~Server: the runtime goes (after 10 s) while gRPC still holds an answer
+  h.runtime.reset();  // ~Server: the runtime goes while gRPC still holds an answer
   std::vector<std::unique_ptr<char[]>> refills;
   for (int i = 0; i < kRefills; ++i) {
     refills.emplace_back(new char[sizeof(AttentionRuntime)]);

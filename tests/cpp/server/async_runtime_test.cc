@@ -2,7 +2,11 @@
 // at once and the job completes later on another thread. The scheduler worker is free meanwhile,
 // WaitIdle waits for jobs still "on the device", admission bytes are released on completion, and an
 // OOM-like failure leaves the next request unaffected.
+#include <unistd.h>
+
+#include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <future>
@@ -109,7 +113,7 @@ struct Harness : runtime_testing::Harness<AsyncFakeBackend> {
       : runtime_testing::Harness<AsyncFakeBackend>(capacity, max_inflight_bytes) {}
   ~Harness() {
     backend.Release(1000);
-    runtime->WaitIdle(absl::Now() + absl::Seconds(10));
+    if (runtime != nullptr) runtime->WaitIdle(absl::Now() + absl::Seconds(10));
   }
 };
 
@@ -197,6 +201,39 @@ TEST(AsyncRuntime, FullQueueIsRefusedAtOnceWhileJobsRun) {
   unblock.set_value();
   h.backend.Release(1);
   EXPECT_TRUE(queued.get().ok());
+}
+
+// A job the device completes late, after the server began to destroy the runtime (a drain that
+// ran out, then ~Server). The completion runs Finish and done() on the runtime, so the destructor
+// must wait for it however long it takes. Before the fix it gave up after 10 s, and the
+// completion then ran on freed memory. Runs in a child process: on old code the late completion
+// would corrupt the heap of the whole test binary.
+int DestroyTheRuntimeUnderALateCompletion() {
+  alarm(40);
+  Harness h;
+  v1::AttentionRequest request = Request();
+  v1::AttentionResponse response;
+  std::future<absl::Status> result = h.Submit(&request, &response);
+  h.backend.WaitLaunched(1);
+  std::atomic<bool> destroyed{false};
+  std::thread teardown([&] {
+    h.runtime.reset();
+    destroyed = true;
+  });
+  absl::SleepFor(absl::Milliseconds(10500));  // past the old destructor's 10 s
+  if (destroyed.load()) {                     // gone while the job is still on the device
+    teardown.join();
+    std::_Exit(1);  // before the completion would run on the freed runtime
+  }
+  h.backend.Release(1);
+  teardown.join();
+  const absl::Status status = result.get();
+  return status.ok() && response.kernel() == "async_fake" ? 0 : 2;
+}
+
+TEST(AsyncRuntimeDeathTest, TheRuntimeWaitsForAJobTheDeviceCompletesLate) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(DestroyTheRuntimeUnderALateCompletion()), ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

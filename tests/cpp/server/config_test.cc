@@ -280,5 +280,29 @@ TEST(ServeLoopTest, LingerEndsAtTheDeadlineOrAtASignal) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
 
+// A shutdown stuck behind a launch the device never completes: the process ends with the given
+// code once the limit passes, running no destructors (the stuck one would never return).
+TEST(ServeLoopDeathTest, ShutdownPastItsLimitEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto stuck_teardown = [] {
+    ExitIfShutdownOutlasts(absl::Milliseconds(100), ShutdownOptions::kExitBackendUnhealthy);
+    absl::SleepFor(absl::Seconds(60));  // a destructor waiting for the device
+    std::exit(0);
+  };
+  const absl::Time start = absl::Now();
+  EXPECT_EXIT(stuck_teardown(), ::testing::ExitedWithCode(ShutdownOptions::kExitBackendUnhealthy),
+              "");
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));
+}
+
+TEST(ServeLoopDeathTest, ShutdownWithinItsLimitExitsAsItWould) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto quick_teardown = [] {
+    ExitIfShutdownOutlasts(absl::Seconds(30), ShutdownOptions::kExitBackendUnhealthy);
+    std::exit(0);
+  };
+  EXPECT_EXIT(quick_teardown(), ::testing::ExitedWithCode(0), "");
+}
+
 }  // namespace
 }  // namespace flashserve
