@@ -26,6 +26,11 @@ KvCacheMetrics::KvCacheMetrics(metrics::Registry* registry) {
                                        "Appends (an Append's layer, a DecodeStep item) whose "
                                        "expected_length found the rows appended by an earlier try")
                           .Get();
+  already_created_ = registry
+                         ->AddCounter("flashserve_kv_sequences_already_created_total",
+                                      "CreateSequence calls whose create_token named the sequence "
+                                      "an earlier try created: answered with it, nothing created")
+                         .Get();
   refused_ = &registry->AddCounter("flashserve_kv_refusals_total",
                                    "Sequence calls refused, by reason", {"reason"});
   for (std::string_view reason : {"pool_full", "max_sequences", "not_found", "length_mismatch"}) {

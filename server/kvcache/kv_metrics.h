@@ -24,6 +24,9 @@ class KvCacheMetrics {
   /// Layers of an Append or DecodeStep items whose expected_length found their rows already
   /// appended by an earlier try (a retry after a lost answer), not appended again.
   void RecordAlreadyAppended(int64_t n) { already_appended_->Increment(uint64_t(n)); }
+  /// A CreateSequence whose create_token named a sequence an earlier try made (a retry after a
+  /// lost answer): answered with it, nothing created.
+  void RecordAlreadyCreated() { already_created_->Increment(); }
   /// One paged launch: sequences (items) in it and DecodeStep calls merged into it.
   void RecordLaunch(int64_t sequences, int64_t calls);
 
@@ -37,6 +40,7 @@ class KvCacheMetrics {
   metrics::Counter* released_;
   metrics::Counter* evicted_;
   metrics::Counter* already_appended_;
+  metrics::Counter* already_created_;
   metrics::Family<metrics::Counter>* refused_;
   metrics::Histogram* launch_sequences_;
   metrics::Histogram* launch_calls_;

@@ -89,7 +89,8 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
                      " would hold more than 2^31 - 1 of them, which page tables cannot "
                      "number (raise --kv_page_tokens or lower --kv_cache_bytes)"));
   }
-  const int64_t limit = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
+  if (absl::Status s = CheckCreateToken(request.create_token); !s.ok()) return s;
+  const int64_t limit = MaxTokensOf(request);
   std::vector<bool> seen(size_t(shape.num_layers), false);
   for (const LayerRows& rows : request.prefix) {
     if (rows.layer < 0 || rows.layer >= shape.num_layers || seen[size_t(rows.layer)]) {
@@ -107,60 +108,129 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
   return absl::OkStatus();
 }
 
+int64_t SequenceCache::MaxTokensOf(const CreateRequest& request) const {
+  return request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
+}
+
 absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request,
                                                              absl::Time deadline) {
   if (absl::Status s = ValidateCreate(request); !s.ok()) return s;
   absl::StatusOr<std::string> id = NewSequenceId();
   if (!id.ok()) return id.status();
-  auto seq = std::make_unique<Sequence>();
-  seq->id = *id;
-  // Cut on a character boundary: SequenceInfo returns it in a proto3 string.
-  seq->label = std::string(Utf8Prefix(request.label, 128));
-  seq->shape = request.shape;
-  seq->format = FormatFor(request.shape, options_.page_tokens);
-  seq->max_tokens = request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
-  seq->lengths.assign(size_t(request.shape.num_layers), 0);
-  seq->page_ids.resize(size_t(request.shape.num_layers));
+  std::unique_ptr<Sequence> seq = NewSequence(request, *std::move(id));
   std::vector<PageRun> runs;
   for (const LayerRows& rows : request.prefix)
     runs.push_back(RunToGrow(*seq, rows.layer, rows.k.rows));
   std::vector<int64_t> fresh;
   Sequence* raw = seq.get();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     MaybeEvictLocked();
-    if (int64_t(table_.size()) >= options_.max_sequences) EvictIdleLocked();
-    if (int64_t(table_.size()) >= options_.max_sequences) {
-      if (metrics_ != nullptr) metrics_->RecordRefused("max_sequences");
-      return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
-                                                       " live (--max_sequences); release some"));
+    // Looked up and admitted under one hold of mu_: two creates with one token make one sequence.
+    absl::StatusOr<Sequence*> earlier = FindCreatedLocked(request, &lock, deadline);
+    if (!earlier.ok()) return earlier.status();
+    if (*earlier != nullptr) return AnswerCreatedLocked(*earlier);
+    if (absl::Status s = AdmitLocked(std::move(seq), runs, &fresh); !s.ok()) return s;
+  }
+  return FinishCreate(raw, WritePrefix(raw, request.prefix, &fresh), deadline, &fresh);
+}
+
+std::unique_ptr<SequenceCache::Sequence> SequenceCache::NewSequence(const CreateRequest& request,
+                                                                    std::string id) const {
+  auto seq = std::make_unique<Sequence>();
+  seq->id = std::move(id);
+  // Cut on a character boundary: SequenceInfo returns it in a proto3 string.
+  seq->label = std::string(Utf8Prefix(request.label, 128));
+  seq->shape = request.shape;
+  seq->format = FormatFor(request.shape, options_.page_tokens);
+  seq->max_tokens = MaxTokensOf(request);
+  seq->lengths.assign(size_t(request.shape.num_layers), 0);
+  seq->page_ids.resize(size_t(request.shape.num_layers));
+  seq->create_token = request.create_token;
+  seq->prefix_rows = PrefixRowsOf(request);
+  return seq;
+}
+
+absl::StatusOr<SequenceCache::Sequence*> SequenceCache::FindCreatedLocked(
+    const CreateRequest& request, std::unique_lock<std::mutex>* lock, absl::Time deadline) {
+  if (request.create_token.empty()) return nullptr;
+  while (true) {
+    auto it = tokens_.find(request.create_token);
+    if (it == tokens_.end()) return nullptr;
+    Sequence* seq = it->second;
+    if (seq->ready) {
+      if (absl::Status s = CheckSameCreate(*seq, request); !s.ok()) return s;
+      return seq;
     }
-    if (absl::Status s = TakePages(raw->format.page_bytes, runs, {}, &fresh); !s.ok()) return s;
-    raw->pins = 1;  // hidden (not ready) and pinned while its prefix is written
-    raw->last_used = Now();
-    table_.emplace(raw->id, std::move(seq));
-    PublishLocked();
+    // Its create is writing the prefix (an earlier try of this one, whose client stopped
+    // waiting): answer it once it is ready, or create anew if it fails.
+    ++token_waiters_[request.create_token];
+    const bool in_time = WaitLocked(&settled_, lock, deadline);
+    if (--token_waiters_[request.create_token] == 0) token_waiters_.erase(request.create_token);
+    if (!in_time) {
+      return absl::DeadlineExceededError(
+          "the call's deadline passed while it waited for another create with the same "
+          "create_token to write its prefix; nothing was created (retry with the same token)");
+    }
   }
-  // Written outside the lock: nobody can name the sequence before it is ready.
-  absl::Status written = absl::OkStatus();
-  for (const LayerRows& rows : request.prefix) {
-    if (written.ok()) written = WriteRows(raw, rows.layer, rows.k, rows.v, &fresh);
+}
+
+SequenceStatus SequenceCache::AnswerCreatedLocked(Sequence* seq) {
+  seq->last_used = Now();
+  if (metrics_ != nullptr) metrics_->RecordAlreadyCreated();
+  SequenceStatus status = StatusOf(*seq);
+  status.already_created = true;
+  return status;
+}
+
+absl::Status SequenceCache::AdmitLocked(std::unique_ptr<Sequence> seq,
+                                        const std::vector<PageRun>& runs,
+                                        std::vector<int64_t>* fresh) {
+  if (int64_t(table_.size()) >= options_.max_sequences) EvictIdleLocked();
+  if (int64_t(table_.size()) >= options_.max_sequences) {
+    if (metrics_ != nullptr) metrics_->RecordRefused("max_sequences");
+    return absl::ResourceExhaustedError(absl::StrCat("too many sequences: ", table_.size(),
+                                                     " live (--max_sequences); release some"));
   }
-  // A client that stopped waiting would leave the sequence unnamed until its TTL (a re-prefill
-  // storm under tight deadlines piled them up): not kept.
-  if (written.ok()) written = CheckDeadline(Now(), deadline, "while its prefix was written");
+  if (absl::Status s = TakePages(seq->format.page_bytes, runs, {}, fresh); !s.ok()) return s;
+  seq->pins = 1;  // hidden (not ready) and pinned while its prefix is written
+  seq->last_used = Now();
+  if (!seq->create_token.empty()) tokens_.emplace(seq->create_token, seq.get());
+  Sequence* raw = seq.get();
+  table_.emplace(raw->id, std::move(seq));
+  PublishLocked();
+  return absl::OkStatus();
+}
+
+absl::Status SequenceCache::WritePrefix(Sequence* seq, const std::vector<LayerRows>& prefix,
+                                        std::vector<int64_t>* fresh) {
+  for (const LayerRows& rows : prefix) {
+    if (absl::Status s = WriteRows(seq, rows.layer, rows.k, rows.v, fresh); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceStatus> SequenceCache::FinishCreate(Sequence* seq, absl::Status written,
+                                                           absl::Time deadline,
+                                                           std::vector<int64_t>* fresh) {
   std::lock_guard<std::mutex> lock(mu_);
-  raw->pins = 0;
+  settled_.notify_all();  // the creates waiting for its token look again once mu_ is free
+  seq->pins = 0;
+  // A client that stopped waiting would leave the sequence unnamed until its TTL (a re-prefill
+  // storm under tight deadlines piled them up): not kept -- unless a retry with its token waits
+  // for it (the retry names it; dropped, the retry would write the prefix all over again).
+  if (written.ok() && token_waiters_.count(seq->create_token) == 0)
+    written = CheckDeadline(Now(), deadline, "while its prefix was written");
   if (!written.ok()) {
-    pages_.Free(raw->format.page_bytes, fresh);  // taken for layers not reached
-    Remove(raw);
+    pages_.Free(seq->format.page_bytes, *fresh);  // taken for layers not reached
+    Remove(seq);                                  // with its token: a retry creates anew
     PublishLocked();
     return written;
   }
-  raw->ready = true;
-  raw->last_used = Now();
+  seq->ready = true;
+  seq->last_used = Now();
   if (metrics_ != nullptr) metrics_->RecordCreated();
-  return StatusOf(*raw);
+  return StatusOf(*seq);
 }
 
 int64_t SequenceCache::PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const {
@@ -267,6 +337,9 @@ void SequenceCache::FreePages(Sequence* seq) {
 }
 
 void SequenceCache::Remove(Sequence* seq) {
+  // Tokens live only as long as their sequences: a later create with this one makes a new one.
+  auto token = tokens_.find(seq->create_token);
+  if (token != tokens_.end() && token->second == seq) tokens_.erase(token);
   auto it = table_.find(seq->id);
   std::unique_ptr<Sequence> owned = std::move(it->second);
   table_.erase(it);

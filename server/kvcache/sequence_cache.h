@@ -49,6 +49,10 @@ struct CreateRequest {
   int64_t max_tokens = 0;  // 0: max_sequence_tokens
   std::string label;
   std::vector<LayerRows> prefix;  // at most one per layer
+  // Empty, or 16..64 characters of [0-9A-Za-z_-] chosen by the client (sequences.proto
+  // CreateSequenceRequest.create_token): a create whose token names a live sequence made with it
+  // answers that sequence instead of making another (a retry after a lost answer).
+  std::string create_token;
 };
 
 struct SequenceStatus {
@@ -59,6 +63,9 @@ struct SequenceStatus {
   int64_t max_tokens = 0;
   absl::Duration idle;
   int64_t bytes = 0;  // pool bytes held
+  // CreateSequence only: the request's create_token named this sequence, made by an earlier try;
+  // nothing was created.
+  bool already_created = false;
 };
 
 /// One sequence's part of a step: append k/v (rows may be 0) to `layer`, then attend q.
@@ -122,7 +129,11 @@ class SequenceCache {
   ~SequenceCache();
 
   /// A new sequence with its prefix written. RESOURCE_EXHAUSTED: no room or max_sequences;
-  /// DEADLINE_EXCEEDED (nothing kept) when `deadline` passed while the prefix was written.
+  /// DEADLINE_EXCEEDED (nothing kept) when `deadline` passed while the prefix was written, unless
+  /// a create with its token waits for it. With a create_token that names a live sequence made
+  /// with it: that sequence, already_created (nothing taken; ALREADY_EXISTS when the request's
+  /// settings differ from its). One still writing its prefix is waited for, at most until
+  /// `deadline` (then DEADLINE_EXCEEDED).
   absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request,
                                                 absl::Time deadline = absl::InfiniteFuture());
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
@@ -156,6 +167,29 @@ class SequenceCache {
   Sequence* FindLocked(std::string_view id);  // needs mu_
   Sequence* FindLocked(const std::string& id);
   absl::Status ValidateCreate(const CreateRequest& request) const;
+  int64_t MaxTokensOf(const CreateRequest& request) const;  // 0 -> --max_sequence_tokens
+  // The record of a new sequence for `request` (no pages yet).
+  std::unique_ptr<Sequence> NewSequence(const CreateRequest& request, std::string id) const;
+  // The ready sequence request.create_token names, or null when none does (no token, or its
+  // sequence is gone). Waits, releasing mu_, while the create holding the token writes its prefix
+  // (it may still fail and forget the token); DEADLINE_EXCEEDED once `deadline` passes meanwhile.
+  // ALREADY_EXISTS when the sequence was made with other settings than the request's.
+  absl::StatusOr<Sequence*> FindCreatedLocked(const CreateRequest& request,
+                                              std::unique_lock<std::mutex>* lock,
+                                              absl::Time deadline);  // needs mu_
+  // ALREADY_EXISTS naming the first setting in which `request` differs from the create that made
+  // `seq` (its shape, effective max_tokens, prefix rows per layer).
+  absl::Status CheckSameCreate(const Sequence& seq, const CreateRequest& request) const;
+  // The answer to a create whose token named `seq`: a use of it, already_created.
+  SequenceStatus AnswerCreatedLocked(Sequence* seq);  // needs mu_
+  // Writes the prefix outside the lock (the sequence is hidden: nobody can name it yet).
+  absl::Status WritePrefix(Sequence* seq, const std::vector<LayerRows>& prefix,
+                           std::vector<int64_t>* fresh);
+  // Shows the admitted sequence once `written` is OK and `deadline` has not passed (or a create
+  // with its token waits for it); otherwise frees it (with its token and the pages not reached in
+  // *fresh) and returns why. Wakes the creates waiting for its token.
+  absl::StatusOr<SequenceStatus> FinishCreate(Sequence* seq, absl::Status written,
+                                              absl::Time deadline, std::vector<int64_t>* fresh);
   // Also sets (*fresh_rows)[i]: the rows item i appends (0 when expected_length finds them there).
   absl::Status ValidateStep(const std::vector<StepItem>& items, const std::vector<Sequence*>& found,
                             std::vector<int64_t>* fresh_rows) const;
@@ -169,6 +203,10 @@ class SequenceCache {
     int64_t count = 0;
   };
   PageRun RunToGrow(const Sequence& seq, int layer, int64_t new_length) const;
+  // Puts `seq` into the table, hidden and pinned, with the pages of `runs` taken into *fresh
+  // (RESOURCE_EXHAUSTED: --max_sequences, or no room) and its token into tokens_.
+  absl::Status AdmitLocked(std::unique_ptr<Sequence> seq, const std::vector<PageRun>& runs,
+                           std::vector<int64_t>* fresh);  // needs mu_
   // Takes every run's pages of `page_bytes` (all or nothing), evicting idle sequences first if
   // that makes room -- never one of `in_use`, the sequences the call works on (pinned meanwhile:
   // however long ago the clock says they were used, they must not be freed under the call).
@@ -197,6 +235,9 @@ class SequenceCache {
   // Waits (mu_ held through `lock`) until an append ends or `deadline` passes; false once it has
   // passed. Waits in slices that re-read Now(), so a test's clock ends the wait too.
   bool WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline);
+  // The same for any of the cache's conditions (`cv` waits on mu_).
+  bool WaitLocked(std::condition_variable* cv, std::unique_lock<std::mutex>* lock,
+                  absl::Time deadline);
   // Validates an Append's rows against `seq`; the pages each layer taking rows grows by in
   // *runs (in the order of `rows`), the layers whose rows are already there (expected_length) in
   // *already.
@@ -218,8 +259,14 @@ class SequenceCache {
   // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
   std::mutex mu_;
   std::condition_variable appended_;  // a Sequence::appending went false
+  std::condition_variable settled_;   // a hidden (being created) sequence became ready or went
   PageAllocator pages_;
   std::unordered_map<std::string, std::unique_ptr<Sequence>> table_;
+  // create_token -> the sequence of table_ made with it (hidden ones too). An entry leaves with
+  // its sequence (Remove), so there are at most --max_sequences.
+  std::unordered_map<std::string, Sequence*> tokens_;
+  // create_token -> creates waiting (FindCreatedLocked) for the hidden sequence made with it.
+  std::unordered_map<std::string, int> token_waiters_;
   // Released or evicted while pinned: freed by the last Unpin.
   std::unordered_map<Sequence*, std::unique_ptr<Sequence>> retired_;
   absl::Time last_sweep_;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -30,6 +31,10 @@ struct SequenceCache::Sequence {
   // An Append is copying rows into pages past `lengths` outside the lock: other appends and steps
   // on this sequence wait for it (SequenceCache::appended_).
   bool appending = false;
+  // Its create's token (empty: none) and prefix rows per layer: a create naming the token is
+  // answered with this sequence if it asks for the same settings.
+  std::string create_token;
+  std::vector<int64_t> prefix_rows;
 
   int64_t page_count() const {
     int64_t n = 0;
@@ -51,6 +56,11 @@ absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expecte
 /// (its client has stopped waiting and must not find the call's rows, or a sequence, applied
 /// later).
 absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* while_what);
+/// INVALID_ARGUMENT unless `token` is empty or 16..64 characters of [0-9A-Za-z_-]. The message
+/// gives its length, never the token (client data, and whoever has it can obtain the sequence).
+absl::Status CheckCreateToken(std::string_view token);
+/// Per layer of a validated create: the rows its prefix gives (0 for a layer without).
+std::vector<int64_t> PrefixRowsOf(const CreateRequest& request);
 /// INVALID_ARGUMENT unless a and b have the same heads, head_dim and dtype.
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b);
 

@@ -1,4 +1,11 @@
-// Shape and dtype checks of the rows a client sends against its sequence.
+// Shape and dtype checks of the rows a client sends against its sequence, and of a create's
+// token against the sequence it names.
+#include <algorithm>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "kvcache/sequence_cache_internal.h"
 
@@ -61,6 +68,66 @@ absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* whil
   if (now < deadline) return absl::OkStatus();
   return absl::DeadlineExceededError(
       absl::StrCat("the call's deadline passed ", while_what, "; nothing of it was kept"));
+}
+
+absl::Status CheckCreateToken(std::string_view token) {
+  constexpr size_t kMinTokenChars = 16, kMaxTokenChars = 64;
+  const auto allowed = [](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' ||
+           c == '-';
+  };
+  if (token.empty()) return absl::OkStatus();
+  if (token.size() >= kMinTokenChars && token.size() <= kMaxTokenChars &&
+      std::all_of(token.begin(), token.end(), allowed)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("create_token must be ", kMinTokenChars, " to ", kMaxTokenChars,
+                   " characters of [0-9A-Za-z_-] (random: at least 128 bits); got a malformed "
+                   "token (",
+                   token.size(), " bytes)"));
+}
+
+std::vector<int64_t> PrefixRowsOf(const CreateRequest& request) {
+  std::vector<int64_t> rows(size_t(request.shape.num_layers), 0);
+  for (const LayerRows& r : request.prefix) rows[size_t(r.layer)] = r.k.rows;
+  return rows;
+}
+
+absl::Status SequenceCache::CheckSameCreate(const Sequence& seq,
+                                            const CreateRequest& request) const {
+  // Settings, and the prefix's row counts, not its bytes (as expected_length compares lengths):
+  // the client asserts that it sends a token with one request only.
+  const auto differs = [](const std::string& what, const std::string& made,
+                          const std::string& asked) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "create_token names a sequence created with ", what, " = ", made, ", this request has ",
+        asked, ": a token is for retrying one create (use a new token for a new sequence)"));
+  };
+  const SequenceShape& made = seq.shape;
+  const SequenceShape& asked = request.shape;
+  const std::pair<const char*, std::pair<int64_t, int64_t>> numbers[] = {
+      {"num_layers", {made.num_layers, asked.num_layers}},
+      {"heads_q", {made.heads_q, asked.heads_q}},
+      {"heads_kv", {made.heads_kv, asked.heads_kv}},
+      {"head_dim", {made.head_dim, asked.head_dim}},
+      {"max_tokens", {seq.max_tokens, MaxTokensOf(request)}}};
+  for (const auto& [what, values] : numbers) {
+    if (values.first != values.second)
+      return differs(what, absl::StrCat(values.first), absl::StrCat(values.second));
+  }
+  if (made.dtype != asked.dtype) {
+    return differs("dtype", std::string(kernels::dtype_name(made.dtype)),
+                   std::string(kernels::dtype_name(asked.dtype)));
+  }
+  const std::vector<int64_t> rows = PrefixRowsOf(request);
+  for (size_t layer = 0; layer < rows.size(); ++layer) {
+    if (rows[layer] != seq.prefix_rows[layer]) {
+      return differs(absl::StrCat("prefix rows of layer ", layer),
+                     absl::StrCat(seq.prefix_rows[layer]), absl::StrCat(rows[layer]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CheckSameShape(const SequenceShape& a, const SequenceShape& b) {

@@ -8,14 +8,20 @@
 
 namespace flashserve::kvcache {
 namespace {
-// How long a call waiting for another append sleeps before it looks at the clock again.
-constexpr absl::Duration kAppendWaitSlice = absl::Milliseconds(20);
+// How long a call waiting for another append (or create) sleeps before it looks at the clock
+// again.
+constexpr absl::Duration kWaitSlice = absl::Milliseconds(20);
 }  // namespace
 
 bool SequenceCache::WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline) {
+  return WaitLocked(&appended_, lock, deadline);
+}
+
+bool SequenceCache::WaitLocked(std::condition_variable* cv, std::unique_lock<std::mutex>* lock,
+                               absl::Time deadline) {
   const absl::Duration left = deadline - Now();
   if (left <= absl::ZeroDuration()) return false;
-  appended_.wait_for(*lock, absl::ToChronoNanoseconds(std::min(left, kAppendWaitSlice)));
+  cv->wait_for(*lock, absl::ToChronoNanoseconds(std::min(left, kWaitSlice)));
   return true;
 }
 

@@ -3,15 +3,16 @@ the bookkeeping of calls that failed after sending rows (sequence_client.py's mo
 
 from __future__ import annotations
 
+import secrets
 import time
-from typing import Iterable, List
+from typing import Iterable, List, Optional
 
 import grpc
 
 from . import tensors
 from ._pb import sequences_pb2 as spb
 from ._wire import create_request_bytes
-from .errors import FlashserveError, NotFoundError, UnavailableError, error_for
+from .errors import DeadlineExceededError, FlashserveError, NotFoundError, UnavailableError, error_for
 from .sequences import Sequence
 
 # Failures after which the server may or may not have appended the rows it was sent.
@@ -23,6 +24,15 @@ _AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc
 _MAY_LAND = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
 # Retries through a single endpoint after UNAVAILABLE wait 0.1, 0.2, 0.4 ... s.
 _UNAVAILABLE_BACKOFF_S = 0.1
+# CreateSequence failures after which the server may have made the sequence (its answer lost on the way, or the
+# deadline raced it): the create is sent again with the same create_token, and the server answers that sequence.
+_CREATE_MAY_HAVE_RUN = (UnavailableError, DeadlineExceededError)
+
+
+def new_create_token() -> str:
+    """A fresh CreateSequenceRequest.create_token: 128 random bits, URL-safe (22 characters). It is all a retry needs
+    to obtain the sequence's id, so it is random and kept like the id."""
+    return secrets.token_urlsafe(16)
 
 
 def _mark_uncertain(seqs: Iterable[Sequence], sent_ids: Iterable[str], code: grpc.StatusCode) -> None:
@@ -39,31 +49,51 @@ class _Recovery:
     """Mixin of SequenceClient (which supplies endpoints, reprefill, max_attempts, stats, _lock, _rpc, pick and
     mark_down)."""
 
-    def _create_request(self, seq: Sequence, prefix) -> bytes:
+    def _create_request(self, seq: Sequence, prefix, create_token: str) -> bytes:
         """The CreateSequenceRequest's wire bytes (_wire.py: the prefix's bytes copied once)."""
         s = seq.spec
         header = spb.CreateSequenceRequest(num_layers=s.num_layers, heads_q=s.heads_q, heads_kv=s.heads_kv,
                                            head_dim=s.head_dim, dtype=tensors.PROTO_DTYPE[s.dtype],
-                                           max_tokens=seq.max_tokens, label=seq.label)
+                                           max_tokens=seq.max_tokens, label=seq.label, create_token=create_token)
         return create_request_bytes(header, prefix)
 
-    def _create_on_ring(self, seq: Sequence, prefix, timeout) -> None:
-        """CreateSequence on the key's endpoint; an unreachable endpoint is marked down and the next one tried."""
-        request = self._create_request(seq, prefix)
-        for _ in range(len(self.endpoints)):
+    def _create_on_ring(self, seq: Sequence, prefix, timeout, create_token: Optional[str] = None) -> None:
+        """CreateSequence on the key's endpoint, with ``create_token`` (default: a fresh one). A try whose answer may
+        have been lost (UNAVAILABLE through one endpoint, DEADLINE_EXCEEDED) is sent again as it was, token
+        included, up to max_attempts tries (the calls' retry policy: none without reprefill; UNAVAILABLE waits
+        0.1, 0.2 ... s): the server answers the sequence a lost try made instead of making a second one that would
+        hold pages until its TTL. With several endpoints an UNAVAILABLE one is marked down and the next one tried."""
+        request = self._create_request(seq, prefix, create_token or new_create_token())
+        failovers = retries = 0
+        while failovers < len(self.endpoints):
             endpoint = self.pick(seq.key)
             try:
                 response = self._rpc(endpoint, "CreateSequence", request, seq.key, timeout)
-            except UnavailableError:
-                if len(self.endpoints) == 1 or not self.reprefill:
+            except _CREATE_MAY_HAVE_RUN as e:
+                if not self.reprefill:
                     raise
-                self.mark_down(endpoint)
+                if isinstance(e, UnavailableError) and len(self.endpoints) > 1:
+                    self.mark_down(endpoint)  # the server left: the ring's next endpoint
+                    failovers += 1
+                    continue
+                retries += 1
+                if retries >= self.max_attempts:
+                    raise
+                if isinstance(e, UnavailableError):
+                    time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** (retries - 1))
                 continue
-            seq.id, seq.endpoint, seq.uncertain, seq.may_land = response.sequence_id, endpoint, False, False
-            seq.max_tokens = int(response.max_tokens) or seq.max_tokens
-            seq.lengths = [int(n) for n in response.layer_lengths] or [0] * seq.spec.num_layers
+            self._created(seq, endpoint, response)
             return
         raise error_for(grpc.StatusCode.UNAVAILABLE, f"no endpoint could create the sequence ({self.endpoints})")
+
+    def _created(self, seq: Sequence, endpoint: str, response) -> None:
+        """seq is now the CreateSequenceResponse's sequence on ``endpoint``."""
+        if response.already_created:  # a retry found the sequence its lost try made
+            with self._lock:
+                self.stats["already_created"] += 1
+        seq.id, seq.endpoint, seq.uncertain, seq.may_land = response.sequence_id, endpoint, False, False
+        seq.max_tokens = int(response.max_tokens) or seq.max_tokens
+        seq.lengths = [int(n) for n in response.layer_lengths] or [0] * seq.spec.num_layers
 
     def _reprefill(self, seq: Sequence, failed_id: str, timeout) -> None:
         """Re-creates seq with every row the server should hold, unless another thread already did."""
@@ -78,6 +108,8 @@ class _Recovery:
                 raise error_for(grpc.StatusCode.NOT_FOUND,
                                 f"sequence {failed_id} was lost by {seq.endpoint} and the client keeps no history "
                                 "(keep_history=False and no prefix_source) to re-create it")
+            # A new create_token (the default): the lost sequence's token is not this create's -- and where the
+            # sequence was only given up on (_settle_uncertain), the server may still hold it under the old one.
             self._create_on_ring(seq, prefix, timeout)
             seq.reprefills += 1
             with self._lock:

@@ -20,6 +20,13 @@ try was applied finds its rows there and is not applied again), so a retried ste
 wrong answer, only a slower one. Only an append's answer sets a layer's length, and an answer from a sequence id the
 client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
 
+Creates: every CreateSequence carries a create_token (a fresh ``secrets.token_urlsafe(16)``, or ``create(...,
+create_token=...)``). A create that failed with UNAVAILABLE (through one endpoint) or DEADLINE_EXCEEDED may have made
+the sequence with its answer lost; it is sent again with the same token (up to ``max_attempts`` tries, as other calls;
+none with ``reprefill=False``), and the server answers the sequence the lost try made (``already_created``, counted in
+``stats["already_created"]``) instead of making a second one that would hold pages until its TTL. A re-create after
+NOT_FOUND uses a new token.
+
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
 messages, errors and missing ids), one connection per thread; create, append, release and info stay on gRPC. A
@@ -91,8 +98,9 @@ class SequenceClient(_Recovery, _DecodeSteps):
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
         # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
         # already_appended: appends a retry found applied by its lost first try (expected_length), not applied again.
+        # already_created: creates whose retry found the sequence its lost try made (create_token).
         self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0,
-                      "already_appended": 0}
+                      "already_appended": 0, "already_created": 0}
         unknown = set(local_sockets or {}) - set(self.endpoints)
         if unknown:
             raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
@@ -190,14 +198,19 @@ class SequenceClient(_Recovery, _DecodeSteps):
 
     def create(self, num_layers: int, heads_q: int, heads_kv: int, head_dim: int, dtype: str,
                prefix: Optional[Prefix] = None, *, key: Optional[str] = None, max_tokens: int = 0, label: str = "",
-               keep_history: bool = True, prefix_source=None, timeout: Optional[float] = None) -> Sequence:
-        """Creates a sequence (on the ring's endpoint for ``key``) with an optional prefix {layer: (k, v)}."""
+               keep_history: bool = True, prefix_source=None, timeout: Optional[float] = None,
+               create_token: Optional[str] = None) -> Sequence:
+        """Creates a sequence (on the ring's endpoint for ``key``) with an optional prefix {layer: (k, v)}.
+
+        ``create_token``: CreateSequenceRequest.create_token for this create and its retries (default: a fresh
+        ``secrets.token_urlsafe(16)``; 16-64 characters of [0-9A-Za-z_-], random: whoever knows it can obtain the
+        sequence's id). A re-create after the server lost the sequence uses a new one."""
         if dtype not in tensors.PROTO_DTYPE:
             raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"dtype {dtype!r}: expected float16 or bfloat16")
         spec = SequenceSpec(num_layers, heads_q, heads_kv, head_dim, dtype)
         seq = Sequence(self, spec, key, keep_history, prefix_source, max_tokens, label)
         encoded = encode_prefix(prefix)
-        self._create_on_ring(seq, encoded, timeout)
+        self._create_on_ring(seq, encoded, timeout, create_token)
         seq.reset_history(encoded)
         return seq
 

@@ -16,7 +16,9 @@ the source may be the caller's own cache, already holding the rows of the call b
 
 Retries: every append names the layer's length it follows (``expected_length``), so a call retried after its answer
 was lost (a dropped connection, with one endpoint or a proxy) appends its rows once: the server finds them there and
-attends without appending again (``stats["already_appended"]`` counts those).
+attends without appending again (``stats["already_appended"]`` counts those). A create carries a random
+``create_token``: retried after its answer was lost, the server answers the sequence the first try made
+(``stats["already_created"]``) instead of making a second one.
 
 Thread safety: a Sequence may be used from several threads. Appends to the same layer from two threads run one after
 the other (in no defined order); appends to different layers run at once.

@@ -289,6 +289,7 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
   response->set_ttl_ms(absl::ToInt64Milliseconds(sequences_->options().cache.ttl));
   response->set_max_tokens(created->max_tokens);
   for (int64_t length : created->lengths) response->add_layer_lengths(length);
+  response->set_already_created(created->already_created);
   return absl::OkStatus();
 }
 

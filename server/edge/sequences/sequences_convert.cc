@@ -90,6 +90,7 @@ absl::StatusOr<kvcache::CreateRequest> CreateRequestFrom(const v1::CreateSequenc
   out.shape.dtype = static_cast<kernels::DType>(request.dtype());
   out.max_tokens = request.max_tokens();
   out.label = request.label();
+  out.create_token = request.create_token();  // checked by the cache (never echoed)
   for (const v1::LayerKV& layer : request.prefix()) {
     if (layer.has_expected_length()) {
       return absl::InvalidArgumentError(
