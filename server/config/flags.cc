@@ -65,8 +65,8 @@ ABSL_FLAG(bool, enable_fault_injection, false,
           "TEST ONLY: an Attention request whose request_id is "
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
           "computing, to exercise the unhealthy-device path; one whose request_id is "
-          "\"flashserve-test:inject-device-hang\" never completes (CPU backend), to exercise the "
-          "bounded teardown. Never enable in production");
+          "\"flashserve-test:inject-device-hang\" never completes (CUDA: a kernel spins for "
+          "10 minutes), to exercise the bounded shutdown. Never enable in production");
 ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, flashserve::MallocOptions{}.mmap_threshold_bytes,
           "glibc malloc: allocations of at least this many bytes get their own mmap and go back "
           "to the system when freed. A fixed threshold stops glibc from raising it after large "

@@ -48,7 +48,7 @@ struct PhaseTiming {
 enum class InjectedFault {
   kNone,
   kDeviceFault,  // fault the device instead of computing (the sticky-error path)
-  kDeviceHang,   // never complete, not even when cancelled (the CPU backend; CUDA ignores it)
+  kDeviceHang,   // never complete, not even when cancelled (CUDA: a kernel spinning 10 minutes)
 };
 
 /// One job as a backend receives it: the problem, where its tensors are, and how to run it.

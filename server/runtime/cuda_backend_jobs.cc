@@ -17,6 +17,9 @@
 namespace flashserve {
 namespace {
 
+// InjectedFault::kDeviceHang: far past any shutdown bound, yet the GPU comes back by itself.
+constexpr int kInjectedHangSeconds = 600;
+
 // A deliberately pessimistic guess of a job's device time: copies at 10 GB/s (small pinned copies
 // reach less than the link's peak), attention at 100 TFLOP/s.
 double PredictedDeviceUs(const AttentionProblem& problem, const IoLayout& layout) {
@@ -166,7 +169,7 @@ absl::Status CudaBackend::PrepareDeviceBuffer(Slot* slot, const Job& job, char**
 
 int CudaBackend::PipelineChunksFor(Slot* slot, const Job& job, const char* base,
                                    const kernels::AttentionParams& params) {
-  if (job.spec.inject == InjectedFault::kDeviceFault || slot->pipeline == nullptr) return 1;
+  if (job.spec.inject != InjectedFault::kNone || slot->pipeline == nullptr) return 1;
   const int chunks = PipelineChunks(params, job.spec.tensors, job.layout, base != nullptr,
                                     copy_pipeline_chunks_);
   if (chunks == 1) return 1;  // most jobs: decided without the lock
@@ -204,6 +207,8 @@ void CudaBackend::QueueInOrder(Slot* slot, Job* job, char* base,
   job->Step(cudaEventRecord(slot->events[1], stream), "cudaEventRecord");
   if (job->spec.inject == InjectedFault::kDeviceFault && job->launch_error == cudaSuccess) {
     job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
+  } else if (job->spec.inject == InjectedFault::kDeviceHang && job->launch_error == cudaSuccess) {
+    job->Step(kernels::cuda::launch_hang_for_testing(stream, kInjectedHangSeconds), "kernel");
   } else if (job->launch_error == cudaSuccess &&
              job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import flashserve
+from test_gpu_e2e import _gpu_present
 
 pytestmark = pytest.mark.e2e
 
@@ -83,15 +84,18 @@ def test_new_requests_after_sigterm_are_refused_or_served(start_server):
 HANG_ID = "flashserve-test:inject-device-hang"  # with --enable_fault_injection: a job that never completes
 
 
-def test_a_device_that_never_completes_a_launch_bounds_the_exit(start_server):
+@pytest.mark.parametrize("backend", ["cpu", "cuda"])
+def test_a_device_that_never_completes_a_launch_bounds_the_exit(start_server, backend):
     """A job the device never completes holds the end of the drain (gRPC's Shutdown waits for its answer) and the
     teardown (the runtime waits for it, else its completion would run on freed memory). The process must still end:
     20 s after the grace period it exits 3 (restart me) without running destructors. Before the bound it hung for
-    good, its signals blocked."""
-    server = start_server("--enable_fault_injection", "--shutdown_grace_seconds=1", "--worker_threads=1",
-                          name="hang")
+    good, its signals blocked. On CUDA the hang is a real kernel that spins on the GPU (10 minutes at most)."""
+    if backend == "cuda" and not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): the CUDA hang is skipped")
+    server = start_server(f"--backend={backend}", "--enable_fault_injection", "--shutdown_grace_seconds=1",
+                          "--worker_threads=1", name=f"hang_{backend}")
     rng = np.random.default_rng(11)
-    q, k, v = (rng.standard_normal((1, 8, 2, 16)).astype(np.float32) for _ in range(3))
+    q, k, v = (rng.standard_normal((1, 8, 2, 64)).astype(np.float16) for _ in range(3))  # a dtype CUDA serves
     errors = []
 
     def call():

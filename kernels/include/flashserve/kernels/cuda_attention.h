@@ -60,5 +60,8 @@ cudaError_t run(const AttentionParams& p, cudaStream_t stream);
 /// Test hook: queues a kernel that executes a trap instruction, which leaves the context with a
 /// sticky error (cudaErrorLaunchFailure / illegal instruction) once it runs.
 cudaError_t launch_fault_for_testing(cudaStream_t stream);
+/// Test hook: a one-thread kernel that spins for `seconds` (a launch the device does not complete
+/// in any useful time, without faulting), so tests can check how the server's shutdown copes.
+cudaError_t launch_hang_for_testing(cudaStream_t stream, int seconds);
 
 }  // namespace flashserve::kernels::cuda
