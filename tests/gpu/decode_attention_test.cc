@@ -395,6 +395,18 @@ std::vector<DecodeCase> all_cases() {
     cs.push_back({"dims", varlen, {8, 8}, {300, 1000}, 8, 2, d, true, 0});
   }
   cs.back().tag = "san";
+  // d32 and d96 further: one KV head with sequences ending mid-page (the next row NaN-poisoned);
+  // the 64-row kernel's 32-key tiles on pages of 16; pages of 8 with many splits; dense with a
+  // ragged last tile, fp16; large logits.
+  for (int d : {32, 96}) {
+    cs.push_back({"dims", paged, {1, 1, 1, 1}, {1, 63, 64, 2001}, 8, 1, d, false, 64, false, 2});
+    cs.push_back({"dims", paged, {16, 16}, {16, 700}, 16, 4, d, true, 16});
+    cs.push_back({"dims", paged, {1, 4}, {20000, 9}, 8, 2, d, true, 8, true, 1});
+    cs.push_back(
+        {"dims", dense, {1, 1}, {3001, 3001}, 32, 8, d, false, 0, false, 0, 1.f, DType::kFloat16});
+    cs.push_back({"dims", paged, {1, 4}, {3000, 1025}, 8, 2, d, true, 64, true, 0, 8.f});
+  }
+  cs[cs.size() - 10].tag = cs[cs.size() - 5].tag = "san";
   // TMA boxes (sm_90): pages of 8 (8 boxes per operand and tile at d128), 16 and 32 with the
   // 64-row kernel's 32-key tiles (Sq 16 x group 4), 128, d256 (4 column slices) with pages of
   // 16 and 32, d64 dense with a ragged last tile; sequences ending mid-page and on page edges.
