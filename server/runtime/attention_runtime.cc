@@ -75,7 +75,7 @@ AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, Valid
       copier_(copier),
       limits_(std::move(limits)),
       metrics_(metrics),
-      max_inflight_bytes_(max_inflight_bytes),
+      inflight_(std::make_shared<InflightBytes>(max_inflight_bytes)),
       admissions_(std::make_shared<Admission::Core>()) {}
 
 void AttentionRuntime::StopAccepting() {
@@ -106,24 +106,14 @@ AttentionRuntime::Admission::~Admission() {
 
 void AttentionRuntime::Submit(Call call) { Submit(std::move(call), Admission()); }
 
-absl::Status AttentionRuntime::ReserveBytes(int64_t bytes) {
-  const int64_t before = inflight_bytes_.fetch_add(bytes);
-  if (max_inflight_bytes_ > 0 && before + bytes > max_inflight_bytes_ && before > 0) {
-    inflight_bytes_.fetch_sub(bytes);
-    return absl::ResourceExhaustedError(
-        absl::StrCat("server busy: ", before, " tensor bytes in flight + ", bytes,
-                     " for this request exceed --max_inflight_bytes=", max_inflight_bytes_));
-  }
-  return absl::OkStatus();
-}
-
 bool AttentionRuntime::AdmitBytes(Call& call, int64_t bytes) {
-  if (absl::Status s = ReserveBytes(bytes); !s.ok()) {
+  if (absl::Status s = inflight_->Reserve(bytes); !s.ok()) {
     call.done(s);
     return false;
   }
-  call.done = [this, bytes, done = std::move(call.done)](const absl::Status& status) {
-    inflight_bytes_.fetch_sub(bytes);
+  call.done = [inflight = inflight_, bytes,
+               done = std::move(call.done)](const absl::Status& status) {
+    inflight->Release(bytes);
     done(status);
   };
   return true;

@@ -20,6 +20,7 @@
 #include "memory/tensor_bytes.h"
 #include "metrics/server_metrics.h"
 #include "runtime/backend.h"
+#include "runtime/inflight_bytes.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {
@@ -128,12 +129,11 @@ class AttentionRuntime {
   /// before the edges start; must outlive the runtime's calls.
   void set_shm_regions(ShmRegistry* regions) { shm_regions_ = regions; }
   ShmRegistry* shm_regions() { return shm_regions_; }
-  int64_t inflight_bytes() const { return inflight_bytes_.load(); }
-  /// Counts `bytes` of a call that does not go through Submit (the Sequences API) against
-  /// --max_inflight_bytes, by Submit's rule; RESOURCE_EXHAUSTED (nothing counted) when over it.
-  /// Give them back with ReleaseBytes once the call is answered.
-  absl::Status ReserveBytes(int64_t bytes);
-  void ReleaseBytes(int64_t bytes) { inflight_bytes_.fetch_sub(bytes); }
+  int64_t inflight_bytes() const { return inflight_->held(); }
+  /// The count --max_inflight_bytes bounds, for calls that do not go through Submit (the
+  /// Sequences API: CallHold reserves there by Submit's rule and gives the bytes back when
+  /// answered, even after the runtime is gone).
+  std::shared_ptr<InflightBytes> inflight_budget() const { return inflight_; }
 
  private:
   struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)
@@ -158,8 +158,7 @@ class AttentionRuntime {
   const ValidationLimits limits_;
   ServerMetrics* const metrics_;
   ShmRegistry* shm_regions_ = nullptr;
-  const int64_t max_inflight_bytes_;
-  std::atomic<int64_t> inflight_bytes_{0};
+  const std::shared_ptr<InflightBytes> inflight_;  // --max_inflight_bytes
   std::atomic<bool> accepting_{true};    // written under admissions_->mu
   std::atomic<bool> cancelling_{false};  // CancelRunning was called
   // The count of calls admitted or accepted and not yet answered, with its lock: shared with

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "edge/sequences/sequences_shm.h"
@@ -13,20 +15,22 @@
 
 namespace flashserve {
 
-/// Not thread-safe: one owner at a time.
+/// Not thread-safe: one owner at a time. May outlive the runtime (an answer gRPC still holds).
 struct CallHold {
-  AttentionRuntime* runtime = nullptr;
-  int64_t bytes = 0;  // reserved (given back when destroyed)
+  std::shared_ptr<InflightBytes> budget;  // the runtime's count, shared: not the runtime
+  int64_t bytes = 0;                      // reserved (given back when destroyed)
   SequenceShm shm;
   CallHold() = default;
   CallHold(const CallHold&) = delete;
   CallHold& operator=(const CallHold&) = delete;
   ~CallHold() {
-    if (runtime != nullptr) runtime->ReleaseBytes(bytes);
+    if (budget != nullptr) budget->Release(bytes);
   }
+  /// Once per hold.
   absl::Status Reserve(AttentionRuntime* rt, int64_t n) {
-    if (absl::Status s = rt->ReserveBytes(n); !s.ok()) return s;
-    runtime = rt;
+    std::shared_ptr<InflightBytes> count = rt->inflight_budget();
+    if (absl::Status s = count->Reserve(n); !s.ok()) return s;
+    budget = std::move(count);
     bytes = n;
     return absl::OkStatus();
   }
