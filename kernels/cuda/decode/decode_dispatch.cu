@@ -254,6 +254,16 @@ int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
 int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
   const int tiles = key_tiles(p, k);
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
+  // The d64 128-key kernels on dense K/V or pages >= 64 keys with about a block per SM already
+  // (>= 90% of the SMs): no split. Splitting to fill a second block per SM cost more than it
+  // gained there, in partials, the combine and shorter pipelines (H200, session 24, K6, pages of
+  // 64, unsplit vs the plan's count): B4 MHA Sk 512-64k 1.02-1.30x faster unsplit, B16 GQA 32:8
+  // Sk 1k-16k 1.04-1.24x, B5 MHA Sk4k 1.18x. Fewer blocks keep the plan (B2: splits win from
+  // Sk2k, 1.08-1.41x); so do pages < 64, where the plan's split runs the 64-key kernel and the
+  // unsplit 128-key one lost up to 26% (K7: B4 Sk16k pages of 16, 0.133 -> 0.168 ms).
+  const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
+  if (k.block_n == kWideBlockN && whole_tiles && base * 10 >= int64_t{std::max(sm_count, 1)} * 9)
+    return 1;
   const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
   const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
   // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
