@@ -9,7 +9,6 @@
 #include "absl/time/clock.h"
 #include "common/status_macros.h"
 #include "runtime/tensor_placement.h"
-#include "spdlog/spdlog.h"
 
 namespace flashserve {
 namespace {
@@ -37,30 +36,12 @@ struct AttentionRuntime::Admission::Core {
   int64_t outstanding = 0;          // admitted or accepted, not yet answered; guarded by mu
 };
 
-// Counts its Job in the runtime's jobs_ while it lives; the last one lets the destructor return.
-class AttentionRuntime::JobTicket {
- public:
-  explicit JobTicket(AttentionRuntime* runtime) : runtime_(runtime) {
-    std::lock_guard<std::mutex> lock(runtime_->jobs_mu_);
-    ++runtime_->jobs_;
-  }
-  ~JobTicket() {
-    // Notify under the lock: once jobs_ reaches 0 the destructor may return and free the cv.
-    std::lock_guard<std::mutex> lock(runtime_->jobs_mu_);
-    if (--runtime_->jobs_ == 0) runtime_->jobs_ended_.notify_all();
-  }
-  JobTicket(const JobTicket&) = delete;
-  JobTicket& operator=(const JobTicket&) = delete;
-
- private:
-  AttentionRuntime* const runtime_;
-};
-
 // One accepted call from validation to its answer. Its scheduler job and backend completion name
 // the runtime, and both hold the Job: while it lives, the runtime must.
 struct AttentionRuntime::Job {
-  explicit Job(AttentionRuntime* runtime) : ticket(runtime) {}
-  JobTicket ticket;  // first, so destroyed last: after the call's and the placement's destructors
+  explicit Job(JobCount* jobs) : ticket(jobs) {}
+  JobCount::Ticket
+      ticket;  // first, so destroyed last: after the call's and placement's destructors
   Call call;
   AttentionProblem problem;
   TensorPlacement placement;
@@ -149,7 +130,7 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
     return;
   }
   const bool run_inline = backend_->can_launch_now() || call.caller_waits;
-  auto job = std::make_shared<Job>(this);
+  auto job = std::make_shared<Job>(&jobs_);
   job->problem = *problem;
   absl::Status placed = Place(call, job.get());
   if (!placed.ok()) {
@@ -222,10 +203,7 @@ absl::Status AttentionRuntime::Place(Call& call, Job* job) {
 AttentionRuntime::~AttentionRuntime() {
   // After a drain that ran out, CancelRunning makes queued jobs answer at once and CPU work stop;
   // what is left is a launch the device has not completed.
-  std::unique_lock<std::mutex> lock(jobs_mu_);
-  while (!jobs_ended_.wait_for(lock, std::chrono::seconds(10), [this] { return jobs_ == 0; }))
-    spdlog::warn("runtime teardown: still waiting for {} jobs the backend has not completed",
-                 jobs_);
+  jobs_.WaitForNone("attention runtime");
 }
 
 bool AttentionRuntime::WaitIdle(absl::Time deadline) {

@@ -21,6 +21,7 @@
 #include "metrics/server_metrics.h"
 #include "runtime/backend.h"
 #include "runtime/inflight_bytes.h"
+#include "runtime/job_count.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {
@@ -137,7 +138,6 @@ class AttentionRuntime {
 
  private:
   struct Job;  // one accepted call with its placed tensors (attention_runtime.cc)
-  class JobTicket;  // counts a Job in jobs_ for as long as it lives
   // Runs on a scheduler worker: drops expired/cancelled calls, else starts the backend job.
   void Execute(std::shared_ptr<Job> job);
   // Whether nobody wants the call's answer any more, and who said so (for its message).
@@ -164,9 +164,7 @@ class AttentionRuntime {
   // The count of calls admitted or accepted and not yet answered, with its lock: shared with
   // every Admission, so that one released after the runtime is destroyed still finds them.
   const std::shared_ptr<Admission::Core> admissions_;
-  std::mutex jobs_mu_;
-  std::condition_variable jobs_ended_;  // jobs_ reached 0
-  int64_t jobs_ = 0;                    // Jobs alive; guarded by jobs_mu_
+  JobCount jobs_;  // Jobs alive (each holds a ticket)
 };
 
 }  // namespace flashserve

@@ -107,17 +107,8 @@ SequenceRuntime::~SequenceRuntime() {
   // Hands on what the batcher holds (more jobs), then lets every job end: a queued one would run
   // RunCalls on the freed runtime, a running one unpin in the freed cache.
   if (batcher_ != nullptr) batcher_->Stop();  // its batches still call batcher_->BatchDone
-  std::unique_lock<std::mutex> lock(jobs_mu_);
-  jobs_ended_.wait(lock, [this] { return jobs_ == 0; });
-  lock.unlock();
+  jobs_.WaitForNone("sequence runtime");
   batcher_.reset();
-}
-
-void SequenceRuntime::JobEnded() {
-  // Notify under the lock: once jobs_ reaches 0 the destructor may return and free jobs_ended_.
-  std::lock_guard<std::mutex> lock(jobs_mu_);
-  --jobs_;
-  jobs_ended_.notify_all();
 }
 
 void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
@@ -140,20 +131,17 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
 
 void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher,
                                bool run_inline) {
-  {
-    std::lock_guard<std::mutex> lock(jobs_mu_);
-    ++jobs_;
-  }
-  Scheduler::Job job = [this, calls, from_batcher]() mutable {
+  // Shared by the job and this call: a refused job is destroyed in Submit, before the answers
+  // below, which still use this runtime.
+  auto ticket = std::make_shared<JobCount::Ticket>(&jobs_);
+  Scheduler::Job job = [this, calls, from_batcher, ticket]() mutable {
     RunCalls(std::move(calls), from_batcher);
-    JobEnded();
   };
   absl::Status s = run_inline ? scheduler_->SubmitOrRunInline(std::move(job))
                               : scheduler_->Submit(std::move(job));
   if (!s.ok()) {
     for (const auto& call : calls) call->done(s, {});
     if (from_batcher) batcher_->BatchDone();
-    JobEnded();
   }
 }
 

@@ -19,6 +19,7 @@
 #include "kvcache/sequence_cache.h"
 #include "metrics/server_metrics.h"
 #include "runtime/backend.h"
+#include "runtime/job_count.h"
 #include "runtime/scheduler.h"
 
 namespace flashserve {
@@ -121,8 +122,6 @@ class SequenceRuntime {
   void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher, bool run_inline);
   // One paged launch over calls that share a shape, mask and scale; answers each of them.
   void RunLaunch(const std::vector<PreparedDecode*>& launch);
-  // A job of Dispatch ended (it ran, or the scheduler refused it).
-  void JobEnded();
 
   const SequenceRuntimeOptions options_;
   Scheduler* const scheduler_;
@@ -134,9 +133,7 @@ class SequenceRuntime {
   // Jobs handed to the scheduler and not yet ended. They use this runtime (its cache, store and
   // batcher), and the scheduler may run a queued one after its owner began destroying the
   // runtime (the server destroys the runtime first): the destructor waits for them.
-  std::mutex jobs_mu_;
-  std::condition_variable jobs_ended_;
-  int jobs_ = 0;
+  JobCount jobs_;
 };
 
 }  // namespace flashserve
