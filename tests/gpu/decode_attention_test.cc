@@ -627,6 +627,34 @@ TEST(DecodeAttentionApi, SplitHeuristicFillsTheGpu) {
   EXPECT_EQ(fk::decode_num_splits(p, 132), 1);  // one tile: nothing to split
 }
 
+// A grid that already covers most SMs is left whole (decode_dispatch.cu, grid_left_whole): from 90%
+// of the SMs, or from 70% with <= 4096 keys, on dense K/V and pages >= 64; pages of 16, fewer
+// blocks and longer keys at 70-90% keep the wave plan. Runs everywhere (no occupancy read).
+TEST(DecodeAttentionApi, SplitPlanLeavesAFullGridWhole) {
+  static const int32_t kMarker = 0;
+  auto splits = [](int d, int heads_kv, int batch, int keys, int page_size) {
+    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
+                                                      heads_kv, d, false, 0.1f);
+    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
+    return fk::decode_num_splits(p, 132);
+  };
+  for (int page : {0, 64}) {
+    SCOPED_TRACE("page " + std::to_string(page));
+    EXPECT_EQ(splits(128, 8, 20, 4096, page), 1) << "d128 GQA, 160 blocks";
+    EXPECT_EQ(splits(128, 8, 20, 16384, page), 1) << "d128 GQA, 160 blocks";
+    EXPECT_EQ(splits(128, 8, 12, 4096, page), 1) << "d128 GQA, 96 blocks, short";
+    EXPECT_EQ(splits(128, 32, 3, 4096, page), 1) << "d128 MHA, 96 blocks, short";
+    EXPECT_EQ(splits(64, 32, 3, 1024, page), 1) << "d64 MHA, 96 blocks, short";
+    EXPECT_EQ(splits(64, 8, 12, 4096, page), 1) << "d64 GQA, 96 blocks, short";
+    EXPECT_GT(splits(128, 8, 12, 16384, page), 1) << "d128 GQA, 96 blocks, long";
+    EXPECT_GT(splits(64, 32, 3, 16384, page), 1) << "d64 MHA, 96 blocks, long";
+    EXPECT_GT(splits(64, 32, 2, 4096, page), 1) << "d64 MHA, 64 blocks";
+    EXPECT_GT(splits(128, 8, 8, 4096, page), 1) << "d128 GQA, 64 blocks";
+  }
+  EXPECT_GT(splits(128, 8, 12, 4096, 16), 1) << "pages of 16 keep the plan";
+  EXPECT_GT(splits(64, 32, 3, 4096, 16), 1) << "pages of 16 keep the plan";
+}
+
 // The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on
 // whole-tile TMA boxes (dense K/V, pages of 64) plans one block per SM, pages of 16 and d64 two.
 TEST(DecodeAttentionApi, SplitPlanFollowsTheLayout) {

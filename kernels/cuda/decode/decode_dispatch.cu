@@ -74,6 +74,7 @@ constexpr int kMinTilesPerSplit = 2;  // shorter splits spend more on prologue a
 constexpr int kWideBlockN = 128;
 constexpr int kWidePage = 64;         // smallest page it reads when the key axis is split
 constexpr int kLongSplitKeys = 4096;  // splits this long take 2 stages
+constexpr int kShortGridKeys = 4096;  // grid_left_whole: at 70-90% of the SMs, up to this many keys
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
@@ -250,20 +251,32 @@ int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
   return std::clamp(k.blocks_per_sm(), 1, 2);
 }
 
+/// Whether p's unsplit grid of `base` blocks is left whole: splitting it to fill more of the GPU
+/// costs partials, the combine and shorter pipelines, and on a grid that already covers most SMs
+/// that cost more than it gained. Measured for the d64 128-key kernels and the d128 16-row
+/// kernel (16 rows: Sq x group <= 16), on dense K/V or pages >= 64 keys (H200, unsplit vs the
+/// wave-efficiency plan, kernels-decode-h200-2026-11-29-split-rule.md and -split-grid.md):
+///  - grid >= 90% of the SMs: d64 B4 MHA Sk 512-64k 1.02-1.30x faster unsplit, B16 GQA 32:8
+///    1.04-1.24x, B5 Sk4k 1.18x; d128 B20 GQA 32:8 (160 blocks) Sk4k-16k 1.08-1.12x, Sq4 1.21x;
+///  - 70-90% with <= 4096 keys: d64 B3 MHA / B12 GQA Sk1k-4k 1.16-1.25x, d128 B3 MHA / B12 GQA
+///    Sk4k 1.05-1.07x; at Sk16k the split wins there (3-8 splits, 1.03-1.13x), so the rule stops
+///    at 4096 keys.
+/// Pages of 16 keep the plan (the unsplit kernels lost up to 26% there: B4 d64 Sk16k), as do
+/// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way.
+bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count) {
+  const bool measured = k.block_n == kWideBlockN || (k.block_m == 16 && p.head_dim == 128);
+  const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
+  if (!measured || !whole_tiles) return false;
+  const int64_t sms = std::max(sm_count, 1);
+  if (base * 10 >= sms * 9) return true;
+  return base * 10 >= sms * 7 && p.seqlen_k <= kShortGridKeys;
+}
+
 /// decode_num_splits for kernel k.
 int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
   const int tiles = key_tiles(p, k);
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
-  // The d64 128-key kernels on dense K/V or pages >= 64 keys with about a block per SM already
-  // (>= 90% of the SMs): no split. Splitting to fill a second block per SM cost more than it
-  // gained there, in partials, the combine and shorter pipelines (H200, session 24, K6, pages of
-  // 64, unsplit vs the plan's count): B4 MHA Sk 512-64k 1.02-1.30x faster unsplit, B16 GQA 32:8
-  // Sk 1k-16k 1.04-1.24x, B5 MHA Sk4k 1.18x. Fewer blocks keep the plan (B2: splits win from
-  // Sk2k, 1.08-1.41x); so do pages < 64, where the plan's split runs the 64-key kernel and the
-  // unsplit 128-key one lost up to 26% (K7: B4 Sk16k pages of 16, 0.133 -> 0.168 ms).
-  const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
-  if (k.block_n == kWideBlockN && whole_tiles && base * 10 >= int64_t{std::max(sm_count, 1)} * 9)
-    return 1;
+  if (grid_left_whole(p, k, base, sm_count)) return 1;
   const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
   const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
   // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
