@@ -285,20 +285,22 @@ def profile(ours, dtype, l2, sms, args):
 AB_SHAPES = ((128, 32, 8, 64, 1, 8192), (128, 32, 8, 1, 1, 131072), (128, 32, 8, 8, 16, 32768),
              (128, 32, 8, 8, 1, 32768), (128, 32, 8, 256, 1, 1024), (64, 32, 32, 1, 1, 131072),
              (64, 32, 32, 64, 1, 8192))
-COPY_NAMES = {0: "cp.async", 2: "TMA"}
+COPY_NAMES = {-1: "default copy", 0: "cp.async", 2: "TMA"}
 
 
 def parse_variant(text):
-    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2t1', 'c2o1', ...: K/V copy, then optional deep issue (d),
+    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2t1', 'c2o1', 'cx', ...: K/V copy (x: the default, which names
+    the copy that ran in each cell), then optional deep issue (d),
     L2 hint bytes (l), TMA boxes over all 64-column slices (w), key tiles of the d64 16-row kernel
     (t: 0 64 keys, 1 128 keys, 2 / 3 128 keys with 2 / 3 stages; absent: the default, 128 on dense K/V and pages
     >= 64) and, o1, the
     split count that gives one block per SM (16-row kernels only; elsewhere the heuristic's)."""
     import re
-    m = re.fullmatch(r"c(\d)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?", text)
+    m = re.fullmatch(r"c(\d|x)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?", text)
     if not m:
-        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2t1, c2o1)")
-    copy, deep, hint, wide = int(m[1]), int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
+        raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2t1, c2o1, cx)")
+    copy = -1 if m[1] == "x" else int(m[1])
+    deep, hint, wide = int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
     tiles = int(m[5] or -1)
     one_per_sm = m[6] == "1"
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \

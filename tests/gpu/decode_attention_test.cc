@@ -265,19 +265,29 @@ ExpectedTiles expected_tiles(const DecodeCase& c, const fk::DecodeParams& p, int
   return {128, p.seqlen_k / used >= 4096 ? 2 : 3};
 }
 
-// Whether the TMA copy (knob 2, the default) must really run for c, restated from its documented limits
-// (decode_tensor_map.h): sm_90+, head_dim a multiple of 64, no packed varlen K/V, power-of-two
-// pages >= 8 with at most 32 boxes per key tile. Otherwise it falls back to cp.async.
-bool expects_tma(const DecodeCase& c, int block_n) {
+// Whether the TMA copy (knob 2, the default) must really run for c, restated from its documented
+// limits (decode_tensor_map.h): sm_90+, head_dim a multiple of 32 (slices of 64 columns, or 32 at
+// d32 / d96), no packed varlen K/V, power-of-two pages >= 8 with at most 32 boxes per key tile.
+// Otherwise it falls back to cp.async. 32-column slices exist in the 16-row kernels only
+// (DecodeTraits::kHasTma), and by default (forced false) run at d32 on dense K/V or pages >= 64
+// only (decode_dispatch.cu, default_copy_sm90).
+bool expects_tma(const DecodeCase& c, int block_n, bool forced) {
+  if (c.head_dim % 64 != 0) {
+    int max_sq = 0;
+    for (int sq : c.sq) max_sq = std::max(max_sq, sq);
+    if ((c.heads_q / c.heads_kv) * std::max(max_sq, 1) > 16) return false;
+    if (!forced && c.head_dim == 32 && c.layout == Layout::kPaged && c.page_size < 64) return false;
+  }
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      major < 9 || c.head_dim % 64 != 0 || c.layout == Layout::kDenseVarlen)
+      major < 9 || c.head_dim % 32 != 0 || c.layout == Layout::kDenseVarlen)
     return false;
   if (c.layout == Layout::kDense) return true;
   const int ps = c.page_size;
   if (ps < 8 || (ps & (ps - 1)) != 0) return false;
-  return 2 * (c.head_dim / 64) * (block_n / std::min(ps, block_n)) <= 32;
+  const int slices = c.head_dim % 64 == 0 ? c.head_dim / 64 : c.head_dim / 32;
+  return 2 * slices * (block_n / std::min(ps, block_n)) <= 32;
 }
 
 const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts",
@@ -320,7 +330,7 @@ void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const ExpectedTiles want = expected_tiles(c, p, splits);
   if (variant % 2 == 1 && hp.total_q > 0) {
-    ASSERT_EQ(fk::decode::last_copy(), expects_tma(c, want.block_n) ? 2 : 0)
+    ASSERT_EQ(fk::decode::last_copy(), expects_tma(c, want.block_n, variant == 1) ? 2 : 0)
         << "TMA path taken or not";
   }
   if (hp.total_q > 0) {

@@ -79,7 +79,8 @@ constexpr int kShortGridKeys = 4096;  // grid_left_whole: at 70-90% of the SMs, 
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
 // K/V copy on sm_90+ when the knob is unset: 2, TMA boxes (decode_tma.h; problems it cannot
-// load use cp.async). H100 runs 7-8: 1.015-1.18x the cp.async path on every measured shape.
+// load use cp.async) where default_copy_sm90 says they pay. H100 runs 7-8: 1.015-1.18x the
+// cp.async path on every measured shape with 64-column slices.
 constexpr int kDefaultCopySm90 = 2;
 
 template <typename Element, int kHeadDim>
@@ -176,7 +177,17 @@ size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 /// Fills L's TMA fields for p; false (cp.async then) when the TMA path cannot load p. A kernel
 /// built without sm_90 code ignores them (decode_kernel.h selects the pipe per architecture).
+/// The K/V copy of p when the knob is unset (sm_90+). TMA slices of 32 columns (d32, d96; only
+/// the 16-row kernels have them, DecodeTraits::kHasTma) where they beat cp.async (H200, session
+/// 25, kernels-decode-h200-2026-11-29-slices.md): 1.05-1.21x on dense K/V and pages of 64, d96
+/// pages of 16 1.15-1.19x; d32 pages of 16 0.96-0.99x (32 not measured: pages < 64 keep cp.async).
+int default_copy_sm90(const DecodeParams& p) {
+  if (p.head_dim == 32 && p.block_table != nullptr && p.page_size < 64) return 0;
+  return kDefaultCopySm90;
+}
+
 bool setup_tma(const DecodeParams& p, const DecodeKernel& k, DecodeLaunch* L) {
+  if (!k.has_tma) return false;
   L->tma_rows = decode::tma_box_rows(p, k.block_n);
   L->tma_wide = decode::tma_wide_override() == 1 && L->tma_rows == k.block_n;
   return L->tma_rows > 0 &&
@@ -383,7 +394,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   // A power-of-two page of >= block_n keys holds whole tiles (tiles start at multiples of
   // block_n, a power of two): one block-table read per tile. Smaller pages: one per row / box.
   L.tile_in_page = L.page_shift >= 0 && (1 << L.page_shift) >= k.block_n;
-  const int copy = decode::copy_override() >= 0 ? decode::copy_override() : kDefaultCopySm90;
+  const int copy = decode::copy_override() >= 0 ? decode::copy_override() : default_copy_sm90(p);
   const bool sm90 = device_major() >= 9;  // one query for the TMA and PDL choices below
   if (decode::l2_prefetch_override() >= 0) L.l2_prefetch = decode::l2_prefetch_override();
   if (copy == 2 && sm90) L.tma = setup_tma(p, k, &L);

@@ -22,16 +22,24 @@ struct WarpState {
   float l[2];  // this lane's part of the running row sum (reduced over the quad at the end)
 };
 
+/// The swizzled chunk of chunk c in row r of a TMA slice: 128-byte rows, c ^ (r % 8); 64-byte
+/// rows (d32 / d96), c ^ ((r / 2) % 4). Both depend on r % 8 only.
+template <typename T>
+__device__ __forceinline__ int swizzled_chunk(int c, int r) {
+  return T::kSliceBytes == 128 ? c ^ (r % 8) : c ^ ((r / 2) % 4);
+}
+
 /// Shared-memory address of the ldmatrix of 16-byte chunk step `step` (2 chunks per step) and
 /// row offset `row16` x 16 for a lane whose step-0 address is lane_addr. Padded rows: plain
-/// offsets. Swizzled (TMA, 128-byte rows in slices of kTmaHalves x kBlockN rows): chunk c of row
-/// r sits at chunk c ^ (r % 8); a lane's r % 8 is fixed, so the step's XOR touches address bits
-/// 5-6 only and the slice / row offsets stay immediates.
+/// offsets. Swizzled (TMA, rows of kSliceBytes in kTmaSlices slices of kBlockN rows): a lane's
+/// row is fixed mod 8, so its swizzle is too (swizzled_chunk), the step's XOR touches address
+/// bits 5-6 (bit 5 on 64-byte rows) only and the slice / row offsets stay immediates.
 template <typename T, bool kSwizzled>
 __device__ __forceinline__ uint32_t kv_chunk_addr(uint32_t lane_addr, int step, int row16) {
   if constexpr (kSwizzled) {
-    return (lane_addr ^ uint32_t(32 * (step % 4))) + (step / 4) * T::kBlockN * 128 +
-           row16 * 16 * 128;
+    constexpr int kSteps = T::kSliceCols / 16;  // steps per slice
+    return (lane_addr ^ uint32_t(32 * (step % kSteps))) +
+           (step / kSteps) * T::kBlockN * T::kSliceBytes + row16 * 16 * T::kSliceBytes;
   } else {
     return lane_addr + step * 32 + row16 * 16 * T::kRowElems * 2;
   }
@@ -239,13 +247,16 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   // Per-lane ldmatrix addresses (bytes): Q rows wm*16 + lane%16, chunk lane/16; K rows
   // (lane/16)*8 + lane%8, chunk (lane/8)%2; V rows ((lane/8)%2)*8 + lane%8, chunk lane/16.
   const uint32_t q_addr = q_base + ((wm * 16 + lane % 16) * T::kRowElems + (lane / 16) * 8) * 2;
-  // Swizzled tiles: 128-byte rows, chunk c of row r at c ^ (r % 8) (kv_chunk_addr).
+  // Swizzled tiles: rows of kSliceBytes, chunk c of row r at swizzled_chunk (kv_chunk_addr);
+  // k_row % 8 == v_row % 8 == lane % 8.
   const int k_row = wn * T::kWarpN + (lane / 16) * 8 + lane % 8, k_chunk = (lane / 8) % 2;
   const int v_row = wn * T::kWarpN + ((lane / 8) % 2) * 8 + lane % 8, v_chunk = lane / 16;
-  const uint32_t k_lane = Pipe::kSwizzled ? k_row * 128 + ((k_chunk ^ (lane % 8)) * 16)
-                                          : (k_row * T::kRowElems + k_chunk * 8) * 2;
-  const uint32_t v_lane = Pipe::kSwizzled ? v_row * 128 + ((v_chunk ^ (lane % 8)) * 16)
-                                          : (v_row * T::kRowElems + v_chunk * 8) * 2;
+  const uint32_t k_lane = Pipe::kSwizzled
+                              ? k_row * T::kSliceBytes + swizzled_chunk<T>(k_chunk, lane % 8) * 16
+                              : (k_row * T::kRowElems + k_chunk * 8) * 2;
+  const uint32_t v_lane = Pipe::kSwizzled
+                              ? v_row * T::kSliceBytes + swizzled_chunk<T>(v_chunk, lane % 8) * 16
+                              : (v_row * T::kRowElems + v_chunk * 8) * 2;
   int limit[2];
   row_key_limits<T>(L, w, wm * 16 + lane / 4, limit);
 
@@ -290,7 +301,7 @@ __global__ void __launch_bounds__(T::kThreads)
   const BlockWork w = block_work<T>(L);
   if (w.rb * T::kBlockM >= w.rows) return;  // short sequence of a varlen batch: no rows here
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (T::kHeadDim % 64 == 0) {  // TMA boxes are 64 columns wide
+  if constexpr (T::kHasTma) {
     __shared__ __align__(8) uint64_t bars[T::kStages];
     if (L.tma) {
       TmaPipe<T> pipe(L, w, bars);

@@ -42,6 +42,7 @@ DecodeKernel decode_kernel() {
   k.block_m = T::kBlockM;
   k.block_n = T::kBlockN;
   k.stages = T::kStages;
+  k.has_tma = T::kHasTma;
   return k;
 }
 

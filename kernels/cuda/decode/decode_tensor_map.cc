@@ -23,11 +23,12 @@ bool stride_bytes(int64_t elems, uint64_t extent, cuuint64_t* out) {
 }  // namespace
 
 int tma_box_rows(const DecodeParams& p, int block_n) {
-  if (p.head_dim % 64 != 0 || p.cu_seqlens_k != nullptr) return 0;
+  if (p.head_dim % 32 != 0 || p.cu_seqlens_k != nullptr) return 0;
   if (p.block_table == nullptr) return block_n;
   if (p.page_size < 8 || (p.page_size & (p.page_size - 1)) != 0) return 0;
   const int rows = std::min(p.page_size, block_n);
-  return 2 * (p.head_dim / 64) * (block_n / rows) <= 32 ? rows : 0;
+  const int slices = p.head_dim / tma_slice_cols(p.head_dim);
+  return 2 * slices * (block_n / rows) <= 32 ? rows : 0;
 }
 
 bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, bool wide, int l2_bytes,
@@ -40,14 +41,17 @@ bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, bool wid
   // cp.async path, so the page extent is only an upper bound.
   const uint64_t rows = paged ? uint64_t(p.page_size) : uint64_t(std::max(p.seqlen_k, 1));
   const uint64_t pages = paged ? uint64_t{INT32_MAX} : uint64_t(std::max(p.batch, 1));
-  const cuuint64_t dims[5] = {64, rows, cuuint64_t(p.head_dim / 64), cuuint64_t(p.heads_kv), pages};
+  const int slice = tma_slice_cols(p.head_dim);
+  const cuuint64_t dims[5] = {cuuint64_t(slice), rows, cuuint64_t(p.head_dim / slice),
+                              cuuint64_t(p.heads_kv), pages};
   cuuint64_t strides[4];
   if (!stride_bytes(is_v ? p.v_row_stride : p.k_row_stride, rows, &strides[0]) ||
-      !stride_bytes(64, dims[2], &strides[1]) ||
+      !stride_bytes(slice, dims[2], &strides[1]) ||
       !stride_bytes(is_v ? p.v_head_stride : p.k_head_stride, dims[3], &strides[2]) ||
       !stride_bytes(is_v ? p.v_batch_stride : p.k_batch_stride, pages, &strides[3]))
     return false;
-  const cuuint32_t box[5] = {64, cuuint32_t(box_rows), wide ? cuuint32_t(dims[2]) : 1u, 1, 1};
+  const cuuint32_t box[5] = {cuuint32_t(slice), cuuint32_t(box_rows),
+                             wide ? cuuint32_t(dims[2]) : 1u, 1, 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type = p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -55,7 +59,8 @@ bool make_kv_tensor_map(const DecodeParams& p, bool is_v, int box_rows, bool wid
                                     : l2_bytes >= 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                                       : CU_TENSOR_MAP_L2_PROMOTION_NONE;
   return encode(map, type, 5, const_cast<void*>(is_v ? p.v : p.k), dims, strides, box,
-                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2,
+                element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                slice == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B, l2,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 

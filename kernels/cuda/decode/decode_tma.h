@@ -1,9 +1,10 @@
 // Hopper (sm_90) K/V loads for the decode kernel through TMA: per key tile, boxes of tma_rows
-// keys x 64 columns (one per page run, 64-column slice and operand) issued by lanes of warp 0 and
+// keys x one slice of columns (64; 32 at d32 / d96: tma_slice_cols), one per page run, slice and
+// operand, issued by lanes of warp 0 and
 // completing on the stage's mbarrier. The cp.async path spends ~2048 16-byte copies, each with
 // its own address and page arithmetic, per 32 KB tile; Nsight Compute found that loop issue-bound
-// (kernels/NOTES.md, run 6). Tiles land unpadded and 128-byte swizzled: decode_kernel.h reads
-// them with swizzled ldmatrix addresses (Pipe::kSwizzled).
+// (kernels/NOTES.md, run 6). Tiles land unpadded and swizzled by the slice's row width (128 or 64
+// bytes): decode_kernel.h reads them with swizzled ldmatrix addresses (Pipe::kSwizzled).
 #pragma once
 
 #include <cstdint>
@@ -36,7 +37,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 /// 5-d tiled TMA load global -> shared completing on bar; coordinates innermost first
-/// (column in the 64-column slice, row in page, slice, KV head, page). Out of bounds: zeros.
+/// (column in the slice, row in page, slice, KV head, page). Out of bounds: zeros.
 __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                             int c0, int c1, int c2, int c3, int c4) {
   asm volatile(
@@ -48,29 +49,30 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap* map
 
 /// Pipeline of the split kernel on TMA boxes. A tile of kBlockN keys is kBlockN / tma_rows runs
 /// (a run: keys of one page, or the whole tile when pages hold whole tiles or K/V is dense);
-/// lane i < 2 * kTmaHalves * runs of warp 0 owns one (run, operand, 64-column slice) box; with
-/// L.tma_wide (runs = 1) lane 0 / 1 owns a box of all slices of K / V.
-/// Stage layout: K then V, each [kTmaHalves][kBlockN][64 elements], rows of 128 bytes.
+/// lane i < 2 * kTmaSlices * runs of warp 0 owns one (run, operand, slice) box; with L.tma_wide
+/// (runs = 1) lane 0 / 1 owns a box of all slices of K / V.
+/// Stage layout: K then V, each [kTmaSlices][kBlockN][kSliceCols elements].
 template <typename T>
 struct TmaPipe {
   static constexpr bool kSwizzled = true;
   static constexpr uint32_t kTileBytes = T::kTmaTileBytes;
-  static constexpr uint32_t kHalfBytes = T::kBlockN * 128;
+  static constexpr uint32_t kSliceBytes = T::kSliceBytes;
+  static constexpr uint32_t kSliceTileBytes = T::kBlockN * kSliceBytes;  // one slice of a tile
   const DecodeLaunch& L;
   const BlockWork& w;
   uint32_t bars;  // kStages mbarriers, 8 bytes apart
   int key0 = 0;
   int page = 0, row = 0;  // this lane's box: page (dense: the sequence) and its first row there
-  int run = 0, half = 0;
+  int run = 0, slice = 0;
   bool is_v = false, copier = false;
 
   __device__ __forceinline__ TmaPipe(const DecodeLaunch& l, const BlockWork& wk, uint64_t* b)
       : L(l), w(wk), bars(ptx::smem_addr(b)) {
-    const int slices = L.tma_wide ? 1 : T::kTmaHalves;  // boxes per run and operand
-    copier = int(threadIdx.x) < 2 * slices * (T::kBlockN / L.tma_rows);
-    run = int(threadIdx.x) / (2 * slices);
-    is_v = int(threadIdx.x) % (2 * slices) >= slices;
-    half = int(threadIdx.x) % slices;
+    const int boxes = L.tma_wide ? 1 : T::kTmaSlices;  // boxes per run and operand
+    copier = int(threadIdx.x) < 2 * boxes * (T::kBlockN / L.tma_rows);
+    run = int(threadIdx.x) / (2 * boxes);
+    is_v = int(threadIdx.x) % (2 * boxes) >= boxes;
+    slice = int(threadIdx.x) % boxes;
     if (threadIdx.x == 0) {
       for (int s = 0; s < T::kStages; ++s) mbar_init(bars + 8 * s, 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -82,7 +84,7 @@ struct TmaPipe {
     __syncthreads();
   }
 
-  /// First stage: the 1024-byte swizzle atom after Q.
+  /// First stage: the 1024-byte swizzle atom after Q (the 64-byte swizzle's is 512).
   static __device__ __forceinline__ uint32_t kv_base(uint32_t q_end) {
     return (q_end + 1023) & ~1023u;
   }
@@ -108,12 +110,13 @@ struct TmaPipe {
     const int rows = L.tma_rows;
     const int runs = min(T::kBlockN / rows, (w.sk - key0 + rows - 1) / rows);
     const uint32_t bar = bars + 8 * stage;
-    const uint32_t bytes = uint32_t(runs * 2 * T::kTmaHalves * rows) * 128u;
+    const uint32_t bytes = uint32_t(runs * 2 * T::kTmaSlices * rows) * kSliceBytes;
     if (threadIdx.x == 0) mbar_arrive_expect_tx(bar, bytes);
     __syncwarp();
     if (copier && run < runs) {
-      const uint32_t dst = k_tile + (is_v ? kTileBytes : 0) + half * kHalfBytes + run * rows * 128;
-      tma_load_5d(dst, is_v ? &L.tma_v : &L.tma_k, bar, 0, row, half, w.hkv, page);
+      const uint32_t dst =
+          k_tile + (is_v ? kTileBytes : 0) + slice * kSliceTileBytes + run * rows * kSliceBytes;
+      tma_load_5d(dst, is_v ? &L.tma_v : &L.tma_k, bar, 0, row, slice, w.hkv, page);
     }
   }
 
@@ -128,10 +131,12 @@ struct TmaPipe {
     mbar_wait(bars + 8 * (t % T::kStages), (t / T::kStages) & 1);
     const int valid = w.sk - (w.tile_begin + t) * T::kBlockN;
     if (valid >= T::kBlockN) return;
-    const int chunks = (T::kBlockN - valid) * T::kTmaHalves * 8;  // 16-byte chunks to clear
+    constexpr int kLineChunks = kSliceBytes / 16;  // 16-byte chunks per row of a slice
+    const int chunks = (T::kBlockN - valid) * T::kTmaSlices * kLineChunks;
     for (int i = threadIdx.x; i < chunks; i += T::kThreads) {
-      const int line = i / 8, r = valid + line / T::kTmaHalves, h = line % T::kTmaHalves;
-      const uint32_t at = k_tile + kTileBytes + h * kHalfBytes + r * 128 + (i % 8) * 16;
+      const int line = i / kLineChunks, r = valid + line / T::kTmaSlices, h = line % T::kTmaSlices;
+      const uint32_t at =
+          k_tile + kTileBytes + h * kSliceTileBytes + r * kSliceBytes + (i % kLineChunks) * 16;
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
     }
     // Later TMA writes to these bytes (none in this block today) must come after the zeros.

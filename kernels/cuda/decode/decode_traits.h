@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include "decode_tensor_map.h"  // tma_slice_cols
 #include "flashserve/kernels/decode_attention.h"
 
 namespace flashserve::kernels::cuda::decode {
@@ -50,10 +51,16 @@ struct DecodeTraits {
   static constexpr int kTileElems = kBlockN * kRowElems;
   static constexpr int kQElems = kBlockM * kRowElems;
   static constexpr size_t kPipelineBytes = size_t(kQElems + 2 * kStages * kTileElems) * 2;
-  // The TMA pipeline (decode_tma.h, sm_90) stores K/V tiles unpadded, as [head_dim / 64][kBlockN]
-  // rows of 128 bytes, 128-byte swizzled; its stages start 1024-byte aligned (the swizzle atom),
-  // hence the slack. Never larger than the padded layout (checked below).
-  static constexpr int kTmaHalves = kHeadDim / 64;
+  // The TMA pipeline (decode_tma.h, sm_90) stores K/V tiles unpadded, as [kTmaSlices][kBlockN]
+  // rows of kSliceBytes, swizzled by that width; its stages start 1024-byte aligned (the largest
+  // swizzle atom), hence the slack. Never larger than the padded layout (checked below).
+  static constexpr int kSliceCols = tma_slice_cols(kHeadDim);
+  static constexpr int kSliceBytes = kSliceCols * 2;
+  static constexpr int kTmaSlices = kHeadDim / kSliceCols;
+  // Whether the kernel carries the TMA path at all. 32-column slices only in the 16-row kernels:
+  // compiled into the 32/64-row d96 kernels, the TMA branch slowed their cp.async path by 2-6%
+  // (register allocation of the whole kernel; H200, session 25, K4), and TMA itself lost there.
+  static constexpr bool kHasTma = kSliceCols == 64 || kWarpsM == 1;
   static constexpr uint32_t kTmaTileBytes = uint32_t(kBlockN) * kHeadDim * 2;
   static constexpr size_t kTmaPipelineBytes =
       (size_t(kQElems) * 2 + 1023) / 1024 * 1024 + 2 * kStages * size_t(kTmaTileBytes) + 1024;
@@ -65,7 +72,7 @@ struct DecodeTraits {
       kPipelineBytes > kEpilogueBytes ? kPipelineBytes : kEpilogueBytes;
 
   static_assert(kTmaPipelineBytes <= kSmemBytes, "the TMA layout must fit the padded one");
-  static_assert(kHeadDim % 16 == 0, "head_dim must be a multiple of 16");
+  static_assert(kHeadDim % 32 == 0, "head_dim must be a multiple of 32 (TMA slices)");
   static_assert(kWarpN % 16 == 0, "each warp needs whole k16 steps of keys");
   static_assert((kBlockN * kChunks) % kThreads == 0, "tile loads must divide over the threads");
   // Power of two: a power-of-two page >= kBlockN then holds whole tiles (DecodeLaunch::
@@ -84,11 +91,12 @@ struct DecodeLaunch {
   int total_q = 0;      // query rows over the batch (batch * seqlen_q when fixed)
   float scale_log2 = 0.f;
   int l2_prefetch = 128;  // L2 prefetch hint of the K/V cp.async: 0, 128 or 256 bytes (256: no gain at d128, -6 to -16% at d64, run 6)
-  // sm_90: K/V tiles by TMA boxes of tma_rows keys x 64 columns on mbarriers (decode_tma.h);
-  // the maps view K and V as [pages][page rows][head_dim / 64][heads_kv][64] (decode_tensor_map.h).
+  // sm_90: K/V tiles by TMA boxes of tma_rows keys x one slice (tma_slice_cols) on mbarriers
+  // (decode_tma.h); the maps view K and V as [pages][page rows][slices][heads_kv][slice columns]
+  // (decode_tensor_map.h).
   bool tma = false;
   int tma_rows = 0;
-  bool tma_wide = false;  // one box spans all 64-column slices (tma_rows == kBlockN only)
+  bool tma_wide = false;  // one box spans all slices (tma_rows == kBlockN only)
   CUtensorMap tma_k{}, tma_v{};
   int page_shift = -1;    // log2(page_size) when a power of two (shift/mask, no division)
   // page_size a power of two >= the kernel's kBlockN: a key tile never crosses a page, so one
@@ -107,6 +115,7 @@ struct DecodeKernel {
   int block_m = 16;
   int block_n = 64;  // keys per tile (DecodeTraits::kBlockN): tile counts, TMA boxes, tile_in_page
   int stages = 4;    // DecodeTraits::kStages (tests and benchmarks: which kernel ran)
+  bool has_tma = true;  // DecodeTraits::kHasTma: the kernel can load K/V by TMA boxes
 };
 
 /// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files (kBlockN and
