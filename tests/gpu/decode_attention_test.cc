@@ -661,8 +661,27 @@ TEST(DecodeAttentionApi, SplitPlanLeavesAFullGridWhole) {
     EXPECT_GT(splits(64, 32, 2, 4096, page), 1) << "d64 MHA, 64 blocks";
     EXPECT_GT(splits(128, 8, 8, 4096, page), 1) << "d128 GQA, 64 blocks";
   }
-  EXPECT_GT(splits(128, 8, 12, 4096, 16), 1) << "pages of 16 keep the plan";
   EXPECT_GT(splits(64, 32, 3, 4096, 16), 1) << "pages of 16 keep the plan";
+  // (d128 on pages of 16: SplitPlanFillsOneWaveOnSmallPages)
+}
+
+// On pages of 16 the d128 16-row kernel (two blocks per SM) splits into one wave of resident
+// blocks when that wave fills >= 70% of the slots (decode_dispatch.cu, one_wave_splits).
+TEST(DecodeAttentionApi, SplitPlanFillsOneWaveOnSmallPages) {
+  SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
+  static const int32_t kMarker = 0;
+  auto splits = [](int heads_kv, int batch, int keys) {
+    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
+                                                      heads_kv, 128, false, 0.1f);
+    p.block_table = &kMarker, p.page_size = 16;
+    return fk::decode_num_splits(p, 132);
+  };
+  EXPECT_EQ(splits(8, 12, 4096), 2) << "96 blocks: 192 in one wave";
+  EXPECT_EQ(splits(8, 12, 16384), 2);
+  EXPECT_EQ(splits(32, 3, 4096), 2) << "MHA, 96 blocks";
+  EXPECT_EQ(splits(8, 8, 4096), 4) << "64 blocks: 256";
+  EXPECT_EQ(splits(8, 32, 4096), 1) << "256 blocks: one wave unsplit";
+  EXPECT_GT(splits(8, 20, 16384), 1) << "160 blocks: a 61% wave, the plan splits";
 }
 
 // The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on

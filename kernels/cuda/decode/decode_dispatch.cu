@@ -283,16 +283,28 @@ bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base,
   return base * 10 >= sms * 7 && p.seqlen_k <= kShortGridKeys;
 }
 
-/// decode_num_splits for kernel k.
-int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
-  const int tiles = key_tiles(p, k);
-  const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
-  if (grid_left_whole(p, k, base, sm_count)) return 1;
-  const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
-  const int max_splits = std::clamp(tiles / kMinTilesPerSplit, 1, kMaxSplits);
-  // Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
-  // 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
-  // that 15% as idle SMs in its last wave).
+/// The split count of one wave of resident blocks (the most splits whose grid fits the slots),
+/// or 0 where the wave-efficiency plan applies. For the d128 16-row kernel on pages < 64 keys (two
+/// blocks per SM planned) when that wave fills >= 70% of the slots: wave efficiency counts such
+/// a wave as idle SMs, but it streams about as fast as a full one, while the plan's extra partial
+/// wave is a slow tail. Pages of 16, H200, session 25
+/// (kernels-decode-h200-2026-11-29-split-grid.md, K6 A/B): B12 GQA 32:8 / B3 MHA Sk4k 2 splits (192
+/// blocks) 1.10-1.13x faster than the plan's 8, Sk16k even; B4 / B8 / B16 / B32 the same count as
+/// the plan. Not below 70%: B20 (160 blocks unsplit) ran Sk16k 1.11x slower unsplit than on the
+/// plan's 8 splits (K1).
+int one_wave_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, int64_t slots,
+                    int max_splits) {
+  if (k.block_m != 16 || p.head_dim != 128 || p.block_table == nullptr ||
+      p.page_size >= kWidePage || base > slots)
+    return 0;
+  const int64_t splits = std::min<int64_t>(slots / base, max_splits);
+  return base * splits * 10 >= slots * 7 ? int(splits) : 0;
+}
+
+/// Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
+/// 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
+/// that 15% as idle SMs in its last wave).
+int wave_efficiency_splits(int64_t base, int64_t slots, int max_splits) {
   std::vector<double> eff(max_splits + 1, 0.0);
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
@@ -303,6 +315,20 @@ int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
   for (int s = 1; s <= max_splits; ++s)
     if (eff[s] >= 0.95 * best) return s;
   return 1;
+}
+
+/// decode_num_splits for kernel k.
+int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
+  const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
+  if (grid_left_whole(p, k, base, sm_count)) return 1;
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
+  const int max_splits = std::clamp(key_tiles(p, k) / kMinTilesPerSplit, 1, kMaxSplits);
+  const int planned = wave_efficiency_splits(base, slots, max_splits);
+  // One wave instead, where it applies and the plan's grid spills into a second, partial wave
+  // (a plan within one wave already fills it: B1 Sk128k 32 splits ran 1% faster than one wave's
+  // 33).
+  const int one_wave = one_wave_splits(p, k, base, slots, max_splits);
+  return one_wave > 0 && base * planned > slots ? one_wave : planned;
 }
 
 /// 0: p runs on 64-key tiles; 2 or 3: on the d64 16-row kernel with 128-key tiles and that many
