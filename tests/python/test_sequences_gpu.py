@@ -37,7 +37,9 @@ def cuda_kv_server(flashserve_bin, tmp_path_factory):
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64)])
+# d96 / d32: the decode kernels' TMA slices of 32 columns (16-row kernels, pages of 64).
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 128), ("bfloat16", 64),
+                                            ("bfloat16", 96), ("float16", 32)])
 def test_llama_like_layer_many_steps(cuda_kv_server, rng, dtype, head_dim):
     truth = Truth(rng, 32, 8, head_dim, dtype)
     shape = dict(num_layers=2, heads_q=32, heads_kv=8, head_dim=head_dim, dtype=dtype)
