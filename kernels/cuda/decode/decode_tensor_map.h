@@ -16,9 +16,9 @@ constexpr int tma_slice_cols(int head_dim) { return head_dim % 64 == 0 ? 64 : 32
 
 /// Keys per TMA box for p with key tiles of block_n keys, or 0 when the TMA path cannot load p:
 /// head_dim not a multiple of 32 (boxes are slices of 64 or 32 columns, tma_slice_cols), packed
-/// varlen K/V (no per-sequence
-/// extent to stop a box at), pages not a power of two (a run would straddle pages), or more than
-/// 32 boxes per tile (one lane of warp 0 issues each). Pages >= block_n: block_n; smaller: a page.
+/// varlen K/V (no per-sequence extent to stop a box at), pages not a power of two (a run would
+/// straddle pages), or more than 32 boxes per tile (one lane of warp 0 issues each). Pages >=
+/// block_n: block_n; smaller: a page. (Which kernels carry the path: DecodeTraits::kHasTma.)
 int tma_box_rows(const DecodeParams& p, int block_n);
 
 /// The map of k (is_v false) or v: [pages][page rows][slices][heads_kv][slice columns] innermost

@@ -1,10 +1,10 @@
 // Hopper (sm_90) K/V loads for the decode kernel through TMA: per key tile, boxes of tma_rows
 // keys x one slice of columns (64; 32 at d32 / d96: tma_slice_cols), one per page run, slice and
-// operand, issued by lanes of warp 0 and
-// completing on the stage's mbarrier. The cp.async path spends ~2048 16-byte copies, each with
-// its own address and page arithmetic, per 32 KB tile; Nsight Compute found that loop issue-bound
-// (kernels/NOTES.md, run 6). Tiles land unpadded and swizzled by the slice's row width (128 or 64
-// bytes): decode_kernel.h reads them with swizzled ldmatrix addresses (Pipe::kSwizzled).
+// operand, issued by lanes of warp 0 and completing on the stage's mbarrier. The cp.async path
+// spends ~2048 16-byte copies, each with its own address and page arithmetic, per 32 KB tile;
+// Nsight Compute found that loop issue-bound (kernels/NOTES.md, run 6). Tiles land unpadded and
+// swizzled by the slice's row width (128 or 64 bytes): decode_kernel.h reads them with swizzled
+// ldmatrix addresses (Pipe::kSwizzled).
 #pragma once
 
 #include <cstdint>
