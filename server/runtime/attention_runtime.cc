@@ -40,8 +40,8 @@ struct AttentionRuntime::Admission::Core {
 // the runtime, and both hold the Job: while it lives, the runtime must.
 struct AttentionRuntime::Job {
   explicit Job(JobCount* jobs) : ticket(jobs) {}
-  JobCount::Ticket
-      ticket;  // first, so destroyed last: after the call's and placement's destructors
+  // First, so destroyed last: after the call's and the placement's destructors.
+  JobCount::Ticket ticket;
   Call call;
   AttentionProblem problem;
   TensorPlacement placement;

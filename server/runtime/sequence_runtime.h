@@ -3,11 +3,9 @@
 // and, with a batch window, merged across calls into one paged launch (runtime/decode_batcher.h).
 #pragma once
 
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>

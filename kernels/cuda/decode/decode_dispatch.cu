@@ -175,8 +175,6 @@ int device_major() {
 
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
-/// Fills L's TMA fields for p; false (cp.async then) when the TMA path cannot load p. A kernel
-/// built without sm_90 code ignores them (decode_kernel.h selects the pipe per architecture).
 /// The K/V copy of p when the knob is unset (sm_90+). TMA slices of 32 columns (d32, d96; only
 /// the 16-row kernels have them, DecodeTraits::kHasTma) where they beat cp.async (H200, session
 /// 25, kernels-decode-h200-2026-11-29-slices.md): 1.05-1.21x on dense K/V and pages of 64, d96
@@ -186,6 +184,8 @@ int default_copy_sm90(const DecodeParams& p) {
   return kDefaultCopySm90;
 }
 
+/// Fills L's TMA fields for p; false (cp.async then) when the TMA path cannot load p. A kernel
+/// built without sm_90 code ignores them (decode_kernel.h selects the pipe per architecture).
 bool setup_tma(const DecodeParams& p, const DecodeKernel& k, DecodeLaunch* L) {
   if (!k.has_tma) return false;
   L->tma_rows = decode::tma_box_rows(p, k.block_n);
@@ -245,6 +245,12 @@ std::string decode_supported(const DecodeParams& p) {
 }
 
 namespace {
+/// Whether k is the d128 16-row kernel (Sq x group <= 16: decode), which the split plan treats
+/// apart in three places below.
+bool is_d128_decode_kernel(const DecodeParams& p, const DecodeKernel& k) {
+  return k.block_m == 16 && p.head_dim == 128;
+}
+
 /// Resident blocks per SM the split counts are planned for. At most two: the H100 sweep
 /// (kernels/NOTES.md) found a third adds no bandwidth, while filling it takes 50% more splits.
 /// One for the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, one box
@@ -256,7 +262,7 @@ namespace {
 /// (four boxes per operand and tile: -9% at d64 on the H100); d256 not measured.
 int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
   const bool whole_tile_boxes = decode::tma_box_rows(p, k.block_n) == k.block_n;
-  if (k.block_m == 16 && p.head_dim == 128 && whole_tile_boxes && decode::copy_override() != 0 &&
+  if (is_d128_decode_kernel(p, k) && whole_tile_boxes && decode::copy_override() != 0 &&
       device_major() >= 9)
     return 1;
   return std::clamp(k.blocks_per_sm(), 1, 2);
@@ -275,7 +281,7 @@ int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
 /// Pages of 16 keep the plan (the unsplit kernels lost up to 26% there: B4 d64 Sk16k), as do
 /// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way.
 bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count) {
-  const bool measured = k.block_n == kWideBlockN || (k.block_m == 16 && p.head_dim == 128);
+  const bool measured = k.block_n == kWideBlockN || is_d128_decode_kernel(p, k);
   const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
   if (!measured || !whole_tiles) return false;
   const int64_t sms = std::max(sm_count, 1);
@@ -294,8 +300,8 @@ bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base,
 /// plan's 8 splits (K1).
 int one_wave_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, int64_t slots,
                     int max_splits) {
-  if (k.block_m != 16 || p.head_dim != 128 || p.block_table == nullptr ||
-      p.page_size >= kWidePage || base > slots)
+  if (!is_d128_decode_kernel(p, k) || p.block_table == nullptr || p.page_size >= kWidePage ||
+      base > slots)
     return 0;
   const int64_t splits = std::min<int64_t>(slots / base, max_splits);
   return base * splits * 10 >= slots * 7 ? int(splits) : 0;
