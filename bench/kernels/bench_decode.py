@@ -58,6 +58,13 @@ class Ours:
         self.lib.flashserve_decode_last_block_n.restype = ctypes.c_int
         self.lib.flashserve_decode_last_stages.argtypes = []
         self.lib.flashserve_decode_last_stages.restype = ctypes.c_int
+        # The merge knob is newer than some libraries an A/B loads (session 26).
+        self.has_merge = hasattr(self.lib, "flashserve_decode_set_fused_merge")
+        if self.has_merge:
+            self.lib.flashserve_decode_set_fused_merge.argtypes = [ctypes.c_int]
+            self.lib.flashserve_decode_set_fused_merge.restype = None
+            self.lib.flashserve_decode_last_merge.argtypes = []
+            self.lib.flashserve_decode_last_merge.restype = ctypes.c_int
         w = self.lib.flashserve_decode_workspace_bytes
         w.restype = ctypes.c_size_t
         w.argtypes = [ctypes.c_int] * 5
@@ -93,6 +100,17 @@ class Ours:
 
     def last_block_n(self):
         return self.lib.flashserve_decode_last_block_n()
+
+    def set_merge(self, mode):
+        """Merge of split partials: 0 the combine kernel, 1 in the split kernel, -1 default."""
+        if self.has_merge:
+            self.lib.flashserve_decode_set_fused_merge(mode)
+        elif mode >= 0:
+            raise SystemExit("this library has no merge knob (flashserve_decode_set_fused_merge)")
+
+    def last_merge(self):
+        """How the last launch merged: 0 one split, 1 combine kernel, 2 in-kernel (-1: unknown)."""
+        return self.lib.flashserve_decode_last_merge() if self.has_merge else -1
 
     def __call__(self, q, k, v, o, seqlens=None, table=None, page=0, workspace=None, splits=0):
         """q, o: [B, Sq, Hq, d]; k, v: dense [B, Sk, Hkv, d] or a page pool [P, page, Hkv, d]."""
@@ -289,25 +307,28 @@ COPY_NAMES = {-1: "default copy", 0: "cp.async", 2: "TMA"}
 
 
 def parse_variant(text):
-    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2t1', 'c2o1', 'cx', ...: K/V copy (x: the default, which names
-    the copy that ran in each cell), then optional deep issue (d),
+    """'c2', 'c2d1', 'c0l256', 'c2w1', 'c2t1', 'c2o1', 'cxm0', ...: K/V copy (x: the default, which
+    names the copy that ran in each cell), then optional deep issue (d),
     L2 hint bytes (l), TMA boxes over all 64-column slices (w), key tiles of the d64 16-row kernel
     (t: 0 64 keys, 1 128 keys, 2 / 3 128 keys with 2 / 3 stages; absent: the default, 128 on dense K/V and pages
-    >= 64) and, o1, the
-    split count that gives one block per SM (16-row kernels only; elsewhere the heuristic's)."""
+    >= 64), o1: the
+    split count that gives one block per SM (16-row kernels only; elsewhere the heuristic's) and
+    the merge of split partials (m0 the combine kernel, m1 in the split kernel where it fits)."""
     import re
-    m = re.fullmatch(r"c(\d|x)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?", text)
+    m = re.fullmatch(r"c(\d|x)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?(?:m(\d))?", text)
     if not m:
         raise SystemExit(f"bad --ab-variants entry {text!r} (want e.g. c2, c2d1, c2l256, c2w1, c2t1, c2o1, cx)")
     copy = -1 if m[1] == "x" else int(m[1])
     deep, hint, wide = int(m[2] or -1), int(m[3] or -1), int(m[4] or -1)
     tiles = int(m[5] or -1)
     one_per_sm = m[6] == "1"
+    merge = int(m[7] or -1)
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
         (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "") + \
-        (f" tiles{tiles}" if tiles >= 0 else "") + (" 1 block/SM" if one_per_sm else "")
+        (f" tiles{tiles}" if tiles >= 0 else "") + (" 1 block/SM" if one_per_sm else "") + \
+        ({0: " combine kernel", 1: " in-kernel merge"}.get(merge, ""))
     return dict(copy=copy, deep=deep, l2=hint, wide=wide, tiles=tiles, one_per_sm=one_per_sm,
-                name=name)
+                merge=merge, name=name)
 
 
 def variant_splits(variant, b, sq, hq, hkv, sms):
@@ -366,7 +387,7 @@ def ab(ours, dtype, l2, sms, args, peak):
         layouts.append(("dense", lambda s: ours(s["q"], s["k"], s["v"], s["o"], workspace=ws,
                                                 splits=chosen["splits"])))
         times = {k: [] for k in ["flash", "cudnn"] + [(l, c) for l, _ in layouts for c in copies]}
-        ran, ran_keys, diff = {}, {}, {l: 0.0 for l, _ in layouts}
+        ran, ran_keys, merged, diff = {}, {}, {}, {l: 0.0 for l, _ in layouts}
         for _ in range(args.rounds):
             for tname, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 times[tname].append(time_fn(sdpa(backend, hq != hkv), sets, args.warmup, args.reps))
@@ -377,12 +398,14 @@ def ab(ours, dtype, l2, sms, args, peak):
                     ours.set_l2_prefetch(variants[c]["l2"])
                     ours.lib.flashserve_decode_set_tma_wide(variants[c]["wide"])
                     ours.set_wide_tiles(variants[c]["tiles"])
+                    ours.set_merge(variants[c]["merge"])
                     chosen["splits"] = variant_splits(variants[c], b, sq, hq, hkv, sms)
                     sets[0]["o"].fill_(float("nan"))
                     fn(sets[0])
                     torch.cuda.synchronize()
                     ran[(lname, c)] = ours.last_copy()
                     ran_keys[(lname, c)] = (ours.last_block_n(), ours.lib.flashserve_decode_last_stages())
+                    merged[(lname, c)] = ours.last_merge()
                     diff[lname] = max(diff[lname], (sets[0]["o"].float() - ref).abs().max().item())
                     times[(lname, c)].append(time_fn(fn, sets, args.warmup, args.reps))
         ours.set_copy(-1)
@@ -390,6 +413,7 @@ def ab(ours, dtype, l2, sms, args, peak):
         ours.set_l2_prefetch(-1)
         ours.lib.flashserve_decode_set_tma_wide(-1)
         ours.set_wide_tiles(-1)
+        ours.set_merge(-1)
         med = {k: statistics.median(v) for k, v in times.items()}
         for lname, _ in layouts:
             cells = []
@@ -405,7 +429,9 @@ def ab(ours, dtype, l2, sms, args, peak):
                     note += f" [{stages} stages]"
                 fixed = variant_splits(variants[c], b, sq, hq, hkv, sms)
                 note += f" [{fixed} splits]" if fixed else ""
-                cells.append(f"{t * 1e3:.3f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
+                note += {1: " [combine kernel]", 2: " [in-kernel merge]"}.get(merged[(lname, c)], "") \
+                    if variants[c]["merge"] != 0 else ""
+                cells.append(f"{t * 1e3:.4f} ({tbs:.2f}, {100 * tbs / peak if peak else float('nan'):.0f}%, "
                              f"{med['cudnn'] / t:.3f}x){note}")
             rel = " / ".join(f"{med[(lname, copies[0])] / med[(lname, c)]:.3f}x" for c in copies[1:])
             print(f"| d{d} {hq}:{hkv} | {b} | {sq} | {sk} | {lname} | {splits[lname]} | {med['flash'] * 1e3:.3f} | "
@@ -454,7 +480,8 @@ def main():
                     help="only the side-by-side table: the copies of --ab-copies vs torch")
     ap.add_argument("--ab-variants", default="c0,c2",
                     help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]"
-                    "[w<TMA boxes over all slices 0|1>][t<d64 16-row key tiles: 0 64, 1 128, 2|3 128 with 2|3 stages>][o1]")
+                    "[w<TMA boxes over all slices 0|1>][t<d64 16-row key tiles: 0 64, 1 128, 2|3 128 with 2|3 stages>][o1]"
+                    "[m<merge of split partials: 0 combine kernel, 1 in the split kernel>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
     ap.add_argument("--ab-pages", help="--ab: the page pools, e.g. 64,64o,64g,64w (bench_decode.page_key)")

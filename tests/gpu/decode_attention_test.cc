@@ -38,6 +38,8 @@ int& tma_wide_override();
 int& wide_tiles_override();
 int& last_block_n();
 int& last_stages();
+int& fused_merge_override();  // kernels/cuda/decode/decode_merge_plan.cu
+int& last_merge();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -290,8 +292,9 @@ bool expects_tma(const DecodeCase& c, int block_n, bool forced) {
   return 2 * slices * (block_n / std::min(ps, block_n)) <= 32;
 }
 
-const char* const kVariantNames[] = {"cp.async", "TMA, deep order, wide boxes on even split counts",
-                                     "cp.async + PDL", "default"};
+const char* const kVariantNames[] = {
+    "cp.async, combine kernel", "TMA, deep order, wide boxes on even split counts, combine kernel",
+    "cp.async + PDL, in-kernel merge", "default"};
 
 // The yardstick: the worse of the two emulations' errors against fp64, output and LSE.
 tu::EmulatedError worst_emulation(const References& ref) {
@@ -305,9 +308,11 @@ tu::EmulatedError worst_emulation(const References& ref) {
   return worst;
 }
 
-// Sets the benchmarking knobs for variant (0: cp.async, no PDL; 1: TMA, deep order, wide boxes
-// on even split counts; 2: cp.async + PDL; 3: the defaults).
+// Sets the benchmarking knobs for variant (0: cp.async, no PDL, combine kernel; 1: TMA, deep
+// order, wide boxes on even split counts, combine kernel; 2: cp.async + PDL, in-kernel merge
+// where it fits; 3: the defaults, in-kernel merge where it fits).
 void set_variant(int variant, int splits) {
+  fk::decode::fused_merge_override() = variant <= 1 ? 0 : variant == 2 ? 1 : -1;
   fk::decode::copy_override() = variant == 1 ? 2 : variant == 3 ? -1 : 0;
   fk::decode::pdl_override() = variant == 0 ? 0 : variant == 2 ? 1 : -1;
   fk::decode::deep_issue_override() = variant == 1 || variant == 2 ? 1 : variant == 0 ? 0 : -1;
@@ -332,6 +337,9 @@ void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
   if (variant % 2 == 1 && hp.total_q > 0) {
     ASSERT_EQ(fk::decode::last_copy(), expects_tma(c, want.block_n, variant == 1) ? 2 : 0)
         << "TMA path taken or not";
+  }
+  if (variant <= 1) {
+    ASSERT_NE(fk::decode::last_merge(), 2) << "the combine kernel was asked for";
   }
   if (hp.total_q > 0) {
     ASSERT_EQ(fk::decode::last_block_n(), want.block_n) << "keys per tile";
@@ -509,6 +517,45 @@ TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
   SKIP_WITHOUT_GPU();
   check_case({"allempty", Layout::kPaged, {3, 3}, {0, 0}, 8, 2, 128, false, 16});
   check_case({"allempty", Layout::kDenseVarlen, {1, 2}, {0, 0}, 8, 8, 64, true, 0});
+}
+
+// Runs c with each of split_counts (cycled over `runs` launches, default knobs) and checks every
+// answer and which merge ran: in the split kernel when the block's partial rows over all splits
+// (rows x splits x head_dim x 4 bytes) are at most 8 KB, else the combine kernel.
+void check_merges(const DecodeCase& c, int rows, const std::vector<int>& split_counts, int runs) {
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  DeviceProblem dev(c, hp);
+  const DefaultKnobsAfter restore;
+  for (int run = 0; run < runs; ++run) {
+    const int splits = split_counts[run % split_counts.size()];
+    SCOPED_TRACE("run " + std::to_string(run) + ", num_splits " + std::to_string(splits));
+    set_variant(3, splits);
+    ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, splits, 3));
+    const bool small = rows * splits * c.head_dim * 4 <= 8192;
+    ASSERT_EQ(fk::decode::last_merge(), small ? 2 : 1)
+        << "2: in the split kernel, 1: combine kernel";
+  }
+  fk::decode::fused_merge_override() = 0;
+  ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, split_counts[0], 0));
+  EXPECT_EQ(fk::decode::last_merge(), 1) << "knob 0: the combine kernel";
+}
+
+// The in-kernel merge: the split kernel's last block per group merges and no combine kernel
+// runs, and the group counters return to zero: 200 launches cycle the 64 counter slots three
+// times, and a counter left behind would merge too early (NaN-poisoned O read back) or never.
+// d32 MHA, one row per block: every count from 2 to 33 merges in place; d128 GQA 8:2 (4 rows):
+// 2-4 splits in place, 5 and 16 through the combine kernel.
+TEST(DecodeAttentionEdge, InKernelMergeRunsAndLeavesItsCountersAtZero) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int> counts(32);
+  std::iota(counts.begin(), counts.end(), 2);
+  check_merges({"merge", Layout::kPaged, {1, 1, 1}, {20000, 5, 3001}, 8, 8, 32, false, 64}, 1,
+               counts, 200);
+  check_merges({"merge", Layout::kPaged, {1, 1, 1}, {9000, 5, 3001}, 8, 2, 128, false, 64}, 4,
+               {2, 3, 4, 5, 16}, 20);
 }
 
 TEST(DecodeAttentionApi, RunRejectsUnsupported) {

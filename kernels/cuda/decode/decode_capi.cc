@@ -16,6 +16,8 @@ int& tma_wide_override();
 int& wide_tiles_override();
 int& last_block_n();
 int& last_stages();
+int& fused_merge_override();  // decode_merge_plan.cu
+int& last_merge();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace {
@@ -153,6 +155,18 @@ __attribute__((visibility("default"))) int flashserve_decode_last_block_n() {
 /// Pipeline stages of the kernel the last decode launch used (0 none yet).
 __attribute__((visibility("default"))) int flashserve_decode_last_stages() {
   return flashserve::kernels::cuda::decode::last_stages();
+}
+
+/// Benchmarking knob: how split launches merge their partials: 0 the combine kernel, 1 in the
+/// split kernel's last block per group where its shared memory holds them, -1 the default (1).
+/// Not thread-safe against concurrent launches.
+__attribute__((visibility("default"))) void flashserve_decode_set_fused_merge(int mode) {
+  flashserve::kernels::cuda::decode::fused_merge_override() = mode;
+}
+
+/// How the last decode launch merged its splits: 0 one split, 1 combine kernel, 2 in-kernel.
+__attribute__((visibility("default"))) int flashserve_decode_last_merge() {
+  return flashserve::kernels::cuda::decode::last_merge();
 }
 
 /// Benchmarking knob: programmatic dependent launch of the decode kernels (sm_90 and later;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_merge.h"
 #include "decode_tensor_map.h"
 #include "decode_traits.h"
 #include "flashserve/kernels/decode_attention.h"
@@ -436,6 +437,7 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   const int tiles = key_tiles(p, k);
   const int splits = p.num_splits > 0 ? p.num_splits : plan_splits(p, k, sm_count);
   L.num_splits = std::max(1, std::min(splits, tiles));
+  decode::last_merge() = 0;
   if (L.num_splits == 1) return k.launch(L, stream);
 
   const size_t bytes = decode_workspace_bytes(p, L.num_splits);
@@ -447,8 +449,11 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   const size_t rows = size_t(L.num_splits) * total_q * p.heads_q;
   L.o_partial = static_cast<float*>(workspace);
   L.lse_partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align256(rows * p.head_dim * 4));
+  L.merge_counters = decode::plan_in_kernel_merge(p, k, L.num_splits, L.row_blocks);
+  decode::last_merge() = L.merge_counters != nullptr ? 2 : 1;
   cudaError_t err = k.launch(L, stream);
-  if (err == cudaSuccess) err = decode::launch_decode_combine(L, stream);
+  if (err == cudaSuccess && L.merge_counters == nullptr)
+    err = decode::launch_decode_combine(L, stream);
   if (p.workspace == nullptr) {
     const cudaError_t free_err = cudaFreeAsync(workspace, stream);
     if (err == cudaSuccess) err = free_err;

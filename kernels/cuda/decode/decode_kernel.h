@@ -1,14 +1,15 @@
 // The split-KV decode kernel: block (split, KV head x row block, sequence) walks its share of
 // the sequence's key tiles through a K/V pipeline (cp.async; on sm_90 TMA boxes, decode_tma.h),
 // computes S = Q K^T and O += P V on mma.sync with an online softmax per warp, merges its warps,
-// and writes either the final O/LSE (one split) or an fp32 partial O and its LSE for
-// decode_combine.cu.
+// and writes either the final O/LSE (one split) or an fp32 partial O and its LSE, merged by the
+// group's last block (decode_merge.h) or by decode_combine.cu.
 #pragma once
 
 #include <cstdint>
 
-#include "decode_tma.h"
+#include "decode_merge.h"
 #include "decode_tile_io.h"
+#include "decode_tma.h"
 #include "decode_traits.h"
 #include "ptx.h"
 
@@ -291,6 +292,7 @@ __device__ __forceinline__ void split_body(const DecodeLaunch& L, const BlockWor
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the pipeline's memory
   write_block_result<T>(st, L, w, smem);
+  if (L.merge_counters != nullptr && last_block_of_group(L)) merge_partials<T>(L, w, smem);
 }
 
 template <typename T>

@@ -43,6 +43,7 @@ DecodeKernel decode_kernel() {
   k.block_n = T::kBlockN;
   k.stages = T::kStages;
   k.has_tma = T::kHasTma;
+  k.smem_bytes = T::kSmemBytes;
   return k;
 }
 

@@ -106,6 +106,10 @@ struct DecodeLaunch {
   bool deep_issue = false;  // issue tile t + stages - 1 before waiting for tile t (decode_kernel.h)
   float* o_partial = nullptr;    // [num_splits, total_q, heads_q, head_dim] fp32
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
+  // Non-null: the last block of each (sequence, KV head, row block) to finish merges its splits'
+  // partials in place (decode_merge.h) and no combine kernel runs. One counter per group, zero
+  // before the launch and zero again after it (decode_merge_plan.cu).
+  unsigned* merge_counters = nullptr;
 };
 
 /// A compiled split kernel: queue it, and how many of its blocks fit on one SM.
@@ -116,6 +120,7 @@ struct DecodeKernel {
   int block_n = 64;  // keys per tile (DecodeTraits::kBlockN): tile counts, TMA boxes, tile_in_page
   int stages = 4;    // DecodeTraits::kStages (tests and benchmarks: which kernel ran)
   bool has_tma = true;  // DecodeTraits::kHasTma: the kernel can load K/V by TMA boxes
+  size_t smem_bytes = 0;  // DecodeTraits::kSmemBytes: what the in-kernel merge may stage
 };
 
 /// Defined in decode_launch_template.h, instantiated in the decode_d*.cu files (kBlockN and
@@ -155,6 +160,15 @@ int& last_stages();
 /// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
 /// flashserve_decode_set_pdl): -1 default, 0 off, 1 on (used only on sm_90 and later).
 int& pdl_override();
+
+/// Whether split launches merge their partials in the split kernel's last block per group
+/// (decode_merge.h) instead of a combine kernel (a benchmarking knob,
+/// flashserve_decode_set_fused_merge): -1 default, 0 combine kernel, 1 in-kernel where it fits.
+int& fused_merge_override();
+
+/// How run_decode's last launch merged its splits: 0 one split (nothing to merge), 1 the
+/// combine kernel, 2 in the split kernel. Not thread-safe.
+int& last_merge();
 
 /// Whether run_decode asks for the deep issue order (a benchmarking knob,
 /// flashserve_decode_set_deep_issue): -1 default, 0 off, 1 on.

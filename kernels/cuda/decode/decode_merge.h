@@ -1,0 +1,130 @@
+// The split kernel's in-place merge: the last block of each (sequence, KV head, row block) to
+// store its partial merges all splits' partials of its rows into the final O and LSE, so no
+// combine kernel runs after the split kernel. That saves the combine's launch and the wait for
+// the whole split grid to drain; each group's merge overlaps the other groups' work. It pays
+// for small merges only (decode_merge_plan.cu: up to 8 KB of partials per block).
+#pragma once
+
+#include <cstdint>
+
+#include "decode_tile_io.h"
+#include "decode_traits.h"
+#include "ptx.h"
+
+namespace flashserve::kernels::cuda::decode {
+
+/// Host (decode_merge_plan.cu): the group counters for an in-kernel merge of p's num_splits
+/// splits on the current device, or null when the combine kernel runs instead: the knob
+/// (fused_merge_override) says so, the launch has more groups than a counter slot, or a block's
+/// partial rows over all splits exceed 8 KB (measured slower there) or kernel k's shared memory.
+unsigned* plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
+                               int row_blocks);
+
+/// Whether this block is the last of its group to finish. Called by every thread once its
+/// partial is stored. atom.inc wraps the group's counter from num_splits - 1 back to 0, so a
+/// launch leaves its counters as it found them (zero) for the next launch in the slot.
+__device__ __forceinline__ bool last_block_of_group(const DecodeLaunch& L) {
+  __shared__ int last;
+  __syncthreads();  // every partial store of the block is issued
+  if (threadIdx.x == 0) {
+    // Release: the block's partials (ordered before by the barrier) are visible to whoever sees
+    // this count; acquire: the last block sees every other block's partials.
+    unsigned* counter = L.merge_counters + blockIdx.z * gridDim.y + blockIdx.y;
+    const unsigned top = unsigned(L.num_splits - 1);
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n"
+                 : "=r"(old)
+                 : "l"(counter), "r"(top)
+                 : "memory");
+    last = old == top;
+  }
+  __syncthreads();
+  return last;
+}
+
+/// Row r of the block's packed rows: its query position and query head.
+struct PackedRow {
+  int qi, h;
+};
+
+template <typename T>
+__device__ __forceinline__ PackedRow packed_row(const DecodeLaunch& L, const BlockWork& w, int r) {
+  const int packed = w.rb * T::kBlockM + r;
+  return {packed / L.group, w.hkv * L.group + packed % L.group};
+}
+
+/// Index of split s's partial row for (qi, h) in L.lse_partial (times head_dim: L.o_partial).
+__device__ __forceinline__ int64_t partial_row(const DecodeLaunch& L, const BlockWork& w, int s,
+                                               PackedRow row) {
+  return (int64_t{s} * L.total_q + w.q_row0 + row.qi) * L.p.heads_q + row.h;
+}
+
+/// s_w[s * rows + r] = the weight exp(LSE_s - LSE) of split s in row r (0 for an empty split or
+/// a row that saw no key); writes each row's LSE. One warp per row.
+template <typename T>
+__device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int rows, float* s_w) {
+  const int lane = threadIdx.x % 32, n = L.num_splits;
+  for (int i = threadIdx.x; i < n * rows; i += T::kThreads)
+    s_w[i] = __ldcg(L.lse_partial + partial_row(L, w, i / rows, packed_row<T>(L, w, i % rows)));
+  __syncthreads();
+  for (int r = threadIdx.x / 32; r < rows; r += T::kWarps) {
+    float m = -INFINITY;
+    for (int s = lane; s < n; s += 32) m = fmaxf(m, s_w[s * rows + r]);
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.f;
+    if (m != -INFINITY)
+      for (int s = lane; s < n; s += 32) sum += __expf(s_w[s * rows + r] - m);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const bool seen = m != -INFINITY && sum > 0.f;
+    for (int s = lane; s < n; s += 32)
+      s_w[s * rows + r] = seen ? __expf(s_w[s * rows + r] - m) / sum : 0.f;
+    const PackedRow row = packed_row<T>(L, w, r);
+    if (lane == 0 && L.p.lse != nullptr)
+      L.p.lse[lse_index(L, w.b, row.qi, row.h, w.q_row0)] = seen ? m + __logf(sum) : -INFINITY;
+  }
+  __syncthreads();
+}
+
+/// Merges the partials of the block's rows (the group's last block; pipeline memory is free):
+/// weights from the LSEs, then O = sum_s weight_s O_s over every split's partial rows, staged
+/// in shared memory by cp.async first (one round trip; run_decode takes this path only where
+/// they fit, merge_fits in decode_dispatch.cu).
+template <typename T>
+__device__ void merge_partials(const DecodeLaunch& L, const BlockWork& w, char* smem) {
+  using Element = typename T::Element;
+  constexpr int kQuads = T::kHeadDim / 4;  // float4 columns of a row
+  const int n = L.num_splits;
+  const int rows = min(T::kBlockM, w.rows - w.rb * T::kBlockM);
+  const int row_quads = rows * kQuads;
+  float* s_w = reinterpret_cast<float*>(smem);
+  float* s_o = s_w + (n * rows + 3) / 4 * 4;  // [split][row][column], 16-byte aligned
+#pragma unroll 1
+  for (int i = threadIdx.x; i < n * row_quads; i += T::kThreads) {
+    const int s = i / row_quads, r = (i % row_quads) / kQuads, c = (i % kQuads) * 4;
+    const float* src = L.o_partial + partial_row(L, w, s, packed_row<T>(L, w, r)) * T::kHeadDim + c;
+    ptx::cp_async_16(ptx::smem_addr(s_o + 4 * i), src);
+  }
+  ptx::cp_async_commit();
+  merge_weights<T>(L, w, rows, s_w);  // its LSE loads overlap the copies in flight
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+
+  Element* o = static_cast<Element*>(L.p.o);
+  for (int i = threadIdx.x; i < row_quads; i += T::kThreads) {  // (row, column quad)
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+    for (int s = 0; s < n; ++s) {
+      const float weight = s_w[s * rows + i / kQuads];
+      if (weight > 0.f) {  // an empty split adds nothing, whatever its partial holds
+        const float4 x = *reinterpret_cast<const float4*>(s_o + 4 * (s * row_quads + i));
+        acc.x += weight * x.x, acc.y += weight * x.y;
+        acc.z += weight * x.z, acc.w += weight * x.w;
+      }
+    }
+    const PackedRow row = packed_row<T>(L, w, i / kQuads);
+    store4(o + w.o_off + row.qi * L.p.o_row_stride + row.h * L.p.o_head_stride + (i % kQuads) * 4,
+           acc);
+  }
+}
+
+}  // namespace flashserve::kernels::cuda::decode
