@@ -15,11 +15,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -40,6 +43,7 @@ int& last_block_n();
 int& last_stages();
 int& fused_merge_override();  // kernels/cuda/decode/decode_merge_plan.cu
 int& last_merge();
+int& last_merge_slot();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -556,6 +560,117 @@ TEST(DecodeAttentionEdge, InKernelMergeRunsAndLeavesItsCountersAtZero) {
                counts, 200);
   check_merges({"merge", Layout::kPaged, {1, 1, 1}, {9000, 5, 3001}, 8, 2, 128, false, 64}, 4,
                {2, 3, 4, 5, 16}, 20);
+}
+
+// One problem launched again and again on its own stream, each launch NaN-poisoned first and its
+// O copied aside after, all queued without a host sync (check() syncs and checks every copy).
+struct QueuedLaunches {
+  HostProblem hp;
+  References ref;
+  tu::EmulatedError emu;
+  DeviceProblem dev;
+  size_t out_bytes;
+  tu::DeviceBuffer workspace, results;
+  cudaStream_t stream = nullptr;
+  int queued = 0;
+
+  QueuedLaunches(const DecodeCase& c, std::mt19937_64&& rng, int splits, int launches)
+      : hp(make_problem(c, rng)),
+        ref(compute_references(c, hp, uses_varlen_lse(c))),
+        emu(worst_emulation(ref)),
+        dev(c, hp),
+        out_bytes(hp.q_all.size() * 2),
+        workspace(fk::decode_workspace_bytes(dev.p, splits)),
+        results(out_bytes * launches) {
+    dev.p.num_splits = splits;
+    dev.p.workspace = workspace.get();
+    dev.p.workspace_bytes = fk::decode_workspace_bytes(dev.p, splits);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  }
+  ~QueuedLaunches() { cudaStreamDestroy(stream); }
+
+  void queue_one() {
+    ASSERT_EQ(cudaMemsetAsync(dev.p.o, tu::kPoisonByte, out_bytes, stream), cudaSuccess);
+    ASSERT_EQ(fk::run_decode(dev.p, stream), cudaSuccess);
+    ASSERT_EQ(fk::decode::last_merge(), 2) << "merged in the split kernel";
+    char* at = results.as<char>() + out_bytes * queued++;
+    ASSERT_EQ(cudaMemcpyAsync(at, dev.p.o, out_bytes, cudaMemcpyDeviceToDevice, stream),
+              cudaSuccess);
+  }
+
+  void check(DType dtype) {
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::vector<uint16_t> all(out_bytes / 2 * queued);
+    ASSERT_EQ(results.download(&all), cudaSuccess);
+    for (int i = 0; i < queued; ++i) {
+      SCOPED_TRACE("launch " + std::to_string(i));
+      const std::vector<uint16_t> one(all.begin() + i * (out_bytes / 2),
+                                      all.begin() + (i + 1) * (out_bytes / 2));
+      const std::vector<double> got = tu::to_double(dtype, one);
+      ASSERT_TRUE(tu::all_finite(got));
+      ASSERT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out), emu.out));
+    }
+  }
+};
+
+// Launches on two streams merging in the split kernel at once: stream A queues 64 long launches
+// (8 blocks of 256k keys each), stream B then 64 short ones while A runs; every answer is checked.
+// (This did not catch 44ca9a6's round-robin slots in 10 runs: two launches sharing a slot corrupt
+// the counters only if their blocks finish at the same moment. The next test does.)
+TEST(DecodeAttentionEdge, InKernelMergeOnTwoStreamsAtOnce) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase long_case{"mergeA", Layout::kPaged, {1}, {2000000}, 1, 1, 32, false, 64};
+  const DecodeCase short_case{"mergeB", Layout::kPaged, {1, 1, 1}, {3000, 700, 1500}, 8, 8,
+                              32,       false,          64};
+  QueuedLaunches a(long_case, std::mt19937_64(tu::case_seed("mergeA")), 8, 64);
+  QueuedLaunches b(short_case, std::mt19937_64(tu::case_seed("mergeB")), 8, 64);
+  const DefaultKnobsAfter restore;
+  set_variant(3, 8);
+  for (int i = 0; i < 64; ++i) ASSERT_NO_FATAL_FAILURE(a.queue_one());
+  for (int i = 0; i < 64; ++i) ASSERT_NO_FATAL_FAILURE(b.queue_one());
+  ASSERT_NO_FATAL_FAILURE(a.check(long_case.dtype));
+  ASSERT_NO_FATAL_FAILURE(b.check(short_case.dtype));
+}
+
+// Holds a stream's queue behind a host function until release() (or destruction).
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream) {
+    EXPECT_EQ(cudaLaunchHostFunc(stream, &StreamGate::wait, &open_), cudaSuccess);
+  }
+  ~StreamGate() { release(); }
+  void release() { open_.store(true); }
+
+ private:
+  static void CUDART_CB wait(void* open) {
+    while (!static_cast<std::atomic<bool>*>(open)->load())
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::atomic<bool> open_{false};
+};
+
+// A counter slot whose launch has not run yet stays with its stream: stream A's launch waits
+// behind a gate while stream B runs 200 launches (each to completion); none of B's may take A's
+// slot (round-robin slots, 44ca9a6, handed B every slot within 64 launches). Both answers checked.
+TEST(DecodeAttentionEdge, InKernelMergeKeepsAPendingLaunchsSlot) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"mergeG", Layout::kPaged, {1, 1, 1}, {3000, 700, 1500}, 8, 8, 32, false, 64};
+  QueuedLaunches a(c, std::mt19937_64(tu::case_seed("mergeG")), 8, 1);
+  QueuedLaunches b(c, std::mt19937_64(tu::case_seed("mergeG")), 8, 200);
+  const DefaultKnobsAfter restore;
+  set_variant(3, 8);
+  StreamGate gate(a.stream);
+  ASSERT_NO_FATAL_FAILURE(a.queue_one());
+  const int a_slot = fk::decode::last_merge_slot();
+  ASSERT_GE(a_slot, 0);
+  for (int i = 0; i < 200; ++i) {
+    ASSERT_NO_FATAL_FAILURE(b.queue_one());
+    ASSERT_NE(fk::decode::last_merge_slot(), a_slot) << "launch " << i << " of stream B";
+    ASSERT_EQ(cudaStreamSynchronize(b.stream), cudaSuccess);
+  }
+  gate.release();
+  ASSERT_NO_FATAL_FAILURE(a.check(c.dtype));
+  ASSERT_NO_FATAL_FAILURE(b.check(c.dtype));
 }
 
 TEST(DecodeAttentionApi, RunRejectsUnsupported) {

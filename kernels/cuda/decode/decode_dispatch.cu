@@ -449,9 +449,12 @@ cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream) {
   const size_t rows = size_t(L.num_splits) * total_q * p.heads_q;
   L.o_partial = static_cast<float*>(workspace);
   L.lse_partial = reinterpret_cast<float*>(static_cast<char*>(workspace) + align256(rows * p.head_dim * 4));
-  L.merge_counters = decode::plan_in_kernel_merge(p, k, L.num_splits, L.row_blocks);
+  const decode::MergeSlot merge =
+      decode::plan_in_kernel_merge(p, k, L.num_splits, L.row_blocks, stream);
+  L.merge_counters = merge.counters;
   decode::last_merge() = L.merge_counters != nullptr ? 2 : 1;
   cudaError_t err = k.launch(L, stream);
+  decode::finish_in_kernel_merge(merge, stream, err == cudaSuccess);
   if (err == cudaSuccess && L.merge_counters == nullptr)
     err = decode::launch_decode_combine(L, stream);
   if (p.workspace == nullptr) {

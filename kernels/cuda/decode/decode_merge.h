@@ -13,12 +13,25 @@
 
 namespace flashserve::kernels::cuda::decode {
 
-/// Host (decode_merge_plan.cu): the group counters for an in-kernel merge of p's num_splits
-/// splits on the current device, or null when the combine kernel runs instead: the knob
-/// (fused_merge_override) says so, the launch has more groups than a counter slot, or a block's
-/// partial rows over all splits exceed 8 KB (measured slower there) or kernel k's shared memory.
-unsigned* plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
-                               int row_blocks);
+/// Host (decode_merge_plan.cu). The counters of an in-kernel merge: a slot of zeroed group
+/// counters on `device`, or counters null when the combine kernel runs instead.
+struct MergeSlot {
+  unsigned* counters = nullptr;
+  int device = 0, slot = -1;
+  unsigned long long stream_id = 0;  // cudaStreamGetId of the launch's stream
+};
+
+/// A counter slot for an in-kernel merge of p's num_splits splits launched on stream, or an
+/// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
+/// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's
+/// shared memory, the stream is capturing, or no slot is free (decode_merge_plan.cu says when
+/// one is). Every non-empty slot must be handed to finish_in_kernel_merge after the launch.
+MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
+                               int row_blocks, cudaStream_t stream);
+
+/// Records when the launch that used m ends (launched: it was queued on stream), or gives the
+/// slot back untouched (not launched).
+void finish_in_kernel_merge(const MergeSlot& m, cudaStream_t stream, bool launched);
 
 /// Whether this block is the last of its group to finish. Called by every thread once its
 /// partial is stored. atom.inc wraps the group's counter from num_splits - 1 back to 0, so a

@@ -108,7 +108,7 @@ struct DecodeLaunch {
   float* lse_partial = nullptr;  // [num_splits, total_q, heads_q] fp32 (natural log)
   // Non-null: the last block of each (sequence, KV head, row block) to finish merges its splits'
   // partials in place (decode_merge.h) and no combine kernel runs. One counter per group, zero
-  // before the launch and zero again after it (decode_merge_plan.cu).
+  // before the launch and zero again after it (a slot of decode_merge_plan.cu).
   unsigned* merge_counters = nullptr;
 };
 
@@ -169,6 +169,9 @@ int& fused_merge_override();
 /// How run_decode's last launch merged its splits: 0 one split (nothing to merge), 1 the
 /// combine kernel, 2 in the split kernel. Not thread-safe.
 int& last_merge();
+/// The counter slot of run_decode's last in-kernel merge (-1: none), so that tests can see which
+/// launches shared one. Not thread-safe.
+int& last_merge_slot();
 
 /// Whether run_decode asks for the deep issue order (a benchmarking knob,
 /// flashserve_decode_set_deep_issue): -1 default, 0 off, 1 on.

@@ -102,10 +102,11 @@ size_t decode_workspace_bytes(const DecodeParams& p, int num_splits);
 
 /// Queues the decode attention for p on stream: the split kernel, and when the key axis is split
 /// and the partials are too large to merge in the split kernel's last block per group, a combine
-/// kernel. Small merges count on per-device counters that every completed launch leaves at zero
-/// (64 slots, handed round-robin): safe in stream order, and across streams while fewer than 64
-/// split launches are in flight at once. Returns cudaErrorInvalidValue when decode_supported(p)
-/// is not empty or p.workspace is too small; otherwise the launches' error.
+/// kernel. Small merges count on per-device counters that every completed launch leaves at zero;
+/// a set of them passes from one stream to another only once an event says its last launch has
+/// ended (otherwise, and during stream capture, the combine kernel runs). Thread-safe as far as
+/// that bookkeeping goes. Returns cudaErrorInvalidValue when decode_supported(p) is not empty or
+/// p.workspace is too small; otherwise the launches' error.
 cudaError_t run_decode(const DecodeParams& p, cudaStream_t stream);
 
 }  // namespace flashserve::kernels::cuda
