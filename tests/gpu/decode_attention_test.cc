@@ -548,8 +548,8 @@ void check_merges(const DecodeCase& c, int rows, const std::vector<int>& split_c
 }
 
 // The in-kernel merge: the split kernel's last block per group merges and no combine kernel
-// runs, and the group counters return to zero: 200 launches cycle the 64 counter slots three
-// times, and a counter left behind would merge too early (NaN-poisoned O read back) or never.
+// runs, and the group counters return to zero: 200 launches on one stream reuse its counter
+// slot, and a counter left behind would merge too early (NaN-poisoned O read back) or never.
 // d32 MHA, one row per block: every count from 2 to 33 merges in place; d128 GQA 8:2 (4 rows):
 // 2-4 splits in place, 5 and 16 through the combine kernel.
 TEST(DecodeAttentionEdge, InKernelMergeRunsAndLeavesItsCountersAtZero) {

@@ -101,7 +101,8 @@ __device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int row
 /// Merges the partials of the block's rows (the group's last block; pipeline memory is free):
 /// weights from the LSEs, then O = sum_s weight_s O_s over every split's partial rows, staged
 /// in shared memory by cp.async first (one round trip; run_decode takes this path only where
-/// they fit, merge_fits in decode_dispatch.cu).
+/// they fit: plan_in_kernel_merge). `#pragma unroll 1`: unrolled, these loops cost the d64
+/// 128-key 3-stage kernel 25 registers (138 -> 163) in its main loop.
 template <typename T>
 __device__ void merge_partials(const DecodeLaunch& L, const BlockWork& w, char* smem) {
   using Element = typename T::Element;
