@@ -142,17 +142,17 @@ __attribute__((visibility("default"))) void flashserve_decode_set_wide_tiles(int
   flashserve::kernels::cuda::decode::wide_tiles_override() = mode;
 }
 
-/// The K/V copy the last decode launch used: 0 cp.async, 2 TMA, -1 none yet.
+/// The K/V copy the calling thread's last decode launch used: 0 cp.async, 2 TMA, -1 none yet.
 __attribute__((visibility("default"))) int flashserve_decode_last_copy() {
   return flashserve::kernels::cuda::decode::last_copy();
 }
 
-/// Keys per tile of the kernel the last decode launch used (32, 64 or 128; 0 none yet).
+/// Keys per tile of the kernel the thread's last decode launch used (32, 64 or 128; 0 none yet).
 __attribute__((visibility("default"))) int flashserve_decode_last_block_n() {
   return flashserve::kernels::cuda::decode::last_block_n();
 }
 
-/// Pipeline stages of the kernel the last decode launch used (0 none yet).
+/// Pipeline stages of the kernel the thread's last decode launch used (0 none yet).
 __attribute__((visibility("default"))) int flashserve_decode_last_stages() {
   return flashserve::kernels::cuda::decode::last_stages();
 }
@@ -164,7 +164,8 @@ __attribute__((visibility("default"))) void flashserve_decode_set_fused_merge(in
   flashserve::kernels::cuda::decode::fused_merge_override() = mode;
 }
 
-/// How the last decode launch merged its splits: 0 one split, 1 combine kernel, 2 in-kernel.
+/// How the thread's last decode launch merged its splits: 0 one split, 1 combine kernel, 2
+/// in-kernel.
 __attribute__((visibility("default"))) int flashserve_decode_last_merge() {
   return flashserve::kernels::cuda::decode::last_merge();
 }

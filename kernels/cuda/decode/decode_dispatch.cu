@@ -43,15 +43,15 @@ int& wide_tiles_override() {
   return value;
 }
 int& last_copy() {
-  static int value = -1;
+  thread_local int value = -1;
   return value;
 }
 int& last_block_n() {
-  static int value = 0;
+  thread_local int value = 0;
   return value;
 }
 int& last_stages() {
-  static int value = 0;
+  thread_local int value = 0;
   return value;
 }
 int& deep_issue_override() {

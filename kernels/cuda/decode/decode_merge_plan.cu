@@ -109,12 +109,12 @@ int& fused_merge_override() {
 }
 
 int& last_merge() {
-  static int value = 0;
+  thread_local int value = 0;
   return value;
 }
 
 int& last_merge_slot() {
-  static int value = -1;
+  thread_local int value = -1;
   return value;
 }
 

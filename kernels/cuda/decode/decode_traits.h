@@ -147,14 +147,15 @@ int& tma_wide_override();
 /// any page size; stages by the split plan), 2 / 3 always where compiled, with that many stages.
 int& wide_tiles_override();
 
-/// The K/V copy run_decode's last launch used (0 cp.async, 2 TMA; -1 none yet), so
-/// that tests can tell a path that ran from one that fell back. Not thread-safe.
+/// The K/V copy the calling thread's last run_decode used (0 cp.async, 2 TMA; -1 none yet), so
+/// that tests can tell a path that ran from one that fell back. Per thread (the server's tuner
+/// and Sequences store call run_decode from different threads), like every last_*() below.
 int& last_copy();
 
-/// Keys per tile of the kernel run_decode's last launch used (32, 64 or 128; 0 none yet), so
-/// that tests can tell which tile width ran. Not thread-safe.
+/// Keys per tile of the kernel the thread's last run_decode used (32, 64 or 128; 0 none yet), so
+/// that tests can tell which tile width ran.
 int& last_block_n();
-/// Pipeline stages of that kernel (DecodeTraits::kStages; 0 none yet). Not thread-safe.
+/// Pipeline stages of that kernel (DecodeTraits::kStages; 0 none yet).
 int& last_stages();
 
 /// Whether run_decode launches with programmatic dependent launch (a benchmarking knob,
@@ -166,11 +167,11 @@ int& pdl_override();
 /// flashserve_decode_set_fused_merge): -1 default, 0 combine kernel, 1 in-kernel where it fits.
 int& fused_merge_override();
 
-/// How run_decode's last launch merged its splits: 0 one split (nothing to merge), 1 the
-/// combine kernel, 2 in the split kernel. Not thread-safe.
+/// How the thread's last run_decode merged its splits: 0 one split (nothing to merge), 1 the
+/// combine kernel, 2 in the split kernel.
 int& last_merge();
-/// The counter slot of run_decode's last in-kernel merge (-1: none), so that tests can see which
-/// launches shared one. Not thread-safe.
+/// The counter slot of the thread's last in-kernel merge (-1: none), so that tests can see which
+/// launches shared one.
 int& last_merge_slot();
 
 /// Whether run_decode asks for the deep issue order (a benchmarking knob,
