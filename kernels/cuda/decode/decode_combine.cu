@@ -15,16 +15,6 @@ constexpr int kCombineWarps = 4;
 constexpr int kSplitsPerLane = 4;  // 128 splits (kMaxSplits) over 32 lanes
 constexpr int kBatch = 32;         // partial rows loaded before their first use (one trip)
 
-__device__ __forceinline__ float warp_max(float x) {
-  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 /// x[j] = the 4 partial-O columns at `col` of split s0 + j (zeros past num_splits or when
 /// col < 0: a lane without columns). All loads issued before any is used.
 __device__ __forceinline__ void load_partials(float4 (&x)[kBatch], const float* o_s, int s0,

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "decode_merge.h"
+#include "decode_merge_plan.h"
 #include "decode_tensor_map.h"
 #include "decode_traits.h"
 #include "flashserve/kernels/decode_attention.h"

@@ -13,26 +13,6 @@
 
 namespace flashserve::kernels::cuda::decode {
 
-/// Host (decode_merge_plan.cu). The counters of an in-kernel merge: a slot of zeroed group
-/// counters on `device`, or counters null when the combine kernel runs instead.
-struct MergeSlot {
-  unsigned* counters = nullptr;
-  int device = 0, slot = -1;
-  unsigned long long stream_id = 0;  // cudaStreamGetId of the launch's stream
-};
-
-/// A counter slot for an in-kernel merge of p's num_splits splits launched on stream, or an
-/// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
-/// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's
-/// shared memory, the stream is capturing, or no slot is free (decode_merge_plan.cu says when
-/// one is). Every non-empty slot must be handed to finish_in_kernel_merge after the launch.
-MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
-                               int row_blocks, cudaStream_t stream);
-
-/// Records when the launch that used m ends (launched: it was queued on stream), or gives the
-/// slot back untouched (not launched).
-void finish_in_kernel_merge(const MergeSlot& m, cudaStream_t stream, bool launched);
-
 /// Whether this block is the last of its group to finish. Called by every thread once its
 /// partial is stored. atom.inc wraps the group's counter from num_splits - 1 back to 0, so a
 /// launch leaves its counters as it found them (zero) for the next launch in the slot.
@@ -83,11 +63,11 @@ __device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int row
   for (int r = threadIdx.x / 32; r < rows; r += T::kWarps) {
     float m = -INFINITY;
     for (int s = lane; s < n; s += 32) m = fmaxf(m, s_w[s * rows + r]);
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    m = warp_max(m);
     float sum = 0.f;
     if (m != -INFINITY)
       for (int s = lane; s < n; s += 32) sum += __expf(s_w[s * rows + r] - m);
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    sum = warp_sum(sum);
     const bool seen = m != -INFINITY && sum > 0.f;
     for (int s = lane; s < n; s += 32)
       s_w[s * rows + r] = seen ? __expf(s_w[s * rows + r] - m) / sum : 0.f;

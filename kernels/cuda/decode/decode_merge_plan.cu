@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <mutex>
 
-#include "decode_merge.h"
+#include "decode_merge_plan.h"
 
 namespace flashserve::kernels::cuda::decode {
 namespace {

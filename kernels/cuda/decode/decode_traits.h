@@ -189,6 +189,18 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
+/// Max and sum of x over the 32 lanes of a warp (every lane gets the result; all must call):
+/// the combine kernel's and the in-kernel merge's LSE reductions.
+__device__ __forceinline__ float warp_max(float x) {
+  for (int off = 16; off > 0; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+  for (int off = 16; off > 0; off /= 2) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
 /// Queues kernel(L) with the programmatic-serialization attribute when L.pdl is set.
 template <typename Kernel>
 cudaError_t launch_decode_grid(Kernel kernel, dim3 grid, int threads, size_t smem,

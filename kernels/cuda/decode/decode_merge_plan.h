@@ -1,0 +1,32 @@
+// Host side of the split kernel's in-place merge (decode_merge.h is the device side): whether a
+// launch merges in the kernel, and the slot of group counters it counts on. Defined in
+// decode_merge_plan.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "decode_traits.h"
+
+namespace flashserve::kernels::cuda::decode {
+
+/// The counters of an in-kernel merge: a slot of zeroed group counters on `device`, or counters
+/// null when the combine kernel runs instead.
+struct MergeSlot {
+  unsigned* counters = nullptr;
+  int device = 0, slot = -1;
+  unsigned long long stream_id = 0;  // cudaStreamGetId of the launch's stream
+};
+
+/// A counter slot for an in-kernel merge of p's num_splits splits launched on stream, or an
+/// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
+/// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's
+/// shared memory, the stream is capturing, or no slot is free (decode_merge_plan.cu says when
+/// one is). Every non-empty slot must be handed to finish_in_kernel_merge after the launch.
+MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
+                               int row_blocks, cudaStream_t stream);
+
+/// Records when the launch that used m ends (launched: it was queued on stream), or gives the
+/// slot back untouched (not launched).
+void finish_in_kernel_merge(const MergeSlot& m, cudaStream_t stream, bool launched);
+
+}  // namespace flashserve::kernels::cuda::decode
