@@ -313,7 +313,8 @@ def parse_variant(text):
     (t: 0 64 keys, 1 128 keys, 2 / 3 128 keys with 2 / 3 stages; absent: the default, 128 on dense K/V and pages
     >= 64), o1: the
     split count that gives one block per SM (16-row kernels only; elsewhere the heuristic's) and
-    the merge of split partials (m0 the combine kernel, m1 in the split kernel where it fits)."""
+    the merge of split partials (m0 the combine kernel, m1 in the split kernel up to the default's
+    size limit, m2 there wherever shared memory holds the partials)."""
     import re
     m = re.fullmatch(r"c(\d|x)(?:d(\d))?(?:l(\d+))?(?:w(\d))?(?:t(\d))?(?:o(\d))?(?:m(\d))?", text)
     if not m:
@@ -326,7 +327,7 @@ def parse_variant(text):
     name = COPY_NAMES.get(copy, f"copy {copy}") + (f" deep{deep}" if deep >= 0 else "") + \
         (f" l2 {hint}" if hint >= 0 else "") + (f" wide{wide}" if wide >= 0 else "") + \
         (f" tiles{tiles}" if tiles >= 0 else "") + (" 1 block/SM" if one_per_sm else "") + \
-        ({0: " combine kernel", 1: " in-kernel merge"}.get(merge, ""))
+        ({0: " combine kernel", 1: " in-kernel merge", 2: " in-kernel merge, any size"}.get(merge, ""))
     return dict(copy=copy, deep=deep, l2=hint, wide=wide, tiles=tiles, one_per_sm=one_per_sm,
                 merge=merge, name=name)
 

@@ -158,7 +158,8 @@ __attribute__((visibility("default"))) int flashserve_decode_last_stages() {
 }
 
 /// Benchmarking knob: how split launches merge their partials: 0 the combine kernel, 1 in the
-/// split kernel's last block per group where its shared memory holds them, -1 the default (1).
+/// split kernel's last block per group up to the default's size limit, 2 there wherever its
+/// shared memory holds them, -1 the default (1).
 /// Not thread-safe against concurrent launches.
 __attribute__((visibility("default"))) void flashserve_decode_set_fused_merge(int mode) {
   flashserve::kernels::cuda::decode::fused_merge_override() = mode;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "decode_merge_plan.h"  // merge_header_bytes
 #include "decode_tile_io.h"
 #include "decode_traits.h"
 #include "ptx.h"
@@ -52,13 +53,47 @@ __device__ __forceinline__ int64_t partial_row(const DecodeLaunch& L, const Bloc
   return (int64_t{s} * L.total_q + w.q_row0 + row.qi) * L.p.heads_q + row.h;
 }
 
+/// Walks the flat indices start, start + kStride, ... of an [outer][inner] array as (outer,
+/// inner) pairs, without a division per step: the merge loops' address arithmetic ran one or two
+/// runtime divisions per 16-byte copy before (session 27).
+template <int kStride>
+struct FlatWalk {
+  int outer, inner;
+  const int inner_n, step_outer, step_inner;
+  __device__ __forceinline__ FlatWalk(int start, int n)
+      : outer(start / n),
+        inner(start % n),
+        inner_n(n),
+        step_outer(kStride / n),
+        step_inner(kStride % n) {}
+  __device__ __forceinline__ void next() {
+    outer += step_outer;
+    inner += step_inner;
+    if (inner >= inner_n) inner -= inner_n, ++outer;
+  }
+};
+
+/// s_row[r] = the partial row index of split 0 for the block's row r (split s: + s x the
+/// partial rows per split), so the merge loops need no per-copy division by the GQA group.
+template <typename T>
+__device__ __forceinline__ void partial_row_bases(const DecodeLaunch& L, const BlockWork& w,
+                                                  int rows, int64_t* s_row) {
+  if (int(threadIdx.x) < rows)
+    s_row[threadIdx.x] = partial_row(L, w, 0, packed_row<T>(L, w, threadIdx.x));
+  __syncthreads();
+}
+
 /// s_w[s * rows + r] = the weight exp(LSE_s - LSE) of split s in row r (0 for an empty split or
 /// a row that saw no key); writes each row's LSE. One warp per row.
 template <typename T>
-__device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int rows, float* s_w) {
+__device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int rows,
+                              const int64_t* s_row, float* s_w) {
   const int lane = threadIdx.x % 32, n = L.num_splits;
-  for (int i = threadIdx.x; i < n * rows; i += T::kThreads)
-    s_w[i] = __ldcg(L.lse_partial + partial_row(L, w, i / rows, packed_row<T>(L, w, i % rows)));
+  const int64_t split_rows = int64_t{L.total_q} * L.p.heads_q;
+  FlatWalk<T::kThreads> at(threadIdx.x, rows);  // (split, row)
+#pragma unroll 1
+  for (int i = threadIdx.x; i < n * rows; i += T::kThreads, at.next())
+    s_w[i] = __ldcg(L.lse_partial + at.outer * split_rows + s_row[at.inner]);
   __syncthreads();
   for (int r = threadIdx.x / 32; r < rows; r += T::kWarps) {
     float m = -INFINITY;
@@ -90,16 +125,21 @@ __device__ void merge_partials(const DecodeLaunch& L, const BlockWork& w, char* 
   const int n = L.num_splits;
   const int rows = min(T::kBlockM, w.rows - w.rb * T::kBlockM);
   const int row_quads = rows * kQuads;
-  float* s_w = reinterpret_cast<float*>(smem);
-  float* s_o = s_w + (n * rows + 3) / 4 * 4;  // [split][row][column], 16-byte aligned
+  int64_t* s_row = reinterpret_cast<int64_t*>(smem);
+  float* s_w = reinterpret_cast<float*>(s_row + T::kBlockM);
+  float* s_o = reinterpret_cast<float*>(
+      smem + merge_header_bytes(T::kBlockM, n, rows));  // [split][row][column]
+  partial_row_bases<T>(L, w, rows, s_row);
+  const float4* partials = reinterpret_cast<const float4*>(L.o_partial);
+  const int64_t split_quads = int64_t{L.total_q} * L.p.heads_q * kQuads;
+  FlatWalk<T::kThreads> at(threadIdx.x, row_quads);  // (split, row x column quad)
 #pragma unroll 1
-  for (int i = threadIdx.x; i < n * row_quads; i += T::kThreads) {
-    const int s = i / row_quads, r = (i % row_quads) / kQuads, c = (i % kQuads) * 4;
-    const float* src = L.o_partial + partial_row(L, w, s, packed_row<T>(L, w, r)) * T::kHeadDim + c;
-    ptx::cp_async_16(ptx::smem_addr(s_o + 4 * i), src);
+  for (int i = threadIdx.x; i < n * row_quads; i += T::kThreads, at.next()) {
+    const int64_t quad = s_row[at.inner / kQuads] * kQuads + at.inner % kQuads;
+    ptx::cp_async_16(ptx::smem_addr(s_o + 4 * i), partials + at.outer * split_quads + quad);
   }
   ptx::cp_async_commit();
-  merge_weights<T>(L, w, rows, s_w);  // its LSE loads overlap the copies in flight
+  merge_weights<T>(L, w, rows, s_row, s_w);  // its LSE loads overlap the copies in flight
   ptx::cp_async_wait<0>();
   __syncthreads();
 

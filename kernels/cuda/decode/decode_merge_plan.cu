@@ -27,8 +27,9 @@ constexpr bool kInKernelMergeByDefault = true;
 // The most partial bytes (splits x rows x head_dim x 4) one block merges in place. H200, session
 // 26 (K1, K2: in-kernel vs the combine kernel, same build, interleaved): 1-8 KB ran 1.01-1.04x
 // faster (d64 MHA B1-B2, d128 GQA B8 Sk8k: the combine's launch and grid drain saved); 16-64 KB
-// ran 0.91-0.99x (d128 GQA B1 with 8-32 splits, Sq 4 with 16 rows): one block merging that much
-// after its own key tiles is slower than the combine kernel's pass.
+// ran 0.91-0.99x (d128 GQA B1 with 8-32 splits, Sq 4 with 16 rows). Most of that loss was one
+// or two runtime divisions per 16-byte copy in the merge loops; without them (session 27, K1,
+// knob 2 vs the combine kernel) 16-32 KB merges run 0.98-1.016x: no clear gain, so the limit stays.
 constexpr int64_t kMaxMergeBytes = 8192;
 constexpr int kSlots = 64;
 constexpr int kSlotWords = 4096;  // groups (sequences x KV heads x row blocks) per launch
@@ -128,8 +129,9 @@ MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int
   // in the kernel's shared memory.
   const int64_t rows = std::min<int64_t>(k.block_m, int64_t{p.heads_q / p.heads_kv} * p.seqlen_q);
   const int64_t partial_bytes = int64_t{num_splits} * rows * p.head_dim * 4;
-  const int64_t weight_bytes = (int64_t{num_splits} * rows * 4 + 15) / 16 * 16;
-  if (partial_bytes > kMaxMergeBytes || partial_bytes + weight_bytes > int64_t(k.smem_bytes))
+  const int64_t header_bytes = int64_t(merge_header_bytes(k.block_m, num_splits, int(rows)));
+  if ((mode != 2 && partial_bytes > kMaxMergeBytes) ||
+      partial_bytes + header_bytes > int64_t(k.smem_bytes))
     return {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return {};

@@ -17,6 +17,13 @@ struct MergeSlot {
   unsigned long long stream_id = 0;  // cudaStreamGetId of the launch's stream
 };
 
+/// Bytes before the staged partials in merge_partials' shared memory (decode_merge.h): the
+/// partial row index of each of the block's block_m rows (int64), then the splits x rows
+/// weights (floats, padded to 16 bytes). The partials follow: splits x rows x head_dim floats.
+__host__ __device__ constexpr size_t merge_header_bytes(int block_m, int splits, int rows) {
+  return size_t(block_m) * 8 + (size_t(splits) * rows * 4 + 15) / 16 * 16;
+}
+
 /// A counter slot for an in-kernel merge of p's num_splits splits launched on stream, or an
 /// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
 /// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's

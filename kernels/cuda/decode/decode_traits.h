@@ -164,7 +164,8 @@ int& pdl_override();
 
 /// Whether split launches merge their partials in the split kernel's last block per group
 /// (decode_merge.h) instead of a combine kernel (a benchmarking knob,
-/// flashserve_decode_set_fused_merge): -1 default, 0 combine kernel, 1 in-kernel where it fits.
+/// flashserve_decode_set_fused_merge): -1 default, 0 combine kernel, 1 in-kernel up to the size
+/// limit (decode_merge_plan.cu), 2 in-kernel wherever shared memory holds the partials.
 int& fused_merge_override();
 
 /// How the thread's last run_decode merged its splits: 0 one split (nothing to merge), 1 the
