@@ -15,14 +15,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <random>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -638,41 +635,10 @@ TEST(DecodeAttentionEdge, InKernelMergeOnTwoStreamsAtOnce) {
   ASSERT_NO_FATAL_FAILURE(b.check(short_case.dtype));
 }
 
-// Holds a stream's queue behind a host function until release() (or destruction), or until
-// kGateLimit has passed: where the GPU runs one stream's work at a time (compute-sanitizer
-// serializes launches) nothing queued behind the gate could ever finish.
-class StreamGate {
- public:
-  static constexpr auto kGateLimit = std::chrono::seconds(10);
-  explicit StreamGate(cudaStream_t stream) {
-    EXPECT_EQ(cudaLaunchHostFunc(stream, &StreamGate::wait, &state_), cudaSuccess);
-  }
-  ~StreamGate() { release(); }
-  void release() { state_.open.store(true); }
-  bool opened_by_itself() const { return state_.timed_out.load(); }
-
- private:
-  struct State {
-    std::atomic<bool> open{false}, timed_out{false};
-  };
-  static void CUDART_CB wait(void* arg) {
-    auto* state = static_cast<State*>(arg);
-    const auto deadline = std::chrono::steady_clock::now() + kGateLimit;
-    while (!state->open.load()) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        state->timed_out.store(true);
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  }
-  State state_;
-};
-
 // A counter slot whose launch has not run yet stays with its stream: stream A's launch waits
 // behind a gate while stream B runs 200 launches (each to completion); none of B's may take A's
 // slot (round-robin slots, 44ca9a6, handed B every slot within 64 launches). Both answers checked.
-// One launch first loads the kernel: lazy module loading while a stream is gated can deadlock.
+// One launch first loads the kernel (tu::StreamGate says why).
 TEST(DecodeAttentionEdge, InKernelMergeKeepsAPendingLaunchsSlot) {
   SKIP_WITHOUT_GPU();
   const DecodeCase c{"mergeG", Layout::kPaged, {1, 1, 1}, {3000, 700, 1500}, 8, 8, 32, false, 64};
@@ -682,7 +648,7 @@ TEST(DecodeAttentionEdge, InKernelMergeKeepsAPendingLaunchsSlot) {
   set_variant(3, 8);
   ASSERT_NO_FATAL_FAILURE(b.queue_one());
   ASSERT_EQ(cudaStreamSynchronize(b.stream), cudaSuccess);
-  StreamGate gate(a.stream);
+  tu::StreamGate gate(a.stream);
   ASSERT_NO_FATAL_FAILURE(a.queue_one());
   const int a_slot = fk::decode::last_merge_slot();
   ASSERT_GE(a_slot, 0);
@@ -901,6 +867,33 @@ TEST(DecodeAttentionApi, SplitPlanFollowsTheLayout) {
   const fk::DecodeParams d64 =
       fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 131072, 32, 32, 64, false, 0.1f);
   EXPECT_GT(32 * splits(d64, 64), 132) << "d64: two blocks per SM";
+}
+
+// After cudaDeviceReset (a library user recovering from a device fault) the kernels run as before
+// in the new context: the d128 kernel's raised shared-memory limit (109 KB) is raised again, and
+// the in-kernel merge takes a counter slot afresh (the old slots' events went with the old
+// context; the counters' address is looked up per launch). Last in the file: the reset frees
+// every buffer other tests could still hold.
+TEST(DecodeAttentionReset, RunsAfterDeviceReset) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"reset", Layout::kPaged, {1, 1}, {3000, 1500}, 8, 2, 128, false, 64};
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  const DefaultKnobsAfter restore;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "before the reset" : "after the reset");
+    {
+      DeviceProblem dev(c, hp);
+      set_variant(3, 3);
+      ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, 3, 3));
+      EXPECT_EQ(fk::decode::last_merge(), 2) << "merged in the split kernel";
+    }
+    if (round == 0) {
+      ASSERT_EQ(cudaDeviceReset(), cudaSuccess);
+    }
+  }
 }
 
 }  // namespace

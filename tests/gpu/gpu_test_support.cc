@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <thread>
 
 #include "flashserve/kernels/float_convert.h"
 
@@ -239,6 +240,22 @@ std::vector<double> gather_output(const AttentionParams& p, const std::vector<ui
           out[((size_t(b) * p.seqlen_q + i) * p.heads_q + h) * d + c] = to_double(
               p.dtype, o[b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride + c]);
   return out;
+}
+
+StreamGate::StreamGate(cudaStream_t stream) {
+  EXPECT_EQ(cudaLaunchHostFunc(stream, &StreamGate::wait, &state_), cudaSuccess);
+}
+
+void CUDART_CB StreamGate::wait(void* arg) {
+  auto* state = static_cast<State*>(arg);
+  const auto deadline = std::chrono::steady_clock::now() + kLimit;
+  while (!state->open.load()) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      state->timed_out.store(true);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
 }
 
 }  // namespace flashserve::kernels::testing_util

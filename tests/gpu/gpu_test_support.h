@@ -6,6 +6,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <random>
@@ -176,6 +178,29 @@ struct DeviceProblem {
 /// O as the kernel wrote it (host_p's strides) in the references' contiguous
 /// [batch, seqlen_q, heads_q, head_dim] order, widened to double.
 std::vector<double> gather_output(const AttentionParams& host_p, const std::vector<uint16_t>& o);
+
+/// Holds a stream's queue behind a host function until release() (or destruction), or until
+/// kLimit has passed: where the GPU runs one stream's work at a time (compute-sanitizer
+/// serializes launches) nothing queued behind the gate could ever finish. Queue one launch of
+/// each kernel first: lazy module loading while a stream is gated can deadlock.
+class StreamGate {
+ public:
+  static constexpr auto kLimit = std::chrono::seconds(10);
+  explicit StreamGate(cudaStream_t stream);
+  ~StreamGate() { release(); }
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  void release() { state_.open.store(true); }
+  /// Whether the gate gave up waiting (the test then tested nothing: skip it).
+  bool opened_by_itself() const { return state_.timed_out.load(); }
+
+ private:
+  struct State {
+    std::atomic<bool> open{false}, timed_out{false};
+  };
+  static void CUDART_CB wait(void* state);
+  State state_;
+};
 
 }  // namespace flashserve::kernels::testing_util
 

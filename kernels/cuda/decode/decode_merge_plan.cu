@@ -1,22 +1,14 @@
 // Host side of the split kernel's in-place merge (decode_merge.h): whether a launch takes it,
 // and the group counters it counts on.
 //
-// Counters live in a device global (zero at load), in kSlots slots of kSlotWords groups. Every
-// completed launch leaves its counters at zero, so a slot may pass to another launch once the
-// previous one has finished, or at once when both are queued on the same stream: the split
-// kernel waits for the grid before it (griddepcontrol.wait) before touching a counter. A slot
-// therefore stays with the stream that used it last (by cudaStreamGetId: unique for the
-// context's life, so a handle reused after cudaStreamDestroy is another stream, and per-thread
-// default streams are told apart), and moves to another stream only once the event recorded
-// after its last launch has completed. With no slot free (more than kSlots streams busy at once)
-// and during stream capture, the launch takes the combine kernel instead.
-#include <cuda.h>  // CUevent / CUresult (types only: nothing links libcuda)
-
+// Counters live in a device global (zero at load), in kSlots slots of kSlotWords groups, lent
+// per launch by counter_slots.h (a slot stays with its stream and passes to another only once
+// its last launch has ended). With no slot free (more than kSlots streams busy at once) and
+// during stream capture, the launch takes the combine kernel instead.
 #include <algorithm>
-#include <array>
 #include <cstdint>
-#include <mutex>
 
+#include "../counter_slots.h"
 #include "decode_merge_plan.h"
 
 namespace flashserve::kernels::cuda::decode {
@@ -33,74 +25,8 @@ constexpr bool kInKernelMergeByDefault = true;
 constexpr int64_t kMaxMergeBytes = 8192;
 constexpr int kSlots = 64;
 constexpr int kSlotWords = 4096;  // groups (sequences x KV heads x row blocks) per launch
-constexpr int kMaxDevices = 64;
 
 __device__ unsigned g_merge_counters[kSlots * kSlotWords];  // 1 MiB per device, zero at load
-
-struct Slot {
-  cudaEvent_t done = nullptr;        // recorded after the slot's last launch
-  unsigned long long stream_id = 0;  // cudaStreamGetId of that launch's stream
-  bool used = false;                 // a launch was recorded (done and stream_id are valid)
-  bool reserved = false;             // between plan_in_kernel_merge and finish_in_kernel_merge
-  bool broken = false;               // its completion cannot be known (event failure): never reused
-};
-
-struct DeviceSlots {
-  std::mutex mu;
-  unsigned* base = nullptr;
-  std::array<Slot, kSlots> slots;
-  int next = 0;
-};
-
-std::array<DeviceSlots, kMaxDevices>& all_devices() {
-  static std::array<DeviceSlots, kMaxDevices> devices;
-  return devices;
-}
-
-/// Whether the launch recorded on `done` has completed: cuEventQuery, looked up through the
-/// runtime (no libcuda link). Not cudaEventQuery: its cudaErrorNotReady would become the
-/// caller's last runtime error (cudaGetLastError) after a run_decode that succeeded.
-bool completed(cudaEvent_t done) {
-  using QueryFn = CUresult (*)(CUevent);
-  static const QueryFn query = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    if (cudaGetDriverEntryPointByVersion("cuEventQuery", &fn, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      return QueryFn{nullptr};
-    return reinterpret_cast<QueryFn>(fn);
-  }();
-  return query != nullptr && query(reinterpret_cast<CUevent>(done)) == CUDA_SUCCESS;
-}
-
-/// A slot for a launch on the stream with id stream_id (d.mu held), or -1.
-int take_slot(DeviceSlots& d, unsigned long long stream_id) {
-  for (int i = 0; i < kSlots; ++i) {
-    const Slot& s = d.slots[i];
-    if (s.used && !s.reserved && !s.broken && s.stream_id == stream_id) return i;
-  }
-  for (int k = 0; k < kSlots; ++k) {
-    const int i = (d.next + k) % kSlots;
-    Slot& s = d.slots[i];
-    if (s.reserved || s.broken) continue;
-    if (s.used && !completed(s.done)) continue;  // still queued or running
-    if (s.done == nullptr &&
-        cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming) != cudaSuccess) {
-      s.done = nullptr;
-      return -1;
-    }
-    d.next = (i + 1) % kSlots;
-    return i;
-  }
-  return -1;
-}
-
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
-         status != cudaStreamCaptureStatusNone;
-}
 
 }  // namespace
 
@@ -133,37 +59,20 @@ MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int
   if ((mode != 2 && partial_bytes > kMaxMergeBytes) ||
       partial_bytes + header_bytes > int64_t(k.smem_bytes))
     return {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return {};
-  unsigned long long stream_id = 0;
-  if (capturing(stream) || cudaStreamGetId(stream, &stream_id) != cudaSuccess) return {};
-  DeviceSlots& d = all_devices()[device];
-  std::lock_guard<std::mutex> lock(d.mu);
-  if (d.base == nullptr) {
-    void* symbol = nullptr;
-    if (cudaGetSymbolAddress(&symbol, g_merge_counters) != cudaSuccess) return {};
-    d.base = static_cast<unsigned*>(symbol);
-  }
-  const int slot = take_slot(d, stream_id);
-  last_merge_slot() = slot;
-  if (slot < 0) return {};
-  d.slots[slot].reserved = true;
-  return {d.base + int64_t{slot} * kSlotWords, device, slot, stream_id};
+  // Looked up per launch, not cached: after a cudaDeviceReset the module (and its counters)
+  // may load elsewhere.
+  void* counters = nullptr;
+  if (cudaGetSymbolAddress(&counters, g_merge_counters) != cudaSuccess) return {};
+  MergeSlot m;
+  m.lent = acquire_counter_slot(counters, kSlots, stream);
+  last_merge_slot() = m.lent.slot;
+  if (m.lent.slot < 0) return {};
+  m.counters = static_cast<unsigned*>(counters) + int64_t{m.lent.slot} * kSlotWords;
+  return m;
 }
 
 void finish_in_kernel_merge(const MergeSlot& m, cudaStream_t stream, bool launched) {
-  if (m.counters == nullptr) return;
-  DeviceSlots& d = all_devices()[m.device];
-  std::lock_guard<std::mutex> lock(d.mu);
-  Slot& s = d.slots[m.slot];
-  s.reserved = false;
-  if (!launched) return;  // nothing ran: the slot's state is what it was
-  if (cudaEventRecord(s.done, stream) != cudaSuccess) {
-    s.broken = true;  // when this launch ends cannot be known
-    return;
-  }
-  s.stream_id = m.stream_id;
-  s.used = true;
+  release_counter_slot(m.lent, stream, launched);
 }
 
 }  // namespace flashserve::kernels::cuda::decode

@@ -5,16 +5,16 @@
 
 #include <cuda_runtime_api.h>
 
+#include "../counter_slots.h"
 #include "decode_traits.h"
 
 namespace flashserve::kernels::cuda::decode {
 
-/// The counters of an in-kernel merge: a slot of zeroed group counters on `device`, or counters
-/// null when the combine kernel runs instead.
+/// The counters of an in-kernel merge: a slot of zeroed group counters, or counters null when
+/// the combine kernel runs instead.
 struct MergeSlot {
   unsigned* counters = nullptr;
-  int device = 0, slot = -1;
-  unsigned long long stream_id = 0;  // cudaStreamGetId of the launch's stream
+  CounterSlot lent;  // the slot's loan (counter_slots.h)
 };
 
 /// Bytes before the staged partials in merge_partials' shared memory (decode_merge.h): the
@@ -28,7 +28,8 @@ __host__ __device__ constexpr size_t merge_header_bytes(int block_m, int splits,
 /// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
 /// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's
 /// shared memory, the stream is capturing, or no slot is free (decode_merge_plan.cu says when
-/// one is). Every non-empty slot must be handed to finish_in_kernel_merge after the launch.
+/// one is: counter_slots.h). Every non-empty slot must be handed to finish_in_kernel_merge after
+/// the launch.
 MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
                                int row_blocks, cudaStream_t stream);
 

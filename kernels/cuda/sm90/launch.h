@@ -4,9 +4,9 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
+#include "../counter_slots.h"
 #include "../smem_limit.h"
 #include "kernel.h"
 #include "registry.h"
@@ -17,7 +17,7 @@ namespace flashserve::kernels::cuda::sm90 {
 /// The grid and its schedule (scheduler.h): persistent, one block per SM (the producer loads
 /// the next tile while the consumers finish the current one). Non-causal problems take the
 /// static schedule (equal tiles), causal and packed variable-length ones the dynamic schedule (a
-/// global tile counter).
+/// global tile counter; the static one when no counter slot is free).
 /// H100 A/B in one process (bench/results/kernels-sm90-h100-2026-11-24-b.md), d128 causal
 /// S4096 / S4000 / S8192: dynamic 573-611 / 546-563 / 605-611 TFLOPS, the static list (block
 /// count coprime with the tiles per head) 547-557 / 533 / -, one block per tile 531-537 /
@@ -43,11 +43,15 @@ int schedule_l2_heads(const AttentionParams& p) {
                                    p.heads_q * p.batch);
 }
 
-/// The counter slot of the next dynamic launch of this instance (scheduler.h).
-inline int next_sched_slot() {
-  static std::atomic<uint32_t> next{0};
-  return int(next.fetch_add(1, std::memory_order_relaxed) % kSchedSlots);
+namespace {  // internal linkage, like g_sched_counters: each instance file lends its own pool
+/// A counter slot of this instance file's pool for a dynamic launch on stream (counter_slots.h;
+/// slot -1: none free, or a capturing stream: the static schedule runs, also correct).
+CounterSlot lend_sched_slot(cudaStream_t stream) {
+  void* pool = nullptr;
+  if (cudaGetSymbolAddress(&pool, g_sched_counters) != cudaSuccess) return {};
+  return acquire_counter_slot(pool, kSchedSlots, stream);
 }
+}  // namespace
 
 /// One kernel variant (T::kPacked or not): tensor maps, grid, launch.
 template <typename T>
@@ -73,9 +77,13 @@ cudaError_t launch_sm90_kernel(const AttentionParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t(tiles_per_head) * p.heads_q * p.batch;
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   const GridPlan plan = grid_plan(p, int(tiles), sm_count);
-  const SchedArgs sa{plan.dynamic ? next_sched_slot() : -1, schedule_l2_heads<T>(p)};
+  const CounterSlot lent = plan.dynamic ? lend_sched_slot(stream) : CounterSlot{};
+  last_counter_slot() = lent.slot;
+  const SchedArgs sa{lent.slot, schedule_l2_heads<T>(p)};
   kernel<<<plan.blocks, T::kNThreads, T::kSmemBytes, stream>>>(p, tm_q, tm_k, tm_v, tm_o, sa);
-  return cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
+  release_counter_slot(lent, stream, err == cudaSuccess);
+  return err;
 }
 
 template <typename T>

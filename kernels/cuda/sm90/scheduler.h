@@ -9,10 +9,10 @@
 //    starts loading one, so blocks stay close together in the order (L2 reuse) and the unequal
 //    causal tiles balance like a greedy longest-first list (and packed variable lengths' tiles
 //    spread evenly; the 128-row kernels' producer skips those past a sequence's end, kernel.h).
-//    The counters live in a per-module pool of kSchedSlots pairs {next tile, finished blocks};
-//    the host hands each launch the next slot round-robin and the launch's last block resets its
-//    pair to 0. Two launches share a slot only with kSchedSlots - 1 other dynamic launches of the
-//    same instance in flight.
+//    The counters live in a pool of kSchedSlots pairs {next tile, finished blocks} per instance
+//    file; counter_slots.h lends a launch a slot no running launch counts on (it stays with its
+//    stream), and the launch's last block resets its pair to 0. Until session 27 the slots went
+//    round-robin: 1024 launches on other streams during one long launch shared its counters.
 #pragma once
 
 #include "flashserve/kernels/attention_params.h"
@@ -20,7 +20,7 @@
 
 namespace flashserve::kernels::cuda::sm90 {
 
-constexpr int kSchedSlots = 1024;
+constexpr int kSchedSlots = 128;  // streams with a dynamic launch of one instance file at once
 // Zero at module load; each launch leaves its pair at zero again (finish_dynamic_schedule).
 static __device__ unsigned int g_sched_counters[2 * kSchedSlots];
 
