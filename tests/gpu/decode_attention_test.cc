@@ -587,7 +587,7 @@ struct QueuedLaunches {
         results(out_bytes * launches) {
     dev.p.num_splits = splits;
     dev.p.workspace = workspace.get();
-    dev.p.workspace_bytes = fk::decode_workspace_bytes(dev.p, splits);
+    dev.p.workspace_bytes = workspace.bytes();
     EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   }
   ~QueuedLaunches() { cudaStreamDestroy(stream); }

@@ -140,6 +140,8 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   void* get() const { return ptr_; }
+  /// The bytes asked for (the allocation holds at least 16).
+  size_t bytes() const { return bytes_; }
   template <typename T>
   T* as() const {
     return static_cast<T*>(ptr_);
