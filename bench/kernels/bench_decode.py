@@ -102,7 +102,8 @@ class Ours:
         return self.lib.flashserve_decode_last_block_n()
 
     def set_merge(self, mode):
-        """Merge of split partials: 0 the combine kernel, 1 in the split kernel, -1 default."""
+        """Merge of split partials: 0 the combine kernel, 1 in the split kernel up to the default's size
+        limit, 2 there at any size that fits shared memory, -1 default."""
         if self.has_merge:
             self.lib.flashserve_decode_set_fused_merge(mode)
         elif mode >= 0:
@@ -482,7 +483,7 @@ def main():
     ap.add_argument("--ab-variants", default="c0,c2",
                     help="--ab: variants of ours, the first the baseline: c<copy 0|2>[d<deep 0|1>][l<L2 bytes>]"
                     "[w<TMA boxes over all slices 0|1>][t<d64 16-row key tiles: 0 64, 1 128, 2|3 128 with 2|3 stages>][o1]"
-                    "[m<merge of split partials: 0 combine kernel, 1 in the split kernel>]")
+                    "[m<merge of split partials: 0 combine kernel, 1 in the split kernel, 2 there at any size>]")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: interleaved rounds")
     ap.add_argument("--ab-shapes", help="--ab: shapes 'd,hq,hkv,b,sq,sk;...' instead of the target set")
     ap.add_argument("--ab-pages", help="--ab: the page pools, e.g. 64,64o,64g,64w (bench_decode.page_key)")

@@ -120,7 +120,7 @@ void release_counter_slot(const CounterSlot& s, cudaStream_t stream, bool launch
   if (s.slot < 0) return;
   Pools& all = pools();
   std::lock_guard<std::mutex> lock(all.mu);
-  Slot& slot = all.by_key[{s.pool, s.device}].slots[size_t(s.slot)];
+  Slot& slot = all.by_key.at({s.pool, s.device}).slots[size_t(s.slot)];
   slot.reserved = false;
   if (!launched) return;  // nothing ran: the slot's state is what it was
   if (cudaEventRecord(slot.done, stream) != cudaSuccess) {

@@ -37,7 +37,8 @@ CounterSlot acquire_counter_slot(const void* pool, int num_slots, cudaStream_t s
 void release_counter_slot(const CounterSlot& s, cudaStream_t stream, bool launched);
 
 /// The slot the calling thread's last launch through a pool took (-1: none, or a launch that
-/// ran without one), set by the launch code: tests check which launches shared a slot.
+/// ran without one), set by the launch code (sm90 dynamic schedule, decode in-kernel merge):
+/// tests check which launches shared a slot.
 int& last_counter_slot();
 
 }  // namespace flashserve::kernels::cuda

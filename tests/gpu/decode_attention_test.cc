@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../../kernels/cuda/counter_slots.h"  // last_counter_slot (internal)
 #include "flashserve/kernels/attention_params.h"
 #include "flashserve/kernels/reference_attention.h"
 #include "flashserve/kernels/tuner.h"
@@ -40,7 +41,6 @@ int& last_block_n();
 int& last_stages();
 int& fused_merge_override();  // kernels/cuda/decode/decode_merge_plan.cu
 int& last_merge();
-int& last_merge_slot();
 }  // namespace flashserve::kernels::cuda::decode
 
 namespace flashserve::kernels {
@@ -650,11 +650,11 @@ TEST(DecodeAttentionEdge, InKernelMergeKeepsAPendingLaunchsSlot) {
   ASSERT_EQ(cudaStreamSynchronize(b.stream), cudaSuccess);
   tu::StreamGate gate(a.stream);
   ASSERT_NO_FATAL_FAILURE(a.queue_one());
-  const int a_slot = fk::decode::last_merge_slot();
+  const int a_slot = fk::last_counter_slot();
   ASSERT_GE(a_slot, 0);
   for (int i = 0; i < 200; ++i) {
     ASSERT_NO_FATAL_FAILURE(b.queue_one());
-    ASSERT_NE(fk::decode::last_merge_slot(), a_slot) << "launch " << i << " of stream B";
+    ASSERT_NE(fk::last_counter_slot(), a_slot) << "launch " << i << " of stream B";
     ASSERT_EQ(cudaStreamSynchronize(b.stream), cudaSuccess);
   }
   const bool serialized = gate.opened_by_itself();

@@ -58,6 +58,14 @@ int& deep_issue_override() {
   static int value = -1;
   return value;
 }
+int& fused_merge_override() {
+  static int value = -1;
+  return value;
+}
+int& last_merge() {
+  thread_local int value = 0;
+  return value;
+}
 }  // namespace decode
 
 namespace {

@@ -1,8 +1,9 @@
 // The split kernel's in-place merge: the last block of each (sequence, KV head, row block) to
 // store its partial merges all splits' partials of its rows into the final O and LSE, so no
 // combine kernel runs after the split kernel. That saves the combine's launch and the wait for
-// the whole split grid to drain; each group's merge overlaps the other groups' work. It pays
-// for small merges only (decode_merge_plan.cu: up to 8 KB of partials per block).
+// the whole split grid to drain; each group's merge overlaps the other groups' work. By default
+// only small merges take it (decode_merge_plan.cu: up to 8 KB of partials per block; larger ones
+// measured even with the combine kernel).
 #pragma once
 
 #include <cstdint>

@@ -30,24 +30,9 @@ __device__ unsigned g_merge_counters[kSlots * kSlotWords];  // 1 MiB per device,
 
 }  // namespace
 
-int& fused_merge_override() {
-  static int value = -1;
-  return value;
-}
-
-int& last_merge() {
-  thread_local int value = 0;
-  return value;
-}
-
-int& last_merge_slot() {
-  thread_local int value = -1;
-  return value;
-}
-
 MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int num_splits,
                                int row_blocks, cudaStream_t stream) {
-  last_merge_slot() = -1;
+  last_counter_slot() = -1;
   const int mode = fused_merge_override();
   if (num_splits <= 1 || mode == 0 || (mode < 0 && !kInKernelMergeByDefault)) return {};
   if (int64_t{p.batch} * p.heads_kv * row_blocks > kSlotWords) return {};
@@ -65,7 +50,7 @@ MergeSlot plan_in_kernel_merge(const DecodeParams& p, const DecodeKernel& k, int
   if (cudaGetSymbolAddress(&counters, g_merge_counters) != cudaSuccess) return {};
   MergeSlot m;
   m.lent = acquire_counter_slot(counters, kSlots, stream);
-  last_merge_slot() = m.lent.slot;
+  last_counter_slot() = m.lent.slot;
   if (m.lent.slot < 0) return {};
   m.counters = static_cast<unsigned*>(counters) + int64_t{m.lent.slot} * kSlotWords;
   return m;

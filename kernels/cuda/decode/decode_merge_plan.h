@@ -26,7 +26,8 @@ __host__ __device__ constexpr size_t merge_header_bytes(int block_m, int splits,
 
 /// A counter slot for an in-kernel merge of p's num_splits splits launched on stream, or an
 /// empty MergeSlot: the knob (fused_merge_override) says no, the launch has more groups than a
-/// slot, a block's partial rows over all splits exceed 8 KB (measured slower there) or kernel k's
+/// slot, a block's partial rows over all splits exceed 8 KB (no gain measured there; knob 2
+/// lifts that limit) or kernel k's
 /// shared memory, the stream is capturing, or no slot is free (decode_merge_plan.cu says when
 /// one is: counter_slots.h). Every non-empty slot must be handed to finish_in_kernel_merge after
 /// the launch.

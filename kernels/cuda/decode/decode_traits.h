@@ -169,11 +169,8 @@ int& pdl_override();
 int& fused_merge_override();
 
 /// How the thread's last run_decode merged its splits: 0 one split (nothing to merge), 1 the
-/// combine kernel, 2 in the split kernel.
+/// combine kernel, 2 in the split kernel (its counter slot: last_counter_slot, counter_slots.h).
 int& last_merge();
-/// The counter slot of the thread's last in-kernel merge (-1: none), so that tests can see which
-/// launches shared one.
-int& last_merge_slot();
 
 /// Whether run_decode asks for the deep issue order (a benchmarking knob,
 /// flashserve_decode_set_deep_issue): -1 default, 0 off, 1 on.
