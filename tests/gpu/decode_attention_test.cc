@@ -51,6 +51,17 @@ namespace tu = testing_util;
 
 enum class Layout { kDense, kDenseVarlen, kPaged };
 
+// The current device's compute capability major, 0 without a GPU.
+int device_major_or_zero() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return major;
+}
+
 struct DecodeCase {
   std::string tag;       // part of the test name ("san" marks the sanitizer's subset)
   Layout layout;
@@ -837,6 +848,42 @@ TEST(DecodeAttentionApi, SplitPlanFillsOneWaveOnSmallPages) {
   EXPECT_EQ(splits(8, 8, 4096), 4) << "64 blocks: 256";
   EXPECT_EQ(splits(8, 32, 4096), 1) << "256 blocks: one wave unsplit";
   EXPECT_GT(splits(8, 20, 16384), 1) << "160 blocks: a 61% wave, the plan splits";
+}
+
+// sm_90's d128 16-row kernel on whole-tile TMA boxes (dense K/V, pages of 64) plans its split
+// count by SM tiers (decode_dispatch.cu, sm_tier_splits): one block per SM up to the SM count,
+// beyond it two per SM in waves; a grid on >= 80% of the SMs splits only where its waves end
+// ragged, into blocks of >= 2048 keys (1024 where the unsplit grid leaves SMs idle).
+TEST(DecodeAttentionApi, SplitPlanCountsSmTiers) {
+  SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
+  if (device_major_or_zero() < 9) GTEST_SKIP() << "the tiers are for sm_90's TMA path";
+  static const int32_t kMarker = 0;
+  auto splits = [](int heads_kv, int batch, int keys, int page_size) {
+    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
+                                                      heads_kv, 128, false, 0.1f);
+    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
+    return fk::decode_num_splits(p, 132);
+  };
+  for (int page : {0, 64}) {
+    SCOPED_TRACE("page " + std::to_string(page));
+    EXPECT_EQ(splits(8, 8, 4096, page), 2) << "64 blocks: 128, one per SM";
+    EXPECT_EQ(splits(8, 1, 131072, page), 16) << "8 blocks: 128, one per SM";
+    EXPECT_EQ(splits(8, 12, 4096, page), 1) << "96 blocks: no fuller grid of >= 1024 keys";
+    EXPECT_EQ(splits(8, 12, 8192, page), 8) << "96 blocks: 768 of 1024 keys, 2.9 waves of 264";
+    EXPECT_EQ(splits(8, 12, 16384, page), 8);
+    EXPECT_EQ(splits(32, 3, 4096, page), 1) << "MHA, 96 blocks, short";
+    EXPECT_EQ(splits(8, 14, 8192, page), 1) << "112 blocks: 85% of the SMs, unsplit";
+    EXPECT_EQ(splits(8, 10, 16384, page), 13) << "80 blocks: 1040 of 1260 keys, 3.9 waves";
+    EXPECT_EQ(splits(8, 20, 8192, page), 1) << "160 blocks: 61% of one wave, not ragged enough";
+    EXPECT_EQ(splits(8, 24, 16384, page), 4) << "192 blocks (73%): 768";
+    EXPECT_EQ(splits(8, 24, 4096, page), 1) << "192 blocks: splits would be < 2048 keys";
+    EXPECT_EQ(splits(8, 32, 16384, page), 1) << "256 blocks: a 97% wave";
+    EXPECT_EQ(splits(8, 40, 16384, page), 4) << "320 blocks (1.2 waves): 1280";
+    EXPECT_EQ(splits(8, 48, 16384, page), 2) << "384 blocks (1.45 waves): 768";
+    EXPECT_EQ(splits(8, 64, 8192, page), 1) << "512 blocks: 1.94 waves";
+    EXPECT_EQ(splits(8, 100, 8192, page), 1) << "800 blocks: from 3 waves unsplit";
+  }
+  EXPECT_EQ(splits(8, 24, 16384, 16), 1) << "pages of 16: one wave of two per SM (one_wave_splits)";
 }
 
 // The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on

@@ -84,6 +84,10 @@ constexpr int kWideBlockN = 128;
 constexpr int kWidePage = 64;         // smallest page it reads when the key axis is split
 constexpr int kLongSplitKeys = 4096;  // splits this long take 2 stages
 constexpr int kShortGridKeys = 4096;  // grid_left_whole: at 70-90% of the SMs, up to this many keys
+// sm_tier_splits: keys per block of a split grid past the SM count, where the unsplit grid leaves
+// SMs idle / already fills them.
+constexpr int kMinKeysPastSms = 1024;
+constexpr int kMinKeysPastFullGrid = 2048;
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
@@ -260,22 +264,19 @@ bool is_d128_decode_kernel(const DecodeParams& p, const DecodeKernel& k) {
   return k.block_m == 16 && p.head_dim == 128;
 }
 
-/// Resident blocks per SM the split counts are planned for. At most two: the H100 sweep
-/// (kernels/NOTES.md) found a third adds no bandwidth, while filling it takes 50% more splits.
-/// One for the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, one box
-/// per tile: dense K/V or power-of-two pages >= 64 keys, tma_box_rows): A/B
-/// (kernels-decode-h100-2026-11-25.md), one block per SM instead of two, H100: B1 Sk128k paged 64
-/// 0.976x -> 0.990x cuDNN (dense 0.987x -> 1.014x), B8 Sk32k 0.985x -> 0.992x; H200: B1 Sk128k
-/// 0.982-0.99x, dense 1.004x. Not d64: its block keeps 48 KB in flight (d128: 64 KB), +6% on the
-/// H100 but -20% on the H200, whose bandwidth needs more bytes in flight per SM; not pages of 16
-/// (four boxes per operand and tile: -9% at d64 on the H100); d256 not measured.
-int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
+/// Whether k is the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, one box
+/// per tile: dense K/V or power-of-two pages >= 64 keys, tma_box_rows). Its split count comes
+/// from sm_tier_splits, not from the plan for the other kernels.
+bool d128_whole_tile_tma(const DecodeParams& p, const DecodeKernel& k) {
   const bool whole_tile_boxes = decode::tma_box_rows(p, k.block_n) == k.block_n;
-  if (is_d128_decode_kernel(p, k) && whole_tile_boxes && decode::copy_override() != 0 &&
-      device_major() >= 9)
-    return 1;
-  return std::clamp(k.blocks_per_sm(), 1, 2);
+  return is_d128_decode_kernel(p, k) && whole_tile_boxes && decode::copy_override() != 0 &&
+         device_major() >= 9;
 }
+
+/// Resident blocks per SM the split counts of the other kernels are planned for. At most two:
+/// the H100 sweep (kernels/NOTES.md) found a third adds no bandwidth, while filling it takes 50%
+/// more splits.
+int planned_blocks_per_sm(const DecodeKernel& k) { return std::clamp(k.blocks_per_sm(), 1, 2); }
 
 /// Whether p's unsplit grid of `base` blocks is left whole: splitting it to fill more of the GPU
 /// costs partials, the combine and shorter pipelines, and on a grid that already covers most SMs
@@ -288,7 +289,9 @@ int planned_blocks_per_sm(const DecodeParams& p, const DecodeKernel& k) {
 ///    Sk4k 1.05-1.07x; at Sk16k the split wins there (3-8 splits, 1.03-1.13x), so the rule stops
 ///    at 4096 keys.
 /// Pages of 16 keep the plan (the unsplit kernels lost up to 26% there: B4 d64 Sk16k), as do
-/// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way.
+/// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way. The d128
+/// kernel on whole-tile TMA boxes has its own plan since (sm_tier_splits); this rule stays for it
+/// on cp.async (sm_80, packed varlen K/V, the copy knob).
 bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count) {
   const bool measured = k.block_n == kWideBlockN || is_d128_decode_kernel(p, k);
   const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
@@ -332,12 +335,57 @@ int wave_efficiency_splits(int64_t base, int64_t slots, int max_splits) {
   return 1;
 }
 
+/// Whether an unsplit grid of `base` blocks that fills the SMs ends in a wave of `slots`
+/// resident blocks ragged enough to split (sm_tier_splits): a first and only wave 70-90% full,
+/// or a later one below 90% full before the third. H200, session 28 (K1-K4): unsplit was the best
+/// or within 1% at 61% of one wave (B20), at 91-97% full waves (B16, B30, B32, B64, B66, B90) and
+/// from 3 waves (B100, B120); splits won 1.03-1.09x at 73-85% of one wave (B24-B28) and
+/// 1.01-1.18x at 1.1-2.6 waves (B36-B84). Missed: B22 (67%; 3 splits are exactly two waves) and
+/// B60 (1.82 waves at 91%), where splits ran 1.03-1.06x.
+bool ragged_full_grid(int64_t base, int64_t slots) {
+  const double waves = double(base) / double(slots);
+  const double fill = waves / std::ceil(waves);
+  return waves <= 1 ? fill >= 0.7 && fill < 0.9 : waves < 3 && fill < 0.9;
+}
+
+/// The split count of the d128 16-row kernel on whole-tile TMA boxes. Up to one block per SM a
+/// grid streams at nearly full speed (96 KB in flight per block); beyond, blocks run two per SM
+/// in waves. So g blocks count g / SMs up to the SM count, else g over their waves of resident
+/// blocks, and the plan takes the fewest splits within 95% of the best. Blocks of a grid past the
+/// SM count keep >= 1024 keys (2048 where the unsplit grid already fills the SMs) to pay for
+/// their prologue, partial and merge; from 80% of the SMs only a ragged grid splits (B14 Sk8k,
+/// 112 blocks: 1.08x faster unsplit than on 7 splits). H200, session 28, 132 rows
+/// (kernels-decode-h200-2026-11-30-split-tiers.md): 0.992-1.18x the earlier plan, geometric mean
+/// 1.026x -- that plan counted waves of one block per SM (session 13) where two ran.
+int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count,
+                   int max_splits) {
+  const int64_t sms = std::max(sm_count, 1);
+  const int64_t slots = sms * planned_blocks_per_sm(k);
+  const bool fills_sms = base * 10 >= sms * 8;  // one block on >= 80% of the SMs unsplit
+  if (fills_sms && (base <= sms || !ragged_full_grid(base, slots))) return 1;
+  const int64_t keys = int64_t{key_tiles(p, k)} * k.block_n;
+  const int64_t min_keys = base > sms ? kMinKeysPastFullGrid : kMinKeysPastSms;
+  std::vector<double> eff(max_splits + 1, 0.0);
+  double best = 0;
+  for (int s = 1; s <= max_splits; ++s) {
+    const int64_t g = base * s;
+    if (g > sms && s > 1 && keys / s < min_keys) continue;
+    eff[s] =
+        g <= sms ? double(g) / double(sms) : double(g) / double(slots * ((g + slots - 1) / slots));
+    best = std::max(best, eff[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s)
+    if (eff[s] > 0 && eff[s] >= 0.95 * best) return s;
+  return 1;
+}
+
 /// decode_num_splits for kernel k.
 int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
-  if (grid_left_whole(p, k, base, sm_count)) return 1;
-  const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(p, k);
   const int max_splits = std::clamp(key_tiles(p, k) / kMinTilesPerSplit, 1, kMaxSplits);
+  if (d128_whole_tile_tma(p, k)) return sm_tier_splits(p, k, base, sm_count, max_splits);
+  if (grid_left_whole(p, k, base, sm_count)) return 1;
+  const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(k);
   const int planned = wave_efficiency_splits(base, slots, max_splits);
   // One wave instead, where it applies and the plan's grid spills into a second, partial wave
   // (a plan within one wave already fills it: B1 Sk128k 32 splits ran 1% faster than one wave's
