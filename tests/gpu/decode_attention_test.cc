@@ -884,6 +884,12 @@ TEST(DecodeAttentionApi, SplitPlanCountsSmTiers) {
     EXPECT_EQ(splits(8, 100, 8192, page), 1) << "800 blocks: from 3 waves unsplit";
   }
   EXPECT_EQ(splits(8, 24, 16384, 16), 1) << "pages of 16: one wave of two per SM (one_wave_splits)";
+  // 16 rows per block (GQA 32:8, Sq 4): splits of >= 4096 keys past the SM count.
+  fk::DecodeParams sq4 =
+      fk::make_dense_decode_params(DType::kBFloat16, 24, 4, 8192, 32, 8, 128, false, 0.1f);
+  EXPECT_EQ(fk::decode_num_splits(sq4, 132), 1) << "192 blocks, 2 splits of 4096: no fuller";
+  sq4.seqlen_k = 16384;
+  EXPECT_EQ(fk::decode_num_splits(sq4, 132), 4) << "192 blocks, 4 splits of 4096: 768";
 }
 
 // The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on

@@ -352,11 +352,13 @@ bool ragged_full_grid(int64_t base, int64_t slots) {
 /// grid streams at nearly full speed (96 KB in flight per block); beyond, blocks run two per SM
 /// in waves. So g blocks count g / SMs up to the SM count, else g over their waves of resident
 /// blocks, and the plan takes the fewest splits within 95% of the best. Blocks of a grid past the
-/// SM count keep >= 1024 keys (2048 where the unsplit grid already fills the SMs) to pay for
-/// their prologue, partial and merge; from 80% of the SMs only a ragged grid splits (B14 Sk8k,
-/// 112 blocks: 1.08x faster unsplit than on 7 splits). H200, session 28, 132 rows
-/// (kernels-decode-h200-2026-11-30-split-tiers.md): 0.992-1.18x the earlier plan, geometric mean
-/// 1.026x -- that plan counted waves of one block per SM (session 13) where two ran.
+/// SM count keep >= 1024 keys (2048 where the unsplit grid already fills the SMs; twice that
+/// with 16 rows per block) to pay for their prologue, partial and merge; from 80% of the SMs
+/// only a ragged grid splits (B14 Sk8k, 112 blocks: 1.08x faster unsplit than on 7 splits).
+/// H200, session 28 (kernels-decode-h200-2026-11-30-split-tiers.md): 0.992-1.18x the earlier
+/// plan on 132 rows, geometric mean 1.026x -- that plan counted waves of one block per SM
+/// (session 13) where two ran; GQA 32:8 Sq4 B24 Sk8k ran 0.93x on 4 splits of 2048 keys (K7),
+/// hence the rows.
 int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count,
                    int max_splits) {
   const int64_t sms = std::max(sm_count, 1);
@@ -364,7 +366,10 @@ int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, i
   const bool fills_sms = base * 10 >= sms * 8;  // one block on >= 80% of the SMs unsplit
   if (fills_sms && (base <= sms || !ragged_full_grid(base, slots))) return 1;
   const int64_t keys = int64_t{key_tiles(p, k)} * k.block_n;
-  const int64_t min_keys = base > sms ? kMinKeysPastFullGrid : kMinKeysPastSms;
+  // More rows per block (speculative Sq > 1) make each split's partial and merge larger.
+  const int64_t rows = int64_t{p.heads_q / p.heads_kv} * std::max(p.seqlen_q, 1);
+  const int64_t min_keys =
+      (base > sms ? kMinKeysPastFullGrid : kMinKeysPastSms) * std::max<int64_t>(rows, 8) / 8;
   std::vector<double> eff(max_splits + 1, 0.0);
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
