@@ -892,6 +892,38 @@ TEST(DecodeAttentionApi, SplitPlanCountsSmTiers) {
   EXPECT_EQ(fk::decode_num_splits(sq4, 132), 4) << "192 blocks, 4 splits of 4096: 768";
 }
 
+// sm_90's d64 128-key kernels plan by the same tiers, counting each split with its own depth:
+// splits of >= 4096 keys run the 2-stage kernel, three per SM, two of which keep it at full speed.
+TEST(DecodeAttentionApi, SplitPlanCountsTiersByDepthAtD64) {
+  SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
+  if (device_major_or_zero() < 9) GTEST_SKIP() << "the tiers are for sm_90's TMA path";
+  const DefaultTilesAfter restore;
+  static const int32_t kMarker = 0;
+  auto splits = [](int heads_kv, int batch, int keys, int page_size) {
+    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
+                                                      heads_kv, 64, false, 0.1f);
+    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
+    return fk::decode_num_splits(p, 132);
+  };
+  for (int page : {0, 64}) {
+    SCOPED_TRACE("page " + std::to_string(page));
+    EXPECT_EQ(splits(32, 2, 4096, page), 2) << "64 blocks: 128 3-stage, one per SM";
+    EXPECT_EQ(splits(32, 2, 16384, page), 4) << "64 blocks: 256 2-stage, two per SM";
+    EXPECT_EQ(splits(32, 1, 131072, page), 8) << "32 blocks: 256 2-stage";
+    EXPECT_EQ(splits(32, 3, 16384, page), 4) << "96 blocks: 384 2-stage, one wave of 396";
+    EXPECT_EQ(splits(32, 4, 16384, page), 1) << "128 blocks: 97% of the SMs";
+    EXPECT_EQ(splits(32, 5, 16384, page), 1) << "160 blocks: 61% of one wave";
+    EXPECT_EQ(splits(32, 8, 16384, page), 1) << "256 blocks: a 97% wave";
+    EXPECT_EQ(splits(32, 9, 16384, page), 4) << "288 blocks: 1152 2-stage, 2.9 waves of 396";
+    EXPECT_EQ(splits(32, 10, 16384, page), 2) << "320 blocks: 640 2-stage, 1.6 waves of 396";
+    EXPECT_EQ(splits(32, 10, 65536, page), 6) << "320 blocks: 1920 2-stage";
+    EXPECT_EQ(splits(32, 12, 4096, page), 1) << "384 blocks: no split of >= 4096 keys";
+    EXPECT_EQ(splits(32, 20, 16384, page), 3) << "640 blocks: 1920 2-stage";
+    EXPECT_EQ(splits(8, 40, 16384, page), 2) << "GQA 32:8, 320 blocks";
+  }
+  EXPECT_EQ(splits(32, 10, 16384, 16), 4) << "pages of 16 (64-key kernel): the wave plan";
+}
+
 // The split plan depends on the layout (so must a workspace): on sm_90+ the d128 decode kernel on
 // whole-tile TMA boxes (dense K/V, pages of 64) plans one block per SM, pages of 16 and d64 two.
 TEST(DecodeAttentionApi, SplitPlanFollowsTheLayout) {

@@ -84,10 +84,10 @@ constexpr int kWideBlockN = 128;
 constexpr int kWidePage = 64;         // smallest page it reads when the key axis is split
 constexpr int kLongSplitKeys = 4096;  // splits this long take 2 stages
 constexpr int kShortGridKeys = 4096;  // grid_left_whole: at 70-90% of the SMs, up to this many keys
-// sm_tier_splits: keys per block of a split grid past the SM count, where the unsplit grid leaves
-// SMs idle / already fills them.
-constexpr int kMinKeysPastSms = 1024;
-constexpr int kMinKeysPastFullGrid = 2048;
+// sm_tier_splits: key tiles per block of a split grid past the SM count, where the unsplit grid
+// leaves SMs idle / already fills them (d128: 1024 / 2048 keys, d64 on 128-key tiles: 2048 / 4096).
+constexpr int kMinTilesPastSms = 16;
+constexpr int kMinTilesPastFullGrid = 32;
 // Programmatic dependent launch on sm_90+ (see decode::pdl_wait_then_release): the combine's
 // launch overlaps the split kernel (H100: B1 Sk128k 0.203 -> 0.200 ms; elsewhere even).
 constexpr bool kPdlByDefault = true;
@@ -264,13 +264,14 @@ bool is_d128_decode_kernel(const DecodeParams& p, const DecodeKernel& k) {
   return k.block_m == 16 && p.head_dim == 128;
 }
 
-/// Whether k is the d128 16-row kernel on whole-tile TMA boxes (sm_90+, the default copy, one box
-/// per tile: dense K/V or power-of-two pages >= 64 keys, tma_box_rows). Its split count comes
-/// from sm_tier_splits, not from the plan for the other kernels.
-bool d128_whole_tile_tma(const DecodeParams& p, const DecodeKernel& k) {
-  const bool whole_tile_boxes = decode::tma_box_rows(p, k.block_n) == k.block_n;
-  return is_d128_decode_kernel(p, k) && whole_tile_boxes && decode::copy_override() != 0 &&
-         device_major() >= 9;
+/// Whether k's split count comes from sm_tier_splits (sm_90+, the default copy by TMA boxes,
+/// tma_box_rows): the d128 16-row kernel on whole-tile boxes (dense K/V or power-of-two pages
+/// >= 64 keys) and the d64 128-key kernels on dense K/V or power-of-two pages >= 64 keys.
+bool planned_by_tiers(const DecodeParams& p, const DecodeKernel& k) {
+  if (decode::copy_override() == 0 || device_major() < 9) return false;
+  const int box_rows = decode::tma_box_rows(p, k.block_n);
+  if (k.block_n == kWideBlockN) return box_rows >= kWidePage;
+  return is_d128_decode_kernel(p, k) && box_rows == k.block_n;
 }
 
 /// Resident blocks per SM the split counts of the other kernels are planned for. At most two:
@@ -289,9 +290,9 @@ int planned_blocks_per_sm(const DecodeKernel& k) { return std::clamp(k.blocks_pe
 ///    Sk4k 1.05-1.07x; at Sk16k the split wins there (3-8 splits, 1.03-1.13x), so the rule stops
 ///    at 4096 keys.
 /// Pages of 16 keep the plan (the unsplit kernels lost up to 26% there: B4 d64 Sk16k), as do
-/// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way. The d128
-/// kernel on whole-tile TMA boxes has its own plan since (sm_tier_splits); this rule stays for it
-/// on cp.async (sm_80, packed varlen K/V, the copy knob).
+/// fewer blocks (B2 d64: splits win from Sk2k) and the kernels nobody measured this way. On
+/// sm_90's TMA path both kernels have their own plan since (sm_tier_splits); this rule stays for
+/// them on cp.async (sm_80, packed varlen K/V, the copy knob).
 bool grid_left_whole(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count) {
   const bool measured = k.block_n == kWideBlockN || is_d128_decode_kernel(p, k);
   const bool whole_tiles = p.block_table == nullptr || p.page_size >= kWidePage;
@@ -348,35 +349,62 @@ bool ragged_full_grid(int64_t base, int64_t slots) {
   return waves <= 1 ? fill >= 0.7 && fill < 0.9 : waves < 3 && fill < 0.9;
 }
 
-/// The split count of the d128 16-row kernel on whole-tile TMA boxes. Up to one block per SM a
-/// grid streams at nearly full speed (96 KB in flight per block); beyond, blocks run two per SM
-/// in waves. So g blocks count g / SMs up to the SM count, else g over their waves of resident
-/// blocks, and the plan takes the fewest splits within 95% of the best. Blocks of a grid past the
-/// SM count keep >= 1024 keys (2048 where the unsplit grid already fills the SMs; twice that
-/// with 16 rows per block) to pay for their prologue, partial and merge; from 80% of the SMs
-/// only a ragged grid splits (B14 Sk8k, 112 blocks: 1.08x faster unsplit than on 7 splits).
-/// H200, session 28 (kernels-decode-h200-2026-11-30-split-tiers.md): 0.992-1.18x the earlier
-/// plan on 132 rows, geometric mean 1.026x -- that plan counted waves of one block per SM
-/// (session 13) where two ran; GQA 32:8 Sq4 B24 Sk8k ran 0.93x on 4 splits of 2048 keys (K7),
-/// hence the rows.
+/// How the tier plan sees the kernel a split count runs: blocks per SM that fit, and blocks per
+/// SM that keep enough K/V in flight for full speed (about 96 KB: one d128 16-row or 3-stage d64
+/// block; two 2-stage d64 blocks of 64 KB).
+struct TierKernel {
+  int resident = 2;
+  int full_speed = 1;
+};
+
+/// The tier of the kernel that runs p in `splits` splits (p planned by tiers): the d64 128-key
+/// kernel takes 2 stages where each split is long (wide_stages), and with them more blocks per SM.
+TierKernel tier_kernel(const DecodeParams& p, const DecodeKernel& k, int splits) {
+  if (k.block_n == kWideBlockN && splits > 1 && p.seqlen_k / splits >= kLongSplitKeys)
+    return {std::clamp(wide_kernel<__half>(2).blocks_per_sm(), 1, 3), 2};
+  const DecodeKernel unsplit = k.block_n == kWideBlockN ? wide_kernel<__half>(3) : k;
+  return {planned_blocks_per_sm(unsplit), 1};
+}
+
+/// Efficiency of a grid of g blocks on sms SMs: up to the blocks that run at full speed, g over
+/// them; beyond, g over its waves of resident blocks.
+double tier_efficiency(int64_t g, int64_t sms, TierKernel t) {
+  const int64_t full = sms * t.full_speed;
+  if (g <= full) return double(g) / double(full);
+  const int64_t slots = sms * t.resident;
+  return double(g) / double(slots * ((g + slots - 1) / slots));
+}
+
+/// The split count of the kernels planned_by_tiers. Up to one block per SM a grid streams at
+/// nearly full speed (96 KB in flight per block; 2-stage d64 blocks need two per SM); beyond,
+/// blocks run in waves of what fits per SM (tier_efficiency), and the plan takes the fewest
+/// splits within 95% of the best. Blocks of a grid past the SM count keep >= 16 key tiles (32
+/// where the unsplit grid already fills the SMs; more with > 8 rows per block) to pay for their
+/// prologue, partial and merge; from 80% of the SMs only a ragged grid splits (B14 Sk8k, 112
+/// blocks: 1.08x faster unsplit than on 7 splits). H200, session 28
+/// (kernels-decode-h200-2026-11-30-split-tiers.md): d128 0.992-1.18x the earlier plan on 132
+/// rows, geometric mean 1.026x -- that plan counted waves of one block per SM (session 13) where
+/// two ran; GQA 32:8 Sq4 B24 Sk8k ran 0.93x on 4 splits of 2048 keys (K7), hence the rows. d64
+/// (K9, 36 held-out rows): 0.956-1.23x the earlier plan, geometric mean 1.042x (worst: B13 MHA
+/// Sk16k on pages of 64, whose unsplit grid runs unusually well); without the depth (tier_kernel)
+/// two splits lost 4-14% on 1.1-wave grids of 396 (K6).
 int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, int sm_count,
                    int max_splits) {
   const int64_t sms = std::max(sm_count, 1);
-  const int64_t slots = sms * planned_blocks_per_sm(k);
   const bool fills_sms = base * 10 >= sms * 8;  // one block on >= 80% of the SMs unsplit
-  if (fills_sms && (base <= sms || !ragged_full_grid(base, slots))) return 1;
-  const int64_t keys = int64_t{key_tiles(p, k)} * k.block_n;
+  const TierKernel unsplit = tier_kernel(p, k, 1);
+  if (fills_sms && (base <= sms || !ragged_full_grid(base, sms * unsplit.resident))) return 1;
+  const int64_t tiles = key_tiles(p, k);
   // More rows per block (speculative Sq > 1) make each split's partial and merge larger.
   const int64_t rows = int64_t{p.heads_q / p.heads_kv} * std::max(p.seqlen_q, 1);
-  const int64_t min_keys =
-      (base > sms ? kMinKeysPastFullGrid : kMinKeysPastSms) * std::max<int64_t>(rows, 8) / 8;
+  const int64_t min_tiles =
+      (base > sms ? kMinTilesPastFullGrid : kMinTilesPastSms) * std::max<int64_t>(rows, 8) / 8;
   std::vector<double> eff(max_splits + 1, 0.0);
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const int64_t g = base * s;
-    if (g > sms && s > 1 && keys / s < min_keys) continue;
-    eff[s] =
-        g <= sms ? double(g) / double(sms) : double(g) / double(slots * ((g + slots - 1) / slots));
+    if (g > sms && s > 1 && tiles / s < min_tiles) continue;
+    eff[s] = tier_efficiency(g, sms, tier_kernel(p, k, s));
     best = std::max(best, eff[s]);
   }
   for (int s = 1; s <= max_splits; ++s)
@@ -388,7 +416,7 @@ int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, i
 int plan_splits(const DecodeParams& p, const DecodeKernel& k, int sm_count) {
   const int64_t base = int64_t{std::max(p.batch, 1)} * p.heads_kv * row_blocks(p, k);
   const int max_splits = std::clamp(key_tiles(p, k) / kMinTilesPerSplit, 1, kMaxSplits);
-  if (d128_whole_tile_tma(p, k)) return sm_tier_splits(p, k, base, sm_count, max_splits);
+  if (planned_by_tiers(p, k)) return sm_tier_splits(p, k, base, sm_count, max_splits);
   if (grid_left_whole(p, k, base, sm_count)) return 1;
   const int64_t slots = int64_t{std::max(sm_count, 1)} * planned_blocks_per_sm(k);
   const int planned = wave_efficiency_splits(base, slots, max_splits);
