@@ -51,6 +51,16 @@ namespace tu = testing_util;
 
 enum class Layout { kDense, kDenseVarlen, kPaged };
 
+// decode_num_splits on 132 SMs for a bf16 decode step (32 query heads, Sq 1) over `batch`
+// sequences of `keys` keys, dense (page_size 0) or paged.
+int planned_splits(int head_dim, int heads_kv, int batch, int keys, int page_size) {
+  static const int32_t kMarker = 0;
+  fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32, heads_kv,
+                                                    head_dim, false, 0.1f);
+  if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
+  return fk::decode_num_splits(p, 132);
+}
+
 // The current device's compute capability major, 0 without a GPU.
 int device_major_or_zero() {
   int device = 0, major = 0;
@@ -857,12 +867,8 @@ TEST(DecodeAttentionApi, SplitPlanFillsOneWaveOnSmallPages) {
 TEST(DecodeAttentionApi, SplitPlanCountsSmTiers) {
   SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
   if (device_major_or_zero() < 9) GTEST_SKIP() << "the tiers are for sm_90's TMA path";
-  static const int32_t kMarker = 0;
   auto splits = [](int heads_kv, int batch, int keys, int page_size) {
-    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
-                                                      heads_kv, 128, false, 0.1f);
-    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
-    return fk::decode_num_splits(p, 132);
+    return planned_splits(128, heads_kv, batch, keys, page_size);
   };
   for (int page : {0, 64}) {
     SCOPED_TRACE("page " + std::to_string(page));
@@ -897,13 +903,8 @@ TEST(DecodeAttentionApi, SplitPlanCountsSmTiers) {
 TEST(DecodeAttentionApi, SplitPlanCountsTiersByDepthAtD64) {
   SKIP_WITHOUT_GPU();  // reads the kernels' occupancy
   if (device_major_or_zero() < 9) GTEST_SKIP() << "the tiers are for sm_90's TMA path";
-  const DefaultTilesAfter restore;
-  static const int32_t kMarker = 0;
   auto splits = [](int heads_kv, int batch, int keys, int page_size) {
-    fk::DecodeParams p = fk::make_dense_decode_params(DType::kBFloat16, batch, 1, keys, 32,
-                                                      heads_kv, 64, false, 0.1f);
-    if (page_size > 0) p.block_table = &kMarker, p.page_size = page_size;
-    return fk::decode_num_splits(p, 132);
+    return planned_splits(64, heads_kv, batch, keys, page_size);
   };
   for (int page : {0, 64}) {
     SCOPED_TRACE("page " + std::to_string(page));
