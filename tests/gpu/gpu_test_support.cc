@@ -22,6 +22,16 @@ bool gpu_available() {
   return available;
 }
 
+int device_compute_major() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return major;
+}
+
 bool compiled(DType dtype, int head_dim) {
   return !cuda::candidates(dtype, head_dim, false).empty();
 }

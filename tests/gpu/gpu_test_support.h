@@ -24,6 +24,8 @@ namespace flashserve::kernels::testing_util {
 // ---- GPU presence -----------------------------------------------------------------------------
 
 bool gpu_available();
+/// The current device's compute capability major, 0 without a GPU.
+int device_compute_major();
 
 /// Whether kernels for (dtype, head_dim) were instantiated in this build.
 bool compiled(DType dtype, int head_dim);
