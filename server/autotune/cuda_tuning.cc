@@ -118,12 +118,15 @@ absl::StatusOr<TuneRecord> TuneDecodeClass(const DecodeClass& c, cudaStream_t st
   };
   TuneRecord record;
   const auto& best = report.timings[size_t(report.best)];
-  record.config = DecodeSplitsConfig(best.num_splits);
-  record.tflops = tbs(best);
+  const bool heuristic_ran =
+      report.heuristic_index >= 0 && report.timings[size_t(report.heuristic_index)].ok;
+  const double heuristic_ms =
+      heuristic_ran ? report.timings[size_t(report.heuristic_index)].median_ms : 0.0;
+  // "splits=plan" unless the best count clearly beat the heuristic's here (decode_class.h).
+  record.config = DecodeTunedConfig(best.num_splits, best.median_ms, heuristic_ms);
   record.default_config = DecodeSplitsConfig(report.heuristic);
-  if (report.heuristic_index >= 0 && report.timings[size_t(report.heuristic_index)].ok) {
-    record.default_tflops = tbs(report.timings[size_t(report.heuristic_index)]);
-  }
+  if (heuristic_ran) record.default_tflops = tbs(report.timings[size_t(report.heuristic_index)]);
+  record.tflops = record.config == DecodeSplitsConfig(0) ? record.default_tflops : tbs(best);
   int runner_up = -1;
   for (size_t i = 0; i < report.timings.size(); ++i) {
     const auto& t = report.timings[i];

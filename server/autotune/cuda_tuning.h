@@ -32,7 +32,8 @@ absl::StatusOr<TuneRecord> TuneProblemClass(const ProblemClass& c, int sm_count,
 DecodeShape DecodeShapeOf(const kernels::cuda::DecodeParams& p);
 
 /// Times the split counts of kernels::cuda::decode_split_candidates for c's representative
-/// shape (tune_decode_splits) and returns the fastest as "splits=N", throughput in K/V TB/s.
+/// shape (tune_decode_splits) and records the fastest as "splits=N" where it clearly beats the
+/// heuristic's count, else "splits=plan" (DecodeTunedConfig); throughput in K/V TB/s.
 /// Runs on the current device (its SM count is read there).
 absl::StatusOr<TuneRecord> TuneDecodeClass(const DecodeClass& c, cudaStream_t stream,
                                            const kernels::cuda::TuneOptions& options = {});

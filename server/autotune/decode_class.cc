@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 
@@ -13,6 +14,7 @@ constexpr int kMaxSplits = 128;   // kernels::cuda::DecodeParams::num_splits
 constexpr int kMaxBatchBucket = 1024;
 constexpr int kMaxSeqlenKBucket = 1 << 20;
 constexpr int kMaxPageBucket = 256;
+constexpr char kPlan[] = "plan";  // "splits=plan": the heuristic per launch
 
 }  // namespace
 
@@ -59,19 +61,32 @@ DecodeShape DecodeClass::representative(int64_t max_kv_bytes) const {
   return s;
 }
 
-std::string DecodeSplitsConfig(int num_splits) { return absl::StrCat("splits=", num_splits); }
+std::string DecodeSplitsConfig(int num_splits) {
+  return num_splits == 0 ? absl::StrCat("splits=", kPlan) : absl::StrCat("splits=", num_splits);
+}
 
 std::optional<int> ParseDecodeSplitsConfig(const std::string& config) {
   constexpr std::string_view kPrefix = "splits=";
   if (config.size() <= kPrefix.size() || config.compare(0, kPrefix.size(), kPrefix) != 0) {
     return std::nullopt;
   }
+  if (config.compare(kPrefix.size(), std::string::npos, kPlan) == 0) return 0;
   const char* first = config.data() + kPrefix.size();
   const char* last = config.data() + config.size();
   int n = 0;
   const auto [end, ec] = std::from_chars(first, last, n);
   if (ec != std::errc() || end != last || n < 1 || n > kMaxSplits) return std::nullopt;
   return n;
+}
+
+std::string DecodeTunedConfig(int best_splits, double best_ms, double heuristic_ms) {
+  const bool pinned = heuristic_ms <= 0 || best_ms < heuristic_ms * (1 - kDecodePinMargin);
+  return DecodeSplitsConfig(pinned ? best_splits : 0);
+}
+
+int DecodeSplitsFromConfig(const std::optional<std::string>& config, int heuristic) {
+  const int tuned = config ? ParseDecodeSplitsConfig(*config).value_or(0) : 0;
+  return tuned > 0 ? tuned : heuristic;
 }
 
 }  // namespace flashserve

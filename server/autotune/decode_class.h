@@ -34,7 +34,9 @@ struct DecodeShape {
 ///    keep a model at ~11 batch classes);
 ///  - seqlen_k: next power of two, at least 64 (one key tile), capped at 2^20;
 ///  - page size: 0 (dense) or the next power of two, capped at 256 (paged lookups differ).
-/// Each class is tuned on its largest member (the bucket's upper bounds).
+/// Each class is tuned on its largest member (the bucket's upper bounds); a count is pinned for
+/// the class only where it clearly beats the heuristic there (DecodeTunedConfig), since the best
+/// count for a smaller batch of the bucket can differ.
 struct DecodeClass {
   DeviceIdentity device;
   kernels::DType dtype = kernels::DType::kBFloat16;
@@ -61,9 +63,27 @@ struct DecodeClass {
 /// of heads_kv, seqlen_q > 16): such problems keep the kernel's heuristic.
 std::optional<DecodeClass> DecodeClassOf(const DecodeShape& s, const DeviceIdentity& device);
 
-/// The cache's config text for a split count ("splits=32") and back (nullopt unless it is
-/// exactly "splits=N" with N in 1..128).
+/// The cache's config text for a split count ("splits=32"; 0: "splits=plan", the kernel's
+/// heuristic for each launch's own shape) and back (0 for "splits=plan"; nullopt unless it is
+/// exactly "splits=N" with N in 1..128 or "splits=plan").
 std::string DecodeSplitsConfig(int num_splits);
 std::optional<int> ParseDecodeSplitsConfig(const std::string& config);
+
+/// How much faster than the heuristic, on the class's representative, a tuned count must run to
+/// be pinned for the whole class. A pinned count serves every batch of the bucket (up to half the
+/// representative's), whose waves differ: on an H200 (session 29) the count tuned at B64 ran
+/// B36-B44 Sk8k 9-15% and d64 MHA B9-B11 Sk16k 10-25% slower than the heuristic's count for
+/// their own shape. Timing noise between runs is ~1-3%.
+inline constexpr double kDecodePinMargin = 0.03;
+
+/// The config a tuned class records: the best count when it beat the heuristic's count by more
+/// than kDecodePinMargin (best_ms, heuristic_ms: their median times on the representative; a
+/// heuristic_ms <= 0 means the heuristic's count did not run correctly), else "splits=plan".
+std::string DecodeTunedConfig(int best_splits, double best_ms, double heuristic_ms);
+
+/// The split count a decode launch runs with, given its class's cached config (nullopt: none):
+/// the pinned count, else `heuristic` (the kernel's count for the launch's own shape), also for
+/// "splits=plan" and for a malformed entry.
+int DecodeSplitsFromConfig(const std::optional<std::string>& config, int heuristic);
 
 }  // namespace flashserve

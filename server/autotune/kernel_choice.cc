@@ -116,8 +116,7 @@ int KernelChooser::DecodeSplits(const kernels::cuda::DecodeParams& p, int sm_cou
   } else if (std::optional<TuneRecord> record = cache_->Find(key)) {
     config = record->config;
   }
-  if (!config) return fallback;
-  return ParseDecodeSplitsConfig(*config).value_or(fallback);  // a malformed entry: heuristic
+  return DecodeSplitsFromConfig(config, fallback);
 }
 
 int DecodeSplitsFor(const KernelChooser* chooser, const kernels::cuda::DecodeParams& p,

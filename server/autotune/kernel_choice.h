@@ -43,9 +43,10 @@ class KernelChooser {
   kernels::cuda::KernelConfig Choose(const kernels::AttentionParams& params, int sm_count,
                                      bool covered) const;
   /// Key-axis splits for the decode launch p (kernels::cuda::DecodeParams::num_splits) on a
-  /// device with sm_count SMs: the tuned count of p's DecodeClass when the cache has one and
-  /// `covered`, else kernels::cuda::decode_num_splits(p, sm_count). A miss queues the class for
-  /// background tuning (modes background and startup); the lookup never waits for it.
+  /// device with sm_count SMs: the count pinned for p's DecodeClass when the cache has one and
+  /// `covered`, else (also for "splits=plan") kernels::cuda::decode_num_splits(p, sm_count). A miss
+  /// queues the class for background tuning (modes background and startup); the lookup never waits
+  /// for it.
   int DecodeSplits(const kernels::cuda::DecodeParams& p, int sm_count, bool covered) const;
 
  private:

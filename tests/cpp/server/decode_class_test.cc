@@ -1,11 +1,13 @@
 // Decode problem classes for the split-count autotuner (server/autotune/decode_class.h) and the
 // background tuner's keyed jobs that tune them; CPU only.
+#include "autotune/decode_class.h"
+
 #include <atomic>
+#include <optional>
 #include <string>
 
 #include "absl/time/time.h"
 #include "autotune/background_tuner.h"
-#include "autotune/decode_class.h"
 #include "autotune/problem_class.h"
 #include "autotune/tune_cache.h"
 #include "gtest/gtest.h"
@@ -106,10 +108,33 @@ TEST(DecodeClass, KeysNeverCollideWithAttentionClasses) {
 
 TEST(DecodeClass, SplitsConfigRoundTripAndRejects) {
   for (int n = 1; n <= 128; ++n) EXPECT_EQ(ParseDecodeSplitsConfig(DecodeSplitsConfig(n)), n);
-  for (const char* bad : {"splits=0", "splits=129", "splits=", "splits=3x", "splits=-2", "split=3",
-                          "splits= 3", "m128n64w4s2", ""}) {
+  EXPECT_EQ(DecodeSplitsConfig(0), "splits=plan");
+  EXPECT_EQ(ParseDecodeSplitsConfig("splits=plan"), 0);
+  for (const char* bad :
+       {"splits=0", "splits=129", "splits=", "splits=3x", "splits=-2", "split=3", "splits= 3",
+        "m128n64w4s2", "", "splits=Plan", "splits=plan ", "splits=planned"}) {
     EXPECT_FALSE(ParseDecodeSplitsConfig(bad)) << bad;
   }
+}
+
+// A count tuned on the bucket's top batch serves every batch of the class; it is pinned only
+// where it beat the heuristic's count there by more than kDecodePinMargin (3%).
+TEST(DecodeClass, TunedConfigPinsOnlyAClearWin) {
+  EXPECT_EQ(DecodeTunedConfig(4, 0.90, 1.00), "splits=4");      // 10% faster: pinned
+  EXPECT_EQ(DecodeTunedConfig(2, 0.994, 1.00), "splits=plan");  // within noise (H200 B64 Sk16k)
+  EXPECT_EQ(DecodeTunedConfig(2, 0.971, 1.00), "splits=plan");  // 2.9%: not clearly
+  EXPECT_EQ(DecodeTunedConfig(2, 0.969, 1.00), "splits=2");
+  EXPECT_EQ(DecodeTunedConfig(1, 1.00, 1.00), "splits=plan");  // the heuristic's own count won
+  EXPECT_EQ(DecodeTunedConfig(3, 1.00, 0.0), "splits=3");      // the heuristic's count failed
+}
+
+TEST(DecodeClass, SplitsFromConfigFallsBackToTheLaunchsOwnPlan) {
+  EXPECT_EQ(DecodeSplitsFromConfig(std::nullopt, 6), 6);  // not tuned (yet)
+  EXPECT_EQ(DecodeSplitsFromConfig(std::string("splits=plan"), 6), 6);
+  EXPECT_EQ(DecodeSplitsFromConfig(std::string("splits=plan"), 2), 2);  // another batch's plan
+  EXPECT_EQ(DecodeSplitsFromConfig(std::string("splits=4"), 6), 4);     // pinned
+  EXPECT_EQ(DecodeSplitsFromConfig(std::string("splits=x"), 6), 6);     // malformed
+  EXPECT_EQ(DecodeSplitsFromConfig(std::string("splits=0"), 6), 6);
 }
 
 TEST(BackgroundTunerJobs, DecodeClassIsTunedOnceInTheBackgroundThenHits) {
