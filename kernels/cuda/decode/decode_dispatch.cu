@@ -1,6 +1,7 @@
 // Runtime -> compile-time dispatch of the decode kernels: the table of compiled split kernels,
 // decode_supported(), the split heuristic, workspace sizing and run_decode().
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -320,11 +321,14 @@ int one_wave_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, 
   return base * splits * 10 >= slots * 7 ? int(splits) : 0;
 }
 
+/// A plan's efficiency per split count 1..kMaxSplits (index 0 unused).
+using SplitEfficiency = std::array<double, kMaxSplits + 1>;
+
 /// Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
 /// 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
 /// that 15% as idle SMs in its last wave).
 int wave_efficiency_splits(int64_t base, int64_t slots, int max_splits) {
-  std::vector<double> eff(max_splits + 1, 0.0);
+  SplitEfficiency eff{};  // on the stack: the plan runs per launch
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const double waves = double(base * s) / double(slots);
@@ -399,7 +403,7 @@ int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, i
   const int64_t rows = int64_t{p.heads_q / p.heads_kv} * std::max(p.seqlen_q, 1);
   const int64_t min_tiles =
       (base > sms ? kMinTilesPastFullGrid : kMinTilesPastSms) * std::max<int64_t>(rows, 8) / 8;
-  std::vector<double> eff(max_splits + 1, 0.0);
+  SplitEfficiency eff{};
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const int64_t g = base * s;
