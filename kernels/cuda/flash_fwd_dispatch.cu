@@ -2,6 +2,7 @@
 // configurations (the sm80 family expanded from the generated registry.inc; the sm90 family from
 // sm90/registry.h when FLASHSERVE_HAVE_SM90), supported(), candidates(), select() and run().
 // sm90 configurations are offered and picked only on a compute-capability 9.0 device.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -153,12 +154,32 @@ const Entry* sm90_preferred(const AttentionParams& p, int sm_count) {
   return first;
 }
 
-// Whether sm90 beats sm80 on p: not with less than half a wave of 128-row tiles (H100: S256 B2
-// H16 0.92-0.98x of sm80, S128 B1 0.98-1.04x; from one full wave on sm90 is 1.1x or more).
+// The shortest query and key length from which sm90 beats sm80 on less than half a wave of
+// 128-row tiles, per head_dim (0: never). H200, session 29 (K9, B1-B2 with 4-16 heads, Sq = Sk,
+// 8-64 tiles, 3 rounds; bench/results/kernels-h200-2026-11-30-small-grids.md): sm90 / sm80 at
+// S256 0.83-0.98x everywhere; S512 d128 1.06-1.13x, d64 0.92-1.08x; S1024-2048 d128 1.23-1.39x,
+// d64 1.06-1.32x. d32 / d96 (which run the d64 / d128 instances) were not measured.
+int sm90_small_grid_length(int head_dim) {
+  switch (head_dim) {
+    case 64:
+      return 1024;
+    case 128:
+      return 512;
+    default:
+      return 0;
+  }
+}
+
+// Whether sm90 beats sm80 on p: from half a wave of 128-row tiles (H100: S256 B2 H16 0.92-0.98x
+// of sm80, S128 B1 0.98-1.04x; from one full wave on sm90 is 1.1x or more), or on fewer tiles
+// where each is long (sm90_small_grid_length; fixed lengths only: a packed batch's maximum says
+// little about its other sequences).
 bool sm90_worth_it(const AttentionParams& p, int sm_count) {
   constexpr int kBlockM = 128;  // the default sm90 configurations: 2 consumer warpgroups
   const int64_t tiles = int64_t((p.seqlen_q + kBlockM - 1) / kBlockM) * p.heads_q * p.batch;
-  return sm_count <= 0 || 2 * tiles >= sm_count;
+  if (sm_count <= 0 || 2 * tiles >= sm_count) return true;
+  const int length = sm90_small_grid_length(p.head_dim);
+  return !p.varlen() && length > 0 && std::min(p.seqlen_q, p.seqlen_k) >= length;
 }
 
 bool has_entries(DType dtype, int head_dim) {

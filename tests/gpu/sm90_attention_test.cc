@@ -217,6 +217,31 @@ TEST(Sm90Dispatch, FallsBackWhereTmaCannotRun) {
   EXPECT_EQ(fk::run(p, *sm90_config(DType::kBFloat16, 128), nullptr), cudaErrorInvalidValue);
 }
 
+// Fewer than half a wave of 128-row tiles: the sm80 family, unless every row is long (d128 from
+// 512 keys and queries, d64 from 1024; H200 session 29, K9: a TP shard's single prompt, B1 H8
+// S1024 d128, ran 1.27x faster on sm90 than on sm80's 64-row tiles). Packed batches keep sm80.
+TEST(Sm90Dispatch, SmallGridsTakeSm90WhereRowsAreLong) {
+  SKIP_WITHOUT_SM90(DType::kBFloat16, 128);
+  auto family = [](int d, int b, int h, int sq, int sk, bool causal) {
+    AttentionParams p = make_contiguous_params(DType::kBFloat16, b, sq, sk, h, h, d, causal, 0.1f);
+    alignas(16) static char dummy[16];  // select() looks at the layout, never at the data
+    p.q = p.k = p.v = p.o = dummy;
+    return fk::select(p, 132).family;
+  };
+  const auto sm80 = fk::KernelFamily::kSm80, sm90 = fk::KernelFamily::kSm90;
+  EXPECT_EQ(family(128, 1, 8, 1024, 1024, false), sm90);  // 64 tiles
+  EXPECT_EQ(family(128, 1, 4, 512, 512, true), sm90);     // 16 tiles
+  EXPECT_EQ(family(128, 1, 8, 256, 256, false), sm80);
+  EXPECT_EQ(family(128, 1, 8, 256, 4096, false), sm80);  // short queries
+  EXPECT_EQ(family(128, 1, 1, 4096, 256, false), sm80);  // short keys (32 tiles)
+  EXPECT_EQ(family(128, 1, 1, 4096, 4096, true), sm90);
+  EXPECT_EQ(family(128, 1, 64, 256, 256, false), sm90);  // 128 tiles: half a wave
+  if (sm90_config(DType::kBFloat16, 64)) {
+    EXPECT_EQ(family(64, 1, 8, 1024, 1024, false), sm90);
+    EXPECT_EQ(family(64, 1, 8, 512, 512, true), sm80);
+  }
+}
+
 // d=128 block_n: 176 (one Q buffer) only for long non-causal problems, both lengths >= 8k;
 // Sq1k/Sk8k keeps 128 (H100: 586-624 vs 683-685 TFLOPS, kernels-sm90-h100-2026-11-24-c.md);
 // d=64 keeps 128 although 192 is compiled.
