@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "cuda_test_util.h"
 #include "flashserve/kernels/decode_attention.h"
 #include "kv_test_util.h"
 #include "kvcache/sequence_cache.h"
@@ -31,21 +32,8 @@ using testing::DenseLayer;
 using testing::RandomRows;
 using testing::Rows;
 
-bool GpuAvailable() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
-
-bool Compiled(int head_dim) {
-  for (int d : kernels::cuda::decode_head_dims()) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
+using cuda_testing::DecodeHeadDimCompiled;
+using cuda_testing::GpuAvailable;
 
 // Where a test puts an item's tensor; kMixed: each tensor of each item somewhere else;
 // k*Packed: device / page-locked memory, the items' queries back to back, and their outputs.
@@ -144,7 +132,8 @@ class CudaKvStoreTest : public ::testing::TestWithParam<Case> {};
 TEST_P(CudaKvStoreTest, StepsMatchFp64) {
   if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
   const Case c = GetParam();
-  if (!Compiled(c.head_dim)) GTEST_SKIP() << "head_dim " << c.head_dim << " not compiled";
+  if (!DecodeHeadDimCompiled(c.head_dim))
+    GTEST_SKIP() << "head_dim " << c.head_dim << " not compiled";
   std::mt19937 rng(uint32_t(c.head_dim * 131 + c.page_tokens));
   std::atomic<int> faults{0};
   int host_pointers_work = 0;
@@ -287,7 +276,7 @@ class StepGate {
 // memory racing the next launch's D2H into it) is a window of microseconds this test misses.
 TEST(CudaKvStoreConcurrency, LaunchesInFlightKeepTheirOwnScratch) {
   if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
-  if (!Compiled(128)) GTEST_SKIP() << "head_dim 128 not compiled";
+  if (!DecodeHeadDimCompiled(128)) GTEST_SKIP() << "head_dim 128 not compiled";
   const SequenceShape s{1, 32, 8, 128, DType::kBFloat16};
   constexpr int kThreads = 4, kPerThread = 3, kSteps = 12;
   for (int slots : {1, 2, 3}) {

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "autotune/decode_class.h"
-#include "flashserve/kernels/decode_attention.h"
+#include "cuda_test_util.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {
@@ -18,21 +18,8 @@ namespace {
 
 using kernels::DType;
 
-bool GpuAvailable() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return count > 0;
-}
-
-bool Compiled(int head_dim) {
-  for (int d : kernels::cuda::decode_head_dims()) {
-    if (d == head_dim) return true;
-  }
-  return false;
-}
+using cuda_testing::DecodeHeadDimCompiled;
+using cuda_testing::GpuAvailable;
 
 DecodeShape Shape(int head_dim, int heads_q, int heads_kv, int batch, int seqlen_k) {
   DecodeShape s;
@@ -56,7 +43,7 @@ TEST(CudaTuning, DecodeClassPinsOnlyAClearWin) {
   const DeviceIdentity device{"test GPU", 9, 0};
   for (const DecodeShape& s :
        {Shape(128, 32, 8, 40, 8192), Shape(64, 32, 32, 10, 16384), Shape(128, 32, 8, 1, 100000)}) {
-    if (!Compiled(s.head_dim)) continue;
+    if (!DecodeHeadDimCompiled(s.head_dim)) continue;
     const DecodeClass c = *DecodeClassOf(s, device);
     SCOPED_TRACE(c.key());
     absl::StatusOr<TuneRecord> record = TuneDecodeClass(c, stream);
