@@ -71,9 +71,10 @@ std::optional<int> ParseDecodeSplitsConfig(const std::string& config);
 
 /// How much faster than the heuristic, on the class's representative, a tuned count must run to
 /// be pinned for the whole class. A pinned count serves every batch of the bucket (up to half the
-/// representative's), whose waves differ: on an H200 (session 29) the count tuned at B64 ran
-/// B36-B44 Sk8k 9-15% and d64 MHA B9-B11 Sk16k 10-25% slower than the heuristic's count for
-/// their own shape. Timing noise between runs is ~1-3%.
+/// representative's), whose waves differ: on an H200 (session 29) the heuristic's count for the
+/// batch's own shape ran 1.10-1.15x as fast as the count tuned at B64 (d128 B36-B44 Sk8k) and
+/// 1.10-1.25x as fast as the one tuned at B16 (d64 MHA B9-B11 Sk16k). Timing noise between runs
+/// is ~1-3%.
 inline constexpr double kDecodePinMargin = 0.03;
 
 /// The config a tuned class records: the best count when it beat the heuristic's count by more
