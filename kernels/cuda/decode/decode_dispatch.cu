@@ -321,23 +321,27 @@ int one_wave_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, 
   return base * splits * 10 >= slots * 7 ? int(splits) : 0;
 }
 
-/// A plan's efficiency per split count 1..kMaxSplits (index 0 unused).
+/// A plan's efficiency per split count 1..kMaxSplits (index 0 unused; 0: a count not planned).
 using SplitEfficiency = std::array<double, kMaxSplits + 1>;
 
-/// Wave efficiency (blocks / slots over its ceiling) per split count; the fewest splits within
-/// 95% of the best (FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses
-/// that 15% as idle SMs in its last wave).
+/// The fewest of splits 1..max_splits whose efficiency is within 95% of the best (1 if none).
+/// FlashAttention's num_splits_heuristic uses 85%; a memory-bound kernel loses that 15% as idle
+/// SMs in its last wave.
+int fewest_near_best(const SplitEfficiency& eff, int max_splits) {
+  const double best = *std::max_element(eff.begin() + 1, eff.begin() + max_splits + 1);
+  for (int s = 1; s <= max_splits; ++s)
+    if (eff[s] > 0 && eff[s] >= 0.95 * best) return s;
+  return 1;
+}
+
+/// Wave efficiency (blocks / slots over its ceiling) per split count (fewest_near_best).
 int wave_efficiency_splits(int64_t base, int64_t slots, int max_splits) {
   SplitEfficiency eff{};  // on the stack: the plan runs per launch
-  double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const double waves = double(base * s) / double(slots);
     eff[s] = waves / std::ceil(waves);
-    best = std::max(best, eff[s]);
   }
-  for (int s = 1; s <= max_splits; ++s)
-    if (eff[s] >= 0.95 * best) return s;
-  return 1;
+  return fewest_near_best(eff, max_splits);
 }
 
 /// Whether an unsplit grid of `base` blocks that fills the SMs ends in a wave of `slots`
@@ -404,16 +408,12 @@ int sm_tier_splits(const DecodeParams& p, const DecodeKernel& k, int64_t base, i
   const int64_t min_tiles =
       (base > sms ? kMinTilesPastFullGrid : kMinTilesPastSms) * std::max<int64_t>(rows, 8) / 8;
   SplitEfficiency eff{};
-  double best = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const int64_t g = base * s;
     if (g > sms && s > 1 && tiles / s < min_tiles) continue;
     eff[s] = tier_efficiency(g, sms, tier_kernel(p, k, s));
-    best = std::max(best, eff[s]);
   }
-  for (int s = 1; s <= max_splits; ++s)
-    if (eff[s] > 0 && eff[s] >= 0.95 * best) return s;
-  return 1;
+  return fewest_near_best(eff, max_splits);
 }
 
 /// decode_num_splits for kernel k.
