@@ -1,5 +1,6 @@
 """Loopback proxies for tests: ThrottlingProxy slows one or both directions of a connection (the shutdown drain);
-AnswerCutter loses one answer on its way back (retries of calls that ran)."""
+AnswerCutter loses one answer on its way back (retries of calls that ran); LateGreetingProxy holds back a
+connection's first server bytes (a slow handshake)."""
 
 from __future__ import annotations
 
@@ -174,3 +175,44 @@ class AnswerCutter:
         self.listener.close()
         if self.unix_target is not None:
             shutil.rmtree(os.path.dirname(self.address), ignore_errors=True)
+
+
+class LateGreetingProxy:
+    """Loopback TCP proxy to 127.0.0.1:port that holds back each connection's first server -> client bytes (gRPC's
+    HTTP/2 SETTINGS frame) for `delay` seconds, as a TLS handshake over a long path or a loaded server would; then
+    both directions pass unchanged."""
+
+    def __init__(self, port: int, delay: float):
+        self.port, self.delay = port, delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.delay), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst, first_delay):
+        try:
+            while data := src.recv(1 << 16):
+                time.sleep(first_delay)
+                first_delay = 0.0
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self):
+        self.listener.close()

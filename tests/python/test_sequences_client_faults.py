@@ -39,7 +39,7 @@ pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in 
 
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
-from tcp_proxy import AnswerCutter  # noqa: E402
+from tcp_proxy import AnswerCutter, LateGreetingProxy  # noqa: E402
 
 SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
 UNAVAILABLE, INTERNAL = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL
@@ -455,6 +455,21 @@ def test_prefix_source_with_fewer_rows_than_acknowledged_is_refused(fakes, rng):
 # --- the real server (CPU backend): an answer lost on its way, the client not retrying --------------------------------
 
 E2E_SHAPE = dict(num_layers=2, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
+
+
+def test_a_server_that_answers_a_new_connection_late_is_still_reached(fakes, rng):
+    """A server whose HTTP/2 greeting (SETTINGS) comes 0.5 s after the connection opens, as over a long TLS path or
+    from a loaded server: calls wait for it. grpc.min_reconnect_backoff_ms is also gRPC's shortest connect timeout;
+    the client once set it to 100 ms for fast reconnects, and every such connection failed UNAVAILABLE ("connection
+    attempt timed out before receiving SETTINGS frame"; seen in CI against the sanitized server)."""
+    proxy = LateGreetingProxy(fakes[0].port, delay=0.5)
+    try:
+        truth = _truth(rng)
+        with flashserve.SequenceClient(proxy.address, timeout=20, reprefill=False) as client:
+            seq = _create(client, truth)
+            _step(seq, truth)
+    finally:
+        proxy.close()
 
 
 @pytest.fixture(scope="module")

@@ -56,9 +56,11 @@ from .local import MAX_POLL_US, LocalClient
 from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows, hold_layers
 
 ROUTE_HEADER = "x-sequence-key"
-# A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff.
-_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                      ("grpc.max_reconnect_backoff_ms", 1000)]
+# A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff. Not
+# grpc.min_reconnect_backoff_ms: gRPC also takes it as the shortest time it gives a connection attempt (default 20 s),
+# and at 100 ms a server slower than that to greet a new connection (TLS over a long path, a loaded server) failed
+# every call UNAVAILABLE.
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 # The calls a server's local socket takes (LocalClient's method for each); the others always go over gRPC.
 _LOCAL_METHODS = {"DecodeStep": "decode_step", "Attend": "attend"}
 # Local-socket failures after which its connection cannot be trusted (mid-frame, or gone): reconnect next time.
