@@ -155,16 +155,22 @@ const Entry* sm90_preferred(const AttentionParams& p, int sm_count) {
 }
 
 // The shortest query and key length from which sm90 beats sm80 on less than half a wave of
-// 128-row tiles, per head_dim (0: never). H200, session 29 (K9, B1-B2 with 4-16 heads, Sq = Sk,
-// 8-64 tiles, 3 rounds; bench/results/kernels-h200-2026-11-30-small-grids.md): sm90 / sm80 at
-// S256 0.83-0.98x everywhere; S512 d128 1.06-1.13x, d64 0.92-1.08x; S1024-2048 d128 1.23-1.39x,
-// d64 1.06-1.32x. d32 / d96 (which run the d64 / d128 instances) were not measured.
+// 128-row tiles, per head_dim (0: never). H200, B1-B2 with 4-16 heads, Sq = Sk, 8-64 tiles, 3
+// rounds (bench/results/kernels-h200-2026-11-30-small-grids.md), sm90 / sm80 speed:
+// - d64: S512 0.92-1.08x, S640 0.97-1.08x, S768 1.00-1.11x, S1024 1.06-1.21x;
+// - d128: S320 0.92-0.96x, S384 1.00-1.06x (causal 0.997 at worst), S512 1.06-1.13x;
+// - d96 (on the d128 instance; sm80's d96 tiles spill): S256 1.07-1.14x, S1024 1.54-1.59x;
+// - d256: S256 1.01-1.11x, S1024 1.35-1.42x;
+// - d32 (on the d64 instance): 0.75-0.92x up to S1024, S2048 0.98-1.08x: sm80 keeps it.
 int sm90_small_grid_length(int head_dim) {
   switch (head_dim) {
     case 64:
-      return 1024;
+      return 768;
     case 128:
-      return 512;
+      return 384;
+    case 96:
+    case 256:
+      return 256;
     default:
       return 0;
   }

@@ -218,8 +218,9 @@ TEST(Sm90Dispatch, FallsBackWhereTmaCannotRun) {
 }
 
 // Fewer than half a wave of 128-row tiles: the sm80 family, unless every row is long (d128 from
-// 512 keys and queries, d64 from 1024; H200 session 29, K9: a TP shard's single prompt, B1 H8
-// S1024 d128, ran 1.27x faster on sm90 than on sm80's 64-row tiles). Packed batches keep sm80.
+// 384 keys and queries, d64 from 768, d96 and d256 from 256, d32 never; H200 sessions 29-30: a TP
+// shard's single prompt, B1 H8 S1024 d128, ran 1.27x faster on sm90 than on sm80's 64-row tiles,
+// d96 S256 1.07-1.14x). Packed batches keep sm80.
 TEST(Sm90Dispatch, SmallGridsTakeSm90WhereRowsAreLong) {
   SKIP_WITHOUT_SM90(DType::kBFloat16, 128);
   auto family = [](int d, int b, int h, int sq, int sk, bool causal) {
@@ -231,6 +232,8 @@ TEST(Sm90Dispatch, SmallGridsTakeSm90WhereRowsAreLong) {
   const auto sm80 = fk::KernelFamily::kSm80, sm90 = fk::KernelFamily::kSm90;
   EXPECT_EQ(family(128, 1, 8, 1024, 1024, false), sm90);  // 64 tiles
   EXPECT_EQ(family(128, 1, 4, 512, 512, true), sm90);     // 16 tiles
+  EXPECT_EQ(family(128, 1, 8, 384, 384, false), sm90);    // 24 tiles
+  EXPECT_EQ(family(128, 1, 8, 320, 320, true), sm80);
   EXPECT_EQ(family(128, 1, 8, 256, 256, false), sm80);
   EXPECT_EQ(family(128, 1, 8, 256, 4096, false), sm80);  // short queries
   EXPECT_EQ(family(128, 1, 1, 4096, 256, false), sm80);  // short keys (32 tiles)
@@ -238,8 +241,16 @@ TEST(Sm90Dispatch, SmallGridsTakeSm90WhereRowsAreLong) {
   EXPECT_EQ(family(128, 1, 64, 256, 256, false), sm90);  // 128 tiles: half a wave
   if (sm90_config(DType::kBFloat16, 64)) {
     EXPECT_EQ(family(64, 1, 8, 1024, 1024, false), sm90);
+    EXPECT_EQ(family(64, 1, 4, 768, 768, true), sm90);
+    EXPECT_EQ(family(64, 1, 8, 640, 640, true), sm80);
     EXPECT_EQ(family(64, 1, 8, 512, 512, true), sm80);
   }
+  if (sm90_config(DType::kBFloat16, 96)) {
+    EXPECT_EQ(family(96, 1, 8, 256, 256, true), sm90);
+    EXPECT_EQ(family(96, 1, 8, 128, 128, false), sm80);  // not measured below 256
+  }
+  if (sm90_config(DType::kBFloat16, 256)) EXPECT_EQ(family(256, 1, 4, 256, 256, false), sm90);
+  if (sm90_config(DType::kBFloat16, 32)) EXPECT_EQ(family(32, 1, 4, 1024, 1024, false), sm80);
 }
 
 // d=128 block_n: 176 (one Q buffer) only for long non-causal problems, both lengths >= 8k;
