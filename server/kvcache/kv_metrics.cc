@@ -31,6 +31,10 @@ KvCacheMetrics::KvCacheMetrics(metrics::Registry* registry) {
                                       "CreateSequence calls whose create_token named the sequence "
                                       "an earlier try created: answered with it, nothing created")
                          .Get();
+  truncated_ = registry
+                   ->AddCounter("flashserve_kv_truncated_tokens_total",
+                                "Tokens dropped by Truncate calls, summed over the layers cut")
+                   .Get();
   refused_ = &registry->AddCounter("flashserve_kv_refusals_total",
                                    "Sequence calls refused, by reason", {"reason"});
   for (std::string_view reason : {"pool_full", "max_sequences", "not_found", "length_mismatch"}) {

@@ -27,6 +27,8 @@ class KvCacheMetrics {
   /// A CreateSequence whose create_token named a sequence an earlier try made (a retry after a
   /// lost answer): answered with it, nothing created.
   void RecordAlreadyCreated() { already_created_->Increment(); }
+  /// Tokens a Truncate dropped (summed over its layers): draft tokens the model rejected.
+  void RecordTruncated(int64_t tokens) { truncated_->Increment(uint64_t(tokens)); }
   /// One paged launch: sequences (items) in it and DecodeStep calls merged into it.
   void RecordLaunch(int64_t sequences, int64_t calls);
 
@@ -41,6 +43,7 @@ class KvCacheMetrics {
   metrics::Counter* evicted_;
   metrics::Counter* already_appended_;
   metrics::Counter* already_created_;
+  metrics::Counter* truncated_;
   metrics::Family<metrics::Counter>* refused_;
   metrics::Histogram* launch_sequences_;
   metrics::Histogram* launch_calls_;

@@ -351,17 +351,20 @@ void SequenceCache::Remove(Sequence* seq) {
 }
 
 void SequenceCache::Unpin(const std::vector<void*>& pinned) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (void* p : pinned) {
-    Sequence* seq = static_cast<Sequence*>(p);
-    if (--seq->pins > 0) continue;
-    auto it = retired_.find(seq);
-    if (it != retired_.end()) {
-      FreePages(seq);
-      retired_.erase(it);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (void* p : pinned) {
+      Sequence* seq = static_cast<Sequence*>(p);
+      if (--seq->pins > 0) continue;
+      auto it = retired_.find(seq);
+      if (it != retired_.end()) {
+        FreePages(seq);
+        retired_.erase(it);
+      }
     }
+    PublishLocked();
   }
-  PublishLocked();
+  unpinned_.notify_all();  // a Truncate waiting for the step to end
 }
 
 }  // namespace flashserve::kvcache

@@ -83,6 +83,12 @@ struct AppendResult {
   std::vector<int> already_appended;
 };
 
+/// What Truncate did: every layer's length after it, and the tokens it dropped (over the layers).
+struct TruncateResult {
+  std::vector<int64_t> lengths;
+  int64_t dropped = 0;
+};
+
 struct CacheStats {
   int64_t sequences = 0;
   int64_t used_bytes = 0;
@@ -147,6 +153,15 @@ class SequenceCache {
   /// DEADLINE_EXCEEDED as Append).
   absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items,
                                        absl::Time deadline = absl::InfiniteFuture());
+  /// Cuts `layers` (empty: every layer) back to their first `length` tokens; the pages wholly past
+  /// it return to the pool. A layer already that short is left as it is (a retry). Waits, at most
+  /// until `deadline` (then DEADLINE_EXCEEDED, nothing cut), while an append or a prepared step
+  /// holds the sequence: a step sees the rows it was sent with. ABORTED when a named layer holds
+  /// fewer than `length` tokens; INVALID_ARGUMENT for a negative length or a layer out of range or
+  /// named twice. All or nothing.
+  absl::StatusOr<TruncateResult> Truncate(std::string_view id, int64_t length,
+                                          const std::vector<int>& layers,
+                                          absl::Time deadline = absl::InfiniteFuture());
   /// Releases the sequences; returns the ids that were not found.
   std::vector<std::string> Release(const std::vector<std::string>& ids);
   absl::StatusOr<SequenceStatus> Info(std::string_view id);
@@ -232,6 +247,16 @@ class SequenceCache {
   // `deadline`: then it may still be appending); null: not found.
   Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
                            absl::Time deadline);
+  // The sequence `id` once nothing holds it (no append, no prepared step: pins == 0), waiting as
+  // FindIdleLocked; null: not found.
+  Sequence* FindUnpinnedLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
+                               absl::Time deadline);
+  // INVALID_ARGUMENT / ABORTED as Truncate says; the layers to cut in *cut.
+  absl::Status ValidateTruncate(const Sequence& seq, int64_t length, const std::vector<int>& layers,
+                                std::vector<int>* cut) const;
+  // Drops `layer`'s tokens past `length`; the offsets of its pages wholly past it go to *freed.
+  // Returns the tokens dropped.
+  int64_t CutLayer(Sequence* seq, int layer, int64_t length, std::vector<int64_t>* freed);
   // Waits (mu_ held through `lock`) until an append ends or `deadline` passes; false once it has
   // passed. Waits in slices that re-read Now(), so a test's clock ends the wait too.
   bool WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline);
@@ -259,6 +284,7 @@ class SequenceCache {
   // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
   std::mutex mu_;
   std::condition_variable appended_;  // a Sequence::appending went false
+  std::condition_variable unpinned_;  // a Sequence::pins went to 0
   std::condition_variable settled_;   // a hidden (being created) sequence became ready or went
   PageAllocator pages_;
   std::unordered_map<std::string, std::unique_ptr<Sequence>> table_;

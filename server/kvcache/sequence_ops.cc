@@ -125,6 +125,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   PublishLocked();
   lock.unlock();
   appended_.notify_all();
+  unpinned_.notify_all();
   if (!written.ok()) return written;
   if (metrics_ != nullptr && !result.already_appended.empty())
     metrics_->RecordAlreadyAppended(int64_t(result.already_appended.size()));

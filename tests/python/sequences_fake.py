@@ -1,12 +1,12 @@
 """An in-process fake of flashserve.v1.Sequences (numpy, fp64 reference rounded to the dtype) for client tests.
 
-It implements what the client relies on (create with prefix, append, attend, DecodeStep all-or-nothing, NOT_FOUND
-with the missing ids in trailing metadata, release, info) and nothing of the server's memory management: the real
+It implements what the client relies on (create with prefix, append, truncate, attend, DecodeStep all-or-nothing,
+NOT_FOUND with the missing ids in trailing metadata, release, info) and nothing of the server's memory management: the real
 server is tested by test_sequences_e2e*.py. ``forget_all()`` plays an eviction or a restart; ``stop()`` a server
 that leaves.
 
-Failure injection: ``fail_next_step`` / ``fail_next_append`` = (grpc.StatusCode, whether the rows were appended
-first), or a list of those for the next calls in turn. ``hold("DecodeStep" | "Append", where)`` stops the next such
+Failure injection: ``fail_next_step`` / ``fail_next_append`` / ``fail_next_truncate`` = (grpc.StatusCode, whether the
+rows were appended -- or cut -- first), or a list of those for the next calls in turn. ``hold("DecodeStep" | "Append", where)`` stops the next such
 call "before" it reads anything (a request on its way, or one the server has not got to yet: the real server's Append
 applies however late, DecodeStep once it has started running) or "after" it applied and built its answer (an answer
 on its way back) until the test lets it go; ``hold("GetSequenceInfo", "after")`` the same for an info answer.
@@ -74,6 +74,7 @@ class FakeSequences(spb_grpc.SequencesServicer):
         # of them for the next DecodeSteps in turn.
         self.fail_next_step = None
         self.fail_next_append = None  # the same for the next Append
+        self.fail_next_truncate = None  # the same for the next Truncate (whether it cut)
         self.holds: Dict[str, Hold] = {}  # method -> the next call of it to hold (hold())
         self.packed_steps = 0  # DecodeSteps that came packed (DecodeStepRequest.packed)
 
@@ -255,6 +256,24 @@ class FakeSequences(spb_grpc.SequencesServicer):
             items.append(one)
             first_q, first_kv = first_q + rq, first_kv + rkv
         return items
+
+    def Truncate(self, request, context):
+        self._note("Truncate", context)
+        with self.lock:
+            seq = self._get(context, request.sequence_id)
+            failure, self.fail_next_truncate = _next_failure(self.fail_next_truncate)
+            if failure is not None and not failure[1]:
+                context.abort(failure[0], "injected failure before the truncate")
+            layers = list(request.layers) or list(range(seq.num_layers))
+            short = [layer for layer in layers if len(seq.k[layer]) < request.length]
+            if short:
+                context.abort(grpc.StatusCode.ABORTED, f"layer {short[0]} holds fewer than {request.length} tokens")
+            dropped = sum(len(seq.k[layer]) - request.length for layer in layers)
+            for layer in layers:
+                seq.k[layer], seq.v[layer] = seq.k[layer][:request.length], seq.v[layer][:request.length]
+            if failure is not None:
+                context.abort(failure[0], "injected failure after the truncate")
+            return spb.TruncateResponse(layer_lengths=[len(k) for k in seq.k], dropped_tokens=dropped)
 
     def Release(self, request, context):
         self._note("Release", context)

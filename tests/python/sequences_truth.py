@@ -4,6 +4,7 @@
     k, v = truth.rows(5)                      # fresh random rows [5, heads_kv, head_dim]
     truth.add(seq_key, layer, k, v)           # what the server should now hold
     truth.check(out, q, seq_key, layer)       # out against the fp64 reference over every row of that layer
+    truth.keep(seq_key, layer, n)             # after a Truncate: only the first n rows stay
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class Truth:
         if k is not None and len(k):
             self.k[(key, layer)].append(np.asarray(k))
             self.v[(key, layer)].append(np.asarray(v))
+
+    def keep(self, key, layer: int, n: int) -> None:
+        """Only the first n rows of (key, layer) stay (a Truncate)."""
+        k, v = self.kv(key, layer)
+        self.k[(key, layer)], self.v[(key, layer)] = ([k[:n]], [v[:n]]) if n else ([], [])
 
     def create(self, client, prefixes) -> list:
         """One single-layer sequence per prefix length, created through `client` with fresh rows (kept here)."""

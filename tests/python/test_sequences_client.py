@@ -219,6 +219,34 @@ def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended)
         assert len(fakes[0].servicer.seqs) == 1  # the inconsistent copy was released
 
 
+@pytest.mark.parametrize("code,cut", [(grpc.StatusCode.INTERNAL, False), (grpc.StatusCode.INTERNAL, True),
+                                      (grpc.StatusCode.DEADLINE_EXCEEDED, True)])
+def test_a_truncate_that_failed_cut_nothing_for_the_caller(fakes, rng, code, cut):
+    """A truncate that raised may or may not have cut on the server: the next call settles it (the lengths, or after a
+    failure that may still land, a re-create from the history, which the failed truncate left whole), so the answers
+    are those of the uncut sequence; the truncate sent again then cuts."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(6)
+        seq = client.create(**SHAPE, prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        drafts = truth.rows(3)
+        q = truth.query(3)
+        out = seq.step(0, q, *drafts, causal=True)
+        truth.add(seq.key, 0, *drafts)
+        truth.check(out, q, seq.key, 0, causal=True)
+        fakes[0].servicer.fail_next_truncate = (code, cut)
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.truncate(7, layers=[0])
+        assert info.value.code == code and seq.uncertain and seq.lengths == [9, 0]
+        _decode_rounds(client, [seq], truth, 2)  # over all 9 rows (+ its own)
+        assert seq.reprefills == int(cut) and not seq.uncertain
+        assert seq.truncate(7, layers=[0]) == [7, 0]
+        truth.keep(seq.key, 0, 7)
+        _decode_rounds(client, [seq], truth, 2)
+        assert seq.lengths == [9, 0] and seq.history_bytes == 9 * 2 * (2 * 16 * 2)
+
+
 @pytest.mark.parametrize("packed_steps", [True, False])
 def test_a_step_retried_after_its_answer_was_lost_appends_once(fakes, rng, packed_steps):
     """UNAVAILABLE after the server appended (a connection cut between it and a lone endpoint, e.g. a proxy): the

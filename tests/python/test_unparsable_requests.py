@@ -91,8 +91,8 @@ def _refused(server, label):
 
 def test_the_table_covers_every_unary_method():
     paths = {path for path, *_ in METHODS}
-    # AttentionService 2, AttentionStreamService 3 unary (of 5), Sequences 7, KServe 12.
-    assert len(paths) == len(METHODS) == 2 + 3 + 7 + 12
+    # AttentionService 2, AttentionStreamService 3 unary (of 5), Sequences 8, KServe 12.
+    assert len(paths) == len(METHODS) == 2 + 3 + 8 + 12
     assert "/flashserve.v1.Sequences/DecodeStep" in paths and "/inference.GRPCInferenceService/ModelInfer" in paths
 
 

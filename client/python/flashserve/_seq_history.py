@@ -22,6 +22,7 @@ class LayerHistory:
     def __init__(self, num_layers: int):
         self._k: List[List[Rows]] = [[] for _ in range(num_layers)]
         self._v: List[List[Rows]] = [[] for _ in range(num_layers)]
+        self._rows = [0] * num_layers
         self.bytes = 0
 
     def add(self, layer: int, k: Rows, v: Rows) -> None:
@@ -29,15 +30,31 @@ class LayerHistory:
             return
         self._k[layer].append(k)
         self._v[layer].append(v)
+        self._rows[layer] += int(k.shape[0])
         self.bytes += _data_bytes(k) + _data_bytes(v)
 
     def take_back(self, layer: int, k: Rows) -> None:
         """Forgets the last add(layer, k, ...) (k: the same object)."""
         if self._k[layer] and self._k[layer][-1] is k:
-            self.bytes -= _data_bytes(self._k[layer].pop()) + _data_bytes(self._v[layer].pop())
+            self._pop(layer)
+
+    def keep(self, layer: int, rows: int) -> None:
+        """Keeps the layer's first ``rows`` rows (a truncate): pieces go from the end, the last one kept is cut (only
+        the tail is touched: a speculative step's drafts are the last pieces)."""
+        while self._rows[layer] > rows:
+            k, v = self._pop(layer)
+            left = rows - self._rows[layer]  # of this piece's rows
+            if left > 0:
+                self.add(layer, _first_rows(k, left), _first_rows(v, left))
 
     def rows(self, layer: int) -> int:
-        return sum(int(t.shape[0]) for t in self._k[layer])
+        return self._rows[layer]
+
+    def _pop(self, layer: int) -> Tuple[Rows, Rows]:
+        k, v = self._k[layer].pop(), self._v[layer].pop()
+        self._rows[layer] -= int(k.shape[0])
+        self.bytes -= _data_bytes(k) + _data_bytes(v)
+        return k, v
 
     def prefix(self) -> Dict[int, Tuple[Rows, Rows]]:
         """{layer: (k, v)} with every acknowledged row of each non-empty layer, as single wire tensors."""
@@ -48,6 +65,7 @@ class LayerHistory:
         """Forgets everything and keeps ``prefix`` (what a re-created sequence starts with)."""
         for layer in range(len(self._k)):
             self._k[layer], self._v[layer] = [], []
+        self._rows = [0] * len(self._k)
         self.bytes = 0
         for layer, (k, v) in prefix.items():
             self.add(layer, k, v)
@@ -59,6 +77,12 @@ def _data_bytes(t: Rows) -> int:
     for n in t.shape:
         count *= int(n)
     return count * ITEMSIZE.get(NAME_OF_PROTO_DTYPE.get(t.dtype, ""), 1)
+
+
+def _first_rows(t: Rows, n: int) -> Rows:
+    """The first n rows of a row-major [rows, heads, d] tensor."""
+    row_bytes = _data_bytes(t) // int(t.shape[0])
+    return HostRows(t.dtype, (n,) + tuple(t.shape[1:]), bytes(t.data[:n * row_bytes]))
 
 
 def _concat(pieces: List[Rows]) -> Rows:

@@ -17,8 +17,13 @@ client's and re-creates on a mismatch; after a failure that may still be running
 or UNAVAILABLE the client does not retry: its rows may land after any check) it re-creates without asking. Every
 server call is all-or-nothing, and every append names the length it follows (expected_length: a retry whose first
 try was applied finds its rows there and is not applied again), so a retried step appends its rows exactly once: no
-wrong answer, only a slower one. Only an append's answer sets a layer's length, and an answer from a sequence id the
-client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
+wrong answer, only a slower one. Only an append's (or truncate's) answer sets a layer's length, and an answer from a
+sequence id the client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
+
+Truncate (speculative decoding: ``seq.truncate(n)`` after a step that appended the drafts keeps each layer's first n
+tokens) is an append in reverse for all of the above: it holds its layers, a re-created sequence gets every row back
+and is cut again (a layer already that short is left as it is, so a retry cuts nothing more), a truncate that failed
+ambiguously makes the sequence uncertain, and the history keeps only the rows the server kept.
 
 Creates: every CreateSequence carries a create_token (a fresh ``secrets.token_urlsafe(16)``, or ``create(...,
 create_token=...)``). A create that failed with UNAVAILABLE (through one endpoint) or DEADLINE_EXCEEDED may have made
@@ -29,8 +34,9 @@ NOT_FOUND uses a new token.
 
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
-messages, errors and missing ids), one connection per thread; create, append, release and info stay on gRPC. A
-connection that failed is dropped and the next call reconnects, so a restarted server is found again as over gRPC.
+messages, errors and missing ids), one connection per thread; create, append, truncate, release and info stay on
+gRPC. A connection that failed is dropped and the next call reconnects, so a restarted server is found again as over
+gRPC.
 ``local_poll_us``: those connections poll for each reply that long before sleeping (LocalClient's ``poll_us``).
 """
 
@@ -251,6 +257,34 @@ class SequenceClient(_Recovery, _DecodeSteps):
                 return list(seq.lengths)
 
         with hold_layers(writes=[(seq, layer) for layer in encoded]):
+            return self._with_recovery([seq], attempt, timeout, appends=True)
+
+    def truncate(self, seq: Sequence, length: int, layers: Optional[Iterable[int]] = None,
+                 timeout: Optional[float] = None) -> List[int]:
+        """Cuts ``layers`` (default: every layer) back to their first ``length`` tokens; returns every layer's
+        length. Retried and recovered like an append (a server that lost the sequence gets it back from the history
+        and is then cut: a retry cuts nothing more); a call that raises cut nothing, for the caller."""
+        self._check_live(seq)
+        length = int(length)
+        named = list(range(seq.spec.num_layers)) if layers is None else sorted({int(layer) for layer in layers})
+        if length < 0 or any(not 0 <= layer < seq.spec.num_layers for layer in named):
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"truncate to {length} tokens of layers {named}: "
+                            f"expected a length >= 0 and layers in [0, {seq.spec.num_layers})")
+
+        def attempt(ids):
+            sent_id = ids[0]
+            request = spb.TruncateRequest(sequence_id=sent_id, length=length,
+                                          layers=[] if layers is None else named)
+            response = self._rpc(seq.endpoint, "Truncate", request, seq.key, timeout)
+            with seq.lock:
+                if seq.id != sent_id:  # re-created while this ran, from the rows before the cut: cut it again
+                    raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created while a "
+                                        "truncate of it ran", missing_ids=(sent_id,))
+                # Only the named layers: the others' lengths in this answer may be older than the client's.
+                seq.cut(named, length, {layer: response.layer_lengths[layer] for layer in named})
+                return list(seq.lengths)
+
+        with hold_layers(writes=[(seq, layer) for layer in named]):
             return self._with_recovery([seq], attempt, timeout, appends=True)
 
     def _count_already_appended(self, n: int) -> None:

@@ -6,6 +6,7 @@
             out = seq.step(layer=0, q=q, k=k_new, v=v_new)                # append then attend, one round trip
             seq.append(1, k_new1, v_new1)
             out = seq.attend(1, q1)                                       # q [rows_q, heads_q, head_dim]
+            seq.truncate(n)            # speculative decoding: keep each layer's first n tokens (the accepted drafts)
         outs = client.decode_step([(seq_a, 0, qa, ka, va), (seq_b, 0, qb, kb, vb)])   # many sequences, one call
 
 The client keeps every acknowledged K/V row (``keep_history=True``, the default) or asks ``prefix_source(seq)`` for
@@ -144,6 +145,12 @@ class Sequence:
         return self.client.attend(self, layer, q, causal=causal, softmax_scale=softmax_scale,
                                   return_lse=return_lse, timeout=timeout)
 
+    def truncate(self, length: int, layers: Optional[Iterable[int]] = None,
+                 timeout: Optional[float] = None) -> List[int]:
+        """Cuts ``layers`` (default: every layer) back to their first ``length`` tokens -- speculative decoding: after
+        a step that appended the drafts, keep the accepted ones. Returns every layer's length."""
+        return self.client.truncate(self, length, layers=layers, timeout=timeout)
+
     def info(self, timeout: Optional[float] = None):
         """The server's SequenceInfo message (layer lengths, idle time, pool bytes held)."""
         return self.client.sequence_info(self, timeout=timeout)
@@ -187,6 +194,13 @@ class Sequence:
         if self._history is not None:
             self._history.take_back(layer, k)
         self.lengths[layer] -= int(k.shape[0]) if k.shape else 0
+
+    def cut(self, layers: Iterable[int], length: int, lengths: Mapping[int, int]) -> None:
+        """The server cut ``layers`` to ``length`` tokens; ``lengths`` are theirs after it."""
+        for layer in layers:
+            if self._history is not None:
+                self._history.keep(layer, length)
+            self.lengths[layer] = int(lengths[layer])
 
     def recovery_prefix(self) -> Optional[Dict[int, Tuple[Rows, Rows]]]:
         """Every row the server should hold, to re-create the sequence; None when nothing can supply them."""

@@ -72,6 +72,7 @@ inline constexpr GrpcMethod kCloseSession{"/flashserve.v1.AttentionStreamService
 inline constexpr GrpcMethod kCreateSequence{"/flashserve.v1.Sequences/CreateSequence",
                                             "CreateSequence"};
 inline constexpr GrpcMethod kAppend{"/flashserve.v1.Sequences/Append", "Append"};
+inline constexpr GrpcMethod kTruncate{"/flashserve.v1.Sequences/Truncate", "Truncate"};
 inline constexpr GrpcMethod kAttend{"/flashserve.v1.Sequences/Attend", "Attend", true};
 inline constexpr GrpcMethod kDecodeStep{"/flashserve.v1.Sequences/DecodeStep", "DecodeStep", true};
 inline constexpr GrpcMethod kRelease{"/flashserve.v1.Sequences/Release", "Release"};

@@ -73,9 +73,9 @@ std::string_view SequenceIdOf(const Request& /*request*/) {
 using S = v1::Sequences;
 using SequencesBase =
     Wrapped<S::Service, S::WithRawCallbackMethod_CreateSequence, S::WithRawCallbackMethod_Append,
-            S::WithRawCallbackMethod_Attend, S::WithRawCallbackMethod_DecodeStep,
-            S::WithRawCallbackMethod_Release, S::WithRawCallbackMethod_GetSequenceInfo,
-            S::WithRawCallbackMethod_GetKvPoolInfo>;
+            S::WithRawCallbackMethod_Truncate, S::WithRawCallbackMethod_Attend,
+            S::WithRawCallbackMethod_DecodeStep, S::WithRawCallbackMethod_Release,
+            S::WithRawCallbackMethod_GetSequenceInfo, S::WithRawCallbackMethod_GetKvPoolInfo>;
 
 // Every method is raw (its bytes in and out; grpc_call.h says why): a DecodeStep's answer is sent
 // as slices of the buffer its outputs were computed into (edge/grpc/answer_slices.h), not copied
@@ -98,6 +98,12 @@ class SequencesService final : public SequencesBase {
                                    Raw* response) override {
     return Unary<v1::AppendRequest, v1::AppendResponse>(context, grpc_methods::kAppend, *request,
                                                         response, &SequencesService::DoAppend);
+  }
+
+  grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context, const Raw* request,
+                                     Raw* response) override {
+    return Unary<v1::TruncateRequest, v1::TruncateResponse>(
+        context, grpc_methods::kTruncate, *request, response, &SequencesService::DoTruncate);
   }
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context, const Raw* request,
@@ -150,6 +156,8 @@ class SequencesService final : public SequencesBase {
                         v1::CreateSequenceResponse* response, absl::Time deadline);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response,
                         absl::Time deadline);
+  absl::Status DoTruncate(const v1::TruncateRequest& request, v1::TruncateResponse* response,
+                          absl::Time deadline);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response,
                          absl::Time deadline);
   absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response,
@@ -311,6 +319,20 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
   if (!appended.ok()) return appended.status();
   for (int64_t length : appended->lengths) response->add_layer_lengths(length);
   for (int layer : appended->already_appended) response->add_already_appended_layers(layer);
+  return absl::OkStatus();
+}
+
+absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
+                                          v1::TruncateResponse* response, absl::Time deadline) {
+  if (sequences_ == nullptr) return Disabled();
+  Admission admission = runtime_->Admit();
+  if (!admission) return absl::UnavailableError("server shutting down");
+  const std::vector<int> layers(request.layers().begin(), request.layers().end());
+  absl::StatusOr<kvcache::TruncateResult> cut =
+      sequences_->cache().Truncate(request.sequence_id(), request.length(), layers, deadline);
+  if (!cut.ok()) return cut.status();
+  for (int64_t length : cut->lengths) response->add_layer_lengths(length);
+  response->set_dropped_tokens(cut->dropped);
   return absl::OkStatus();
 }
 

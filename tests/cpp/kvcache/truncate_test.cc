@@ -1,0 +1,187 @@
+// Truncate: speculative decoding appends draft tokens, keeps those the model accepted and cuts the
+// rest; later steps attend over exactly the kept rows (fp64 reference), pages past the cut go back
+// to the pool, and the call is all or nothing, safe to retry and never cuts under a running step.
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kv_test_util.h"
+#include "kvcache/sequence_cache.h"
+#include "runtime/cpu_kv_store.h"
+
+namespace flashserve::kvcache {
+namespace {
+
+using kernels::DType;
+using testing::Bits;
+using testing::DenseLayer;
+using testing::RandomRows;
+using testing::Rows;
+
+constexpr DType kDtype = DType::kFloat16;
+constexpr int kHeadsQ = 6, kHeadsKv = 2, kDim = 32, kPageTokens = 5;
+constexpr float kScale = 0.2f;
+
+class TruncateTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    pool_ = std::make_unique<kernels::cpu::ThreadPool>(2);
+    store_ = *CpuKvStore::Create(4 << 20, pool_.get());
+    KvCacheOptions options;
+    options.capacity_bytes = 4 << 20;
+    options.page_tokens = kPageTokens;  // drafts straddle pages
+    cache_ = *SequenceCache::Create(options, store_.get(), nullptr);
+    shape_ = {2, kHeadsQ, kHeadsKv, kDim, kDtype};
+  }
+
+  // A sequence whose layers start with `prefix` random rows each (mirrored in (*dense)[layer]).
+  std::string Create(int prefix, std::vector<DenseLayer>* dense) {
+    CreateRequest request;
+    request.shape = shape_;
+    dense->assign(2, DenseLayer{});
+    keep_.clear();
+    for (int layer = 0; layer < 2; ++layer) {
+      keep_.push_back(KvRows(prefix));
+      keep_.push_back(KvRows(prefix));
+      const Bits& k = keep_[keep_.size() - 2];
+      const Bits& v = keep_.back();
+      request.prefix.push_back({layer, KvOf(k), KvOf(v), -1});
+      (*dense)[size_t(layer)].Append(k, v);
+    }
+    absl::StatusOr<SequenceStatus> created = cache_->CreateSequence(request);
+    EXPECT_TRUE(created.ok()) << created.status();
+    return created->id;
+  }
+  Bits KvRows(int rows) { return RandomRows(&rng_, rows, kHeadsKv, kDim, kDtype); }
+  HostRows KvOf(const Bits& bits) { return Rows(bits, kHeadsKv, kDim, kDtype); }
+  std::vector<int64_t> Lengths(const std::string& id) { return cache_->Info(id)->lengths; }
+
+  // One step on `layer`: appends `rows` new random rows (mirrored in *dense) and attends `rows`
+  // causal query rows; checks O/LSE against the fp64 reference over *dense.
+  void StepAndCheck(const std::string& id, int layer, int rows, DenseLayer* dense,
+                    const std::string& where) {
+    const Bits q = RandomRows(&rng_, rows, kHeadsQ, kDim, kDtype);
+    const Bits k = KvRows(rows), v = KvRows(rows);
+    absl::StatusOr<StepPlan> plan =
+        cache_->PrepareStep({{id, layer, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}});
+    ASSERT_TRUE(plan.ok()) << where << ": " << plan.status();
+    dense->Append(k, v);
+    Bits out(q.size(), 0x7e00);  // poisoned: NaN
+    std::vector<float> lse(size_t(kHeadsQ * rows), NAN);
+    plan->batch.causal = true;
+    plan->batch.softmax_scale = kScale;
+    plan->batch.items[0].out = out.data();
+    plan->batch.items[0].lse = lse.data();
+    AttendInfo info;
+    ASSERT_TRUE(store_->Attend(plan->batch, &info).ok()) << where;
+    EXPECT_EQ(
+        testing::CheckAgainstReference(shape_, *dense, q, rows, true, kScale, out, lse, where), 0);
+  }
+
+  // The first `rows` tokens of a dense layer (what a truncated layer must attend over).
+  static DenseLayer FirstRows(const DenseLayer& dense, int rows) {
+    const size_t n = size_t(rows) * kHeadsKv * kDim;
+    DenseLayer kept;
+    kept.k.assign(dense.k.begin(), dense.k.begin() + long(n));
+    kept.v.assign(dense.v.begin(), dense.v.begin() + long(n));
+    return kept;
+  }
+
+  std::mt19937 rng_{20261130};
+  SequenceShape shape_;
+  std::vector<Bits> keep_;  // the prefix rows' bytes, alive while the test runs
+  std::unique_ptr<kernels::cpu::ThreadPool> pool_;
+  std::unique_ptr<CpuKvStore> store_;
+  std::unique_ptr<SequenceCache> cache_;
+};
+
+// Verify 4 drafts, accept 2: the next step sees the prefix, the 2 kept drafts and its own token.
+TEST_F(TruncateTest, LaterStepsAttendOverTheKeptRowsOnly) {
+  std::vector<DenseLayer> dense;
+  const std::string id = Create(7, &dense);
+  StepAndCheck(id, 0, 4, &dense[0], "verification step");  // 11 tokens: 3 pages of 5
+  EXPECT_EQ(cache_->Stats().pages_used, 3 + 2);
+  absl::StatusOr<TruncateResult> cut = cache_->Truncate(id, 9, {0});
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->lengths, (std::vector<int64_t>{9, 7}));
+  EXPECT_EQ(cut->dropped, 2);
+  EXPECT_EQ(cache_->Stats().pages_used, 2 + 2) << "the page wholly past token 9 goes back";
+  dense[0] = FirstRows(dense[0], 9);
+  StepAndCheck(id, 0, 1, &dense[0], "step after the cut");
+  StepAndCheck(id, 0, 3, &dense[0], "next verification");
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{13, 7}));
+}
+
+// Freed pages go to the next sequence that grows; the cut layer's partial last page is kept, so
+// that sequence's rows never land on the kept tokens.
+TEST_F(TruncateTest, PagesPastTheCutServeOtherSequencesWithoutTouchingKeptRows) {
+  std::vector<DenseLayer> dense_a, dense_b;
+  const std::string a = Create(11, &dense_a);    // 3 pages per layer
+  ASSERT_TRUE(cache_->Truncate(a, 6, {}).ok());  // both layers: 2 pages each, the 2nd partial
+  EXPECT_EQ(Lengths(a), (std::vector<int64_t>{6, 6}));
+  EXPECT_EQ(cache_->Stats().pages_used, 4);
+  const std::string b = Create(10, &dense_b);  // takes freed pages
+  for (int layer = 0; layer < 2; ++layer) {
+    dense_a[size_t(layer)] = FirstRows(dense_a[size_t(layer)], 6);
+    StepAndCheck(a, layer, 2, &dense_a[size_t(layer)], "a after b took the pages");
+    StepAndCheck(b, layer, 1, &dense_b[size_t(layer)], "b");
+  }
+  // To zero: every page back; the layer then starts over.
+  absl::StatusOr<TruncateResult> cut = cache_->Truncate(a, 0, {});
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->dropped, 16);
+  EXPECT_EQ(cache_->Info(a)->bytes, 0);
+  DenseLayer fresh;
+  StepAndCheck(a, 1, 2, &fresh, "a from empty");
+}
+
+TEST_F(TruncateTest, RetriesChangeNothingAndBadCallsCutNothing) {
+  std::vector<DenseLayer> dense;
+  const std::string id = Create(8, &dense);
+  ASSERT_TRUE(cache_->Truncate(id, 5, {1}).ok());
+  absl::StatusOr<TruncateResult> again = cache_->Truncate(id, 5, {1});  // the answer was lost
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->dropped, 0);
+  EXPECT_EQ(again->lengths, (std::vector<int64_t>{8, 5}));
+  // Layer 0 could be cut to 6, layer 1 holds 5: ABORTED, and layer 0 keeps its 8.
+  absl::StatusOr<TruncateResult> longer = cache_->Truncate(id, 6, {0, 1});
+  ASSERT_EQ(longer.status().code(), absl::StatusCode::kAborted) << longer.status();
+  EXPECT_NE(longer.status().message().find("layer 1 holds 5 tokens, fewer than the 6"),
+            std::string::npos)
+      << longer.status();
+  EXPECT_EQ(cache_->Truncate(id, -1, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Truncate(id, 1, {2}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Truncate(id, 1, {0, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Truncate("0123456789abcdef0123456789abcdef", 1, {}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{8, 5}));
+  dense[0] = FirstRows(dense[0], 8);
+  StepAndCheck(id, 0, 1, &dense[0], "after the refused calls");
+}
+
+// A prepared step reads the rows past the cut: Truncate waits for it (or its own deadline).
+TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
+  std::vector<DenseLayer> dense;
+  const std::string id = Create(4, &dense);
+  const Bits q = RandomRows(&rng_, 2, kHeadsQ, kDim, kDtype);
+  const Bits k = KvRows(2), v = KvRows(2);
+  auto plan = std::make_unique<StepPlan>(
+      *cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}}));
+  absl::StatusOr<TruncateResult> early =
+      cache_->Truncate(id, 4, {0}, absl::Now() + absl::Milliseconds(60));
+  ASSERT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{6, 4}));
+  std::future<absl::StatusOr<TruncateResult>> waiting = std::async(std::launch::async, [&] {
+    return cache_->Truncate(id, 4, {0}, absl::Now() + absl::Seconds(30));
+  });
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  plan.reset();  // the step ends
+  absl::StatusOr<TruncateResult> cut = waiting.get();
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->dropped, 2);
+}
+
+}  // namespace
+}  // namespace flashserve::kvcache
