@@ -83,7 +83,16 @@ struct AppendResult {
   std::vector<int> already_appended;
 };
 
-/// What Truncate did: every layer's length after it, and the tokens it dropped (over the layers).
+/// One sequence's part of a Truncate: its `layers` (empty: every layer) keep their first `length`
+/// tokens.
+struct TruncateItem {
+  std::string id;
+  int64_t length = 0;
+  std::vector<int> layers;
+};
+
+/// What Truncate did to one item's sequence: every layer's length after it, and the tokens it
+/// dropped (over the layers).
 struct TruncateResult {
   std::vector<int64_t> lengths;
   int64_t dropped = 0;
@@ -153,15 +162,15 @@ class SequenceCache {
   /// DEADLINE_EXCEEDED as Append).
   absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items,
                                        absl::Time deadline = absl::InfiniteFuture());
-  /// Cuts `layers` (empty: every layer) back to their first `length` tokens; the pages wholly past
-  /// it return to the pool. A layer already that short is left as it is (a retry). Waits, at most
+  /// Cuts each item's layers back to their first `length` tokens; the pages wholly past the cut
+  /// return to the pool. A layer already that short is left as it is (a retry). Waits, at most
   /// until `deadline` (then DEADLINE_EXCEEDED, nothing cut), while an append or a prepared step
-  /// holds the sequence: a step sees the rows it was sent with. ABORTED when a named layer holds
-  /// fewer than `length` tokens; INVALID_ARGUMENT for a negative length or a layer out of range or
-  /// named twice. All or nothing.
-  absl::StatusOr<TruncateResult> Truncate(std::string_view id, int64_t length,
-                                          const std::vector<int>& layers,
-                                          absl::Time deadline = absl::InfiniteFuture());
+  /// holds one of the sequences: a step sees the rows it was sent with. NOT_FOUND naming every
+  /// missing id; ABORTED when a named layer holds fewer than `length` tokens; INVALID_ARGUMENT for
+  /// a negative length, a layer out of range or named twice, a sequence named twice. All or
+  /// nothing; results in the order of the items.
+  absl::StatusOr<std::vector<TruncateResult>> Truncate(
+      const std::vector<TruncateItem>& items, absl::Time deadline = absl::InfiniteFuture());
   /// Releases the sequences; returns the ids that were not found.
   std::vector<std::string> Release(const std::vector<std::string>& ids);
   absl::StatusOr<SequenceStatus> Info(std::string_view id);
@@ -210,6 +219,9 @@ class SequenceCache {
                             std::vector<int64_t>* fresh_rows) const;
   absl::Status FindAll(const std::vector<StepItem>& items,
                        std::vector<Sequence*>* found);  // needs mu_
+  // The sequences of `ids` into *found (null where missing); NOT_FOUND naming every missing id.
+  absl::Status FindIds(const std::vector<std::string_view>& ids,
+                       std::vector<Sequence*>* found);  // needs mu_
   // Pages to add to `seq`'s layer for it to hold `new_length` tokens.
   int64_t PagesToGrow(const Sequence& seq, int layer, int64_t new_length) const;
   // The pages a layer grows by, as a run that continues its last page (PageAllocator::Allocate).
@@ -247,12 +259,13 @@ class SequenceCache {
   // `deadline`: then it may still be appending); null: not found.
   Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
                            absl::Time deadline);
-  // The sequence `id` once nothing holds it (no append, no prepared step: pins == 0), waiting as
-  // FindIdleLocked; null: not found.
-  Sequence* FindUnpinnedLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
-                               absl::Time deadline);
-  // INVALID_ARGUMENT / ABORTED as Truncate says; the layers to cut in *cut.
-  absl::Status ValidateTruncate(const Sequence& seq, int64_t length, const std::vector<int>& layers,
+  // Every item's sequence once nothing holds any of them (no append, no prepared step: pins ==
+  // 0), waiting at most until `deadline` (then DEADLINE_EXCEEDED); NOT_FOUND as FindAll.
+  absl::Status FindUnpinnedLocked(const std::vector<TruncateItem>& items,
+                                  std::unique_lock<std::mutex>* lock, absl::Time deadline,
+                                  std::vector<Sequence*>* found);
+  // INVALID_ARGUMENT / ABORTED as Truncate says for item `index`; its layers to cut in *cut.
+  absl::Status ValidateTruncate(const Sequence& seq, const TruncateItem& item, size_t index,
                                 std::vector<int>* cut) const;
   // Drops `layer`'s tokens past `length`; the offsets of its pages wholly past it go to *freed.
   // Returns the tokens dropped.

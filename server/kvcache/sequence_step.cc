@@ -39,12 +39,20 @@ std::string MissingSequenceIdList(const absl::Status& status) {
 
 absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
                                     std::vector<Sequence*>* found) {
+  std::vector<std::string_view> ids;
+  ids.reserve(items.size());
+  for (const StepItem& item : items) ids.push_back(item.id);
+  return FindIds(ids, found);
+}
+
+absl::Status SequenceCache::FindIds(const std::vector<std::string_view>& ids,
+                                    std::vector<Sequence*>* found) {
   std::vector<std::string> missing;
-  std::set<std::string> missing_set;
-  for (const StepItem& item : items) {
-    Sequence* seq = FindLocked(item.id);
+  std::set<std::string_view> missing_set;
+  for (std::string_view id : ids) {
+    Sequence* seq = FindLocked(id);
     found->push_back(seq);
-    if (seq == nullptr && missing_set.insert(item.id).second) missing.push_back(item.id);
+    if (seq == nullptr && missing_set.insert(id).second) missing.emplace_back(id);
   }
   if (missing.empty()) return absl::OkStatus();
   if (metrics_ != nullptr) metrics_->RecordRefused("not_found");

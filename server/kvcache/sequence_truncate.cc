@@ -1,50 +1,60 @@
 // SequenceCache::Truncate: layers cut back to their first tokens (speculative decoding drops the
 // draft tokens the model rejected), the pages wholly past the cut returned to the pool.
 #include <algorithm>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "kvcache/sequence_cache_internal.h"
 
 namespace flashserve::kvcache {
 
-SequenceCache::Sequence* SequenceCache::FindUnpinnedLocked(std::string_view id,
-                                                           std::unique_lock<std::mutex>* lock,
-                                                           absl::Time deadline) {
-  Sequence* seq = FindLocked(id);
+absl::Status SequenceCache::FindUnpinnedLocked(const std::vector<TruncateItem>& items,
+                                               std::unique_lock<std::mutex>* lock,
+                                               absl::Time deadline, std::vector<Sequence*>* found) {
+  std::vector<std::string_view> ids;
+  ids.reserve(items.size());
+  for (const TruncateItem& item : items) ids.push_back(item.id);
   // A prepared step reads the pages past the cut (its rows were appended when it was prepared),
   // and an append writes there: cutting under either would let the next append overwrite rows a
   // launch still reads, or leave an append's rows beyond the length it then sets.
-  while (seq != nullptr && seq->pins > 0 && WaitLocked(&unpinned_, lock, deadline)) {
-    seq = FindLocked(id);  // it may have been released meanwhile
+  while (true) {
+    found->clear();
+    if (absl::Status s = FindIds(ids, found); !s.ok()) return s;
+    if (std::none_of(found->begin(), found->end(), [](const Sequence* q) { return q->pins > 0; }))
+      return absl::OkStatus();
+    if (!WaitLocked(&unpinned_, lock, deadline)) {
+      return absl::DeadlineExceededError(
+          "the call's deadline passed while it waited for the steps and appends holding its "
+          "sequences to end; nothing was cut");
+    }
   }
-  return seq;
 }
 
-absl::Status SequenceCache::ValidateTruncate(const Sequence& seq, int64_t length,
-                                             const std::vector<int>& layers,
-                                             std::vector<int>* cut) const {
-  if (length < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a Truncate keeps a length of 0 or more tokens, got ", length));
+absl::Status SequenceCache::ValidateTruncate(const Sequence& seq, const TruncateItem& item,
+                                             size_t index, std::vector<int>* cut) const {
+  if (item.length < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "item ", index, ": a Truncate keeps a length of 0 or more tokens, got ", item.length));
   }
   std::vector<bool> seen(size_t(seq.shape.num_layers), false);
-  for (int layer : layers) {
+  for (int layer : item.layers) {
     if (layer < 0 || layer >= seq.shape.num_layers || seen[size_t(layer)]) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", layer,
+      return absl::InvalidArgumentError(absl::StrCat("item ", index, ": layer ", layer,
                                                      " is out of range or given twice (num_layers ",
                                                      seq.shape.num_layers, ")"));
     }
     seen[size_t(layer)] = true;
     cut->push_back(layer);
   }
-  if (layers.empty()) {
+  if (item.layers.empty()) {
     for (int layer = 0; layer < seq.shape.num_layers; ++layer) cut->push_back(layer);
   }
   for (int layer : *cut) {
     const int64_t held = seq.lengths[size_t(layer)];
-    if (held < length) {
+    if (held < item.length) {
       return absl::AbortedError(absl::StrCat(
-          "layer ", layer, " holds ", held, " tokens, fewer than the ", length,
+          "item ", index, ": layer ", layer, " holds ", held, " tokens, fewer than the ",
+          item.length,
           " a Truncate keeps: the client's count is off; nothing was cut (GetSequenceInfo has the "
           "lengths)"));
     }
@@ -67,39 +77,48 @@ int64_t SequenceCache::CutLayer(Sequence* seq, int layer, int64_t length,
   return dropped;
 }
 
-absl::StatusOr<TruncateResult> SequenceCache::Truncate(std::string_view id, int64_t length,
-                                                       const std::vector<int>& layers,
-                                                       absl::Time deadline) {
+absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
+    const std::vector<TruncateItem>& items, absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
-  Sequence* seq = FindUnpinnedLocked(id, &lock, deadline);
-  if (seq == nullptr) {
-    if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
-    return UnknownSequences({std::string(id)});
-  }
-  if (seq->pins > 0) {
-    return absl::DeadlineExceededError(
-        "the call's deadline passed while it waited for the steps and appends holding its sequence "
-        "to end; nothing was cut");
-  }
-  std::vector<int> cut;
-  if (absl::Status s = ValidateTruncate(*seq, length, layers, &cut); !s.ok()) {
-    if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
-      metrics_->RecordRefused("length_mismatch");
+  std::vector<Sequence*> found;
+  if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) {
+    if (metrics_ != nullptr && s.code() == absl::StatusCode::kNotFound)
+      metrics_->RecordRefused("not_found");
     return s;
   }
-  TruncateResult result;
-  std::vector<int64_t> freed;
-  for (int layer : cut) result.dropped += CutLayer(seq, layer, length, &freed);
-  if (!freed.empty()) {
-    store_->Fence();  // rows still deferred by the store must not land on the pages' next owner
-    pages_.Free(seq->format.page_bytes, freed);
+  std::vector<std::vector<int>> cuts(items.size());
+  std::unordered_set<const Sequence*> seen;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!seen.insert(found[i]).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", i, ": its sequence is named twice in one Truncate"));
+    }
+    if (absl::Status s = ValidateTruncate(*found[i], items[i], i, &cuts[i]); !s.ok()) {
+      if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
+        metrics_->RecordRefused("length_mismatch");
+      return s;
+    }
   }
-  seq->last_used = Now();
-  result.lengths = seq->lengths;
-  if (metrics_ != nullptr) metrics_->RecordTruncated(result.dropped);
+  std::vector<TruncateResult> results(items.size());
+  std::vector<std::vector<int64_t>> freed(items.size());
+  bool any_freed = false;
+  int64_t dropped = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    for (int layer : cuts[i])
+      results[i].dropped += CutLayer(found[i], layer, items[i].length, &freed[i]);
+    found[i]->last_used = Now();
+    results[i].lengths = found[i]->lengths;
+    dropped += results[i].dropped;
+    any_freed = any_freed || !freed[i].empty();
+  }
+  if (any_freed) store_->Fence();  // rows still deferred must not land on the pages' next owner
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!freed[i].empty()) pages_.Free(found[i]->format.page_bytes, freed[i]);
+  }
+  if (metrics_ != nullptr) metrics_->RecordTruncated(dropped);
   PublishLocked();
-  return result;
+  return results;
 }
 
 }  // namespace flashserve::kvcache

@@ -260,20 +260,27 @@ class FakeSequences(spb_grpc.SequencesServicer):
     def Truncate(self, request, context):
         self._note("Truncate", context)
         with self.lock:
-            seq = self._get(context, request.sequence_id)
+            missing = [item.sequence_id for item in request.items if item.sequence_id not in self.seqs]
+            if missing:  # every missing id, as the server names them
+                self._missing(context, list(dict.fromkeys(missing)))
+            seqs = [self.seqs[item.sequence_id] for item in request.items]
             failure, self.fail_next_truncate = _next_failure(self.fail_next_truncate)
             if failure is not None and not failure[1]:
                 context.abort(failure[0], "injected failure before the truncate")
-            layers = list(request.layers) or list(range(seq.num_layers))
-            short = [layer for layer in layers if len(seq.k[layer]) < request.length]
-            if short:
-                context.abort(grpc.StatusCode.ABORTED, f"layer {short[0]} holds fewer than {request.length} tokens")
-            dropped = sum(len(seq.k[layer]) - request.length for layer in layers)
-            for layer in layers:
-                seq.k[layer], seq.v[layer] = seq.k[layer][:request.length], seq.v[layer][:request.length]
+            plans = [(seq, item.length, list(item.layers) or list(range(seq.num_layers)))
+                     for seq, item in zip(seqs, request.items)]
+            for seq, length, layers in plans:
+                if any(len(seq.k[layer]) < length for layer in layers):
+                    context.abort(grpc.StatusCode.ABORTED, f"a layer holds fewer than {length} tokens")
+            results = []
+            for seq, length, layers in plans:
+                dropped = sum(len(seq.k[layer]) - length for layer in layers)
+                for layer in layers:
+                    seq.k[layer], seq.v[layer] = seq.k[layer][:length], seq.v[layer][:length]
+                results.append(spb.TruncateResult(layer_lengths=[len(k) for k in seq.k], dropped_tokens=dropped))
             if failure is not None:
                 context.abort(failure[0], "injected failure after the truncate")
-            return spb.TruncateResponse(layer_lengths=[len(k) for k in seq.k], dropped_tokens=dropped)
+            return spb.TruncateResponse(results=results)
 
     def Release(self, request, context):
         self._note("Release", context)

@@ -370,3 +370,36 @@ def test_a_server_leaving_moves_only_its_sequences(fakes, rng):
         assert moved and all(s.endpoint != victim.address and s.reprefills == 1 for s in moved)
         assert all((s.endpoint, s.id) == before[s.key] and s.reprefills == 0 for s in stayed)
         assert all(s.endpoint == client.ring.lookup(s.key, exclude={victim.address}) for s in moved)
+
+
+def test_truncate_many_cuts_across_endpoints_through_a_lost_and_a_leaving_server(fakes, rng):
+    """One speculative step of a batch spread over three servers: truncate_many sends one Truncate per server; the
+    sequences of a server that forgot them are re-created from the history (the uncut rows) and cut again, those of
+    a server that left move to the ring's next one; every later answer sees exactly the kept rows."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient([f.address for f in fakes], timeout=10, down_s=60) as client:
+        seqs = [client.create(**SHAPE, key=f"spec-{i}") for i in range(12)]
+        assert len({s.endpoint for s in seqs}) == 3
+        for lost in (fakes[0].servicer.forget_all, fakes[2].stop):
+            start = [s.lengths[0] for s in seqs]
+            qs, kvs = [truth.query(4) for _ in seqs], [truth.rows(4) for _ in seqs]
+            for seq, q, kv, out in zip(seqs, qs, kvs, client.decode_step(
+                    [(s, 0, q, *kv) for s, q, kv in zip(seqs, qs, kvs)], causal=True)):
+                truth.add(seq.key, 0, *kv)
+                truth.check(out, q, seq.key, 0, causal=True)
+            truncates = [f.servicer.calls.count("Truncate") for f in fakes]
+            on_2 = [s for s in seqs if s.endpoint == fakes[2].address]
+            lost()
+            kept = [n + i % 5 for i, n in enumerate(start)]
+            assert client.truncate_many([(s, n, [0]) for s, n in zip(seqs, kept)]) == [[n, 0] for n in kept]
+            for seq, n in zip(seqs, kept):
+                truth.keep(seq.key, 0, n)
+            # One call per server holding some of them, and one more to where lost sequences were re-created: the
+            # server that forgot them, or the ring's next servers of those whose server left.
+            sent = [f.servicer.calls.count("Truncate") - t for f, t in zip(fakes, truncates)]
+            if lost == fakes[0].servicer.forget_all:
+                assert sent == [2, 1, 1], sent
+            else:
+                assert sent == [1 + any(s.endpoint == f.address for s in on_2) for f in fakes[:2]] + [0], sent
+            _decode_rounds(client, seqs, truth, 2)
+        assert sum(s.reprefills for s in seqs) >= 4

@@ -76,12 +76,14 @@ def test_speculative_decoding_keeps_only_the_accepted_drafts(trunc_server, rng):
             drafts = int(rng.integers(2, 7))
             start = [s.lengths[0] for s in seqs]
             _verify_drafts(client, seqs, truth, drafts)
-            for seq, n in zip(seqs, start):
-                accepted = int(rng.integers(0, drafts + 1))
-                assert seq.truncate(n + accepted) == [n + accepted] * 2
-                dropped += 2 * (drafts - accepted)
+            accepted = [int(rng.integers(0, drafts + 1)) for _ in seqs]
+            kept = [n + a for n, a in zip(start, accepted)]
+            # One call for the batch (the third sequence keeps every draft: named anyway, cut nothing).
+            assert client.truncate_many([(s, n, None) for s, n in zip(seqs, kept)]) == [[n, n] for n in kept]
+            dropped += sum(2 * (drafts - a) for a in accepted)
+            for seq, n in zip(seqs, kept):
                 for layer in range(2):
-                    truth.keep(seq.key, layer, n + accepted)
+                    truth.keep(seq.key, layer, n)
                 assert list(seq.info().layer_lengths) == seq.lengths
         _verify_drafts(client, seqs, truth, 1)  # plain decode steps over the kept rows
         # To zero: every page goes back (and the layers then start over).
@@ -118,7 +120,11 @@ def test_retries_cut_nothing_more_and_refused_calls_cut_nothing(trunc_server, st
         bytes_40 = seq.info().bytes
 
         def truncate(length, layers=()):
-            return stub.Truncate(spb.TruncateRequest(sequence_id=seq.id, length=length, layers=layers), timeout=30)
+            request = spb.TruncateRequest()
+            request.items.add(sequence_id=seq.id, length=length, layers=layers)
+            response = stub.Truncate(request, timeout=30)
+            assert len(response.results) == 1
+            return response.results[0]
 
         first = truncate(20, [0])
         assert list(first.layer_lengths) == [20, 0] and first.dropped_tokens == 20
@@ -134,9 +140,20 @@ def test_retries_cut_nothing_more_and_refused_calls_cut_nothing(trunc_server, st
                 truncate(length, layers)
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (length, layers)
         for unknown in ("0" * 32, "not-an-id"):
+            request = spb.TruncateRequest()
+            request.items.add(sequence_id=seq.id, length=20)
+            request.items.add(sequence_id=unknown, length=0)
             with pytest.raises(grpc.RpcError) as missing:
-                stub.Truncate(spb.TruncateRequest(sequence_id=unknown, length=0), timeout=30)
+                stub.Truncate(request, timeout=30)
             assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            shown = dict(missing.value.trailing_metadata() or ()).get("flashserve-missing-sequence-ids", "")
+            assert shown == ("0" * 32 if unknown == "0" * 32 else "")  # a malformed id is never echoed
+        too_many = spb.TruncateRequest()
+        for _ in range(1025):  # --max_batch_sequences 1024
+            too_many.items.add(sequence_id=seq.id, length=20)
+        with pytest.raises(grpc.RpcError) as bad:
+            stub.Truncate(too_many, timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in bad.value.details()
         assert list(seq.info().layer_lengths) == [20, 0]
         assert _metric(trunc_server, "flashserve_kv_refusals_total", reason="length_mismatch") == refused + 1
         # The client checks what it can before sending.
@@ -153,5 +170,5 @@ def test_retries_cut_nothing_more_and_refused_calls_cut_nothing(trunc_server, st
 def test_without_a_kv_cache_truncate_is_failed_precondition(server):
     with grpc.insecure_channel(server.address) as channel:
         with pytest.raises(grpc.RpcError) as e:
-            spb_grpc.SequencesStub(channel).Truncate(spb.TruncateRequest(sequence_id="0" * 32), timeout=30)
+            spb_grpc.SequencesStub(channel).Truncate(spb.TruncateRequest(), timeout=30)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -21,7 +21,7 @@ wrong answer, only a slower one. Only an append's (or truncate's) answer sets a 
 sequence id the client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
 
 Truncate (speculative decoding: ``seq.truncate(n)`` after a step that appended the drafts keeps each layer's first n
-tokens) is an append in reverse for all of the above: it holds its layers, a re-created sequence gets every row back
+tokens; ``truncate_many`` a batch's, one call per server) is an append in reverse for all of the above: it holds its layers, a re-created sequence gets every row back
 and is cut again (a layer already that short is left as it is, so a retry cuts nothing more), a truncate that failed
 ambiguously makes the sequence uncertain, and the history keeps only the rows the server kept.
 
@@ -55,6 +55,7 @@ from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_recovery import _mark_uncertain, _Recovery
 from ._seq_step import _answer, _DecodeSteps, _Item, DecodeInput
+from ._seq_truncate import _Cut, _Truncates, TruncateInput
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
@@ -81,7 +82,7 @@ def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
     entry.v.CopyFrom(v)
 
 
-class SequenceClient(_Recovery, _DecodeSteps):
+class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
     """Blocking client. ``endpoints``: one address or a list (consistent hashing over them)."""
 
     def __init__(self, endpoints: Union[str, Seq[str]], *, token: Optional[str] = None,
@@ -262,30 +263,30 @@ class SequenceClient(_Recovery, _DecodeSteps):
     def truncate(self, seq: Sequence, length: int, layers: Optional[Iterable[int]] = None,
                  timeout: Optional[float] = None) -> List[int]:
         """Cuts ``layers`` (default: every layer) back to their first ``length`` tokens; returns every layer's
-        length. Retried and recovered like an append (a server that lost the sequence gets it back from the history
-        and is then cut: a retry cuts nothing more); a call that raises cut nothing, for the caller."""
-        self._check_live(seq)
-        length = int(length)
-        named = list(range(seq.spec.num_layers)) if layers is None else sorted({int(layer) for layer in layers})
-        if length < 0 or any(not 0 <= layer < seq.spec.num_layers for layer in named):
-            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"truncate to {length} tokens of layers {named}: "
-                            f"expected a length >= 0 and layers in [0, {seq.spec.num_layers})")
+        length. See truncate_many."""
+        return self.truncate_many([(seq, length, layers)], timeout=timeout)[0]
 
-        def attempt(ids):
-            sent_id = ids[0]
-            request = spb.TruncateRequest(sequence_id=sent_id, length=length,
-                                          layers=[] if layers is None else named)
-            response = self._rpc(seq.endpoint, "Truncate", request, seq.key, timeout)
-            with seq.lock:
-                if seq.id != sent_id:  # re-created while this ran, from the rows before the cut: cut it again
-                    raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created while a "
-                                        "truncate of it ran", missing_ids=(sent_id,))
-                # Only the named layers: the others' lengths in this answer may be older than the client's.
-                seq.cut(named, length, {layer: response.layer_lengths[layer] for layer in named})
-                return list(seq.lengths)
-
-        with hold_layers(writes=[(seq, layer) for layer in named]):
-            return self._with_recovery([seq], attempt, timeout, appends=True)
+    def truncate_many(self, items: Iterable[TruncateInput], timeout: Optional[float] = None) -> List[List[int]]:
+        """For each (sequence, length, layers or None): cut its layers back to their first ``length`` tokens -- one
+        speculative step of a batch: the rejected drafts of every sequence -- in one Truncate per endpoint holding
+        some of the sequences (in parallel). Returns every layer's length per item. Retried and recovered like an
+        append (a server that lost a sequence gets it back from the history and it is cut again: a retry cuts
+        nothing more). A call that raises may have cut the sequences of the endpoints that answered (their
+        ``lengths`` say so); sending it again is safe."""
+        cuts = [_Cut(entry) for entry in items]
+        if len({id(cut.seq) for cut in cuts}) != len(cuts):
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, "truncate_many: a sequence is named twice")
+        for cut in cuts:
+            self._check_live(cut.seq)
+        results: List[Optional[List[int]]] = [None] * len(cuts)
+        doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
+        with hold_layers(writes=[(cut.seq, layer) for cut in cuts for layer in cut.named]):
+            try:
+                return self._truncate(cuts, results, doubtful, timeout)
+            except BaseException:
+                for seq, sent_id, code in doubtful:  # tries that may have cut: settled before the next call
+                    _mark_uncertain([seq], [sent_id], code)
+                raise
 
     def _count_already_appended(self, n: int) -> None:
         if n:

@@ -327,12 +327,27 @@ absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
-  const std::vector<int> layers(request.layers().begin(), request.layers().end());
-  absl::StatusOr<kvcache::TruncateResult> cut =
-      sequences_->cache().Truncate(request.sequence_id(), request.length(), layers, deadline);
+  // Bounded as a DecodeStep is: the cache's lock is held for the whole list.
+  const int max_items = sequences_->options().max_batch_sequences;
+  if (request.items_size() > max_items) {
+    return absl::InvalidArgumentError(absl::StrCat("a Truncate names at most ", max_items,
+                                                   " sequences (--max_batch_sequences), got ",
+                                                   request.items_size()));
+  }
+  std::vector<kvcache::TruncateItem> items;
+  items.reserve(size_t(request.items_size()));
+  for (const v1::TruncateItem& item : request.items()) {
+    items.push_back(
+        {item.sequence_id(), item.length(), {item.layers().begin(), item.layers().end()}});
+  }
+  absl::StatusOr<std::vector<kvcache::TruncateResult>> cut =
+      sequences_->cache().Truncate(items, deadline);
   if (!cut.ok()) return cut.status();
-  for (int64_t length : cut->lengths) response->add_layer_lengths(length);
-  response->set_dropped_tokens(cut->dropped);
+  for (const kvcache::TruncateResult& one : *cut) {
+    v1::TruncateResult* result = response->add_results();
+    for (int64_t length : one.lengths) result->add_layer_lengths(length);
+    result->set_dropped_tokens(one.dropped);
+  }
   return absl::OkStatus();
 }
 

@@ -57,6 +57,15 @@ class TruncateTest : public ::testing::Test {
   Bits KvRows(int rows) { return RandomRows(&rng_, rows, kHeadsKv, kDim, kDtype); }
   HostRows KvOf(const Bits& bits) { return Rows(bits, kHeadsKv, kDim, kDtype); }
   std::vector<int64_t> Lengths(const std::string& id) { return cache_->Info(id)->lengths; }
+  // A Truncate of one sequence.
+  absl::StatusOr<TruncateResult> Cut(const std::string& id, int64_t length, std::vector<int> layers,
+                                     absl::Time deadline = absl::InfiniteFuture()) {
+    absl::StatusOr<std::vector<TruncateResult>> r =
+        cache_->Truncate({{id, length, std::move(layers)}}, deadline);
+    if (!r.ok()) return r.status();
+    EXPECT_EQ(r->size(), 1u);
+    return r->front();
+  }
 
   // One step on `layer`: appends `rows` new random rows (mirrored in *dense) and attends `rows`
   // causal query rows; checks O/LSE against the fp64 reference over *dense.
@@ -103,7 +112,7 @@ TEST_F(TruncateTest, LaterStepsAttendOverTheKeptRowsOnly) {
   const std::string id = Create(7, &dense);
   StepAndCheck(id, 0, 4, &dense[0], "verification step");  // 11 tokens: 3 pages of 5
   EXPECT_EQ(cache_->Stats().pages_used, 3 + 2);
-  absl::StatusOr<TruncateResult> cut = cache_->Truncate(id, 9, {0});
+  absl::StatusOr<TruncateResult> cut = Cut(id, 9, {0});
   ASSERT_TRUE(cut.ok()) << cut.status();
   EXPECT_EQ(cut->lengths, (std::vector<int64_t>{9, 7}));
   EXPECT_EQ(cut->dropped, 2);
@@ -119,7 +128,7 @@ TEST_F(TruncateTest, LaterStepsAttendOverTheKeptRowsOnly) {
 TEST_F(TruncateTest, PagesPastTheCutServeOtherSequencesWithoutTouchingKeptRows) {
   std::vector<DenseLayer> dense_a, dense_b;
   const std::string a = Create(11, &dense_a);    // 3 pages per layer
-  ASSERT_TRUE(cache_->Truncate(a, 6, {}).ok());  // both layers: 2 pages each, the 2nd partial
+  ASSERT_TRUE(Cut(a, 6, {}).ok());               // both layers: 2 pages each, the 2nd partial
   EXPECT_EQ(Lengths(a), (std::vector<int64_t>{6, 6}));
   EXPECT_EQ(cache_->Stats().pages_used, 4);
   const std::string b = Create(10, &dense_b);  // takes freed pages
@@ -129,7 +138,7 @@ TEST_F(TruncateTest, PagesPastTheCutServeOtherSequencesWithoutTouchingKeptRows) 
     StepAndCheck(b, layer, 1, &dense_b[size_t(layer)], "b");
   }
   // To zero: every page back; the layer then starts over.
-  absl::StatusOr<TruncateResult> cut = cache_->Truncate(a, 0, {});
+  absl::StatusOr<TruncateResult> cut = Cut(a, 0, {});
   ASSERT_TRUE(cut.ok()) << cut.status();
   EXPECT_EQ(cut->dropped, 16);
   EXPECT_EQ(cache_->Info(a)->bytes, 0);
@@ -140,25 +149,57 @@ TEST_F(TruncateTest, PagesPastTheCutServeOtherSequencesWithoutTouchingKeptRows) 
 TEST_F(TruncateTest, RetriesChangeNothingAndBadCallsCutNothing) {
   std::vector<DenseLayer> dense;
   const std::string id = Create(8, &dense);
-  ASSERT_TRUE(cache_->Truncate(id, 5, {1}).ok());
-  absl::StatusOr<TruncateResult> again = cache_->Truncate(id, 5, {1});  // the answer was lost
+  ASSERT_TRUE(Cut(id, 5, {1}).ok());
+  absl::StatusOr<TruncateResult> again = Cut(id, 5, {1});  // the answer was lost
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->dropped, 0);
   EXPECT_EQ(again->lengths, (std::vector<int64_t>{8, 5}));
   // Layer 0 could be cut to 6, layer 1 holds 5: ABORTED, and layer 0 keeps its 8.
-  absl::StatusOr<TruncateResult> longer = cache_->Truncate(id, 6, {0, 1});
+  absl::StatusOr<TruncateResult> longer = Cut(id, 6, {0, 1});
   ASSERT_EQ(longer.status().code(), absl::StatusCode::kAborted) << longer.status();
   EXPECT_NE(longer.status().message().find("layer 1 holds 5 tokens, fewer than the 6"),
             std::string::npos)
       << longer.status();
-  EXPECT_EQ(cache_->Truncate(id, -1, {}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache_->Truncate(id, 1, {2}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache_->Truncate(id, 1, {0, 0}).status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(cache_->Truncate("0123456789abcdef0123456789abcdef", 1, {}).status().code(),
+  EXPECT_EQ(Cut(id, -1, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut(id, 1, {2}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut(id, 1, {0, 0}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut("0123456789abcdef0123456789abcdef", 1, {}).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(Lengths(id), (std::vector<int64_t>{8, 5}));
   dense[0] = FirstRows(dense[0], 8);
   StepAndCheck(id, 0, 1, &dense[0], "after the refused calls");
+}
+
+// One call for a batch's speculative step: every sequence cut, or (one refused) none.
+TEST_F(TruncateTest, ABatchIsCutWholeOrNotAtAll) {
+  std::vector<DenseLayer> dense_a, dense_b;
+  const std::string a = Create(12, &dense_a), b = Create(20, &dense_b);
+  absl::StatusOr<std::vector<TruncateResult>> cut = cache_->Truncate({{a, 10, {}}, {b, 17, {1}}});
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  ASSERT_EQ(cut->size(), 2u);
+  EXPECT_EQ((*cut)[0].lengths, (std::vector<int64_t>{10, 10}));
+  EXPECT_EQ((*cut)[0].dropped, 4);
+  EXPECT_EQ((*cut)[1].lengths, (std::vector<int64_t>{20, 17}));
+  EXPECT_EQ((*cut)[1].dropped, 3);
+  const std::string gone = "0123456789abcdef0123456789abcdef";
+  const std::vector<std::vector<TruncateItem>> refused = {
+      {{a, 5, {}}, {gone, 1, {}}},  // NOT_FOUND
+      {{a, 5, {}}, {b, 18, {}}},    // ABORTED: b's layer 1 holds 17
+      {{a, 5, {}}, {a, 4, {0}}},    // INVALID_ARGUMENT: a twice
+      {{a, 5, {}}, {b, 1, {5}}},    // INVALID_ARGUMENT: no layer 5
+  };
+  const absl::StatusCode codes[] = {absl::StatusCode::kNotFound, absl::StatusCode::kAborted,
+                                    absl::StatusCode::kInvalidArgument,
+                                    absl::StatusCode::kInvalidArgument};
+  for (size_t i = 0; i < refused.size(); ++i) {
+    absl::StatusOr<std::vector<TruncateResult>> r = cache_->Truncate(refused[i]);
+    EXPECT_EQ(r.status().code(), codes[i]) << i << ": " << r.status();
+    EXPECT_NE(r.status().message().find(i == 0 ? "unknown" : "item 1"), std::string::npos)
+        << r.status();
+    EXPECT_EQ(Lengths(a), (std::vector<int64_t>{10, 10})) << i << ": a was cut";
+  }
+  dense_b[1] = FirstRows(dense_b[1], 17);
+  StepAndCheck(b, 1, 2, &dense_b[1], "b after the refused calls");
 }
 
 // A prepared step reads the rows past the cut: Truncate waits for it (or its own deadline).
@@ -169,13 +210,11 @@ TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
   const Bits k = KvRows(2), v = KvRows(2);
   auto plan = std::make_unique<StepPlan>(
       *cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}}));
-  absl::StatusOr<TruncateResult> early =
-      cache_->Truncate(id, 4, {0}, absl::Now() + absl::Milliseconds(60));
+  absl::StatusOr<TruncateResult> early = Cut(id, 4, {0}, absl::Now() + absl::Milliseconds(60));
   ASSERT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
   EXPECT_EQ(Lengths(id), (std::vector<int64_t>{6, 4}));
-  std::future<absl::StatusOr<TruncateResult>> waiting = std::async(std::launch::async, [&] {
-    return cache_->Truncate(id, 4, {0}, absl::Now() + absl::Seconds(30));
-  });
+  std::future<absl::StatusOr<TruncateResult>> waiting = std::async(
+      std::launch::async, [&] { return Cut(id, 4, {0}, absl::Now() + absl::Seconds(30)); });
   EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
   plan.reset();  // the step ends
   absl::StatusOr<TruncateResult> cut = waiting.get();

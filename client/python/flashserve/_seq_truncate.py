@@ -1,0 +1,101 @@
+"""SequenceClient's Truncate: items checked once, one call per endpoint holding some of the sequences (in parallel),
+retried and recovered like an append. A truncate is idempotent (a layer already that short is left as it is), so a
+re-created sequence -- which gets every row back from the history -- is simply cut again."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import grpc
+
+from ._pb import sequences_pb2 as spb
+from ._seq_recovery import _AMBIGUOUS, _MAY_LAND
+from .errors import FlashserveError, error_for
+from .sequences import Sequence
+
+# (sequence, length, layers or None: every layer)
+TruncateInput = Tuple[Sequence, int, Optional[Iterable[int]]]
+
+
+class _Cut:
+    """One item: the layers it names (all when none were given) and what the request carries."""
+
+    __slots__ = ("seq", "length", "named", "layers")
+
+    def __init__(self, entry):
+        seq, length = entry[0], int(entry[1])
+        layers = entry[2] if len(entry) > 2 else None
+        count = seq.spec.num_layers
+        self.named = list(range(count)) if layers is None else sorted({int(layer) for layer in layers})
+        if length < 0 or any(not 0 <= layer < count for layer in self.named):
+            raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"truncate to {length} tokens of layers {self.named}: "
+                            f"expected a length >= 0 and layers in [0, {count})")
+        self.seq, self.length = seq, length
+        self.layers = [] if layers is None else self.named  # empty: the server cuts every layer
+
+
+class _Truncates:
+    """Mixin of SequenceClient (which supplies max_attempts, reprefill, _pool, _rpc, _recover and
+    _settle_uncertain)."""
+
+    def _truncate(self, cuts: List[_Cut], results: List[Optional[List[int]]], doubtful: list, timeout) -> list:
+        """truncate_many's calls and retries (its layers held); fills results (every layer's length per item), and
+        doubtful with (sequence, id sent, code) of the items a failed try may have cut on a server."""
+        pending = list(range(len(cuts)))
+        for n in range(self.max_attempts):
+            self._settle_uncertain({id(cuts[i].seq): cuts[i].seq for i in pending}.values(), timeout)
+            runs = _runs_by_endpoint(cuts, pending)
+
+            def one(run):
+                try:
+                    self._truncate_group(cuts, *run, results, timeout)
+                    return None
+                except FlashserveError as e:
+                    return e
+
+            outcomes = [one(runs[0])] if len(runs) == 1 else list(self._pool.map(one, runs))
+            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
+            for (group, sent, _), error in failed:
+                if error.code in _AMBIGUOUS | _MAY_LAND:
+                    doubtful.extend((cuts[i].seq, sent_id, error.code) for i, sent_id in zip(group, sent))
+            for (group, sent, endpoint), error in failed:
+                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
+                    raise error
+                self._recover(error, [cuts[i].seq for i in group], sent, endpoint, timeout, n)
+            pending = [i for i in pending if results[i] is None]
+            if not pending:
+                return results
+        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} truncate item(s) were answered by sequences that "
+                        f"another call re-created meanwhile, {self.max_attempts} times")
+
+    def _truncate_group(self, cuts, group, sent, endpoint, results, timeout) -> None:
+        """One Truncate of the group's items to the ids ``sent``; fills results of the items whose sequence still has
+        the id sent (the others stay None: sent again, to the sequence re-created from the uncut rows)."""
+        request = spb.TruncateRequest()
+        for i, sequence_id in zip(group, sent):
+            request.items.add(sequence_id=sequence_id, length=cuts[i].length, layers=cuts[i].layers)
+        response = self._rpc(endpoint, "Truncate", request, cuts[group[0]].seq.key, timeout)
+        if len(response.results) != len(group):
+            raise error_for(grpc.StatusCode.INTERNAL,
+                            f"Truncate answered {len(response.results)} results for {len(group)} items")
+        for i, sent_id, result in zip(group, sent, response.results):
+            cut = cuts[i]
+            with cut.seq.lock:
+                if cut.seq.id != sent_id:
+                    continue
+                # Only the named layers: the others' lengths in this answer may be older than the client's.
+                cut.seq.cut(cut.named, cut.length, {layer: result.layer_lengths[layer] for layer in cut.named})
+                results[i] = list(cut.seq.lengths)
+
+
+def _runs_by_endpoint(cuts: List[_Cut], indices: List[int]) -> List[Tuple[List[int], List[str], str]]:
+    """The items as one (items, sequence ids, endpoint) per endpoint, id and endpoint read together."""
+    groups: Dict[str, Tuple[List[int], List[str]]] = {}
+    for i in indices:
+        seq = cuts[i].seq
+        with seq.lock:
+            sequence_id, endpoint = seq.id, seq.endpoint
+        group = groups.setdefault(endpoint, ([], []))
+        group[0].append(i)
+        group[1].append(sequence_id)
+    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]
