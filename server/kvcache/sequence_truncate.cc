@@ -82,11 +82,7 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
   std::vector<Sequence*> found;
-  if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) {
-    if (metrics_ != nullptr && s.code() == absl::StatusCode::kNotFound)
-      metrics_->RecordRefused("not_found");
-    return s;
-  }
+  if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) return s;
   std::vector<std::vector<int>> cuts(items.size());
   std::unordered_set<const Sequence*> seen;
   for (size_t i = 0; i < items.size(); ++i) {

@@ -115,6 +115,7 @@ def test_a_lost_sequence_comes_back_without_the_cut_rows(trunc_server, stub, rng
 def test_retries_cut_nothing_more_and_refused_calls_cut_nothing(trunc_server, stub, rng):
     truth = _truth(rng)
     refused = _metric(trunc_server, "flashserve_kv_refusals_total", reason="length_mismatch")
+    not_found = _metric(trunc_server, "flashserve_kv_refusals_total", reason="not_found")
     with flashserve.SequenceClient(trunc_server.address, timeout=60, reprefill=False) as client:
         seq = _create(client, truth, 40, layers=(0,))  # layer 0: 3 pages of 16; layer 1 empty
         bytes_40 = seq.info().bytes
@@ -156,6 +157,7 @@ def test_retries_cut_nothing_more_and_refused_calls_cut_nothing(trunc_server, st
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 1024" in bad.value.details()
         assert list(seq.info().layer_lengths) == [20, 0]
         assert _metric(trunc_server, "flashserve_kv_refusals_total", reason="length_mismatch") == refused + 1
+        assert _metric(trunc_server, "flashserve_kv_refusals_total", reason="not_found") == not_found + 2
         # The client checks what it can before sending.
         with pytest.raises(flashserve.InvalidArgumentError):
             seq.truncate(-1)
