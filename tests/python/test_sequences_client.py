@@ -403,3 +403,36 @@ def test_truncate_many_cuts_across_endpoints_through_a_lost_and_a_leaving_server
                 assert sent == [1 + any(s.endpoint == f.address for s in on_2) for f in fakes[:2]] + [0], sent
             _decode_rounds(client, seqs, truth, 2)
         assert sum(s.reprefills for s in seqs) >= 4
+
+
+@pytest.mark.parametrize("rows_q,causal,return_lse,packed_steps", [(1, False, False, True), (3, True, True, True),
+                                                                  (2, True, True, False)])
+def test_decode_step_batch_matches_the_reference_and_recovers(fakes, rng, rows_q, causal, return_lse, packed_steps):
+    """decode_step_batch: one q/k/v tensor for the batch (sequence i's rows the i-th block), O (and LSE) as one tensor;
+    the same retries and recovery as decode_step (a server that forgot the sequences re-creates them), packed steps
+    or one tensor per item."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient([f.address for f in fakes], timeout=30, packed_steps=packed_steps) as client:
+        seqs = []
+        for i in range(5):
+            k, v = truth.rows(4 + i)
+            seqs.append(client.create(**SHAPE, prefix={1: (k, v)}, key=f"batch-{i}"))
+            truth.add(seqs[-1].key, 1, k, v)
+        for step in range(3):
+            if step == 2:
+                for f in fakes:
+                    f.servicer.forget_all()
+            q = np.concatenate([truth.query(rows_q) for _ in seqs])
+            k, v = (np.concatenate(x) for x in zip(*[truth.rows(rows_q) for _ in seqs]))
+            answer = client.decode_step_batch(seqs, 1, q, k, v, causal=causal, return_lse=return_lse)
+            out, lse = answer if return_lse else (answer, None)
+            assert out.shape == q.shape and out.dtype == q.dtype and out.flags.writeable
+            for i, seq in enumerate(seqs):
+                block = slice(i * rows_q, (i + 1) * rows_q)
+                truth.add(seq.key, 1, k[block], v[block])
+                truth.check(out[block], q[block], seq.key, 1, causal=causal,
+                            lse=None if lse is None else lse[i])
+                assert seq.lengths[1] == truth.length(seq.key, 1)
+        assert all(s.reprefills == 1 for s in seqs)
+        with pytest.raises(flashserve.InvalidArgumentError, match="same rows for each"):
+            client.decode_step_batch(seqs, 1, q[:-1], k, v)

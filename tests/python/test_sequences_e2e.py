@@ -79,6 +79,29 @@ def test_many_decode_steps_match_reference(kv_server, rng, dtype, head_dim):
             seq.release()
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_decode_step_batch_matches_reference(kv_server, rng, kind):
+    """decode_step_batch on the server: the batch's q/k/v as one tensor each (numpy or torch), O and LSE as one."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch", reason="torch is not installed: the torch form of the batch is skipped")
+    truth = Truth(rng, 8, 2, 64, "bfloat16")
+    with flashserve.SequenceClient(kv_server.address, timeout=60) as client:
+        seqs = [_create(client, truth, _shape(1, "bfloat16", head_dim=64), 20 + 3 * i) for i in range(6)]
+        for rows_q in (1, 4, 1):
+            q = np.concatenate([truth.query(rows_q) for _ in seqs])
+            k, v = (np.concatenate(x) for x in zip(*[truth.rows(rows_q) for _ in seqs]))
+            args = (q, k, v) if kind == "numpy" else tuple(torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                                                            for x in (q, k, v))
+            out, lse = client.decode_step_batch(seqs, 0, *args, causal=True, return_lse=True)
+            assert tuple(out.shape) == q.shape and tuple(lse.shape) == (len(seqs), 8, rows_q)
+            if kind == "torch":
+                out, lse = out.view(torch.int16).numpy().view(q.dtype), lse.numpy()
+            for i, seq in enumerate(seqs):
+                block = slice(i * rows_q, (i + 1) * rows_q)
+                truth.add(seq.key, 0, k[block], v[block])
+                truth.check(out[block], q[block], seq.key, 0, causal=True, lse=lse[i])
+
+
 def test_append_then_attend_causal_multi_row(kv_server, rng):
     truth = Truth(rng, 4, 4, 64, "float16")
     with flashserve.SequenceClient(kv_server.address, timeout=60) as client:

@@ -35,12 +35,30 @@ class _Item:
         self.k = encode_rows(k, "k") if k is not None else None
         self.v = encode_rows(v, "v") if v is not None else None
 
+    @classmethod
+    def encoded(cls, seq, layer: int, q, k, v) -> "_Item":
+        """An item of rows already in wire form (pb.Tensor or HostRows slices of a batch's tensors): answered as the
+        raw bytes of its O and LSE (decode_step_batch joins them)."""
+        item = cls.__new__(cls)
+        item.seq, item.layer, item.q, item.k, item.v = seq, int(layer), q, k, v
+        item.kind, item.device = "raw", None
+        return item
+
     def add_to(self, request: "spb.DecodeStepRequest", sequence_id: str) -> None:
         item = request.items.add(sequence_id=sequence_id, layer=self.layer)
-        item.q.CopyFrom(self.q)
+        _copy_rows(item.q, self.q)
         if self.k is not None:
-            item.k.CopyFrom(self.k)
-            item.v.CopyFrom(self.v)
+            _copy_rows(item.k, self.k)
+            _copy_rows(item.v, self.v)
+
+
+def _copy_rows(field: "pb.Tensor", rows) -> None:
+    """A message's tensor field set from a pb.Tensor or HostRows."""
+    if isinstance(rows, tensors.HostRows):
+        field.dtype, field.data = rows.dtype, rows.data
+        field.shape.extend(rows.shape)
+    else:
+        field.CopyFrom(rows)
 
 
 
@@ -147,10 +165,27 @@ def _runs_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[Tuple[L
 
 
 def _answer(response, item: _Item, return_lse: bool):
-    """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse."""
+    """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse; for a "raw" item
+    (_Item.encoded) the bytes of out and lse (None without return_lse), their sizes checked."""
+    if item.kind == "raw":
+        return _raw_answer(response, item, return_lse)
     out = tensors.from_proto(response.out, item.kind, item.device)
     if not return_lse:
         return out
     if not response.HasField("lse"):
         raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse")
     return out, tensors.from_proto(response.lse, item.kind, item.device)
+
+
+def _raw_answer(response, item: _Item, return_lse: bool) -> Tuple[bytes, Optional[bytes]]:
+    out = response.out
+    data = out.data  # read once: each read of a bytes field copies it
+    if out.dtype != item.q.dtype or list(out.shape) != list(item.q.shape) or len(data) != len(item.q.data):
+        raise error_for(grpc.StatusCode.INTERNAL, f"DecodeStep answered out of shape {list(out.shape)} and "
+                        f"{len(data)} bytes for q of shape {list(item.q.shape)}")
+    if not return_lse:
+        return data, None
+    lse = response.lse.data if response.HasField("lse") else b""
+    if len(lse) != 4 * int(item.q.shape[0]) * int(item.q.shape[1]):  # FLOAT32 [heads_q, rows_q]
+        raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the answer has no lse of its shape")
+    return data, lse

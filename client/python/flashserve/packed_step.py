@@ -17,9 +17,11 @@ def _same_kind(t: "pb.Tensor", like: "pb.Tensor") -> bool:
     return t.dtype == like.dtype and list(t.shape[1:]) == list(like.shape[1:]) and len(t.shape) == 3
 
 
-def _concat(parts: Seq["pb.Tensor"]) -> "pb.Tensor":
-    return pb.Tensor(dtype=parts[0].dtype, shape=[sum(t.shape[0] for t in parts), *parts[0].shape[1:]],
-                     data=b"".join(t.data for t in parts))
+def _concat_into(field: "pb.Tensor", parts: Seq["pb.Tensor"]) -> None:
+    """field = the parts' rows back to back (set in place: no intermediate message to copy from)."""
+    field.dtype = parts[0].dtype
+    field.shape.extend([sum(int(t.shape[0]) for t in parts), *parts[0].shape[1:]])
+    field.data = b"".join(t.data for t in parts)
 
 
 def packed_step_request(items: Seq[PackedInput]) -> Optional["spb.DecodeStepRequest"]:
@@ -33,12 +35,14 @@ def packed_step_request(items: Seq[PackedInput]) -> Optional["spb.DecodeStepRequ
             return None
         if k is not None and not (v is not None and _same_kind(k, kv0) and list(k.shape) == list(v.shape)):
             return None
-    request = spb.DecodeStepRequest(items=[spb.DecodeItem(sequence_id=sid, layer=layer) for sid, layer, *_ in items])
+    request = spb.DecodeStepRequest()
+    for sid, layer, *_ in items:
+        request.items.add(sequence_id=sid, layer=layer)
     packed = request.packed
-    packed.q.CopyFrom(_concat([q for _, _, q, _, _ in items]))
+    _concat_into(packed.q, [q for _, _, q, _, _ in items])
     packed.rows_q.extend(q.shape[0] for _, _, q, _, _ in items)
     if kv0 is not None:
-        packed.k.CopyFrom(_concat([k for _, _, _, k, _ in items if k is not None]))
-        packed.v.CopyFrom(_concat([v for _, _, _, k, v in items if k is not None]))
+        _concat_into(packed.k, [k for _, _, _, k, _ in items if k is not None])
+        _concat_into(packed.v, [v for _, _, _, k, v in items if k is not None])
         packed.rows_kv.extend(k.shape[0] if k is not None else 0 for _, _, _, k, _ in items)
     return request

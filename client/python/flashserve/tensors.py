@@ -141,7 +141,8 @@ def check_inputs(q: Any, k: Any, v: Any) -> Tuple[str, str]:
 
 
 def from_proto(t: "pb.Tensor", kind: str = "numpy", device: Any = None):
-    """Decodes a wire tensor into a (writable) numpy array, or a torch tensor on ``device`` when kind == 'torch'."""
+    """Decodes a wire tensor (or HostRows) into a (writable) numpy array, or a torch tensor on ``device`` when
+    kind == 'torch'. Data in a bytearray is used in place (the caller gives it up), other data is copied."""
     if t.dtype not in NAME_OF_PROTO_DTYPE:
         raise _invalid(f"server returned a tensor with unknown dtype {t.dtype}")
     name = NAME_OF_PROTO_DTYPE[t.dtype]
@@ -155,9 +156,11 @@ def from_proto(t: "pb.Tensor", kind: str = "numpy", device: Any = None):
         if count == 0:
             out = torch.empty(shape, dtype=torch_dtype)
         else:
-            out = torch.frombuffer(bytearray(t.data), dtype=torch_dtype).reshape(shape)
+            data = t.data if isinstance(t.data, bytearray) else bytearray(t.data)
+            out = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
         return out.to(device) if device is not None else out
-    return np.frombuffer(t.data, dtype=numpy_dtype(name)).reshape(shape).copy()
+    out = np.frombuffer(t.data, dtype=numpy_dtype(name)).reshape(shape)
+    return out if isinstance(t.data, bytearray) else out.copy()
 
 
 def shape_of(x: Any) -> Sequence[int]:
