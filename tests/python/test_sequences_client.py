@@ -67,6 +67,55 @@ def test_create_request_bytes_parse_to_the_typed_request(rng):
     assert len(raw) == typed.ByteSize()
 
 
+@pytest.mark.parametrize("with_kv", [True, False])
+def test_packed_step_bytes_parse_to_the_typed_request(rng, with_kv):
+    """A packed DecodeStep is joined from its tensors' bytes (flashserve/packed_step.py, _wire.py): it must parse to
+    exactly the typed message -- uneven rows (long enough for multi-byte varints), items with and without k/v (and
+    without expected_length then), pb.Tensor pieces and views of one batch tensor (decode_step_batch), a scale."""
+    from flashserve import sequences_pb2 as spb
+    from flashserve import tensors
+    from flashserve._pb import attention_pb2 as pb
+    from flashserve.packed_step import packed_step_request
+
+    def rows(n, heads):
+        return tensors.to_proto_rows(rng.standard_normal((n, heads, 64)).astype(np.float16), "x")
+
+    whole = tensors.to_host_rows(rng.standard_normal((6, 4, 64)).astype(np.float16), "q")
+    view = memoryview(whole.data)
+    blocks = [tensors.HostRows(whole.dtype, (3, 4, 64), view[i * 3 * 4 * 64 * 2:(i + 1) * 3 * 4 * 64 * 2])
+              for i in range(2)]
+    items = [("a" * 32, 0, rows(1, 4), rows(1, 2), rows(1, 2)), ("b" * 32, 3, blocks[0], None, None),
+             ("c" * 32, 1, blocks[1], rows(300, 2), rows(300, 2)), ("d" * 32, 2, rows(16, 4), rows(0, 2), rows(0, 2))]
+    if not with_kv:
+        items = [(sid, layer, q, None, None) for sid, layer, q, _, _ in items]
+    expected = [7, None, 1 << 35, 0] if with_kv else [None] * 4
+    raw = packed_step_request(items, expected, (True, 0.25, True))
+
+    def proto(t):
+        return t if isinstance(t, pb.Tensor) else pb.Tensor(dtype=t.dtype, shape=t.shape, data=bytes(t.data))
+
+    def joined(pieces):
+        pieces = [proto(t) for t in pieces]
+        return pb.Tensor(dtype=pieces[0].dtype, shape=[sum(t.shape[0] for t in pieces), *pieces[0].shape[1:]],
+                         data=b"".join(t.data for t in pieces))
+
+    typed = spb.DecodeStepRequest(causal=True, return_lse=True, softmax_scale=0.25)
+    for (sid, layer, *_), length in zip(items, expected):
+        entry = typed.items.add(sequence_id=sid, layer=layer)
+        if length is not None:
+            entry.expected_length = length
+    typed.packed.q.CopyFrom(joined([q for _, _, q, _, _ in items]))
+    typed.packed.rows_q.extend(int(q.shape[0]) for _, _, q, _, _ in items)
+    if with_kv:
+        typed.packed.k.CopyFrom(joined([k for _, _, _, k, _ in items if k is not None]))
+        typed.packed.v.CopyFrom(joined([v for _, _, _, k, v in items if k is not None]))
+        typed.packed.rows_kv.extend(int(k.shape[0]) if k is not None else 0 for _, _, _, k, _ in items)
+    assert spb.DecodeStepRequest.FromString(raw) == typed
+    assert len(raw) == typed.ByteSize()
+    mixed = items[:1] + [("e" * 32, 0, rows(1, 2), None, None)]  # another head count: not one packed tensor
+    assert packed_step_request(mixed, [None, None], (False, None, False)) is None
+
+
 def test_history_joins_a_prefix_and_appended_rows(rng):
     """A sequence's history (what a re-prefill sends): the prefix as HostRows, then appended pb.Tensor rows, joined
     per layer in order; its byte count comes from the shapes."""

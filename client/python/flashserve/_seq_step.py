@@ -55,7 +55,7 @@ class _Item:
 def _copy_rows(field: "pb.Tensor", rows) -> None:
     """A message's tensor field set from a pb.Tensor or HostRows."""
     if isinstance(rows, tensors.HostRows):
-        field.dtype, field.data = rows.dtype, rows.data
+        field.dtype, field.data = rows.dtype, bytes(rows.data)  # a block of a batch's tensor is a view
         field.shape.extend(rows.shape)
     else:
         field.CopyFrom(rows)
@@ -109,20 +109,21 @@ class _DecodeSteps:
                     timeout) -> None:
         """One DecodeStep of the group's items to (id, expected_length) ``sent``; fills results of the items whose
         sequence still has the id sent (the others are left None: sent again by the caller)."""
+        # An item that appends names the length it follows; an attend-only one follows whatever is there.
+        expected = [length if prepared[i].k is not None else None for i, (_, length) in zip(group, sent)]
         request = None
-        if self.packed_steps:
+        if self.packed_steps:  # wire bytes
             request = packed_step_request([(sequence_id, prepared[i].layer, prepared[i].q, prepared[i].k,
-                                            prepared[i].v) for i, (sequence_id, _) in zip(group, sent)])
+                                            prepared[i].v) for i, (sequence_id, _) in zip(group, sent)],
+                                          expected, (causal, softmax_scale, return_lse))
         if request is None:
-            request = spb.DecodeStepRequest()
-            for i, (sequence_id, _) in zip(group, sent):
+            request = spb.DecodeStepRequest(causal=causal, return_lse=return_lse)
+            if softmax_scale is not None:
+                request.softmax_scale = float(softmax_scale)
+            for i, (sequence_id, _), length in zip(group, sent, expected):
                 prepared[i].add_to(request, sequence_id)
-        for entry, i, (_, expected) in zip(request.items, group, sent):  # packed or not: a scalar of the item itself
-            if prepared[i].k is not None:
-                entry.expected_length = expected
-        request.causal, request.return_lse = causal, return_lse
-        if softmax_scale is not None:
-            request.softmax_scale = float(softmax_scale)
+                if length is not None:
+                    request.items[-1].expected_length = length
         try:
             response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
             if len(response.results) != len(group):

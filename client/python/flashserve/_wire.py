@@ -1,6 +1,6 @@
 """Protobuf wire bytes written by hand: varint (also for the health and KServe shared-memory messages, which are
 not compiled into this package), and the Sequences requests whose size is their tensors (CreateSequence with a
-prefix), joined from the tensors' bytes instead of built as a message and serialized.
+prefix, a packed DecodeStep), joined from the tensors' bytes instead of built as a message and serialized.
 
 A 32 MiB prefix (8k tokens of a Llama-3-8B-like layer) took ~50 ms to copy into the request message and serialize
 (upb, the 2-core build machine); joined here from HostRows (sequences.encode_prefix: the array's bytes), they are
@@ -16,6 +16,8 @@ from ._pb import sequences_pb2 as spb
 
 _LAYER_KV = spb.LayerKV.DESCRIPTOR.fields_by_name
 _PREFIX_FIELD = spb.CreateSequenceRequest.DESCRIPTOR.fields_by_name["prefix"].number
+_PACKED_FIELD = spb.DecodeStepRequest.DESCRIPTOR.fields_by_name["packed"].number
+_PACKED_ROWS = spb.PackedDecodeRows.DESCRIPTOR.fields_by_name
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
 _LENGTH_DELIMITED = 2
 
@@ -48,6 +50,19 @@ def _tensor(t) -> List[bytes]:
     return parts
 
 
+def rows_tensor(pieces) -> List[bytes]:
+    """One Tensor of the pieces' rows back to back (pb.Tensor or HostRows of one dtype and row shape): its header
+    serialized, its data field written around the pieces' bytes, which the caller's join copies once."""
+    first = pieces[0]
+    rows = sum(int(t.shape[0]) for t in pieces)
+    parts = [pb.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]]).SerializeToString()]
+    datas = [t.data for t in pieces]  # a pb.Tensor's data read once: each read copies it
+    size = sum(len(d) for d in datas)
+    if size:
+        parts += [varint(_DATA_FIELD << 3 | _LENGTH_DELIMITED), varint(size)] + datas
+    return parts
+
+
 def _layer_kv(layer: int, k, v) -> List[bytes]:
     return ([spb.LayerKV(layer=layer).SerializeToString()] + _field(_LAYER_KV["k"].number, _tensor(k))
             + _field(_LAYER_KV["v"].number, _tensor(v)))
@@ -59,3 +74,12 @@ def create_request_bytes(header: "spb.CreateSequenceRequest", prefix: Dict[int, 
     for layer, (k, v) in sorted(prefix.items()):
         parts += _field(_PREFIX_FIELD, _layer_kv(layer, k, v))
     return b"".join(parts)
+
+
+def packed_step_bytes(header: "spb.DecodeStepRequest", rows: "spb.PackedDecodeRows", q, k, v) -> bytes:
+    """header (a DecodeStepRequest without packed) with packed = rows (its rows_q / rows_kv) and the tensors joined
+    from the pieces q, k and v (k and v may be empty lists: attend only)."""
+    packed = [rows.SerializeToString()] + _field(_PACKED_ROWS["q"].number, rows_tensor(q))
+    if k:
+        packed += _field(_PACKED_ROWS["k"].number, rows_tensor(k)) + _field(_PACKED_ROWS["v"].number, rows_tensor(v))
+    return b"".join([header.SerializeToString()] + _field(_PACKED_FIELD, packed))

@@ -127,11 +127,12 @@ class LocalClient:
         return (result.out, result.lse) if return_lse else result.out
 
     def decode_step(self, request):
-        """A sequences_pb2.DecodeStepRequest -> DecodeStepResponse (the Sequences API; sequences are created and
-        released over gRPC). NOT_FOUND raises NotFoundError with ``missing_ids``."""
+        """A sequences_pb2.DecodeStepRequest (or its wire bytes) -> DecodeStepResponse (the Sequences API; sequences
+        are created and released over gRPC). NOT_FOUND raises NotFoundError with ``missing_ids``."""
         from ._pb import sequences_pb2 as spb
 
-        return spb.DecodeStepResponse.FromString(self.call(DECODE_STEP, request.SerializeToString()))
+        data = request if isinstance(request, (bytes, bytearray)) else request.SerializeToString()
+        return spb.DecodeStepResponse.FromString(self.call(DECODE_STEP, data))
 
     def attend(self, request):
         """A sequences_pb2.AttendRequest -> AttendResponse."""

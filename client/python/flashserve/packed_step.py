@@ -8,8 +8,10 @@ from typing import Optional, Sequence as Seq, Tuple
 
 from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
+from ._wire import packed_step_bytes
 
-# (sequence id, layer, q, k, v): encoded rows (attention_pb2.Tensor, [rows, heads, head_dim]); k/v may be None.
+# (sequence id, layer, q, k, v): encoded rows (attention_pb2.Tensor or tensors.HostRows, [rows, heads, head_dim]); k/v
+# may be None.
 PackedInput = Tuple[str, int, "pb.Tensor", Optional["pb.Tensor"], Optional["pb.Tensor"]]
 
 
@@ -17,17 +19,11 @@ def _same_kind(t: "pb.Tensor", like: "pb.Tensor") -> bool:
     return t.dtype == like.dtype and list(t.shape[1:]) == list(like.shape[1:]) and len(t.shape) == 3
 
 
-def _concat_into(field: "pb.Tensor", parts: Seq["pb.Tensor"]) -> None:
-    """field = the parts' rows back to back (set in place: no intermediate message to copy from)."""
-    field.dtype = parts[0].dtype
-    field.shape.extend([sum(int(t.shape[0]) for t in parts), *parts[0].shape[1:]])
-    field.data = b"".join(t.data for t in parts)
-
-
-def packed_step_request(items: Seq[PackedInput]) -> Optional["spb.DecodeStepRequest"]:
-    """The items as one packed DecodeStepRequest (causal, scale and return_lse left for the caller), or None when
-    their tensors cannot share one -- mixed dtypes or head shapes, k and v of different shapes -- so that the
-    per-item form lets the server name the item at fault."""
+def packed_step_request(items: Seq[PackedInput], expected: Seq[Optional[int]], options) -> Optional[bytes]:
+    """The items as one packed DecodeStepRequest's wire bytes (expected[i]: item i's expected_length or None;
+    options: causal, softmax_scale, return_lse), or None when their tensors cannot share one -- mixed dtypes or head
+    shapes, k and v of different shapes -- so that the per-item form lets the server name the item at fault. The
+    tensors' bytes are copied once, into the request (_wire.packed_step_bytes), not into a message first."""
     q0 = items[0][2]
     kv0 = next((k for _, _, _, k, _ in items if k is not None), None)
     for _, _, q, k, v in items:
@@ -35,14 +31,17 @@ def packed_step_request(items: Seq[PackedInput]) -> Optional["spb.DecodeStepRequ
             return None
         if k is not None and not (v is not None and _same_kind(k, kv0) and list(k.shape) == list(v.shape)):
             return None
-    request = spb.DecodeStepRequest()
-    for sid, layer, *_ in items:
-        request.items.add(sequence_id=sid, layer=layer)
-    packed = request.packed
-    _concat_into(packed.q, [q for _, _, q, _, _ in items])
-    packed.rows_q.extend(q.shape[0] for _, _, q, _, _ in items)
+    causal, softmax_scale, return_lse = options
+    header = spb.DecodeStepRequest(causal=causal, return_lse=return_lse)
+    if softmax_scale is not None:
+        header.softmax_scale = float(softmax_scale)
+    for (sid, layer, *_), length in zip(items, expected):
+        entry = header.items.add(sequence_id=sid, layer=layer)
+        if length is not None:
+            entry.expected_length = length
+    rows = spb.PackedDecodeRows(rows_q=[int(q.shape[0]) for _, _, q, _, _ in items])
     if kv0 is not None:
-        _concat_into(packed.k, [k for _, _, _, k, _ in items if k is not None])
-        _concat_into(packed.v, [v for _, _, _, k, v in items if k is not None])
-        packed.rows_kv.extend(k.shape[0] if k is not None else 0 for _, _, _, k, _ in items)
-    return request
+        rows.rows_kv.extend(int(k.shape[0]) if k is not None else 0 for _, _, _, k, _ in items)
+    return packed_step_bytes(header, rows, [q for _, _, q, _, _ in items],
+                             [k for _, _, _, k, _ in items if k is not None],
+                             [v for _, _, _, k, v in items if k is not None])

@@ -83,10 +83,12 @@ def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
 
 
 def _row_blocks(rows: tensors.HostRows, count: int) -> List[tensors.HostRows]:
-    """A [count x n, heads, d] tensor's bytes as count [n, heads, d] blocks (slices: one copy each)."""
+    """A [count x n, heads, d] tensor's bytes as count [n, heads, d] blocks (views: nothing copied; a packed request
+    joins them back in one copy)."""
     n = rows.shape[0] // count
     size = len(rows.data) // count
-    return [tensors.HostRows(rows.dtype, (n,) + tuple(rows.shape[1:]), rows.data[i * size:(i + 1) * size])
+    whole = memoryview(rows.data)
+    return [tensors.HostRows(rows.dtype, (n,) + tuple(rows.shape[1:]), whole[i * size:(i + 1) * size])
             for i in range(count)]
 
 

@@ -92,7 +92,7 @@ class HostRows:
 
     dtype: int
     shape: Tuple[int, ...]
-    data: bytes
+    data: bytes  # or a memoryview of bytes (a block of a batch's tensor: SequenceClient.decode_step_batch)
 
 
 def to_host_rows(x: Any, field: str) -> HostRows:
