@@ -278,3 +278,10 @@ def test_bearer_token(start_server, rng, tmp_path):
     with flashserve.SequenceClient(server.address, timeout=20, token="s3cret-token-0123456789") as client:
         seq = _create(client, truth, _shape(1, "float16"), 5)
         _steps(client, [seq], truth, 3)
+        with flashserve.SequenceClient(server.address, timeout=20, reprefill=False) as anonymous:
+            seq.client = anonymous  # the same sequence, without the token: Truncate is gated too
+            with pytest.raises(flashserve.FlashserveError) as info:
+                seq.truncate(2)
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+            seq.client = client
+        assert seq.truncate(2) == [2]
