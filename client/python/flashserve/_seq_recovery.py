@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import grpc
 
@@ -197,3 +197,52 @@ class _Recovery:
             for ids, code in doubtful:  # given up, whatever the last error: any earlier try's rows may be there
                 _mark_uncertain(seqs, ids, code)
             raise
+
+    def _calls_by_endpoint(self, seqs: List[Sequence], sent_of: Callable[[int], tuple],
+                           send: Callable[[List[int], list, str], None], results: list, doubtful: list, timeout,
+                           what: str, writes: Callable[[int], bool]) -> list:
+        """One call per endpoint holding some of the items (seqs[i]: item i's sequence), in parallel, retried with
+        recovery until every item has its result. sent_of(i): what item i is sent with, its sequence id first, read
+        under its lock together with its endpoint (a re-create changes both); send(items, sent, endpoint) makes one
+        call and fills the results of the items whose sequence still has the id sent (the others are sent again).
+        doubtful gets (sequence, id sent, code) of the items a failed try may have changed (writes(i))."""
+        pending = list(range(len(seqs)))
+        for n in range(self.max_attempts):
+            self._settle_uncertain({id(seqs[i]): seqs[i] for i in pending}.values(), timeout)
+            runs = _runs_by_endpoint(seqs, pending, sent_of)
+
+            def one(run):
+                try:
+                    send(*run)
+                    return None
+                except FlashserveError as e:
+                    return e
+
+            outcomes = [one(runs[0])] if len(runs) == 1 else list(self._pool.map(one, runs))
+            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
+            for (group, sent, _), error in failed:
+                if error.code in _AMBIGUOUS | _MAY_LAND:
+                    doubtful.extend((seqs[i], s[0], error.code) for i, s in zip(group, sent) if writes(i))
+            for (group, sent, endpoint), error in failed:
+                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
+                    raise error
+                self._recover(error, [seqs[i] for i in group], [s[0] for s in sent], endpoint, timeout, n)
+            # Failed groups' items, and items answered from a sequence re-created meanwhile.
+            pending = [i for i in pending if results[i] is None]
+            if not pending:
+                return results
+        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} {what} item(s) were answered by sequences that "
+                        f"another call re-created meanwhile, {self.max_attempts} times")
+
+
+def _runs_by_endpoint(seqs: List[Sequence], indices: List[int],
+                      sent_of: Callable[[int], tuple]) -> List[Tuple[List[int], list, str]]:
+    """The items as one (items, what each is sent with, endpoint) per endpoint."""
+    groups: Dict[str, Tuple[List[int], list]] = {}
+    for i in indices:
+        with seqs[i].lock:
+            sent, endpoint = sent_of(i), seqs[i].endpoint
+        group = groups.setdefault(endpoint, ([], []))
+        group[0].append(i)
+        group[1].append(sent)
+    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]

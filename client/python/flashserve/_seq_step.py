@@ -3,13 +3,14 @@ parallel), retries with re-prefill, and answers acknowledged only from the seque
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import grpc
 
 from . import tensors
+from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
-from ._seq_recovery import _AMBIGUOUS, _MAY_LAND, _mark_uncertain
+from ._seq_recovery import _mark_uncertain
 from .errors import FlashserveError, error_for
 from .packed_step import packed_step_request
 from .sequences import Sequence, encode_rows
@@ -63,47 +64,18 @@ def _copy_rows(field: "pb.Tensor", rows) -> None:
 
 
 class _DecodeSteps:
-    """Mixin of SequenceClient (which supplies max_attempts, reprefill, packed_steps, stats, _lock, _pool, _rpc,
-    _recover, _settle_uncertain and _count_already_appended)."""
+    """Mixin of SequenceClient (which supplies packed_steps, stats, _lock, _rpc, _calls_by_endpoint and
+    _count_already_appended)."""
 
     def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options) -> list:
         """decode_step's calls and retries (its layers held by hold_layers); fills results, and doubtful with
-        (sequence, id sent, code) of the items whose rows a failed try may have left on a server."""
-        timeout = options[-1]
-        pending = list(range(len(prepared)))
-        for n in range(self.max_attempts):
-            self._settle_uncertain({id(prepared[i].seq): prepared[i].seq for i in pending}.values(), timeout)
-            runs = _runs_by_endpoint(prepared, pending)
-            outcomes = self._run_groups(prepared, runs, results, options)
-            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
-            for (group, sent, _), error in failed:
-                if error.code in _AMBIGUOUS | _MAY_LAND:
-                    doubtful.extend((prepared[i].seq, sent_id, error.code) for i, (sent_id, _) in zip(group, sent)
-                                    if prepared[i].k is not None)
-            for (group, sent, endpoint), error in failed:
-                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
-                    raise error
-                self._recover(error, [prepared[i].seq for i in group], [i for i, _ in sent], endpoint, timeout, n)
-            # Failed groups' items, and items answered from a sequence re-created meanwhile (_step_group).
-            pending = [i for i in pending if results[i] is None]
-            if not pending:
-                return results
-        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} decode item(s) were answered by sequences that "
-                        f"another call re-created meanwhile, {self.max_attempts} times")
-
-    def _run_groups(self, prepared, runs, results, options) -> List[Optional[FlashserveError]]:
-        """Sends one DecodeStep per group (in parallel when several); fills results; returns each group's error."""
-        def one(run):
-            group, sent, endpoint = run
-            try:
-                self._step_group(prepared, group, sent, endpoint, results, *options)
-                return None
-            except FlashserveError as e:
-                return e
-
-        if len(runs) == 1:
-            return [one(runs[0])]
-        return list(self._pool.map(one, runs))
+        (sequence, id sent, code) of the items whose rows a failed try may have left on a server. Each item goes
+        with its sequence's id and the layer's length (expected_length), read together."""
+        return self._calls_by_endpoint(
+            [item.seq for item in prepared],
+            lambda i: (prepared[i].seq.id, prepared[i].seq.lengths[prepared[i].layer]),
+            lambda group, sent, endpoint: self._step_group(prepared, group, sent, endpoint, results, *options),
+            results, doubtful, options[-1], "decode", lambda i: prepared[i].k is not None)
 
     def _step_group(self, prepared, group, sent, endpoint, results, causal, softmax_scale, return_lse,
                     timeout) -> None:
@@ -149,20 +121,6 @@ class _DecodeSteps:
                 if item.k is not None:  # an attend-only item's length may be older than an append acknowledged since
                     item.seq.acknowledge({item.layer: (item.k, item.v)}, {item.layer: result.length})
                 results[i] = answer  # with its acknowledgement: decode_step takes back those with a result
-
-
-def _runs_by_endpoint(prepared: List[_Item], indices: List[int]) -> List[Tuple[List[int], list, str]]:
-    """The items as one (items, [(sequence id, expected_length)], endpoint) per endpoint, each item's id, length and
-    endpoint read together (a re-create by another thread changes all three)."""
-    groups: Dict[str, Tuple[List[int], list]] = {}
-    for i in indices:
-        seq = prepared[i].seq
-        with seq.lock:
-            sent, endpoint = (seq.id, seq.lengths[prepared[i].layer]), seq.endpoint
-        group = groups.setdefault(endpoint, ([], []))
-        group[0].append(i)
-        group[1].append(sent)
-    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]
 
 
 def _answer(response, item: _Item, return_lse: bool):

@@ -4,13 +4,12 @@ re-created sequence -- which gets every row back from the history -- is simply c
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import grpc
 
 from ._pb import sequences_pb2 as spb
-from ._seq_recovery import _AMBIGUOUS, _MAY_LAND
-from .errors import FlashserveError, error_for
+from .errors import error_for
 from .sequences import Sequence
 
 # (sequence, length, layers or None: every layer)
@@ -35,38 +34,16 @@ class _Cut:
 
 
 class _Truncates:
-    """Mixin of SequenceClient (which supplies max_attempts, reprefill, _pool, _rpc, _recover and
-    _settle_uncertain)."""
+    """Mixin of SequenceClient (which supplies _rpc and _calls_by_endpoint)."""
 
     def _truncate(self, cuts: List[_Cut], results: List[Optional[List[int]]], doubtful: list, timeout) -> list:
         """truncate_many's calls and retries (its layers held); fills results (every layer's length per item), and
         doubtful with (sequence, id sent, code) of the items a failed try may have cut on a server."""
-        pending = list(range(len(cuts)))
-        for n in range(self.max_attempts):
-            self._settle_uncertain({id(cuts[i].seq): cuts[i].seq for i in pending}.values(), timeout)
-            runs = _runs_by_endpoint(cuts, pending)
-
-            def one(run):
-                try:
-                    self._truncate_group(cuts, *run, results, timeout)
-                    return None
-                except FlashserveError as e:
-                    return e
-
-            outcomes = [one(runs[0])] if len(runs) == 1 else list(self._pool.map(one, runs))
-            failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
-            for (group, sent, _), error in failed:
-                if error.code in _AMBIGUOUS | _MAY_LAND:
-                    doubtful.extend((cuts[i].seq, sent_id, error.code) for i, sent_id in zip(group, sent))
-            for (group, sent, endpoint), error in failed:
-                if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
-                    raise error
-                self._recover(error, [cuts[i].seq for i in group], sent, endpoint, timeout, n)
-            pending = [i for i in pending if results[i] is None]
-            if not pending:
-                return results
-        raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} truncate item(s) were answered by sequences that "
-                        f"another call re-created meanwhile, {self.max_attempts} times")
+        return self._calls_by_endpoint(
+            [cut.seq for cut in cuts], lambda i: (cuts[i].seq.id,),
+            lambda group, sent, endpoint: self._truncate_group(cuts, group, [s[0] for s in sent], endpoint, results,
+                                                               timeout),
+            results, doubtful, timeout, "truncate", lambda i: True)
 
     def _truncate_group(self, cuts, group, sent, endpoint, results, timeout) -> None:
         """One Truncate of the group's items to the ids ``sent``; fills results of the items whose sequence still has
@@ -86,16 +63,3 @@ class _Truncates:
                 # Only the named layers: the others' lengths in this answer may be older than the client's.
                 cut.seq.cut(cut.named, cut.length, {layer: result.layer_lengths[layer] for layer in cut.named})
                 results[i] = list(cut.seq.lengths)
-
-
-def _runs_by_endpoint(cuts: List[_Cut], indices: List[int]) -> List[Tuple[List[int], List[str], str]]:
-    """The items as one (items, sequence ids, endpoint) per endpoint, id and endpoint read together."""
-    groups: Dict[str, Tuple[List[int], List[str]]] = {}
-    for i in indices:
-        seq = cuts[i].seq
-        with seq.lock:
-            sequence_id, endpoint = seq.id, seq.endpoint
-        group = groups.setdefault(endpoint, ([], []))
-        group[0].append(i)
-        group[1].append(sequence_id)
-    return [(group, sent, endpoint) for endpoint, (group, sent) in groups.items()]
