@@ -427,7 +427,16 @@ def test_truncate_many_cuts_across_endpoints_through_a_lost_and_a_leaving_server
     a server that left move to the ring's next one; every later answer sees exactly the kept rows."""
     truth = _truth(rng)
     with flashserve.SequenceClient([f.address for f in fakes], timeout=10, down_s=60) as client:
-        seqs = [client.create(**SHAPE, key=f"spec-{i}") for i in range(12)]
+        # Keys chosen so that every server holds 3-4 sequences (the ring hashes the fakes' random ports).
+        keys, held = [], collections.Counter()
+        for i in range(10000):
+            endpoint = client.ring.lookup(f"spec-{i}")
+            if held[endpoint] < 4:
+                keys.append(f"spec-{i}")
+                held[endpoint] += 1
+            if min(held[f.address] for f in fakes) >= 3:
+                break
+        seqs = [client.create(**SHAPE, key=key) for key in keys]
         assert len({s.endpoint for s in seqs}) == 3
         for lost in (fakes[0].servicer.forget_all, fakes[2].stop):
             start = [s.lengths[0] for s in seqs]
