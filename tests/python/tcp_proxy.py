@@ -12,6 +12,32 @@ import threading
 import time
 
 
+def _serve(listener, connect, pump) -> None:
+    """Accepts connections until the listener closes; each gets an upstream connect() and two threads:
+    pump(client, upstream, False) and pump(upstream, client, True) (the second carries the server's bytes)."""
+    def accept():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = connect()
+            threading.Thread(target=pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=pump, args=(upstream, client, True), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
+def _close_both(src, dst) -> None:
+    """Shuts down and closes both sockets of a pump (its peer pump then ends too)."""
+    for s in (src, dst):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
+
+
 class ThrottlingProxy:
     """Loopback TCP proxy to 127.0.0.1:port. Server -> client bytes pass at `rate` bytes/s, read through a small
     receive buffer, so the server's writes back up behind it. Client -> server bytes pass at full speed, at
@@ -116,7 +142,7 @@ class AnswerCutter:
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.listener.bind(self.address)
             self.listener.listen(16)
-        threading.Thread(target=self._accept, daemon=True).start()
+        _serve(self.listener, self._connect, self._pump)
 
     def cut_next_answer(self, keep: int = 0, wait_for: int = 0) -> None:
         with self.lock:
@@ -129,16 +155,6 @@ class AnswerCutter:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         upstream.connect(self.unix_target)
         return upstream
-
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = self._connect()
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src, dst, to_client):
         seen, arming = 0, 0  # answer bytes of this connection since the cut numbered `arming` was armed
@@ -164,12 +180,7 @@ class AnswerCutter:
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _close_both(src, dst)
 
     def close(self):
         self.listener.close()
@@ -186,20 +197,10 @@ class LateGreetingProxy:
         self.port, self.delay = port, delay
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        _serve(self.listener, lambda: socket.create_connection(("127.0.0.1", self.port)), self._pump)
 
-    def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            threading.Thread(target=self._pump, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, self.delay), daemon=True).start()
-
-    @staticmethod
-    def _pump(src, dst, first_delay):
+    def _pump(self, src, dst, to_client):
+        first_delay = self.delay if to_client else 0.0
         try:
             while data := src.recv(1 << 16):
                 time.sleep(first_delay)
@@ -207,12 +208,7 @@ class LateGreetingProxy:
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
+        _close_both(src, dst)
 
     def close(self):
         self.listener.close()

@@ -40,31 +40,16 @@ grpc::ServerUnaryReactor* AnswerUnary(grpc::CallbackServerContext* context, Grpc
 
 const std::vector<GrpcMethod>& GrpcMethods() {
   using namespace grpc_methods;  // NOLINT(build/namespaces): the table below reads better
-  static const std::vector<GrpcMethod> methods = {kAttention,
-                                                  kGetServerInfo,
-                                                  kModelInfer,
-                                                  kModelReady,
-                                                  kServerMetadata,
-                                                  kModelMetadata,
-                                                  kOpenSession,
-                                                  kUpload,
-                                                  kCompute,
-                                                  kDownload,
-                                                  kCloseSession,
-                                                  kCreateSequence,
-                                                  kAppend,
-                                                  kTruncate,
-                                                  kAttend,
-                                                  kDecodeStep,
-                                                  kRelease,
-                                                  kGetSequenceInfo,
-                                                  kGetKvPoolInfo,
-                                                  kSystemSharedMemoryStatus,
-                                                  kSystemSharedMemoryRegister,
-                                                  kSystemSharedMemoryUnregister,
-                                                  kCudaSharedMemoryStatus,
-                                                  kCudaSharedMemoryRegister,
-                                                  kCudaSharedMemoryUnregister};
+  // One service per line (clang-format would put one method per line).
+  // clang-format off
+  static const std::vector<GrpcMethod> methods = {
+      kAttention,   kGetServerInfo, kModelInfer, kModelReady, kServerMetadata, kModelMetadata,
+      kOpenSession, kUpload,        kCompute,    kDownload,   kCloseSession,
+      kCreateSequence, kAppend, kTruncate, kAttend, kDecodeStep, kRelease, kGetSequenceInfo,
+      kGetKvPoolInfo,
+      kSystemSharedMemoryStatus, kSystemSharedMemoryRegister, kSystemSharedMemoryUnregister,
+      kCudaSharedMemoryStatus,   kCudaSharedMemoryRegister,   kCudaSharedMemoryUnregister};
+  // clang-format on
   return methods;
 }
 
