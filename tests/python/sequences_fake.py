@@ -1,15 +1,16 @@
 """An in-process fake of flashserve.v1.Sequences (numpy, fp64 reference rounded to the dtype) for client tests.
 
 It implements what the client relies on (create with prefix, append, truncate, attend, DecodeStep all-or-nothing,
-NOT_FOUND with the missing ids in trailing metadata, release, info) and nothing of the server's memory management: the real
-server is tested by test_sequences_e2e*.py. ``forget_all()`` plays an eviction or a restart; ``stop()`` a server
-that leaves.
+NOT_FOUND with the missing ids in trailing metadata, release, info) and nothing of the server's memory management:
+the real server is tested by test_sequences_e2e*.py. ``forget_all()`` plays an eviction or a restart; ``stop()`` a
+server that leaves.
 
 Failure injection: ``fail_next_step`` / ``fail_next_append`` / ``fail_next_truncate`` = (grpc.StatusCode, whether the
-rows were appended -- or cut -- first), or a list of those for the next calls in turn. ``hold("DecodeStep" | "Append", where)`` stops the next such
-call "before" it reads anything (a request on its way, or one the server has not got to yet: the real server's Append
-applies however late, DecodeStep once it has started running) or "after" it applied and built its answer (an answer
-on its way back) until the test lets it go; ``hold("GetSequenceInfo", "after")`` the same for an info answer.
+rows were appended -- or cut -- first), or a list of those for the next calls in turn. ``hold("DecodeStep" | "Append",
+where)`` stops the next such call "before" it reads anything (a request on its way, or one the server has not got to
+yet: the real server's Append applies however late, DecodeStep once it has started running) or "after" it applied and
+built its answer (an answer on its way back) until the test lets it go; ``hold("GetSequenceInfo", "after")`` the same
+for an info answer.
 """
 
 from __future__ import annotations

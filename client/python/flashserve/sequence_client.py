@@ -21,9 +21,10 @@ wrong answer, only a slower one. Only an append's (or truncate's) answer sets a 
 sequence id the client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
 
 Truncate (speculative decoding: ``seq.truncate(n)`` after a step that appended the drafts keeps each layer's first n
-tokens; ``truncate_many`` a batch's, one call per server) is an append in reverse for all of the above: it holds its layers, a re-created sequence gets every row back
-and is cut again (a layer already that short is left as it is, so a retry cuts nothing more), a truncate that failed
-ambiguously makes the sequence uncertain, and the history keeps only the rows the server kept.
+tokens; ``truncate_many`` a batch's, one call per server) is an append in reverse for all of the above: it holds its
+layers, a re-created sequence gets every row back and is cut again (a layer already that short is left as it is, so a
+retry cuts nothing more), a truncate that failed ambiguously makes the sequence uncertain, and the history keeps only
+the rows the server kept.
 
 Creates: every CreateSequence carries a create_token (a fresh ``secrets.token_urlsafe(16)``, or ``create(...,
 create_token=...)``). A create that failed with UNAVAILABLE (through one endpoint) or DEADLINE_EXCEEDED may have made
