@@ -9,8 +9,8 @@ namespace {
 
 constexpr size_t kAlign = 256;
 constexpr uint32_t kLengthDelimited = 2;
-constexpr int kResultsField = 1;             // DecodeStepResponse.results
-constexpr int kOutField = 1, kLseField = 2;  // DecodeResult.out / lse
+constexpr int kResultsField = 1, kPackedField = 5;  // DecodeStepResponse.results / packed
+constexpr int kOutField = 1, kLseField = 2;  // DecodeResult.out / lse, PackedDecodeAnswer.out / lse
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -42,18 +42,19 @@ class PieceWriter {
   AnswerPieces* const out_;
 };
 
-// One result whose out and/or lse data lie in the buffer.
-void WriteSplicedResult(const v1::DecodeResult& result, const AnswerBuffer::Span* out,
-                        const AnswerBuffer::Span* lse, const AnswerBuffer& buffer,
-                        PieceWriter* writer) {
+// Field `field` of the response, a DecodeResult or PackedDecodeAnswer (both: out = 1, lse = 2)
+// whose out and/or lse data lie in the buffer.
+template <typename Outputs>
+void WriteSpliced(int field, const Outputs& result, const AnswerBuffer::Span* out,
+                  const AnswerBuffer::Span* lse, const AnswerBuffer& buffer, PieceWriter* writer) {
   const std::string out_prefix = out ? TensorFieldPrefix(kOutField, result.out(), out->bytes) : "";
   const std::string lse_prefix = lse ? TensorFieldPrefix(kLseField, result.lse(), lse->bytes) : "";
-  v1::DecodeResult rest = result;
+  Outputs rest = result;
   if (out != nullptr) rest.clear_out();
   if (lse != nullptr) rest.clear_lse();
   const std::string rest_bytes = rest.SerializeAsString();
   std::string head;
-  AppendTag(kResultsField, &head);
+  AppendTag(field, &head);
   AppendVarint(out_prefix.size() + (out ? out->bytes : 0) + lse_prefix.size() +
                    (lse ? lse->bytes : 0) + rest_bytes.size(),
                &head);
@@ -100,11 +101,22 @@ AnswerPieces EncodeDecodeStepAnswer(v1::DecodeStepResponse* response, const Answ
   };
   AnswerPieces answer;
   PieceWriter writer(&answer);
+  // A packed answer's tensors were taken before any result's, and go first: a client finds their
+  // data without walking the results (field order means nothing to a parser).
+  if (response->has_packed()) {
+    const v1::PackedDecodeAnswer& packed = response->packed();
+    const AnswerBuffer::Span* out = packed.has_out() ? take(&packed.out()) : nullptr;
+    const AnswerBuffer::Span* lse = packed.has_lse() ? take(&packed.lse()) : nullptr;
+    if (out != nullptr || lse != nullptr) {
+      WriteSpliced(kPackedField, packed, out, lse, *buffer, &writer);
+      response->clear_packed();
+    }
+  }
   for (const v1::DecodeResult& result : response->results()) {
     const AnswerBuffer::Span* out = result.has_out() ? take(&result.out()) : nullptr;
     const AnswerBuffer::Span* lse = result.has_lse() ? take(&result.lse()) : nullptr;
     if (out != nullptr || lse != nullptr) {
-      WriteSplicedResult(result, out, lse, *buffer, &writer);
+      WriteSpliced(kResultsField, result, out, lse, *buffer, &writer);
       continue;
     }
     const std::string body = result.SerializeAsString();

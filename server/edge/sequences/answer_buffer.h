@@ -30,7 +30,8 @@ class AnswerBuffer {
 
   /// The next `bytes` of the O part (or LSE part), back to back in call order, for `tensor` (the
   /// result's tensor, which keeps dtype and shape only); nullptr when the part is full. Taken in
-  /// the results' order, each result's O before its LSE (EncodeDecodeStepAnswer relies on it).
+  /// the results' order, each result's O before its LSE, a packed answer's (one O, one LSE)
+  /// before any result's (EncodeDecodeStepAnswer relies on it).
   char* TakeOut(size_t bytes, const v1::Tensor* tensor) { return Take(&out_, bytes, tensor); }
   char* TakeLse(size_t bytes, const v1::Tensor* tensor) { return Take(&lse_, bytes, tensor); }
   kvcache::BytesAt at() const { return at_; }
@@ -81,9 +82,11 @@ struct AnswerPieces {
   }
 };
 
-/// The wire bytes of `response`, whose results' tensors listed in `buffer` (may be null) take
-/// their data from it: parsing the concatenated pieces gives `response` with that data filled in.
-/// Consumes the response's results (cleared; the rest of the message stays).
+/// The wire bytes of `response`, whose results' (or packed answer's) tensors listed in `buffer`
+/// (may be null) take their data from it: parsing the concatenated pieces gives `response` with
+/// that data filled in. A packed answer taken from the buffer is written first (the client reads
+/// it without walking the results). Consumes the response's results (cleared; the rest of the
+/// message stays).
 AnswerPieces EncodeDecodeStepAnswer(v1::DecodeStepResponse* response, const AnswerBuffer* buffer);
 
 }  // namespace flashserve

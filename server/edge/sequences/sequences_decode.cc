@@ -173,8 +173,10 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutput
     places.out_at = answer->at();
   }
   if (places.out != nullptr) {
-    out->set_dtype(dtype);
-    for (int64_t d : {rows, heads, dim}) out->add_shape(d);
+    if (out != nullptr) {
+      out->set_dtype(dtype);
+      for (int64_t d : {rows, heads, dim}) out->add_shape(d);
+    }
     SetPlace(&call->out_at, call->out.size(), places.out_at);
     call->out.push_back(places.out);
   } else {
@@ -186,8 +188,10 @@ void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutput
     places.lse_at = answer->at();
   }
   if (places.lse != nullptr) {
-    lse->set_dtype(v1::FLOAT32);
-    for (int64_t d : {heads, rows}) lse->add_shape(d);
+    if (lse != nullptr) {
+      lse->set_dtype(v1::FLOAT32);
+      for (int64_t d : {heads, rows}) lse->add_shape(d);
+    }
     SetPlace(&call->lse_at, call->lse.size(), places.lse_at);
     call->lse.push_back(reinterpret_cast<float*>(places.lse));
   } else {

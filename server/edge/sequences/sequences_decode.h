@@ -50,7 +50,8 @@ struct ItemOutputPlaces {
 /// Appends the item's O (and, with return_lse, LSE) places to `call`; `out` / `lse` (the
 /// response's tensors) get dtype and shape, and data when the place is neither in shared memory
 /// nor in `answer` (may be null; used while it has room).
-/// `lse` may be null without return_lse (the answer then carries no LSE field at all).
+/// `lse` may be null without return_lse (the answer then carries no LSE field at all); either may
+/// be null where its place is given (a packed answer's slice: the result carries no tensor).
 void AddItemOutputsAt(const kvcache::StepItem& item, bool return_lse, ItemOutputPlaces places,
                       v1::Tensor* out, v1::Tensor* lse, DecodeCall* call, AnswerBuffer* answer);
 void FillAttend(const DecodeReport& report, absl::Time received, v1::AttendResponse* response);

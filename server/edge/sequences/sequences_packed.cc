@@ -1,9 +1,11 @@
 #include "edge/sequences/sequences_packed.h"
 
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "edge/sequences/answer_buffer.h"
 #include "edge/sequences/sequences_decode.h"
 #include "edge/sequences/sequences_shm.h"
 #include "kvcache/sequence_cache.h"
@@ -97,6 +99,28 @@ absl::StatusOr<PackedRows> ResolvePacked(const v1::DecodeStepRequest& request, S
   return r;
 }
 
+// With packed.answer_packed, the place of the whole step's O (or LSE) in the answer: one tensor
+// of response.packed, from `answer` while it has room, else in the message.
+ShmPlace PackedAnswerPlace(v1::Tensor* tensor, v1::DType dtype, std::vector<int64_t> shape,
+                           int64_t element_bytes, bool lse, AnswerBuffer* answer) {
+  int64_t bytes = element_bytes;
+  for (int64_t d : shape) bytes *= d;
+  ShmPlace place;
+  if (answer != nullptr) {
+    place.data =
+        lse ? answer->TakeLse(size_t(bytes), tensor) : answer->TakeOut(size_t(bytes), tensor);
+    place.at = answer->at();
+  }
+  if (place.data == nullptr) {
+    std::string* in_message = tensor->mutable_data();
+    in_message->resize(size_t(bytes));
+    place = {in_message->data(), kvcache::BytesAt::kHost};
+  }
+  tensor->set_dtype(dtype);
+  for (int64_t d : shape) tensor->add_shape(d);
+  return place;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<kvcache::StepItem>> PackedItems(const v1::DecodeStepRequest& request,
@@ -148,14 +172,28 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
     if (!at.ok()) return at.status();
     lse_place = *at;
   }
+  const bool out_packed = packed.answer_packed() && !out_in_shm;
+  const bool lse_packed = packed.answer_packed() && lse_wanted && !lse_in_shm;
+  const kvcache::StepItem& first = call->items.front();  // all slices of one packed q
+  if (out_packed) {
+    out_place = PackedAnswerPlace(
+        response->mutable_packed()->mutable_out(), static_cast<v1::DType>(first.q.dtype),
+        {out_bytes / (first.q.heads * first.q.head_dim * 2), first.q.heads, first.q.head_dim}, 2,
+        /*lse=*/false, answer);
+  }
+  if (lse_packed) {
+    lse_place = PackedAnswerPlace(response->mutable_packed()->mutable_lse(), v1::FLOAT32,
+                                  {lse_bytes / 4}, 4, /*lse=*/true, answer);
+  }
   response->mutable_results()->Reserve(request.items_size());
   int64_t out_at = 0, lse_at = 0;
   for (const kvcache::StepItem& item : call->items) {
-    const ItemOutputPlaces places{out_in_shm ? out_place.data + out_at : nullptr, out_place.at,
-                                  lse_in_shm ? lse_place.data + lse_at : nullptr, lse_place.at};
+    const bool out_given = out_in_shm || out_packed, lse_given = lse_in_shm || lse_packed;
+    const ItemOutputPlaces places{out_given ? out_place.data + out_at : nullptr, out_place.at,
+                                  lse_given ? lse_place.data + lse_at : nullptr, lse_place.at};
     v1::DecodeResult* result = response->add_results();
-    AddItemOutputsAt(item, lse_wanted, places, result->mutable_out(),
-                     lse_wanted ? result->mutable_lse() : nullptr, call, answer);
+    AddItemOutputsAt(item, lse_wanted, places, out_packed ? nullptr : result->mutable_out(),
+                     lse_wanted && !lse_packed ? result->mutable_lse() : nullptr, call, answer);
     out_at += OutBytes(item.q);
     lse_at += LseBytes(item.q);
   }

@@ -194,5 +194,70 @@ TEST(AnswerBuffer, WithoutRoomTheOutputsGoIntoTheMessage) {
   EXPECT_TRUE((*call)->out_at.empty()) << "all in host memory (the message)";
 }
 
+// packed.answer_packed: the step's O and LSE are one tensor each in response.packed, every item's
+// place its slice in item order; the results carry only their lengths. In the buffer when the
+// pool has room, else in the message; the pieces parse back to the message with the data in.
+TEST(AnswerBuffer, APackedAnswerIsOneTensorEachSlicedInItemOrder) {
+  for (const bool room : {true, false}) {
+    SCOPED_TRACE(room ? "in the buffer" : "in the message");
+    std::mt19937 rng(9);
+    std::unique_ptr<PinnedPool> pool = Pool(room ? size_t{1} << 20 : 0, true);
+    v1::DecodeStepRequest request = PackedStep(/*return_lse=*/true, &rng);
+    request.mutable_packed()->set_answer_packed(true);
+    v1::DecodeStepResponse response;
+    AnswerPlace answer{pool.get(), nullptr};
+    auto call = BuildDecodeStep(request, 8, /*shm=*/nullptr, &response, &answer);
+    ASSERT_TRUE(call.ok()) << call.status();
+    EXPECT_EQ(answer.buffer != nullptr, room);
+    const v1::PackedDecodeAnswer& packed = response.packed();
+    EXPECT_EQ(packed.out().dtype(), v1::BFLOAT16);
+    EXPECT_EQ(std::vector<int64_t>(packed.out().shape().begin(), packed.out().shape().end()),
+              (std::vector<int64_t>{4, 4, 8}))
+        << "like packed.q: rows 1 + 2 + 1";
+    EXPECT_EQ(packed.lse().dtype(), v1::FLOAT32);
+    ASSERT_EQ(packed.lse().shape_size(), 1);
+    EXPECT_EQ(packed.lse().shape(0), 4 * 4) << "each item's [heads, rows] back to back";
+    ASSERT_EQ((*call)->out.size(), 3u);
+    std::string out_written, lse_written;
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_FALSE(response.results(int(i)).has_out());
+      EXPECT_FALSE(response.results(int(i)).has_lse());
+      const kvcache::HostRows& q = (*call)->items[i].q;
+      const std::string out = RandomBytes(size_t(q.rows * 4 * 8 * 2), &rng);  // as the store writes
+      const std::string lse = RandomBytes(size_t(q.rows * 4 * 4), &rng);
+      std::copy(out.begin(), out.end(), static_cast<char*>((*call)->out[i]));
+      std::copy(lse.begin(), lse.end(), reinterpret_cast<char*>((*call)->lse[i]));
+      out_written += out;
+      lse_written += lse;
+      const kvcache::BytesAt at = room ? kvcache::BytesAt::kPageLocked : kvcache::BytesAt::kHost;
+      EXPECT_EQ(i < (*call)->out_at.size() ? (*call)->out_at[i] : kvcache::BytesAt::kHost, at);
+    }
+    const AnswerPieces pieces = EncodeDecodeStepAnswer(&response, answer.buffer.get());
+    const std::string wire = Concatenate(pieces, answer.buffer.get());
+    v1::DecodeStepResponse parsed;
+    ASSERT_TRUE(parsed.ParseFromString(wire));
+    if (room) EXPECT_EQ(wire[0], char(5 << 3 | 2)) << "the packed answer first (field 5)";
+    EXPECT_EQ(parsed.results_size(), 3);
+    EXPECT_EQ(parsed.packed().out().data(), out_written);
+    EXPECT_EQ(parsed.packed().lse().data(), lse_written);
+    EXPECT_EQ(parsed.packed().out().shape_size(), 3);
+  }
+}
+
+// A region for O leaves only the LSE packed in the answer; without return_lse no LSE tensor.
+TEST(AnswerBuffer, APackedAnswerCarriesOnlyWhatTravelsInIt) {
+  std::mt19937 rng(10);
+  std::unique_ptr<PinnedPool> pool = Pool(size_t{1} << 20, true);
+  v1::DecodeStepRequest request = PackedStep(/*return_lse=*/false, &rng);
+  request.mutable_packed()->set_answer_packed(true);
+  v1::DecodeStepResponse response;
+  AnswerPlace answer{pool.get(), nullptr};
+  auto call = BuildDecodeStep(request, 8, /*shm=*/nullptr, &response, &answer);
+  ASSERT_TRUE(call.ok()) << call.status();
+  EXPECT_TRUE(response.packed().has_out());
+  EXPECT_FALSE(response.packed().has_lse());
+  EXPECT_TRUE((*call)->lse.empty());
+}
+
 }  // namespace
 }  // namespace flashserve
