@@ -106,6 +106,7 @@ def test_packed_step_bytes_parse_to_the_typed_request(rng, with_kv):
             entry.expected_length = length
     typed.packed.q.CopyFrom(joined([q for _, _, q, _, _ in items]))
     typed.packed.rows_q.extend(int(q.shape[0]) for _, _, q, _, _ in items)
+    typed.packed.answer_packed = True  # O / LSE asked for as one tensor each
     if with_kv:
         typed.packed.k.CopyFrom(joined([k for _, _, _, k, _ in items if k is not None]))
         typed.packed.v.CopyFrom(joined([v for _, _, _, k, v in items if k is not None]))
@@ -487,10 +488,76 @@ def test_decode_step_batch_matches_the_reference_and_recovers(fakes, rng, rows_q
             assert out.shape == q.shape and out.dtype == q.dtype and out.flags.writeable
             for i, seq in enumerate(seqs):
                 block = slice(i * rows_q, (i + 1) * rows_q)
-                truth.add(seq.key, 1, k[block], v[block])
+                truth.add(seq.key, 1, k[block].copy(), v[block].copy())
                 truth.check(out[block], q[block], seq.key, 1, causal=causal,
                             lse=None if lse is None else lse[i])
                 assert seq.lengths[1] == truth.length(seq.key, 1)
+            for x in (q, k, v):  # the caller reuses its buffers: the history (step 2's re-prefill) kept copies
+                x[...] = np.nan
         assert all(s.reprefills == 1 for s in seqs)
         with pytest.raises(flashserve.InvalidArgumentError, match="same rows for each"):
             client.decode_step_batch(seqs, 1, q[:-1], k, v)
+
+
+def _answer_bytes(out=None, lse=None, results=2, packed_first=True):
+    """A DecodeStepResponse's wire bytes with a packed answer written first (as the server does) or after."""
+    from flashserve import sequences_pb2 as spb
+
+    rest = spb.DecodeStepResponse(kernel="k", batched_calls=3)
+    for i in range(results):
+        rest.results.add(length=300 + i)
+    packed = spb.DecodeStepResponse()
+    if out is not None:
+        packed.packed.out.CopyFrom(out)
+    if lse is not None:
+        packed.packed.lse.CopyFrom(lse)
+    head, tail = packed.SerializeToString(), rest.SerializeToString()
+    return head + tail if packed_first else tail + head
+
+
+def test_step_answer_reads_a_leading_packed_answer_in_place(rng):
+    """_step_answer.DecodeStepAnswer.parse: a packed answer written first gives O / LSE as views of the answer's
+    bytes (nothing copied) and the rest as a message; any other layout (packed after the results, a second packed
+    field, a tensor naming a region, a truncated field) is parsed whole, with the same values or protobuf's error."""
+    from google.protobuf.message import DecodeError
+
+    from flashserve import tensors
+    from flashserve._pb import attention_pb2 as pb
+    from flashserve._step_answer import DecodeStepAnswer
+
+    out = tensors.to_proto_rows(rng.standard_normal((300, 4, 64)).astype(np.float16), "out")  # multi-byte sizes
+    lse = pb.Tensor(dtype=tensors.PROTO_DTYPE["float32"], shape=[1200],
+                    data=rng.standard_normal(1200).astype(np.float32).tobytes())
+    raw = _answer_bytes(out, lse)
+    answer = DecodeStepAnswer.parse(raw)
+    assert isinstance(answer.out.data, memoryview) and answer.out.data.obj is raw  # a view, not a copy
+    assert bytes(answer.out.data) == out.data and answer.out.shape == (300, 4, 64) and answer.out.dtype == out.dtype
+    assert bytes(answer.lse.data) == lse.data and answer.lse.shape == (1200,)
+    assert [r.length for r in answer.response.results] == [300, 301] and answer.response.batched_calls == 3
+    assert DecodeStepAnswer.parse(_answer_bytes(out)).lse is None
+    plain = DecodeStepAnswer.parse(_answer_bytes())
+    assert plain.out is None and plain.lse is None and len(plain.response.results) == 2
+    for other in (_answer_bytes(out, lse, packed_first=False), raw + _answer_bytes(out, results=0)):
+        whole = DecodeStepAnswer.parse(other)
+        expected = DecodeStepAnswer.of(type(whole.response).FromString(other))
+        assert not isinstance(whole.out.data, memoryview)  # parsed as a message
+        assert (whole.out.shape, bytes(whole.out.data)) == (expected.out.shape, bytes(expected.out.data))
+    in_region = pb.Tensor(dtype=out.dtype, shape=out.shape, data=out.data)
+    in_region.shm.region = "r"
+    assert not isinstance(DecodeStepAnswer.parse(_answer_bytes(in_region)).out.data, memoryview)
+    with pytest.raises(DecodeError):
+        DecodeStepAnswer.parse(raw[:len(raw) // 2])  # cut inside the packed field: protobuf's own error
+
+
+def test_batch_q_is_sent_in_place_and_kv_copied(rng):
+    """to_host_rows(copy=False) (decode_step_batch's q) views the array's memory; the default copies (k/v, which the
+    history keeps)."""
+    from flashserve import tensors
+
+    q = rng.standard_normal((4, 2, 8)).astype(np.float16)
+    view, copy = tensors.to_host_rows(q, "q", copy=False), tensors.to_host_rows(q, "q")
+    assert bytes(view.data) == bytes(copy.data) == q.tobytes() and len(view.data) == q.nbytes
+    q[0] = 7
+    assert bytes(view.data) == q.tobytes() != bytes(copy.data)
+    strided = q[::2]  # not contiguous: copied even without copy
+    assert bytes(tensors.to_host_rows(strided, "q", copy=False).data) == strided.tobytes()

@@ -72,7 +72,9 @@ class LayerHistory:
 
 
 def _data_bytes(t: Rows) -> int:
-    """The size of t's data, from its shape (reading a pb.Tensor's data copies it)."""
+    """The size of t's data: HostRows' own, a pb.Tensor's from its shape (reading its data copies it)."""
+    if isinstance(t, HostRows):
+        return len(t.data)  # bytes, or a memoryview of bytes
     count = 1
     for n in t.shape:
         count *= int(n)

@@ -12,6 +12,7 @@ from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
 from ._seq_recovery import _mark_uncertain
 from .errors import FlashserveError, error_for
+from ._step_answer import DecodeStepAnswer
 from .packed_step import packed_step_request
 from .sequences import Sequence, encode_rows
 
@@ -97,12 +98,18 @@ class _DecodeSteps:
                 if length is not None:
                     request.items[-1].expected_length = length
         try:
-            response = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+            answer = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+            if not isinstance(answer, DecodeStepAnswer):  # a typed request's answer
+                answer = DecodeStepAnswer.of(answer)
+            response = answer.response
             if len(response.results) != len(group):
                 raise error_for(grpc.StatusCode.INTERNAL,
                                 f"DecodeStep answered {len(response.results)} results for {len(group)} items")
             # Every answer read before any is acknowledged: an answer that cannot be read fails the group whole.
-            answers = [_answer(result, prepared[i], return_lse) for i, result in zip(group, response.results)]
+            if answer.out is not None or answer.lse is not None:
+                answers = _packed_answers(answer, [prepared[i] for i in group], return_lse)
+            else:
+                answers = [_answer(result, prepared[i], return_lse) for i, result in zip(group, response.results)]
         except FlashserveError:
             raise  # the caller judges by the code
         except BaseException:  # interrupted, or an answer the caller's tensors cannot take (out of memory ...)
@@ -125,7 +132,8 @@ class _DecodeSteps:
 
 def _answer(response, item: _Item, return_lse: bool):
     """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse; for a "raw" item
-    (_Item.encoded) the bytes of out and lse (None without return_lse), their sizes checked."""
+    (_Item.encoded) the bytes of out and lse (None without return_lse), their sizes checked. From a result that
+    carries its own out / lse (_packed_answers: from a packed answer)."""
     if item.kind == "raw":
         return _raw_answer(response, item, return_lse)
     out = tensors.from_proto(response.out, item.kind, item.device)
@@ -134,6 +142,40 @@ def _answer(response, item: _Item, return_lse: bool):
     if not response.HasField("lse"):
         raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse")
     return out, tensors.from_proto(response.lse, item.kind, item.device)
+
+
+def _packed_answers(answer: DecodeStepAnswer, items: List[_Item], return_lse: bool) -> list:
+    """Each item's answer (as _answer gives it) from a packed answer: O [sum of rows_q, heads_q, head_dim] and LSE
+    (each item's FLOAT32 [heads_q, rows_q] back to back), their dtype, shape and sizes checked; a "raw" item's are
+    views of the answer's bytes."""
+    first = items[0].q
+    rows = sum(int(item.q.shape[0]) for item in items)
+    row_bytes = len(first.data) // max(1, int(first.shape[0]))
+    out = answer.out
+    data = out.data if out is not None else b""
+    if out is None or out.dtype != first.dtype or list(out.shape) != [rows, *first.shape[1:]] or \
+            len(data) != rows * row_bytes:
+        raise error_for(grpc.StatusCode.INTERNAL, f"DecodeStep answered a packed out of shape "
+                        f"{None if out is None else list(out.shape)} and {len(data)} bytes for {rows} rows of q "
+                        f"shaped {list(first.shape[1:])}")
+    lse = answer.lse.data if return_lse and answer.lse is not None else b""
+    heads = int(first.shape[1])
+    if return_lse and len(lse) != 4 * heads * rows:  # FLOAT32 [heads_q, rows_q] per item
+        raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the packed answer has no lse of its shape")
+    data, lse = memoryview(data), memoryview(lse)
+    answers, at = [], 0
+    for item in items:
+        n = int(item.q.shape[0])
+        o = data[at * row_bytes:(at + n) * row_bytes]
+        lse_rows = lse[4 * heads * at:4 * heads * (at + n)] if return_lse else None
+        at += n
+        if item.kind == "raw":
+            answers.append((o, lse_rows))
+            continue
+        o = tensors.from_proto(tensors.HostRows(out.dtype, tuple(item.q.shape), o), item.kind, item.device)
+        answers.append((o, tensors.from_proto(tensors.HostRows(tensors.PROTO_DTYPE["float32"], (heads, n), lse_rows),
+                                              item.kind, item.device)) if return_lse else o)
+    return answers
 
 
 def _raw_answer(response, item: _Item, return_lse: bool) -> Tuple[bytes, Optional[bytes]]:

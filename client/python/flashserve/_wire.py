@@ -34,7 +34,7 @@ def varint(n: int) -> bytes:
 
 def _field(number: int, parts: List[bytes]) -> List[bytes]:
     """A length-delimited field whose payload is parts joined."""
-    return [varint(number << 3 | _LENGTH_DELIMITED), varint(sum(len(p) for p in parts))] + parts
+    return [varint(number << 3 | _LENGTH_DELIMITED), varint(sum(map(len, parts)))] + parts
 
 
 def _tensor(t) -> List[bytes]:
@@ -57,7 +57,7 @@ def rows_tensor(pieces) -> List[bytes]:
     rows = sum(int(t.shape[0]) for t in pieces)
     parts = [pb.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]]).SerializeToString()]
     datas = [t.data for t in pieces]  # a pb.Tensor's data read once: each read copies it
-    size = sum(len(d) for d in datas)
+    size = sum(map(len, datas))
     if size:
         parts += [varint(_DATA_FIELD << 3 | _LENGTH_DELIMITED), varint(size)] + datas
     return parts

@@ -39,7 +39,8 @@ def packed_step_request(items: Seq[PackedInput], expected: Seq[Optional[int]], o
         entry = header.items.add(sequence_id=sid, layer=layer)
         if length is not None:
             entry.expected_length = length
-    rows = spb.PackedDecodeRows(rows_q=[int(q.shape[0]) for _, _, q, _, _ in items])
+    # answer_packed: O / LSE come back as one tensor each (a server that predates it answers per result).
+    rows = spb.PackedDecodeRows(rows_q=[int(q.shape[0]) for _, _, q, _, _ in items], answer_packed=True)
     if kv0 is not None:
         rows.rows_kv.extend(int(k.shape[0]) if k is not None else 0 for _, _, _, k, _ in items)
     return packed_step_bytes(header, rows, [q for _, _, q, _, _ in items],

@@ -57,6 +57,7 @@ from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_recovery import _mark_uncertain, _Recovery
 from ._seq_step import _answer, _DecodeSteps, _Item, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
+from ._step_answer import DecodeStepAnswer
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
@@ -70,7 +71,7 @@ ROUTE_HEADER = "x-sequence-key"
 # every call UNAVAILABLE.
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 # The calls a server's local socket takes (LocalClient's method for each); the others always go over gRPC.
-_LOCAL_METHODS = {"DecodeStep": "decode_step", "Attend": "attend"}
+_LOCAL_METHODS = {"DecodeStep": "decode_step_answer", "Attend": "attend"}
 # Local-socket failures after which its connection cannot be trusted (mid-frame, or gone): reconnect next time.
 _DROP_CONNECTION = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
@@ -148,11 +149,14 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         """The stub's method, or for a request already in wire bytes, the same method taking them as they are."""
         if not isinstance(request, bytes):
             return getattr(self.stub(endpoint), method)
-        response_type = getattr(spb, spb.DESCRIPTOR.services_by_name["Sequences"].methods_by_name[method]
-                                .output_type.name)
+        if method == "DecodeStep":  # a packed answer's O / LSE read as views of the answer's bytes
+            deserializer = DecodeStepAnswer.parse
+        else:
+            deserializer = getattr(spb, spb.DESCRIPTOR.services_by_name["Sequences"].methods_by_name[method]
+                                   .output_type.name).FromString
         return self._channel(endpoint)[0].unary_unary(
             f"/{spb.DESCRIPTOR.package}.Sequences/{method}", request_serializer=None,
-            response_deserializer=response_type.FromString)
+            response_deserializer=deserializer)
 
     def metadata(self, key: str):
         md = [(ROUTE_HEADER, key)]
@@ -344,8 +348,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                             f"{count} sequences (k and v both or neither)")
         kind = "torch" if tensors.is_torch(q) else "numpy"
         device = q.device if kind == "torch" else None
-        blocks = [_row_blocks(tensors.to_host_rows(t, name), count) if t is not None else [None] * count
-                  for name, t in (("q", q), ("k", k), ("v", v))]
+        # q is read in place (sent, never kept); k/v are copied once: the history keeps views of them.
+        blocks = [_row_blocks(tensors.to_host_rows(t, name, copy=name != "q"), count) if t is not None
+                  else [None] * count for name, t in (("q", q), ("k", k), ("v", v))]
         prepared = [_Item.encoded(seq, layer, qi, ki, vi) for seq, qi, ki, vi in zip(seqs, *blocks)]
         answers = self._run_decode(prepared, (bool(causal), softmax_scale, bool(return_lse), timeout))
         out = tensors.from_proto(tensors.HostRows(blocks[0][0].dtype, tuple(int(n) for n in q.shape),
