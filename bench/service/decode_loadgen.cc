@@ -70,6 +70,7 @@ struct Options {
   std::vector<int> concurrency{1, 8};
   int steps = 200, warmup = 20;
   DecodeTransportOptions transport;  // how DecodeStep goes (gRPC or local; inline or shm)
+  bool answer_packed = false;        // --packed=2: packed.answer_packed (O as one tensor)
 };
 
 // Per measured step of one client: wall latency and the server's timing of that call.
@@ -333,7 +334,7 @@ std::string SequencesPath(const Options& opt) {
   std::string path = "sequences";
   if (!opt.transport.local_socket.empty()) path += ", local";
   if (opt.transport.shm != "none") path += ", shm " + opt.transport.shm;
-  if (opt.transport.packed) path += ", packed";
+  if (opt.transport.packed) path += opt.answer_packed ? ", packed, answer packed" : ", packed";
   if (!opt.transport.local_socket.empty() && opt.transport.spin_us > 0) {
     path += ", client spin " + std::to_string(opt.transport.spin_us) + " us";
   }
@@ -455,7 +456,8 @@ bool SequencesLevel(const Options& opt, int clients,
 std::vector<v1::DecodeStepRequest> PackedDecodeRequests(const std::vector<std::string>& ids,
                                                         int clients, const v1::Tensor& q,
                                                         const v1::Tensor& kv,
-                                                        const DecodeRegions* regions) {
+                                                        const DecodeRegions* regions,
+                                                        bool answer_packed) {
   std::vector<v1::DecodeStepRequest> requests(static_cast<size_t>(clients));
   std::vector<int64_t> first(static_cast<size_t>(clients), -1);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -478,6 +480,7 @@ std::vector<v1::DecodeStepRequest> PackedDecodeRequests(const std::vector<std::s
     *p->mutable_q() = repeat(q, n);
     *p->mutable_k() = repeat(kv, n);
     *p->mutable_v() = repeat(kv, n);
+    p->set_answer_packed(answer_packed);
     if (regions != nullptr) regions->NamePacked(first[c], &requests[c]);
   }
   return requests;
@@ -500,7 +503,8 @@ bool BenchSequences(const Options& opt, std::mt19937* rng) {
   }
   for (int clients : ok ? opt.concurrency : std::vector<int>{}) {
     const std::vector<v1::DecodeStepRequest> requests =
-        opt.transport.packed ? PackedDecodeRequests(ids, clients, q, kv, regions.get())
+        opt.transport.packed
+            ? PackedDecodeRequests(ids, clients, q, kv, regions.get(), opt.answer_packed)
                              : DecodeRequests(ids, clients, q, kv, regions.get());
     ok = SequencesLevel(opt, clients, requests, regions.get()) && ok;
   }
@@ -585,7 +589,8 @@ constexpr char kUsage[] =
     "  --timeout_ms=60000            per call\n"
     "  --client_spin_us=0            local transport: poll this long (us) for each reply before\n"
     "                                blocking in recv (local_client.h; the row's path names it)\n"
-    "  --packed=0|1                  1: DecodeStepRequest.packed (one q/k/v/O place per step)\n"
+    "  --packed=0|1|2                1: DecodeStepRequest.packed (one q/k/v/O place per step);\n"
+    "                                2: also packed.answer_packed (O as one tensor in the answer)\n"
     "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes\n"
     "                                per row\n";
 
@@ -633,6 +638,7 @@ Options ParseOptions(int argc, char** argv) {
   opt.transport.device = int(flags.Int("shm_device", 0));
   opt.transport.timeout_ms = int(flags.Int("timeout_ms", 60000));
   opt.transport.packed = flags.Int("packed", 0) != 0;
+  opt.answer_packed = flags.Int("packed", 0) == 2;
   opt.transport.spin_us = flags.Int("client_spin_us", 0);
   CheckOptions(opt, flags);
   return opt;
