@@ -1,6 +1,7 @@
 #include "loadgen_workload.h"
 
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -123,12 +124,28 @@ bool ParseTimingBytes(const std::string& bytes, int64_t timing[6]) {
 
 // --- channels -----------------------------------------------------------------------------------
 
+// FLASHSERVE_LOADGEN_CHANNEL_ARGS="name=value,...": integer channel arguments for every channel
+// (e.g. grpc.http2.max_frame_size=16777215), to measure what a client's settings change.
+void AddChannelArgsFromEnvironment(grpc::ChannelArguments* args) {
+  const char* spec = std::getenv("FLASHSERVE_LOADGEN_CHANNEL_ARGS");
+  std::string rest = spec != nullptr ? spec : "";
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string item = rest.substr(0, comma);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) continue;
+    args->SetInt(item.substr(0, eq), std::atoi(item.c_str() + eq + 1));
+  }
+}
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, int index) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(INT_MAX);
   args.SetMaxSendMessageSize(INT_MAX);
   args.SetInt("flashserve.loadgen.channel", index);  // distinct args: a connection of its own
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  AddChannelArgsFromEnvironment(&args);
   auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10));
   return channel;
