@@ -561,3 +561,50 @@ def test_batch_q_is_sent_in_place_and_kv_copied(rng):
     assert bytes(view.data) == q.tobytes() != bytes(copy.data)
     strided = q[::2]  # not contiguous: copied even without copy
     assert bytes(tensors.to_host_rows(strided, "q", copy=False).data) == strided.tobytes()
+
+
+def test_step_answer_parse_agrees_with_protobuf_on_mutated_answers(rng):
+    """Differential check of the hand-read packed answer: for answers with random bytes changed, cut or inserted
+    (an answer is untrusted input), DecodeStepAnswer.parse either raises where protobuf raises or reads exactly what
+    protobuf reads (the same O / LSE dtype, shape and bytes, the same results)."""
+    from google.protobuf.message import DecodeError
+
+    from flashserve import tensors
+    from flashserve._pb import attention_pb2 as pb
+    from flashserve._step_answer import DecodeStepAnswer
+
+    out = tensors.to_proto_rows(rng.standard_normal((5, 2, 8)).astype(np.float16), "out")
+    lse = pb.Tensor(dtype=tensors.PROTO_DTYPE["float32"], shape=[10], data=b"\x02" * 40)
+    valid = bytearray(_answer_bytes(out, lse, results=3))
+
+    def read(raw):
+        try:
+            a = DecodeStepAnswer.parse(raw)
+        except DecodeError:
+            return "error"
+        return ([(t.dtype, tuple(t.shape), bytes(t.data)) if t is not None else None for t in (a.out, a.lse)],
+                a.response.SerializeToString(deterministic=True))
+
+    def reference(raw):
+        try:
+            m = type(DecodeStepAnswer.parse(_answer_bytes()).response).FromString(raw)
+        except DecodeError:
+            return "error"
+        a = DecodeStepAnswer.of(m)
+        m.ClearField("packed")
+        return ([(t.dtype, tuple(t.shape), bytes(t.data)) if t is not None else None for t in (a.out, a.lse)],
+                m.SerializeToString(deterministic=True))
+
+    for trial in range(3000):
+        raw = bytearray(valid)
+        for _ in range(int(rng.integers(1, 4))):
+            at = int(rng.integers(0, len(raw)))
+            how = trial % 3
+            if how == 0:
+                raw[at] = int(rng.integers(0, 256))
+            elif how == 1:
+                del raw[at:at + int(rng.integers(1, 8))]
+            else:
+                raw[at:at] = bytes(rng.integers(0, 256, int(rng.integers(1, 4)), dtype=np.uint8))
+        raw = bytes(raw)
+        assert read(raw) == reference(raw), f"trial {trial}: {raw.hex()}"
