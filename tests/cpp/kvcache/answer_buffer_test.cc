@@ -194,6 +194,18 @@ TEST(AnswerBuffer, WithoutRoomTheOutputsGoIntoTheMessage) {
   EXPECT_TRUE((*call)->out_at.empty()) << "all in host memory (the message)";
 }
 
+// PackedStep with packed.answer_packed into `request` (the call's rows point into it), built
+// against `answer`.
+absl::StatusOr<std::shared_ptr<DecodeCall>> BuildPackedAnswerStep(bool return_lse,
+                                                                  std::mt19937* rng,
+                                                                  v1::DecodeStepRequest* request,
+                                                                  v1::DecodeStepResponse* response,
+                                                                  AnswerPlace* answer) {
+  *request = PackedStep(return_lse, rng);
+  request->mutable_packed()->set_answer_packed(true);
+  return BuildDecodeStep(*request, 8, /*shm=*/nullptr, response, answer);
+}
+
 // packed.answer_packed: the step's O and LSE are one tensor each in response.packed, every item's
 // place its slice in item order; the results carry only their lengths. In the buffer when the
 // pool has room, else in the message; the pieces parse back to the message with the data in.
@@ -202,11 +214,10 @@ TEST(AnswerBuffer, APackedAnswerIsOneTensorEachSlicedInItemOrder) {
     SCOPED_TRACE(room ? "in the buffer" : "in the message");
     std::mt19937 rng(9);
     std::unique_ptr<PinnedPool> pool = Pool(room ? size_t{1} << 20 : 0, true);
-    v1::DecodeStepRequest request = PackedStep(/*return_lse=*/true, &rng);
-    request.mutable_packed()->set_answer_packed(true);
+    v1::DecodeStepRequest request;
     v1::DecodeStepResponse response;
     AnswerPlace answer{pool.get(), nullptr};
-    auto call = BuildDecodeStep(request, 8, /*shm=*/nullptr, &response, &answer);
+    auto call = BuildPackedAnswerStep(/*return_lse=*/true, &rng, &request, &response, &answer);
     ASSERT_TRUE(call.ok()) << call.status();
     EXPECT_EQ(answer.buffer != nullptr, room);
     const v1::PackedDecodeAnswer& packed = response.packed();
@@ -248,11 +259,10 @@ TEST(AnswerBuffer, APackedAnswerIsOneTensorEachSlicedInItemOrder) {
 TEST(AnswerBuffer, APackedAnswerCarriesOnlyWhatTravelsInIt) {
   std::mt19937 rng(10);
   std::unique_ptr<PinnedPool> pool = Pool(size_t{1} << 20, true);
-  v1::DecodeStepRequest request = PackedStep(/*return_lse=*/false, &rng);
-  request.mutable_packed()->set_answer_packed(true);
+  v1::DecodeStepRequest request;
   v1::DecodeStepResponse response;
   AnswerPlace answer{pool.get(), nullptr};
-  auto call = BuildDecodeStep(request, 8, /*shm=*/nullptr, &response, &answer);
+  auto call = BuildPackedAnswerStep(/*return_lse=*/false, &rng, &request, &response, &answer);
   ASSERT_TRUE(call.ok()) << call.status();
   EXPECT_TRUE(response.packed().has_out());
   EXPECT_FALSE(response.packed().has_lse());
