@@ -22,7 +22,8 @@
 //     and LSE = -inf.
 //  5. Releasing the sequences returns every page (the pool is empty after each input).
 //  6. With an answer buffer (a third of the inputs), the encoded answer parses back to one result
-//     per item whose O (and LSE) are the bytes the launch wrote (edge/sequences/answer_buffer.h).
+//     per item whose O (and LSE) are the bytes the launch wrote (edge/sequences/answer_buffer.h);
+//     with packed.answer_packed, to one O and one LSE tensor of those bytes back to back.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -329,27 +330,40 @@ PinnedPool* AnswerPool() {
 }
 
 // Oracle 6: the answer's pieces parse to one result per item carrying exactly the bytes at the
-// call's out / lse places.
-void CheckAnswer(v1::DecodeStepResponse* response, const AnswerBuffer& buffer,
-                 const DecodeCall& call) {
+// call's out / lse places -- or, for a packed answer (packed.answer_packed), to results without
+// them and one O and one LSE tensor holding every item's bytes back to back.
+void CheckAnswer(const v1::DecodeStepRequest& request, v1::DecodeStepResponse* response,
+                 const AnswerBuffer& buffer, const DecodeCall& call) {
   const AnswerPieces pieces = EncodeDecodeStepAnswer(response, &buffer);
   std::string wire;
   for (const AnswerPieces::Piece& piece : pieces.pieces) wire += pieces.View(piece, &buffer);
   v1::DecodeStepResponse parsed;
   FUZZ_CHECK(parsed.ParseFromString(wire), "the encoded answer does not parse");
   FUZZ_CHECK(parsed.results_size() == int(call.items.size()), "one result per item");
+  const bool packed = request.has_packed() && request.packed().answer_packed();
+  FUZZ_CHECK(parsed.has_packed() == packed, "a packed answer exactly when asked for");
+  std::string all_out, all_lse;  // every item's, back to back
   for (size_t i = 0; i < call.items.size(); ++i) {
     const HostRows& q = call.items[i].q;
     const size_t out_bytes = size_t(q.rows * q.heads * q.head_dim * 2);
-    const std::string& out = parsed.results(int(i)).out().data();
-    FUZZ_CHECK(out.size() == out_bytes && std::memcmp(out.data(), call.out[i], out_bytes) == 0,
+    const size_t lse_bytes = size_t(q.rows * q.heads * 4);
+    const v1::DecodeResult& result = parsed.results(int(i));
+    FUZZ_CHECK(result.has_out() != packed && result.has_lse() == (!packed && !call.lse.empty()),
+               "a packed answer's results carry no tensors, the others theirs");
+    all_out.append(static_cast<const char*>(call.out[i]), out_bytes);
+    if (!call.lse.empty()) all_lse.append(reinterpret_cast<const char*>(call.lse[i]), lse_bytes);
+    if (packed) continue;
+    FUZZ_CHECK(result.out().data() == all_out.substr(all_out.size() - out_bytes),
                "an answer's O is not what the launch wrote");
-    if (call.lse.empty()) continue;
-    const std::string& lse = parsed.results(int(i)).lse().data();
-    FUZZ_CHECK(lse.size() == size_t(q.rows * q.heads * 4) &&
-                   std::memcmp(lse.data(), call.lse[i], lse.size()) == 0,
-               "an answer's LSE is not what the launch wrote");
+    FUZZ_CHECK(
+        call.lse.empty() || result.lse().data() == all_lse.substr(all_lse.size() - lse_bytes),
+        "an answer's LSE is not what the launch wrote");
   }
+  if (!packed) return;
+  FUZZ_CHECK(parsed.packed().out().data() == all_out, "a packed answer's O is not the launch's");
+  FUZZ_CHECK(
+      parsed.packed().has_lse() == !call.lse.empty() && parsed.packed().lse().data() == all_lse,
+      "a packed answer's LSE is not the launch's");
 }
 
 }  // namespace
@@ -381,7 +395,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Fixture& f = TheFixture();
   Live live = CreateSequences(f.cache.get());
   RunStep(call->get(), f.cache.get(), &live);
-  if (answer.buffer != nullptr) CheckAnswer(&response, *answer.buffer, **call);
+  if (answer.buffer != nullptr) CheckAnswer(request, &response, *answer.buffer, **call);
   const std::vector<std::string> ids(std::begin(live.id), std::end(live.id));
   FUZZ_CHECK(f.cache->Release(ids).empty(), "a live sequence was not found");
   const kvcache::CacheStats stats = f.cache->Stats();

@@ -343,6 +343,14 @@ def local_frame_seeds(rng):
     }
 
 
+def with_answer_buffer(request: bytes) -> bytes:
+    """fuzz_decode_step gives an input an answer buffer (and checks the encoded answer) when its size is a multiple of
+    3: pad with an unknown varint field (15 = 0) until it is."""
+    while len(request) % 3:
+        request += b"\x78\x00"
+    return request
+
+
 def decode_step_seeds(rng):
     """DecodeStepRequests for fuzz_decode_step, whose ids s0, s1, s2 name its three sequences (s0: FLOAT16 2 layers
     heads 4:2 d8, 5 and 0 rows; s1: BFLOAT16 heads 2:1 d4, 3 rows; s2: like s0 with one layer, 4 rows): valid steps
@@ -364,8 +372,9 @@ def decode_step_seeds(rng):
                 item.v.CopyFrom(rows(rows_kv, hkv, d, dtype))
         return r.SerializeToString()
 
-    def packed(items, rows_q, rows_kv, with_kv=True, **fields):
+    def packed(items, rows_q, rows_kv, with_kv=True, answer_packed=False, **fields):
         r = spb.DecodeStepRequest(**fields)
+        r.packed.answer_packed = answer_packed
         for sid, layer in items:
             r.items.add(sequence_id=sid, layer=layer)
         r.packed.q.CopyFrom(rows(sum(rows_q), 4, 8, pb.FLOAT16))
@@ -392,6 +401,9 @@ def decode_step_seeds(rng):
         "packed_attend_only": packed([("s0", 0), ("s2", 0)], [1, 1], [], with_kv=False, causal=True),
         "packed_uneven": packed([("s0", 0), ("s2", 0)], [2, 1], [1, 3], return_lse=True),
         "packed_counts_wrong": packed([("s0", 0), ("s2", 0)], [1, 1], [1, 5]),
+        "packed_answer": with_answer_buffer(
+            packed([("s0", 0), ("s2", 0)], [2, 1], [1, 3], answer_packed=True, return_lse=True)),
+        "packed_answer_no_lse": with_answer_buffer(packed([("s2", 0), ("s0", 0)], [1, 3], [2, 0], answer_packed=True)),
     }
 
 
