@@ -185,10 +185,10 @@ absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm*
     lse_place = PackedAnswerPlace(response->mutable_packed()->mutable_lse(), v1::FLOAT32,
                                   {lse_bytes / 4}, 4, /*lse=*/true, answer);
   }
+  const bool out_given = out_in_shm || out_packed, lse_given = lse_in_shm || lse_packed;
   response->mutable_results()->Reserve(request.items_size());
   int64_t out_at = 0, lse_at = 0;
   for (const kvcache::StepItem& item : call->items) {
-    const bool out_given = out_in_shm || out_packed, lse_given = lse_in_shm || lse_packed;
     const ItemOutputPlaces places{out_given ? out_place.data + out_at : nullptr, out_place.at,
                                   lse_given ? lse_place.data + lse_at : nullptr, lse_place.at};
     v1::DecodeResult* result = response->add_results();

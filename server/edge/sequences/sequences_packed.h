@@ -20,8 +20,10 @@ struct SequenceShm;
 absl::StatusOr<std::vector<kvcache::StepItem>> PackedItems(const v1::DecodeStepRequest& request,
                                                            SequenceShm* shm);
 
-/// Where each item's O (and LSE) go: its slice of packed.out_shm / lse_shm, or else `answer`
-/// (may be null) or its own tensor in `response`'s result (sized here, written by the runtime).
+/// Where each item's O (and LSE) go: its slice of packed.out_shm / lse_shm; else, with
+/// packed.answer_packed, its slice of response.packed's one tensor; else its own tensor in
+/// `response`'s result -- the data of those two in `answer` (may be null) while it has room, else
+/// in the message (sized here, written by the runtime).
 class AnswerBuffer;
 absl::Status AddPackedOutputs(const v1::DecodeStepRequest& request, SequenceShm* shm,
                               DecodeCall* call, v1::DecodeStepResponse* response,
