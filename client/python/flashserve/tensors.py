@@ -84,9 +84,10 @@ def to_proto_rows(x: Any, field: str) -> "pb.Tensor":
 
 class HostRows:
     """A [rows, heads, head_dim] tensor in wire form outside a protobuf message: the proto dtype, the shape and the
-    row-major little-endian bytes, copied once from the array. Reads like a pb.Tensor (dtype, shape, data). A
-    CreateSequence prefix (32 MiB for 8k tokens of a Llama-3-8B-like layer) is joined from these into the request's
-    wire bytes (_wire.py); in a pb.Tensor its bytes were copied twice more (into the message, and out of it).
+    row-major little-endian bytes, copied once from the array (or a view of it: to_host_rows(copy=False)). Reads like
+    a pb.Tensor (dtype, shape, data). A CreateSequence prefix (32 MiB for 8k tokens of a Llama-3-8B-like layer) is
+    joined from these into the request's wire bytes (_wire.py); in a pb.Tensor its bytes were copied twice more (into
+    the message, and out of it).
 
     Treated as immutable, but a plain slotted class: a 64-sequence decode_step_batch makes 192 of them per call,
     and a frozen dataclass's __init__ took 3x as long (0.11 ms of the call on the 2-core build machine)."""
