@@ -55,7 +55,7 @@ from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_recovery import _mark_uncertain, _Recovery
-from ._seq_step import _answer, _DecodeSteps, _Item, DecodeInput
+from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
 from ._step_answer import DecodeStepAnswer
 from .client import _channel_options
@@ -315,8 +315,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         item = _Item((seq, layer, q))
 
         def attempt(ids):
-            request = spb.AttendRequest(sequence_id=ids[0], layer=int(layer), q=item.q, causal=bool(causal),
+            request = spb.AttendRequest(sequence_id=ids[0], layer=int(layer), causal=bool(causal),
                                         return_lse=bool(return_lse))
+            _copy_rows(request.q, item.q)
             if softmax_scale is not None:
                 request.softmax_scale = float(softmax_scale)
             response = self._rpc(seq.endpoint, "Attend", request, seq.key, timeout)
