@@ -67,6 +67,31 @@ def test_create_request_bytes_parse_to_the_typed_request(rng):
     assert len(raw) == typed.ByteSize()
 
 
+def test_append_request_bytes_parse_to_the_typed_request(rng):
+    """Append's request is joined from its rows' bytes (flashserve/_wire.py): it must parse to exactly the typed
+    message -- layers given out of order, rows long enough for multi-byte varints, an expected_length past 2^32 and
+    one of 0, pb.Tensor and HostRows rows."""
+    from flashserve import sequences_pb2 as spb
+    from flashserve import tensors
+    from flashserve._pb import attention_pb2 as pb
+    from flashserve._wire import append_request_bytes
+
+    def host(n):
+        return tensors.to_host_rows(rng.standard_normal((n, 2, 64)).astype(np.float16), "k")
+
+    proto = tensors.to_proto_rows(rng.standard_normal((3, 2, 64)).astype(np.float16), "k")
+    rows = {7: (host(300), host(300)), 0: (proto, proto), 2: (host(1), host(1))}
+    expected = {7: (1 << 33) + 3, 0: 0, 2: 17}
+    typed = spb.AppendRequest(sequence_id="f" * 32)
+    for layer in sorted(rows):
+        k, v = (t if isinstance(t, pb.Tensor) else pb.Tensor(dtype=t.dtype, shape=t.shape, data=bytes(t.data))
+                for t in rows[layer])
+        typed.rows.add(layer=layer, k=k, v=v, expected_length=expected[layer])
+    raw = append_request_bytes("f" * 32, rows, expected)
+    assert spb.AppendRequest.FromString(raw) == typed
+    assert len(raw) == typed.ByteSize()
+
+
 @pytest.mark.parametrize("with_kv", [True, False])
 def test_packed_step_bytes_parse_to_the_typed_request(rng, with_kv):
     """A packed DecodeStep is joined from its tensors' bytes (flashserve/packed_step.py, _wire.py): it must parse to

@@ -1,6 +1,6 @@
 """Protobuf wire bytes written by hand: varint (also for the health and KServe shared-memory messages, which are
 not compiled into this package), and the Sequences requests whose size is their tensors (CreateSequence with a
-prefix, a packed DecodeStep), joined from the tensors' bytes instead of built as a message and serialized.
+prefix, Append, a packed DecodeStep), joined from the tensors' bytes instead of built as a message and serialized.
 
 A 32 MiB prefix (8k tokens of a Llama-3-8B-like layer) took ~50 ms to copy into the request message and serialize
 (upb, the 2-core build machine); joined here from HostRows (sequences.encode_prefix: the array's bytes), they are
@@ -16,6 +16,7 @@ from ._pb import sequences_pb2 as spb
 
 _LAYER_KV = spb.LayerKV.DESCRIPTOR.fields_by_name
 _PREFIX_FIELD = spb.CreateSequenceRequest.DESCRIPTOR.fields_by_name["prefix"].number
+_ROWS_FIELD = spb.AppendRequest.DESCRIPTOR.fields_by_name["rows"].number
 _PACKED_FIELD = spb.DecodeStepRequest.DESCRIPTOR.fields_by_name["packed"].number
 _PACKED_ROWS = spb.PackedDecodeRows.DESCRIPTOR.fields_by_name
 _DATA_FIELD = pb.Tensor.DESCRIPTOR.fields_by_name["data"].number
@@ -63,8 +64,11 @@ def rows_tensor(pieces) -> List[bytes]:
     return parts
 
 
-def _layer_kv(layer: int, k, v) -> List[bytes]:
-    return ([spb.LayerKV(layer=layer).SerializeToString()] + _field(_LAYER_KV["k"].number, _tensor(k))
+def _layer_kv(layer: int, k, v, expected_length=None) -> List[bytes]:
+    head = spb.LayerKV(layer=layer)
+    if expected_length is not None:
+        head.expected_length = expected_length
+    return ([head.SerializeToString()] + _field(_LAYER_KV["k"].number, _tensor(k))
             + _field(_LAYER_KV["v"].number, _tensor(v)))
 
 
@@ -73,6 +77,14 @@ def create_request_bytes(header: "spb.CreateSequenceRequest", prefix: Dict[int, 
     parts = [header.SerializeToString()]
     for layer, (k, v) in sorted(prefix.items()):
         parts += _field(_PREFIX_FIELD, _layer_kv(layer, k, v))
+    return b"".join(parts)
+
+
+def append_request_bytes(sequence_id: str, rows: Dict[int, Tuple[Any, Any]], expected: Dict[int, int]) -> bytes:
+    """An AppendRequest of rows {layer: (k, v)} (layers in order), each with expected[layer] as expected_length."""
+    parts = [spb.AppendRequest(sequence_id=sequence_id).SerializeToString()]
+    for layer, (k, v) in sorted(rows.items()):
+        parts += _field(_ROWS_FIELD, _layer_kv(layer, k, v, expected[layer]))
     return b"".join(parts)
 
 

@@ -51,18 +51,18 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq
 import grpc
 
 from . import tensors
-from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_recovery import _mark_uncertain, _Recovery
 from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
 from ._step_answer import DecodeStepAnswer
+from ._wire import append_request_bytes
 from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
 from .local import MAX_POLL_US, LocalClient
-from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows, hold_layers
+from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_prefix_rows, hold_layers
 
 ROUTE_HEADER = "x-sequence-key"
 # A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff. Not
@@ -74,14 +74,6 @@ _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_rec
 _LOCAL_METHODS = {"DecodeStep": "decode_step_answer", "Attend": "attend"}
 # Local-socket failures after which its connection cannot be trusted (mid-frame, or gone): reconnect next time.
 _DROP_CONNECTION = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
-
-
-def _add_layer_kv(repeated, layer: int, k: "pb.Tensor", v: "pb.Tensor") -> None:
-    """Adds LayerKV(layer, k, v) to a repeated field, copying k and v once: LayerKV(k=k, v=v) and then
-    append() copied them twice (32 MiB of rows: 43-51 ms against 6-11 ms on the 2-core build machine)."""
-    entry = repeated.add(layer=layer)
-    entry.k.CopyFrom(k)
-    entry.v.CopyFrom(v)
 
 
 def _row_blocks(rows: tensors.HostRows, count: int) -> List[tensors.HostRows]:
@@ -248,7 +240,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
     def append(self, seq: Sequence, rows: Mapping[int, Tuple[Any, Any]], timeout: Optional[float] = None):
         """Appends {layer: (k, v)} (k/v [rows, heads_kv, head_dim]); returns every layer's length."""
         self._check_live(seq)
-        encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
+        # HostRows (the arrays' bytes copied once), joined into the request's wire bytes (_wire.py): a pb.Tensor
+        # copied them into the message, into the request and again when it was serialized.
+        encoded = {int(layer): (encode_prefix_rows(k, f"rows[{layer}].k"), encode_prefix_rows(v, f"rows[{layer}].v"))
                    for layer, (k, v) in rows.items()}
 
         def attempt(ids):
@@ -258,10 +252,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                     raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created meanwhile",
                                         missing_ids=(sent_id,))
                 expected = {layer: seq.lengths[layer] for layer in encoded}
-            request = spb.AppendRequest(sequence_id=sent_id)
-            for layer, (k, v) in encoded.items():
-                _add_layer_kv(request.rows, layer, k, v)
-                request.rows[-1].expected_length = expected[layer]
+            request = append_request_bytes(sent_id, encoded, expected)
             response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
             self._count_already_appended(len(response.already_appended_layers))
             with seq.lock:

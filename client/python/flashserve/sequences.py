@@ -54,11 +54,6 @@ class SequenceSpec:
     dtype: str  # "float16" | "bfloat16"
 
 
-def encode_rows(x: Any, field: str) -> "pb.Tensor":
-    """A [rows, heads, head_dim] array/tensor (or an already encoded pb.Tensor) as a wire tensor."""
-    return x if isinstance(x, pb.Tensor) else tensors.to_proto_rows(x, field)
-
-
 # A wire tensor of rows: a pb.Tensor, or HostRows (tensors.py), which reads like one.
 Rows = Union["pb.Tensor", tensors.HostRows]
 
