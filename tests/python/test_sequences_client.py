@@ -576,9 +576,9 @@ def test_step_answer_reads_a_leading_packed_answer_in_place(rng):
         DecodeStepAnswer.parse(raw[:len(raw) // 2])  # cut inside the packed field: protobuf's own error
 
 
-def test_batch_q_is_sent_in_place_and_kv_copied(rng):
-    """to_host_rows(copy=False) (decode_step_batch's q) views the array's memory; the default copies (k/v, which the
-    history keeps)."""
+def test_to_host_rows_views_only_when_told(rng):
+    """to_host_rows(copy=False) (the q of decode_step and decode_step_batch) views the array's memory; the default
+    copies (k/v, which the history keeps)."""
     from flashserve import tensors
 
     q = rng.standard_normal((4, 2, 8)).astype(np.float16)

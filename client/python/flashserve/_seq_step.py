@@ -14,7 +14,7 @@ from ._seq_recovery import _mark_uncertain
 from .errors import FlashserveError, error_for
 from ._step_answer import DecodeStepAnswer
 from .packed_step import packed_step_request
-from .sequences import Sequence
+from .sequences import Sequence, encode_rows
 
 DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
 
@@ -35,9 +35,9 @@ class _Item:
         self.device = q.device if self.kind == "torch" else None
         # HostRows, not messages (building 3 pb.Tensor per item was a third of a 64-item step's own time); q is
         # sent from the caller's memory (never kept), k/v are copied: the history keeps them.
-        self.q = _host_rows(q, "q", copy=False)
-        self.k = _host_rows(k, "k") if k is not None else None
-        self.v = _host_rows(v, "v") if v is not None else None
+        self.q = encode_rows(q, "q", copy=False)
+        self.k = encode_rows(k, "k") if k is not None else None
+        self.v = encode_rows(v, "v") if v is not None else None
 
     @classmethod
     def encoded(cls, seq, layer: int, q, k, v) -> "_Item":
@@ -54,11 +54,6 @@ class _Item:
         if self.k is not None:
             _copy_rows(item.k, self.k)
             _copy_rows(item.v, self.v)
-
-
-def _host_rows(x, field: str, copy: bool = True):
-    """An array or tensor as tensors.HostRows; an already encoded pb.Tensor or HostRows as it is."""
-    return x if isinstance(x, (pb.Tensor, tensors.HostRows)) else tensors.to_host_rows(x, field, copy=copy)
 
 
 def _copy_rows(field: "pb.Tensor", rows) -> None:

@@ -58,9 +58,8 @@ def rows_tensor(pieces) -> List[bytes]:
     rows = sum(int(t.shape[0]) for t in pieces)
     parts = [pb.Tensor(dtype=first.dtype, shape=[rows, *first.shape[1:]]).SerializeToString()]
     datas = [t.data for t in pieces]  # a pb.Tensor's data read once: each read copies it
-    size = sum(map(len, datas))
-    if size:
-        parts += [varint(_DATA_FIELD << 3 | _LENGTH_DELIMITED), varint(size)] + datas
+    if any(map(len, datas)):
+        parts += _field(_DATA_FIELD, datas)
     return parts
 
 

@@ -62,7 +62,7 @@ from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
 from .local import MAX_POLL_US, LocalClient
-from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_prefix_rows, hold_layers
+from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows, hold_layers
 
 ROUTE_HEADER = "x-sequence-key"
 # A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff. Not
@@ -242,7 +242,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self._check_live(seq)
         # HostRows (the arrays' bytes copied once), joined into the request's wire bytes (_wire.py): a pb.Tensor
         # copied them into the message, into the request and again when it was serialized.
-        encoded = {int(layer): (encode_prefix_rows(k, f"rows[{layer}].k"), encode_prefix_rows(v, f"rows[{layer}].v"))
+        encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
                    for layer, (k, v) in rows.items()}
 
         def attempt(ids):

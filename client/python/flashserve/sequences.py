@@ -58,14 +58,15 @@ class SequenceSpec:
 Rows = Union["pb.Tensor", tensors.HostRows]
 
 
-def encode_prefix_rows(x: Any, field: str) -> Rows:
-    """A prefix tensor: as HostRows (its bytes copied once; _wire.py joins them into the request), or an already
-    encoded pb.Tensor as it is."""
-    return x if isinstance(x, (pb.Tensor, tensors.HostRows)) else tensors.to_host_rows(x, field)
+def encode_rows(x: Any, field: str, copy: bool = True) -> Rows:
+    """A [rows, heads, head_dim] array or tensor as HostRows (its bytes copied once, or with copy=False a view for
+    rows sent and not kept; _wire.py joins them into a request), or an already encoded pb.Tensor / HostRows as it
+    is. Prefixes, appends and decode items all go through here."""
+    return x if isinstance(x, (pb.Tensor, tensors.HostRows)) else tensors.to_host_rows(x, field, copy=copy)
 
 
 def encode_prefix(prefix: Optional[Prefix]) -> Dict[int, Tuple[Rows, Rows]]:
-    return {int(layer): (encode_prefix_rows(k, f"prefix[{layer}].k"), encode_prefix_rows(v, f"prefix[{layer}].v"))
+    return {int(layer): (encode_rows(k, f"prefix[{layer}].k"), encode_rows(v, f"prefix[{layer}].v"))
             for layer, (k, v) in (prefix or {}).items()}
 
 
