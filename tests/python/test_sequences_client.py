@@ -15,6 +15,7 @@ from flashserve.hashring import HashRing
 
 pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
 
+from ring_keys import keys_spread_over  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
 
@@ -434,7 +435,7 @@ def test_route_header_and_release(fakes, rng):
 def test_a_server_leaving_moves_only_its_sequences(fakes, rng):
     truth = _truth(rng)
     with flashserve.SequenceClient([f.address for f in fakes], timeout=10, down_s=60) as client:
-        seqs = [client.create(**SHAPE, key=f"req-{i}") for i in range(24)]
+        seqs = [client.create(**SHAPE, key=key) for key in keys_spread_over(client.ring, client.endpoints, 8, "req-")]
         by_endpoint = collections.Counter(s.endpoint for s in seqs)
         assert len(by_endpoint) == 3, by_endpoint
         _decode_rounds(client, seqs, truth, 3)
@@ -455,15 +456,7 @@ def test_truncate_many_cuts_across_endpoints_through_a_lost_and_a_leaving_server
     a server that left move to the ring's next one; every later answer sees exactly the kept rows."""
     truth = _truth(rng)
     with flashserve.SequenceClient([f.address for f in fakes], timeout=10, down_s=60) as client:
-        # Keys chosen so that every server holds 3-4 sequences (the ring hashes the fakes' random ports).
-        keys, held = [], collections.Counter()
-        for i in range(10000):
-            endpoint = client.ring.lookup(f"spec-{i}")
-            if held[endpoint] < 4:
-                keys.append(f"spec-{i}")
-                held[endpoint] += 1
-            if min(held[f.address] for f in fakes) >= 3:
-                break
+        keys = keys_spread_over(client.ring, client.endpoints, 4, "spec-")  # the ring hashes the fakes' random ports
         seqs = [client.create(**SHAPE, key=key) for key in keys]
         assert len({s.endpoint for s in seqs}) == 3
         for lost in (fakes[0].servicer.forget_all, fakes[2].stop):

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import flashserve
+from ring_keys import keys_spread_over
 from sequences_truth import Truth
 
 pytestmark = pytest.mark.e2e
@@ -33,9 +34,9 @@ def test_three_servers_one_killed_mid_run(start_server, rng):
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     with flashserve.SequenceClient([s.address for s in servers], timeout=20, down_s=120) as client:
         seqs = []
-        for i in range(18):
+        for i, key in enumerate(keys_spread_over(client.ring, client.endpoints, 6, prefix="conversation-")):
             prefix = {0: truth.rows(20 + i), 1: truth.rows(5)}
-            seqs.append(client.create(**SHAPE, prefix=prefix, key=f"conversation-{i}"))
+            seqs.append(client.create(**SHAPE, prefix=prefix, key=key))
             for layer, (k, v) in prefix.items():
                 truth.add(seqs[-1].key, layer, k, v)
         placement = collections.Counter(s.endpoint for s in seqs)
@@ -55,26 +56,13 @@ def test_three_servers_one_killed_mid_run(start_server, rng):
             assert list(seq.info().layer_lengths) == [truth.length(seq.key, 0), truth.length(seq.key, 1)]
 
 
-def _keys_spread_over(ring, endpoints, per_endpoint):
-    """Keys the ring places `per_endpoint` times on each endpoint: which keys land where depends on the servers'
-    random ports, so the test picks them rather than hoping the victim holds some."""
-    chosen = {endpoint: [] for endpoint in endpoints}
-    for i in range(10_000):
-        bucket = chosen[ring.lookup(f"k{i}")]
-        if len(bucket) < per_endpoint:
-            bucket.append(f"k{i}")
-        if all(len(b) == per_endpoint for b in chosen.values()):
-            return [key for bucket in chosen.values() for key in bucket]
-    raise AssertionError(f"the ring never filled every endpoint: {chosen}")
-
-
 def test_without_reprefill_a_client_sees_only_errors_never_a_wrong_answer(start_server, rng):
     servers = [start_server(*KV_FLAGS, name=f"plain{i}") for i in range(3)]
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     errors = collections.Counter()
     answers_after_kill = sweeps_after_kill = 0
     with flashserve.SequenceClient([s.address for s in servers], timeout=20, reprefill=False) as client:
-        keys = _keys_spread_over(client.ring, client.endpoints, per_endpoint=4)
+        keys = keys_spread_over(client.ring, client.endpoints, per_endpoint=4)
         seqs = [client.create(**SHAPE, key=key) for key in keys]
         killer = threading.Timer(0.3, servers[2].proc.kill)  # while calls are in flight
         killer.start()
