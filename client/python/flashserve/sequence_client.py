@@ -106,6 +106,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self._credentials = credentials
         self._options = _channel_options(_RECONNECT_OPTIONS + list(options or []))
         self._channels: Dict[str, Tuple[grpc.Channel, Any]] = {}
+        self._raw_calls: Dict[Tuple[str, str], Any] = {}  # (endpoint, method) -> its wire-bytes callable
         self._down: Dict[str, float] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
@@ -141,14 +142,19 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         """The stub's method, or for a request already in wire bytes, the same method taking them as they are."""
         if not isinstance(request, bytes):
             return getattr(self.stub(endpoint), method)
-        if method == "DecodeStep":  # a packed answer's O / LSE read as views of the answer's bytes
-            deserializer = DecodeStepAnswer.parse
-        else:
-            deserializer = getattr(spb, spb.DESCRIPTOR.services_by_name["Sequences"].methods_by_name[method]
-                                   .output_type.name).FromString
-        return self._channel(endpoint)[0].unary_unary(
-            f"/{spb.DESCRIPTOR.package}.Sequences/{method}", request_serializer=None,
-            response_deserializer=deserializer)
+        raw = self._raw_calls.get((endpoint, method))  # made once: building one costs ~5 us a call
+        if raw is None:
+            channel = self._channel(endpoint)[0]
+            if method == "DecodeStep":  # a packed answer's O / LSE read as views of the answer's bytes
+                deserializer = DecodeStepAnswer.parse
+            else:
+                deserializer = getattr(spb, spb.DESCRIPTOR.services_by_name["Sequences"].methods_by_name[method]
+                                       .output_type.name).FromString
+            raw = channel.unary_unary(f"/{spb.DESCRIPTOR.package}.Sequences/{method}", request_serializer=None,
+                                      response_deserializer=deserializer)
+            with self._lock:
+                raw = self._raw_calls.setdefault((endpoint, method), raw)
+        return raw
 
     def metadata(self, key: str):
         md = [(ROUTE_HEADER, key)]
@@ -406,6 +412,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             for channel, _ in self._channels.values():
                 channel.close()
             self._channels.clear()
+            self._raw_calls.clear()
             for client in self._local_clients:
                 client.close()
             self._local_clients.clear()
