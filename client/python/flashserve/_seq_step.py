@@ -128,7 +128,7 @@ class _DecodeSteps:
                 if item.seq.id != sent_id:  # re-created while this ran, without these rows: the caller sends again
                     continue
                 if item.k is not None:  # an attend-only item's length may be older than an append acknowledged since
-                    item.seq.acknowledge({item.layer: (item.k, item.v)}, {item.layer: result.length})
+                    item.seq.acknowledge_layer(item.layer, item.k, item.v, result.length)
                 results[i] = answer  # with its acknowledgement: decode_step takes back those with a result
 
 

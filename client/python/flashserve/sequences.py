@@ -118,6 +118,7 @@ class Sequence:
         self._reading: collections.Counter = collections.Counter()
         self._waiting_writers: collections.Counter = collections.Counter()
         self._written = threading.Condition(threading.Lock())
+        self._sleepers = 0  # threads in self._written.wait(): a release with none wakes nobody (notify costs ~2 us)
         self._history = LayerHistory(spec.num_layers) if keep_history else None
         self._prefix_source = prefix_source
         self.lock = threading.RLock()
@@ -179,6 +180,12 @@ class Sequence:
         for layer, length in lengths.items():
             self.lengths[layer] = int(length)
 
+    def acknowledge_layer(self, layer: int, k: Rows, v: Rows, length: int) -> None:
+        """acknowledge() of one layer's rows (a decode step's item: no dicts built per item)."""
+        if self._history is not None:
+            self._history.add(layer, k, v)
+        self.lengths[layer] = int(length)
+
     def doubt(self, may_land: bool) -> None:
         """A call that sent rows failed, and they may be on the server (under self.lock)."""
         self.uncertain = True
@@ -233,7 +240,7 @@ def hold_layers(writes: Iterable = (), reads: Iterable = ()):
                     _wait_to_write(seq, layer)
                 else:
                     while layer in seq._writing or seq._waiting_writers[layer]:
-                        seq._written.wait()
+                        _sleep(seq)
                     seq._reading[layer] += 1
             taken.append((seq, layer, write))
         yield
@@ -244,16 +251,28 @@ def hold_layers(writes: Iterable = (), reads: Iterable = ()):
                     seq._writing.discard(layer)
                 else:
                     seq._reading[layer] -= 1
-                seq._written.notify_all()
+                if seq._sleepers:
+                    seq._written.notify_all()
+
+
+def _sleep(seq: Sequence) -> None:
+    """Under seq._written: waits for a notify, counted in seq._sleepers (only then do holders notify)."""
+    seq._sleepers += 1
+    try:
+        seq._written.wait()
+    finally:
+        seq._sleepers -= 1
 
 
 def _wait_to_write(seq: Sequence, layer: int) -> None:
     """Under seq._written: waits until no other call appends to or attends over the layer, then takes it."""
-    seq._waiting_writers[layer] += 1
-    try:
-        while layer in seq._writing or seq._reading[layer]:
-            seq._written.wait()
-    finally:
-        seq._waiting_writers[layer] -= 1
-        seq._written.notify_all()  # attends held back by this waiting append (also if the wait was interrupted)
+    if layer in seq._writing or seq._reading[layer]:
+        seq._waiting_writers[layer] += 1
+        try:
+            while layer in seq._writing or seq._reading[layer]:
+                _sleep(seq)
+        finally:
+            seq._waiting_writers[layer] -= 1
+            if seq._sleepers:  # attends held back by this waiting append (also if the wait was interrupted)
+                seq._written.notify_all()
     seq._writing.add(layer)
