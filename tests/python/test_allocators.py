@@ -6,11 +6,9 @@ forwards every entry point to the preloaded allocator and leaves the receive are
 Runs the real binary with Debian's libjemalloc2 (scripts/setup installs it) preloaded; skipped when the
 library is missing or the binary is sanitized (a sanitizer runtime must come first in the process)."""
 
-import os
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import flashserve
@@ -40,12 +38,11 @@ def _mapped_libraries(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_server_serves_with_jemalloc_preloaded(jemalloc_preloaded, start_server, make_qkv, check_answer):
+def test_server_serves_with_jemalloc_preloaded(jemalloc_preloaded, start_server, make_qkv, check_answer, rng):
     # An arena is asked for: it must be refused (warning), not crash the server.
     server, url = start_metrics_server(start_server, f"--receive_arena_bytes={64 << 20}",
                                        "--max_tensor_elements=4000000")
     assert str(jemalloc_preloaded) in _mapped_libraries(server.proc.pid), "jemalloc is not in the process"
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     with flashserve.Client(server.address, timeout=60) as c:
         # 24 KB to ~2 MB requests: many of gRPC's 64 KiB read buffers, the sizes the arena would serve.
         for seqlen, dtype in [(17, "float32"), (700, "bfloat16"), (1500, "float32")]:
@@ -76,10 +73,10 @@ def test_the_replacement_exports_every_entry_point_or_none(flashserve_bin):
     assert present in ([], ENTRY_POINTS), f"only some of malloc's entry points are exported: {present}"
 
 
-def test_server_without_arena_flag_runs_with_jemalloc(jemalloc_preloaded, start_server, make_qkv, check_answer):
+def test_server_without_arena_flag_runs_with_jemalloc(jemalloc_preloaded, start_server, make_qkv, check_answer,
+                                                       rng):
     # The default command line (no arena on the CPU backend): nothing to refuse, the server just runs.
     server = start_server()
-    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
     with flashserve.Client(server.address, timeout=60) as c:
         q, k, v = make_qkv(rng, 2, 33, 97, 4, 4, 64, "float16")
         out, lse = c.attention(q, k, v, return_lse=True)

@@ -28,8 +28,7 @@ pytestmark = pytest.mark.e2e
 Q_SHAPE, KV_SHAPE = (1, 8192, 4, 128), (1, 8, 4, 128)
 
 
-def _inputs():
-    rng = np.random.default_rng()
+def _inputs(rng):
     return (rng.standard_normal(Q_SHAPE).astype(np.float32), rng.standard_normal(KV_SHAPE).astype(np.float32),
             rng.standard_normal(KV_SHAPE).astype(np.float32))
 
@@ -94,10 +93,10 @@ def _answer_to_a_slow_reader(server, proxy, call, answered=lambda: True):
 
 
 @pytest.mark.parametrize("api", ["native", "kserve", "striped", "rest"])
-def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_server, request):
+def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_server, request, rng):
     server = start_server("--shutdown_grace_seconds=60", name=f"drain_{api}")
     proxy = ThrottlingProxy(server.http_port if api == "rest" else server.grpc_port)
-    q, k, v = _inputs()
+    q, k, v = _inputs(rng)
     call = {"native": _call_native, "striped": _call_striped, "rest": _call_rest,
             "kserve": lambda *a: _call_kserve(request.getfixturevalue("oip"), *a)}[api]
     out, answered_after = _answer_to_a_slow_reader(server, proxy, lambda: call(proxy.address, q, k, v))
@@ -170,14 +169,14 @@ def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server,
         truth.check(out, q, seq.key, 0)
 
 
-def test_sigterm_with_a_stalled_upload_waits_out_the_grace_period(start_server):
+def test_sigterm_with_a_stalled_upload_waits_out_the_grace_period(start_server, rng):
     """A native call admitted from its first byte whose client then stops sending: SIGTERM waits for it up to
     --shutdown_grace_seconds, then cancels it and exits 0 -- neither sooner (that request would be dropped while it
     might still arrive) nor later."""
     grace_s = 3
     server = start_server(f"--shutdown_grace_seconds={grace_s}", name="drain_stalled")
     proxy = ThrottlingProxy(server.grpc_port, upload_limit=2 << 20)
-    q, k, v = _inputs()  # 16 MiB of q: the proxy passes 2 MiB of it
+    q, k, v = _inputs(rng)  # 16 MiB of q: the proxy passes 2 MiB of it
     result = {}
 
     def run():

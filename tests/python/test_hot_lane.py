@@ -95,8 +95,12 @@ def test_sigterm_drains_requests_on_the_lane(start_server, make_qkv, check_answe
     code = server.proc.wait(timeout=60)
     assert code == 0, f"exit {code}\n{server.logs()}"
     # Requests admitted before SIGTERM are answered correctly; ones that arrived after it are refused.
+    # A request that reaches the server just as gRPC itself shuts down (after the drain) may get CANCELLED instead:
+    # the race test_faults' drain test tolerates for one call.
+    cancelled = [e for e in errors if isinstance(e, flashserve.FlashserveError) and e.code.name == "CANCELLED"]
+    assert len(cancelled) <= 1, errors
     for e in errors:
-        assert isinstance(e, flashserve.UnavailableError), repr(e)
+        assert isinstance(e, flashserve.UnavailableError) or e in cancelled, repr(e)
     assert results, f"the request in flight at SIGTERM was not answered: {errors}"
     for out in results:
         check_answer(out, None, q, k, v, causal=False)

@@ -218,8 +218,13 @@ SAFETY_SCRIPT = COMMON + textwrap.dedent("""
     attempts = []
     for _ in range(3):  # the request may still finish before an attempt lands: try a few
         done = threading.Event()
-        threading.Thread(target=lambda: (httpclient.InferenceServerClient(http_url).infer("attention", inputs),
-                                         done.set()), daemon=True).start()
+
+        def run_infer(done=done):  # done even when the inference fails (an unregister that landed early)
+            try:
+                httpclient.InferenceServerClient(http_url).infer("attention", inputs)
+            finally:
+                done.set()
+        threading.Thread(target=run_infer, daemon=True).start()
         deadline = time.monotonic() + 30
         while inflight() < 1 and not done.is_set() and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -108,7 +108,9 @@ def test_proxy_keeps_each_key_on_one_server_and_recovers_when_it_leaves(proxied_
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     with flashserve.SequenceClient(proxy, timeout=10) as client:
         seqs = []
-        for i in range(18):
+        # nginx hashes the fakes' random ports: 18 keys left one of them none in 0.2% of port draws, 48 in none of
+        # 200,000 (simulated with nginx's chash: crc32 points, 160 a server).
+        for i in range(48):
             k, v = truth.rows(3)
             seqs.append(client.create(**SHAPE, prefix={0: (k, v)}, key=f"conversation-{i}"))
             truth.add(seqs[-1].key, 0, k, v)

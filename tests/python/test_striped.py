@@ -164,7 +164,8 @@ def test_download_chunk_bytes_outside_the_range_is_refused(stub, rng, make_qkv):
 
 
 def test_abandoned_sessions_are_dropped(start_server):
-    s = start_server("--stream_session_timeout_ms=300", "--stream_max_sessions=2")
+    # 2 s idle: the three opens below must come within it on a loaded machine; the drop is polled for.
+    s = start_server("--stream_session_timeout_ms=2000", "--stream_max_sessions=2")
     with grpc.insecure_channel(s.address) as channel:
         stub = pb_grpc.AttentionStreamServiceStub(channel)
         a = stub.OpenSession(_header(), timeout=10).session_id
@@ -173,12 +174,16 @@ def test_abandoned_sessions_are_dropped(start_server):
         with pytest.raises(grpc.RpcError) as e:
             stub.OpenSession(_header(), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        time.sleep(1.0)
-        with pytest.raises(grpc.RpcError) as e:
-            stub.Compute(pb.ComputeRequest(session_id=a), timeout=10)
-        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        deadline = time.monotonic() + 30
+        while True:
+            time.sleep(0.2)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Compute(pb.ComputeRequest(session_id=a), timeout=10)
+            if e.value.code() == grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                break
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND, e.value.details()
         assert stub.OpenSession(_header(), timeout=10).session_id  # room again
-        assert "dropped after 300 ms idle" in s.logs()
+        assert "dropped after 2000 ms idle" in s.logs()
     assert s.stop() == 0
 
 
