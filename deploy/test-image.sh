@@ -445,6 +445,12 @@ else:
     if not sel or (dep and any(dep["spec"]["template"]["metadata"]["labels"].get(k) != v for k, v in sel.items())):
         errors.append("PodMonitor selector does not match the pods")
     print(f"ok   PodMonitor {pm['metadata']['name']}: port metrics {eps[0].get('path', '/metrics')} every {eps[0].get('interval', 'default')}")
+pr = (by_kind.get("PrometheusRule") or [None])[0]
+alerts = yaml.safe_load(open(os.path.join(d, "..", "prometheus", "alerts.yml")))
+if not pr: errors.append("no PrometheusRule")
+elif pr.get("apiVersion") != "monitoring.coreos.com/v1": errors.append("PrometheusRule apiVersion")
+elif pr["spec"].get("groups") != alerts["groups"]: errors.append("PrometheusRule groups differ from deploy/prometheus/alerts.yml")
+else: print(f"ok   PrometheusRule {pr['metadata']['name']}: the {sum(len(g['rules']) for g in alerts['groups'])} rules of alerts.yml")
 print(f"ok   {len(docs)} documents in {len(files)} files")
 if errors:
     print("\n".join("FAIL " + e for e in errors)); sys.exit(1)

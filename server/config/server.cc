@@ -109,7 +109,9 @@ void Server::StartMetrics() {
   metrics_ = std::make_unique<ServerMetrics>(options);
   Scheduler* scheduler = scheduler_.get();
   metrics_->SetQueueDepthCallback([scheduler] { return double(scheduler->queue_depth()); });
+  metrics_->SetQueueCapacity(config_.scheduler.queue_capacity);
   Backend* backend = backend_.backend.get();
+  metrics_->SetBackendHealthyCallback([backend] { return backend->healthy(); });
   for (const DeviceDescription& device : backend->capabilities().devices) {
     const int index = device.index;
     metrics_->SetDevicePoolCallback(index, [backend, index] {

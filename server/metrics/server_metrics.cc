@@ -71,6 +71,13 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
                                       "Requests accepted by an edge and not yet answered.");
   auto& queue_depth =
       registry_.AddGauge("flashserve_queue_depth", "Jobs waiting in the scheduler's queue.");
+  auto& queue_capacity = registry_.AddGauge(
+      "flashserve_queue_capacity",
+      "Jobs the scheduler's queue holds before it refuses more (--queue_capacity).");
+  auto& backend_healthy = registry_.AddGauge(
+      "flashserve_backend_healthy",
+      "1 while the backend can run work; 0 after a sticky device fault (the process then reports "
+      "not live and not ready, and answers UNAVAILABLE).");
   kernel_tflops_ = &registry_.AddHistogram(
       "flashserve_kernel_tflops",
       "Attention throughput of one kernel launch, TFLOPS (10^12 floating-point operations per "
@@ -123,6 +130,9 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
 
   inflight_ = inflight.Get();
   queue_depth_ = queue_depth.Get();
+  queue_capacity_ = queue_capacity.Get();
+  backend_healthy_ = backend_healthy.Get();
+  backend_healthy_->Set(1.0);
   bytes_in_ = request_bytes_->Labels({"in"});
   bytes_out_ = request_bytes_->Labels({"out"});
   for (int p = 0; p < kNumPhases; ++p) {
@@ -197,6 +207,11 @@ void ServerMetrics::RecordAutotune(std::string_view result) {
 
 void ServerMetrics::SetQueueDepthCallback(std::function<double()> callback) {
   queue_depth_->SetCallback(std::move(callback));
+}
+
+void ServerMetrics::SetBackendHealthyCallback(std::function<bool()> healthy) {
+  if (!healthy) return;
+  backend_healthy_->SetCallback([healthy = std::move(healthy)] { return healthy() ? 1.0 : 0.0; });
 }
 
 std::array<metrics::Gauge*, 2> ServerMetrics::PoolGauges(metrics::Family<metrics::Gauge>* family,

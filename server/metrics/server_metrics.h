@@ -112,6 +112,11 @@ class ServerMetrics {
   /// queue_depth: jobs waiting in the scheduler. Either set it, or give a callback read at scrape.
   void SetQueueDepth(double depth) { queue_depth_->Set(depth); }
   void SetQueueDepthCallback(std::function<double()> callback);
+  /// queue_capacity: the bound on waiting jobs (--queue_capacity), for alerts on depth / capacity.
+  void SetQueueCapacity(int capacity) { queue_capacity_->Set(double(capacity)); }
+  /// backend_healthy: 1 until `healthy` (read at scrape) says a device fault made the backend
+  /// unusable.
+  void SetBackendHealthyCallback(std::function<bool()> healthy);
 
   /// device_memory_pool_bytes{device,state="used"|"reserved"}.
   void SetDevicePool(int device, int64_t used_bytes, int64_t reserved_bytes);
@@ -164,6 +169,8 @@ class ServerMetrics {
   metrics::Family<metrics::Gauge>* receive_arena_;
   metrics::Gauge* inflight_;
   metrics::Gauge* queue_depth_;
+  metrics::Gauge* queue_capacity_;
+  metrics::Gauge* backend_healthy_;
   metrics::Counter* bytes_in_;
   metrics::Counter* bytes_out_;
   std::array<metrics::Histogram*, kNumPhases> phases_{};

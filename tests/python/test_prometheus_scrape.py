@@ -56,14 +56,16 @@ def prometheus_bin() -> str:
 class Prometheus:
     """One Prometheus on a free loopback port with its own data directory, scraping `target` every second."""
 
-    def __init__(self, binary: str, workdir: Path, target: str):
+    def __init__(self, binary: str, workdir: Path, target: str, rule_files=()):
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
+        rules = "".join(f"  - '{path}'\n" for path in rule_files)
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            "scrape_configs:\n  - job_name: flashserve\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
+            + (f"rule_files:\n{rules}" if rules else "")
+            + "scrape_configs:\n  - job_name: flashserve\n    scrape_interval: 1s\n    scrape_timeout: 1s\n"
             f"    static_configs:\n      - targets: ['{target}']\n"
         )
         self.log = workdir / "prometheus.log"

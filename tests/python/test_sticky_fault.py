@@ -18,7 +18,8 @@ import pytest
 
 import flashserve
 
-from conftest import http_get
+from conftest import free_port, http_get
+from metrics_helpers import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -43,10 +44,14 @@ def _kserve_server_live(address: str) -> bool:
 
 def test_unhealthy_backend_fails_liveness_and_exits_3(start_server):
     grace_s = 3
-    s = start_server("--enable_fault_injection", f"--shutdown_grace_seconds={grace_s}", name="fault")
+    metrics_port = free_port()
+    s = start_server("--enable_fault_injection", f"--shutdown_grace_seconds={grace_s}", f"--metrics_port={metrics_port}",
+                     name="fault")
+    metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     with flashserve.Client(s.address, timeout=60) as c:
         c.attention(*_qkv(1))  # healthy first
         assert http_get(f"{s.http}/v2/health/live")[0] == 200
+        assert scrape(metrics).value("flashserve_backend_healthy") == 1.0
         assert _kserve_server_live(s.address)
         try:
             c.attention(*_qkv(2), request_id=FAULT_ID)
@@ -61,6 +66,7 @@ def test_unhealthy_backend_fails_liveness_and_exits_3(start_server):
         assert http_get(f"{s.http}/v2/health/live")[0] == 503, "liveness still passes after the fault"
         assert http_get(f"{s.http}/v2/health/ready")[0] == 503
         assert not _kserve_server_live(s.address), "KServe gRPC ServerLive still says live after the fault"
+        assert scrape(metrics).value("flashserve_backend_healthy") == 0.0, "the metric an alert watches says healthy"
         while c.health_status() != "NOT_SERVING" and time.monotonic() < deadline:  # the server looks every second
             time.sleep(0.05)
         assert c.health_status() == "NOT_SERVING"

@@ -266,6 +266,21 @@ TEST(ServerMetricsTest, GaugesAndCallbacks) {
   EXPECT_EQ(Sample(m.Render(), "flashserve_queue_depth"), "11");
 }
 
+TEST(ServerMetricsTest, QueueCapacityAndBackendHealth) {
+  ServerMetrics m(TestOptions());
+  std::string text = m.Render();
+  EXPECT_NE(text.find("\n# TYPE flashserve_backend_healthy gauge\n"), std::string::npos);
+  EXPECT_EQ(Sample(text, "flashserve_backend_healthy"), "1");  // before a backend reports
+  EXPECT_EQ(Sample(text, "flashserve_queue_capacity"), "0");
+  m.SetQueueCapacity(64);
+  bool healthy = true;
+  m.SetBackendHealthyCallback([&healthy] { return healthy; });
+  EXPECT_EQ(Sample(m.Render(), "flashserve_queue_capacity"), "64");
+  EXPECT_EQ(Sample(m.Render(), "flashserve_backend_healthy"), "1");
+  healthy = false;  // a sticky device fault: read at the next scrape
+  EXPECT_EQ(Sample(m.Render(), "flashserve_backend_healthy"), "0");
+}
+
 TEST(ServerMetricsTest, NamesOfCodesAndPhases) {
   EXPECT_EQ(GrpcCodeName(0), "OK");
   EXPECT_EQ(GrpcCodeName(3), "INVALID_ARGUMENT");
