@@ -546,6 +546,8 @@ def test_sticky_device_fault_stops_the_server(flashserve_bin, tmp_path, rng, dev
             with pytest.raises(urllib.error.HTTPError) as ready:
                 urllib.request.urlopen(f"{s.http}/v2/health/ready", timeout=5)
             assert ready.value.code == 503
+            text = urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=5).read().decode()
+            assert "\nflashserve_backend_healthy 0\n" in text, "the metric an alert watches still says healthy"
             for _ in range(4):  # whichever device the load balancer would have picked
                 with pytest.raises(flashserve.UnavailableError, match="faulted"):
                     c.attention(q, k, v)
