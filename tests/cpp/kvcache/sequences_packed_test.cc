@@ -78,7 +78,9 @@ std::string Bytes(const kvcache::HostRows& r) {
 }
 
 TEST(SequencesPacked, ItemsAreTheSlicesAnUnpackedStepCarries) {
-  const TwoForms f = MakeSteps({1, 3, 16, 1, 2}, {1, 0, 5, 1, 2}, std::random_device{}());
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const TwoForms f = MakeSteps({1, 3, 16, 1, 2}, {1, 0, 5, 1, 2}, seed);
   SequenceShm shm;
   v1::DecodeStepResponse packed_response, unpacked_response;
   auto packed = BuildDecodeStep(f.packed, 8, &shm, &packed_response);

@@ -17,6 +17,7 @@
 #include "runtime/cpu_backend.h"
 #include "runtime/cpu_kv_store.h"
 #include "runtime/sequence_runtime.h"
+#include "stop_timing.h"
 
 namespace flashserve {
 namespace {
@@ -24,6 +25,16 @@ namespace {
 constexpr int kLargeSeqlen = 200000;
 constexpr absl::Duration kPrompt = absl::Milliseconds(100);  // the stop's bound
 constexpr absl::Duration kSlack = absl::Milliseconds(150);   // scheduling on a loaded machine
+const std::chrono::nanoseconds kBound = absl::ToChronoNanoseconds(kPrompt + kSlack);
+constexpr int kComputeThreads = 3;  // the backend's two and the thread that runs the job
+
+// Marks (stop_timing.h) the moment a deadline passes, from a thread of its own.
+std::thread MarkAt(absl::Time when, test::StopMark* mark) {
+  return std::thread([when, mark] {
+    absl::SleepFor(when - absl::Now());
+    *mark = test::StopMark();
+  });
+}
 
 std::unique_ptr<CpuBackend> MakeBackend() {
   CpuBackendOptions options;
@@ -64,12 +75,15 @@ TEST(CpuBackendStop, DeadlineStopsARunningJob) {
   std::unique_ptr<CpuBackend> backend = MakeBackend();
   Job large(kLargeSeqlen);
   large.job.deadline = absl::Now() + absl::Milliseconds(200);
+  test::StopMark due;
+  std::thread marker = MarkAt(large.job.deadline, &due);
   PhaseTiming timing;
   std::string kernel;
   const absl::Status status = backend->Run(large.job, &timing, &kernel);
-  const absl::Duration late = absl::Now() - large.job.deadline;
+  const test::StopMark returned;
+  marker.join();
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-  EXPECT_LT(late, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(due, returned, kBound, kComputeThreads));
   EXPECT_TRUE(kernel.empty());
 
   Job small(300);  // the threads are free again and compute in full
@@ -82,31 +96,31 @@ TEST(CpuBackendStop, CancellationStopsARunningJob) {
   Job large(kLargeSeqlen);
   std::atomic<bool> gone{false};
   large.job.cancelled = [&gone] { return gone.load(); };
-  absl::Time cancelled_at;
+  test::StopMark cancelled_at;
   std::thread client([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    cancelled_at = absl::Now();
+    cancelled_at = test::StopMark();
     gone = true;
   });
   PhaseTiming timing;
   std::string kernel;
   const absl::Status status = backend->Run(large.job, &timing, &kernel);
-  const absl::Time returned = absl::Now();
+  const test::StopMark returned;
   client.join();
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
-  EXPECT_LT(returned - cancelled_at, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(cancelled_at, returned, kBound, kComputeThreads));
 }
 
 // A runtime over the CPU backend with one scheduler worker, as the server runs it.
 class CpuRuntime : public ::testing::Test {
  protected:
   struct Answer {
-    std::future<absl::Time> at;  // when done() ran
+    std::future<test::StopMark> at;  // when done() ran
     std::shared_ptr<absl::Status> status;
   };
   Answer Submit(const v1::AttentionRequest* request, v1::AttentionResponse* response,
                 absl::Time deadline, std::function<bool()> cancelled = {}) {
-    auto at = std::make_shared<std::promise<absl::Time>>();
+    auto at = std::make_shared<std::promise<test::StopMark>>();
     auto status = std::make_shared<absl::Status>();
     AttentionRuntime::Call call;
     call.request = request;
@@ -116,7 +130,7 @@ class CpuRuntime : public ::testing::Test {
     call.cancelled = std::move(cancelled);
     call.done = [at, status](const absl::Status& s) {
       *status = s;
-      at->set_value(absl::Now());
+      at->set_value(test::StopMark());
     };
     runtime_.Submit(std::move(call));
     return {at->get_future(), status};
@@ -138,15 +152,18 @@ class CpuRuntime : public ::testing::Test {
 // on the one scheduler worker is answered at once.
 TEST_F(CpuRuntime, DeadlineFreesTheWorkerForTheNextCall) {
   const absl::Time deadline = absl::Now() + absl::Milliseconds(300);
+  test::StopMark due;
+  std::thread marker = MarkAt(deadline, &due);
   Answer large = Submit(&large_, &large_response_, deadline);
   Answer small = Submit(&small_, &small_response_, absl::InfiniteFuture());
 
   ASSERT_EQ(large.at.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  EXPECT_LT(large.at.get() - deadline, kPrompt + kSlack);
+  marker.join();
+  EXPECT_TRUE(test::StoppedPromptly(due, large.at.get(), kBound, kComputeThreads));
   EXPECT_EQ(large.status->code(), absl::StatusCode::kDeadlineExceeded) << *large.status;
   EXPECT_FALSE(large_response_.has_out());  // partial output is never an answer
   ASSERT_EQ(small.at.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  EXPECT_LT(small.at.get() - deadline, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(due, small.at.get(), kBound, kComputeThreads));
   EXPECT_TRUE(small.status->ok()) << *small.status;
   EXPECT_EQ(small_response_.out().data().size(), size_t(64 * 2 * 32 * 4));
 }
@@ -157,10 +174,10 @@ TEST_F(CpuRuntime, ClientCancelStopsTheJob) {
   Answer large =
       Submit(&large_, &large_response_, absl::InfiniteFuture(), [&gone] { return gone.load(); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const absl::Time cancelled_at = absl::Now();
+  const test::StopMark cancelled_at;
   gone = true;
   ASSERT_EQ(large.at.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  EXPECT_LT(large.at.get() - cancelled_at, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(cancelled_at, large.at.get(), kBound, kComputeThreads));
   EXPECT_EQ(large.status->code(), absl::StatusCode::kCancelled) << *large.status;
   EXPECT_TRUE(absl::StartsWith(large.status->message(), "cancelled by the client while computing"))
       << *large.status;
@@ -174,11 +191,11 @@ TEST_F(CpuRuntime, CancelRunningStopsTheJobAndNamesTheShutdown) {
   Answer large = Submit(&large_, &large_response_, absl::InfiniteFuture(),
                         [&grpc_cancelled] { return grpc_cancelled.load(); });
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const absl::Time cancelled_at = absl::Now();
+  const test::StopMark cancelled_at;
   runtime_.CancelRunning();
   grpc_cancelled = true;
   ASSERT_EQ(large.at.wait_for(std::chrono::seconds(30)), std::future_status::ready);
-  EXPECT_LT(large.at.get() - cancelled_at, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(cancelled_at, large.at.get(), kBound, kComputeThreads));
   EXPECT_EQ(large.status->code(), absl::StatusCode::kCancelled) << *large.status;
   EXPECT_TRUE(
       absl::StartsWith(large.status->message(),
@@ -207,18 +224,18 @@ TEST(CpuKvStoreStop, LaunchStopsWhenNoCallWaits) {
   batch.items.push_back(std::move(item));
   std::atomic<bool> gone{false};
   batch.stop = [&gone] { return gone.load(); };
-  absl::Time gone_at;
+  test::StopMark gone_at;
   std::thread client([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    gone_at = absl::Now();
+    gone_at = test::StopMark();
     gone = true;
   });
   kvcache::AttendInfo info;
   const absl::Status status = store->Attend(batch, &info);
-  const absl::Time returned = absl::Now();
+  const test::StopMark returned;
   client.join();
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
-  EXPECT_LT(returned - gone_at, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(gone_at, returned, kBound, kComputeThreads));
 }
 
 // The same through the Sequences runtime: a DecodeStep whose deadline passes mid-launch is
@@ -256,16 +273,19 @@ TEST(SequenceRuntimeStop, DecodeStepDeadlineStopsItsLaunch) {
   call->out.push_back(out.data());
   call->received = absl::Now();
   call->deadline = absl::Now() + absl::Milliseconds(300);
-  auto answer = std::make_shared<std::promise<std::pair<absl::Status, absl::Time>>>();
+  test::StopMark due;
+  std::thread marker = MarkAt(call->deadline, &due);
+  auto answer = std::make_shared<std::promise<std::pair<absl::Status, test::StopMark>>>();
   call->done = [answer](const absl::Status& s, const DecodeReport&) {
-    answer->set_value({s, absl::Now()});
+    answer->set_value({s, test::StopMark()});
   };
   runtime->Submit(call);
-  std::future<std::pair<absl::Status, absl::Time>> done = answer->get_future();
+  std::future<std::pair<absl::Status, test::StopMark>> done = answer->get_future();
   ASSERT_EQ(done.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+  marker.join();
   const auto [status, at] = done.get();
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
-  EXPECT_LT(at - call->deadline, kPrompt + kSlack);
+  EXPECT_TRUE(test::StoppedPromptly(due, at, kBound, kComputeThreads));
 }
 
 }  // namespace

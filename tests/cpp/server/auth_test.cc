@@ -1,8 +1,12 @@
 // Bearer-token checks: exact match only, scheme case-insensitive, short tokens refused.
 #include "common/auth.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <fstream>
+#include <random>
+#include <string>
 
 #include "gtest/gtest.h"
 
@@ -41,7 +45,10 @@ TEST(BearerAuth, RefusesWeakTokens) {
 }
 
 TEST(BearerAuth, ReadsFile) {
-  const std::string path = ::testing::TempDir() + "/flashserve-token";
+  // This process's own name: another test run on the machine (or a stale file of another user's)
+  // must not race it.
+  const std::string path = ::testing::TempDir() + "/flashserve-token-" + std::to_string(getpid()) +
+                           "-" + std::to_string(std::random_device{}());
   std::ofstream(path) << "file-token-0123456789\n";
   auto auth = BearerAuth::FromFile(path);
   ASSERT_TRUE(auth.ok()) << auth.status();
