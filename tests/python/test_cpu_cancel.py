@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 
 LARGE = (1, 240000, 1, 4)
 SMALL = (1, 64, 2, 32)
-DEADLINE_S = 2.0  # the large request reaches compute 30-60 ms into it here; it computes ~20 s
+DEADLINE_S = 1.0
 PROMPT_S = 2.0  # the small request's budget after the large one gave up (it computes in microseconds)
 
 
@@ -82,8 +82,13 @@ def test_deadline_stops_the_computation_and_frees_the_worker(start_server):
     assert time.monotonic() - started < DEADLINE_S + 1.0
     took = _small_answered_within(server.address)
     assert took < PROMPT_S, f"the next request waited {took:.1f} s: the large one kept computing\n{server.logs()}"
-    # The server's side of it: the work stopped at the deadline, it was not computed and thrown away.
-    _logs_with(server, "deadline passed while computing; stopped after")
+    # The server's side of it: the work stopped at the deadline, it was not computed and thrown away. The client's
+    # gRPC library cancels the call at the same deadline, counted from before the server read its headers: under
+    # load that cancel can be the first the server sees (CI: "cancelled by the client ... after 1968186 us" for a
+    # 2 s deadline), so either reason names the stop.
+    logs = _logs_with(server, "while computing; stopped after")
+    assert "deadline passed while computing; stopped after" in logs or \
+        "cancelled by the client while computing; stopped after" in logs, logs
 
 
 def test_rest_timeout_stops_the_computation(start_server):
