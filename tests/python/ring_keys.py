@@ -5,6 +5,11 @@ over three servers); tests that kill or lose one server pick their keys instead 
 from __future__ import annotations
 
 
+def key_on(ring, endpoint, prefix: str = "k") -> str:
+    """The first key `prefix`<n> the ring places on `endpoint`."""
+    return next(f"{prefix}{i}" for i in range(100_000) if ring.lookup(f"{prefix}{i}") == endpoint)
+
+
 def keys_spread_over(ring, endpoints, per_endpoint: int, prefix: str = "k"):
     """`per_endpoint` keys for each endpoint, in endpoint order."""
     chosen = {endpoint: [] for endpoint in endpoints}

@@ -37,6 +37,7 @@ import flashserve
 
 pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
 
+from ring_keys import key_on  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
 from tcp_proxy import AnswerCutter, LateGreetingProxy  # noqa: E402
@@ -88,10 +89,6 @@ def _rounds(client, seqs, truth, n, layer=0):
 
 def _server_rows(fake, seq):
     return [len(k) for k in fake.servicer.seqs[seq.id].k]
-
-
-def _key_on(client, endpoint, prefix):
-    return next(f"{prefix}{i}" for i in range(10_000) if client.ring.lookup(f"{prefix}{i}") == endpoint)
 
 
 class _Thread(threading.Thread):
@@ -217,8 +214,8 @@ def test_every_endpoint_group_that_may_have_appended_is_settled(fakes, rng, firs
     second: its sequences were not marked uncertain, and their next step was taken for a retry (wrong answer)."""
     truth = _truth(rng)
     with flashserve.SequenceClient([f.address for f in fakes], timeout=30) as client:
-        first = [_create(client, truth, key=_key_on(client, fakes[0].address, f"a{i}-")) for i in range(2)]
-        second = [_create(client, truth, key=_key_on(client, fakes[1].address, f"b{i}-")) for i in range(2)]
+        first = [_create(client, truth, key=key_on(client.ring, fakes[0].address, f"a{i}-")) for i in range(2)]
+        second = [_create(client, truth, key=key_on(client.ring, fakes[1].address, f"b{i}-")) for i in range(2)]
         assert {s.endpoint for s in first} == {fakes[0].address} and {s.endpoint for s in second} == {fakes[1].address}
         fakes[0].servicer.fail_next_step = first_failure
         fakes[1].servicer.fail_next_step = (INTERNAL, True)
@@ -239,8 +236,8 @@ def test_a_step_that_raises_leaves_none_of_its_rows_even_where_one_server_took_t
     sequences kept the rows (acknowledged) and the retry appended them a second time (wrong answers from then on)."""
     truth = _truth(rng)
     with flashserve.SequenceClient([f.address for f in fakes], timeout=30) as client:
-        first = [_create(client, truth, key=_key_on(client, fakes[0].address, f"a{i}-")) for i in range(2)]
-        second = [_create(client, truth, key=_key_on(client, fakes[1].address, f"b{i}-")) for i in range(2)]
+        first = [_create(client, truth, key=key_on(client.ring, fakes[0].address, f"a{i}-")) for i in range(2)]
+        second = [_create(client, truth, key=key_on(client.ring, fakes[1].address, f"b{i}-")) for i in range(2)]
         seqs = first + second
         qs, kvs = [truth.query() for _ in seqs], [truth.rows(1) for _ in seqs]
         items = [(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)]
@@ -269,7 +266,7 @@ def test_an_answer_from_a_sequence_recreated_meanwhile_is_not_acknowledged(fakes
     truth = _truth(rng)
     fake0 = fakes[0].servicer
     with flashserve.SequenceClient([f.address for f in fakes], timeout=30, down_s=60) as client:
-        seq = _create(client, truth, key=_key_on(client, fakes[0].address, "c-"))
+        seq = _create(client, truth, key=key_on(client.ring, fakes[0].address, "c-"))
         hold = fake0.hold("DecodeStep", "after")
         qc, (kc, vc) = truth.query(), truth.rows(1)
         c = _Thread(lambda: seq.step(1, qc, kc, vc))

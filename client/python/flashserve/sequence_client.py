@@ -266,7 +266,8 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                     raise NotFoundError(grpc.StatusCode.NOT_FOUND, f"sequence {sent_id} was re-created while an "
                                         "append to it ran", missing_ids=(sent_id,))
                 # Only the appended layers: the others' lengths in this answer may be older than the client's.
-                seq.acknowledge(encoded, {layer: response.layer_lengths[layer] for layer in encoded})
+                for layer, (k, v) in encoded.items():
+                    seq.acknowledge_layer(layer, k, v, response.layer_lengths[layer])
                 return list(seq.lengths)
 
         with hold_layers(writes=[(seq, layer) for layer in encoded]):

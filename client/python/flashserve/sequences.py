@@ -172,16 +172,8 @@ class Sequence:
 
     # --- state, used by SequenceClient under self.lock ---------------------------------------------------------------
 
-    def acknowledge(self, rows: Dict[int, Tuple[Rows, Rows]], lengths: Mapping[int, int]) -> None:
-        """The server appended ``rows``; ``lengths`` are its layer lengths after that."""
-        if self._history is not None:
-            for layer, (k, v) in rows.items():
-                self._history.add(layer, k, v)
-        for layer, length in lengths.items():
-            self.lengths[layer] = int(length)
-
     def acknowledge_layer(self, layer: int, k: Rows, v: Rows, length: int) -> None:
-        """acknowledge() of one layer's rows (a decode step's item: no dicts built per item)."""
+        """The server appended rows k / v to ``layer``; ``length`` is the layer's length after that."""
         if self._history is not None:
             self._history.add(layer, k, v)
         self.lengths[layer] = int(length)
