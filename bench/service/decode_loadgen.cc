@@ -27,6 +27,8 @@
 // when the server serves the clients unevenly), and attended_p50: the median number of keys a
 // step attended (every step appends a token and levels run one after another on the same
 // sequences, so this is above --context: compare with the kernel alone at this length).
+// --split=1,8: each client's step is also sent as N DecodeStep calls at once, each on a connection
+// of its own, and measured until the last answers (decode_split.h; rows "..., split N").
 // The flags: kUsage below (--help prints it); an unknown or malformed flag is an error (exit 2).
 #include <algorithm>
 #include <cstdint>
@@ -43,10 +45,11 @@
 #include <vector>
 
 #include "bench_flags.h"
+#include "decode_split.h"
+#include "decode_transport.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "decode_transport.h"
 #include "loadgen_workload.h"
 
 namespace {
@@ -59,6 +62,8 @@ using flashserve::loadgen::DecodeTransportOptions;
 using flashserve::loadgen::EchoClient;
 using flashserve::loadgen::MakeChannel;
 using flashserve::loadgen::Micros;
+using flashserve::loadgen::SplitDecodeClient;
+using flashserve::loadgen::SplitEchoClient;
 
 constexpr int64_t kHeadsQ = 32, kHeadsKv = 8, kHeadDim = 128;
 constexpr int64_t kMaxMessage = (int64_t(1) << 31) - 1;
@@ -68,6 +73,7 @@ struct Options {
   std::string echo;  // non-empty: flashserve-echo's host:port (the raw gRPC floor per row)
   int64_t context = 1024, sequences = 64;
   std::vector<int> concurrency{1, 8};
+  std::vector<int> split{1};  // each client's step as this many calls at once (decode_split.h)
   int steps = 200, warmup = 20;
   DecodeTransportOptions transport;  // how DecodeStep goes (gRPC or local; inline or shm)
   bool answer_packed = false;        // --packed=2: packed.answer_packed (O as one tensor)
@@ -375,23 +381,36 @@ std::string ProtoCostFields(const v1::DecodeStepRequest& request,
   return buffer;
 }
 
-// The raw gRPC echo of one level's requests (client c: requests[c]'s bytes, answered with as
-// many bytes as responses[c], the response it got), same clients, warm-up and steps; the row's
-// JSON fields for it.
-std::string EchoFields(const Options& opt, int clients,
+// The raw gRPC echo of one level's requests (call i = c * split + j: requests[i]'s bytes, answered
+// with as many bytes as responses[i], the answer it got), same clients, split, warm-up and steps;
+// the row's JSON fields for it. Unsplit clients echo through the blocking path, as they step.
+std::string EchoFields(const Options& opt, int clients, int split,
                        const std::vector<v1::DecodeStepRequest>& requests,
                        const std::vector<std::string>& responses) {
   std::vector<std::unique_ptr<EchoClient>> conns;
+  std::vector<std::unique_ptr<SplitEchoClient>> split_conns;
   int64_t request_max = 0, response_max = 0;
   for (int c = 0; c < clients; ++c) {
-    std::string bytes = requests[size_t(c)].SerializeAsString();
-    const int64_t response_bytes = int64_t(responses[size_t(c)].size());
-    request_max = std::max(request_max, int64_t(bytes.size()));
-    response_max = std::max(response_max, response_bytes);
-    conns.push_back(
-        std::make_unique<EchoClient>(opt.echo, c, opt.token, std::move(bytes), response_bytes));
+    std::vector<std::string> bytes;
+    std::vector<int64_t> response_bytes;
+    for (int j = 0; j < split; ++j) {
+      const size_t i = size_t(c) * size_t(split) + size_t(j);
+      bytes.push_back(requests[i].SerializeAsString());
+      response_bytes.push_back(int64_t(responses[i].size()));
+      request_max = std::max(request_max, int64_t(bytes.back().size()));
+      response_max = std::max(response_max, response_bytes.back());
+    }
+    if (split == 1) {
+      conns.push_back(std::make_unique<EchoClient>(opt.echo, c, opt.token, std::move(bytes[0]),
+                                                   response_bytes[0]));
+    } else {
+      split_conns.push_back(std::make_unique<SplitEchoClient>(
+          opt.echo, opt.token, c, std::move(bytes), std::move(response_bytes)));
+    }
   }
-  auto call = [&](int c, Sample*, std::string* failed) { return conns[size_t(c)]->Step(failed); };
+  auto call = [&](int c, Sample*, std::string* failed) {
+    return split == 1 ? conns[size_t(c)]->Step(failed) : split_conns[size_t(c)]->Step(failed);
+  };
   double wall_s = 0;
   std::string error;
   const std::vector<Sample> samples =
@@ -445,9 +464,52 @@ bool SequencesLevel(const Options& opt, int clients,
     PrintError(SequencesPath(opt), opt, clients, error);
     return false;
   }
-  const std::string echo =
-      opt.echo.empty() ? "" : EchoFields(opt, clients, requests, responses);
+  const std::string echo = opt.echo.empty() ? "" : EchoFields(opt, clients, 1, requests, responses);
   PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, echo);
+  return true;
+}
+
+// One concurrency level with each client's step split into `split` parts (decode_split.h):
+// client c sends requests[c * split + j], j < split, at once on connections of their own; a step
+// lasts until its last part is answered, and its server timings are its slowest part's.
+bool SplitLevel(const Options& opt, int clients, int split,
+                const std::vector<v1::DecodeStepRequest>& requests, DecodeRegions* regions) {
+  std::string error;
+  if (regions != nullptr) regions->PoisonOutputs(&error);
+  std::vector<std::unique_ptr<SplitDecodeClient>> conns;
+  for (int c = 0; c < clients && error.empty(); ++c) {
+    std::vector<const v1::DecodeStepRequest*> parts;
+    for (int j = 0; j < split; ++j) parts.push_back(&requests[size_t(c * split + j)]);
+    conns.push_back(std::make_unique<SplitDecodeClient>(opt.target, opt.token, c, parts));
+  }
+  std::vector<std::vector<v1::DecodeStepResponse>> last(static_cast<size_t>(clients));
+  std::vector<std::string> firsts(requests.size());  // each part's first answer: the echo's sizes
+  auto call = [&](int c, Sample* sample, std::string* failed) {
+    std::vector<v1::DecodeStepResponse>& responses = last[size_t(c)];
+    if (!conns[size_t(c)]->Step(&responses, failed)) return false;
+    const v1::DecodeStepResponse* slowest = &responses[0];
+    for (const v1::DecodeStepResponse& r : responses) {
+      if (r.timing().total_us() > slowest->timing().total_us()) slowest = &r;
+    }
+    RecordTiming(*slowest, sample);
+    for (int j = 0; j < split; ++j) {
+      std::string& first = firsts[size_t(c * split + j)];
+      if (first.empty()) responses[size_t(j)].SerializeToString(&first);
+    }
+    return true;
+  };
+  double wall_s = 0;
+  std::vector<Sample> samples;
+  if (error.empty()) samples = RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
+  if (error.empty() && regions != nullptr) regions->CheckOutputs(&error);
+  const std::string path = SequencesPath(opt) + ", split " + std::to_string(split);
+  if (!error.empty()) {
+    PrintError(path, opt, clients, error);
+    return false;
+  }
+  const std::string echo =
+      opt.echo.empty() ? "" : EchoFields(opt, clients, split, requests, firsts);
+  PrintRow(path, opt, clients, samples, wall_s, echo);
   return true;
 }
 
@@ -502,11 +564,16 @@ bool BenchSequences(const Options& opt, std::mt19937* rng) {
     }
   }
   for (int clients : ok ? opt.concurrency : std::vector<int>{}) {
-    const std::vector<v1::DecodeStepRequest> requests =
-        opt.transport.packed
-            ? PackedDecodeRequests(ids, clients, q, kv, regions.get(), opt.answer_packed)
-                             : DecodeRequests(ids, clients, q, kv, regions.get());
-    ok = SequencesLevel(opt, clients, requests, regions.get()) && ok;
+    for (int split : opt.split) {
+      const int calls = clients * split;  // one request per call of a step
+      const std::vector<v1::DecodeStepRequest> requests =
+          opt.transport.packed
+              ? PackedDecodeRequests(ids, calls, q, kv, regions.get(), opt.answer_packed)
+              : DecodeRequests(ids, calls, q, kv, regions.get());
+      ok = (split == 1 ? SequencesLevel(opt, clients, requests, regions.get())
+                       : SplitLevel(opt, clients, split, requests, regions.get())) &&
+           ok;
+    }
   }
   regions.reset();  // unregistered before the sequences go
   Release(admin.get(), opt, ids);
@@ -592,12 +659,20 @@ constexpr char kUsage[] =
     "  --packed=0|1|2                1: DecodeStepRequest.packed (one q/k/v/O place per step);\n"
     "                                2: also packed.answer_packed (O as one tensor in the answer)\n"
     "  --echo=HOST:PORT              flashserve-echo: the raw gRPC round trip of the same bytes\n"
-    "                                per row\n";
+    "                                per row\n"
+    "  --split=1                     a list: each client's step also split into N DecodeStep\n"
+    "                                calls sent at once on connections of their own, done when\n"
+    "                                all have answered (gRPC only; rows \"..., split N\";\n"
+    "                                concurrency x split <= sequences)\n";
 
 const std::set<std::string> kKnownFlags = {
-    "target",    "token",       "echo",       "mode",   "context",
-    "sequences", "concurrency", "steps",      "warmup", "local_socket",
-    "shm",       "shm_device",  "timeout_ms", "packed", "client_spin_us"};
+    "target",      "token",  "echo",           "mode",         "context", "sequences",
+    "concurrency", "steps",  "warmup",         "local_socket", "shm",     "shm_device",
+    "timeout_ms",  "packed", "client_spin_us", "split"};
+
+int MaxOf(const std::vector<int>& values) {
+  return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
+}
 
 void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
   const std::string& shm = opt.transport.shm;
@@ -610,12 +685,17 @@ void CheckOptions(const Options& opt, const flashserve::bench::Flags& flags) {
       (opt.mode == "sequences" || (shm == "none" && opt.transport.local_socket.empty() &&
                                    opt.echo.empty() && !opt.transport.packed)) &&
       opt.transport.timeout_ms >= 0 && opt.transport.spin_us >= 0 &&
-      opt.transport.spin_us <= 1000000;
+      opt.transport.spin_us <= 1000000 && !opt.split.empty() &&
+      std::all_of(opt.split.begin(), opt.split.end(), [&](int s) {
+        return s >= 1 && int64_t(s) * MaxOf(opt.concurrency) <= opt.sequences &&
+               (s == 1 || (opt.mode == "sequences" && opt.transport.local_socket.empty()));
+      });
   if (!valid) {
     flags.Fail(
         "bad flags (context, sequences, steps >= 1; 1 <= concurrency <= sequences; mode "
         "sequences or full_kv; shm none, system or cuda; --shm, --local_socket, --echo and "
-        "--packed only with mode sequences; 0 <= client_spin_us <= 1000000)");
+        "--packed only with mode sequences; 0 <= client_spin_us <= 1000000; split >= 1, "
+        "concurrency x split <= sequences, split > 1 only over gRPC in mode sequences)");
   }
 }
 
@@ -629,6 +709,7 @@ Options ParseOptions(int argc, char** argv) {
   opt.context = flags.Int("context", 1024);
   opt.sequences = flags.Int("sequences", 64);
   opt.concurrency = flags.IntList("concurrency", "1,8");
+  opt.split = flags.IntList("split", "1");
   opt.steps = int(flags.Int("steps", 200));
   opt.warmup = int(flags.Int("warmup", 20));
   opt.transport.target = opt.target;
