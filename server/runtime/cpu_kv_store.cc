@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -14,25 +14,24 @@ namespace flashserve {
 
 namespace {
 
-// 16-byte aligned scratch for one item (the CPU kernels load through typed pointers).
+// 16-byte aligned scratch for one item (the CPU kernels load through typed pointers), grown as
+// items need and never zero-filled: a 128k-token item's K and V are hundreds of MB, and every
+// byte is written before it is read.
 struct Scratch {
-  std::vector<char> q, k, v, o;
-  static char* Aligned(std::vector<char>* buf, int64_t bytes) {
-    buf->resize(size_t(bytes) + 16);
-    const uintptr_t p = reinterpret_cast<uintptr_t>(buf->data());
-    return buf->data() + ((16 - p % 16) % 16);
+  struct Buffer {
+    std::unique_ptr<char[]> bytes;
+    int64_t size = 0;
+  };
+  Buffer q, k, v, o;
+  static char* Aligned(Buffer* buf, int64_t bytes) {
+    if (buf->size < bytes + 16) {
+      buf->bytes.reset(new char[size_t(bytes) + 16]);
+      buf->size = bytes + 16;
+    }
+    const uintptr_t p = reinterpret_cast<uintptr_t>(buf->bytes.get());
+    return buf->bytes.get() + ((16 - p % 16) % 16);
   }
 };
-
-// Copies the item's keys (or values: add v_offset) out of its pages, in token order.
-void Gather(const char* base, const kvcache::PageFormat& f, const kvcache::PagedItem& item,
-            int64_t add, char* dst) {
-  for (int64_t pos = 0; pos < item.length; pos += f.page_tokens) {
-    const int64_t n = std::min<int64_t>(f.page_tokens, item.length - pos);
-    const int64_t page = item.pages[size_t(pos / f.page_tokens)];
-    std::memcpy(dst + pos * f.row_bytes, base + page * f.page_bytes + add, size_t(n * f.row_bytes));
-  }
-}
 
 absl::Status DeviceRefused(const char* what) {
   return absl::FailedPreconditionError(
@@ -41,6 +40,19 @@ absl::Status DeviceRefused(const char* what) {
 }
 
 }  // namespace
+
+bool GatherPages(const char* base, const kvcache::PageFormat& format,
+                 const kvcache::PagedItem& item, int64_t add, char* dst,
+                 kernels::cpu::StopSignal* stop) {
+  for (int64_t pos = 0; pos < item.length; pos += format.page_tokens) {
+    if (stop->stop_requested()) return false;
+    const int64_t n = std::min<int64_t>(format.page_tokens, item.length - pos);
+    const int64_t page = item.pages[size_t(pos / format.page_tokens)];
+    std::memcpy(dst + pos * format.row_bytes, base + page * format.page_bytes + add,
+                size_t(n * format.row_bytes));
+  }
+  return true;
+}
 
 absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
                                                                kernels::cpu::ThreadPool* pool) {
@@ -103,8 +115,10 @@ absl::Status CpuKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atten
     std::memcpy(q, item.q, size_t(q_bytes));
     char* k = Scratch::Aligned(&scratch.k, item.length * batch.format.row_bytes);
     char* v = Scratch::Aligned(&scratch.v, item.length * batch.format.row_bytes);
-    Gather(base_, batch.format, item, 0, k);
-    Gather(base_, batch.format, item, batch.format.v_offset, v);
+    if (!GatherPages(base_, batch.format, item, 0, k, &stop) ||
+        !GatherPages(base_, batch.format, item, batch.format.v_offset, v, &stop)) {
+      return stopped();
+    }
     char* o = Scratch::Aligned(&scratch.o, q_bytes);
     p.q = q;
     p.k = k;

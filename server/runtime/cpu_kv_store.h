@@ -12,6 +12,13 @@
 
 namespace flashserve {
 
+/// Copies `item`'s keys (add = 0) or values (add = format.v_offset) out of its pages in the pool
+/// at `base` into `dst`, in token order, asking `stop` before each page (a 128k-token item's K is
+/// hundreds of MB): false, with dst partly written, when it says stop.
+bool GatherPages(const char* base, const kvcache::PageFormat& format,
+                 const kvcache::PagedItem& item, int64_t add, char* dst,
+                 kernels::cpu::StopSignal* stop);
+
 /// Thread-safe (Write: disjoint ranges; Attend: its own scratch per call).
 class CpuKvStore final : public kvcache::KvStore {
  public:

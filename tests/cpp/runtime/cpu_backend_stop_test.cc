@@ -1,11 +1,14 @@
 // The CPU backend stops a running job nobody waits for: DEADLINE_EXCEEDED within ~100 ms of its
 // deadline, no output in the response, and the worker free for the next request. The large
 // problem, q = k = v fp32 [1, 200000, 1, 4], computes for ~15 s on 2 cores if it is not stopped.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <future>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -236,6 +239,44 @@ TEST(CpuKvStoreStop, LaunchStopsWhenNoCallWaits) {
   client.join();
   EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
   EXPECT_TRUE(test::StoppedPromptly(gone_at, returned, kBound, kComputeThreads));
+}
+
+// Gathering an item's pages asks the stop before each page (a 128k-token item's K alone is
+// hundreds of MB): not stopped, every row lands in token order from pages in shuffled order, for
+// keys and values, and nothing past the item's end; stopped, no byte is written.
+TEST(CpuKvStoreStop, GatherAsksTheStopBeforeEachPage) {
+  const kvcache::SequenceShape shape{1, 4, 2, 8, kernels::DType::kFloat16};
+  const kvcache::PageFormat format = kvcache::FormatFor(shape, 16);
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  kvcache::PagedItem item;
+  item.length = 4 * 16 + 1 + int64_t(rng() % 15);  // ends inside its fifth page
+  item.pages = {3, 0, 4, 1, 2};
+  std::shuffle(item.pages.begin(), item.pages.end(), rng);
+  std::vector<char> pool(size_t(5 * format.page_bytes));
+  for (char& b : pool) b = char(rng());
+  constexpr char kPoison = char(0x5A);
+  const size_t gathered = size_t(item.length * format.row_bytes);
+  for (const int64_t add : {int64_t{0}, format.v_offset}) {
+    std::vector<char> dst(gathered + size_t(format.row_bytes), kPoison);
+    kernels::cpu::StopSignal go;
+    ASSERT_TRUE(GatherPages(pool.data(), format, item, add, dst.data(), &go));
+    for (int64_t t = 0; t < item.length; ++t) {
+      const char* row = pool.data() + item.pages[size_t(t / 16)] * format.page_bytes + add +
+                        (t % 16) * format.row_bytes;
+      ASSERT_EQ(std::memcmp(dst.data() + t * format.row_bytes, row, size_t(format.row_bytes)), 0)
+          << "token " << t << ", add " << add;
+    }
+    EXPECT_TRUE(
+        std::all_of(dst.begin() + long(gathered), dst.end(), [](char b) { return b == kPoison; }));
+    std::vector<char> stopped_dst(dst.size(), kPoison);
+    kernels::cpu::StopSignal stop;
+    stop.request();
+    EXPECT_FALSE(GatherPages(pool.data(), format, item, add, stopped_dst.data(), &stop));
+    EXPECT_TRUE(
+        std::all_of(stopped_dst.begin(), stopped_dst.end(), [](char b) { return b == kPoison; }));
+  }
 }
 
 // The same through the Sequences runtime: a DecodeStep whose deadline passes mid-launch is
