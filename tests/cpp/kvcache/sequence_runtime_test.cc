@@ -98,7 +98,7 @@ class SequenceRuntimeTest : public ::testing::Test {
 };
 
 TEST_F(SequenceRuntimeTest, CallsWithinTheWindowShareOneLaunchAndAreCorrect) {
-  Make(300000);  // 300 ms: the four calls below arrive well within it
+  Make(300000);  // 300 ms: the calls below, built first, are submitted well within it
   const kvcache::SequenceShape s{1, 4, 2, 32, DType::kFloat16};
   const kvcache::SequenceShape other{1, 2, 2, 32, DType::kFloat16};
   std::vector<DenseLayer> dense(5);
@@ -106,7 +106,9 @@ TEST_F(SequenceRuntimeTest, CallsWithinTheWindowShareOneLaunchAndAreCorrect) {
   for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 5 + 9 * i));
   ids.push_back(Create(other, &dense[4], 3));
   std::vector<Holder> holders(5);
-  for (size_t i = 0; i < 5; ++i) runtime_->Submit(Call(i < 4 ? s : other, ids[i], &holders[i]));
+  std::vector<std::shared_ptr<DecodeCall>> calls;
+  for (size_t i = 0; i < 5; ++i) calls.push_back(Call(i < 4 ? s : other, ids[i], &holders[i]));
+  for (auto& call : calls) runtime_->Submit(std::move(call));
   for (size_t i = 0; i < 5; ++i) {
     const Answer answer = holders[i].answer.get_future().get();
     ASSERT_TRUE(answer.status.ok()) << answer.status;

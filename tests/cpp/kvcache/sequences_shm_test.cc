@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <random>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -19,7 +20,8 @@ namespace {
 // list before writing its answer, so the region stayed in use until the answer was written and a
 // client unregistering right after reading it could be refused FAILED_PRECONDITION "in use".
 TEST(SequenceShmLeases, ReleaseLeasesGivesEveryRegionBack) {
-  const std::string key = "/fs_seq_shm_test_" + std::to_string(getpid());
+  const std::string key = "/fs_seq_shm_test_" + std::to_string(getpid()) + "_" +
+                          std::to_string(std::random_device{}());  // a crashed run's stays
   const int fd = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
   ASSERT_GE(fd, 0);
   ASSERT_EQ(ftruncate(fd, 4096), 0);

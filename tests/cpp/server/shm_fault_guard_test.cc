@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,7 +28,8 @@ constexpr size_t kPage = 4096;
 class ClientObject {
  public:
   explicit ClientObject(size_t bytes) {
-    key_ = "/fs_fault_test_" + std::to_string(getpid()) + "_" + std::to_string(counter_++);
+    key_ = "/fs_fault_test_" + std::to_string(getpid()) + "_" + std::to_string(counter_++) + "_" +
+           std::to_string(std::random_device{}());  // a crashed run's objects stay
     fd_ = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd_, 0);
     Resize(bytes);

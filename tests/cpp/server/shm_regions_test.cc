@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,8 @@ namespace {
 class ShmObject {
  public:
   explicit ShmObject(size_t bytes) {
-    key_ = "/fs_shm_test_" + std::to_string(getpid()) + "_" + std::to_string(counter_++);
+    key_ = "/fs_shm_test_" + std::to_string(getpid()) + "_" + std::to_string(counter_++) + "_" +
+           std::to_string(std::random_device{}());  // a crashed run's objects stay
     const int fd = shm_open(key_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     EXPECT_GE(fd, 0);
     EXPECT_EQ(ftruncate(fd, off_t(bytes)), 0);
