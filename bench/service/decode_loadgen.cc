@@ -35,16 +35,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <iterator>
 #include <random>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "bench_flags.h"
+#include "decode_rows.h"
 #include "decode_split.h"
 #include "decode_transport.h"
 #include "flashserve/v1/attention.grpc.pb.h"
@@ -60,8 +58,13 @@ using flashserve::loadgen::DecodeClient;
 using flashserve::loadgen::DecodeRegions;
 using flashserve::loadgen::DecodeTransportOptions;
 using flashserve::loadgen::EchoClient;
+using flashserve::loadgen::JsonEscape;
 using flashserve::loadgen::MakeChannel;
 using flashserve::loadgen::Micros;
+using flashserve::loadgen::Percentile;
+using flashserve::loadgen::RowShape;
+using flashserve::loadgen::RunClients;
+using flashserve::loadgen::Sample;
 using flashserve::loadgen::SplitDecodeClient;
 using flashserve::loadgen::SplitEchoClient;
 
@@ -77,17 +80,6 @@ struct Options {
   int steps = 200, warmup = 20;
   DecodeTransportOptions transport;  // how DecodeStep goes (gRPC or local; inline or shm)
   bool answer_packed = false;        // --packed=2: packed.answer_packed (O as one tensor)
-};
-
-// Per measured step of one client: wall latency and the server's timing of that call.
-struct Sample {
-  double latency_us = 0;
-  int64_t total_us = 0, compute_us = 0, merged = 0;
-  // Where the server's time went (Timing: parse and build, queue, row staging, and the device
-  // times of the input copy + row scatter, the decode kernel and the output copy).
-  int64_t prepare_us = 0, queue_us = 0, stage_us = 0, h2d_us = 0, kernel_us = 0, d2h_us = 0;
-  double client_wall_s = 0;  // how long this sample's client took for all its steps
-  int64_t length = 0;  // keys its first item attended (the prefix plus every token appended so far)
 };
 
 // Normal random bf16 values: a block of 64 Ki drawn fresh, repeated (gigabytes of K/V would take a
@@ -123,6 +115,8 @@ v1::Tensor Bf16Tensor(std::vector<int64_t> shape, std::mt19937* rng) {
   t.set_data(RandomBf16(count, rng));
   return t;
 }
+
+RowShape Shape(const Options& opt) { return {opt.context, opt.sequences, opt.steps}; }
 
 void Authorize(grpc::ClientContext* ctx, const Options& opt) {
   flashserve::loadgen::Authorize(ctx, opt.token);
@@ -187,149 +181,6 @@ std::vector<v1::DecodeStepRequest> DecodeRequests(const std::vector<std::string>
     if (regions != nullptr) regions->Name(int64_t(i), item);
   }
   return requests;
-}
-
-// --- the closed loop ----------------------------------------------------------------------------
-
-// Runs call(client, &sample, &error) warmup + steps times on each of `clients` threads; returns the
-// measured samples and the wall seconds from the first measured step to the last. A failed call
-// stops its client; *error then holds the first failure.
-using StepCall = std::function<bool(int, Sample*, std::string*)>;
-std::vector<Sample> RunClients(int clients, int steps, int warmup, const StepCall& call,
-                               double* wall_s, std::string* error) {
-  std::vector<std::vector<Sample>> per(static_cast<size_t>(clients));
-  std::vector<Clock::time_point> starts(static_cast<size_t>(clients)),
-      ends(static_cast<size_t>(clients));
-  std::vector<std::string> errors(static_cast<size_t>(clients));
-  std::vector<std::thread> threads;
-  for (int c = 0; c < clients; ++c) {
-    threads.emplace_back([&, c] {
-      std::string& failed = errors[size_t(c)];
-      Sample ignored;
-      for (int i = 0; i < warmup && failed.empty(); ++i) call(c, &ignored, &failed);
-      starts[size_t(c)] = ends[size_t(c)] = Clock::now();
-      for (int i = 0; i < steps && failed.empty(); ++i) {
-        Sample s;
-        const Clock::time_point t0 = Clock::now();
-        if (!call(c, &s, &failed)) break;
-        s.latency_us = Micros(Clock::now() - t0);
-        per[size_t(c)].push_back(s);
-      }
-      ends[size_t(c)] = Clock::now();
-      const double wall = Micros(ends[size_t(c)] - starts[size_t(c)]) / 1e6;
-      for (Sample& s : per[size_t(c)]) s.client_wall_s = wall;
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  for (const std::string& e : errors) {
-    if (error->empty() && !e.empty()) *error = e;
-  }
-  *wall_s = Micros(*std::max_element(ends.begin(), ends.end()) -
-                   *std::min_element(starts.begin(), starts.end())) /
-            1e6;
-  std::vector<Sample> all;
-  for (auto& v : per) all.insert(all.end(), v.begin(), v.end());
-  return all;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double pos = p / 100.0 * double(v.size() - 1);
-  const size_t lo = size_t(pos);
-  const size_t hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (pos - double(lo));
-}
-
-// The server's timings of a sample, by the names the JSON rows give them.
-using SampleTiming = std::pair<const char*, int64_t Sample::*>;
-constexpr SampleTiming kTimings[] = {
-    {"total", &Sample::total_us},     {"compute", &Sample::compute_us},
-    {"prepare", &Sample::prepare_us}, {"queue", &Sample::queue_us},
-    {"stage", &Sample::stage_us},     {"h2d", &Sample::h2d_us},
-    {"kernel", &Sample::kernel_us},   {"d2h", &Sample::d2h_us}};
-
-// `, "<prefix><name>_us": <median over samples>` for each timing in [first, last).
-std::string MediansJson(const std::vector<const Sample*>& samples, const char* prefix,
-                        const SampleTiming* first, const SampleTiming* last) {
-  std::string out;
-  for (const SampleTiming* t = first; t != last; ++t) {
-    std::vector<double> values;
-    for (const Sample* s : samples) values.push_back(double(s->*(t->second)));
-    char buffer[64];
-    std::snprintf(buffer, sizeof(buffer), ", \"%s%s_us\": %.1f", prefix, t->first,
-                  Percentile(values, 50));
-    out += buffer;
-  }
-  return out;
-}
-
-// Where the slowest calls' time went: the median of each server time over the calls at or
-// above the p99 latency (inside the server, or outside it), and the slowest and fastest
-// client's wall time for its steps (how unevenly the server served the clients).
-std::string SlowCallsJson(const std::vector<Sample>& samples, double p99_us) {
-  if (samples.empty()) return "";
-  std::vector<const Sample*> slow;
-  for (const Sample& s : samples) {
-    if (s.latency_us >= p99_us) slow.push_back(&s);
-  }
-  std::vector<double> walls;
-  for (const Sample& s : samples) walls.push_back(s.client_wall_s);
-  char buffer[96];
-  std::snprintf(
-      buffer, sizeof(buffer), ", \"client_wall_s_min\": %.3f, \"client_wall_s_max\": %.3f",
-      *std::min_element(walls.begin(), walls.end()), *std::max_element(walls.begin(), walls.end()));
-  return MediansJson(slow, "slow_", std::begin(kTimings), std::end(kTimings)) + buffer;
-}
-
-void PrintRow(const std::string& path, const Options& opt, int clients,
-              const std::vector<Sample>& samples, double wall_s, const std::string& extra) {
-  std::vector<double> latency, total, compute, merged, length;
-  for (const Sample& s : samples) {
-    latency.push_back(s.latency_us / 1e3);
-    length.push_back(double(s.length));
-    total.push_back(double(s.total_us));
-    compute.push_back(double(s.compute_us));
-    merged.push_back(double(s.merged));
-  }
-  double merged_mean = 0;
-  for (double m : merged) merged_mean += m / double(merged.size());
-  std::vector<const Sample*> all;
-  for (const Sample& s : samples) all.push_back(&s);
-  // server_total_us and server_compute_us are in the row's fixed part.
-  const std::string stages = SlowCallsJson(samples, Percentile(latency, 99) * 1e3) +
-                             MediansJson(all, "server_", kTimings + 2, std::end(kTimings));
-  std::printf(
-      "{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, \"n\": %zu, "
-      "\"p50_ms\": %.4f, \"p99_ms\": %.4f, \"seq_steps_per_s\": %.1f, \"server_total_us\": %.1f, "
-      "\"server_compute_us\": %.1f, \"batched_calls_mean\": %.3f, \"attended_p50\": %.0f%s%s}\n",
-      path.c_str(), (long long)opt.context, clients, samples.size(), Percentile(latency, 50),
-      Percentile(latency, 99), double(opt.sequences) * double(opt.steps) / wall_s,
-      Percentile(total, 50), Percentile(compute, 50), merged_mean, Percentile(length, 50),
-      stages.c_str(), extra.c_str());
-  std::fflush(stdout);
-}
-
-std::string JsonEscape(const std::string& text) {
-  std::string out;
-  for (const char ch : text) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) {
-      out += ' ';
-      continue;
-    }
-    out += ch;
-  }
-  return out;
-}
-
-// A row that could not be measured: what failed, in the row's place (decode_bench.py shows it).
-void PrintError(const std::string& path, const Options& opt, int clients, const std::string& error) {
-  std::fprintf(stderr, "decode-loadgen: %s, %d clients: %s\n", path.c_str(), clients, error.c_str());
-  std::printf("{\"path\": \"%s\", \"client\": \"C++\", \"context\": %lld, \"concurrency\": %d, "
-              "\"error\": \"%s\"}\n",
-              path.c_str(), (long long)opt.context, clients, JsonEscape(error).c_str());
-  std::fflush(stdout);
 }
 
 // --- the two paths
@@ -461,11 +312,11 @@ bool SequencesLevel(const Options& opt, int clients,
   }
   if (error.empty() && regions != nullptr) regions->CheckOutputs(&error);  // O really went there
   if (!error.empty()) {
-    PrintError(SequencesPath(opt), opt, clients, error);
+    PrintError(SequencesPath(opt), Shape(opt), clients, error);
     return false;
   }
   const std::string echo = opt.echo.empty() ? "" : EchoFields(opt, clients, 1, requests, responses);
-  PrintRow(SequencesPath(opt), opt, clients, samples, wall_s, echo);
+  PrintRow(SequencesPath(opt), Shape(opt), clients, samples, wall_s, echo);
   return true;
 }
 
@@ -504,12 +355,12 @@ bool SplitLevel(const Options& opt, int clients, int split,
   if (error.empty() && regions != nullptr) regions->CheckOutputs(&error);
   const std::string path = SequencesPath(opt) + ", split " + std::to_string(split);
   if (!error.empty()) {
-    PrintError(path, opt, clients, error);
+    PrintError(path, Shape(opt), clients, error);
     return false;
   }
   const std::string echo =
       opt.echo.empty() ? "" : EchoFields(opt, clients, split, requests, firsts);
-  PrintRow(path, opt, clients, samples, wall_s, echo);
+  PrintRow(path, Shape(opt), clients, samples, wall_s, echo);
   return true;
 }
 
@@ -559,7 +410,8 @@ bool BenchSequences(const Options& opt, std::mt19937* rng) {
     std::string error;
     regions = DecodeRegions::Create(opt.transport, int64_t(ids.size()), q, kv, &error);
     if (regions == nullptr) {
-      for (int clients : opt.concurrency) PrintError(SequencesPath(opt), opt, clients, error);
+      for (int clients : opt.concurrency)
+        PrintError(SequencesPath(opt), Shape(opt), clients, error);
       ok = false;
     }
   }
@@ -632,11 +484,11 @@ bool BenchFullKv(const Options& opt, std::mt19937* rng) {
     const std::vector<Sample> samples =
         RunClients(clients, opt.steps, opt.warmup, call, &wall_s, &error);
     if (!error.empty()) {
-      PrintError("full_kv", opt, clients, error);
+      PrintError("full_kv", Shape(opt), clients, error);
       ok = false;
       continue;
     }
-    PrintRow("full_kv", opt, clients, samples, wall_s,
+    PrintRow("full_kv", Shape(opt), clients, samples, wall_s,
              ", \"calls_per_step\": " + std::to_string(calls));
   }
   return ok;

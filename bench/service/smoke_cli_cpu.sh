@@ -3,7 +3,8 @@
 # against a CPU server started with a bearer token (--auth_token_file), flashserve-loadgen and
 # flashserve-decode-loadgen are refused without --token and measure every path with it: flashserve-loadgen's unary
 # grid (and the echo beside it), striped streaming (K=1,2), system shm over KServe gRPC and the local socket (Hello,
-# inline, system shm); flashserve-decode-loadgen over gRPC and over the local socket with system shm. Fails unless
+# inline, system shm); flashserve-decode-loadgen over gRPC (also with each step split in two calls, and the echo) and
+# over the local socket with system shm. Fails unless
 # every such row was measured without an error. Numbers are not checked (a shared 2-core box), only that they exist.
 #   bench/service/smoke_cli_cpu.sh [BUILD_DIR, default build]   (FLASHSERVE_BIN overrides the server binary)
 set -uo pipefail
@@ -23,7 +24,7 @@ for args in "--durration_s=1" "--concurrency=1,x" "--duration_s=fast" "--target"
   "$LOADGEN" "$args" >/dev/null 2>"$WORK/bad.log"
   rc=$?; grep -q '^usage: flashserve-loadgen' "$WORK/bad.log"; check $((rc != 2 || $?)) "loadgen $args: exit $rc"
 done
-for args in "--steps=1O" "--sequence=4" "--mode=full"; do
+for args in "--steps=1O" "--sequence=4" "--mode=full" "--split=0" "--split=9"; do
   "$DECODE" "$args" >/dev/null 2>"$WORK/bad.log"
   rc=$?; grep -q '^usage: flashserve-decode-loadgen' "$WORK/bad.log"; check $((rc != 2 || $?)) "decode $args: exit $rc"
 done
@@ -67,5 +68,9 @@ for variant in "" "--local_socket=$SOCK --shm=system"; do
   out=$("${dec[@]}" --token="$TOKEN" $variant 2>&1)
   rc=$?; check $((rc != 0 || $(grep -c '"p50_ms"' <<<"$out") != 2)) "decode --token $variant: exit $rc: $out"
 done
+# Split steps (each client's step as 2 calls at once) and their echo: 4 rows (c=1,2 x split 1,2), each with its echo.
+out=$("${dec[@]}" --token="$TOKEN" "--split=1,2" --echo="127.0.0.1:$ECHO_PORT" 2>&1)
+rc=$?; check $((rc != 0 || $(grep -c '"echo_p50_ms"' <<<"$out") != 4 || $(grep -c 'split 2"' <<<"$out") != 2)) \
+  "decode --token --split=1,2: exit $rc: $out"
 (( fail )) && { tail -n 20 "$WORK/token.log"; echo "smoke: FAILED"; exit 1; }
 echo "smoke: command line and bearer token OK"
