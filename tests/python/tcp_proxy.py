@@ -42,7 +42,10 @@ class ThrottlingProxy:
     """Loopback TCP proxy to 127.0.0.1:port. Server -> client bytes pass at `rate` bytes/s, read through a small
     receive buffer, so the server's writes back up behind it. Client -> server bytes pass at full speed, at
     `upload_rate` bytes/s if given, or, with upload_limit, only the first upload_limit bytes of each connection
-    (then the upload stalls). to_client / to_server count the bytes passed."""
+    (then the upload stalls). A direction idle for a while passes no burst afterwards (10 ms of credit at most).
+    to_client / to_server count the bytes passed."""
+
+    _BURST_S = 0.01  # the most credit a direction saves up while idle, in seconds at its rate
 
     def __init__(self, port: int, upload_limit: int | None = None, rate: int = 4 << 20,
                  upload_rate: int | None = None):
@@ -73,7 +76,7 @@ class ThrottlingProxy:
             threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src, dst, throttled):
-        started, passed = time.monotonic(), 0
+        due, passed = time.monotonic(), 0  # when the bytes passed so far are paid for at the rate
         try:
             while True:
                 data = src.recv(16 << 10)
@@ -93,9 +96,13 @@ class ThrottlingProxy:
                         self.to_server += len(data)
                 rate = self.rate if throttled else self.upload_rate
                 if rate is not None:
-                    ahead = passed / rate - (time.monotonic() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
+                    # Time left idle earns at most _BURST_S of credit: a reader slow from its first byte stays slow
+                    # after the server computed for seconds (an average since the connection began let that much
+                    # through at once).
+                    now = time.monotonic()
+                    due = max(due, now - self._BURST_S) + len(data) / rate
+                    if due > now:
+                        time.sleep(due - now)
         except OSError:
             pass
         finally:
