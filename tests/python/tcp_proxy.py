@@ -38,6 +38,42 @@ def _close_both(src, dst) -> None:
         s.close()
 
 
+class _FrameWalker:
+    """Follows the HTTP/2 frames of a server's byte stream (9-byte headers: 24-bit length, type, flags, stream) across
+    chunks of any size."""
+
+    HEADERS = 0x1
+
+    def __init__(self):
+        self.header = b""  # the bytes of a frame header not yet complete
+        self.payload_left = 0
+
+    def walk(self, data: bytes) -> None:
+        self.until_headers(data, stop=False)
+
+    def until_headers(self, data: bytes, stop: bool = True):
+        """(the bytes of `data` before the first HEADERS frame whose header completes in it, whether there was one);
+        with stop=False it walks through every frame. A header split across two reads has its first part passed."""
+        at = 0
+        while at < len(data):
+            if self.payload_left:
+                step = min(self.payload_left, len(data) - at)
+                self.payload_left -= step
+                at += step
+                continue
+            start = at - len(self.header)  # where this frame's header began (negative: in an earlier chunk)
+            take = min(9 - len(self.header), len(data) - at)
+            self.header += data[at:at + take]
+            at += take
+            if len(self.header) < 9:
+                break
+            length, kind = int.from_bytes(self.header[:3], "big"), self.header[3]
+            self.header, self.payload_left = b"", length
+            if stop and kind == self.HEADERS:
+                return data[:max(0, start)], True
+        return data, False
+
+
 class ThrottlingProxy:
     """Loopback TCP proxy to 127.0.0.1:port. Server -> client bytes pass at `rate` bytes/s, read through a small
     receive buffer, so the server's writes back up behind it. Client -> server bytes pass at full speed, at
@@ -132,7 +168,11 @@ class AnswerCutter:
     """A proxy that loses one answer, as a proxy restart or a network cut between a client and its one endpoint would:
     after cut_next_answer(keep, wait_for), the next connection to carry server -> client bytes passes the first `keep`
     of them (inside a frame header or payload: half an answer) and, once max(keep, wait_for) of them have arrived,
-    is closed both ways (the server ran the call; the client never gets its answer). `cut` counts the cuts.
+    is closed both ways (the server ran the call; the client never gets its answer). cut_next_answer(at_headers=True)
+    cuts at frames instead (gRPC over TCP): the next HTTP/2 HEADERS frame the server sends -- a unary answer's first
+    frame, sent once the call has run -- and all after it are lost (but for the first bytes of its header when a read
+    ended inside it), while the control frames before it (settings and
+    ping acks, window updates, whatever their number) pass. `cut` counts the cuts.
     TCP to 127.0.0.1:`port` (address: "127.0.0.1:N"), or a Unix socket to `unix_target` (address: a socket path)."""
 
     def __init__(self, port: int | None = None, unix_target: str | None = None):
@@ -151,10 +191,10 @@ class AnswerCutter:
             self.listener.listen(16)
         _serve(self.listener, self._connect, self._pump)
 
-    def cut_next_answer(self, keep: int = 0, wait_for: int = 0) -> None:
+    def cut_next_answer(self, keep: int = 0, wait_for: int = 0, at_headers: bool = False) -> None:
         with self.lock:
             self.armings += 1
-            self.armed = (keep, wait_for, self.armings)
+            self.armed = ("headers", 0, self.armings) if at_headers else (keep, wait_for, self.armings)
 
     def _connect(self):
         if self.unix_target is None:
@@ -165,20 +205,25 @@ class AnswerCutter:
 
     def _pump(self, src, dst, to_client):
         seen, arming = 0, 0  # answer bytes of this connection since the cut numbered `arming` was armed
+        frames = _FrameWalker()  # the server's HTTP/2 frames, from the connection's first byte
         try:
             while data := src.recv(1 << 16):
                 if to_client:
                     with self.lock:
                         armed, cut = self.armed, False
-                        if armed is not None:
+                        if armed is not None and armed[0] == "headers":
+                            data, cut = frames.until_headers(data)
+                        elif armed is not None:
                             keep, wait_for, number = armed
                             if number != arming:
                                 seen, arming = 0, number
                             passed, seen = data[:max(0, keep - seen)], seen + len(data)
                             cut = seen >= max(keep, wait_for)
-                            if cut:
-                                self.armed, self.cut = None, self.cut + 1
                             data = passed
+                        else:
+                            frames.walk(data)
+                        if cut:
+                            self.armed, self.cut = None, self.cut + 1
                     if data:
                         dst.sendall(data)
                     if cut:
