@@ -98,7 +98,6 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
   }
   std::vector<TruncateResult> results(items.size());
   std::vector<std::vector<int64_t>> freed(items.size());
-  bool any_freed = false;
   int64_t dropped = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     for (int layer : cuts[i])
@@ -106,9 +105,11 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
     found[i]->last_used = Now();
     results[i].lengths = found[i]->lengths;
     dropped += results[i].dropped;
-    any_freed = any_freed || !freed[i].empty();
   }
-  if (any_freed) store_->Fence();  // rows still deferred must not land on the pages' next owner
+  // Rows still deferred must not land on the pages' next owner, nor over the rows written next at
+  // the places this cut gave up inside a kept page (one deferred flush applies its writes in no
+  // particular order).
+  if (dropped > 0) store_->Fence();
   for (size_t i = 0; i < items.size(); ++i) {
     if (!freed[i].empty()) pages_.Free(found[i]->format.page_bytes, freed[i]);
   }

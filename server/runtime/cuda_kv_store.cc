@@ -11,6 +11,17 @@ namespace flashserve {
 
 namespace {
 
+// Whether `p` is page-locked host memory (allocated or registered with CUDA): a copy from it runs
+// asynchronously. When CUDA cannot tell, yes (the caller then waits, which is always safe).
+bool PageLocked(const void* p) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+    cudaGetLastError();
+    return true;
+  }
+  return attributes.type == cudaMemoryTypeHost;
+}
+
 int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // Where the items' rows (q, or O) start when every item's lie back to back in item order in one
@@ -104,6 +115,9 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
       e = cudaEventCreateWithFlags(&store->stage_done_[i], cudaEventDisableTiming);
     }
   }
+  if (e == cudaSuccess) {
+    e = cudaEventCreateWithFlags(&store->direct_write_done_, cudaEventDisableTiming);
+  }
   if (e != cudaSuccess) {
     cudaGetLastError();
     return absl::ResourceExhaustedError(
@@ -127,6 +141,7 @@ CudaKvStore::~CudaKvStore() {
     }
   }
   cudaFree(stage_device_);
+  if (direct_write_done_ != nullptr) cudaEventDestroy(direct_write_done_);
   for (int i = 0; i < 2; ++i) {
     cudaFreeHost(stage_host_[i]);
     if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
@@ -150,11 +165,16 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   if (bytes >= kDirectWriteBytes) {
     cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
     // After what is staged (the stream keeps the writes in order). From pageable memory the
-    // driver stages the bytes before returning, so `src` may be reused.
+    // driver stages the bytes before returning, so `src` may be reused; from page-locked memory
+    // the copy reads `src` when the stream reaches it, behind the launches in flight. A kHost
+    // source there (a message string the server's malloc took from the page-locked receive
+    // arena) is freed by the caller once Write returns: wait for its copy.
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
     const cudaError_t e =
         cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyDefault, stream_);
-    return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
+    if (e != cudaSuccess) return on_error_(e, "KV cache write");
+    return at == kvcache::BytesAt::kHost && PageLocked(src) ? WaitForStreamLocked()
+                                                            : absl::OkStatus();
   }
   if (in_place) return AddRangeLocked(pool_ + offset, static_cast<const char*>(src), bytes);
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
@@ -166,6 +186,12 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   const int64_t at_stage = staged_bytes_;
   staged_bytes_ += padded;
   return AddRangeLocked(pool_ + offset, stage_device_ + at_stage, bytes);
+}
+
+absl::Status CudaKvStore::WaitForStreamLocked() {
+  cudaError_t e = cudaEventRecord(direct_write_done_, stream_);
+  if (e == cudaSuccess) e = cudaEventSynchronize(direct_write_done_);
+  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
 }
 
 absl::Status CudaKvStore::AddRangeLocked(char* dst, const char* src, int64_t bytes) {

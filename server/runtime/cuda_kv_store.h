@@ -63,6 +63,8 @@ class CudaKvStore final : public kvcache::KvStore {
   int device() const override { return device_; }
   /// Whether the device reads and writes `at` memory where it is (else the store copies it).
   bool Addressable(kvcache::BytesAt at) const;
+  /// Tests: the stream writes and launches go to (to queue device work ahead of a write).
+  cudaStream_t stream_for_testing() const { return stream_; }
 
  private:
   // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
@@ -99,6 +101,8 @@ class CudaKvStore final : public kvcache::KvStore {
   // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
   void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
                   const char* device, char* scratch);
+  // Waits until the stream has done everything queued on it (a direct copy's source is read).
+  absl::Status WaitForStreamLocked();
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).
@@ -134,6 +138,7 @@ class CudaKvStore final : public kvcache::KvStore {
   std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
+  cudaEvent_t direct_write_done_ = nullptr;         // WaitForStreamLocked's
   char* stage_device_ = nullptr;
   int stage_index_ = 0;
   std::vector<char> staged_ranges_host_;  // KvScatterRange[kMaxRanges], copied at the flush

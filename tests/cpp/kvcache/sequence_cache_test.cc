@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kv_test_util.h"
 #include "kvcache/sequence_id.h"
 #include "runtime/cpu_kv_store.h"
@@ -527,6 +528,33 @@ TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
   EXPECT_EQ(store.events[2], "F");
   EXPECT_EQ(store.events[0], store.events[3])
       << "B did not reuse A's page: the test proves nothing";
+}
+
+// A cut inside the last page frees nothing, yet the rows written next at the places it gave up
+// share them with the dropped rows' writes, which a store may still defer: a fence between.
+TEST(SequenceCacheFence, TruncateInsideAPageIsFencedBeforeTheNextRowsThere) {
+  RecordingStore store;
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(4);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  testing::Bits ten = testing::RandomRows(&rng, 10, 1, 64, f16);
+  testing::Bits three = testing::RandomRows(&rng, 3, 1, 64, f16);
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, f16};
+  request.prefix.push_back({0, testing::Rows(ten, 1, 64, f16), testing::Rows(ten, 1, 64, f16)});
+  const std::string id = cache->CreateSequence(request)->id;
+  ASSERT_TRUE(cache->Truncate({{id, 4, {}}}).ok());
+  ASSERT_TRUE(
+      cache->Append(id, {{0, testing::Rows(three, 1, 64, f16), testing::Rows(three, 1, 64, f16)}})
+          .ok());
+  // The prefix's K and V, the fence of the cut, then the new rows from row 4 of the same page.
+  ASSERT_EQ(store.events.size(), 5u) << absl::StrJoin(store.events, " ");
+  EXPECT_EQ(store.events[2], "F");
+  EXPECT_EQ(store.events[3], absl::StrCat("W", 4 * 128))
+      << "the new rows did not go where the cut rows were: the test proves nothing";
 }
 
 }  // namespace
