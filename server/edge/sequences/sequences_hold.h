@@ -43,28 +43,33 @@ inline int64_t QueryBytes(const v1::Tensor& q) {
   return int64_t(std::min<uint64_t>(q.shm().byte_size(), uint64_t{1} << 40));
 }
 
+/// LSE's bytes at most, for q of `q_bytes`: 4 per (row, head), q's 2 * head_dim at least (twice
+/// q's bytes at head_dim 1 of a 2-byte dtype).
+inline int64_t LseBytesAtMost(int64_t q_bytes) { return 2 * q_bytes; }
+
 /// Bytes a DecodeStep keeps in memory while it runs: the request, and the outputs the response
-/// holds (O is q's size; LSE at most as much again).
+/// holds (O is q's size; LSE LseBytesAtMost).
 inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
   int64_t bytes = int64_t(request.ByteSizeLong());
-  if (request.has_packed()) {  // O and LSE (<= q's bytes) in the response unless in a region
+  if (request.has_packed()) {  // O and LSE in the response unless in a region
     const v1::PackedDecodeRows& packed = request.packed();
     const int64_t q = QueryBytes(packed.q());
     if (!packed.has_out_shm()) bytes += q;
-    if (request.return_lse() && !packed.has_lse_shm()) bytes += q;
+    if (request.return_lse() && !packed.has_lse_shm()) bytes += LseBytesAtMost(q);
     return bytes;
   }
   for (const v1::DecodeItem& item : request.items()) {
     const int64_t q = QueryBytes(item.q());
     if (!item.has_out_shm()) bytes += q;
-    if (request.return_lse() && !item.has_lse_shm()) bytes += q;
+    if (request.return_lse() && !item.has_lse_shm()) bytes += LseBytesAtMost(q);
   }
   return bytes;
 }
 
 /// The same for an Attend: the request, O and LSE.
 inline int64_t AttendBytes(const v1::AttendRequest& request) {
-  return int64_t(request.ByteSizeLong() + 2 * request.q().data().size());
+  const int64_t q = int64_t(request.q().data().size());
+  return int64_t(request.ByteSizeLong()) + q + (request.return_lse() ? LseBytesAtMost(q) : 0);
 }
 
 }  // namespace flashserve
