@@ -34,6 +34,8 @@ _MISSING = "; missing sequence ids: "
 
 
 MAX_POLL_US = 1_000_000
+_REFUSAL_WAIT_S = 0.5  # how long a hung-up connection is read for the server's last answer
+_MAX_REFUSAL_BYTES = 1 << 20
 
 
 class LocalClient:
@@ -49,6 +51,7 @@ class LocalClient:
             raise ValueError(f"poll_us must be in 0..{MAX_POLL_US}, got {poll_us}")
         self.path = path
         self.poll_us = poll_us
+        self.closed = False  # set by close(), also when a call had to give the connection up
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         self._sock.connect(path)
@@ -59,23 +62,25 @@ class LocalClient:
 
     def call(self, method: int, payload: bytes, request_id: Optional[str] = None) -> bytearray:
         """Sends one request frame and returns the response's payload; raises FlashserveError on an error status.
-        The header and the payload go in two writes: joined, a 3 MiB step was copied once more."""
+        The header and the payload go in two writes: joined, a 3 MiB step was copied once more. A call that ends
+        without its whole answer read (a timeout, a hang-up, a bad frame, or anything raised while it waited: a
+        signal, out of memory) closes the connection: the next call would otherwise read this one's answer."""
         payload = memoryview(payload).cast("B")
         try:
-            self._sock.sendall(HEADER.pack(MAGIC, method, 0, len(payload), 0))
-            self._sock.sendall(payload)
-            if self.poll_us:
-                self._poll_for_reply()
-            magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
-            if magic != MAGIC:
-                raise error_for(grpc.StatusCode.INTERNAL, f"local socket: bad response magic {magic:#x}", request_id)
-            body = self._recv(size)
+            status, body = self._exchange(method, payload, request_id)
         except socket.timeout:
-            self._sock.close()  # mid-frame: the connection cannot be used again
+            self.close()
             raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, "local socket: no answer in time", request_id) from None
         except (BrokenPipeError, ConnectionResetError) as e:
+            refusal = self._refusal_left(request_id)
+            self.close()
+            if refusal is not None:
+                raise refusal from None
             raise error_for(grpc.StatusCode.UNAVAILABLE, f"local socket: the connection is gone ({e})",
                             request_id) from None
+        except BaseException:
+            self.close()
+            raise
         if status != 0:
             message = body.decode("utf-8", "replace")
             error = error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, request_id)
@@ -83,6 +88,30 @@ class LocalClient:
                 error.missing_ids = tuple(i for i in message.rsplit(_MISSING, 1)[1].split(",") if i)
             raise error
         return body
+
+    def _exchange(self, method: int, payload: memoryview, request_id: Optional[str]):
+        """One request frame out, one response frame in: (status, payload)."""
+        self._sock.sendall(HEADER.pack(MAGIC, method, 0, len(payload), 0))
+        self._sock.sendall(payload)
+        if self.poll_us:
+            self._poll_for_reply()
+        magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
+        if magic != MAGIC:
+            raise error_for(grpc.StatusCode.INTERNAL, f"local socket: bad response magic {magic:#x}", request_id)
+        return status, self._recv(size)
+
+    def _refusal_left(self, request_id: Optional[str]):
+        """After the server hung up while the request was still going out: the error it answered before closing (a
+        frame over its --local_max_frame_bytes is refused RESOURCE_EXHAUSTED from the header), or None."""
+        try:
+            self._sock.settimeout(_REFUSAL_WAIT_S)
+            magic, status, _, size, _ = HEADER.unpack(self._recv(HEADER.size))
+            if magic != MAGIC or status == 0 or size > _MAX_REFUSAL_BYTES:
+                return None
+            message = self._recv(size).decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - nothing (readable) was left: the caller reports the hang-up
+            return None
+        return error_for(_CODES.get(status, grpc.StatusCode.UNKNOWN), message, request_id)
 
     def _poll_for_reply(self) -> None:
         """Returns when the reply's first bytes (or a hang-up) are there, or after poll_us; _recv then reads as usual."""
@@ -150,6 +179,7 @@ class LocalClient:
         return spb.AttendResponse.FromString(self.call(ATTEND, request.SerializeToString()))
 
     def close(self) -> None:
+        self.closed = True
         self._sock.close()
 
     def __enter__(self) -> "LocalClient":

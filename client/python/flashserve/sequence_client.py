@@ -201,12 +201,16 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             client.set_timeout(timeout)
             return getattr(client, _LOCAL_METHODS[method])(request)
         except FlashserveError as e:  # first: UnavailableError and DeadlineExceededError are OSErrors too
-            if e.code in _DROP_CONNECTION:
+            if e.code in _DROP_CONNECTION or (client is not None and client.closed):
                 self._drop_local(path)
             raise
         except OSError as e:  # no socket file, connection refused: the server is not there (now)
             self._drop_local(path)
             raise error_for(grpc.StatusCode.UNAVAILABLE, f"local socket {path}: {e}") from None
+        except BaseException:  # interrupted mid-call: the client closed the connection, whose answer is unread
+            if client is not None and client.closed:
+                self._drop_local(path)
+            raise
 
     def _drop_local(self, path: str) -> None:
         client = self._local.__dict__.get("connections", {}).pop(path, None)
