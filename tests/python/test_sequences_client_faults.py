@@ -284,6 +284,45 @@ def test_an_answer_from_a_sequence_recreated_meanwhile_is_not_acknowledged(fakes
         assert _server_rows(fakes[1], seq) == [truth.length(seq.key, 0), truth.length(seq.key, 1)]
 
 
+def test_a_step_whose_share_raises_ends_only_after_its_other_shares(fakes, rng, monkeypatch):
+    """decode_step over two servers: server 0's share raises something other than a FlashserveError (out of memory
+    turning its answer into the caller's tensors) while server 1's share is still in flight. The step raises once
+    server 1's share has ended and takes that share's row back, so that sending the step again -- what a call that
+    raised asks for -- leaves every row on its server once. Before, the step raised at once and server 1's share
+    acknowledged its row afterwards: sent again, that row was on the server twice."""
+    from flashserve import _seq_step
+
+    truth = _truth(rng)
+    with flashserve.SequenceClient([f.address for f in fakes], timeout=30) as client:
+        a = _create(client, truth, key=key_on(client.ring, fakes[0].address, "a-"))
+        b = _create(client, truth, key=key_on(client.ring, fakes[1].address, "b-"))
+        hold = fakes[1].servicer.hold("DecodeStep", "after")  # b's row on server 1; its answer waits
+        answer = _seq_step._answer
+
+        def out_of_memory_for_a(response, item, return_lse):
+            if item.seq is a:
+                hold.wait_entered()
+                threading.Timer(0.3, hold.release, kwargs={"wait": False}).start()  # b answers a moment later
+                raise MemoryError("no memory for a's answer")
+            return answer(response, item, return_lse)
+
+        monkeypatch.setattr(_seq_step, "_answer", out_of_memory_for_a)
+        qs = [truth.query() for _ in (a, b)]
+        kvs = [truth.rows(1) for _ in (a, b)]
+        items = [(seq, 0, q, k, v) for seq, q, (k, v) in zip((a, b), qs, kvs)]
+        with pytest.raises(MemoryError):
+            client.decode_step(items)
+        assert hold.finished.wait(10)
+        time.sleep(0.3)  # whatever b's answer did, it has done
+        monkeypatch.setattr(_seq_step, "_answer", answer)
+        outs = client.decode_step(items)  # sent again
+        for seq, q, (k, v), out in zip((a, b), qs, kvs, outs):
+            truth.add(seq.key, 0, k, v)
+            truth.check(out, q, seq.key, 0)
+        for fake, seq in zip(fakes, (a, b)):
+            assert _server_rows(fake, seq) == [truth.length(seq.key, 0), truth.length(seq.key, 1)], seq.key
+
+
 # --- release while a step is on its way -------------------------------------------------------------------------------
 
 

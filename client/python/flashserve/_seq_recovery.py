@@ -198,6 +198,22 @@ class _Recovery:
                 _mark_uncertain(seqs, ids, code)
             raise
 
+    def _send_all(self, send, runs: list) -> list:
+        """(each run's outcome: None, or what it raised; what interrupted this thread while it waited, or None): the
+        first run sent from this thread, the others from the pool. Returns only once every run has ended, also when
+        interrupted: a step that raises must leave no share landing on a server after it, unaccounted for."""
+        others = [self._pool.submit(_send_one, send, run) for run in runs[1:]]
+        outcomes = [_send_one(send, runs[0])]
+        interrupted = None
+        for future in others:
+            while True:
+                try:
+                    outcomes.append(future.result())
+                    break
+                except BaseException as e:  # noqa: BLE001 - a signal while waiting: wait on, raise it after
+                    interrupted = interrupted or e
+        return outcomes, interrupted
+
     def _calls_by_endpoint(self, seqs: List[Sequence], sent_of: Callable[[int], tuple],
                            send: Callable[[List[int], list, str], None], results: list, doubtful: list, timeout,
                            what: str, writes: Callable[[int], bool]) -> list:
@@ -211,18 +227,16 @@ class _Recovery:
             self._settle_uncertain({id(seqs[i]): seqs[i] for i in pending}.values(), timeout)
             runs = _runs_by_endpoint(seqs, pending, sent_of)
 
-            def one(run):
-                try:
-                    send(*run)
-                    return None
-                except FlashserveError as e:
-                    return e
-
-            outcomes = [one(runs[0])] if len(runs) == 1 else list(self._pool.map(one, runs))
+            outcomes, interrupted = self._send_all(send, runs)
             failed = [(run, e) for run, e in zip(runs, outcomes) if e is not None]
             for (group, sent, _), error in failed:
-                if error.code in _AMBIGUOUS | _MAY_LAND:
+                if isinstance(error, FlashserveError) and error.code in _AMBIGUOUS | _MAY_LAND:
                     doubtful.extend((seqs[i], s[0], error.code) for i, s in zip(group, sent) if writes(i))
+            if interrupted is not None:
+                raise interrupted
+            for _, error in failed:  # out of memory, an interrupted share ...: raised as it is, every share ended
+                if not isinstance(error, FlashserveError):
+                    raise error
             for (group, sent, endpoint), error in failed:
                 if not self.reprefill or n + 1 == self.max_attempts or error.code in _AMBIGUOUS:
                     raise error
@@ -233,6 +247,15 @@ class _Recovery:
                 return results
         raise error_for(grpc.StatusCode.ABORTED, f"{len(pending)} {what} item(s) were answered by sequences that "
                         f"another call re-created meanwhile, {self.max_attempts} times")
+
+
+def _send_one(send, run):
+    """None, or what send(*run) raised."""
+    try:
+        send(*run)
+        return None
+    except BaseException as e:  # noqa: BLE001 - the caller raises it once every share has ended
+        return e
 
 
 def _runs_by_endpoint(seqs: List[Sequence], indices: List[int],

@@ -109,7 +109,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self._raw_calls: Dict[Tuple[str, str], Any] = {}  # (endpoint, method) -> its wire-bytes callable
         self._down: Dict[str, float] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.endpoints)), thread_name_prefix="fs-seq")
+        # A call over several endpoints sends its first share from the calling thread and the others from here; the
+        # pool is shared by every thread using the client (threads are made as needed, up to the bound).
+        self._pool = ThreadPoolExecutor(max_workers=max(8, 4 * len(self.endpoints)), thread_name_prefix="fs-seq")
         # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
         # already_appended: appends a retry found applied by its lost first try (expected_length), not applied again.
         # already_created: creates whose retry found the sequence its lost try made (create_token).
