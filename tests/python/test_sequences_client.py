@@ -141,6 +141,34 @@ def test_packed_step_bytes_parse_to_the_typed_request(rng, with_kv):
     assert len(raw) == typed.ByteSize()
     mixed = items[:1] + [("e" * 32, 0, rows(1, 2), None, None)]  # another head count: not one packed tensor
     assert packed_step_request(mixed, [None, None], (False, None, False)) is None
+    # A v of another dtype than the other items' (bf16 next to fp16): per item, where the server refuses it by
+    # name, not relabeled as the first item's dtype in one packed v.
+    bf16_v = tensors.to_proto_rows(rng.standard_normal((1, 2, 64)).astype(np.float32), "v")
+    bf16_v.dtype = pb.BFLOAT16
+    bf16_v.data = bf16_v.data[:len(bf16_v.data) // 2]
+    other_v = items[:1] + [("e" * 32, 0, rows(1, 4), rows(1, 2), bf16_v)]
+    assert packed_step_request(other_v, [None, None], (False, None, False)) is None
+
+
+def test_batch_step_history_keeps_each_sequences_own_rows(fakes, rng):
+    """decode_step_batch appends one block of k/v per sequence; each sequence's history keeps its own block's bytes,
+    not a view of the whole batch's buffer (which would keep 64 sequences' rows alive for the one that stays)."""
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seqs = [client.create(1, 4, 2, 16, "float16") for _ in range(8)]
+        q = rng.standard_normal((8, 4, 16)).astype(np.float16)
+        k = rng.standard_normal((8, 2, 16)).astype(np.float16)
+        client.decode_step_batch(seqs, 0, q, k, k.copy())
+        for seq in seqs:
+            for pieces in (seq._history._k[0], seq._history._v[0]):
+                for piece in pieces:
+                    held = memoryview(piece.data).obj
+                    assert len(held) == len(piece.data) == 2 * 16 * 2, (len(held), len(piece.data))
+
+
+def test_endpoints_named_twice_count_once():
+    client = flashserve.SequenceClient(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"])
+    assert client.endpoints == ["127.0.0.1:1", "127.0.0.1:2"]
+    client.close()
 
 
 def test_history_joins_a_prefix_and_appended_rows(rng):

@@ -22,14 +22,15 @@ def _same_kind(t: "pb.Tensor", like: "pb.Tensor") -> bool:
 def packed_step_request(items: Seq[PackedInput], expected: Seq[Optional[int]], options) -> Optional[bytes]:
     """The items as one packed DecodeStepRequest's wire bytes (expected[i]: item i's expected_length or None;
     options: causal, softmax_scale, return_lse), or None when their tensors cannot share one -- mixed dtypes or head
-    shapes, k and v of different shapes -- so that the per-item form lets the server name the item at fault. The
+    shapes (of q, k or v), k and v of different shapes -- so that the per-item form lets the server name the item at fault. The
     tensors' bytes are copied once, into the request (_wire.packed_step_bytes), not into a message first."""
     q0 = items[0][2]
     kv0 = next((k for _, _, _, k, _ in items if k is not None), None)
     for _, _, q, k, v in items:
         if not _same_kind(q, q0):
             return None
-        if k is not None and not (v is not None and _same_kind(k, kv0) and list(k.shape) == list(v.shape)):
+        if k is not None and not (v is not None and _same_kind(k, kv0) and _same_kind(v, kv0) and
+                                  list(k.shape) == list(v.shape)):
             return None
     causal, softmax_scale, return_lse = options
     header = spb.DecodeStepRequest(causal=causal, return_lse=return_lse)

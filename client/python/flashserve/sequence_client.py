@@ -76,14 +76,15 @@ _LOCAL_METHODS = {"DecodeStep": "decode_step_answer", "Attend": "attend"}
 _DROP_CONNECTION = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 
-def _row_blocks(rows: tensors.HostRows, count: int) -> List[tensors.HostRows]:
-    """A [count x n, heads, d] tensor's bytes as count [n, heads, d] blocks (views: nothing copied; a packed request
-    joins them back in one copy)."""
+def _row_blocks(rows: tensors.HostRows, count: int, copy: bool) -> List[tensors.HostRows]:
+    """A [count x n, heads, d] tensor's bytes as count [n, heads, d] blocks: views (nothing copied; a packed request
+    joins them back in one copy), or with copy each block's bytes of its own (k/v: a sequence's history keeps its
+    block, and a view would keep the whole batch's buffer alive with it)."""
     n = rows.shape[0] // count
     size = len(rows.data) // count
     whole = memoryview(rows.data)
-    return [tensors.HostRows(rows.dtype, (n,) + tuple(rows.shape[1:]), whole[i * size:(i + 1) * size])
-            for i in range(count)]
+    cut = (lambda i: bytes(whole[i * size:(i + 1) * size])) if copy else (lambda i: whole[i * size:(i + 1) * size])
+    return [tensors.HostRows(rows.dtype, (n,) + tuple(rows.shape[1:]), cut(i)) for i in range(count)]
 
 
 class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
@@ -94,7 +95,8 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                  options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
                  max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None,
                  packed_steps: bool = True, local_poll_us: int = 0):
-        self.endpoints = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        # Each endpoint once: the ring holds it once, and recovery counts the others left to move to.
+        self.endpoints = list(dict.fromkeys([endpoints] if isinstance(endpoints, str) else endpoints))
         self.ring = HashRing(self.endpoints, vnodes)
         self.timeout = timeout
         self.reprefill = reprefill
@@ -353,8 +355,8 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                             f"{count} sequences (k and v both or neither)")
         kind = "torch" if tensors.is_torch(q) else "numpy"
         device = q.device if kind == "torch" else None
-        # q is read in place (sent, never kept); k/v are copied once: the history keeps views of them.
-        blocks = [_row_blocks(tensors.to_host_rows(t, name, copy=name != "q"), count) if t is not None
+        # q is read in place (sent, never kept); k/v are copied once, block by block: the history keeps each block.
+        blocks = [_row_blocks(tensors.to_host_rows(t, name, copy=False), count, copy=name != "q") if t is not None
                   else [None] * count for name, t in (("q", q), ("k", k), ("v", v))]
         prepared = [_Item.encoded(seq, layer, qi, ki, vi) for seq, qi, ki, vi in zip(seqs, *blocks)]
         answers = self._run_decode(prepared, (bool(causal), softmax_scale, bool(return_lse), timeout))
