@@ -11,7 +11,8 @@ import grpc
 
 from . import tensors
 from ._pb import sequences_pb2 as spb
-from ._wire import create_request_bytes
+from ._seq_create import split_prefix
+from ._wire import append_request_bytes, create_request_bytes
 from .errors import DeadlineExceededError, FlashserveError, NotFoundError, UnavailableError, error_for
 from .sequences import Sequence
 
@@ -63,6 +64,7 @@ class _Recovery:
         included, up to max_attempts tries (the calls' retry policy: none without reprefill; UNAVAILABLE waits
         0.1, 0.2 ... s): the server answers the sequence a lost try made instead of making a second one that would
         hold pages until its TTL. With several endpoints an UNAVAILABLE one is marked down and the next one tried."""
+        prefix, appends = split_prefix(prefix, self.create_chunk_bytes)
         request = self._create_request(seq, prefix, create_token or new_create_token())
         failovers = retries = 0
         while failovers < len(self.endpoints):
@@ -82,9 +84,35 @@ class _Recovery:
                 if isinstance(e, UnavailableError):
                     time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** (retries - 1))
                 continue
+            if appends:
+                self._append_prefix_rest(seq, endpoint, response, appends, timeout)
             self._created(seq, endpoint, response)
             return
         raise error_for(grpc.StatusCode.UNAVAILABLE, f"no endpoint could create the sequence ({self.endpoints})")
+
+    def _append_prefix_rest(self, seq: Sequence, endpoint: str, response, appends, timeout) -> None:
+        """The prefix's rows that did not fit the create (_seq_create.split_prefix), appended in order to the sequence
+        the create made; `response` (the create's answer) then holds the layers' lengths after them. Each append names
+        the length it follows, so a try sent again after a lost answer appends nothing twice. A failure releases the
+        sequence (it holds only part of the prefix) and raises."""
+        sequence_id, lengths = response.sequence_id, [int(n) for n in response.layer_lengths]
+        try:
+            for rows in appends:
+                request = append_request_bytes(sequence_id, rows, {layer: lengths[layer] for layer in rows})
+                for attempt in range(self.max_attempts):
+                    try:
+                        answer = self._rpc(endpoint, "Append", request, seq.key, timeout)
+                        break
+                    except _CREATE_MAY_HAVE_RUN:
+                        if attempt + 1 == self.max_attempts:
+                            raise
+                        time.sleep(_UNAVAILABLE_BACKOFF_S * 2 ** attempt)
+                lengths = [int(n) for n in answer.layer_lengths]
+        except BaseException:
+            self._release_quietly(endpoint, sequence_id, seq.key)
+            raise
+        del response.layer_lengths[:]
+        response.layer_lengths.extend(lengths)
 
     def _created(self, seq: Sequence, endpoint: str, response) -> None:
         """seq is now the CreateSequenceResponse's sequence on ``endpoint``."""

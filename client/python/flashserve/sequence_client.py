@@ -31,7 +31,10 @@ create_token=...)``). A create that failed with UNAVAILABLE (through one endpoin
 the sequence with its answer lost; it is sent again with the same token (up to ``max_attempts`` tries, as other calls;
 none with ``reprefill=False``), and the server answers the sequence the lost try made (``already_created``, counted in
 ``stats["already_created"]``) instead of making a second one that would hold pages until its TTL. A re-create after
-NOT_FOUND uses a new token.
+NOT_FOUND uses a new token. A prefix of more than ``create_chunk_bytes`` of K/V (default 256 MiB) goes as the create
+and then appends (each naming the length it follows), so that a many-layer sequence is created -- and re-created after
+NOT_FOUND -- within the server's --max_request_bytes (default 1 GiB) and gRPC's 2 GiB; a failed append releases the
+part made and raises.
 
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
@@ -53,6 +56,7 @@ import grpc
 from . import tensors
 from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
+from ._seq_create import CREATE_CHUNK_BYTES
 from ._seq_recovery import _mark_uncertain, _Recovery
 from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
@@ -94,7 +98,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                  timeout: Optional[float] = None, credentials: Optional[grpc.ChannelCredentials] = None,
                  options=None, vnodes: int = DEFAULT_VNODES, reprefill: bool = True, down_s: float = 5.0,
                  max_attempts: int = 4, local_sockets: Optional[Mapping[str, str]] = None,
-                 packed_steps: bool = True, local_poll_us: int = 0):
+                 packed_steps: bool = True, local_poll_us: int = 0, create_chunk_bytes: int = CREATE_CHUNK_BYTES):
         # Each endpoint once: the ring holds it once, and recovery counts the others left to move to.
         self.endpoints = list(dict.fromkeys([endpoints] if isinstance(endpoints, str) else endpoints))
         self.ring = HashRing(self.endpoints, vnodes)
@@ -104,6 +108,10 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self.max_attempts = max_attempts
         # decode_step sends DecodeStepRequest.packed (one q/k/v tensor per step) when the items allow it.
         self.packed_steps = packed_steps
+        if create_chunk_bytes < 1:
+            raise ValueError(f"create_chunk_bytes must be positive, got {create_chunk_bytes}")
+        # A (re-)create's prefix beyond this many bytes of K/V goes as the create and then appends (_seq_create.py).
+        self.create_chunk_bytes = create_chunk_bytes
         self._token = token
         self._credentials = credentials
         self._options = _channel_options(_RECONNECT_OPTIONS + list(options or []))
