@@ -115,9 +115,6 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
       e = cudaEventCreateWithFlags(&store->stage_done_[i], cudaEventDisableTiming);
     }
   }
-  if (e == cudaSuccess) {
-    e = cudaEventCreateWithFlags(&store->direct_write_done_, cudaEventDisableTiming);
-  }
   if (e != cudaSuccess) {
     cudaGetLastError();
     return absl::ResourceExhaustedError(
@@ -141,7 +138,6 @@ CudaKvStore::~CudaKvStore() {
     }
   }
   cudaFree(stage_device_);
-  if (direct_write_done_ != nullptr) cudaEventDestroy(direct_write_done_);
   for (int i = 0; i < 2; ++i) {
     cudaFreeHost(stage_host_[i]);
     if (stage_done_[i] != nullptr) cudaEventDestroy(stage_done_[i]);
@@ -160,7 +156,7 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
     return absl::InternalError("KV store write outside the pool");
   }
-  std::lock_guard<std::mutex> lock(write_mu_);
+  std::unique_lock<std::mutex> lock(write_mu_);
   const bool in_place = Addressable(at);
   if (bytes >= kDirectWriteBytes) {
     cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
@@ -173,8 +169,8 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
     const cudaError_t e =
         cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyDefault, stream_);
     if (e != cudaSuccess) return on_error_(e, "KV cache write");
-    return at == kvcache::BytesAt::kHost && PageLocked(src) ? WaitForStreamLocked()
-                                                            : absl::OkStatus();
+    if (at != kvcache::BytesAt::kHost || !PageLocked(src)) return absl::OkStatus();
+    return WaitForCopy(&lock);
   }
   if (in_place) return AddRangeLocked(pool_ + offset, static_cast<const char*>(src), bytes);
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
@@ -188,9 +184,13 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   return AddRangeLocked(pool_ + offset, stage_device_ + at_stage, bytes);
 }
 
-absl::Status CudaKvStore::WaitForStreamLocked() {
-  cudaError_t e = cudaEventRecord(direct_write_done_, stream_);
-  if (e == cudaSuccess) e = cudaEventSynchronize(direct_write_done_);
+absl::Status CudaKvStore::WaitForCopy(std::unique_lock<std::mutex>* lock) {
+  cudaEvent_t done = nullptr;
+  cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(done, stream_);
+  lock->unlock();  // launches and writes queue on behind the copy meanwhile
+  if (e == cudaSuccess) e = cudaEventSynchronize(done);
+  if (done != nullptr) cudaEventDestroy(done);
   return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
 }
 

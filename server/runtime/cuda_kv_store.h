@@ -101,8 +101,8 @@ class CudaKvStore final : public kvcache::KvStore {
   // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
   void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
                   const char* device, char* scratch);
-  // Waits until the stream has done everything queued on it (a direct copy's source is read).
-  absl::Status WaitForStreamLocked();
+  // Waits, with `lock` (on write_mu_) released, until the copy just queued on the stream has run.
+  absl::Status WaitForCopy(std::unique_lock<std::mutex>* lock);
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).
@@ -138,7 +138,6 @@ class CudaKvStore final : public kvcache::KvStore {
   std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
-  cudaEvent_t direct_write_done_ = nullptr;         // WaitForStreamLocked's
   char* stage_device_ = nullptr;
   int stage_index_ = 0;
   std::vector<char> staged_ranges_host_;  // KvScatterRange[kMaxRanges], copied at the flush
