@@ -22,9 +22,12 @@ class KvStore {
   virtual int64_t capacity_bytes() const = 0;
   /// Copies `bytes` bytes from `src` (in the memory `at` says) to the arena at `offset`. A Write
   /// that returned before an Attend was started is visible to it. A kHost `src` may be reused
-  /// once Write returns; a kPageLocked / kDevice one may be read until the next Attend returns
-  /// (the caller keeps it alive until then). FAILED_PRECONDITION for memory the store cannot read.
+  /// once AwaitSources returns (a store may read one that is in fact page-locked after Write
+  /// returned); a kPageLocked / kDevice one may be read until the next Attend returns (the caller
+  /// keeps it alive until then). FAILED_PRECONDITION for memory the store cannot read.
   virtual absl::Status Write(int64_t offset, const void* src, int64_t bytes, BytesAt at) = 0;
+  /// Returns once every kHost source handed to Write before this call has been read.
+  virtual absl::Status AwaitSources() { return absl::OkStatus(); }
   /// Pages were freed and may be written by another sequence next: a Write issued before this
   /// call must land before any Write issued after it (a store that defers writes flushes here).
   virtual void Fence() {}

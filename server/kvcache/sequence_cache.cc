@@ -308,10 +308,13 @@ absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t fro
     const int64_t src = (pos - from) * f.row_bytes;
     absl::Status s = store_->Write(at, k_src + src, n * f.row_bytes, k.at);
     if (s.ok()) s = store_->Write(at + f.v_offset, v_src + src, n * f.row_bytes, v.at);
-    if (!s.ok()) return s;
+    if (!s.ok()) {
+      store_->AwaitSources().IgnoreError();  // the caller frees the rows when this returns
+      return s;
+    }
     pos += n;
   }
-  return absl::OkStatus();
+  return store_->AwaitSources();  // once per call: not once per page
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {

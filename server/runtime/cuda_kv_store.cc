@@ -156,7 +156,7 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   if (offset < 0 || bytes < 0 || offset + bytes > bytes_) {
     return absl::InternalError("KV store write outside the pool");
   }
-  std::unique_lock<std::mutex> lock(write_mu_);
+  std::lock_guard<std::mutex> lock(write_mu_);
   const bool in_place = Addressable(at);
   if (bytes >= kDirectWriteBytes) {
     cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
@@ -164,13 +164,13 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
     // driver stages the bytes before returning, so `src` may be reused; from page-locked memory
     // the copy reads `src` when the stream reaches it, behind the launches in flight. A kHost
     // source there (a message string the server's malloc took from the page-locked receive
-    // arena) is freed by the caller once Write returns: wait for its copy.
+    // arena) is freed by the caller once AwaitSources returns: counted for it.
     if (absl::Status s = FlushLocked(); !s.ok()) return s;
     const cudaError_t e =
         cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyDefault, stream_);
     if (e != cudaSuccess) return on_error_(e, "KV cache write");
-    if (at != kvcache::BytesAt::kHost || !PageLocked(src)) return absl::OkStatus();
-    return WaitForCopy(&lock);
+    if (at == kvcache::BytesAt::kHost && PageLocked(src)) ++sources_queued_;
+    return absl::OkStatus();
   }
   if (in_place) return AddRangeLocked(pool_ + offset, static_cast<const char*>(src), bytes);
   const int64_t padded = (bytes + 15) / 16 * 16;  // keeps every staged range 16-byte aligned
@@ -184,14 +184,21 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   return AddRangeLocked(pool_ + offset, stage_device_ + at_stage, bytes);
 }
 
-absl::Status CudaKvStore::WaitForCopy(std::unique_lock<std::mutex>* lock) {
-  cudaEvent_t done = nullptr;
-  cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventRecord(done, stream_);
-  lock->unlock();  // launches and writes queue on behind the copy meanwhile
-  if (e == cudaSuccess) e = cudaEventSynchronize(done);
-  if (done != nullptr) cudaEventDestroy(done);
-  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write");
+absl::Status CudaKvStore::AwaitSources() {
+  std::unique_lock<std::mutex> lock(write_mu_);
+  if (sources_queued_ == sources_read_) return absl::OkStatus();
+  const int64_t queued = sources_queued_;
+  cudaSetDevice(device_);
+  cudaEvent_t read = nullptr;
+  cudaError_t e = cudaEventCreateWithFlags(&read, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(read, stream_);
+  lock.unlock();  // launches and writes queue on behind the copies meanwhile
+  if (e == cudaSuccess) e = cudaEventSynchronize(read);
+  if (read != nullptr) cudaEventDestroy(read);
+  if (e != cudaSuccess) return on_error_(e, "KV cache write");
+  lock.lock();
+  sources_read_ = std::max(sources_read_, queued);
+  return absl::OkStatus();
 }
 
 absl::Status CudaKvStore::AddRangeLocked(char* dst, const char* src, int64_t bytes) {

@@ -55,6 +55,9 @@ class CudaKvStore final : public kvcache::KvStore {
   std::string_view kind() const override { return "cuda"; }
   int64_t capacity_bytes() const override { return bytes_; }
   absl::Status Write(int64_t offset, const void* src, int64_t bytes, kvcache::BytesAt at) override;
+  /// Waits (without the write lock) for the direct copies from page-locked kHost sources queued so
+  /// far; at once when there are none.
+  absl::Status AwaitSources() override;
   /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
   /// so a freed page's old rows and its next owner's must not share one.
   void Fence() override;
@@ -101,8 +104,6 @@ class CudaKvStore final : public kvcache::KvStore {
   // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
   void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
                   const char* device, char* scratch);
-  // Waits, with `lock` (on write_mu_) released, until the copy just queued on the stream has run.
-  absl::Status WaitForCopy(std::unique_lock<std::mutex>* lock);
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).
@@ -138,6 +139,9 @@ class CudaKvStore final : public kvcache::KvStore {
   std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
+  // Direct copies from page-locked kHost sources queued, and how many of them AwaitSources saw
+  // read.
+  int64_t sources_queued_ = 0, sources_read_ = 0;
   char* stage_device_ = nullptr;
   int stage_index_ = 0;
   std::vector<char> staged_ranges_host_;  // KvScatterRange[kMaxRanges], copied at the flush

@@ -2,6 +2,7 @@
 // all-or-nothing failures, pool exhaustion, TTL, release, limits and bad inputs.
 #include "kvcache/sequence_cache.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -504,8 +505,13 @@ class RecordingStore final : public KvStore {
     return absl::OkStatus();
   }
   void Fence() override { events.push_back("F"); }
+  absl::Status AwaitSources() override {
+    if (record_awaits) events.push_back("A");
+    return absl::OkStatus();
+  }
   absl::Status Attend(const PagedBatch&, AttendInfo*) override { return absl::OkStatus(); }
   std::vector<std::string> events;
+  bool record_awaits = false;
 };
 
 TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
@@ -528,6 +534,30 @@ TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
   EXPECT_EQ(store.events[2], "F");
   EXPECT_EQ(store.events[0], store.events[3])
       << "B did not reuse A's page: the test proves nothing";
+}
+
+// The rows' sources are the caller's (a request freed when the call returns): an append waits
+// once, after all its writes, until the store has read them -- not once per page.
+TEST(SequenceCacheFence, AppendAwaitsItsSourcesOnceAfterItsWrites) {
+  RecordingStore store;
+  store.record_awaits = true;
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::mt19937 rng(6);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, f16};
+  const std::string id = cache->CreateSequence(request)->id;
+  testing::Bits forty = testing::RandomRows(&rng, 40, 1, 64, f16);  // three pages
+  store.events.clear();
+  ASSERT_TRUE(
+      cache->Append(id, {{0, testing::Rows(forty, 1, 64, f16), testing::Rows(forty, 1, 64, f16)}})
+          .ok());
+  ASSERT_EQ(store.events.size(), 7u) << absl::StrJoin(store.events, " ");  // 3 x (K, V), then A
+  EXPECT_EQ(std::count(store.events.begin(), store.events.end(), "A"), 1);
+  EXPECT_EQ(store.events.back(), "A");
 }
 
 // A cut inside the last page frees nothing, yet the rows written next at the places it gave up
