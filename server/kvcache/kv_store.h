@@ -26,7 +26,8 @@ class KvStore {
   /// returned); a kPageLocked / kDevice one may be read until the next Attend returns (the caller
   /// keeps it alive until then). FAILED_PRECONDITION for memory the store cannot read.
   virtual absl::Status Write(int64_t offset, const void* src, int64_t bytes, BytesAt at) = 0;
-  /// Returns once every kHost source handed to Write before this call has been read.
+  /// Returns once every kHost source the calling thread handed to Write before this call has
+  /// been read (the SequenceCache writes a call's rows and waits on one thread).
   virtual absl::Status AwaitSources() { return absl::OkStatus(); }
   /// Pages were freed and may be written by another sequence next: a Write issued before this
   /// call must land before any Write issued after it (a store that defers writes flushes here).

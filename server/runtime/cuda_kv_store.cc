@@ -1,7 +1,9 @@
 #include "runtime/cuda_kv_store.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "flashserve/kernels/decode_attention.h"
@@ -10,6 +12,37 @@
 namespace flashserve {
 
 namespace {
+
+// Per thread, the last direct copy from a page-locked kHost source it queued on each store (by
+// store id): AwaitSources waits for the calling thread's own copies only -- a step's preparation,
+// which writes under the cache's lock, must not wait for an append's copies on another thread.
+struct QueuedSource {
+  uint64_t store = 0;
+  int64_t ticket = 0;
+};
+thread_local std::vector<QueuedSource> queued_sources;
+std::atomic<uint64_t> next_store_id{1};
+
+void RememberSource(uint64_t store, int64_t ticket) {
+  for (QueuedSource& q : queued_sources) {
+    if (q.store == store) {
+      q.ticket = ticket;
+      return;
+    }
+  }
+  queued_sources.push_back({store, ticket});
+}
+
+// The calling thread's last ticket on `store` (forgotten here), or 0.
+int64_t TakeSource(uint64_t store) {
+  for (size_t i = 0; i < queued_sources.size(); ++i) {
+    if (queued_sources[i].store != store) continue;
+    const int64_t ticket = queued_sources[i].ticket;
+    queued_sources.erase(queued_sources.begin() + long(i));
+    return ticket;
+  }
+  return 0;
+}
 
 // Whether `p` is page-locked host memory (allocated or registered with CUDA): a copy from it runs
 // asynchronously. When CUDA cannot tell, yes (the caller then waits, which is always safe).
@@ -169,7 +202,7 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
     const cudaError_t e =
         cudaMemcpyAsync(pool_ + offset, src, size_t(bytes), cudaMemcpyDefault, stream_);
     if (e != cudaSuccess) return on_error_(e, "KV cache write");
-    if (at == kvcache::BytesAt::kHost && PageLocked(src)) ++sources_queued_;
+    if (at == kvcache::BytesAt::kHost && PageLocked(src)) RememberSource(id_, ++sources_queued_);
     return absl::OkStatus();
   }
   if (in_place) return AddRangeLocked(pool_ + offset, static_cast<const char*>(src), bytes);
@@ -184,9 +217,13 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
   return AddRangeLocked(pool_ + offset, stage_device_ + at_stage, bytes);
 }
 
+uint64_t CudaKvStore::NewId() { return next_store_id.fetch_add(1); }
+
 absl::Status CudaKvStore::AwaitSources() {
+  const int64_t mine = TakeSource(id_);
+  if (mine == 0) return absl::OkStatus();
   std::unique_lock<std::mutex> lock(write_mu_);
-  if (sources_queued_ == sources_read_) return absl::OkStatus();
+  if (sources_read_ >= mine) return absl::OkStatus();
   const int64_t queued = sources_queued_;
   cudaSetDevice(device_);
   cudaEvent_t read = nullptr;

@@ -55,8 +55,8 @@ class CudaKvStore final : public kvcache::KvStore {
   std::string_view kind() const override { return "cuda"; }
   int64_t capacity_bytes() const override { return bytes_; }
   absl::Status Write(int64_t offset, const void* src, int64_t bytes, kvcache::BytesAt at) override;
-  /// Waits (without the write lock) for the direct copies from page-locked kHost sources queued so
-  /// far; at once when there are none.
+  /// Waits (without the write lock) for the direct copies from page-locked kHost sources that the
+  /// calling thread queued; at once when it queued none.
   absl::Status AwaitSources() override;
   /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
   /// so a freed page's old rows and its next owner's must not share one.
@@ -85,8 +85,10 @@ class CudaKvStore final : public kvcache::KvStore {
   CudaKvStore(int64_t bytes, int device, SplitChooser choose_splits, ErrorHandler on_error)
       : bytes_(bytes),
         device_(device),
+        id_(NewId()),
         choose_splits_(std::move(choose_splits)),
         on_error_(std::move(on_error)) {}
+  static uint64_t NewId();  // distinct for every store of the process
   // Sizes and offsets of one launch's sections.
   Packed Plan(const kvcache::PagedBatch& batch) const;
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
@@ -119,6 +121,7 @@ class CudaKvStore final : public kvcache::KvStore {
 
   const int64_t bytes_;
   const int device_;
+  const uint64_t id_;  // tells this store's copies apart in a thread's queued sources
   const SplitChooser choose_splits_;
   const ErrorHandler on_error_;
   bool host_addressable_ = false;  // page-locked host memory: its host pointer works on device_
@@ -139,8 +142,8 @@ class CudaKvStore final : public kvcache::KvStore {
   std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
-  // Direct copies from page-locked kHost sources queued, and how many of them AwaitSources saw
-  // read.
+  // Direct copies from page-locked kHost sources queued (their tickets), and the ticket up to which
+  // AwaitSources saw them read.
   int64_t sources_queued_ = 0, sources_read_ = 0;
   char* stage_device_ = nullptr;
   int stage_index_ = 0;

@@ -6,10 +6,12 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "cuda_test_util.h"
@@ -117,6 +119,45 @@ TEST(CudaKvWrite, PageLockedRowsCalledHostMayBeReusedOnceAppendReturns) {
   DenseLayer dense;
   dense.Append(k, v);
   s.CheckStep(id, dense, &rng, "rows appended from page-locked memory");
+  EXPECT_EQ(s.faults.load(), 0);
+}
+
+// An append waiting for its page-locked sources to be read (behind a second of device work) holds
+// up no one else: a step prepared meanwhile on another sequence (under the cache's lock) returns
+// at once instead of waiting for that append's copies.
+TEST(CudaKvWrite, AStepDoesNotWaitForAnotherCallsSources) {
+  if (Skip()) GTEST_SKIP() << "no CUDA GPU with the d128 decode kernel: skipping";
+  std::mt19937 rng(std::random_device{}());
+  Store s;
+  ASSERT_NE(s.cache, nullptr);
+  const std::string appended = s.Create({}, {});
+  const Bits k0 = RandomRows(&rng, 3, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  const std::string stepped = s.Create(k0, k0);
+  DenseLayer dense;
+  dense.Append(k0, k0);
+  // One step first: the kernels a flush and a step launch are loaded now (the first launch of a
+  // kernel waits for the device when CUDA loads modules lazily, which is not what is measured).
+  s.CheckStep(stepped, dense, &rng, "warm-up step");
+  const Bits k = RandomRows(&rng, 96, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  PinnedCopy pinned(k);
+  HostRows rows = Store::RowsOf(k);
+  rows.data = pinned.data;  // kHost, as the edge says of a message's bytes
+  ASSERT_EQ(kernels::cuda::launch_hang_for_testing(s.store->stream_for_testing(), 1), cudaSuccess);
+  const auto start = std::chrono::steady_clock::now();
+  std::thread append([&] { EXPECT_TRUE(s.cache->Append(appended, {{0, rows, rows}}).ok()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // its copies queued, it waits
+  const Bits one = RandomRows(&rng, 1, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  const Bits q = RandomRows(&rng, 1, kShape.heads_q, kShape.head_dim, kShape.dtype);
+  absl::StatusOr<StepPlan> plan =
+      s.cache->PrepareStep({{stepped, 0, Rows(q, kShape.heads_q, kShape.head_dim, kShape.dtype),
+                             Store::RowsOf(one), Store::RowsOf(one)}});
+  const auto prepared = std::chrono::steady_clock::now();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  plan.value() = StepPlan();  // unpinned
+  append.join();
+  const auto appended_at = std::chrono::steady_clock::now();
+  EXPECT_LT(prepared - start, std::chrono::milliseconds(700)) << "the step waited for the append";
+  EXPECT_GT(appended_at - start, std::chrono::milliseconds(900)) << "the append did not wait";
   EXPECT_EQ(s.faults.load(), 0);
 }
 
