@@ -15,11 +15,13 @@ MemoryKind KindOf(const IoBuffers& io) {
   return io.pinned() ? MemoryKind::kPageLocked : MemoryKind::kHeap;
 }
 
-// Copies q, k and v (any pieces) into `io`'s input parts.
+// Copies q, k and v (any pieces) into `io`'s input parts; not one in device memory (a client's
+// CUDA region, which the backend reads where it is: a host copy of it would fault).
 void StageInputs(const TensorBytes (&inputs)[3], const IoBuffers& io, ParallelCopier* copier) {
   std::vector<CopyPiece> pieces;
   char* dest[3] = {io.q(), io.k(), io.v()};
   for (int i = 0; i < 3; ++i) {
+    if (inputs[i].kind == MemoryKind::kDevice) continue;
     for (std::string_view piece : inputs[i].pieces) {
       pieces.push_back({dest[i], piece.data(), piece.size()});
       dest[i] += piece.size();
@@ -60,8 +62,21 @@ void OutputsToResponse(const AttentionProblem& problem, v1::AttentionResponse* r
   }
 }
 
-// Device memory is never touched by a host copy: a backend that cannot reach it refuses.
+// Device memory is never touched by a host copy: a backend that cannot reach it refuses, and an
+// output there must suit the kernels' stores (O: 16-byte vectors; LSE: floats), which write it
+// in place -- a misaligned store faults the GPU for every later request.
 absl::Status CheckReachable(const TensorPlacementRequest& request, Backend& backend) {
+  constexpr uintptr_t kAlign[2] = {16, 4};
+  constexpr const char* kName[2] = {"O", "LSE"};
+  for (int i = 0; i < 2; ++i) {
+    const TensorTarget& target = request.regions[i];
+    if (target.data != nullptr && target.kind == MemoryKind::kDevice &&
+        reinterpret_cast<uintptr_t>(target.data) % kAlign[i] != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(kName[i], " in CUDA shared memory must start at a multiple of ", kAlign[i],
+                       " bytes of the device's address space (its region's base plus offset)"));
+    }
+  }
   for (const TensorBytes& input : request.inputs) {
     if (input.kind == MemoryKind::kDevice && !backend.ReadsDirectly(input)) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -128,6 +143,10 @@ absl::StatusOr<TensorPlacement> PlaceTensors(TensorPlacementRequest request, Bac
     placement.stage_us = absl::ToInt64Microseconds(absl::Now() - start);
     placement.inputs_copied = true;
     InputsFromBuffers(*placement.io, &placement.tensors);
+    TensorBytes* staged[3] = {&placement.tensors.q, &placement.tensors.k, &placement.tensors.v};
+    for (int i = 0; i < 3; ++i) {  // read where they are (StageInputs left them out)
+      if (request.inputs[i].kind == MemoryKind::kDevice) *staged[i] = std::move(request.inputs[i]);
+    }
   } else {
     placement.tensors.q = std::move(request.inputs[0]);
     placement.tensors.k = std::move(request.inputs[1]);

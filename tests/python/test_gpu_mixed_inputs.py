@@ -1,0 +1,103 @@
+"""Native Attention on the CUDA backend with some inputs in a client's CUDA region and the others inline: the inline
+ones are staged, the region's read where they are (a host copy of device memory killed the server with SIGSEGV);
+O and LSE outputs in a CUDA region must suit the kernel's stores (LSE at a multiple of 4 bytes), else
+INVALID_ARGUMENT -- a misaligned LSE store faulted the GPU and the backend answered UNAVAILABLE ever after. Regions
+are torch CUDA tensors named by CUDA IPC (flashserve.shm.TorchCudaIpc); every answer against the fp64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flashserve
+from conftest import ServerProcess, _stop_and_check
+from flashserve._pb import attention_pb2 as pb
+from flashserve.shm import TorchCudaIpc
+from test_gpu_e2e import _gpu_present
+
+
+# Inline tensors land in the page-locked receive arena (read as they lie) or, without it, in pageable memory (staged
+# through the pinned pool: the case that copied the region's device memory on the host).
+@pytest.fixture(scope="module", params=[[], ["--receive_arena_bytes=0"]], ids=["arena", "no_arena"])
+def cuda_server(request, flashserve_bin, tmp_path_factory):
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA region tests skipped")
+    s = ServerProcess(flashserve_bin, tmp_path_factory.mktemp("mixed_inputs"),
+                      ["--backend=cuda", "--allow_client_shm", *request.param], name="mixed_inputs").start()
+    yield s
+    _stop_and_check(s)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    return torch
+
+
+def _request(q, k, v, return_lse=True):
+    """The native request with every tensor inline (as the client would send it by value)."""
+    request = pb.AttentionRequest(causal=True, return_lse=return_lse)
+    for field, x in (("q", q), ("k", k), ("v", v)):
+        t = getattr(request, field)
+        t.dtype, t.data = pb.FLOAT16, x.tobytes()
+        t.shape.extend(x.shape)
+    return request
+
+
+@pytest.mark.parametrize("in_region", ["q", "k", "kv"])
+def test_inputs_partly_in_a_cuda_region(cuda_server, torch, rng, make_qkv, check_answer, in_region):
+    q, k, v = make_qkv(rng, 2, 37, 61, 4, 2, 64, "float16")
+    with flashserve.Client(cuda_server.address, timeout=60) as client:
+        ipc = TorchCudaIpc(client)
+        request = _request(q, k, v)
+        kept = []
+        for field, x in (("q", q), ("k", k), ("v", v)):
+            if field in in_region:
+                t = torch.from_numpy(x).cuda()
+                kept.append(t)
+                msg = getattr(request, field)
+                msg.ClearField("data")
+                msg.shm.CopyFrom(ipc._name(t))
+        torch.cuda.synchronize()
+        response = client._stub.Attention(request, timeout=60)
+        out = np.frombuffer(response.out.data, np.float16).reshape(q.shape)
+        lse = np.frombuffer(response.lse.data, np.float32).reshape(q.shape[0], q.shape[2], q.shape[1])
+        check_answer(out, lse, q, k, v, causal=True)
+        ipc.close()
+        assert client.server_info().backend == "cuda"  # still serving
+
+
+def test_outputs_in_a_cuda_region_must_suit_the_kernels_stores(cuda_server, torch, rng, make_qkv, check_answer):
+    q, k, v = make_qkv(rng, 1, 33, 50, 4, 2, 64, "float16")
+    lse_bytes = 4 * q.shape[0] * q.shape[2] * q.shape[1]
+    with flashserve.Client(cuda_server.address, timeout=60) as client:
+        ipc = TorchCudaIpc(client)
+        space = torch.full((q.nbytes + lse_bytes + 64,), 255, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        for o_at, lse_at, ok in ((0, q.nbytes, True), (0, q.nbytes + 2, False), (8, q.nbytes + 16, False),
+                                 (16, q.nbytes + 20, True)):
+            request = _request(q, k, v)
+            base = ipc._name(space)
+            request.out_shm.CopyFrom(pb.SharedMemoryRef(region=base.region, offset=base.offset + o_at,
+                                                        byte_size=q.nbytes))
+            request.lse_shm.CopyFrom(pb.SharedMemoryRef(region=base.region, offset=base.offset + lse_at,
+                                                        byte_size=lse_bytes))
+            if not ok:
+                with pytest.raises(Exception) as info:
+                    client._stub.Attention(request, timeout=60)
+                assert info.value.code().name == "INVALID_ARGUMENT", info.value
+                assert "multiple of" in info.value.details(), info.value.details()
+                continue
+            client._stub.Attention(request, timeout=60)
+            torch.cuda.synchronize()
+            raw = space.cpu().numpy()
+            out = np.frombuffer(raw[o_at:o_at + q.nbytes].tobytes(), np.float16).reshape(q.shape)
+            lse = np.frombuffer(raw[lse_at:lse_at + lse_bytes].tobytes(), np.float32).reshape(
+                q.shape[0], q.shape[2], q.shape[1])
+            check_answer(out, lse, q, k, v, causal=True)
+        ipc.close()
+        # The misaligned requests were refused before the GPU ran anything: it still serves.
+        out = client.attention(q, k, v, causal=True)
+        check_answer(out, None, q, k, v, causal=True)
