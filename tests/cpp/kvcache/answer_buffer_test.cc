@@ -247,7 +247,9 @@ TEST(AnswerBuffer, APackedAnswerIsOneTensorEachSlicedInItemOrder) {
     const std::string wire = Concatenate(pieces, answer.buffer.get());
     v1::DecodeStepResponse parsed;
     ASSERT_TRUE(parsed.ParseFromString(wire));
-    if (room) EXPECT_EQ(wire[0], char(5 << 3 | 2)) << "the packed answer first (field 5)";
+    if (room) {
+      EXPECT_EQ(wire[0], char(5 << 3 | 2)) << "the packed answer first (field 5)";
+    }
     EXPECT_EQ(parsed.results_size(), 3);
     EXPECT_EQ(parsed.packed().out().data(), out_written);
     EXPECT_EQ(parsed.packed().lse().data(), lse_written);
