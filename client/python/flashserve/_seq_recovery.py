@@ -226,7 +226,7 @@ class _Recovery:
                 _mark_uncertain(seqs, ids, code)
             raise
 
-    def _send_all(self, send, runs: list) -> list:
+    def _send_all(self, send, runs: list) -> Tuple[list, Optional[BaseException]]:
         """(each run's outcome: None, or what it raised; what interrupted this thread while it waited, or None): the
         first run sent from this thread, the others from the pool. Returns only once every run has ended, also when
         interrupted: a step that raises must leave no share landing on a server after it, unaccounted for."""

@@ -22,8 +22,8 @@ def _same_kind(t: "pb.Tensor", like: "pb.Tensor") -> bool:
 def packed_step_request(items: Seq[PackedInput], expected: Seq[Optional[int]], options) -> Optional[bytes]:
     """The items as one packed DecodeStepRequest's wire bytes (expected[i]: item i's expected_length or None;
     options: causal, softmax_scale, return_lse), or None when their tensors cannot share one -- mixed dtypes or head
-    shapes (of q, k or v), k and v of different shapes -- so that the per-item form lets the server name the item at fault. The
-    tensors' bytes are copied once, into the request (_wire.packed_step_bytes), not into a message first."""
+    shapes (of q, k or v), k and v of different shapes -- so that the per-item form lets the server name the item at
+    fault. The tensors' bytes are copied once, into the request (_wire.packed_step_bytes), not into a message first."""
     q0 = items[0][2]
     kv0 = next((k for _, _, _, k, _ in items if k is not None), None)
     for _, _, q, k, v in items:
