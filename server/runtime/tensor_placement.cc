@@ -65,7 +65,7 @@ void OutputsToResponse(const AttentionProblem& problem, v1::AttentionResponse* r
 // Device memory is never touched by a host copy: a backend that cannot reach it refuses, and an
 // output there must suit the kernels' stores (O: 16-byte vectors; LSE: floats), which write it
 // in place -- a misaligned store faults the GPU for every later request.
-absl::Status CheckReachable(const TensorPlacementRequest& request, Backend& backend) {
+absl::Status CheckDeviceMemory(const TensorPlacementRequest& request, Backend& backend) {
   constexpr uintptr_t kAlign[2] = {16, 4};
   constexpr const char* kName[2] = {"O", "LSE"};
   for (int i = 0; i < 2; ++i) {
@@ -123,7 +123,7 @@ absl::StatusOr<TensorPlacement> PlaceTensors(TensorPlacementRequest request, Bac
                                             ParallelCopier* copier) {
   const AttentionProblem& problem = *request.problem;
   TensorPlacement placement;
-  RETURN_IF_ERROR(CheckReachable(request, backend));
+  RETURN_IF_ERROR(CheckDeviceMemory(request, backend));
   for (int i = 0; i < 2; ++i) {
     const TensorTarget& target = request.regions[i];
     placement.in_region[i] = target.data != nullptr && backend.WritesDirectly(target.kind) &&

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -16,6 +17,7 @@
 #include "flashserve/kernels/reference_attention.h"
 #include "gtest/gtest.h"
 #include "kvcache/kv_types.h"
+#include "kvcache/sequence_cache.h"
 
 namespace flashserve::kvcache::testing {
 
@@ -65,6 +67,14 @@ inline HostRows Rows(const Bits& bits, int64_t heads, int64_t head_dim, kernels:
   r.rows = heads * head_dim == 0 ? 0 : int64_t(bits.size()) / (heads * head_dim);
   r.data = bits.data();
   return r;
+}
+
+/// A 4 MiB cache of `page_tokens`-token pages over `store` (a test's recording or gated store).
+inline std::unique_ptr<SequenceCache> SmallCache(KvStore* store, int page_tokens) {
+  KvCacheOptions options;
+  options.capacity_bytes = 4 << 20;
+  options.page_tokens = page_tokens;
+  return std::move(*SequenceCache::Create(options, store, nullptr));
 }
 
 /// What one layer of a sequence holds, densely: K and V rows appended in order.

@@ -516,10 +516,7 @@ class RecordingStore final : public KvStore {
 
 TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
   RecordingStore store;
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 16;
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 16);
   std::mt19937 rng(3);
   testing::Bits k = testing::RandomRows(&rng, 1, 1, 64, kernels::DType::kFloat16);
   CreateRequest request;
@@ -541,10 +538,7 @@ TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
 TEST(SequenceCacheFence, AppendAwaitsItsSourcesOnceAfterItsWrites) {
   RecordingStore store;
   store.record_awaits = true;
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 16;
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 16);
   std::mt19937 rng(6);
   const kernels::DType f16 = kernels::DType::kFloat16;
   CreateRequest request;
@@ -564,10 +558,7 @@ TEST(SequenceCacheFence, AppendAwaitsItsSourcesOnceAfterItsWrites) {
 // share them with the dropped rows' writes, which a store may still defer: a fence between.
 TEST(SequenceCacheFence, TruncateInsideAPageIsFencedBeforeTheNextRowsThere) {
   RecordingStore store;
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 16;
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 16);
   std::mt19937 rng(4);
   const kernels::DType f16 = kernels::DType::kFloat16;
   testing::Bits ten = testing::RandomRows(&rng, 10, 1, 64, f16);
@@ -617,10 +608,7 @@ class GatedStore final : public KvStore {
 
 TEST(SequenceCacheAppend, CopiesOutsideTheLockAndStepsOnTheSameSequenceWaitForIt) {
   GatedStore store(/*gated_bytes=*/4096);  // the 32-row append's pieces; a step's 1 row passes
-  KvCacheOptions options;
-  options.capacity_bytes = 4 << 20;
-  options.page_tokens = 64;
-  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, &store, nullptr);
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 64);
   std::mt19937 rng(5);
   const kernels::DType f16 = kernels::DType::kFloat16;
   CreateRequest create;
