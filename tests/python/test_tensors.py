@@ -47,6 +47,22 @@ def test_big_endian_and_non_contiguous_inputs_are_normalised(rng):
     assert tensors.to_proto(y, "q").data == np.ascontiguousarray(y).tobytes()
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_big_endian_arrays_of_every_dtype_go_little_endian_on_every_path(rng, dtype):
+    """bfloat16 arrays in big-endian byte order went out unswapped (a silent wrong answer on the server)."""
+    from flashserve import striped
+    little = rng.standard_normal((1, 3, 2, 4)).astype(dtype)
+    big = little.astype(np.dtype(dtype).newbyteorder(">"))
+    assert big.tobytes() != little.tobytes()
+    want = little.tobytes()
+    assert tensors.to_proto(big, "q").data == want
+    assert bytes(tensors.to_host_rows(big[0], "k").data) == want
+    assert bytes(tensors.to_host_rows(big[0], "q", copy=False).data) == want
+    assert bytes(striped._as_bytes(big)[0]) == want
+    back = tensors.from_proto(tensors.to_proto(big, "q"))
+    np.testing.assert_array_equal(back.astype(np.float32), little.astype(np.float32))
+
+
 def test_from_proto_rejects_wrong_byte_count():
     with pytest.raises(flashserve.InvalidArgumentError):
         tensors.from_proto(pb.Tensor(dtype=pb.FLOAT32, shape=[1, 1, 1, 2], data=b"\0" * 7))

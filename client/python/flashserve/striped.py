@@ -45,10 +45,7 @@ def _as_bytes(x: Any) -> Tuple[memoryview, List[int], int]:
         cpu = x.detach().cpu().contiguous()
         arr = cpu.view(torch.int16 if tensors.ITEMSIZE[name] == 2 else torch.int32).numpy()
     else:
-        arr = x
-        if name != "bfloat16" and arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(tensors.little_endian(x))
     return memoryview(arr.reshape(-1).view(np.uint8)), [int(s) for s in x.shape], tensors.PROTO_DTYPE[name]
 
 

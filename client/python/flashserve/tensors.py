@@ -41,7 +41,7 @@ def numpy_dtype(name: str) -> np.dtype:
     if name == "float32":
         return np.dtype("<f4")
     if name == "bfloat16":
-        return bfloat16_dtype()
+        return bfloat16_dtype().newbyteorder("<")
     raise _invalid(f"unsupported dtype {name!r}; expected one of {DTYPE_NAMES}")
 
 
@@ -133,11 +133,17 @@ def _encode(x: Any, field: str, dims: str, copy: bool = True) -> Tuple[str, List
             as_int = as_int.byteswap()
         data = _bytes_of(as_int, copy)
     else:
-        arr = x
-        if name != "bfloat16" and arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        data = _bytes_of(np.ascontiguousarray(arr), copy)
+        data = _bytes_of(np.ascontiguousarray(little_endian(x)), copy)
     return name, [int(s) for s in x.shape], data
+
+
+def little_endian(arr: "np.ndarray") -> "np.ndarray":
+    """arr itself when its bytes are little-endian already, else a little-endian copy (bfloat16 included: the
+    wire is little-endian whatever the array's byte order or the host's)."""
+    order = arr.dtype.byteorder
+    if order == ">" or (order == "=" and sys.byteorder == "big"):
+        return arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
 
 
 def check_inputs(q: Any, k: Any, v: Any) -> Tuple[str, str]:
