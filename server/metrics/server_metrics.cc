@@ -3,6 +3,9 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
 namespace flashserve {
 namespace {
 
@@ -124,6 +127,13 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
       "Receive arena (--receive_arena_bytes) for gRPC's read buffers: bytes in blocks in use now, "
       "the most ever in use, and its capacity (0: none).",
       {"state"});
+  // process_start_time_seconds of client libraries, with DESIGN's prefix: an alert sees restarts
+  // as changes of it (a restart loses every sequence of the KV cache).
+  registry_
+      .AddGauge("flashserve_start_time_seconds",
+                "Start time of the process since the Unix epoch, in seconds.")
+      .Get()
+      ->Set(absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));  // built at startup
   auto& build_info = registry_.AddGauge("flashserve_build_info",
                                         "Build of the running server; the value is always 1.",
                                         {"version", "cuda", "arch"});

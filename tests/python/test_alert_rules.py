@@ -23,7 +23,7 @@ ALERTS_TEST = REPO_ROOT / "tests" / "prometheus" / "alerts_test.yml"
 SCRAPE_CONFIG = REPO_ROOT / "deploy" / "prometheus" / "prometheus.yml"
 PROMETHEUS_RULE = REPO_ROOT / "deploy" / "kubernetes" / "prometheusrule.yaml"
 KV_FLAGS = ("--kv_cache_bytes=16777216", "--kv_page_tokens=16")
-RULES = 9
+RULES = 10
 
 
 @pytest.fixture(scope="module")

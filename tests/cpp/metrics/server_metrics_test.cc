@@ -55,6 +55,17 @@ TEST(ServerMetricsTest, EveryDesignFamilyIsDeclared) {
   }
 }
 
+TEST(ServerMetricsTest, ProcessStartTimeIsWhenTheMetricsWereMade) {
+  const double before = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  ServerMetrics m(TestOptions());
+  const double after = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  const std::string text = m.Render();
+  EXPECT_NE(text.find("\n# TYPE flashserve_start_time_seconds gauge\n"), std::string::npos);
+  const double started = std::stod(Sample(text, "flashserve_start_time_seconds"));
+  EXPECT_GE(started, std::floor(before));
+  EXPECT_LE(started, after + 1.0);
+}
+
 TEST(ServerMetricsTest, SeriesThatExistFromTheStart) {
   ServerMetrics m(TestOptions());
   const std::string text = m.Render();
