@@ -93,8 +93,10 @@ cudaError_t QueueOutputCopies(const JobTensors& tensors, const IoLayout& layout,
   const TensorTarget& lse = tensors.lse;
   const size_t lse_gap = layout.lse_offset - layout.o_offset;
   const bool host_only = o.kind != MemoryKind::kDevice && lse.kind != MemoryKind::kDevice;
-  if (host_only && (lse.data == nullptr || lse.data == o.data + lse_gap)) {
-    // O alone, or O and LSE as on the device (request buffers): one copy.
+  // One copy when O and LSE lie back to back as on the device. Not across a gap between them: a
+  // client's region may hold other data there (only request buffers are padded like the device).
+  const bool back_to_back = lse.data == o.data + lse_gap && lse_gap == layout.q_bytes;
+  if (host_only && (lse.data == nullptr || back_to_back)) {
     const size_t bytes = lse.data == nullptr ? layout.q_bytes : lse_gap + layout.lse_bytes;
     return cudaMemcpyAsync(o.data, device + layout.o_offset, bytes, cudaMemcpyDeviceToHost,
                            stream);

@@ -101,3 +101,39 @@ def test_outputs_in_a_cuda_region_must_suit_the_kernels_stores(cuda_server, torc
         # The misaligned requests were refused before the GPU ran anything: it still serves.
         out = client.attention(q, k, v, causal=True)
         check_answer(out, None, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("inputs_inline", [True, False], ids=["inline", "in_region"])
+def test_outputs_in_a_system_region_leave_the_bytes_between_them(cuda_server, rng, make_qkv, check_answer,
+                                                                   inputs_inline):
+    """O and LSE in a client's system region with LSE where the device buffer has it (O's size rounded up to 256
+    bytes): the bytes between them are the client's, not padding. One DMA of O through LSE overwrote them."""
+    from flashserve.shm import SystemRegion
+    q, k, v = make_qkv(rng, 1, 33, 50, 3, 1, 64, "float16")  # O: 12,672 bytes, a 128-byte gap to 12,800
+    lse_bytes = 4 * q.shape[0] * q.shape[2] * q.shape[1]
+    lse_at = -(-q.nbytes // 256) * 256
+    gap = lse_at - q.nbytes
+    assert gap > 0
+    inputs_at = lse_at + lse_bytes + 64
+    with flashserve.Client(cuda_server.address, timeout=60) as client, \
+            SystemRegion(client, "gap", inputs_at + q.nbytes + 2 * k.nbytes + 64) as region:
+        sentinel = rng.integers(0, 256, gap, dtype=np.uint8).tobytes()
+        for _ in range(3):
+            region.write(np.full(q.nbytes, 0xFF, np.uint8).tobytes(), 0)  # poisoned: NaN halves
+            region.write(sentinel, q.nbytes)
+            request = _request(q, k, v)
+            if not inputs_inline:
+                at = inputs_at
+                for field, x in (("q", q), ("k", k), ("v", v)):
+                    msg = getattr(request, field)
+                    msg.ClearField("data")
+                    msg.shm.CopyFrom(region.write(x.tobytes(), at))
+                    at += -(-x.nbytes // 64) * 64
+            request.out_shm.CopyFrom(region.ref(0, q.nbytes))
+            request.lse_shm.CopyFrom(region.ref(lse_at, lse_bytes))
+            client._stub.Attention(request, timeout=60)
+            assert region.read(q.nbytes, gap) == sentinel, "the bytes between O and LSE were overwritten"
+            out = np.frombuffer(region.read(0, q.nbytes), np.float16).reshape(q.shape)
+            lse = np.frombuffer(region.read(lse_at, lse_bytes), np.float32).reshape(
+                q.shape[0], q.shape[2], q.shape[1])
+            check_answer(out, lse, q, k, v, causal=True)
