@@ -255,6 +255,15 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
     return Respond(connection, st, std::move(refused), "");
   }
   const std::string path(url);
+  if (path.size() > kMaxPathBytes) {
+    // std::regex matches a frame or more deep per character: a path of ~25,000 bytes overflowed
+    // the connection thread's stack (SIGSEGV) before the token was checked.
+    return Respond(
+        connection, st,
+        absl::InvalidArgumentError(absl::StrCat("request path of ", path.size(), " bytes; at most ",
+                                                kMaxPathBytes, " are accepted")),
+        "", MHD_HTTP_URI_TOO_LONG);
+  }
   std::vector<std::string> matches;
   st->route = Find(method, path, &matches);
   // The token before routing (an unauthenticated client learns nothing about the paths) and

@@ -92,6 +92,9 @@ class HttpUpload {
   virtual std::string LogContext() const { return {}; }
 };
 
+/// Longer paths (without the query) get 414 before any route is matched.
+inline constexpr size_t kMaxPathBytes = 2048;
+
 struct HttpRoute {
   std::string method = "GET";  // "GET" (answers HEAD too) or "POST"
   std::string pattern;         // ECMAScript regex matched against the whole path

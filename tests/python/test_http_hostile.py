@@ -534,6 +534,31 @@ def test_request_line_over_the_limit(start_server):
     assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("with_token", [False, True], ids=["open", "token"])
+def test_long_paths_get_414_before_routing(start_server, tmp_path, with_token):
+    """A path of ~25,000 bytes under a route's pattern (/v2/models/<name>/...) overflowed the connection thread's
+    stack in std::regex's recursive match and killed the server, before the token was checked (within the request
+    line's room in libmicrohttpd's pool). Paths over 2 KiB now get 414 without being matched."""
+    args = []
+    if with_token:
+        (tmp_path / "token").write_text("long-path-token-0123456789")
+        args.append(f"--auth_token_file={tmp_path / 'token'}")
+    server = start_server(*args)
+    routed = 401 if with_token else 404  # a model of that name does not exist
+    cases = [(b"GET", 2048 - 17, routed), (b"GET", 2049 - 17, 414), (b"GET", 27_000, 414), (b"POST", 28_000, 414),
+             (b"GET", 30_000, 414)]
+    for method, name_bytes, want in cases:
+        verb = b"/ready" if method == b"GET" else b"/infer"
+        s = connect(server.http_port)
+        s.sendall(method + b" /v2/models/" + b"a" * name_bytes + verb + b" HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Length: 0\r\n\r\n")
+        got = status_of(s)
+        s.close()
+        assert got == want, (method, name_bytes, got)
+        assert server.proc.poll() is None, f"the server died on a path of {name_bytes + 17} bytes"
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+
+
 def test_idle_connection_is_closed(start_server):
     """A connection that sends nothing is closed after --http_idle_timeout_s (here 1 s), idle keep-alive too."""
     server = start_server("--http_idle_timeout_s=1")
