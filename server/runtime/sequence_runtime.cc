@@ -52,8 +52,10 @@ absl::Status SequenceRuntimeOptions::Check() const {
   if (batch_window_us < 0 || batch_window_us > 1000000) {
     return absl::InvalidArgumentError("--batch_window_us must be in [0, 1000000]");
   }
-  if (max_batch_sequences < 1 || max_batch_sequences > 65536) {
-    return absl::InvalidArgumentError("--max_batch_sequences must be in [1, 65536]");
+  // The decode kernel's batch is a grid dimension (at most 65535): a merged launch of 65536
+  // failed after every call's rows were appended.
+  if (max_batch_sequences < 1 || max_batch_sequences > 65535) {
+    return absl::InvalidArgumentError("--max_batch_sequences must be in [1, 65535]");
   }
   if (launches_in_flight < 1 || launches_in_flight > 4) {
     return absl::InvalidArgumentError("--decode_launches_in_flight must be in [1, 4]");

@@ -245,6 +245,16 @@ TEST_F(SequenceRuntimeTest, TooManyItemsIsInvalidArgument) {
   EXPECT_EQ(h.answer.get_future().get().status.code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(SequenceRuntimeOptionsTest, ALaunchFitsTheDecodeKernelsGrid) {
+  SequenceRuntimeOptions options;  // the cache's own options at their defaults
+  options.max_batch_sequences = 65535;
+  EXPECT_TRUE(options.Check().ok()) << options.Check();
+  options.max_batch_sequences = 65536;  // the kernel's batch is gridDim.z
+  EXPECT_EQ(options.Check().code(), absl::StatusCode::kInvalidArgument);
+  options.max_batch_sequences = 0;
+  EXPECT_EQ(options.Check().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST_F(SequenceRuntimeTest, CallsThatRunCountTheirSharedMemoryInputPathsOnce) {
   metrics_ = std::make_unique<ServerMetrics>();
   Make(0, 64, false, metrics_.get());
