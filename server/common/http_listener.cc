@@ -293,9 +293,8 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
   }
   if (content_length > route.max_body_bytes) {
     return Respond(connection, st,
-                   absl::ResourceExhaustedError(absl::StrCat("request body exceeds ",
-                                                             route.body_limit_flag, "=",
-                                                             route.max_body_bytes)),
+                   absl::ResourceExhaustedError(absl::StrCat(kBodyOverLimit, route.body_limit_flag,
+                                                             "=", route.max_body_bytes)),
                    route.metric);
   }
   absl::StatusOr<std::unique_ptr<HttpUpload>> upload = route.post(request);
@@ -326,7 +325,7 @@ MHD_Result HttpListener::Impl::Body(MHD_Connection* connection, RequestState* st
   }
   if (st->bytes_in > route.max_body_bytes) {
     st->failed = absl::ResourceExhaustedError(
-        absl::StrCat("request body exceeds ", route.body_limit_flag, "=", route.max_body_bytes));
+        absl::StrCat(kBodyOverLimit, route.body_limit_flag, "=", route.max_body_bytes));
     return MHD_YES;
   }
   st->failed = st->upload->OnBody(piece);

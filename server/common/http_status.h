@@ -9,10 +9,14 @@
 
 namespace flashserve {
 
+/// How the HTTP listener's refusal of a body over its route's limit begins.
+inline constexpr absl::string_view kBodyOverLimit = "request body exceeds ";
+
 /// HTTP status for a failed request: 400 INVALID_ARGUMENT / FAILED_PRECONDITION / OUT_OF_RANGE,
 /// 401 UNAUTHENTICATED, 403 PERMISSION_DENIED, 404 NOT_FOUND, 408 DEADLINE_EXCEEDED while the
 /// request was still being received (HttpTimeoutError), 413 RESOURCE_EXHAUSTED naming a size limit
-/// flag (--max_tensor_elements, --max_request_bytes, --http_max_json_bytes), 503 other
+/// flag (--max_tensor_elements, --max_request_bytes, --http_max_json_bytes) or a body over its
+/// route's limit (kBodyOverLimit), 503 other
 /// RESOURCE_EXHAUSTED (queue full, in-flight bytes, device memory, receive budget: overload) and
 /// UNAVAILABLE / CANCELLED / ABORTED, 504 DEADLINE_EXCEEDED, 501 UNIMPLEMENTED, 500 otherwise.
 inline int HttpStatusFor(const absl::Status& status) {
@@ -37,7 +41,8 @@ inline int HttpStatusFor(const absl::Status& status) {
            {"--max_tensor_elements", "--max_request_bytes", "--http_max_json_bytes"}) {
         if (absl::StrContains(status.message(), flag)) return 413;
       }
-      return 503;
+      // A route's own body limit (http_listener.h's body_limit_flag may name no flag).
+      return absl::StartsWith(status.message(), kBodyOverLimit) ? 413 : 503;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kCancelled:
     case absl::StatusCode::kAborted:

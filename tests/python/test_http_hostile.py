@@ -674,3 +674,21 @@ def test_chunked_body_over_max_request_bytes(start_server):
     print(f"a chunked body over --max_request_bytes=1MiB: connection closed after {sent / MiB:.1f} MiB sent")
     assert sent < 1 * MiB + 16 * MiB + 16 * MiB, sent  # limit + drain + what socket buffers held
     assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
+def test_shared_memory_calls_over_their_body_limit_get_413(start_server, chunked):
+    """A shared-memory register body over its route's 64 KiB limit is a request that can never succeed: 413, as for
+    the inference routes (it answered 503 "retry later": the limit's message named no size flag)."""
+    server = start_server("--allow_client_shm")
+    path = "/v2/systemsharedmemory/region/x/register"
+    body = b"{" + b" " * 96_000 + b"}"
+    s = connect(server.http_port)
+    if chunked:
+        s.sendall(post_head(path, {"Content-Type": "application/json"}, chunked=True) + chunk(body) + b"0\r\n\r\n")
+    else:
+        s.sendall(post_head(path, {"Content-Type": "application/json"}, content_length=len(body)) + body)
+    got = status_of(s)
+    s.close()
+    assert got == 413, got
+    assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200

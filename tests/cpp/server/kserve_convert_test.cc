@@ -63,6 +63,9 @@ TEST(KServeConvertTest, HttpStatusForEveryCode) {
   EXPECT_EQ(HttpStatusFor(
                 absl::ResourceExhaustedError("request body exceeds --max_request_bytes=1048576")),
             413);
+  EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError(
+                "request body exceeds 64 KiB (a shared-memory call's body)=65536")),
+            413);
   EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError("queue full (64 waiting); retry later")),
             503);
   EXPECT_EQ(HttpStatusFor(absl::ResourceExhaustedError(
