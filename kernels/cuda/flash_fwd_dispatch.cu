@@ -99,7 +99,8 @@ std::vector<const Entry*> sm90_entries() {
 // Whether the sm90 kernels' tensor maps can describe p's q/k/v/o (positive, 16-byte strides).
 bool sm90_can_run(const AttentionParams& p) {
 #if FLASHSERVE_HAVE_SM90
-  if (p.varlen() && p.total_k <= 0) return false;  // the K/V tensor maps need the packed rows
+  // The tensor maps need the packed rows (total_q is optional without LSE: then sm80 runs).
+  if (p.varlen() && (p.total_k <= 0 || p.total_q <= 0)) return false;
   const sm90::TensorView q = sm90::q_view(p), k = sm90::k_view(p), v = sm90::v_view(p);
   return sm90::tensor_map_strides_ok(q) && sm90::tensor_map_strides_ok(sm90::o_view(p)) &&
          (p.seqlen_k == 0 || (sm90::tensor_map_strides_ok(k) && sm90::tensor_map_strides_ok(v)));

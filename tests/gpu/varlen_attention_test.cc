@@ -334,7 +334,7 @@ TEST(VarlenAttentionApi, SupportedNamesTheField) {
 
 // Without total_k sm90 configurations refuse packed inputs and select() takes the sm80 family;
 // with it select() takes the sm90 family wherever it has configurations (an sm_90 GPU).
-TEST(VarlenAttentionApi, Sm90NeedsTotalK) {
+TEST(VarlenAttentionApi, Sm90NeedsTotalKAndTotalQ) {
   SKIP_WITHOUT_GPU();
   AttentionParams p = dummy_varlen();
   bool has_sm90 = false;
@@ -347,6 +347,14 @@ TEST(VarlenAttentionApi, Sm90NeedsTotalK) {
   EXPECT_EQ(fk::select(p, 1).family, fk::KernelFamily::kSm80);
   p.total_k = 9;
   EXPECT_EQ(fk::select(p, 1).family, has_sm90 ? fk::KernelFamily::kSm90 : fk::KernelFamily::kSm80);
+  // total_q may be 0 without LSE (lse is null here), but the sm90 Q and O tensor maps need it:
+  // they were built empty and the kernel loaded and stored through them.
+  p.total_q = 0;
+  EXPECT_EQ(fk::supported(p), "");
+  EXPECT_EQ(fk::select(p, 1).family, fk::KernelFamily::kSm80);
+  for (const fk::KernelConfig& cfg : fk::candidates(p.dtype, p.head_dim, false))
+    if (cfg.family == fk::KernelFamily::kSm90)
+      EXPECT_EQ(fk::run(p, cfg, nullptr), cudaErrorInvalidValue);
   p.total_k = -1;
   EXPECT_NE(fk::supported(p).find("total_k must be >= 0"), std::string::npos) << fk::supported(p);
 }
