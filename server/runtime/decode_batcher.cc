@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "runtime/decode_call.h"
 
 namespace flashserve {
 
@@ -66,19 +67,56 @@ void DecodeBatcher::BatchDone() {
   cv_.notify_all();
 }
 
+void DecodeBatcher::AnswerStale(std::unique_lock<std::mutex>& lock) {
+  const absl::Time now = absl::Now();
+  std::vector<std::pair<std::shared_ptr<DecodeCall>, absl::Status>> stale;
+  Batch live;
+  for (std::shared_ptr<DecodeCall>& call : pending_) {
+    absl::Status status = StaleCallStatus(*call, now);
+    if (status.ok()) {
+      live.push_back(std::move(call));
+    } else {
+      pending_sequences_ -= int(call->items.size());
+      stale.emplace_back(std::move(call), std::move(status));
+    }
+  }
+  pending_ = std::move(live);
+  if (stale.empty()) return;
+  lock.unlock();
+  for (auto& [call, status] : stale) call->done(status, {});
+  lock.lock();
+}
+
+template <typename Ready>
+void DecodeBatcher::WaitAnsweringStale(std::unique_lock<std::mutex>& lock,
+                                       std::chrono::steady_clock::time_point until, Ready ready) {
+  while (!ready()) {
+    if (pending_.empty() && until == kForever) {  // nothing to answer until a call comes
+      cv_.wait(lock, [&] { return ready() || !pending_.empty(); });
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) return;
+    const auto wake = pending_.empty() ? until : std::min(until, now + kStalePoll);
+    if (cv_.wait_until(lock, wake, ready)) return;
+    AnswerStale(lock);
+  }
+}
+
 void DecodeBatcher::Loop() {
   const auto window = absl::ToChronoMicroseconds(window_);
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     // when_busy: a running batch must be done first (at shutdown: go at once).
-    cv_.wait(lock, [this] {
+    WaitAnsweringStale(lock, kForever, [this] {
       return stop_ || (!pending_.empty() && !(when_busy_ && batches_running_ >= max_running_));
     });
     if (pending_.empty()) return;  // stop_ and nothing left
     // The window starts with the batch's first call; a full batch goes at once.
     if (window.count() > 0) {
-      cv_.wait_until(lock, first_arrival_ + window,
-                     [this] { return stop_ || pending_sequences_ >= max_sequences_; });
+      WaitAnsweringStale(lock, first_arrival_ + window,
+                         [this] { return stop_ || pending_sequences_ >= max_sequences_; });
+      if (pending_.empty()) continue;  // every call went stale in the window
     }
     // Everything waiting goes (the runtime splits it into launches of max_sequences).
     Batch batch = std::move(pending_);

@@ -3,9 +3,12 @@
 // and/or (--batch_when_busy) those that arrive while `max_running` batches are still running
 // (--decode_launches_in_flight) -- which adds no wait when the server is idle. Bounded: a batch is
 // handed on early when it holds max_sequences sequences, and calls beyond 4x that wait nowhere
-// (refused).
+// (refused). A call that is cancelled or whose deadline passes while it waits is answered then
+// (CANCELLED / DEADLINE_EXCEEDED, nothing appended), not when a batch finally takes it: its place
+// in the bounded queue and its in-flight bytes are freed for live calls.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -46,11 +49,21 @@ class DecodeBatcher {
 
  private:
   void Loop();
+  // Waits (the lock held between checks) until `ready`, answering the pending calls that went
+  // stale meanwhile (polled: cancellation is not signalled).
+  template <typename Ready>
+  void WaitAnsweringStale(std::unique_lock<std::mutex>& lock,
+                          std::chrono::steady_clock::time_point until, Ready ready);
+  // Takes the stale calls out of pending_ and answers them (without the lock).
+  void AnswerStale(std::unique_lock<std::mutex>& lock);
 
   const absl::Duration window_;
   const int max_sequences_;
   const bool when_busy_;
   const int max_running_;
+  static constexpr std::chrono::milliseconds kStalePoll{5};
+  static constexpr std::chrono::steady_clock::time_point kForever =
+      std::chrono::steady_clock::time_point::max();
   const Flush flush_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -149,12 +149,8 @@ void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, b
 
 std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCall> call,
                                                        absl::Time start) {
-  if (call->cancelled && call->cancelled()) {
-    call->done(absl::CancelledError("the call was cancelled before it ran"), {});
-    return std::nullopt;
-  }
-  if (start > call->deadline) {
-    call->done(absl::DeadlineExceededError("deadline passed while the call waited"), {});
+  if (absl::Status stale = StaleCallStatus(*call, start); !stale.ok()) {
+    call->done(stale, {});
     return std::nullopt;
   }
   const absl::Time t0 = absl::Now();

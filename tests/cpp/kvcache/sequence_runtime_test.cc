@@ -5,6 +5,7 @@
 // after its last batch is done.
 #include "runtime/sequence_runtime.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <future>
 #include <mutex>
@@ -182,6 +183,49 @@ TEST_F(SequenceRuntimeTest, WhenBusyRunsNoMoreBatchesThanTheSchedulerHasWorkers)
   // Two in flight but one worker: a second batch would only wait in the scheduler's queue.
   Make(0, 64, /*when_busy=*/true, nullptr, /*in_flight=*/2, /*workers=*/1);
   HoldThenSpaceOut(1, {1, 3, 3, 3});
+}
+
+// Calls waiting for a running batch that expire or are cancelled meanwhile are answered then, not
+// when the batch ends: they held their place in the bounded queue (and their in-flight bytes).
+TEST_F(SequenceRuntimeTest, WhenBusyCallsThatGoStaleWhileWaitingAreAnsweredThen) {
+  Make(0, 64, /*when_busy=*/true);  // one launch in flight
+  const kvcache::SequenceShape s{1, 2, 1, 32, DType::kFloat16};
+  std::vector<DenseLayer> dense(4);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) ids.push_back(Create(s, &dense[size_t(i)], 5));
+  std::vector<Holder> holders(4);
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  auto held = Call(s, ids[0], &holders[0]);
+  HoldAnswer(held.get(), released);
+  runtime_->Submit(held);
+  auto expiring = Call(s, ids[1], &holders[1]);
+  expiring->deadline = absl::Now() + absl::Milliseconds(50);
+  auto cancelled = Call(s, ids[2], &holders[2]);
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  cancelled->cancelled = [cancel] { return cancel->load(); };
+  auto live = Call(s, ids[3], &holders[3]);
+  for (const auto& call : {expiring, cancelled, live}) runtime_->Submit(call);
+  cancel->store(true);
+  std::future<Answer> expired = holders[1].answer.get_future();
+  std::future<Answer> gone = holders[2].answer.get_future();
+  const bool expired_early = expired.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  const bool gone_early = gone.wait_for(std::chrono::seconds(1)) == std::future_status::ready;
+  release.set_value();
+  EXPECT_TRUE(expired_early) << "an expired call waited for the running batch";
+  EXPECT_TRUE(gone_early) << "a cancelled call waited for the running batch";
+  EXPECT_EQ(expired.get().status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(gone.get().status.code(), absl::StatusCode::kCancelled);
+  for (size_t i : {size_t(0), size_t(3)}) {
+    const Answer answer = holders[i].answer.get_future().get();
+    ASSERT_TRUE(answer.status.ok()) << answer.status;
+    dense[i].Append(holders[i].k, holders[i].v);
+    kvcache::testing::CheckAgainstReference(s, dense[i], holders[i].q, 1, false,
+                                            1.f / std::sqrt(32.f), holders[i].out, {},
+                                            absl::StrCat("call ", i));
+  }
+  EXPECT_EQ(runtime_->cache().Info(ids[1])->lengths[0], 5);
+  EXPECT_EQ(runtime_->cache().Info(ids[2])->lengths[0], 5);
 }
 
 TEST_F(SequenceRuntimeTest, CancelledAndExpiredCallsAppendNothing) {
