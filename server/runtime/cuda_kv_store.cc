@@ -453,6 +453,11 @@ absl::Status CudaKvStore::Prepare(const kvcache::PagedBatch& batch, const Packed
   p.v = pool_ + batch.format.v_offset;
   p.page_size = batch.format.page_tokens;
   p.block_table_stride = pk.max_pages;
+  // Paged and packed as launched: the split plan, the tuner's class and the workspace's rows
+  // depend on it (dense, they planned another kernel and sized batch x max rows). The real
+  // addresses once the scratch is reserved.
+  static const int32_t kPlaceholder = 0;
+  p.block_table = p.seqlens_k = p.cu_seqlens_q = &kPlaceholder;
   p.num_splits = choose_splits_(p);
   const int64_t workspace = int64_t(kernels::cuda::decode_workspace_bytes(p, p.num_splits));
   if (absl::Status st =

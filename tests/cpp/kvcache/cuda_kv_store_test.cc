@@ -251,6 +251,66 @@ INSTANTIATE_TEST_SUITE_P(
 // Lets `threads` threads into their next Attend together, so that their launches overlap (the
 // reference checks between steps take far longer than a launch). Gives up waiting after 10 s: a
 // thread that stopped on a failed assertion does not hang the others.
+// The split count is chosen for the launch as it runs: paged, with packed rows (it was asked with
+// no block table: a dense plan, the tuner's class without the page size, workspace for batch x
+// the longest item's rows).
+TEST(CudaKvStoreSplits, TheChooserSeesAPagedPackedLaunch) {
+  if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
+  if (!DecodeHeadDimCompiled(64)) GTEST_SKIP() << "head_dim 64 not compiled";
+  int sm_count = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  std::vector<kernels::cuda::DecodeParams> asked;
+  absl::StatusOr<std::unique_ptr<CudaKvStore>> store = CudaKvStore::Create(
+      64 << 20, 0, 1,
+      [&](const kernels::cuda::DecodeParams& p) {
+        asked.push_back(p);
+        return kernels::cuda::decode_num_splits(p, sm_count);
+      },
+      [](cudaError_t e, const char* what) {
+        return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e)));
+      });
+  ASSERT_TRUE(store.ok()) << store.status();
+  KvCacheOptions options;
+  options.capacity_bytes = 64 << 20;
+  options.page_tokens = 16;
+  std::unique_ptr<SequenceCache> cache = *SequenceCache::Create(options, store->get(), nullptr);
+  const SequenceShape s{1, 4, 2, 64, DType::kFloat16};
+  std::mt19937 rng(7);
+  std::vector<StepItem> items;
+  std::vector<Bits> keep;
+  for (int rows_q : {1, 5}) {
+    CreateRequest request;
+    request.shape = s;
+    absl::StatusOr<SequenceStatus> created = cache->CreateSequence(request);
+    ASSERT_TRUE(created.ok()) << created.status();
+    keep.push_back(RandomRows(&rng, rows_q, s.heads_q, s.head_dim, s.dtype));
+    keep.push_back(RandomRows(&rng, rows_q, s.heads_kv, s.head_dim, s.dtype));
+    keep.push_back(RandomRows(&rng, rows_q, s.heads_kv, s.head_dim, s.dtype));
+    const size_t n = keep.size();
+    items.push_back({created->id, 0, Rows(keep[n - 3], s.heads_q, s.head_dim, s.dtype),
+                     Rows(keep[n - 2], s.heads_kv, s.head_dim, s.dtype),
+                     Rows(keep[n - 1], s.heads_kv, s.head_dim, s.dtype)});
+  }
+  absl::StatusOr<StepPlan> plan = cache->PrepareStep(items);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  plan->batch.softmax_scale = 0.125f;
+  std::vector<std::vector<char>> outputs;
+  for (PagedItem& item : plan->batch.items) {
+    outputs.emplace_back(size_t(item.rows_q) * s.heads_q * s.head_dim * 2 + 4 * s.heads_q * 8);
+    item.out = outputs.back().data();
+    item.lse = reinterpret_cast<float*>(outputs.back().data() +
+                                        size_t(item.rows_q) * s.heads_q * s.head_dim * 2);
+  }
+  AttendInfo info;
+  ASSERT_TRUE((*store)->Attend(plan->batch, &info).ok());
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_NE(asked[0].block_table, nullptr);
+  EXPECT_EQ(asked[0].page_size, 16);
+  EXPECT_NE(asked[0].cu_seqlens_q, nullptr);
+  EXPECT_NE(asked[0].seqlens_k, nullptr);
+  EXPECT_EQ(asked[0].total_q, 6);
+}
+
 class StepGate {
  public:
   explicit StepGate(int threads) : threads_(threads) {}
