@@ -49,6 +49,7 @@ enum class InjectedFault {
   kNone,
   kDeviceFault,  // fault the device instead of computing (the sticky-error path)
   kDeviceHang,   // never complete, not even when cancelled (CUDA: a kernel spinning 10 minutes)
+  kLaunchError,  // a call refused while the job is queued (CUDA: an invalid copy; not sticky)
 };
 
 /// One job as a backend receives it: the problem, where its tensors are, and how to run it.

@@ -307,21 +307,25 @@ void CudaBackend::ReleaseSlot(Slot* slot, int64_t device_bytes) {
   slot_cv_.notify_one();
 }
 
+void CudaBackend::MarkUnhealthy(std::string_view why) {
+  if (healthy_.exchange(false)) {
+    spdlog::critical("{}; reporting not ready, further requests get UNAVAILABLE", why);
+  }
+  slot_cv_.notify_all();  // waiters re-check and give up
+}
+
 absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char* what) {
   if (IsSticky(e)) {
     // A sticky error leaves CUDA unusable in the whole process, not only on this device: on two
     // H200s, after a fault on device 0 every call on device 1 failed too, from every thread
     // (bench/results/service-h100-h200x2-2026-11-22.md). So nothing runs any more; readiness
     // turns false so that the orchestrator replaces the process.
-    if (healthy_.exchange(false)) {
-      spdlog::critical("CUDA device {} faulted in {} ({}): CUDA is unusable in this process, on "
-                       "every device; reporting not ready, further requests get UNAVAILABLE",
-                       device->index, what, cudaGetErrorString(e));
-    }
-    slot_cv_.notify_all();  // waiters re-check and give up
+    MarkUnhealthy(absl::StrCat("CUDA device ", device->index, " faulted in ", what, " (",
+                               cudaGetErrorString(e),
+                               "): CUDA is unusable in this process, on every device"));
     return absl::InternalError(absl::StrCat("CUDA fault in ", what, ": ", cudaGetErrorString(e)));
   }
-  cudaGetLastError();  // clear a non-sticky error so the next job on this thread starts clean
+  cudaGetLastError();  // clear a non-sticky error raised on this thread (QueueWork clears its own)
   return absl::InternalError(absl::StrCat("CUDA ", what, ": ", cudaGetErrorString(e)));
 }
 
@@ -337,6 +341,10 @@ absl::StatusOr<std::unique_ptr<kvcache::KvStore>> CudaBackend::CreateKvStore(
       bytes, device->index, launches_in_flight, std::move(choose_splits),
       [this, device](cudaError_t e, const char* what) { return DeviceError(device, e, what); });
   if (!store.ok()) return store.status();
+  // Rows it accepted were lost: the sequences are unusable, and only a new process (its clients
+  // re-creating them) repairs that.
+  (*store)->set_on_broken(
+      [this](const absl::Status& why) { MarkUnhealthy(std::string(why.message())); });
   return std::unique_ptr<kvcache::KvStore>(std::move(*store));
 }
 

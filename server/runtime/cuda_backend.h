@@ -17,15 +17,16 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "autotune/kernel_choice.h"
 #include "flashserve/kernels/cuda_attention.h"
+#include "memory/pinned_pool.h"
 #include "runtime/backend.h"
 #include "runtime/backend_options.h"
 #include "runtime/cuda_shm_access.h"
-#include "memory/pinned_pool.h"
 
 namespace flashserve {
 
@@ -73,6 +74,8 @@ class CudaBackend final : public Backend {
   void Complete(Slot* slot, std::unique_ptr<Job> job);
   // INTERNAL for `e`; marks the backend unhealthy when `e` is sticky.
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
+  // Reports not live and not ready from now on (logged once): the process must be replaced.
+  void MarkUnhealthy(std::string_view why);
 
   // A stream with its timing events (and its CopyPipeline when pipelining is on), on the current
   // device.

@@ -195,6 +195,9 @@ void CudaBackend::QueueWork(Slot* slot, Job* job, char* base,
   job->Step(cudaEventRecord(slot->events[3], stream), "cudaEventRecord");
   job->Step(cudaEventRecord(slot->events[4], stream), "cudaEventRecord");
   if (base != nullptr) cudaFreeAsync(base, stream);  // null: every tensor in a client region
+  // A refused call is also this thread's last error: cleared here, where it happened (the thread
+  // that reports it may be another), or the next launch from this thread reads it as its own.
+  if (job->launch_error != cudaSuccess) cudaGetLastError();
 }
 
 void CudaBackend::QueueInOrder(Slot* slot, Job* job, char* base,
@@ -209,6 +212,8 @@ void CudaBackend::QueueInOrder(Slot* slot, Job* job, char* base,
     job->Step(kernels::cuda::launch_fault_for_testing(stream), "kernel");
   } else if (job->spec.inject == InjectedFault::kDeviceHang && job->launch_error == cudaSuccess) {
     job->Step(kernels::cuda::launch_hang_for_testing(stream, kInjectedHangSeconds), "kernel");
+  } else if (job->spec.inject == InjectedFault::kLaunchError && job->launch_error == cudaSuccess) {
+    job->Step(cudaMemcpyAsync(nullptr, nullptr, 1, cudaMemcpyDeviceToDevice, stream), "kernel");
   } else if (job->launch_error == cudaSuccess &&
              job->Step(kernels::cuda::run(params, job->config, stream), "kernel")) {
     job->Step(cudaEventRecord(slot->events[2], stream), "cudaEventRecord");

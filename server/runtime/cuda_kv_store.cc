@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -190,6 +191,7 @@ absl::Status CudaKvStore::Write(int64_t offset, const void* src, int64_t bytes,
     return absl::InternalError("KV store write outside the pool");
   }
   std::lock_guard<std::mutex> lock(write_mu_);
+  if (!broken_.ok()) return broken_;
   const bool in_place = Addressable(at);
   if (bytes >= kDirectWriteBytes) {
     cudaSetDevice(device_);  // a staged write (below) makes no CUDA call until its flush
@@ -260,6 +262,7 @@ int64_t CudaKvStore::InputsAtLocked(int64_t bytes) const {
 }
 
 absl::Status CudaKvStore::FlushLocked(int64_t extra) {
+  if (!broken_.ok()) return broken_;
   if (staged_ranges_ == 0 && extra == 0) return absl::OkStatus();
   char* host = stage_host_[stage_index_];
   const int64_t ranges_at = staged_bytes_;  // 16-byte aligned (every range is padded)
@@ -268,18 +271,48 @@ absl::Status CudaKvStore::FlushLocked(int64_t extra) {
   const int64_t bytes = extra > 0 ? Align(ranges_at + ranges_bytes) + extra
                                   : ranges_at + ranges_bytes;
   cudaError_t e =
-      cudaMemcpyAsync(stage_device_, host, size_t(bytes), cudaMemcpyHostToDevice, stream_);
+      std::exchange(fail_next_flush_, false)
+          ? cudaErrorInvalidValue
+          : cudaMemcpyAsync(stage_device_, host, size_t(bytes), cudaMemcpyHostToDevice, stream_);
   if (e == cudaSuccess) {
     e = LaunchKvScatter(reinterpret_cast<const KvScatterRange*>(stage_device_ + ranges_at),
                         staged_ranges_, stream_);
   }
+  // Not all queued: the rows (and this buffer) are in an unknown state.
   if (e == cudaSuccess) e = cudaEventRecord(stage_done_[stage_index_], stream_);
+  if (e != cudaSuccess) return BreakLocked(e, "KV cache write flush");
   stage_index_ ^= 1;
   staged_ranges_ = 0;
   staged_bytes_ = 0;
   // The other buffer is filled from now on: the copies that read it last must have finished.
-  if (e == cudaSuccess) e = cudaEventSynchronize(stage_done_[stage_index_]);
-  return e == cudaSuccess ? absl::OkStatus() : on_error_(e, "KV cache write flush");
+  e = cudaEventSynchronize(stage_done_[stage_index_]);
+  return e == cudaSuccess ? absl::OkStatus() : BreakLocked(e, "KV cache write flush");
+}
+
+absl::Status CudaKvStore::BreakLocked(cudaError_t e, const char* what) {
+  const absl::Status reported = on_error_(e, what);
+  cudaStreamSynchronize(stream_);  // what did get queued may still read the stage
+  cudaGetLastError();
+  staged_ranges_ = 0;
+  staged_bytes_ = 0;
+  if (broken_.ok()) {
+    broken_ = absl::UnavailableError(absl::StrCat(
+        "the KV cache lost rows it had accepted (", reported.message(),
+        "): it refuses every call; the server reports not live, and its sequences must be "
+        "created again"));
+    if (on_broken_) on_broken_(broken_);
+  }
+  return broken_;
+}
+
+void CudaKvStore::set_on_broken(std::function<void(const absl::Status&)> on_broken) {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  on_broken_ = std::move(on_broken);
+}
+
+void CudaKvStore::FailNextFlushForTesting() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  fail_next_flush_ = true;
 }
 
 absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int64_t* capacity) {
@@ -492,11 +525,15 @@ absl::Status CudaKvStore::Enqueue(const kvcache::PagedBatch& batch, const Packed
   // Under write_mu_ until the kernel is queued: a later flush overwrites the device stage, and
   // the stream keeps it behind this kernel only if it is queued after it.
   std::lock_guard<std::mutex> write_lock(write_mu_);
+  if (!broken_.ok()) return broken_;
   const int64_t at = InputsAtLocked(pk.inputs_end);
   const char* inputs = at >= 0 ? stage_device_ + at : scratch;
   // events[0] after the host packing: h2d_us is device time, not this thread's memcpy.
   FillHost(batch, pk, at >= 0 ? stage_host_[stage_index_] + at : host, inputs, scratch);
   cudaError_t e = cudaEventRecord(slot.events[0], stream_);
+  if (e != cudaSuccess && staged_ranges_ > 0) {
+    return BreakLocked(e, "KV decode launch");  // the rows staged for it were not flushed
+  }
   if (e == cudaSuccess && at >= 0) {  // rows, ranges and inputs in one copy
     if (absl::Status st = FlushLocked(pk.copy_end); !st.ok()) return st;
   } else if (e == cudaSuccess) {  // too large for the stage: the rows, then the inputs

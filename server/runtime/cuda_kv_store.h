@@ -68,6 +68,12 @@ class CudaKvStore final : public kvcache::KvStore {
   bool Addressable(kvcache::BytesAt at) const;
   /// Tests: the stream writes and launches go to (to queue device work ahead of a write).
   cudaStream_t stream_for_testing() const { return stream_; }
+  /// Called once when staged rows are lost to a failed CUDA call (the store then refuses every
+  /// call: sequences the cache says exist lack rows). The backend reports itself unhealthy, so
+  /// that the process is replaced and clients re-create their sequences elsewhere.
+  void set_on_broken(std::function<void(const absl::Status&)> on_broken);
+  /// Tests: the next flush fails as a refused copy would (nothing of it queued).
+  void FailNextFlushForTesting();
 
  private:
   // Host-side tables and packed queries of one launch (CudaKvStore::Pack).
@@ -106,6 +112,9 @@ class CudaKvStore final : public kvcache::KvStore {
   // The copy ranges of one launch: queries into the packed inputs, outputs to their places.
   void FillRanges(const kvcache::PagedBatch& batch, const Packed& packed, char* host,
                   const char* device, char* scratch);
+  // A flush failed with rows staged: they are dropped (their sources may be freed once the
+  // calls return) and the store refuses everything from now on. Returns the refusal.
+  absl::Status BreakLocked(cudaError_t e, const char* what);
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).
@@ -140,6 +149,9 @@ class CudaKvStore final : public kvcache::KvStore {
   static constexpr int64_t kStageBytes = kStageDataBytes + kRangeBytes + 512 + kStageInputBytes;
   static constexpr int64_t kDirectWriteBytes = int64_t(64) << 10;  // and larger: no staging
   std::mutex write_mu_;  // guards the stage; taken after a slot's mu, never before
+  absl::Status broken_;  // not OK once staged rows were lost (BreakLocked)
+  std::function<void(const absl::Status&)> on_broken_;
+  bool fail_next_flush_ = false;
   char* stage_host_[2] = {nullptr, nullptr};
   cudaEvent_t stage_done_[2] = {nullptr, nullptr};  // after the last flush that read each buffer
   // Direct copies from page-locked kHost sources queued (their tickets), and the ticket up to which

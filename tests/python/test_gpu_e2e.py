@@ -513,6 +513,31 @@ def test_two_devices_share_the_load(flashserve_bin, tmp_path, rng):
         _stop_and_check(s)
 
 
+@pytest.mark.parametrize("spin", ["--completion_spin_us=0", "--completion_spin_us=200"])
+def test_a_refused_cuda_call_fails_only_its_own_request(flashserve_bin, tmp_path, rng, spin):
+    """A CUDA call refused while a job is queued (not sticky: through the --enable_fault_injection hook, an invalid
+    copy) fails that request with INTERNAL and nothing else. It was cleared on the completion thread, not the one
+    that queued it, so the next kernel launch from that thread read it back as its own error (its request failed
+    with INTERNAL although the kernel ran). One stream: every job is queued from the same thread; without the
+    completion spin every job completes on the stream's completion thread (with it, small jobs complete inline)."""
+    _require_gpu()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--streams_per_device=1", "--enable_fault_injection",
+                                                 spin], name="launch_error").start()
+    try:
+        with flashserve.Client(s.address, timeout=120) as c:
+            q, k, v = _problem(rng, "bfloat16", 1, 129, 333, 4, 2, 128)
+            _check(c, q, k, v, "bfloat16", False)
+            for round_ in range(3):
+                with pytest.raises(flashserve.FlashserveError, match="invalid argument") as refused:
+                    c.attention(q, k, v, request_id="flashserve-test:inject-launch-error")
+                assert refused.value.code == grpc.StatusCode.INTERNAL
+                for i in range(4):
+                    _check(c, q, k, v, "bfloat16", bool(i % 2))
+            assert c.health_status() == "SERVING"
+    finally:
+        _stop_and_check(s)
+
+
 @pytest.mark.parametrize("devices", ["0", "0,1"])
 def test_sticky_device_fault_stops_the_server(flashserve_bin, tmp_path, rng, devices):
     """A sticky CUDA error (a trap kernel, through the --enable_fault_injection test hook) fails that request with

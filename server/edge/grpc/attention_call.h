@@ -23,13 +23,15 @@
 namespace flashserve {
 
 // With AttentionCallOptions::fault_injection, a request with one of these request_ids faults its
-// GPU, or hangs as a launch the device never completes (InjectedFault).
+// GPU, hangs as a launch the device never completes, or has a CUDA call refused (InjectedFault).
 inline constexpr char kInjectDeviceFaultRequestId[] = "flashserve-test:inject-device-fault";
 inline constexpr char kInjectDeviceHangRequestId[] = "flashserve-test:inject-device-hang";
+inline constexpr char kInjectLaunchErrorRequestId[] = "flashserve-test:inject-launch-error";
 
 inline InjectedFault InjectedFaultFor(std::string_view request_id) {
   if (request_id == kInjectDeviceFaultRequestId) return InjectedFault::kDeviceFault;
   if (request_id == kInjectDeviceHangRequestId) return InjectedFault::kDeviceHang;
+  if (request_id == kInjectLaunchErrorRequestId) return InjectedFault::kLaunchError;
   return InjectedFault::kNone;
 }
 

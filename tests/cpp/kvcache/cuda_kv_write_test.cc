@@ -184,5 +184,44 @@ TEST(CudaKvWrite, RowsAppendedWhereATruncateCutStagedRowsLandOverThem) {
   EXPECT_EQ(s.faults.load(), 0);
 }
 
+// Staged rows lost to a failed flush: Append had answered OK for them, so every later answer
+// over that sequence would attend rows never written. The store refuses everything from then on
+// (UNAVAILABLE) and tells its backend once, which reports not live so the process is replaced.
+TEST(CudaKvWrite, RowsLostToAFailedFlushBreakTheStoreForGood) {
+  if (Skip()) GTEST_SKIP() << "no CUDA GPU with the d128 decode kernel: skipping";
+  std::mt19937 rng(std::random_device{}());
+  Store s;
+  ASSERT_NE(s.cache, nullptr);
+  std::vector<std::string> broken;
+  s.store->set_on_broken([&](const absl::Status& why) { broken.push_back(why.ToString()); });
+  const Bits k = RandomRows(&rng, 20, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  const Bits v = RandomRows(&rng, 20, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  const std::string id = s.Create(k, v);  // 20 rows of 2 KiB: staged, not flushed yet
+  s.store->FailNextFlushForTesting();
+  const Bits q = RandomRows(&rng, 1, kShape.heads_q, kShape.head_dim, kShape.dtype);
+  const Bits none;
+  absl::StatusOr<StepPlan> plan =
+      s.cache->PrepareStep({{id, 0, Rows(q, kShape.heads_q, kShape.head_dim, kShape.dtype),
+                             Store::RowsOf(none), Store::RowsOf(none)}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  plan->batch.softmax_scale = 0.1f;
+  Bits out(q.size(), 0xffff);
+  plan->batch.items[0].out = out.data();
+  AttendInfo info;
+  const absl::Status attended = s.store->Attend(plan->batch, &info);
+  EXPECT_EQ(attended.code(), absl::StatusCode::kUnavailable) << attended;
+  ASSERT_EQ(broken.size(), 1u);
+  EXPECT_NE(broken[0].find("lost rows"), std::string::npos) << broken[0];
+  // Later calls: refused, the backend not told again.
+  const absl::StatusOr<AppendResult> appended =
+      s.cache->Append(id, {{0, Store::RowsOf(k), Store::RowsOf(v)}});
+  EXPECT_EQ(appended.status().code(), absl::StatusCode::kUnavailable) << appended.status();
+  const Bits big_k = RandomRows(&rng, 64, kShape.heads_kv, kShape.head_dim, kShape.dtype);
+  EXPECT_EQ(s.store->Write(0, big_k.data(), int64_t(big_k.size() * 2), BytesAt::kHost).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(s.store->Attend(plan->batch, &info).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(broken.size(), 1u);
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache
