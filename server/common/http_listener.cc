@@ -311,12 +311,23 @@ MHD_Result HttpListener::Impl::Body(MHD_Connection* connection, RequestState* st
   st->bytes_in += int64_t(piece.size());
   if (st->upload == nullptr) return MHD_YES;
   const HttpRoute& route = st->route->route;
-  if (absl::Now() - st->started > absl::Seconds(options.body_timeout_s)) {
+  const absl::Duration elapsed = absl::Now() - st->started;
+  if (elapsed > absl::Seconds(options.body_timeout_s)) {
     st->closed_because = HttpTimeoutError(
         absl::StrCat("the body did not arrive within ", options.body_timeout_s, " s"));
     spdlog::debug("{}: {}; connection closed", options.name,
                   std::string(st->closed_because.message()));
     return MHD_NO;  // closes the connection
+  }
+  if (options.min_body_bytes_per_s > 0 && elapsed > kMinBodyRateGrace &&
+      double(st->bytes_in) <
+          absl::ToDoubleSeconds(elapsed) * double(options.min_body_bytes_per_s)) {
+    st->closed_because = HttpTimeoutError(absl::StrCat(
+        "the body arrived at ", int64_t(double(st->bytes_in) / absl::ToDoubleSeconds(elapsed)),
+        " bytes/s on average, under --http_min_body_bytes_per_s=", options.min_body_bytes_per_s));
+    spdlog::debug("{}: {}; connection closed", options.name,
+                  std::string(st->closed_because.message()));
+    return MHD_NO;
   }
   if (!st->failed.ok()) {
     if (st->bytes_in <= route.max_body_bytes + kDrainBytes) return MHD_YES;

@@ -92,6 +92,9 @@ class HttpUpload {
   virtual std::string LogContext() const { return {}; }
 };
 
+/// How long a body may arrive at any rate before HttpListenerOptions::min_body_bytes_per_s holds.
+inline constexpr absl::Duration kMinBodyRateGrace = absl::Seconds(5);
+
 /// Longer paths (without the query) get 414 before any route is matched.
 inline constexpr size_t kMaxPathBytes = 2048;
 
@@ -127,6 +130,9 @@ struct HttpListenerOptions {
   int idle_timeout_s = 30;              // nothing received (or sent) for this long: closed
   int header_timeout_s = 10;            // request line to end of headers; longer: closed
   int body_timeout_s = 300;             // end of headers to end of body; longer: 408
+  // After kMinBodyRateGrace from the headers, a body arriving slower than this on average is
+  // cut off (a claim that holds the receive budget must keep coming); 0: no floor.
+  int64_t min_body_bytes_per_s = 0;
   std::string tls_cert_file;            // both set: HTTPS
   std::string tls_key_file;
   const BearerAuth* auth = nullptr;     // set: every route but the open ones needs the token

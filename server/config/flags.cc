@@ -226,6 +226,10 @@ ABSL_FLAG(int, http_header_timeout_s, flashserve::HttpLimitsOptions{}.header_tim
 ABSL_FLAG(int, http_body_timeout_s, flashserve::HttpLimitsOptions{}.body_timeout_s,
           "HTTP: a request body must arrive within this long of its headers, else the "
           "connection is cut off");
+ABSL_FLAG(int64_t, http_min_body_bytes_per_s, flashserve::HttpLimitsOptions{}.min_body_bytes_per_s,
+          "HTTP: from 5 s after its headers, a request body arriving slower than this on "
+          "average is cut off (a claimed body holds --http_max_receive_bytes while it comes); "
+          "0: no floor");
 ABSL_FLAG(int64_t, http_max_json_bytes, flashserve::HttpLimitsOptions{}.max_json_bytes,
           "HTTP: the JSON part of a KServe infer body (413 beyond)");
 ABSL_FLAG(int64_t, http_max_receive_bytes, flashserve::HttpLimitsOptions{}.max_receive_bytes,
@@ -309,6 +313,7 @@ HttpLimitsOptions HttpLimitsFromFlags() {
   http.idle_timeout_s = absl::GetFlag(FLAGS_http_idle_timeout_s);
   http.header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);
   http.body_timeout_s = absl::GetFlag(FLAGS_http_body_timeout_s);
+  http.min_body_bytes_per_s = absl::GetFlag(FLAGS_http_min_body_bytes_per_s);
   http.max_json_bytes = absl::GetFlag(FLAGS_http_max_json_bytes);
   http.max_receive_bytes = absl::GetFlag(FLAGS_http_max_receive_bytes);
   return http;

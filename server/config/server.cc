@@ -221,6 +221,7 @@ absl::Status Server::StartHttp() {
   http.idle_timeout_s = limits.idle_timeout_s;
   http.header_timeout_s = limits.header_timeout_s;
   http.body_timeout_s = limits.body_timeout_s;
+  http.min_body_bytes_per_s = limits.min_body_bytes_per_s;
   http.max_json_bytes = limits.max_json_bytes;
   http.max_receive_bytes = limits.max_receive_bytes;
   absl::StatusOr<std::unique_ptr<HttpEdge>> edge =

@@ -57,6 +57,9 @@ absl::Status HttpLimitsOptions::Check() const {
   if (max_connections_per_ip < 0) {
     return absl::InvalidArgumentError("--http_max_connections_per_ip must be >= 0");
   }
+  if (min_body_bytes_per_s < 0) {
+    return absl::InvalidArgumentError("--http_min_body_bytes_per_s must be >= 0");
+  }
   return absl::OkStatus();
 }
 

@@ -52,6 +52,7 @@ struct HttpLimitsOptions {
   int idle_timeout_s = HttpOptions{}.idle_timeout_s;
   int header_timeout_s = HttpOptions{}.header_timeout_s;
   int body_timeout_s = HttpOptions{}.body_timeout_s;
+  int64_t min_body_bytes_per_s = HttpOptions{}.min_body_bytes_per_s;  // 0: no floor
   int64_t max_json_bytes = HttpOptions{}.max_json_bytes;
   int64_t max_receive_bytes = HttpOptions{}.max_receive_bytes;
 

@@ -420,6 +420,32 @@ def test_claimed_inputs_cost_memory_only_as_they_arrive(start_server):
     assert requests.get(f"{server.http}/v2/health/live", timeout=5).status_code == 200
 
 
+def test_a_trickled_claim_gives_its_receive_budget_back(start_server):
+    """A KServe infer whose header claims 40 MiB of valid inputs holds that much of --http_max_receive_bytes (64 MiB
+    here) from the header on. Trickled in (a byte every 0.3 s: under the idle timeout) it held it until
+    --http_body_timeout_s (300 s), a few hundred bytes denying every large REST infer meanwhile (503). Now a body
+    under --http_min_body_bytes_per_s on average 5 s after its headers is cut off, and the budget comes back."""
+    server = start_server(f"--http_max_receive_bytes={64 * MiB}")
+
+    def honest_status():
+        s, _ = over_budget(server.http_port, 0)  # 40 MiB at full speed, a 1 us deadline: 504 once admitted
+        got = status_of(s)
+        s.close()
+        return got
+
+    slow = valid_claim(server.http_port)
+    started = time.monotonic()
+    time.sleep(0.5)
+    assert honest_status() == 503, "the claim does not hold the budget: the test proves nothing"
+    trickle_until_answered(slow, 30)
+    held = time.monotonic() - started
+    got = status_of(slow, timeout=5)
+    slow.close()
+    assert got == 0, got  # closed without an answer (libmicrohttpd answers only before or after a body)
+    assert 4.5 < held < 12, f"the trickled claim was cut off after {held:.1f} s (floor from 5 s after its headers)"
+    assert honest_status() == 504  # admitted: the budget came back
+
+
 def test_token_is_checked_before_the_body_is_read(start_server, tmp_path):
     """A POST claiming 100 MiB without a token gets 401 at once: nothing of its body is waited for."""
     token = "token-0123456789abcdef"
