@@ -231,3 +231,76 @@ def test_client_refuses_chunk_sizes_the_server_would_refuse():
         with pytest.raises(ValueError, match="4096"):
             flashserve.StripedClient("127.0.0.1:1", chunk_bytes=bad)
     flashserve.StripedClient("127.0.0.1:1", chunk_bytes=64 << 20).close()
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_uploads_left_open_do_not_keep_closed_sessions(start_server):
+    """Open a session, upload its 24 MiB without ending the Upload call, close the session, repeat. The open Upload
+    held its session, and so its memory, after the table had given the session's room back: twelve rounds under
+    --stream_max_sessions=2 grew the server by ~300 MB. Now a closed session's memory is freed while its Upload is
+    still open (the Upload holds it only while it copies), and the memory still held by a session counts in the
+    table's limits until it is freed."""
+    import threading
+
+    s = start_server("--stream_max_sessions=2", f"--max_inflight_bytes={64 << 20}")
+    shape = [1, 2048, 8, 128]  # FP32: 8 MiB per tensor
+    blob = np.random.default_rng(1).random(int(np.prod(shape)), dtype=np.float32).tobytes()
+    header = pb.AttentionRequest()
+    for t in (header.q, header.k, header.v):
+        t.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=shape))
+    gate, uploads = threading.Event(), []
+    with grpc.insecure_channel(s.address, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        base = _rss_kib(s.proc.pid)
+        for _ in range(12):
+            sid = stub.OpenSession(header, timeout=10).session_id  # RESOURCE_EXHAUSTED once room ran out
+            sent = threading.Event()
+
+            def chunks(sid=sid, sent=sent):
+                for tensor in (pb.TENSOR_Q, pb.TENSOR_K, pb.TENSOR_V):
+                    yield pb.AttentionChunk(session_id=sid if tensor == pb.TENSOR_Q else "", tensor=tensor, offset=0,
+                                            data=blob)
+                sent.set()
+                gate.wait(60)  # the Upload stays open
+
+            uploads.append(stub.Upload.future(chunks(), timeout=90))
+            assert sent.wait(30)
+            time.sleep(0.3)  # the last chunk reaches the session
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        grown_mib = (_rss_kib(s.proc.pid) - base) / 1024
+        gate.set()
+        for u in uploads:
+            try:
+                u.result(timeout=30)
+            except grpc.RpcError as e:  # NOT_FOUND: its session closed under it (it sent nothing more)
+                assert e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OK), e
+    print(f"12 closed 24 MiB sessions with their Uploads open: server RSS grew {grown_mib:.0f} MiB")
+    assert grown_mib < 120, f"closed sessions kept their memory: RSS grew {grown_mib:.0f} MiB"
+
+
+def test_close_during_compute_frees_the_session_when_compute_answers(start_server, rng, make_qkv):
+    """CloseSession while Compute runs (StripedClient does so when its call times out): the session was kept for the
+    idle reaper (60 s), holding its slot; with --stream_max_sessions=1 every OpenSession meanwhile was refused."""
+    s = start_server("--stream_max_sessions=1")
+    q, k, v = make_qkv(rng, 1, 2048, 4096, 8, 8, 64, "float32")  # ~0.5 s or more on the CPU backend
+    header = pb.AttentionRequest()
+    for t, x in ((header.q, q), (header.k, k), (header.v, v)):
+        t.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=list(x.shape)))
+    with grpc.insecure_channel(s.address, options=[("grpc.max_send_message_length", 1 << 30)]) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        sid = stub.OpenSession(header, timeout=10).session_id
+        stub.Upload(iter([pb.AttentionChunk(session_id=sid if i == 0 else "", tensor=tensor, offset=0, data=x.tobytes())
+                          for i, (tensor, x) in enumerate(((pb.TENSOR_Q, q), (pb.TENSOR_K, k), (pb.TENSOR_V, v)))]),
+                    timeout=30)
+        computing = stub.Compute.future(pb.ComputeRequest(session_id=sid), timeout=60)
+        time.sleep(0.05)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        computing.result()
+        assert stub.OpenSession(header, timeout=10).session_id  # the closed session's slot is free again
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT), timeout=10)))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND

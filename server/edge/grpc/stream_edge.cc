@@ -10,6 +10,7 @@
 #include "absl/time/clock.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
+#include "edge/grpc/live_calls.h"
 #include "edge/grpc/stream_transfer.h"
 #include "flashserve/v1/attention.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -71,7 +72,8 @@ class StreamService final : public StreamServiceBase {
 
   grpc::ServerUnaryReactor* Compute(grpc::CallbackServerContext* context, const Raw* raw_request,
                                     Raw* raw_response) override {
-    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    // A live call until gRPC has written the answer (inline_output carries all of O).
+    grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
     // Shared with the runtime's done callback, which finishes it.
     auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kCompute);
     grpc_call->Start(int64_t(raw_request->Length()));
@@ -141,6 +143,7 @@ class StreamService final : public StreamServiceBase {
       response->set_kernel(full.kernel());
       response->set_request_id(full.request_id());
       session->EndCompute(true);
+      if (session->close_requested()) table_.Erase(session->id());  // nobody will download it
       FinishUnary(reactor, grpc_call.get(), absl::OkStatus(), *response, raw_response);
     };
     runtime_->Submit(std::move(call));
@@ -159,10 +162,10 @@ class StreamService final : public StreamServiceBase {
         [this](const v1::CloseSessionRequest& close, v1::CloseSessionResponse*, GrpcCall* call) {
           call->set_session_id(close.session_id());
           absl::StatusOr<std::shared_ptr<StreamSession>> found = table_.Find(close.session_id());
-          if (found.ok() && (*found)->state() == StreamSession::State::kComputing) {
-            // The runtime holds it; dropped when Compute answers (or by the idle reaper after).
-            (*found)->Touch();
-          } else {
+          // Computing: the runtime holds it, and Compute erases it when it answers. Asked first,
+          // then the state read: one of the two erases it whichever ends first.
+          if (found.ok()) (*found)->RequestClose();
+          if (!found.ok() || (*found)->state() != StreamSession::State::kComputing) {
             table_.Erase(close.session_id());
           }
           return absl::OkStatus();

@@ -54,6 +54,44 @@ StreamSession::StreamSession(std::string id, int64_t accounted_bytes)
       accounted_bytes_(accounted_bytes),
       last_activity_(std::chrono::steady_clock::now()) {}
 
+StreamSession::~StreamSession() {
+  io_.reset();  // the memory first, then its room
+  if (room_) room_->Give(accounted_bytes_);
+}
+
+absl::Status SessionRoom::Take(int64_t bytes, const StreamLimits& limits) {
+  absl::MutexLock lock(&mu_);
+  if (sessions_ >= limits.max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("too many open stream sessions (", limits.max_sessions,
+                     ", closed ones included while their uploads or downloads still run)"));
+  }
+  if (limits.max_total_bytes > 0 && bytes_ > 0 && bytes_ + bytes > limits.max_total_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("stream sessions hold ", bytes_, " bytes; ",
+                                                     bytes, " more would exceed the limit of ",
+                                                     limits.max_total_bytes));
+  }
+  ++sessions_;
+  bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void SessionRoom::Give(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  --sessions_;
+  bytes_ -= bytes;
+}
+
+int SessionRoom::sessions() const {
+  absl::MutexLock lock(&mu_);
+  return sessions_;
+}
+
+int64_t SessionRoom::bytes() const {
+  absl::MutexLock lock(&mu_);
+  return bytes_;
+}
+
 std::pair<char*, int64_t> StreamSession::TensorData(int tensor) {
   const IoLayout& layout = io_->layout();
   switch (tensor) {
@@ -231,23 +269,6 @@ absl::StatusOr<AttentionProblem> ValidateSessionHeader(const v1::AttentionReques
 
 absl::StatusOr<std::string> NewSessionId() { return RandomHexId128("session id"); }
 
-absl::Status SessionTable::ReserveRoom(int64_t accounted) {
-  absl::MutexLock lock(&mu_);
-  if (int(sessions_.size()) + opening_ >= limits_.max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("too many open stream sessions (", limits_.max_sessions, ")"));
-  }
-  if (limits_.max_total_bytes > 0 && total_bytes_ > 0 &&
-      total_bytes_ + accounted > limits_.max_total_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("stream sessions hold ", total_bytes_, " bytes; ", accounted,
-                     " more would exceed the limit of ", limits_.max_total_bytes));
-  }
-  total_bytes_ += accounted;
-  ++opening_;
-  return absl::OkStatus();
-}
-
 absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Open(
     const v1::AttentionRequest& header) {
   // Everything is checked before anything is allocated.
@@ -263,21 +284,20 @@ absl::StatusOr<std::shared_ptr<StreamSession>> SessionTable::Open(
   const int64_t accounted = input + problem->out_bytes() + problem->lse_elements() * 4;
   absl::StatusOr<std::string> id = NewSessionId();
   if (!id.ok()) return id.status();
-  if (absl::Status room = ReserveRoom(accounted); !room.ok()) return room;
+  if (absl::Status room = room_->Take(accounted, limits_); !room.ok()) return room;
 
   auto session = std::make_shared<StreamSession>(*id, accounted);
+  session->room_ = room_;  // its room from now on, given back when it is destroyed
   session->request = header;
   session->input_bytes_ = input;
   // Outside the table lock. Pooled pinned memory when the backend has a pool: reused between
   // sessions, never zero-filled, and the GPU copies straight from it.
   session->io_ = IoBuffers::Allocate(*problem, pool_);
-  absl::MutexLock lock(&mu_);
-  --opening_;
   if (session->io_ == nullptr) {
-    total_bytes_ -= accounted;
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", accounted, " bytes of host memory for the session"));
   }
+  absl::MutexLock lock(&mu_);
   sessions_.emplace(*id, session);
   return session;
 }
@@ -300,7 +320,6 @@ void SessionTable::Erase(const std::string& id) {
     if (it == sessions_.end()) return;
     session = std::move(it->second);
     sessions_.erase(it);
-    total_bytes_ -= session->accounted_bytes();
   }
   session->Close();
 }
@@ -313,7 +332,6 @@ int SessionTable::Reap(std::chrono::steady_clock::time_point now) {
       const std::shared_ptr<StreamSession>& s = it->second;
       if (s->state() != StreamSession::State::kComputing &&
           now - s->last_activity() > limits_.idle_timeout) {
-        total_bytes_ -= s->accounted_bytes();
         dropped.push_back(std::move(it->second));
         it = sessions_.erase(it);
       } else {
@@ -334,9 +352,6 @@ size_t SessionTable::size() const {
   return sessions_.size();
 }
 
-int64_t SessionTable::total_bytes() const {
-  absl::MutexLock lock(&mu_);
-  return total_bytes_;
-}
+int64_t SessionTable::total_bytes() const { return room_->bytes(); }
 
 }  // namespace flashserve

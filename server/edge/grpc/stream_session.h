@@ -8,6 +8,7 @@
 // calls: 128 bits from the OS CSPRNG (getrandom(2)), hex.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
@@ -51,12 +52,32 @@ struct StreamLimits {
   std::chrono::milliseconds idle_timeout{60000};
 };
 
+/// The room a table's sessions take -- a slot each and their bytes -- shared with every session,
+/// which gives its part back when it is destroyed: a session closed while an Upload copies into it
+/// or gRPC still sends Download slices of it keeps its memory, so it keeps counting. Thread-safe.
+class SessionRoom {
+ public:
+  /// RESOURCE_EXHAUSTED when one more session of `bytes` would pass the limits.
+  absl::Status Take(int64_t bytes, const StreamLimits& limits);
+  void Give(int64_t bytes);
+  int sessions() const;
+  int64_t bytes() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  int sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 /// One session: the request being reassembled and, after Compute, its response.
 class StreamSession {
  public:
   enum class State { kUploading, kComputing, kOutputReady, kClosed };
 
   StreamSession(std::string id, int64_t accounted_bytes);
+  ~StreamSession();
+  StreamSession(const StreamSession&) = delete;
+  StreamSession& operator=(const StreamSession&) = delete;
 
   const std::string& id() const { return id_; }
   int64_t accounted_bytes() const { return accounted_bytes_; }
@@ -81,6 +102,9 @@ class StreamSession {
 
   State state() const;
   void Close();
+  /// CloseSession while computing: Compute erases the session when it answers.
+  void RequestClose() { close_requested_.store(true); }
+  bool close_requested() const { return close_requested_.load(); }
   std::chrono::steady_clock::time_point last_activity() const;
   void Touch();
 
@@ -101,6 +125,8 @@ class StreamSession {
 
   const std::string id_;
   const int64_t accounted_bytes_;
+  std::shared_ptr<SessionRoom> room_;  // set by SessionTable::Open: given back at destruction
+  std::atomic<bool> close_requested_{false};
   int64_t input_bytes_ = 0;
   std::shared_ptr<IoBuffers> io_;
   mutable absl::Mutex mu_;
@@ -131,21 +157,19 @@ class SessionTable {
   /// Drops sessions idle for longer than the timeout (not those computing); returns how many.
   int Reap(std::chrono::steady_clock::time_point now);
 
+  /// Sessions open (in the table).
   size_t size() const;
+  /// Bytes of the sessions not yet destroyed (closed ones included while something holds them).
   int64_t total_bytes() const;
   const StreamLimits& limits() const { return limits_; }
 
  private:
-  // Reserves room for a session of `accounted` bytes under the table's limits.
-  absl::Status ReserveRoom(int64_t accounted);
-
   const StreamLimits limits_;
   const ValidationLimits validation_;
   PinnedPool* const pool_;
   mutable absl::Mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<StreamSession>> sessions_ ABSL_GUARDED_BY(mu_);
-  int64_t total_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int opening_ ABSL_GUARDED_BY(mu_) = 0;  // sessions with room reserved, buffers not yet allocated
+  const std::shared_ptr<SessionRoom> room_ = std::make_shared<SessionRoom>();
 };
 
 /// A new session id: 128 bits from getrandom(2), as 32 lowercase hex digits. UNAVAILABLE when

@@ -54,30 +54,38 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   void OnDone() override { delete this; }
 
  private:
-  // Copies the chunk just read into its session; reads the next one or ends the call.
+  // Copies the chunk just read into its session; reads the next one or ends the call. Between
+  // chunks the call holds its session weakly: one closed or reaped meanwhile is gone (an Upload
+  // left open must not keep its memory past the session table's limits).
   void Chunk() {
     ChunkHeader header;
     bool reserved = false;
     absl::Status status;
+    std::shared_ptr<StreamSession> session = session_.lock();
     {
       grpc::ProtoBufferReader reader(&buffer_);
       status = ParseChunk(
           &reader,
           [&](const ChunkHeader& h) -> absl::StatusOr<char*> {
-            if (!session_) {
+            if (session_id_.empty()) {
               if (h.session_id.empty()) {
                 return absl::InvalidArgumentError(
                     "AttentionChunk.session_id: required in the first chunk of an Upload");
               }
               absl::StatusOr<std::shared_ptr<StreamSession>> found = table_->Find(h.session_id);
               if (!found.ok()) return found.status();
-              session_ = std::move(*found);
-              call_.set_session_id(session_->id());
-            } else if (!h.session_id.empty() && h.session_id != session_->id()) {
+              session = std::move(*found);
+              session_ = session;
+              session_id_ = session->id();
+              call_.set_session_id(session_id_);
+            } else if (!h.session_id.empty() && h.session_id != session_id_) {
               return absl::InvalidArgumentError(
                   "AttentionChunk.session_id: one Upload call carries one session");
+            } else if (session == nullptr) {
+              return absl::NotFoundError(absl::StrCat(
+                  "session \"", session_id_, "\" was closed or expired during this Upload"));
             }
-            absl::StatusOr<char*> dest = session_->Reserve(h.tensor, h.offset, h.length);
+            absl::StatusOr<char*> dest = session->Reserve(h.tensor, h.offset, h.length);
             reserved = dest.ok();
             return dest;
           },
@@ -85,9 +93,9 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
     }
     buffer_.Clear();
     if (reserved) {
-      session_->Commit(status.ok() ? header.length : 0);
+      session->Commit(status.ok() ? header.length : 0);
       // A reserved range that was not filled cannot be sent again: the session is unusable.
-      if (!status.ok()) table_->Erase(session_->id());
+      if (!status.ok()) table_->Erase(session->id());
     }
     if (!status.ok()) {
       Finish(call_.Finish(status));
@@ -101,7 +109,8 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   SessionTable* const table_;
   grpc::ByteBuffer* const response_;
   grpc::ByteBuffer buffer_;
-  std::shared_ptr<StreamSession> session_;
+  std::weak_ptr<StreamSession> session_;
+  std::string session_id_;  // set by the first chunk
   int64_t received_ = 0;
   GrpcCall call_;  // metrics, failure log, status conversion
   LiveCall live_;  // until gRPC has finished the call (OnDone)

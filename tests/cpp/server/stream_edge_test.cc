@@ -218,7 +218,37 @@ TEST(SessionTableTest, EnforcesLimitsAndReapsIdleSessions) {
   EXPECT_TRUE(table.Find((*a)->id()).ok());
   table.Erase((*a)->id());
   EXPECT_EQ(table.size(), 0u);
+  EXPECT_GT(table.total_bytes(), 0);  // the sessions are still held here
+  a = absl::CancelledError("let go");
+  b = absl::CancelledError("let go");
   EXPECT_EQ(table.total_bytes(), 0);
+}
+
+// A session closed or reaped while something still holds it (an Upload copying into it, Download
+// slices gRPC has not sent) keeps its memory, so it keeps its slot and bytes until it is let go.
+TEST(SessionTableTest, AClosedSessionKeepsItsRoomUntilItIsLetGo) {
+  StreamLimits limits;
+  limits.max_sessions = 1;
+  limits.idle_timeout = std::chrono::milliseconds(1);
+  SessionTable table(limits, Accepted());
+  for (bool reaped : {false, true}) {
+    SCOPED_TRACE(reaped ? "reaped" : "erased");
+    absl::StatusOr<std::shared_ptr<StreamSession>> opened = table.Open(Header());
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    std::shared_ptr<StreamSession> held = std::move(*opened);
+    const int64_t bytes = held->accounted_bytes();
+    if (reaped) {
+      EXPECT_EQ(table.Reap(std::chrono::steady_clock::now() + std::chrono::seconds(1)), 1);
+    } else {
+      table.Erase(held->id());
+    }
+    EXPECT_EQ(table.size(), 0u);
+    EXPECT_EQ(table.total_bytes(), bytes);
+    EXPECT_EQ(table.Open(Header()).status().code(), absl::StatusCode::kResourceExhausted);
+    held.reset();
+    EXPECT_EQ(table.total_bytes(), 0);
+  }
+  EXPECT_TRUE(table.Open(Header()).ok());
 }
 
 TEST(SessionTableTest, DownloadsEachOutputByteOnce) {
