@@ -396,6 +396,44 @@ def test_auth_hello_and_region_ownership(flashserve_bin, tmp_path, rng):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_connections_without_a_hello_do_not_hold_the_slots(flashserve_bin, tmp_path):
+    """With a token, connections that never send their Hello are closed after --local_read_timeout_ms: two idle ones
+    held both slots of --local_max_connections=2 for good, so a local user without the token kept every client
+    out (a mode like 0666 lets any local user connect)."""
+    directory = socket_dir()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    path = f"{directory}/fs.sock"
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}", f"--auth_token_file={token_file}",
+                                                 "--local_max_connections=2", "--local_read_timeout_ms=500"],
+                      name="idle").start()
+    try:
+        idle = [raw_connect(path) for _ in range(2)]
+        started = time.monotonic()
+        for sock in idle:
+            status, body = read_frame(sock)
+            assert status == grpc.StatusCode.DEADLINE_EXCEEDED.value[0], body
+            assert b"a Hello first" in body, body
+            assert_closed(sock)
+            sock.close()
+        assert time.monotonic() - started < 5
+        deadline = time.monotonic() + 5
+        while True:  # the slots come back once the server has closed the idle connections
+            try:
+                with LocalClient(path, token=TOKEN, timeout=10) as local:
+                    assert local.echo(b"in") == b"in"
+                break
+            except (flashserve.ResourceExhaustedError, flashserve.UnavailableError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with LocalClient(path, token=TOKEN, timeout=10) as local:  # authenticated: idle for longer is fine
+            time.sleep(1.0)
+            assert local.echo(b"still") == b"still"
+        _stop_and_check(s)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------- the socket file
 
 

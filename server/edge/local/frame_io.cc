@@ -61,7 +61,7 @@ absl::Status FrameReader::ReadFull(char* dest, size_t bytes, size_t already) {
   return absl::OkStatus();
 }
 
-ssize_t FrameReader::ReadFirst(unsigned char* dest, size_t bytes) {
+ssize_t FrameReader::ReadFirst(unsigned char* dest, size_t bytes, absl::Time by) {
   if (idle_spin_ > absl::ZeroDuration()) {
     const absl::Time until = absl::Now() + idle_spin_;
     do {
@@ -69,15 +69,27 @@ ssize_t FrameReader::ReadFirst(unsigned char* dest, size_t bytes) {
       if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return n;
     } while (absl::Now() < until);
   }
-  for (;;) {  // idle between frames: no deadline
+  for (;;) {  // idle between frames: no deadline unless `by` says one
+    if (by != absl::InfiniteFuture()) {
+      const int64_t left_ms = absl::ToInt64Milliseconds(by - absl::Now());
+      pollfd p{fd_, POLLIN, 0};
+      const int ready = left_ms > 0 ? poll(&p, 1, int(std::min<int64_t>(left_ms, 1 << 30))) : 0;
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready == 0) return kNothingBy;
+    }
     const ssize_t n = recv(fd_, dest, bytes, 0);
     if (n >= 0 || errno != EINTR) return n;  // < 0: reset by the peer, or shut down by the server
   }
 }
 
-FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::Status* error) {
+FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::Status* error,
+                                            absl::Time first_by) {
   unsigned char bytes[local::kHeaderBytes];
-  const ssize_t first = ReadFirst(bytes, sizeof(bytes));
+  const ssize_t first = ReadFirst(bytes, sizeof(bytes), first_by);
+  if (first == kNothingBy) {
+    *error = absl::DeadlineExceededError("local socket: no frame came in time (a Hello first)");
+    return Result::kRefused;
+  }
   if (first <= 0) return Result::kClosed;
   deadline_ = absl::Now() + timeout_;
   *error = ReadFull(reinterpret_cast<char*>(bytes) + first, sizeof(bytes) - size_t(first),

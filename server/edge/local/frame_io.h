@@ -28,8 +28,10 @@ class FrameReader {
   /// Waits as long as it takes for the next frame's first byte, then reads and checks its header
   /// (within the timeout from that byte). kClosed: the peer closed (or the server shut the socket
   /// down) between frames. kRefused: `*error` says why (bad header, timeout, a peer that left
-  /// mid-header); answer it if possible and close.
-  Result ReadHeader(v1::local::FrameHeader* header, absl::Status* error);
+  /// mid-header); answer it if possible and close. `first_by`: when the frame's first byte must
+  /// have come (a connection not yet authenticated: its Hello), else kRefused (DEADLINE_EXCEEDED).
+  Result ReadHeader(v1::local::FrameHeader* header, absl::Status* error,
+                    absl::Time first_by = absl::InfiniteFuture());
   /// Reads the payload of the header just read into `dest` (payload_bytes long), within the same
   /// deadline. DEADLINE_EXCEEDED, or UNAVAILABLE when the peer left mid-frame.
   absl::Status ReadPayload(char* dest, size_t bytes);
@@ -38,8 +40,10 @@ class FrameReader {
   // Reads exactly `bytes` into `dest` by deadline_.
   // `already`: bytes of the same piece read before (named in the timeout's message).
   absl::Status ReadFull(char* dest, size_t bytes, size_t already = 0);
-  // The first bytes of the next frame: polls for idle_spin_, then blocks. <= 0: closed.
-  ssize_t ReadFirst(unsigned char* dest, size_t bytes);
+  // The first bytes of the next frame: polls for idle_spin_, then blocks (until `by`). <= 0:
+  // closed; kNothingBy: `by` passed first.
+  static constexpr ssize_t kNothingBy = -2;
+  ssize_t ReadFirst(unsigned char* dest, size_t bytes, absl::Time by);
 
   const int fd_;
   const int64_t max_payload_bytes_;

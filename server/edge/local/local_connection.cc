@@ -65,13 +65,18 @@ class Connection {
         calls_(calls),
         reader_(fd, options.max_frame_bytes, absl::Milliseconds(options.read_timeout_ms),
                 absl::Microseconds(options.spin_us)),
-        authed_(options.auth == nullptr) {}
+        authed_(options.auth == nullptr),
+        opened_(absl::Now()) {}
 
   void Run() {
     for (;;) {
       local::FrameHeader header;
       absl::Status error;
-      const FrameReader::Result read = reader_.ReadHeader(&header, &error);
+      // Until it has sent the token, a connection holds its slot for one read timeout at most.
+      const FrameReader::Result read =
+          reader_.ReadHeader(&header, &error,
+                             authed_ ? absl::InfiniteFuture()
+                                     : opened_ + absl::Milliseconds(options_.read_timeout_ms));
       if (read == FrameReader::Result::kClosed) return;
       if (read == FrameReader::Result::kRefused) {
         RecordRefusedCall(services_.runtime->metrics(), local_methods::kOtherLabel, error);
@@ -181,6 +186,7 @@ class Connection {
   LocalCallCount* const calls_;
   FrameReader reader_;
   bool authed_;
+  const absl::Time opened_;  // a connection without the token must send it within a read timeout
   std::unique_ptr<char[]> buffer_;
   size_t buffer_capacity_ = 0;
 };
