@@ -185,8 +185,8 @@ ABSL_FLAG(int, kv_page_tokens, flashserve::SequenceRuntimeOptions{}.cache.page_t
           "Sequences API: tokens per KV page (a page holds K and V of one layer), in [1, 1024]");
 ABSL_FLAG(int64_t, sequence_ttl_s,
           absl::ToInt64Seconds(flashserve::SequenceRuntimeOptions{}.cache.ttl),
-          "Sequences API: a sequence no call named for this long is evicted (its id then answers "
-          "NOT_FOUND); 0: never");
+          "Sequences API: a sequence no call has used for this long (counted from the end of its "
+          "last call) is evicted (its id then answers NOT_FOUND); 0: never");
 ABSL_FLAG(int, max_sequences, flashserve::SequenceRuntimeOptions{}.cache.max_sequences,
           "Sequences API: live sequences at most (CreateSequence beyond: RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int64_t, max_sequence_tokens,

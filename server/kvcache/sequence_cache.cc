@@ -356,8 +356,10 @@ void SequenceCache::Remove(Sequence* seq) {
 void SequenceCache::Unpin(const std::vector<void*>& pinned) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const absl::Time now = Now();
     for (void* p : pinned) {
       Sequence* seq = static_cast<Sequence*>(p);
+      seq->last_used = now;  // idle counts from a step's end (a long launch is a use)
       if (--seq->pins > 0) continue;
       auto it = retired_.find(seq);
       if (it != retired_.end()) {

@@ -267,6 +267,12 @@ class SequenceCache {
   // INVALID_ARGUMENT / ABORTED as Truncate says for item `index`; its layers to cut in *cut.
   absl::Status ValidateTruncate(const Sequence& seq, const TruncateItem& item, size_t index,
                                 std::vector<int>* cut) const;
+  // What Truncate asks, checked before it waits for the steps on its sequences (a malformed call
+  // is refused at once): NOT_FOUND, and INVALID_ARGUMENT as ValidateTruncate says.
+  absl::Status CheckTruncateLocked(const std::vector<TruncateItem>& items);
+  // ValidateTruncate's checks of the item alone (not of the lengths, which steps in flight move).
+  static absl::Status TruncateLayers(const Sequence& seq, const TruncateItem& item, size_t index,
+                                     std::vector<int>* cut);
   // Drops `layer`'s tokens past `length`; the offsets of its pages wholly past it go to *freed.
   // Returns the tokens dropped.
   int64_t CutLayer(Sequence* seq, int layer, int64_t length, std::vector<int64_t>* freed);

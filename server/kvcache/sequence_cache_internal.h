@@ -56,6 +56,8 @@ absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expecte
 /// (its client has stopped waiting and must not find the call's rows, or a sequence, applied
 /// later).
 absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* while_what);
+/// DEADLINE_EXCEEDED for a call whose wait for another append to its sequence gave up.
+absl::Status StillAppending();
 /// INVALID_ARGUMENT unless `token` is empty or 16..64 characters of [0-9A-Za-z_-]. The message
 /// gives its length, never the token (client data, and whoever has it can obtain the sequence).
 absl::Status CheckCreateToken(std::string_view token);

@@ -70,6 +70,12 @@ absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* whil
       absl::StrCat("the call's deadline passed ", while_what, "; nothing of it was kept"));
 }
 
+absl::Status StillAppending() {
+  return absl::DeadlineExceededError(
+      "the call's deadline passed while it waited for another append to its sequence; nothing of "
+      "it was kept");
+}
+
 absl::Status CheckCreateToken(std::string_view token) {
   constexpr size_t kMinTokenChars = 16, kMaxTokenChars = 64;
   const auto allowed = [](char c) {

@@ -83,6 +83,8 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
           CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
       !s.ok())
     return s;
+  // Still appending: the wait gave up (a wall clock stepped back may pass the check above).
+  if (seq->appending) return StillAppending();
   std::vector<PageRun> runs;
   AppendResult result;
   if (absl::Status s = ValidateAppend(*seq, given, &runs, &result.already_appended); !s.ok()) {

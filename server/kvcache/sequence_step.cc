@@ -171,6 +171,9 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
           CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
       !s.ok())
     return s;
+  // Still appending: the wait gave up (a wall clock stepped back may pass the check above).
+  if (std::any_of(found.begin(), found.end(), [](const Sequence* q) { return q->appending; }))
+    return StillAppending();
   std::vector<int64_t> fresh_rows;
   if (absl::Status s = ValidateStep(items, found, &fresh_rows); !s.ok()) {
     if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)

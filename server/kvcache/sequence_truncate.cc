@@ -30,8 +30,43 @@ absl::Status SequenceCache::FindUnpinnedLocked(const std::vector<TruncateItem>& 
   }
 }
 
+absl::Status SequenceCache::CheckTruncateLocked(const std::vector<TruncateItem>& items) {
+  std::vector<std::string_view> ids;
+  ids.reserve(items.size());
+  for (const TruncateItem& item : items) ids.push_back(item.id);
+  std::vector<Sequence*> found;
+  if (absl::Status s = FindIds(ids, &found); !s.ok()) return s;
+  std::unordered_set<const Sequence*> seen;
+  std::vector<int> cut;
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (!seen.insert(found[i]).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", i, ": its sequence is named twice in one Truncate"));
+    }
+    cut.clear();
+    if (absl::Status s = TruncateLayers(*found[i], items[i], i, &cut); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status SequenceCache::ValidateTruncate(const Sequence& seq, const TruncateItem& item,
                                              size_t index, std::vector<int>* cut) const {
+  if (absl::Status s = TruncateLayers(seq, item, index, cut); !s.ok()) return s;
+  for (int layer : *cut) {
+    const int64_t held = seq.lengths[size_t(layer)];
+    if (held < item.length) {
+      return absl::AbortedError(absl::StrCat(
+          "item ", index, ": layer ", layer, " holds ", held, " tokens, fewer than the ",
+          item.length,
+          " a Truncate keeps: the client's count is off; nothing was cut (GetSequenceInfo has the "
+          "lengths)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceCache::TruncateLayers(const Sequence& seq, const TruncateItem& item,
+                                           size_t index, std::vector<int>* cut) {
   if (item.length < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "item ", index, ": a Truncate keeps a length of 0 or more tokens, got ", item.length));
@@ -48,16 +83,6 @@ absl::Status SequenceCache::ValidateTruncate(const Sequence& seq, const Truncate
   }
   if (item.layers.empty()) {
     for (int layer = 0; layer < seq.shape.num_layers; ++layer) cut->push_back(layer);
-  }
-  for (int layer : *cut) {
-    const int64_t held = seq.lengths[size_t(layer)];
-    if (held < item.length) {
-      return absl::AbortedError(absl::StrCat(
-          "item ", index, ": layer ", layer, " holds ", held, " tokens, fewer than the ",
-          item.length,
-          " a Truncate keeps: the client's count is off; nothing was cut (GetSequenceInfo has the "
-          "lengths)"));
-    }
   }
   return absl::OkStatus();
 }
@@ -81,6 +106,7 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
     const std::vector<TruncateItem>& items, absl::Time deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
+  if (absl::Status s = CheckTruncateLocked(items); !s.ok()) return s;
   std::vector<Sequence*> found;
   if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) return s;
   std::vector<std::vector<int>> cuts(items.size());

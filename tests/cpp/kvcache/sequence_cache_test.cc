@@ -258,7 +258,8 @@ TEST_F(SequenceCacheTest, IdleSequencesAreEvictedAfterTheTtlAndPinnedOnesAreNot)
   EXPECT_EQ(cache_->Info(id_a).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(cache_->Info(id_b).ok());
   EXPECT_EQ(cache_->Stats().evictions, 1);
-  // A pinned (running) sequence is not evicted; once unpinned and idle it is.
+  // A pinned (running) sequence is not evicted; idle counts from the step's end (a long launch is a
+  // use: it was evicted right after one that outlasted the TTL), so once idle past it, it is.
   StepItem item{id_b, 0, {}, {}, {}};
   Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
   item.q = Rows(q, 2, 32, DType::kFloat16);
@@ -267,6 +268,9 @@ TEST_F(SequenceCacheTest, IdleSequencesAreEvictedAfterTheTtlAndPinnedOnesAreNot)
   now_ += absl::Seconds(60);
   EXPECT_EQ(cache_->EvictIdle(), 0);
   *plan = StepPlan();
+  now_ += absl::Seconds(9);
+  EXPECT_EQ(cache_->EvictIdle(), 0);  // (Info would count as a use too)
+  now_ += absl::Seconds(2);
   EXPECT_EQ(cache_->EvictIdle(), 1);
   EXPECT_EQ(cache_->Stats().used_bytes, 0);
 }

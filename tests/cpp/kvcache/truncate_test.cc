@@ -203,6 +203,29 @@ TEST_F(TruncateTest, ABatchIsCutWholeOrNotAtAll) {
 }
 
 // A prepared step reads the rows past the cut: Truncate waits for it (or its own deadline).
+// What a Truncate asks is checked before it waits for the steps on its sequences: a malformed call
+// waited for them (then DEADLINE_EXCEEDED, or as long as the step ran) instead of its
+// INVALID_ARGUMENT.
+TEST_F(TruncateTest, AMalformedCallIsRefusedAtOnceWhileAStepRuns) {
+  std::vector<DenseLayer> dense;
+  const std::string id = Create(4, &dense);
+  const Bits q = RandomRows(&rng_, 1, kHeadsQ, kDim, kDtype);
+  const Bits k = KvRows(1), v = KvRows(1);
+  absl::StatusOr<StepPlan> plan =
+      cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(Cut(id, -5, {0}, deadline).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut(id, 2, {7}, deadline).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut(id, 2, {1, 1}, deadline).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache_->Truncate({{id, 2, {0}}, {id, 2, {1}}}, deadline).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Cut("no-such-sequence", 2, {0}, deadline).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "a malformed Truncate waited for the step";
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{5, 4}));
+}
+
 TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
   std::vector<DenseLayer> dense;
   const std::string id = Create(4, &dense);
