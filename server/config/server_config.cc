@@ -125,8 +125,10 @@ absl::Status LimitsOptions::Check() const {
 
 absl::Status StreamOptions::Check() const {
   if (max_sessions < 1) return absl::InvalidArgumentError("--stream_max_sessions must be >= 1");
-  if (session_timeout_ms < 1) {
-    return absl::InvalidArgumentError("--stream_session_timeout_ms must be >= 1");
+  // At most a day: longer ones overflowed the reaper's clock arithmetic (every session dropped).
+  constexpr int64_t kDayMs = int64_t{24} * 3600 * 1000;
+  if (session_timeout_ms < 1 || session_timeout_ms > kDayMs) {
+    return OutOfRange("stream_session_timeout_ms", session_timeout_ms, 1, kDayMs);
   }
   return absl::OkStatus();
 }
@@ -152,7 +154,12 @@ absl::Status LogOptions::Check() const {
 }
 
 absl::Status ShutdownOptions::Check() const {
-  if (grace_seconds < 0) return absl::InvalidArgumentError("--shutdown_grace_seconds must be >= 0");
+  // At most a day: near INT_MAX the overrun limit (grace + 20 s) overflowed and the first
+  // SIGTERM exited 3 at once, without a drain.
+  constexpr int kDaySeconds = 24 * 3600;
+  if (grace_seconds < 0 || grace_seconds > kDaySeconds) {
+    return OutOfRange("shutdown_grace_seconds", grace_seconds, 0, kDaySeconds);
+  }
   return absl::OkStatus();
 }
 

@@ -181,12 +181,14 @@ std::vector<BadValue> BadValues() {
       {"hot_lane_spin_us", "1000001"},
       {"stream_max_sessions", "0"},
       {"stream_session_timeout_ms", "0"},
+      {"stream_session_timeout_ms", "86400001"},  // longer overflowed the reaper's arithmetic
       {"model_name", ""},
       {"model_name", "a/b"},
       {"log_level", "loud"},
       {"log_format", "xml"},
       {"shutdown_grace_seconds", "-1"},
-      {"local_socket", std::string(108, 'a')},  // longer than sun_path holds
+      {"shutdown_grace_seconds", "2147483647"},  // grace + 20 s overflowed: exit 3 at once
+      {"local_socket", std::string(108, 'a')},   // longer than sun_path holds
       {"local_socket_mode", "0800"},
       {"local_socket_mode", "rw"},
       {"local_socket_mode", "01000"},
@@ -199,6 +201,8 @@ std::vector<BadValue> BadValues() {
       {"decode_launches_in_flight", "0"},
       {"decode_launches_in_flight", "5"},
       {"max_batch_sequences", "0"},
+      {"max_batch_sequences", "65536"},
+      {"http_min_body_bytes_per_s", "-1"},
       {"batch_window_us", "-1"},
   };
 }
