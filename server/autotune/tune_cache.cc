@@ -1,6 +1,8 @@
 #include "autotune/tune_cache.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -11,6 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "common/random_id.h"
 #include "nlohmann/json.hpp"
 
 namespace flashserve {
@@ -136,7 +139,17 @@ absl::Status TuneCache::FromJson(const std::string& text) {
 }
 
 absl::Status TuneCache::Load(const std::string& path) {
-  if (::access(path.c_str(), F_OK) != 0 && errno == ENOENT) return absl::OkStatus();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat(path, ": ", std::strerror(errno)));
+  }
+  // Read whole and parsed into a tree: a huge file, a device or a FIFO would exhaust memory or
+  // hang the start.
+  if (!S_ISREG(st.st_mode) || st.st_size > kMaxFileBytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, ": not a regular file of at most ", kMaxFileBytes, " bytes; ignored"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::UnavailableError(absl::StrCat(path, ": cannot open for reading"));
   std::stringstream text;
@@ -147,9 +160,30 @@ absl::Status TuneCache::Load(const std::string& path) {
 }
 
 absl::Status TuneCache::Save(const std::string& path) const {
-  const std::string text = ToJson();
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Writers of one file (a server tuning in the background, flashserve-tune, replicas on a shared
+  // volume, each possibly pid 1 in its container) take turns on its lock file, and each keeps the
+  // entries the others wrote (its own win). Without the lock (a file system that refuses it) the
+  // write still goes through a temp file no other writer can share.
+  const std::string lock_path = path + ".lock";
+  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd >= 0) ::flock(lock_fd, LOCK_EX);
+  absl::Status saved = SaveMergedLocked(path);
+  if (lock_fd >= 0) ::close(lock_fd);  // releases the lock
+  return saved;
+}
+
+absl::Status TuneCache::SaveMergedLocked(const std::string& path) const {
+  TuneCache merged(header_);
+  merged.Load(path).IgnoreError();  // another setup's, or a corrupt, file is replaced
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [key, record] : entries_) merged.Put(key, record);
+  }
+  const std::string text = merged.ToJson();
+  absl::StatusOr<std::string> nonce = RandomHexId128("tune cache temp file");
+  if (!nonce.ok()) return nonce.status();
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", *nonce);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return absl::UnavailableError(absl::StrCat(tmp, ": ", std::strerror(errno)));
   size_t written = 0;
   while (written < text.size()) {

@@ -1,6 +1,7 @@
 // The autotuning cache: winners per problem class, persisted as JSON for one device and build.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
@@ -49,14 +50,19 @@ class TuneCache {
   /// A foreign (other device/build) or corrupt file loads nothing and returns a status that
   /// says why (callers log it as a warning and carry on with an empty cache).
   absl::Status Load(const std::string& path);
-  /// Writes the whole cache atomically: a temp file in the same directory, fsync, rename.
+  /// Writes the cache atomically (a temp file in the same directory, fsync, rename), merged with
+  /// the entries the file holds (another writer's; this cache's win), under `path`.lock.
   absl::Status Save(const std::string& path) const;
+  /// A cache file larger than this (or not a regular file) is not read.
+  static constexpr int64_t kMaxFileBytes = int64_t{64} << 20;
 
   std::string ToJson() const;
   /// Parses `text`; on success replaces the entries. Errors name what is wrong.
   absl::Status FromJson(const std::string& text);
 
  private:
+  absl::Status SaveMergedLocked(const std::string& path) const;
+
   const TuneCacheHeader header_;
   mutable absl::Mutex mu_;
   std::map<std::string, TuneRecord> entries_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
 // Autotuning on the CPU: class bucketing, the cache file (round trip, foreign/corrupt files,
 // atomic writes) and the background tuner never blocking a lookup.
+#include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <future>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -37,6 +39,18 @@ TuneCacheHeader Header(std::string build = "abc123") {
 
 std::string TempPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/", name, ".", getpid(), ".json");
+}
+
+// Files named `path`.tmp.* in its directory.
+int TempFilesOf(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  const std::string dir = path.substr(0, slash), prefix = path.substr(slash + 1) + ".tmp.";
+  int n = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) n += std::string(e->d_name).rfind(prefix, 0) == 0 ? 1 : 0;
+    closedir(d);
+  }
+  return n;
 }
 
 std::string ReadFile(const std::string& path) {
@@ -115,6 +129,7 @@ TEST(TuneCache, RoundTrip) {
   EXPECT_EQ(got->candidates_timed, 7);
   EXPECT_EQ(loaded.ToJson(), cache.ToJson());
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
 }
 
 TEST(TuneCache, MissingFileIsEmptyNotError) {
@@ -143,6 +158,7 @@ TEST(TuneCache, ForeignDeviceOrBuildIsIgnored) {
   EXPECT_NE(s.message().find("NVIDIA H100"), std::string::npos) << s;
   EXPECT_EQ(other_device.size(), 0u);
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
 }
 
 TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
@@ -170,6 +186,7 @@ TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
     EXPECT_EQ(loaded.size(), 0u);
   }
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
 }
 
 TEST(TuneCache, SaveIsAtomicAndLeavesNoTemp) {
@@ -183,14 +200,60 @@ TEST(TuneCache, SaveIsAtomicAndLeavesNoTemp) {
   second.Put("b", {"m64n64w4s2", 2, "", 0, "", 0, 1});
   EXPECT_FALSE(second.Save("/nonexistent-dir/cache.json").ok());
   EXPECT_EQ(ReadFile(path), before);
-  // A successful save replaces the whole file; no temp file stays behind.
+  // A successful save keeps what the file held (another writer's entries) and adds its own; no
+  // temp file stays behind.
   ASSERT_TRUE(second.Save(path).ok());
   TuneCache reread(Header());
   ASSERT_TRUE(reread.Load(path).ok());
-  EXPECT_FALSE(reread.Find("a").has_value());
+  EXPECT_TRUE(reread.Find("a").has_value());
   EXPECT_TRUE(reread.Find("b").has_value());
-  EXPECT_NE(access(absl::StrCat(path, ".tmp.", getpid()).c_str(), F_OK), 0);
+  EXPECT_EQ(TempFilesOf(path), 0);
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
+}
+
+// Two writers of one file (a server tuning in the background and flashserve-tune, or replicas on a
+// shared volume): each save wrote only its own entries, so the last one wiped the other's, and
+// writers with the same pid (pid 1 in containers) shared one temp file.
+TEST(TuneCache, WritersOfOneFileKeepEachOthersEntries) {
+  const std::string path = TempPath("writers");
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      TuneCache mine(Header());
+      for (int i = 0; i < 25; ++i) {
+        mine.Put(absl::StrCat("w", w, "-", i), {"m128n64w4s2", double(i), "", 0, "", 0, 1});
+        ASSERT_TRUE(mine.Save(path).ok());
+      }
+    });
+  }
+  for (std::thread& t : writers) t.join();
+  TuneCache reread(Header());
+  ASSERT_TRUE(reread.Load(path).ok());
+  EXPECT_EQ(reread.size(), 50u);
+  EXPECT_EQ(TempFilesOf(path), 0);
+  std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
+}
+
+// A cache file is read whole into a JSON tree: a huge file, a device or a FIFO is refused unread
+// (they exhausted memory or hung the start).
+TEST(TuneCache, HugeOrSpecialFilesAreNotRead) {
+  TuneCache cache(Header());
+  EXPECT_EQ(cache.Load("/dev/zero").code(), absl::StatusCode::kFailedPrecondition);
+  const std::string fifo = TempPath("fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(cache.Load(fifo).code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(fifo.c_str());
+  const std::string huge = TempPath("huge");
+  {
+    std::ofstream out(huge);
+    out << "{";
+  }
+  ASSERT_EQ(truncate(huge.c_str(), TuneCache::kMaxFileBytes + 1), 0);  // sparse
+  EXPECT_EQ(cache.Load(huge).code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(huge.c_str());
+  EXPECT_EQ(cache.size(), 0u);
 }
 
 TEST(TuneCache, ConcurrentReadersDuringSaves) {
@@ -215,6 +278,7 @@ TEST(TuneCache, ConcurrentReadersDuringSaves) {
   writer.join();
   EXPECT_GT(reads, 0);
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
 }
 
 ProblemClass ClassWithSeqlen(int seqlen) {
@@ -284,6 +348,7 @@ TEST(BackgroundTuner, TunesOneClassAtATimeAndSaves) {
   ASSERT_TRUE(reloaded.Load(path).ok());
   EXPECT_EQ(reloaded.Find(ClassWithSeqlen(300).key())->config, "cfg512");
   std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
 }
 
 }  // namespace
