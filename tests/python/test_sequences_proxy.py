@@ -193,3 +193,24 @@ def test_proxy_in_front_of_real_servers_one_killed_then_back(start_server, tmp_p
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_calls_without_the_routing_key_are_refused_not_scattered(proxied_fakes):
+    """A Sequences call without x-sequence-key (a raw stub, grpcurl, another language's client) was hashed on an empty
+    key, which nginx answers by round robin: the create on one server, the steps on others. The proxy refuses it."""
+    from flashserve import sequences_pb2 as spb
+    from flashserve import sequences_pb2_grpc as spb_grpc
+
+    fakes, proxy = proxied_fakes
+    with grpc.insecure_channel(proxy) as channel:
+        stub = spb_grpc.SequencesStub(channel)
+        for call in (lambda: stub.GetKvPoolInfo(spb.GetKvPoolInfoRequest(), timeout=10),
+                     lambda: stub.Release(spb.ReleaseRequest(sequence_ids=["x"]), timeout=10)):
+            with pytest.raises(grpc.RpcError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "x-sequence-key" in refused.value.details(), refused.value.details()
+        # With the key the same call goes through (to the one server its key hashes to).
+        stub.Release(spb.ReleaseRequest(sequence_ids=["x"]), timeout=10,
+                     metadata=[(flashserve.ROUTE_HEADER, "conversation-1")])
+    assert sum(len(f.servicer.metadata_seen) for f in fakes) == 1
