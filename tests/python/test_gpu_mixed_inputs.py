@@ -137,3 +137,37 @@ def test_outputs_in_a_system_region_leave_the_bytes_between_them(cuda_server, rn
             lse = np.frombuffer(region.read(lse_at, lse_bytes), np.float32).reshape(
                 q.shape[0], q.shape[2], q.shape[1])
             check_answer(out, lse, q, k, v, causal=True)
+
+
+def test_cuda_ipc_keeps_working_past_the_servers_region_limit(flashserve_bin, tmp_path, torch, rng, make_qkv,
+                                                               check_answer):
+    """flashserve.Client registers each CUDA allocation its tensors live in as a region and kept them all: past
+    --shm_max_regions (5 here) the server refused the next (RESOURCE_EXHAUSTED), the client turned CUDA IPC off and
+    then never unregistered the regions it held (close() skipped them). Now the least recently used regions make
+    room, every call goes by IPC, and close() gives every region back."""
+    import warnings
+
+    from conftest import free_port
+    from metrics_helpers import scrape
+
+    port = free_port()
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--allow_client_shm", "--shm_max_regions=5",
+                                                 f"--metrics_port={port}"], name="ipc_regions").start()
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        before = scrape(url).value("flashserve_request_inputs_total", path="shm_cuda")
+        kept = []  # every call's tensors stay alive: their allocations stay distinct
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "CUDA IPC off" would raise here
+            with flashserve.Client(s.address, timeout=60) as client:
+                for _ in range(6):
+                    q, k, v = make_qkv(rng, 1, 2048, 2048, 4, 2, 128, "float16")  # 2 MiB each: own segments
+                    tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+                    kept.append((tq, tk, tv))
+                    out = client.attention(tq, tk, tv, causal=True)
+                    check_answer(out.cpu().numpy(), None, q, k, v, causal=True)
+                assert scrape(url).value("flashserve_shm_regions", type="cuda") <= 5
+        assert scrape(url).value("flashserve_request_inputs_total", path="shm_cuda") - before == 6
+        assert scrape(url).value("flashserve_shm_regions", type="cuda") == 0, "regions left registered after close"
+    finally:
+        _stop_and_check(s)

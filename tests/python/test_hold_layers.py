@@ -157,3 +157,27 @@ def _swallow(run, holder):
         run(holder)
     except KeyboardInterrupt:
         pass
+
+
+@pytest.mark.parametrize("kind", ["writes", "reads"])
+def test_a_wait_longer_than_the_timeout_raises_and_holds_nothing(kind):
+    """A call's timeout bounds its wait for another call on the layer (it waited for as long as the other held it,
+    whatever its timeout): DEADLINE_EXCEEDED once it passes, nothing taken, and the holder's end wakes no one."""
+    import flashserve
+
+    seq, log = _sequence(), []
+    holder = _Holder(log, "holder", writes=[(seq, 0)])
+    holder.start()
+    assert holder.holding.wait(WAIT_S)
+    start = time.monotonic()
+    with pytest.raises(flashserve.DeadlineExceededError, match="layer 0"):
+        with hold_layers(**{kind: [(seq, 1), (seq, 0)]}, timeout=0.3):
+            log.append("waiter")
+    waited = time.monotonic() - start
+    assert 0.25 < waited < WAIT_S, waited
+    assert seq._writing == {0} and seq._reading[1] == 0 and seq._waiting_writers[0] == 0, "the waiter held something"
+    holder.release.set()
+    holder.join(WAIT_S)
+    assert log == ["holder"]
+    with hold_layers(writes=[(seq, 0), (seq, 1)], timeout=1):  # free again, for anyone
+        pass

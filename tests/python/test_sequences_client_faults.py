@@ -284,6 +284,27 @@ def test_an_answer_from_a_sequence_recreated_meanwhile_is_not_acknowledged(fakes
         assert _server_rows(fakes[1], seq) == [truth.length(seq.key, 0), truth.length(seq.key, 1)]
 
 
+def test_a_failover_releases_what_it_left_on_a_server_that_is_still_up(fakes, rng):
+    """UNAVAILABLE from a server that is still up (a reset connection, a GOAWAY): the client re-creates the sequence
+    on the next endpoint and, in the background, releases the id it left behind. Before, the old sequence kept its
+    pages until the server's TTL (for good with --sequence_ttl_s=0) while its copy lived on elsewhere."""
+    truth = _truth(rng)
+    fake0 = fakes[0].servicer
+    with flashserve.SequenceClient([f.address for f in fakes], timeout=30, down_s=60) as client:
+        seq = _create(client, truth, key=key_on(client.ring, fakes[0].address, "f-"))
+        old_id = seq.id
+        fake0.fail_next_step = (UNAVAILABLE, False)
+        _step(seq, truth, layer=0)  # UNAVAILABLE -> re-created on server 1, retried there
+        assert seq.endpoint == fakes[1].address and seq.id != old_id
+        deadline = time.monotonic() + 10
+        while old_id in fake0.seqs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert old_id not in fake0.seqs, "the id left behind on server 0 was never released"
+        assert client.stats["left_behind_released"] == 1
+        _step(seq, truth, layer=0)  # the sequence lives on where it moved
+        assert _server_rows(fakes[1], seq)[0] == truth.length(seq.key, 0)
+
+
 def test_a_step_whose_share_raises_ends_only_after_its_other_shares(fakes, rng, monkeypatch):
     """decode_step over two servers: server 0's share raises something other than a FlashserveError (out of memory
     turning its answer into the caller's tensors) while server 1's share is still in flight. The step raises once

@@ -78,6 +78,12 @@ def test_chunk_bytes_must_be_positive():
         flashserve.SequenceClient("127.0.0.1:1", create_chunk_bytes=0)
 
 
+def test_max_attempts_must_allow_a_try():
+    """max_attempts=0 was taken, and every call then failed deep inside (AssertionError, UnboundLocalError)."""
+    with pytest.raises(ValueError, match="max_attempts"):
+        flashserve.SequenceClient("127.0.0.1:1", max_attempts=0)
+
+
 @pytest.mark.e2e
 def test_a_prefix_over_the_servers_request_limit(flashserve_bin, tmp_path, rng):
     """The real server with --max_request_bytes=1 MiB: a 3-layer prefix of 3 MiB is refused whole, created in 256 KiB

@@ -97,6 +97,22 @@ def test_speculative_decoding_keeps_only_the_accepted_drafts(trunc_server, rng):
     assert _metric(trunc_server, "flashserve_kv_truncated_tokens_total") == before + dropped
 
 
+def test_an_empty_list_of_layers_cuts_nothing(trunc_server, rng):
+    """layers=[] (a speculative loop whose list of layers to cut came out empty) cuts nothing, on the client and on the
+    server: the request's empty layers field means "every layer" to the server, which cut them all while the client's
+    history kept them (its later answers went wrong, its next append ABORTED)."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(trunc_server.address, timeout=60) as client:
+        seqs = [_create(client, truth, 9), _create(client, truth, 12)]
+        assert seqs[0].truncate(2, layers=[]) == [9, 9]
+        assert client.truncate_many([(seqs[0], 3, []), (seqs[1], 4, [1])]) == [[9, 9], [12, 4]]
+        truth.keep(seqs[1].key, 1, 4)
+        for seq in seqs:
+            assert list(seq.info().layer_lengths) == seq.lengths
+        _verify_drafts(client, seqs, truth, 2)  # answers over exactly what each layer holds
+        assert client.stats["reprefills"] == 0
+
+
 def test_a_lost_sequence_comes_back_without_the_cut_rows(trunc_server, stub, rng):
     """The client's history keeps only what the server kept: a re-created sequence holds the kept rows, not the
     rejected drafts (which would change every later answer)."""

@@ -304,3 +304,23 @@ def test_close_during_compute_frees_the_session_when_compute_answers(start_serve
         with pytest.raises(grpc.RpcError) as e:
             next(iter(stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT), timeout=10)))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_timeout_bounds_the_whole_call(server, rng):
+    """StripedClient's timeout is the whole call's, as its docstring says: each of its OpenSession, Upload, Compute
+    and Download RPCs got the full timeout, so a call whose upload and answer each took most of it went on past it.
+    Here the upload and the inline answer each take ~1 s behind a 4 MiB/s proxy; the timeout is 1.5 s."""
+    from tcp_proxy import ThrottlingProxy
+
+    proxy = ThrottlingProxy(int(server.address.rsplit(":", 1)[1]), rate=4 << 20, upload_rate=4 << 20)
+    try:
+        q = rng.standard_normal((1, 1024, 8, 128)).astype(np.float32)  # 4 MiB, as O
+        k = rng.standard_normal((1, 16, 8, 128)).astype(np.float32)
+        with flashserve.StripedClient(proxy.address, stripes=1) as c:
+            start = time.monotonic()
+            with pytest.raises(flashserve.DeadlineExceededError):
+                c.attention(q, k, k, timeout=1.5)
+            took = time.monotonic() - start
+        assert took < 1.5 + 0.7, f"the call ran {took:.2f} s with a 1.5 s timeout"
+    finally:
+        proxy.close()

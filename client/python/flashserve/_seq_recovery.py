@@ -4,6 +4,7 @@ the bookkeeping of calls that failed after sending rows (sequence_client.py's mo
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -25,6 +26,7 @@ _AMBIGUOUS = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc
 _MAY_LAND = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE}
 # Retries through a single endpoint after UNAVAILABLE wait 0.1, 0.2, 0.4 ... s.
 _UNAVAILABLE_BACKOFF_S = 0.1
+_RELEASE_LEFT_BEHIND_S = 5.0  # the background release of ids a failover left behind
 # CreateSequence failures after which the server may have made the sequence (its answer lost on the way, or the
 # deadline raced it): the create is sent again with the same create_token, and the server answers that sequence.
 _CREATE_MAY_HAVE_RUN = (UnavailableError, DeadlineExceededError)
@@ -162,8 +164,28 @@ class _Recovery:
             return
         else:
             raise error
+        moved = []
         for seq, failed_id in dict((id(s), (s, i)) for s, i in lost).values():
             self._reprefill(seq, failed_id, timeout)
+            if seq.id != failed_id:
+                moved.append((seq.key, failed_id))
+        if isinstance(error, UnavailableError) and moved:
+            self._release_left_behind(endpoint, moved)
+
+    def _release_left_behind(self, endpoint: str, moved: List[Tuple[str, str]]) -> None:
+        """Best effort, in the background: releases the ids a failover left on ``endpoint``. UNAVAILABLE may be a
+        moment's trouble (a reset connection, a GOAWAY) of a server that still holds the sequences, whose pages would
+        stay taken until its TTL (or for good with --sequence_ttl_s=0) while their copies live on elsewhere."""
+        def release():
+            try:
+                self._rpc(endpoint, "Release", spb.ReleaseRequest(sequence_ids=[i for _, i in moved]), moved[0][0],
+                          _RELEASE_LEFT_BEHIND_S)
+                with self._lock:
+                    self.stats["left_behind_released"] += len(moved)
+            except Exception:  # noqa: BLE001 - gone for good, or still down: its TTL frees them
+                pass
+
+        threading.Thread(target=release, name="flashserve-release-left-behind", daemon=True).start()
 
     def _settle_uncertain(self, seqs: Iterable[Sequence], timeout) -> None:
         """Before using a sequence whose last append failed ambiguously: re-create it unless the server's lengths

@@ -244,6 +244,7 @@ class Client:
         # off here; a server that refuses it (no --allow_client_shm) turns it off for this client.
         local = address.split(":")[0] in ("127.0.0.1", "localhost", "[", "") or address.startswith(("unix:", "[::1]"))
         self._cuda_ipc = TorchCudaIpc(self) if cuda_ipc and local else None
+        self._cuda_ipc_off = False  # set when a call found the memory or the server unwilling
         # Bearer token for a server started with --auth_token_file, sent as call metadata (also on
         # plaintext channels, where grpc's call credentials refuse to go: use TLS in production).
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -274,7 +275,8 @@ class Client:
         timeout: Optional[float] = None, request_id: Optional[str] = None, region=None,
     ) -> AttentionResult:
         """Like attention(), but returns an AttentionResult with out, lse, timing, kernel and request_id."""
-        if region is None and self._cuda_ipc is not None and tensors.is_torch(q) and q.is_cuda:
+        if region is None and self._cuda_ipc is not None and not self._cuda_ipc_off and tensors.is_torch(q) \
+                and q.is_cuda:
             result = self._attention_cuda_ipc(q, k, v, causal, softmax_scale, return_lse, timeout, request_id)
             if result is not None:
                 return result
@@ -296,7 +298,7 @@ class Client:
             _inputs, out, lse = self._cuda_ipc.place(prepared.request, q, k, v, prepared.return_lse)
         except (RuntimeError, OSError, FlashserveError) as e:
             warnings.warn(f"flashserve: CUDA IPC off for this client, tensors go by value ({e})", stacklevel=3)
-            self._cuda_ipc = None
+            self._cuda_ipc_off = True  # kept: close() still unregisters the regions it registered
             return None
         try:
             response = self._stub.Attention(prepared.request, timeout=self._timeout(timeout), metadata=self._metadata)

@@ -110,6 +110,8 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self.packed_steps = packed_steps
         if create_chunk_bytes < 1:
             raise ValueError(f"create_chunk_bytes must be positive, got {create_chunk_bytes}")
+        if max_attempts < 1:  # no try at all ended in an AssertionError / UnboundLocalError deep in a call
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
         # A (re-)create's prefix beyond this many bytes of K/V goes as the create and then appends (_seq_create.py).
         self.create_chunk_bytes = create_chunk_bytes
         self._token = token
@@ -125,8 +127,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         # max_batched_calls: the most DecodeStep calls the server reported running in one launch (--batch_window_us).
         # already_appended: appends a retry found applied by its lost first try (expected_length), not applied again.
         # already_created: creates whose retry found the sequence its lost try made (create_token).
+        # left_behind_released: ids a failover after UNAVAILABLE left on a server that then took their release.
         self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0,
-                      "already_appended": 0, "already_created": 0}
+                      "already_appended": 0, "already_created": 0, "left_behind_released": 0}
         unknown = set(local_sockets or {}) - set(self.endpoints)
         if unknown:
             raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
@@ -286,7 +289,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                     seq.acknowledge_layer(layer, k, v, response.layer_lengths[layer])
                 return list(seq.lengths)
 
-        with hold_layers(writes=[(seq, layer) for layer in encoded]):
+        with hold_layers(writes=[(seq, layer) for layer in encoded], timeout=self._call_timeout(timeout)):
             return self._with_recovery([seq], attempt, timeout, appends=True)
 
     def truncate(self, seq: Sequence, length: int, layers: Optional[Iterable[int]] = None,
@@ -307,15 +310,23 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             raise error_for(grpc.StatusCode.INVALID_ARGUMENT, "truncate_many: a sequence is named twice")
         for cut in cuts:
             self._check_live(cut.seq)
-        results: List[Optional[List[int]]] = [None] * len(cuts)
+        # An empty list of layers cuts nothing, so it is not sent: a request naming no layer means "every layer" to
+        # the server (it cut them all while the history kept them: later answers went wrong).
+        sent = [cut for cut in cuts if cut.named]
+        results: List[Optional[List[int]]] = [None] * len(sent)
         doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
-        with hold_layers(writes=[(cut.seq, layer) for cut in cuts for layer in cut.named]):
+        with hold_layers(writes=[(cut.seq, layer) for cut in sent for layer in cut.named],
+                         timeout=self._call_timeout(timeout)):
             try:
-                return self._truncate(cuts, results, doubtful, timeout)
+                answered = iter(self._truncate(sent, results, doubtful, timeout) if sent else [])
             except BaseException:
                 for seq, sent_id, code in doubtful:  # tries that may have cut: settled before the next call
                     _mark_uncertain([seq], [sent_id], code)
                 raise
+            return [next(answered) if cut.named else list(cut.seq.lengths) for cut in cuts]
+
+    def _call_timeout(self, timeout: Optional[float]) -> Optional[float]:
+        return self.timeout if timeout is None else timeout
 
     def _count_already_appended(self, n: int) -> None:
         if n:
@@ -337,7 +348,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             response = self._rpc(seq.endpoint, "Attend", request, seq.key, timeout)
             return _answer(response, item, return_lse)
 
-        with hold_layers(reads=[(seq, int(layer))]):
+        with hold_layers(reads=[(seq, int(layer))], timeout=self._call_timeout(timeout)):
             return self._with_recovery([seq], attempt, timeout, appends=False)
 
     def decode_step(self, items: Iterable[DecodeInput], causal: bool = False, softmax_scale: Optional[float] = None,
@@ -381,7 +392,8 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         for item in prepared:
             self._check_live(item.seq)
         with hold_layers(writes=[(item.seq, item.layer) for item in prepared if item.k is not None],
-                         reads=[(item.seq, item.layer) for item in prepared if item.k is None]):
+                         reads=[(item.seq, item.layer) for item in prepared if item.k is None],
+                         timeout=self._call_timeout(options[-1])):
             results: List[Any] = [None] * len(prepared)
             doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
             try:

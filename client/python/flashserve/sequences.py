@@ -31,6 +31,7 @@ import collections
 import contextlib
 import dataclasses
 import threading
+import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
@@ -215,24 +216,26 @@ class Sequence:
 
 
 @contextlib.contextmanager
-def hold_layers(writes: Iterable = (), reads: Iterable = ()):
+def hold_layers(writes: Iterable = (), reads: Iterable = (), timeout: Optional[float] = None):
     """Holds, for a call and its retries, the (sequence, layer) pairs it appends to (writes) and those it attends
     over without appending (reads). An append waits for the layer's other append (both would name the same
     expected_length) and for its attends in flight; an attend waits for the layer's append in flight (its rows may
     still be taken back when it fails: the attend would have seen a row that, for the caller, was never appended),
     not for other attends; an append waiting goes before attends that come after it. Taken in one order: no
-    deadlock."""
+    deadlock. Waits at most ``timeout`` seconds (None: as long as it takes), then raises DEADLINE_EXCEEDED with
+    nothing held: a call's timeout also bounds its wait for another call on the same layer."""
     wanted = {pair: False for pair in reads}
     wanted.update((pair, True) for pair in writes)
+    deadline = None if timeout is None else time.monotonic() + timeout
     taken = []
     try:
         for (seq, layer), write in sorted(wanted.items(), key=lambda e: (id(e[0][0]), e[0][1])):
             with seq._written:
                 if write:
-                    _wait_to_write(seq, layer)
+                    _wait_to_write(seq, layer, deadline)
                 else:
                     while layer in seq._writing or seq._waiting_writers[layer]:
-                        _sleep(seq)
+                        _sleep(seq, deadline, layer)
                     seq._reading[layer] += 1
             taken.append((seq, layer, write))
         yield
@@ -247,22 +250,27 @@ def hold_layers(writes: Iterable = (), reads: Iterable = ()):
                     seq._written.notify_all()
 
 
-def _sleep(seq: Sequence) -> None:
-    """Under seq._written: waits for a notify, counted in seq._sleepers (only then do holders notify)."""
+def _sleep(seq: Sequence, deadline: Optional[float], layer: int) -> None:
+    """Under seq._written: waits for a notify, counted in seq._sleepers (only then do holders notify);
+    DEADLINE_EXCEEDED once ``deadline`` (time.monotonic()) has passed."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left <= 0:
+        raise error_for(grpc.StatusCode.DEADLINE_EXCEEDED, f"the call's timeout passed while it waited for another "
+                        f"call on layer {layer} of sequence {seq.id} to end; nothing of it was sent")
     seq._sleepers += 1
     try:
-        seq._written.wait()
+        seq._written.wait(left)
     finally:
         seq._sleepers -= 1
 
 
-def _wait_to_write(seq: Sequence, layer: int) -> None:
+def _wait_to_write(seq: Sequence, layer: int, deadline: Optional[float]) -> None:
     """Under seq._written: waits until no other call appends to or attends over the layer, then takes it."""
     if layer in seq._writing or seq._reading[layer]:
         seq._waiting_writers[layer] += 1
         try:
             while layer in seq._writing or seq._reading[layer]:
-                _sleep(seq)
+                _sleep(seq, deadline, layer)
         finally:
             seq._waiting_writers[layer] -= 1
             if seq._sleepers:  # attends held back by this waiting append (also if the wait was interrupted)

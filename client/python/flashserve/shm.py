@@ -11,13 +11,16 @@ byte crosses the socket. Regions are registered over the KServe gRPC service on 
 
 from __future__ import annotations
 
+import collections
+import threading
 from multiprocessing import shared_memory
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
 from ._pb import attention_pb2 as pb
 from ._wire import varint
+from .errors import FlashserveError, ResourceExhaustedError
 
 _REGISTER = "/inference.GRPCInferenceService/SystemSharedMemoryRegister"
 _UNREGISTER = "/inference.GRPCInferenceService/SystemSharedMemoryUnregister"
@@ -163,7 +166,10 @@ class TorchCudaIpc:
 
     def __init__(self, client):
         self._client = client
-        self._regions = {}  # IPC handle bytes -> region name
+        # IPC handle bytes -> region name, least recently used first. Guarded by _lock: a Client is shared by
+        # threads, and two registering one allocation would take one name twice (ALREADY_EXISTS).
+        self._regions: "collections.OrderedDict[bytes, str]" = collections.OrderedDict()
+        self._lock = threading.Lock()
         self._driver = None
 
     def _cuda(self):
@@ -186,22 +192,48 @@ class TorchCudaIpc:
             raise RuntimeError("cuIpcGetMemHandle failed (memory not shareable by CUDA IPC)")
         return base.value, size.value, bytes(handle)
 
-    def _region(self, tensor) -> Tuple[str, int]:
-        """(region name, byte offset of the tensor in it), registering its allocation the first time."""
+    def _region(self, tensor, keep: set) -> Tuple[str, int]:
+        """(region name, byte offset of the tensor in it), registering its allocation the first time. The server
+        holds a client's regions up to --shm_max_regions: when it is full, the least recently used ones not in
+        ``keep`` (this call's) are unregistered to make room (one still leased by a call in flight stays)."""
         base, size, handle = self._allocation(tensor.data_ptr())
-        name = self._regions.get(handle)
-        if name is None:
+        with self._lock:
+            name = self._regions.get(handle)
+            if name is not None:
+                self._regions.move_to_end(handle)
+                keep.add(name)
+                return name, tensor.data_ptr() - base
             import hashlib
             import os
 
             name = f"torch-{os.getpid()}-{hashlib.sha1(handle).hexdigest()[:16]}"
             body = _field(1, name) + _field(2, handle) + _field(3, tensor.device.index or 0) + _field(4, size)
-            _call(self._client, _CUDA_REGISTER, body)
+            while True:
+                try:
+                    _call(self._client, _CUDA_REGISTER, body)
+                    break
+                except ResourceExhaustedError:
+                    if not self._evict_one(keep):
+                        raise
             self._regions[handle] = name
+            keep.add(name)
         return name, tensor.data_ptr() - base
 
-    def _name(self, tensor) -> "pb.SharedMemoryRef":
-        name, offset = self._region(tensor)
+    def _evict_one(self, keep: set) -> bool:
+        """Under _lock: unregisters the least recently used region not in ``keep``; False when none could go."""
+        for handle, name in list(self._regions.items()):
+            if name in keep:
+                continue
+            try:
+                _call(self._client, _CUDA_UNREGISTER, _field(1, name))
+            except FlashserveError:
+                continue  # leased by a call in flight: another one may go
+            del self._regions[handle]
+            return True
+        return False
+
+    def _name(self, tensor, keep: Optional[set] = None) -> "pb.SharedMemoryRef":
+        name, offset = self._region(tensor, set() if keep is None else keep)
         return pb.SharedMemoryRef(region=name, offset=offset, byte_size=tensor.numel() * tensor.element_size())
 
     def place(self, request: "pb.AttentionRequest", q, k, v, return_lse: bool):
@@ -215,19 +247,21 @@ class TorchCudaIpc:
         if return_lse:
             lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
         torch.cuda.synchronize(q.device)  # the server's stream must see the caller's writes
+        keep: set = set()  # this call's regions: not evicted to make room for one another
         for field, t in zip(("q", "k", "v"), inputs):
             msg = getattr(request, field)
             msg.ClearField("data")
-            msg.shm.CopyFrom(self._name(t))
-        request.out_shm.CopyFrom(self._name(out))
+            msg.shm.CopyFrom(self._name(t, keep))
+        request.out_shm.CopyFrom(self._name(out, keep))
         if lse is not None:
-            request.lse_shm.CopyFrom(self._name(lse))
+            request.lse_shm.CopyFrom(self._name(lse, keep))
         return inputs, out, lse
 
     def close(self) -> None:
-        for name in self._regions.values():
-            try:
-                _call(self._client, _CUDA_UNREGISTER, _field(1, name))
-            except Exception:  # the server may be gone: nothing to give back then
-                pass
-        self._regions.clear()
+        with self._lock:
+            for name in self._regions.values():
+                try:
+                    _call(self._client, _CUDA_UNREGISTER, _field(1, name))
+                except Exception:  # the server may be gone: nothing to give back then
+                    pass
+            self._regions.clear()

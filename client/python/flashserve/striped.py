@@ -18,6 +18,7 @@ may come from several threads; each call uses every channel.
 
 from __future__ import annotations
 
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
@@ -47,6 +48,12 @@ def _as_bytes(x: Any) -> Tuple[memoryview, List[int], int]:
     else:
         arr = np.ascontiguousarray(tensors.little_endian(x))
     return memoryview(arr.reshape(-1).view(np.uint8)), [int(s) for s in x.shape], tensors.PROTO_DTYPE[name]
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds to ``deadline`` (time.monotonic()) for the next RPC of a call: the timeout bounds the whole call, not
+    each of its OpenSession, Upload, Compute and Download RPCs (0 once passed: gRPC answers DEADLINE_EXCEEDED)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class StripedClient:
@@ -101,6 +108,7 @@ class StripedClient:
         device = q.device if kind == "torch" else None
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         timeout = self._timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         datas, header = [], pb.AttentionRequest(causal=bool(causal), return_lse=bool(return_lse),
                                                 request_id=request_id)
         for field, x in (("q", q), ("k", k), ("v", v)):
@@ -112,10 +120,10 @@ class StripedClient:
 
         session_id = None
         try:
-            info = self._stubs[0].OpenSession(header, timeout=timeout, metadata=self._metadata)
+            info = self._stubs[0].OpenSession(header, timeout=_left(deadline), metadata=self._metadata)
             session_id = info.session_id
-            response = self._upload_and_compute(session_id, datas, q, return_lse, timeout)
-            result = self._collect(session_id, response, kind, device, return_lse, timeout)
+            response = self._upload_and_compute(session_id, datas, q, return_lse, deadline)
+            result = self._collect(session_id, response, kind, device, return_lse, deadline)
             session_id = None  # ended by the server (inline output, or every byte downloaded)
             return result
         except grpc.RpcError as e:
@@ -138,7 +146,7 @@ class StripedClient:
 
     # --- steps ---------------------------------------------------------------------------------------------------
 
-    def _upload_and_compute(self, session_id, datas, q, return_lse, timeout) -> "pb.AttentionResponse":
+    def _upload_and_compute(self, session_id, datas, q, return_lse, deadline) -> "pb.AttentionResponse":
         pieces: List[List[Tuple[int, int, int]]] = [[] for _ in range(self.stripes)]
         n = 0
         for index, data in enumerate(datas):
@@ -151,7 +159,7 @@ class StripedClient:
                 yield pb.AttentionChunk(session_id=session_id if i == 0 else "", tensor=tensor, offset=offset,
                                         data=bytes(datas[tensor - 1][offset:offset + length]))
 
-        uploads = [self._pool.submit(self._stubs[s].Upload, chunks(pieces[s]), timeout=timeout,
+        uploads = [self._pool.submit(self._stubs[s].Upload, chunks(pieces[s]), timeout=_left(deadline),
                                      metadata=self._metadata)
                    for s in range(self.stripes) if pieces[s]]
         errors = []
@@ -165,20 +173,20 @@ class StripedClient:
         out_bytes = len(datas[0])  # O is shaped and typed like Q
         inline = self.stripes == 1 or out_bytes < self.inline_output_bytes
         return self._stubs[0].Compute(pb.ComputeRequest(session_id=session_id, inline_output=inline),
-                                      timeout=timeout, metadata=self._metadata)
+                                      timeout=_left(deadline), metadata=self._metadata)
 
-    def _download(self, stripe, session_id, tensor, offset, length, dest: memoryview, timeout) -> int:
+    def _download(self, stripe, session_id, tensor, offset, length, dest: memoryview, deadline) -> int:
         got = 0
         request = pb.DownloadRequest(session_id=session_id, tensor=tensor, offset=offset, length=length,
                                      chunk_bytes=self.chunk_bytes)
-        for chunk in self._stubs[stripe].Download(request, timeout=timeout, metadata=self._metadata):
+        for chunk in self._stubs[stripe].Download(request, timeout=_left(deadline), metadata=self._metadata):
             if chunk.tensor != tensor or chunk.offset < offset or chunk.offset + len(chunk.data) > offset + length:
                 raise ValueError(f"server sent bytes outside the requested range: {chunk.offset}+{len(chunk.data)}")
             dest[chunk.offset:chunk.offset + len(chunk.data)] = chunk.data
             got += len(chunk.data)
         return got
 
-    def _collect(self, session_id, response, kind, device, return_lse, timeout) -> AttentionResult:
+    def _collect(self, session_id, response, kind, device, return_lse, deadline) -> AttentionResult:
         wanted = [("out", pb.TENSOR_OUT)] + ([("lse", pb.TENSOR_LSE)] if return_lse else [])
         if not response.out.data:  # striped output: fetch it
             jobs = []
@@ -195,7 +203,7 @@ class StripedClient:
                     if length > 0:
                         jobs.append((name, size, self._pool.submit(
                             self._download, s, session_id, tensor, offset, length,
-                            memoryview(buffers[name]), timeout)))
+                            memoryview(buffers[name]), deadline)))
             got = {name: 0 for name, _ in wanted}
             for name, _, f in jobs:
                 got[name] += f.result()
