@@ -28,13 +28,16 @@ int main(int argc, char** argv) {
 
   absl::StatusOr<flashserve::ServerConfig> config = flashserve::ServerConfigFromFlags();
   if (!config.ok()) {
-    spdlog::error("{}", std::string(config.status().message()));
+    flashserve::ReportConfigError(config.status());
     return ShutdownOptions::kExitBadConfig;
   }
   absl::StatusOr<std::unique_ptr<flashserve::Server>> server = flashserve::Server::Start(*config);
   if (!server.ok()) {
     spdlog::error("{}", std::string(server.status().message()));
-    return server.status().code() == absl::StatusCode::kInvalidArgument
+    // A file a flag names that is missing or unreadable (--tls_cert, ...) is a refused flag too.
+    const absl::StatusCode code = server.status().code();
+    return code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound ||
+                   code == absl::StatusCode::kPermissionDenied
                ? ShutdownOptions::kExitBadConfig
                : ShutdownOptions::kExitStartFailed;
   }

@@ -20,7 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "autotune/tune_grid.h"
+#include "common/logging.h"
 #include "common/version.h"
+#include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, host, flashserve::NetworkOptions{}.host,
           "Address the gRPC and HTTP servers bind to (0.0.0.0 for all interfaces)");
@@ -408,6 +410,15 @@ std::optional<int> ParseServerFlags(int argc, char** argv) {
   }
   absl::ParseCommandLine(argc, argv);
   return std::nullopt;
+}
+
+void ReportConfigError(const absl::Status& status) {
+  LogOptions log;
+  log.level = absl::GetFlag(FLAGS_log_level);
+  log.format = absl::GetFlag(FLAGS_log_format);
+  if (!log.Check().ok()) log = LogOptions{};
+  if (!ConfigureLogging(log.level, log.format).ok()) return;  // checked: cannot fail
+  spdlog::error("{}", std::string(status.message()));
 }
 
 absl::StatusOr<ServerConfig> ServerConfigFromFlags() {

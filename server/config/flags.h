@@ -17,4 +17,8 @@ std::optional<int> ParseServerFlags(int argc, char** argv);
 /// first bad value. Reads $FLASHSERVE_AUTH_TOKEN when --auth_token_file is empty.
 absl::StatusOr<ServerConfig> ServerConfigFromFlags();
 
+/// A refused configuration, logged on stderr in the --log_level / --log_format asked for when
+/// those two are valid (else plain text): before this, it went to stdout as plain text.
+void ReportConfigError(const absl::Status& status);
+
 }  // namespace flashserve

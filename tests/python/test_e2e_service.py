@@ -1,5 +1,6 @@
 """The real server's surroundings: health (gRPC + HTTP), reflection, server info, --help, the check CLI."""
 
+import json
 import subprocess
 import sys
 
@@ -81,6 +82,25 @@ def test_help_documents_the_flags(flashserve_bin):
     for flag in ("--backend", "--grpc_port", "--http_port", "--max_request_bytes", "--max_tensor_elements",
                  "--queue_capacity", "--worker_threads"):
         assert flag.lstrip("-") in text, f"{flag} not documented in --help"
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_refused_configuration_exits_2_and_says_why_on_stderr(flashserve_bin, tmp_path, log_format):
+    """README "Exit codes": 2 for a refused flag or a file it names. A --tls_cert file that is not there exited 1 (the
+    edge's NOT_FOUND was not taken for a refused flag), and a refused flag value was logged on stdout, as plain text
+    whatever --log_format said."""
+    ports = ["--grpc_port=0", "--http_port=0", "--metrics_port=0"]
+    cases = [(["--stream_max_sessions=0"], "--stream_max_sessions"),
+             ([f"--tls_cert={tmp_path}/none.pem", f"--tls_key={tmp_path}/none.key"], "none.pem")]
+    for flags, named in cases:
+        r = subprocess.run([str(flashserve_bin), "--backend=cpu", f"--log_format={log_format}", *ports, *flags],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (flags, r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+        assert r.stdout == "", (flags, r.stdout[-2000:])
+        lines = [line for line in r.stderr.splitlines() if named in line]
+        assert lines, (flags, r.stderr[-2000:])
+        if log_format == "json":
+            assert json.loads(lines[0])["level"] == "error", lines[0]
 
 
 def test_check_cli(server):
