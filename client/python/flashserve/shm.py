@@ -192,10 +192,11 @@ class TorchCudaIpc:
             raise RuntimeError("cuIpcGetMemHandle failed (memory not shareable by CUDA IPC)")
         return base.value, size.value, bytes(handle)
 
-    def _region(self, tensor, keep: set) -> Tuple[str, int]:
+    def _region(self, tensor, keep: Optional[set] = None) -> Tuple[str, int]:
         """(region name, byte offset of the tensor in it), registering its allocation the first time. The server
         holds a client's regions up to --shm_max_regions: when it is full, the least recently used ones not in
         ``keep`` (this call's) are unregistered to make room (one still leased by a call in flight stays)."""
+        keep = set() if keep is None else keep
         base, size, handle = self._allocation(tensor.data_ptr())
         with self._lock:
             name = self._regions.get(handle)
@@ -233,7 +234,7 @@ class TorchCudaIpc:
         return False
 
     def _name(self, tensor, keep: Optional[set] = None) -> "pb.SharedMemoryRef":
-        name, offset = self._region(tensor, set() if keep is None else keep)
+        name, offset = self._region(tensor, keep)
         return pb.SharedMemoryRef(region=name, offset=offset, byte_size=tensor.numel() * tensor.element_size())
 
     def place(self, request: "pb.AttentionRequest", q, k, v, return_lse: bool):
