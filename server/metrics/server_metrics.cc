@@ -33,6 +33,10 @@ std::vector<double> TflopsBuckets() {
           100,  150,   200,  250, 300,  350, 400, 450, 500, 600, 700, 800, 1000};
 }
 
+// Durations are wall-clock differences: a clock stepped back (NTP) makes them negative, and a
+// negative observation makes the histogram's _sum go down, which rate() reads as a counter reset.
+double NonNegative(double seconds) { return seconds >= 0.0 ? seconds : 0.0; }
+
 }  // namespace
 
 std::string_view PhaseName(Phase phase) {
@@ -172,6 +176,7 @@ ServerMetrics::MethodSlot* ServerMetrics::FindMethod(std::string_view method) {
 
 void ServerMetrics::Record(std::string_view method, int code, std::string_view code_name,
                            double seconds, int64_t bytes_in, int64_t bytes_out) {
+  seconds = NonNegative(seconds);
   MethodSlot* slot = FindMethod(method);
   if (slot != nullptr && code >= 0) {
     std::atomic<metrics::Counter*>& cached = slot->by_code[size_t(code)];
@@ -203,7 +208,7 @@ void ServerMetrics::RecordRequest(std::string_view method, int status_code, doub
 
 void ServerMetrics::RecordPhase(Phase phase, double seconds) {
   const int p = int(phase);
-  if (p >= 0 && p < kNumPhases) phases_[size_t(p)]->Observe(seconds);
+  if (p >= 0 && p < kNumPhases) phases_[size_t(p)]->Observe(NonNegative(seconds));
 }
 
 void ServerMetrics::ObserveKernel(std::string_view kernel, double tflops) {

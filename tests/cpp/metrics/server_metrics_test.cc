@@ -66,6 +66,19 @@ TEST(ServerMetricsTest, ProcessStartTimeIsWhenTheMetricsWereMade) {
   EXPECT_LE(started, after + 1.0);
 }
 
+// A duration from a wall clock stepped back is negative: counted as 0, so _sum never goes down
+// (rate() would read that as a counter reset).
+TEST(ServerMetricsTest, NegativeDurationsCountAsZero) {
+  ServerMetrics m(TestOptions());
+  m.RecordRequest("Attention", 0, 0.5, 0, 0);
+  m.RecordRequest("Attention", 0, -3.0, 0, 0);
+  m.RecordPhase(Phase::kQueue, -1.0);
+  const std::string text = m.Render();
+  EXPECT_EQ(Sample(text, R"(flashserve_request_duration_seconds_sum{method="Attention"})"), "0.5");
+  EXPECT_EQ(Sample(text, R"(flashserve_request_duration_seconds_count{method="Attention"})"), "2");
+  EXPECT_EQ(Sample(text, R"(flashserve_phase_duration_seconds_sum{phase="queue"})"), "0");
+}
+
 TEST(ServerMetricsTest, SeriesThatExistFromTheStart) {
   ServerMetrics m(TestOptions());
   const std::string text = m.Render();
