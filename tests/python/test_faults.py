@@ -21,7 +21,7 @@ import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import reference, tensors
 
-from conftest import free_port, http_get
+from conftest import assert_matches_reference, free_port, http_get
 from metrics_helpers import scrape
 from tcp_proxy import ThrottlingProxy
 
@@ -306,9 +306,8 @@ def test_sigterm_while_a_request_is_still_uploading(start_server):
     handler_started = result["at"] - response.timing.total_us / 1e6
     assert handler_started > sigterm_at, (
         f"request fully received {sigterm_at - handler_started:.3f} s before SIGTERM: not an upload in progress")
-    out = tensors.from_proto(response.out)
-    ref = reference.attention(q, k, v)
-    np.testing.assert_allclose(np.asarray(out, dtype=np.float64), ref, atol=2e-3, rtol=0)
+    # The reference's own tolerance: atol=2e-3 on outputs of ~0.015 passed with the last 1% of K/V lost.
+    assert_matches_reference(tensors.from_proto(response.out), None, q, k, v)
     assert code == 0, server.logs()
     print(f"\nanswered {result['at'] - sigterm_at:.2f} s after SIGTERM (server total {response.timing.total_us} us)")
 

@@ -38,9 +38,12 @@ def _create(client, truth, rows, key, shape=SHAPE):
 
 
 def _check_layers(seq, truth, layers):
+    """Causal attends of up to 16 query rows (the most a call takes): row i sees only the keys up to its place, so
+    rows in another order change the answer (a one-row, non-causal attend cannot tell: chunks sent in reverse order
+    passed)."""
     for layer in range(layers):
-        q = truth.query()
-        truth.check(seq.attend(layer, q), q, seq.key, layer)
+        q = truth.query(max(1, min(16, truth.length(seq.key, layer))))
+        truth.check(seq.attend(layer, q, causal=True), q, seq.key, layer, causal=True)
 
 
 def test_a_prefix_over_the_chunk_goes_as_a_create_and_appends(fake, rng):

@@ -238,7 +238,7 @@ def _rss_kib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
 
 
-def test_uploads_left_open_do_not_keep_closed_sessions(start_server):
+def test_uploads_left_open_do_not_keep_closed_sessions(start_server, flashserve_bin):
     """Open a session, upload its 24 MiB without ending the Upload call, close the session, repeat. The open Upload
     held its session, and so its memory, after the table had given the session's room back: twelve rounds under
     --stream_max_sessions=2 grew the server by ~300 MB. Now a closed session's memory is freed while its Upload is
@@ -279,6 +279,11 @@ def test_uploads_left_open_do_not_keep_closed_sessions(start_server):
             except grpc.RpcError as e:  # NOT_FOUND: its session closed under it (it sent nothing more)
                 assert e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OK), e
     print(f"12 closed 24 MiB sessions with their Uploads open: server RSS grew {grown_mib:.0f} MiB")
+    from test_allocators import _sanitized
+
+    if _sanitized(flashserve_bin):
+        pytest.skip("sanitized server: its allocator keeps freed memory in quarantine, so RSS cannot show it freed "
+                    f"(grew {grown_mib:.0f} MiB); the plain build's run checks it")
     assert grown_mib < 120, f"closed sessions kept their memory: RSS grew {grown_mib:.0f} MiB"
 
 
