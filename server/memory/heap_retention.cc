@@ -2,7 +2,8 @@
 
 #include <malloc.h>
 
-#include "absl/time/clock.h"
+#include <chrono>
+
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
@@ -15,6 +16,14 @@ void SetMallocThresholds(int64_t mmap_threshold, int64_t trim_threshold) {
     spdlog::debug("mallopt refused (mmap threshold {}, trim threshold {})", mmap_threshold,
                   trim_threshold);
   }
+}
+
+// The hold is measured on the steady clock, as the ender's waits are: a wall clock stepped back
+// kept the thresholds raised (and the final trim away) for as long again.
+int64_t SteadyNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 }  // namespace
@@ -42,7 +51,7 @@ void HeapRetention::Observe(int64_t request_bytes) {
 
 void HeapRetention::Retain() {
   if (retain_bytes_ <= 0) return;
-  last_retain_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed);
+  last_retain_ns_.store(SteadyNanos(), std::memory_order_relaxed);
   if (retaining_.load(std::memory_order_relaxed)) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -60,7 +69,7 @@ void HeapRetention::EndAfterHold() {
       cv_.wait(lock, [this] { return stop_ || retaining_.load(); });
       continue;
     }
-    const int64_t wait_ns = last_retain_ns_.load() + hold_ns_ - absl::GetCurrentTimeNanos();
+    const int64_t wait_ns = last_retain_ns_.load() + hold_ns_ - SteadyNanos();
     if (wait_ns > 0) {
       cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns), [this] { return stop_; });
       continue;

@@ -167,7 +167,12 @@ void* AlignedAllocate(size_t alignment, size_t bytes) {
     if (error != 0) errno = error;
     return error == 0 ? out : nullptr;
   }
-  // aligned_alloc may insist on a size that is a multiple of the alignment.
+  // aligned_alloc may insist on a size that is a multiple of the alignment; rounding a size near
+  // SIZE_MAX up would wrap to a tiny block.
+  if (bytes > SIZE_MAX - (alignment - 1)) {
+    errno = ENOMEM;
+    return nullptr;
+  }
   return real->aligned_alloc(alignment, (bytes + alignment - 1) / alignment * alignment);
 }
 

@@ -34,10 +34,16 @@ void Chain(int sig, siginfo_t* info, void* context) {
   } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN &&
              g_previous.sa_handler != nullptr) {
     g_previous.sa_handler(sig);
-  } else {
+  } else if (info != nullptr && info->si_code > 0) {
     // Default action: returning re-runs the faulting access, which now kills the process as if
     // no handler had been installed (ignoring a fault would loop forever).
     signal(SIGBUS, SIG_DFL);
+  } else {
+    // Sent (kill -BUS): no access to re-run. The default action now, as without a handler -- not
+    // a return with SIG_DFL left in place of the guard, which the next client that truncated its
+    // region would then have found gone (the process killed).
+    signal(SIGBUS, SIG_DFL);
+    raise(SIGBUS);  // pending until this handler returns, then the default action
   }
 }
 

@@ -140,3 +140,25 @@ def test_client_system_region(native_shm_server, rng, make_qkv, check_answer):
         with pytest.raises(flashserve.InvalidArgumentError, match="SystemRegion.bytes_for"):
             with SystemRegion(c, "too-small", 1024) as small:
                 c.attention(q, k, v, region=small)
+
+
+def test_a_sent_sigbus_is_not_taken_for_a_fault(start_server):
+    """The shared-memory fault guard (memory/shm_fault_guard.cc) catches SIGBUS from a client truncating its region.
+    A SIGBUS sent by a process (kill -BUS) has no faulting access: the guard handed it on by restoring the default
+    action and returning, so the process lived on without its guard, and the next client that truncated a region
+    killed it. Now a sent SIGBUS takes the default action, as it would without the guard: the process ends."""
+    import os
+    import signal
+
+    import flashserve
+    from flashserve.shm import SystemRegion
+
+    s = start_server("--allow_client_shm")
+    with flashserve.Client(s.address, timeout=30) as client, SystemRegion(client, "guarded", 4096):
+        pass  # registered (the guard is in place), then unregistered
+    os.kill(s.proc.pid, signal.SIGBUS)
+    try:
+        code = s.proc.wait(timeout=30)
+    except Exception:  # noqa: BLE001 - still running: the failure below says so
+        code = None
+    assert code == -signal.SIGBUS, f"after kill -BUS the server {'runs on' if code is None else f'exited {code}'}"
