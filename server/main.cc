@@ -32,6 +32,10 @@ int main(int argc, char** argv) {
     return ShutdownOptions::kExitBadConfig;
   }
   absl::StatusOr<std::unique_ptr<flashserve::Server>> server = flashserve::Server::Start(*config);
+  if (!server.ok() && server.status().code() == absl::StatusCode::kCancelled) {
+    spdlog::info("stopped before serving: {}", std::string(server.status().message()));
+    return 0;  // a shutdown signal during startup (tuning): what was asked
+  }
   if (!server.ok()) {
     spdlog::error("{}", std::string(server.status().message()));
     // A file a flag names that is missing or unreadable (--tls_cert, ...) is a refused flag too.

@@ -61,7 +61,12 @@ absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int d
     const std::vector<ProblemClass> classes = GridClasses(options.startup_grid, identity_);
     spdlog::info("autotune: tuning {} classes before reporting ready", classes.size());
     for (const ProblemClass& c : classes) tuner_->Enqueue(c);
-    tuner_->WaitIdle(absl::InfiniteDuration());
+    while (!tuner_->WaitIdle(absl::Milliseconds(100))) {
+      if (options.stop_requested && options.stop_requested()) {
+        return absl::CancelledError(absl::StrCat(
+            "startup tuning stopped by a shutdown signal after ", cache_->size(), " classes"));
+      }
+    }
     spdlog::info("autotune: startup tuning done ({} classes cached)", cache_->size());
   }
   return absl::OkStatus();

@@ -26,6 +26,9 @@ struct KernelChoiceOptions {
   std::string tune_cache_path;  // "": tuning results stay in memory
   TuneGrid startup_grid;
   BackgroundTuner::EventFn on_event;  // "hit", "miss", "tuned", "failed"; may be empty
+  // Polled during startup tuning: true ends Create with CANCELLED (a signal must not wait for the
+  // whole grid: minutes). May be empty.
+  std::function<bool()> stop_requested;
 };
 
 /// Thread-safe.

@@ -13,6 +13,7 @@
 #include "common/logging.h"
 #include "common/version.h"
 #include "config/host_memory.h"
+#include "config/serve_loop.h"
 #include "edge/grpc/sequences_service.h"
 #include "edge/grpc/stream_edge.h"
 #include "edge/local/local_methods.h"
@@ -77,6 +78,8 @@ absl::Status Server::StartBackend() {
   backend_options.cuda.on_autotune_event = [relay = autotune_relay_](const char* event) {
     if (ServerMetrics* metrics = relay->load()) metrics->RecordAutotune(event);
   };
+  // A shutdown signal during startup tuning (minutes) ends the start (main exits 0).
+  backend_options.cuda.stop_requested = [] { return WaitForSignalUntil(absl::Now()); };
   absl::StatusOr<CreatedBackend> created = CreateBackend(backend_options);
   if (!created.ok()) {
     return absl::Status(created.status().code(),

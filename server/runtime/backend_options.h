@@ -45,6 +45,9 @@ struct CudaBackendOptions {
   std::string tune_cache_path;  // "" keeps tuning results in memory only
   TuneGrid startup_grid;
   BackgroundTuner::EventFn on_autotune_event;  // "hit", "miss", "tuned", "failed"; may be empty
+  // Polled while "startup" tunes: true (a shutdown signal came) ends Create with CANCELLED. May be
+  // empty (the tuning then runs to its end).
+  std::function<bool()> stop_requested;
 
   /// INVALID_ARGUMENT naming the flag of the first value out of range.
   absl::Status Check() const;

@@ -185,6 +185,7 @@ absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {
   choice.tune_cache_path = options.tune_cache_path;
   choice.startup_grid = options.startup_grid;
   choice.on_event = options.on_autotune_event;
+  choice.stop_requested = options.stop_requested;
   const Device& first = *devices_.front();
   absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
       KernelChooser::Create(choice, first.index, first.sm_count);

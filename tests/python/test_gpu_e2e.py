@@ -215,6 +215,39 @@ def test_startup_autotune_tunes_before_ready(flashserve_bin, tmp_path, rng):
         _stop_and_check(s)
 
 
+def test_a_signal_during_startup_tuning_stops_it(flashserve_bin, tmp_path):
+    """SIGTERM while --autotune=startup tunes its grid: the server stops tuning within a second or so and exits 0. The
+    signals were only taken once serving began, so the whole grid (minutes) ran first, past a startupProbe's patience
+    (the kubelet then killed it mid-tune)."""
+    import signal
+
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+    log = tmp_path / "startup_signal.log"
+    args = [str(flashserve_bin), "--backend=cuda", "--autotune=startup", f"--tune_cache={tmp_path}/grid.json",
+            "--tune_dtypes=fp16,bf16", "--tune_head_dims=64,128", "--tune_causal=both",
+            "--tune_seqlens=256,1024,2048,4096,8192", "--grpc_port=0", "--http_port=0", "--metrics_port=0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while b"before reporting ready" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(0.5)  # tuning
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert code == 0, (code, text[-3000:])
+    assert "stopped before serving" in text and "startup tuning stopped" in text, text[-3000:]
+    assert took < 10, f"exited {took:.1f} s after SIGTERM"
+
+
 def test_device_memory_pool_metrics(cuda_server, rng):
     import urllib.request
 
