@@ -52,6 +52,8 @@ StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick) {
   }
 }
 
+bool ShutdownSignalPending() { return TakeSignal(absl::ZeroDuration()) != 0; }
+
 bool WaitForSignalUntil(absl::Time deadline) {
   for (;;) {
     const absl::Duration left = deadline - absl::Now();

@@ -27,6 +27,9 @@ void BlockShutdownSignals();
 /// Waits for SIGINT/SIGTERM or for `live` to return false, asking it every `tick`.
 StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick = absl::Seconds(1));
 
+/// Whether a shutdown signal came (taken: it counts once), without waiting.
+bool ShutdownSignalPending();
+
 /// Waits until `deadline` or a shutdown signal, whichever comes first; true on a signal.
 bool WaitForSignalUntil(absl::Time deadline);
 

@@ -79,7 +79,7 @@ absl::Status Server::StartBackend() {
     if (ServerMetrics* metrics = relay->load()) metrics->RecordAutotune(event);
   };
   // A shutdown signal during startup tuning (minutes) ends the start (main exits 0).
-  backend_options.cuda.stop_requested = [] { return WaitForSignalUntil(absl::Now()); };
+  backend_options.cuda.stop_requested = [] { return ShutdownSignalPending(); };
   absl::StatusOr<CreatedBackend> created = CreateBackend(backend_options);
   if (!created.ok()) {
     return absl::Status(created.status().code(),

@@ -30,7 +30,11 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
       return created;
     }
     cuda_problem = std::string(cuda.status().message());
-    if (cuda.status().code() == absl::StatusCode::kInvalidArgument) return cuda.status();
+    // A refused option, or a stop asked for during startup tuning: not "unavailable".
+    if (cuda.status().code() == absl::StatusCode::kInvalidArgument ||
+        cuda.status().code() == absl::StatusCode::kCancelled) {
+      return cuda.status();
+    }
   }
 #endif
   if (options.kind == "cuda") {
