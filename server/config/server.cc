@@ -23,10 +23,11 @@
 namespace flashserve {
 namespace {
 
-kserve::KServeOptions KServeOptionsFor(const ServerConfig& config) {
+kserve::KServeOptions KServeOptionsFor(const ServerConfig& config, std::string_view backend) {
   kserve::KServeOptions kserve;
   kserve.model_name = config.model.model_name;
   kserve.server_version = kVersion;
+  kserve.extensions = kserve::Extensions(config.memory.shm.allow, backend == "cuda");
   kserve.max_request_bytes = config.limits.max_request_bytes;
   return kserve;
 }
@@ -170,7 +171,8 @@ absl::Status Server::StartGrpc() {
   const NetworkOptions& network = config_.network;
   const std::string& backend_name = backend_.backend->capabilities().name;
   // The bearer token is checked by the gRPC edge in front of every service (edge/grpc/grpc_auth.h).
-  kserve_grpc_ = CreateKServeGrpcService(runtime_.get(), KServeOptionsFor(config_));
+  kserve_grpc_ = CreateKServeGrpcService(
+      runtime_.get(), KServeOptionsFor(config_, backend_.backend->capabilities().name));
   StreamLimits stream;
   stream.max_sessions = config_.stream.max_sessions;
   stream.max_session_bytes = config_.limits.max_request_bytes;
@@ -227,8 +229,8 @@ absl::Status Server::StartHttp() {
   http.min_body_bytes_per_s = limits.min_body_bytes_per_s;
   http.max_json_bytes = limits.max_json_bytes;
   http.max_receive_bytes = limits.max_receive_bytes;
-  absl::StatusOr<std::unique_ptr<HttpEdge>> edge =
-      HttpEdge::Create(http, runtime_.get(), KServeOptionsFor(config_));
+  absl::StatusOr<std::unique_ptr<HttpEdge>> edge = HttpEdge::Create(
+      http, runtime_.get(), KServeOptionsFor(config_, backend_.backend->capabilities().name));
   if (!edge.ok()) return edge.status();
   http_edge_ = *std::move(edge);
 

@@ -343,7 +343,9 @@ absl::Status ShmRegistry::Unregister(ShmType type, absl::string_view name,
     }
     matches.push_back(it);
   }
-  if (!name.empty() && matches.empty()) return Unknown(name);
+  // None of the caller's by that name: nothing to do. Triton answers so (its clients unregister in
+  // cleanup code that must not fail), and another owner's region of that name stays.
+  if (matches.empty()) return absl::OkStatus();
   for (auto it : matches) {
     bytes_ -= int64_t(it->second->info.byte_size);
     gone.push_back(std::move(it->second));

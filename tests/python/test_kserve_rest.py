@@ -92,7 +92,8 @@ def error_of(response, status):
 def test_server_and_model_metadata(server):
     meta = requests.get(f"{server.http}/v2", timeout=10).json()
     assert meta["name"] == "flashserve" and meta["version"]
-    assert "binary_tensor_data" in meta["extensions"]
+    # Shared memory is not offered by a server without --allow_client_shm (it refuses every register).
+    assert meta["extensions"] == ["binary_tensor_data"], meta["extensions"]
     for path in ("/v2/models/attention", "/v2/models/attention/versions/1"):
         model = requests.get(server.http + path, timeout=10).json()
         assert model["name"] == "attention" and model["versions"] == ["1"]

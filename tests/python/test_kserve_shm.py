@@ -143,7 +143,7 @@ def test_system_shm_matches_reference(shm_server, rng, make_qkv, check_answer, t
     before = scrape(f"http://127.0.0.1:{shm_server.metrics_port}/metrics")
     report = run_client(INFER_SCRIPT, shm_server, tmp_path)
 
-    assert {"system_shared_memory", "cuda_shared_memory"} <= set(report["extensions"])
+    assert "system_shared_memory" in report["extensions"]  # cuda_shared_memory: with the CUDA backend only
     for p in problems:
         q, k, v, causal = inputs[p["name"]]
         got = np.load(tmp_path / f"{p['name']}.out.npz")
@@ -255,7 +255,7 @@ def test_system_shm_safety(shm_server, tmp_path):
     assert "--shm_max_bytes" in r["too_big"]
     assert "byte_size: must be > 0" in r["zero"]
     assert "already registered" in r["duplicate"]
-    assert "no shared-memory region \"nope\"" in r["unknown_unregister"]
+    assert r["unknown_unregister"] is None  # as Triton answers: nothing to do (cleanup code calls it blindly)
     assert "no shared-memory region \"nope\"" in r["unknown_status"]
     assert "CUDA backend" in r["cuda_on_cpu"]
     assert "--shm_max_regions" in r["limit"]

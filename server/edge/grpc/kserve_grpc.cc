@@ -74,6 +74,7 @@ class KServeGrpcService final : public KServeBase {
       : runtime_(runtime) {
     model_.name = options.model_name;
     model_.server_version = options.server_version;
+    model_.extensions = options.extensions;
     for (kernels::DType dtype : runtime->limits().dtypes) {
       model_.dtypes.push_back(static_cast<v1::DType>(dtype));
     }
@@ -115,7 +116,7 @@ class KServeGrpcService final : public KServeBase {
         [this](auto&, inference::ServerMetadataResponse* metadata) {
           metadata->set_name(model_.server_name);
           metadata->set_version(model_.server_version);
-          for (const std::string& extension : kserve::Extensions()) {
+          for (const std::string& extension : model_.extensions) {
             metadata->add_extensions(extension);
           }
           return absl::OkStatus();

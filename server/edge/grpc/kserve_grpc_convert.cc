@@ -149,6 +149,7 @@ absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::Att
     const auto& output = request->outputs(i);
     RequestedOutput r{output.name(), -1, {}};
     RETURN_IF_ERROR(ShmOf(absl::StrCat("outputs[", i, "]"), output.parameters(), &r.shm));
+    r.classification = output.parameters().contains("classification");
     if (r.shm.set() && shm_inputs == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat("outputs[", i, "]: shared memory is not accepted here"));

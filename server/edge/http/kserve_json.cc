@@ -51,13 +51,28 @@ ParamValue FromJson(const json& value) {
   }
   return v;
 }
+// A JSON number as the float to store as `dtype`. FP16 / BF16 round from the float, so the float
+// is x rounded to odd (toward zero, its last bit set when inexact): rounding that to the narrower
+// type gives x rounded once, to nearest even. A plain cast rounded twice (1.0004883 became 1.0 in
+// FP16, not 1.0009766). Call with |x| below float's overflow (FitsDtype checks it).
+float ElementOf(double x, kernels::DType dtype) {
+  float f = static_cast<float>(x);
+  if (dtype == kernels::DType::kFloat32 || static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  uint32_t bits = 0;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= 1u;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 // Whether `dtype` holds x as a finite number. A JSON number past its range (1e39 as FP32, 1e6 as
 // FP16) would otherwise arrive as inf: a silently different input.
 bool FitsDtype(double x, kernels::DType dtype) {
   constexpr double kFloatToInf = 3.4028235677973366e38;  // float's max plus half an ulp
   if (!(std::fabs(x) < kFloatToInf)) return false;        // (casting past it is undefined)
   char bytes[4];
-  kernels::store_element(bytes, 0, dtype, static_cast<float>(x));
+  kernels::store_element(bytes, 0, dtype, ElementOf(x, dtype));
   return std::isfinite(kernels::load_element(bytes, 0, dtype));
 }
 
@@ -91,7 +106,7 @@ void StoreJsonNumbers(const json& data, kernels::DType dtype, char* base, int64_
     if (element.is_array()) {
       StoreJsonNumbers(element, dtype, base, index);
     } else {
-      kernels::store_element(base, (*index)++, dtype, static_cast<float>(element.get<double>()));
+      kernels::store_element(base, (*index)++, dtype, ElementOf(element.get<double>(), dtype));
     }
   }
 }
@@ -317,8 +332,12 @@ absl::StatusOr<std::vector<RequestedOutput>> ParseRequestedOutputs(const json& b
       }
       RequestedOutput r;
       r.name = output["name"].get<std::string>();
-      if (auto params = output.find("parameters"); params != output.end() && params->is_object()) {
+      if (auto params = output.find("parameters"); params != output.end()) {
+        if (!params->is_object()) {
+          return absl::InvalidArgumentError(field + ".parameters: must be an object");
+        }
         RETURN_IF_ERROR(ApplyShmParameters(field, *params, &r.shm));
+        r.classification = params->contains("classification");
         if (auto b = params->find("binary_data"); b != params->end()) {
           if (!b->is_boolean()) {
             return absl::InvalidArgumentError(field + ".parameters.binary_data: must be a boolean");
@@ -453,8 +472,9 @@ RestInferResponse BuildRestInferResponse(const ModelInfo& model, const RestInfer
   return result;
 }
 std::string ServerMetadataJson(const ModelInfo& model) {
-  return json{
-      {"name", model.server_name}, {"version", model.server_version}, {"extensions", Extensions()}}
+  return json{{"name", model.server_name},
+              {"version", model.server_version},
+              {"extensions", model.extensions}}
       .dump();
 }
 

@@ -324,6 +324,7 @@ std::vector<HttpRoute> KServeRestRoutes(AttentionRuntime* runtime,
   rest->runtime = runtime;
   rest->model.name = options.model_name;
   rest->model.server_version = options.server_version;
+  rest->model.extensions = options.extensions;
   for (kernels::DType dtype : runtime->limits().dtypes) {
     rest->model.dtypes.push_back(static_cast<v1::DType>(dtype));
   }

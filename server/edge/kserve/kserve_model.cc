@@ -61,10 +61,19 @@ absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(
       return absl::InvalidArgumentError(
           absl::StrCat("outputs[", i, "].name: \"", r.name, "\" requested twice"));
     }
+    if (r.classification) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "outputs[", i, "].parameters.classification: not supported (O and LSE are tensors)"));
+    }
     seen[spec.kind] = true;
     spec.binary = r.binary < 0 ? options.binary_data_output : r.binary == 1;
     spec.shm = r.shm;
     outputs.push_back(spec);
+  }
+  if (options.return_lse && !seen[OutputSpec::kLse]) {
+    return absl::InvalidArgumentError(
+        "parameters.return_lse: true, but the outputs named leave LSE out (name it among them, or "
+        "name no outputs)");
   }
   return outputs;
 }
@@ -189,9 +198,10 @@ absl::Status CheckModel(const ModelInfo& model, absl::string_view name, absl::st
   }
   return absl::OkStatus();
 }
-const std::vector<std::string>& Extensions() {
-  static const std::vector<std::string> extensions = {
-      "binary_tensor_data", "system_shared_memory", "cuda_shared_memory"};
+std::vector<std::string> Extensions(bool client_shm, bool cuda_backend) {
+  std::vector<std::string> extensions = {"binary_tensor_data"};
+  if (client_shm) extensions.push_back("system_shared_memory");
+  if (client_shm && cuda_backend) extensions.push_back("cuda_shared_memory");
   return extensions;
 }
 }  // namespace flashserve::kserve

@@ -22,6 +22,8 @@ namespace flashserve::kserve {
 struct KServeOptions {
   std::string model_name = "attention";
   std::string server_version;
+  // The protocol extensions this server serves (server metadata lists them): Extensions().
+  std::vector<std::string> extensions = {"binary_tensor_data"};
   int64_t max_request_bytes = int64_t{1} << 30;  // REST: largest body accepted
 };
 
@@ -33,6 +35,7 @@ struct ModelInfo {
   std::string server_name = "flashserve";
   std::string server_version;
   std::vector<v1::DType> dtypes;  // supported input datatypes, first one reported in metadata
+  std::vector<std::string> extensions;  // KServeOptions::extensions
 };
 
 inline constexpr const char* kInputNames[3] = {"Q", "K", "V"};
@@ -47,9 +50,10 @@ absl::string_view FirstDatatype(const ModelInfo& model);
 /// NOT_FOUND unless `name` is the model and `version` is empty or the model's version.
 absl::Status CheckModel(const ModelInfo& model, absl::string_view name, absl::string_view version);
 
-/// The protocol extensions served ("binary_tensor_data", "system_shared_memory",
-/// "cuda_shared_memory").
-const std::vector<std::string>& Extensions();
+/// The protocol extensions a server serves: binary_tensor_data always; system_shared_memory with
+/// client regions allowed (--allow_client_shm), cuda_shared_memory too when the backend is CUDA's
+/// (a client that chose its transport from the list was told of regions it could not register).
+std::vector<std::string> Extensions(bool client_shm, bool cuda_backend);
 
 /// A tensor's place in a client's shared-memory region (Triton's shared-memory extension: the
 /// tensor parameters shared_memory_region, shared_memory_offset, shared_memory_byte_size).
@@ -105,8 +109,11 @@ struct RequestedOutput {
   std::string name;
   int binary = -1;  // -1: not said; else 0/1
   ShmParams shm;
+  bool classification = false;  // Triton's classification parameter (top-k classes): refused
 };
 /// The outputs to return: the requested ones, or O (and LSE when return_lse) when none is named.
+/// INVALID_ARGUMENT for return_lse with outputs that do not name LSE (it was dropped silently)
+/// and for a classification output (raw tensors were returned instead).
 absl::StatusOr<std::vector<OutputSpec>> ResolveOutputs(
     const std::vector<RequestedOutput>& requested, const InferOptions& options);
 /// Sets causal, softmax_scale and return_lse (LSE among the outputs) on the native request.

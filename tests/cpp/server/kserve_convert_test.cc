@@ -134,6 +134,51 @@ TEST(KServeConvertTest, ReturnLseOrRequestedLseAddsLse) {
   EXPECT_TRUE(e.outputs[1].binary);
 }
 
+// Outputs named beside return_lse, or with parameters the model cannot honour, are refused: they
+// were dropped silently (LSE left out; raw tensors for a classification).
+TEST(KServeConvertTest, OutputsThatCannotBeHonouredAreRefused) {
+  json lse_left_out = JsonRequest();
+  lse_left_out["parameters"] = {{"return_lse", true}};
+  lse_left_out["outputs"] = {{{"name", "O"}}};
+  RestInferRequest r;
+  absl::Status s = Parse(lse_left_out, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("return_lse"));
+  json classification = JsonRequest();
+  classification["outputs"] = {{{"name", "O"}, {"parameters", {{"classification", 3}}}}};
+  s = Parse(classification, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("outputs[0].parameters.classification"));
+  json not_an_object = JsonRequest();
+  not_an_object["outputs"] = {{{"name", "O"}, {"parameters", "x"}}};
+  s = Parse(not_an_object, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("outputs[0].parameters: must be an object"));
+}
+
+// JSON numbers round once, from the double, to FP16 / BF16 (through a float they rounded twice:
+// 1.0004883 became 1.0 in FP16, and a value just under FP16's overflow was refused as out of
+// range).
+TEST(KServeConvertTest, JsonNumbersRoundOnceToHalfTypes) {
+  struct Case {
+    const char* datatype;
+    double value;
+    uint16_t bits;
+  };
+  for (const Case& c : {Case{"FP16", 1.0004883, 0x3C01}, Case{"FP16", 65519.999999999, 0x7BFF},
+                        Case{"FP16", -1.0004883, 0xBC01}, Case{"BF16", 1.0039063, 0x3F81},
+                        Case{"FP16", 1.0, 0x3C00}, Case{"BF16", 0.5, 0x3F00}}) {
+    SCOPED_TRACE(std::string(c.datatype) + " " + std::to_string(c.value));
+    json body = JsonRequest(c.datatype);
+    body["inputs"][0]["data"] = {c.value, 0.0, 0.0, 0.0};
+    RestInferRequest r;
+    ASSERT_TRUE(Parse(body, &r).ok()) << Parse(body, &r);
+    uint16_t got = 0;
+    std::memcpy(&got, r.request.q().data().data(), sizeof(got));
+    EXPECT_EQ(got, c.bits);
+  }
+}
+
 TEST(KServeConvertTest, BinaryInputsAreSizedInInputOrder) {
   json v = Input("V", "FP16", {1, 3, 1, 2});
   v["parameters"] = {{"binary_data_size", 12}};
@@ -380,11 +425,21 @@ TEST(KServeConvertTest, Metadata) {
   FillGrpcModelMetadata(model, &g);
   EXPECT_EQ(g.inputs_size(), 3);
   EXPECT_EQ(g.outputs(1).shape_size(), 3);
+  model.extensions = Extensions(/*client_shm=*/true, /*cuda_backend=*/false);
   const json s = json::parse(ServerMetadataJson(model));
-  EXPECT_EQ(s["extensions"],
-            json::array({"binary_tensor_data", "system_shared_memory", "cuda_shared_memory"}));
+  EXPECT_EQ(s["extensions"], json::array({"binary_tensor_data", "system_shared_memory"}));
 }
 
+// Only the extensions this server can serve: shared memory needs --allow_client_shm, CUDA regions
+// the CUDA backend too (a client that picked its transport from the list was refused after).
+TEST(KServeConvertTest, ExtensionsAreThoseThisServerServes) {
+  using List = std::vector<std::string>;
+  EXPECT_EQ(Extensions(false, false), (List{"binary_tensor_data"}));
+  EXPECT_EQ(Extensions(false, true), (List{"binary_tensor_data"}));
+  EXPECT_EQ(Extensions(true, false), (List{"binary_tensor_data", "system_shared_memory"}));
+  EXPECT_EQ(Extensions(true, true),
+            (List{"binary_tensor_data", "system_shared_memory", "cuda_shared_memory"}));
+}
 
 // Triton's shared-memory parameters on inputs and outputs (REST): a referenced input has no data
 // and its byte size is what validation checks; bad combinations are refused naming the tensor.

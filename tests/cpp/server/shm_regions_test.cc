@@ -176,7 +176,8 @@ TEST(ShmRegistry, ARegionInUseCannotBeUnregistered) {
   EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
   EXPECT_EQ(registry.region_count(), 0);
   EXPECT_EQ(registry.region_bytes(), 0);
-  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "").code(), absl::StatusCode::kNotFound);
+  // Gone already: nothing to do, as Triton answers (cleanup code unregisters unconditionally).
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "").ok());
 }
 
 TEST(ShmRegistry, AnObjectThatShrankIsRefusedNotTouched) {
@@ -218,8 +219,8 @@ TEST(ShmRegistry, ARegionBelongsToItsOwner) {
   ShmRegistry registry(Allowed(), nullptr);
   ASSERT_TRUE(registry.RegisterSystem("r", object.key(), 0, 4096, "token-a").ok());
   EXPECT_EQ(registry.Lease("r", 0, 1, "token-b").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(registry.Unregister(ShmType::kSystem, "r", "token-b").code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "r", "token-b").ok());  // not its own: stays
+  EXPECT_EQ(registry.region_count(), 1);
   EXPECT_TRUE(registry.Status(ShmType::kSystem, "", "token-b")->empty());
   EXPECT_TRUE(registry.Unregister(ShmType::kSystem, "", "token-b").ok());  // none of its own
   EXPECT_EQ(registry.region_count(), 1);
