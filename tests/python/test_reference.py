@@ -144,3 +144,16 @@ def test_compare_lse():
     assert not reference.compare_lse(np.array([[[0.0, 1.0, 100.0]]]), ref)[1]  # -inf row must be -inf
     assert not reference.compare_lse(np.array([[[-np.inf, np.nan, 100.0]]]), ref)[1]
     assert not reference.compare_lse(ref[..., :2], ref)[1]
+
+
+def test_nan_in_a_seen_key_makes_the_row_nan_and_an_unseen_one_does_not():
+    """A NaN score propagates to O and LSE (the kernels do so): the reference took a NaN row max for "sees no key" and
+    answered O = 0, LSE = -inf, so a server hiding NaN would have matched it. A NaN key the causal mask hides changes
+    nothing."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((1, 4, 2, 8)) for _ in range(3))
+    k[0, 2, 0, 3] = np.nan  # key 2 of head 0
+    out, lse = reference.attention(q, k, v, causal=True, return_lse=True)
+    assert np.isnan(lse[0, 0, 2:]).all() and np.isnan(out[0, 2:, 0]).all()  # rows 2, 3 see key 2
+    assert np.isfinite(lse[0, 0, :2]).all() and np.isfinite(out[0, :2, 0]).all()  # rows 0, 1 do not
+    assert np.isfinite(lse[0, 1]).all() and np.isfinite(out[0, :, 1]).all()  # the other head

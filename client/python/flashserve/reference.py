@@ -62,7 +62,9 @@ def attention(q, k, v, causal: bool = False, softmax_scale: Optional[float] = No
         if mask is not None:
             scores = np.where(mask[None], scores, -np.inf)
         row_max = scores.max(axis=-1, keepdims=True)
-        seen = np.isfinite(row_max)  # False for rows that see no key
+        # False for rows that see no key (max -inf); a NaN score makes the row NaN, as in the kernels (np.isfinite
+        # took NaN rows for rows that see nothing: O = 0, LSE = -inf, hiding the NaN).
+        seen = row_max != -np.inf
         p = np.exp(scores - np.where(seen, row_max, 0.0))
         row_sum = p.sum(axis=-1, keepdims=True)
         ob = (p @ vb) / np.where(seen, row_sum, 1.0)
