@@ -109,13 +109,8 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
   if (absl::Status s = CheckTruncateLocked(items); !s.ok()) return s;
   std::vector<Sequence*> found;
   if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) return s;
-  std::vector<std::vector<int>> cuts(items.size());
-  std::unordered_set<const Sequence*> seen;
+  std::vector<std::vector<int>> cuts(items.size());  // (names checked once: CheckTruncateLocked)
   for (size_t i = 0; i < items.size(); ++i) {
-    if (!seen.insert(found[i]).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("item ", i, ": its sequence is named twice in one Truncate"));
-    }
     if (absl::Status s = ValidateTruncate(*found[i], items[i], i, &cuts[i]); !s.ok()) {
       if (metrics_ != nullptr && s.code() == absl::StatusCode::kAborted)
         metrics_->RecordRefused("length_mismatch");

@@ -82,11 +82,6 @@ void SessionRoom::Give(int64_t bytes) {
   bytes_ -= bytes;
 }
 
-int SessionRoom::sessions() const {
-  absl::MutexLock lock(&mu_);
-  return sessions_;
-}
-
 int64_t SessionRoom::bytes() const {
   absl::MutexLock lock(&mu_);
   return bytes_;

@@ -60,7 +60,6 @@ class SessionRoom {
   /// RESOURCE_EXHAUSTED when one more session of `bytes` would pass the limits.
   absl::Status Take(int64_t bytes, const StreamLimits& limits);
   void Give(int64_t bytes);
-  int sessions() const;
   int64_t bytes() const;
 
  private:
