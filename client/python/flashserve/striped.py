@@ -91,6 +91,7 @@ class StripedClient:
                 self._channels.append(grpc.secure_channel(address, credentials, options=opts))
         self._stubs = [pb_grpc.AttentionStreamServiceStub(c) for c in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=stripes, thread_name_prefix="flashserve-stripe")
+        self._closing: set = set()  # CloseSession calls in flight (not waited for)
 
     @property
     def stubs(self) -> List["pb_grpc.AttentionStreamServiceStub"]:
@@ -130,11 +131,13 @@ class StripedClient:
             raise from_rpc_error(e, request_id) from None
         finally:
             if session_id is not None:
-                try:
-                    self._stubs[0].CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=5,
-                                                metadata=self._metadata)
-                except grpc.RpcError:
-                    pass  # the server drops it after its idle timeout anyway
+                # Not waited for: a call past its timeout must not spend up to 5 s more closing its session (the
+                # server drops it after its idle timeout anyway, and the channel outlives this call).
+                # Kept until it ends: gRPC cancels a call whose future is garbage-collected.
+                closing = self._stubs[0].CloseSession.future(pb.CloseSessionRequest(session_id=session_id),
+                                                             timeout=5, metadata=self._metadata)
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
 
     def attention(
         self, q, k, v, causal: bool = False, softmax_scale: Optional[float] = None, return_lse: bool = False,
