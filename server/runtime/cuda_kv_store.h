@@ -95,6 +95,8 @@ class CudaKvStore final : public kvcache::KvStore {
         choose_splits_(std::move(choose_splits)),
         on_error_(std::move(on_error)) {}
   static uint64_t NewId();  // distinct for every store of the process
+  // Sections of the stage and the launch scratch start 256-byte aligned.
+  static constexpr int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
   // Sizes and offsets of one launch's sections.
   Packed Plan(const kvcache::PagedBatch& batch) const;
   // Grows `*buffer` (device or pinned host) to at least `bytes`.
