@@ -134,7 +134,8 @@ struct OnlineSoftmax {
   }
 
   /// Completes the row sums across the quad, scales o by 1 / sum and returns per-row LSE
-  /// (natural log). A row that saw no key gets o = 0 and LSE = -inf.
+  /// (natural log). A row that saw no key gets o = 0 and LSE = -inf; a row with a NaN score (a
+  /// NaN input, or logits past fp32) has a NaN sum and gets NaN in both, as on the CPU.
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float scale,
                                            float (&lse)[kRows]) {
 #pragma unroll
@@ -145,7 +146,7 @@ struct OnlineSoftmax {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const bool empty = !(sum > 0.f);
+        const bool empty = sum == 0.f;
         const float inv = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
 #pragma unroll

@@ -3,17 +3,19 @@
 // compiled configuration. Tolerance: the kernel's error against fp64 may be at most twice the
 // error of reference::attention_emulated with that configuration's emulation options (which
 // round inputs and P like the kernel: its key blocks, their order, its rescale threshold).
+#include "flashserve/kernels/cuda_attention.h"
+
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "flashserve/kernels/attention_params.h"
-#include "flashserve/kernels/cuda_attention.h"
 #include "gpu_test_support.h"
 
 namespace flashserve::kernels {
@@ -125,6 +127,59 @@ INSTANTIATE_TEST_SUITE_P(Grid, CudaAttention, ::testing::ValuesIn(all_params()),
                          [](const ::testing::TestParamInfo<Param>& param_info) {
                            return case_name(param_info.param.dtype, param_info.param.head_dim, param_info.param.c);
                          });
+
+// One run of cfg on host_p's shape with the Q/K/V of qkv; O in [row, head, d] order.
+void run_on(const AttentionParams& host_p, const tu::HostQkv& qkv, const fk::KernelConfig& cfg,
+            tu::RunAnswers* answers) {
+  AttentionParams hp = host_p;
+  hp.q = qkv.q.data(), hp.k = qkv.k.data(), hp.v = qkv.v.data();
+  tu::DeviceProblem dev(hp);
+  ASSERT_EQ(dev.upload(hp), cudaSuccess);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(dev.params(hp, true), cfg, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(tu::q_elements(hp));
+  answers->lse.resize(tu::lse_elements(hp));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&answers->lse), cudaSuccess);
+  answers->out = tu::gather_output(hp, out);
+}
+
+// A NaN input makes NaN exactly the rows that read it, in O and in the LSE, in every compiled
+// configuration (sm80 and, on sm_90, sm90), as the CPU backend and the Python reference do: a NaN
+// row's LSE used to come back -inf ("saw no key"), which an LSE-weighted merge drops silently.
+// Batch 0: one K element NaN in KV head 1 at key 200 (q heads 4..7 read it; causal bottom-right:
+// rows 30..129); batch 1: q row 5 of head 2 NaN.
+TEST(CudaAttentionNaN, PoisonsOnlyTheRowsThatReadIt) {
+  SKIP_WITHOUT_GPU();
+  const DType dtype = DType::kBFloat16;
+  const int d = 128, batch = 2, sq = 130, sk = 300, hq = 8, hkv = 2, key = 200, q_row = 5;
+  if (!tu::compiled(dtype, d)) GTEST_SKIP() << "bf16 d128 not compiled in this build";
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    std::mt19937_64 rng(tu::case_seed(std::string("nan_rows_") + (causal ? "causal" : "full")));
+    AttentionParams host_p =
+        make_contiguous_params(dtype, batch, sq, sk, hq, hkv, d, causal, 1.f / std::sqrt(float(d)));
+    const tu::HostQkv clean_qkv = tu::random_qkv(&host_p, 1.f, rng);
+    tu::HostQkv bad_qkv = clean_qkv;
+    bad_qkv.k[((size_t(0) * sk + key) * hkv + 1) * d + 3] = 0x7FC0;  // bf16 NaN
+    bad_qkv.q[((size_t(1) * sq + q_row) * hq + 2) * d + 9] = 0x7FC0;
+    const auto lse_at = [&](int row, int h) { return (size_t(row / sq) * hq + h) * sq + row % sq; };
+    const auto read_nan = [&](int row, int h) {
+      const int b = row / sq, i = row % sq;
+      if (b == 1) return h == 2 && i == q_row;
+      return h / (hq / hkv) == 1 && (!causal || key <= i + (sk - sq));
+    };
+    for (const fk::KernelConfig& cfg : fk::candidates(dtype, d, causal)) {
+      SCOPED_TRACE("config " + cfg.name());
+      tu::RunAnswers clean, got;
+      ASSERT_NO_FATAL_FAILURE(run_on(host_p, clean_qkv, cfg, &clean));
+      ASSERT_NO_FATAL_FAILURE(run_on(host_p, bad_qkv, cfg, &got));
+      ASSERT_TRUE(tu::all_finite(clean.out));
+      EXPECT_TRUE(tu::nan_only_where_read(clean, got, batch * sq, hq, d, lse_at, read_nan));
+    }
+  }
+}
 
 // Strided (non-contiguous) views: q/k/v/o inside larger packed buffers, as a server batching
 // requests would pass them.

@@ -517,6 +517,56 @@ TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
   check_case({"allempty", Layout::kDenseVarlen, {1, 2}, {0, 0}, 8, 8, 64, true, 0});
 }
 
+// One launch with `splits` splits and the knobs as set; O widened to double.
+void run_once(const DecodeCase& c, DeviceProblem& dev, int splits, tu::RunAnswers* answers) {
+  fk::DecodeParams p = dev.p;
+  p.num_splits = splits;
+  ASSERT_EQ(dev.o.poison(), cudaSuccess);
+  ASSERT_EQ(dev.lse.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(dev.out_elems);
+  answers->lse.resize(dev.lse_elems);
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&answers->lse), cudaSuccess);
+  answers->out = tu::to_double(c.dtype, out);
+}
+
+// A NaN input makes NaN exactly the rows that read it, O and LSE, whatever the split count and
+// wherever the splits merge (combine kernel, in the split kernel): a split whose keys held a
+// NaN used to write LSE -inf ("saw no key"), the merge dropped it, and the row came back finite
+// without that split's keys. Sequence 0 (20000 keys): one K element NaN in KV head 1, read by q
+// heads 4..7 through one split only; sequence 1 (300 keys): q head 2 NaN, read by every split.
+TEST(DecodeAttentionEdge, NaNPoisonsOnlyTheRowsThatReadItWhateverTheSplit) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"nan", Layout::kPaged, {1, 1}, {20000, 300}, 8, 2, 128, false, 64};
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  HostProblem bad = hp;
+  const int d = c.head_dim, key = 12345;
+  const size_t page = size_t(hp.block_table[size_t(key / c.page_size)]);  // sequence 0's row
+  const uint16_t nan = 0x7FC0;                                            // bf16
+  bad.k_all[(page * c.page_size + key % c.page_size) * c.heads_kv * d + 1 * d + 7] = nan;
+  bad.q_all[(size_t(1) * c.heads_q + 2) * d + 3] = nan;
+  DeviceProblem clean_dev(c, hp), bad_dev(c, bad);
+  const DefaultKnobsAfter restore;
+  const int group = c.heads_q / c.heads_kv;
+  const auto lse_at = [&](int row, int h) { return size_t(row) * c.heads_q + h; };  // Sq 1
+  const auto read_nan = [&](int row, int h) {
+    return (row == 0 && h / group == 1) || (row == 1 && h == 2);
+  };
+  for (int variant : {0, 2, 3})
+    for (int splits : {1, 3, 16, 40}) {
+      SCOPED_TRACE("num_splits " + std::to_string(splits) + ", " + kVariantNames[variant]);
+      set_variant(variant, splits);
+      tu::RunAnswers clean, got;
+      ASSERT_NO_FATAL_FAILURE(run_once(c, clean_dev, splits, &clean));
+      ASSERT_NO_FATAL_FAILURE(run_once(c, bad_dev, splits, &got));
+      ASSERT_TRUE(tu::all_finite(clean.out));
+      EXPECT_TRUE(tu::nan_only_where_read(clean, got, 2, c.heads_q, d, lse_at, read_nan));
+    }
+}
+
 // Runs c with each of split_counts (cycled over `runs` launches, default knobs) and checks every
 // answer and which merge ran: in the split kernel when the block's partial rows over all splits
 // (rows x splits x head_dim x 4 bytes) are at most 8 KB, else the combine kernel.

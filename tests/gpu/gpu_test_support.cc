@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <string>
 #include <thread>
 
 #include "flashserve/kernels/float_convert.h"
@@ -20,6 +21,11 @@ bool gpu_available() {
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
   }();
   return available;
+}
+
+bool gpu_required() {
+  const char* v = std::getenv("FLASHSERVE_REQUIRE_GPU");
+  return v != nullptr && std::string(v) == "1";
 }
 
 int device_compute_major() {
@@ -170,6 +176,45 @@ const EmulatedError& Fp64Reference::emulated(const reference::EmulationOptions& 
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << bad << " NaN/Inf (or unwritten) output elements, the "
                                        << "first at " << first;
+}
+
+::testing::AssertionResult nan_only_where_read(const RunAnswers& clean, const RunAnswers& got,
+                                               int rows, int heads, int head_dim,
+                                               const std::function<size_t(int, int)>& lse_at,
+                                               const std::function<bool(int, int)>& read_nan) {
+  double max_abs = 0;
+  for (double x : clean.out) max_abs = std::max(max_abs, std::fabs(x));
+  int poisoned = 0;
+  for (int r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h) {
+      const size_t o0 = (size_t(r) * heads + h) * head_dim;
+      const float lse = got.lse[lse_at(r, h)], want_lse = clean.lse[lse_at(r, h)];
+      const auto where = [&] { return "row " + std::to_string(r) + " head " + std::to_string(h); };
+      if (read_nan(r, h)) {
+        ++poisoned;
+        for (int i = 0; i < head_dim; ++i)
+          if (!std::isnan(got.out[o0 + i]))
+            return ::testing::AssertionFailure()
+                   << where() << " read a NaN but O[" << i << "] = " << got.out[o0 + i];
+        if (!std::isnan(lse))
+          return ::testing::AssertionFailure() << where() << " read a NaN but LSE = " << lse;
+        continue;
+      }
+      for (int i = 0; i < head_dim; ++i)
+        if (!(std::fabs(got.out[o0 + i] - clean.out[o0 + i]) <= 0.02 * max_abs))
+          return ::testing::AssertionFailure()
+                 << where() << " did not read the NaN but O[" << i << "] = " << got.out[o0 + i]
+                 << " vs " << clean.out[o0 + i] << " without it";
+      const bool same_lse =
+          std::isinf(want_lse) ? lse == want_lse : std::fabs(lse - want_lse) <= 1e-3;
+      if (!same_lse)
+        return ::testing::AssertionFailure() << where() << " did not read the NaN but LSE = " << lse
+                                             << " vs " << want_lse << " without it";
+    }
+  if (poisoned == 0 || poisoned == rows * heads)
+    return ::testing::AssertionFailure()
+           << poisoned << " of " << rows * heads << " rows read the NaN: the case tests nothing";
+  return ::testing::AssertionSuccess();
 }
 
 ::testing::AssertionResult within_twice_emulated(const ErrorStats& err, const ErrorStats& emu) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,6 +25,8 @@ namespace flashserve::kernels::testing_util {
 // ---- GPU presence -----------------------------------------------------------------------------
 
 bool gpu_available();
+/// FLASHSERVE_REQUIRE_GPU=1: a missing GPU fails the GPU tests instead of skipping them.
+bool gpu_required();
 /// The current device's compute capability major, 0 without a GPU.
 int device_compute_major();
 
@@ -127,6 +130,22 @@ class Fp64Reference {
 ::testing::AssertionResult lse_matches(const std::vector<float>& lse,
                                        const std::vector<double>& ref, double emulated_lse_error);
 
+/// One run's answers for expect_nan_where_read: O as doubles in [row, head, d] order and the LSEs.
+struct RunAnswers {
+  std::vector<double> out;
+  std::vector<float> lse;
+};
+
+/// A run on inputs that hold a NaN against the same run on the clean inputs: the (row, head)
+/// pairs `read_nan` names are NaN in every element of O and in the LSE (not 0 and -inf, which
+/// say "saw no key", nor finite); every other pair is finite and agrees with the clean run
+/// (2% of max |O|: the kernels' rescale decisions may differ; 1e-3 in LSE). `lse_at` indexes
+/// the LSEs. Fails when no pair, or every pair, reads the NaN (the case would test nothing).
+::testing::AssertionResult nan_only_where_read(const RunAnswers& clean, const RunAnswers& got,
+                                               int rows, int heads, int head_dim,
+                                               const std::function<size_t(int, int)>& lse_at,
+                                               const std::function<bool(int, int)>& read_nan);
+
 // ---- Device memory ----------------------------------------------------------------------------
 
 /// Memset byte of the poison: 0xFFFF is NaN in fp16 and bf16, 0xFFFFFFFF in fp32.
@@ -208,6 +227,11 @@ class StreamGate {
 
 }  // namespace flashserve::kernels::testing_util
 
-#define SKIP_WITHOUT_GPU()                                                                   \
-  if (!::flashserve::kernels::testing_util::gpu_available()) GTEST_SKIP() << "no CUDA GPU: " \
-                                                                             "skipping"
+/// Skips the test without a GPU, or fails it with FLASHSERVE_REQUIRE_GPU=1 (set by the GPU
+/// machine's scripts, where a GPU the tests cannot see must not pass as skips).
+#define SKIP_WITHOUT_GPU()                                                \
+  if (!::flashserve::kernels::testing_util::gpu_available()) {            \
+    if (::flashserve::kernels::testing_util::gpu_required())              \
+      FAIL() << "no CUDA GPU, and FLASHSERVE_REQUIRE_GPU=1 asks for one"; \
+    GTEST_SKIP() << "no CUDA GPU: skipping";                              \
+  }

@@ -2,6 +2,7 @@
 // and O = sum_s exp(LSE_s - LSE) O_s, written in the output dtype. One warp per (row, head).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <math_constants.h>
 
 #include <cstdint>
 
@@ -28,16 +29,25 @@ __device__ __forceinline__ void load_partials(float4 (&x)[kBatch], const float* 
 
 /// The row's LSE over its splits, and each lane's weights exp(LSE_s - LSE) of splits lane,
 /// lane + 32, lane + 64, lane + 96 (0 for an empty split, LSE_s = -inf, or a row with no key).
+/// A NaN partial LSE (a NaN score in that split) makes every weight and the LSE NaN: fmaxf and
+/// the weights would otherwise skip it, and the row's answer would depend on the split count.
 __device__ __forceinline__ float combine_weights(const float* lse_s, int64_t split_stride,
                                                  int num_splits, int lane,
                                                  float (&weight_l)[kSplitsPerLane]) {
   float lse_l[kSplitsPerLane];
   float m = -INFINITY;
+  bool poisoned = false;
 #pragma unroll
   for (int i = 0; i < kSplitsPerLane; ++i) {
     const int s = lane + 32 * i;
     lse_l[i] = s < num_splits ? lse_s[s * split_stride] : -INFINITY;
+    poisoned |= lse_l[i] != lse_l[i];
     m = fmaxf(m, lse_l[i]);
+  }
+  if (__any_sync(0xffffffffu, poisoned)) {
+#pragma unroll
+    for (int i = 0; i < kSplitsPerLane; ++i) weight_l[i] = CUDART_NAN_F;
+    return CUDART_NAN_F;
   }
   m = warp_max(m);
   float sum = 0.f;
@@ -52,7 +62,8 @@ __device__ __forceinline__ float combine_weights(const float* lse_s, int64_t spl
 }
 
 /// acc += sum_j weight(s0 + j) * x[j]; the weights are shuffled from the lanes that hold them
-/// (every lane must call). An empty split (weight 0) adds nothing, whatever its partial holds.
+/// (every lane must call). An empty split (weight 0) adds nothing, whatever its partial holds; a
+/// NaN weight (a poisoned row) makes the sum NaN.
 __device__ __forceinline__ void accumulate(float4& acc, const float4 (&x)[kBatch], int s0,
                                            const float (&weight_l)[kSplitsPerLane],
                                            int num_splits) {
@@ -61,7 +72,7 @@ __device__ __forceinline__ void accumulate(float4& acc, const float4 (&x)[kBatch
     const int s = s0 + j;  // warp-uniform
     const float held = s < 32 ? weight_l[0] : s < 64 ? weight_l[1] : s < 96 ? weight_l[2] : weight_l[3];
     const float weight = s < num_splits ? __shfl_sync(0xffffffffu, held, s % 32) : 0.f;
-    if (weight > 0.f) {
+    if (weight != 0.f) {
       acc.x += weight * x[j].x, acc.y += weight * x[j].y;
       acc.z += weight * x[j].z, acc.w += weight * x[j].w;
     }

@@ -5,6 +5,8 @@
 // group's last block (decode_merge.h) or by decode_combine.cu.
 #pragma once
 
+#include <math_constants.h>
+
 #include <cstdint>
 
 #include "decode_merge.h"
@@ -160,16 +162,21 @@ __device__ void write_block_result(WarpState<T>& st, const DecodeLaunch& L, cons
 #pragma unroll
     for (int j = 0; j < T::kWarpsN; ++j) m_all = fmaxf(m_all, s_m[j * T::kBlockM + row[i]]);
     float l_all = 0.f;
-    if (m_all != -INFINITY) {
+    bool poisoned = false;  // a NaN score: the warp's sum is NaN (fmaxf kept the max finite)
 #pragma unroll
-      for (int j = 0; j < T::kWarpsN; ++j)
-        l_all += s_l[j * T::kBlockM + row[i]] *
-                 ptx::exp2_approx(s_m[j * T::kBlockM + row[i]] - m_all);
+    for (int j = 0; j < T::kWarpsN; ++j) {
+      const float l = s_l[j * T::kBlockM + row[i]];
+      poisoned |= l != l;
+      if (m_all != -INFINITY) l_all += l * ptx::exp2_approx(s_m[j * T::kBlockM + row[i]] - m_all);
     }
+    // NaN O and LSE for a poisoned row, as on the CPU: read as "saw no key" (LSE -inf), a split's
+    // partial would be dropped by the merge and the answer would depend on the split count.
     const bool seen = l_all > 0.f;
-    factor[i] = seen ? ptx::exp2_approx(st.m[i] - m_all) / l_all : 0.f;
+    factor[i] = poisoned ? CUDART_NAN_F : seen ? ptx::exp2_approx(st.m[i] - m_all) / l_all : 0.f;
     if (wn == 0 && lane % 4 == 0)
-      s_lse[row[i]] = seen ? (m_all + __log2f(l_all)) * 0.6931471805599453f : -INFINITY;
+      s_lse[row[i]] = poisoned ? CUDART_NAN_F
+                      : seen   ? (m_all + __log2f(l_all)) * 0.6931471805599453f
+                               : -INFINITY;
   }
   float* my_o = s_o + wn * T::kBlockM * T::kHeadDim;
 #pragma unroll

@@ -6,6 +6,8 @@
 // measured even with the combine kernel).
 #pragma once
 
+#include <math_constants.h>
+
 #include <cstdint>
 
 #include "decode_merge_plan.h"  // merge_header_bytes
@@ -98,7 +100,14 @@ __device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int row
   __syncthreads();
   for (int r = threadIdx.x / 32; r < rows; r += T::kWarps) {
     float m = -INFINITY;
-    for (int s = lane; s < n; s += 32) m = fmaxf(m, s_w[s * rows + r]);
+    bool nan_split = false;
+    for (int s = lane; s < n; s += 32) {
+      const float lse = s_w[s * rows + r];
+      nan_split |= lse != lse;
+      m = fmaxf(m, lse);
+    }
+    // A NaN partial (a NaN score in that split) poisons the row, as in the combine kernel.
+    const bool poisoned = __any_sync(0xffffffffu, nan_split);
     m = warp_max(m);
     float sum = 0.f;
     if (m != -INFINITY)
@@ -106,10 +115,14 @@ __device__ void merge_weights(const DecodeLaunch& L, const BlockWork& w, int row
     sum = warp_sum(sum);
     const bool seen = m != -INFINITY && sum > 0.f;
     for (int s = lane; s < n; s += 32)
-      s_w[s * rows + r] = seen ? __expf(s_w[s * rows + r] - m) / sum : 0.f;
+      s_w[s * rows + r] = poisoned ? CUDART_NAN_F
+                          : seen   ? __expf(s_w[s * rows + r] - m) / sum
+                                   : 0.f;
     const PackedRow row = packed_row<T>(L, w, r);
     if (lane == 0 && L.p.lse != nullptr)
-      L.p.lse[lse_index(L, w.b, row.qi, row.h, w.q_row0)] = seen ? m + __logf(sum) : -INFINITY;
+      L.p.lse[lse_index(L, w.b, row.qi, row.h, w.q_row0)] = poisoned ? CUDART_NAN_F
+                                                            : seen   ? m + __logf(sum)
+                                                                     : -INFINITY;
   }
   __syncthreads();
 }
@@ -150,7 +163,7 @@ __device__ void merge_partials(const DecodeLaunch& L, const BlockWork& w, char* 
 #pragma unroll 1
     for (int s = 0; s < n; ++s) {
       const float weight = s_w[s * rows + i / kQuads];
-      if (weight > 0.f) {  // an empty split adds nothing, whatever its partial holds
+      if (weight != 0.f) {  // an empty split adds nothing, whatever its partial holds (NaN: all)
         const float4 x = *reinterpret_cast<const float4*>(s_o + 4 * (s * row_quads + i));
         acc.x += weight * x.x, acc.y += weight * x.y;
         acc.z += weight * x.z, acc.w += weight * x.w;

@@ -77,7 +77,8 @@ struct Sm90Softmax {
   }
 
   /// Completes the row sums across the quad, scales o by 1 / sum and returns per-row LSE
-  /// (natural log). A row that saw no key gets o = 0 and LSE = -inf.
+  /// (natural log). A row that saw no key gets o = 0 and LSE = -inf; a row with a NaN score (a
+  /// NaN input, or logits past fp32) has a NaN sum and gets NaN in both, as on the CPU.
   __device__ __forceinline__ void finalize(float (&o)[kD / 2], float scale, float (&lse)[2]) {
     float inv[2];
 #pragma unroll
@@ -85,7 +86,7 @@ struct Sm90Softmax {
       float sum = row_sum[h];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const bool empty = !(sum > 0.f);
+      const bool empty = sum == 0.f;
       inv[h] = empty ? 0.f : 1.f / sum;
       lse[h] = empty ? -INFINITY : row_max[h] * scale + logf(sum);
     }
