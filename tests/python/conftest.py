@@ -151,6 +151,15 @@ def random_qkv(rng, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtyp
     return q, k, v
 
 
+def zip_all(*lists):
+    """zip() that first checks every list has the same length: answers a client or server dropped must fail the
+    test, not shorten its check loop (zip stops at the shortest list)."""
+    lists = [list(x) for x in lists]
+    lengths = [len(x) for x in lists]
+    assert len(set(lengths)) <= 1, f"lists of different lengths {lengths}: answers missing or extra"
+    return zip(*lists)
+
+
 def assert_matches_reference(out, lse, q, k, v, causal=False, softmax_scale=None):
     """Asserts out (and lse, if not None) match the fp64 reference within the dtype-derived tolerance."""
     dtype = tensors.dtype_name(q)

@@ -24,7 +24,7 @@ import flashserve
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
 from flashserve.local import LocalClient
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 from test_allocators import _sanitized
 
@@ -90,7 +90,7 @@ def _faults_per_step(server, rng, transport) -> float:
                     per_step.append(_minor_faults(server.proc.pid) - before)
                 for seq, (k, v) in zip(seqs, kvs):
                     truth.add(seq.key, 0, k, v)
-            for seq, q, result in list(zip(seqs, qs, response.results))[::9]:
+            for seq, q, result in list(zip_all(seqs, qs, response.results))[::9]:
                 out = np.frombuffer(result.out.data, np.float16).reshape(q.shape)
                 truth.check(out, q, seq.key, 0)
             for seq in seqs:

@@ -16,7 +16,7 @@ import pytest
 import flashserve
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
-from conftest import assert_matches_reference
+from conftest import assert_matches_reference, zip_all
 from sequences_truth import Truth
 from metrics_helpers import scrape
 from tcp_proxy import ThrottlingProxy
@@ -137,7 +137,7 @@ def test_sigterm_while_a_decode_step_answer_is_written_to_a_slow_reader(start_se
     response, answered_after = _answer_to_a_slow_reader(server, proxy, step)
     assert answered_after > 1.5, f"answer complete {answered_after:.2f} s after SIGTERM"
     assert len(response.results) == len(seqs)
-    for seq, q, result in list(zip(seqs, qs, response.results))[::7]:
+    for seq, q, result in list(zip_all(seqs, qs, response.results))[::7]:
         out = np.frombuffer(result.out.data, np.float16).reshape(q.shape)
         assert not np.isnan(out.astype(np.float32)).any()
         truth.check(out, q, seq.key, 0)
@@ -165,7 +165,7 @@ def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server,
 
     responses, answered_after = _answer_to_a_slow_reader(server, proxy, attend_all, all_answered)
     assert answered_after > 1.5, f"answers complete {answered_after:.2f} s after SIGTERM"
-    for seq, q, response in list(zip(seqs, qs, responses))[::3]:
+    for seq, q, response in list(zip_all(seqs, qs, responses))[::3]:
         out = np.frombuffer(response.out.data, np.float16).reshape(q.shape)
         assert not np.isnan(out.astype(np.float32)).any()
         truth.check(out, q, seq.key, 0)

@@ -25,7 +25,7 @@ from flashserve import sequences_pb2 as spb
 from flashserve import tensors
 from flashserve.local import HEADER, MAGIC, LocalClient
 from flashserve.shm import SystemRegion
-from conftest import ServerProcess, _stop_and_check, assert_matches_reference, random_qkv
+from conftest import ServerProcess, _stop_and_check, assert_matches_reference, random_qkv, zip_all
 from metrics_helpers import scrape
 from sequences_truth import Truth
 from test_bad_input_matrix import PeakRss
@@ -149,7 +149,7 @@ def test_decode_step_and_attend_over_the_socket(local_server, rng):
                 in_shm = [step % 2 == 0, True, False]
                 request, outs = _step_request(region, seqs, qs, kvs, in_shm, return_lse=True)
                 response = local.decode_step(request)
-                for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
+                for seq, q, (k, v), where, result in zip_all(seqs, qs, kvs, outs, response.results):
                     truth.add(seq.key, 0, k, v)
                     assert result.length == truth.length(seq.key, 0)
                     if where is None:
@@ -551,7 +551,7 @@ def test_concurrent_decode_steps(local_server, concurrently):
                     for field, x in (("q", q), ("k", k), ("v", v)):
                         getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
                 response = local.decode_step(request)
-                for seq, q, (k, v), result in zip(seqs, qs, kvs, response.results):
+                for seq, q, (k, v), result in zip_all(seqs, qs, kvs, response.results):
                     truth.add(seq.key, 0, k, v)
                     out = tensors.from_proto(result.out, "numpy", None).reshape(q.shape)
                     truth.check(out, q, seq.key, 0)

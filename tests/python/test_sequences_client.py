@@ -15,6 +15,7 @@ from flashserve.hashring import HashRing
 
 pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
 
+from conftest import zip_all  # noqa: E402
 from ring_keys import keys_spread_over  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
@@ -221,7 +222,7 @@ def _decode_rounds(client, seqs, truth, steps, layer=0):
         qs = {s.key: truth.query() for s in seqs}
         kvs = {s.key: truth.rows(1) for s in seqs}
         outs = client.decode_step([(s, layer, qs[s.key], *kvs[s.key]) for s in seqs])
-        for s, out in zip(seqs, outs):
+        for s, out in zip_all(seqs, outs):
             truth.add(s.key, layer, *(x.copy() for x in kvs[s.key]))
             truth.check(out, qs[s.key], s.key, layer)
             for x in (qs[s.key], *kvs[s.key]):  # the caller reuses its buffers: a re-prefill sends the history's
@@ -261,7 +262,7 @@ def test_steps_go_packed_unless_told_not_to(fakes, rng, packed_steps):
             qs = [truth.query(1 + (i + step) % 3) for i in range(3)]
             kvs = [truth.rows(len(q)) if (i + step) % 3 else (None, None) for i, q in enumerate(qs)]
             outs = client.decode_step([(s, 0, q, *kv) for s, q, kv in zip(seqs, qs, kvs)])
-            for s, q, kv, out in zip(seqs, qs, kvs, outs):
+            for s, q, kv, out in zip_all(seqs, qs, kvs, outs):
                 if kv[0] is not None:
                     truth.add(s.key, 0, *kv)
                 truth.check(out, q, s.key, 0)
@@ -276,8 +277,12 @@ def test_items_that_cannot_share_a_packed_step_go_one_by_one(fakes, rng):
         b = client.create(**{**SHAPE, "heads_q": 2, "heads_kv": 1}, prefix={0: (kv[:, :1], kv[:, :1])})
         q_a = np.zeros((1, 4, 16), np.float16)
         q_b = np.zeros((1, 2, 16), np.float16)
-        client.decode_step([(a, 0, q_a, None, None), (b, 0, q_b, None, None)])
+        outs = client.decode_step([(a, 0, q_a, None, None), (b, 0, q_b, None, None)])
     assert fakes[0].servicer.packed_steps == 0
+    # Each item answered in its own shape; V is all ones, so O is too, whatever the weights.
+    assert [out.shape for out in outs] == [(1, 4, 16), (1, 2, 16)]
+    for out in outs:
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 1.0)
 
 
 def test_without_history_a_lost_sequence_is_an_error_unless_a_prefix_source_helps(fakes, rng):
@@ -490,7 +495,7 @@ def test_truncate_many_cuts_across_endpoints_through_a_lost_and_a_leaving_server
         for lost in (fakes[0].servicer.forget_all, fakes[2].stop):
             start = [s.lengths[0] for s in seqs]
             qs, kvs = [truth.query(4) for _ in seqs], [truth.rows(4) for _ in seqs]
-            for seq, q, kv, out in zip(seqs, qs, kvs, client.decode_step(
+            for seq, q, kv, out in zip_all(seqs, qs, kvs, client.decode_step(
                     [(s, 0, q, *kv) for s, q, kv in zip(seqs, qs, kvs)], causal=True)):
                 truth.add(seq.key, 0, *kv)
                 truth.check(out, q, seq.key, 0, causal=True)

@@ -37,6 +37,7 @@ import flashserve
 
 pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in this checkout")
 
+from conftest import zip_all  # noqa: E402
 from ring_keys import key_on  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
@@ -82,7 +83,7 @@ def _rounds(client, seqs, truth, n, layer=0):
         qs = [truth.query() for _ in seqs]
         kvs = [truth.rows(1) for _ in seqs]
         outs = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)])
-        for s, q, (k, v), out in zip(seqs, qs, kvs, outs):
+        for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
             truth.add(s.key, layer, k, v)
             truth.check(out, q, s.key, layer)
 
@@ -246,7 +247,7 @@ def test_a_step_that_raises_leaves_none_of_its_rows_even_where_one_server_took_t
             client.decode_step(items)
         assert info.value.code == failure[0]
         outs = client.decode_step(items)  # the caller retries the step
-        for s, q, (k, v), out in zip(seqs, qs, kvs, outs):
+        for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
             truth.add(s.key, 0, k, v)
             truth.check(out, q, s.key, 0)
         _rounds(client, seqs, truth, 2)
@@ -337,7 +338,7 @@ def test_a_step_whose_share_raises_ends_only_after_its_other_shares(fakes, rng, 
         time.sleep(0.3)  # whatever b's answer did, it has done
         monkeypatch.setattr(_seq_step, "_answer", answer)
         outs = client.decode_step(items)  # sent again
-        for seq, q, (k, v), out in zip((a, b), qs, kvs, outs):
+        for seq, q, (k, v), out in zip_all((a, b), qs, kvs, outs):
             truth.add(seq.key, 0, k, v)
             truth.check(out, q, seq.key, 0)
         for fake, seq in zip(fakes, (a, b)):
@@ -552,7 +553,7 @@ def _e2e_steps(client, seqs, truth, n):
         qs = [truth.query(2) for _ in seqs]
         kvs = [truth.rows(2) for _ in seqs]
         outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], causal=True)
-        for s, q, (k, v), out in zip(seqs, qs, kvs, outs):
+        for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
             truth.add(s.key, 0, k, v)
             truth.check(out, q, s.key, 0, causal=True)
             assert s.info().layer_lengths[0] == truth.length(s.key, 0)
@@ -582,7 +583,7 @@ def test_local_socket_answer_cut_mid_frame(kv_server, rng, cut_at, reprefill):
             items = [(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)]
             if reprefill:
                 outs = client.decode_step(items, causal=True)
-                for s, q, (k, v), out in zip(seqs, qs, kvs, outs):
+                for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
                     truth.add(s.key, 0, k, v)
                     truth.check(out, q, s.key, 0, causal=True)
                 assert client.stats["already_appended"] == 2

@@ -18,7 +18,7 @@ from flashserve.local import LocalClient
 from flashserve import attention_pb2 as pb
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 from test_gpu_e2e import _gpu_present
 from test_sequences_shm import Region, _refused, _shm_tensor
@@ -125,7 +125,7 @@ def _step(stub, regions, seqs, qs, kvs, step, return_lse):
     regions["cuda"].sync()
     response = stub.DecodeStep(request, timeout=60)
     answers = []
-    for q, (where, out_ref, lse_ref), result in zip(qs, places, response.results):
+    for q, (where, out_ref, lse_ref), result in zip_all(qs, places, response.results):
         ndt, lse_shape = q.dtype, (q.shape[1], q.shape[0])
         out = regions[where[3]].read(out_ref, ndt, q.shape) if out_ref is not None else \
             np.frombuffer(result.out.data, ndt).reshape(q.shape)
@@ -170,7 +170,7 @@ def test_decode_steps_through_cuda_region_match_reference(server, rng, dtype, he
                 qs = [truth.query(rows_q) for _ in seqs]
                 kvs = [truth.rows(rows_q if step % 3 else 1) for _ in seqs]
                 answers = _step(stub, regions, seqs, qs, kvs, step, return_lse=step % 2 == 1)
-                for seq, q, (k, v), (out, lse, length) in zip(seqs, qs, kvs, answers):
+                for seq, q, (k, v), (out, lse, length) in zip_all(seqs, qs, kvs, answers):
                     truth.add(seq.key, 0, k, v)
                     assert length == truth.length(seq.key, 0)
                     assert not np.isnan(out.astype(np.float32)).any()

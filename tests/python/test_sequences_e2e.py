@@ -12,7 +12,7 @@ import pytest
 
 import flashserve
 import conftest
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 
 pytestmark = pytest.mark.e2e
@@ -59,7 +59,7 @@ def _steps(client, seqs, truth, n, layer=0, rows_q=1, causal=False, return_lse=F
         kvs = [truth.rows(rows_q) for _ in seqs]
         answers = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], causal=causal,
                                      return_lse=return_lse)
-        for seq, q, (k, v), answer in zip(seqs, qs, kvs, answers):
+        for seq, q, (k, v), answer in zip_all(seqs, qs, kvs, answers):
             truth.add(seq.key, layer, k, v)
             out, lse = answer if return_lse else (answer, None)
             truth.check(out, q, seq.key, layer, causal=causal, lse=lse)
@@ -131,6 +131,38 @@ def test_eviction_after_ttl_then_reprefill(start_server, rng):
         _steps(client, seqs, truth, 5)
         assert all(s.reprefills == 1 for s in seqs) and client.stats["not_found"] >= 1
         assert client.pool_info().evictions >= 4
+
+
+def check_a_nan_key_poisons_only_the_heads_that_read_it(address, rng, keys=12000):
+    """One NaN in K (KV head 1, key 5/12 of the way; on CUDA one long sequence's key axis is split over blocks): q heads 4..7
+    (the group of KV head 1) come back NaN in O and in the LSE; every other head answers as on the same sequence
+    without the NaN, which matches the fp64 reference. On CUDA a split-KV merge used to drop the NaN split and answer
+    finite, without that split's keys; and a NaN row's LSE came back -inf ("saw no key")."""
+    heads_q, heads_kv, d = 32, 8, 128
+    truth = Truth(rng, heads_q, heads_kv, d, "bfloat16")
+    shape = _shape(1, "bfloat16", heads_q=heads_q, heads_kv=heads_kv, head_dim=d)
+    with flashserve.SequenceClient(address, timeout=120, reprefill=False) as client:
+        k, v = truth.rows(keys)
+        bad_k = k.copy()
+        bad_k[keys * 5 // 12, 1, 7] = np.nan
+        clean = client.create(**shape, prefix={0: (k, v)})
+        truth.add(clean.key, 0, k, v)
+        bad = client.create(**shape, prefix={0: (bad_k, v)})
+        q = truth.query()
+        out, lse = clean.attend(0, q, return_lse=True)
+        truth.check(out, q, clean.key, 0, lse=lse)
+        bad_out, bad_lse = bad.attend(0, q, return_lse=True)
+        out, bad_out = np.asarray(out, np.float32), np.asarray(bad_out, np.float32)
+        read = [h for h in range(heads_q) if h // (heads_q // heads_kv) == 1]
+        others = [h for h in range(heads_q) if h not in read]
+        assert np.isnan(bad_out[:, read]).all(), bad_out[:, read]
+        assert np.isnan(np.asarray(bad_lse)[read]).all(), np.asarray(bad_lse)[read]
+        np.testing.assert_array_equal(bad_out[:, others], out[:, others])
+        np.testing.assert_array_equal(np.asarray(bad_lse)[others], np.asarray(lse)[others])
+
+
+def test_a_nan_key_poisons_only_the_heads_that_read_it(kv_server, rng):
+    check_a_nan_key_poisons_only_the_heads_that_read_it(kv_server.address, rng, keys=3000)
 
 
 def test_release_frees_pages_and_then_not_found(kv_server, rng):

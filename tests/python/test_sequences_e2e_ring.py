@@ -12,6 +12,7 @@ import time
 import pytest
 
 import flashserve
+from conftest import zip_all
 from ring_keys import keys_spread_over
 from sequences_truth import Truth
 
@@ -24,7 +25,7 @@ def _round(client, seqs, truth, layer):
     qs = [truth.query() for _ in seqs]
     kvs = [truth.rows(1) for _ in seqs]
     outs = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)])
-    for seq, q, (k, v), out in zip(seqs, qs, kvs, outs):
+    for seq, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
         truth.add(seq.key, layer, k, v)
         truth.check(out, q, seq.key, layer)
 

@@ -13,9 +13,10 @@ import tempfile
 import pytest
 
 import flashserve
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 from test_gpu_e2e import _gpu_present
+from test_sequences_e2e import check_a_nan_key_poisons_only_the_heads_that_read_it
 from test_sequences_packed import run_packed_steps
 from test_sequences_shm import run_shm_steps
 
@@ -53,7 +54,7 @@ def test_llama_like_layer_many_steps(cuda_kv_server, rng, dtype, head_dim):
             qs = [truth.query() for _ in seqs]
             kvs = [truth.rows(1) for _ in seqs]
             outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], return_lse=True)
-            for seq, q, (k, v), (out, lse) in zip(seqs, qs, kvs, outs):
+            for seq, q, (k, v), (out, lse) in zip_all(seqs, qs, kvs, outs):
                 truth.add(seq.key, 0, k, v)
                 truth.check(out, q, seq.key, 0, lse=lse)
         for seq in seqs:
@@ -106,3 +107,8 @@ def test_packed_steps_of_64_sequences(cuda_kv_server, rng):
     they are (no staging copy); every answer against the fp64 reference."""
     run_packed_steps(cuda_kv_server, rng, "bfloat16", shape=dict(heads_q=32, heads_kv=8, head_dim=128),
                      prefixes=tuple(1 + (i * 37) % 300 for i in range(64)), steps=4)
+
+
+def test_a_nan_key_poisons_only_the_heads_that_read_it_whatever_the_split(cuda_kv_server, rng):
+    """12000 keys of one sequence: the decode kernel splits them over many blocks (test_sequences_e2e.py)."""
+    check_a_nan_key_poisons_only_the_heads_that_read_it(cuda_kv_server.address, rng)

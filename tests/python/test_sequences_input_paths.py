@@ -16,7 +16,7 @@ import flashserve
 from flashserve import sequences_pb2 as spb
 from flashserve import tensors
 from flashserve.local import LocalClient
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from metrics_helpers import scrape
 from sequences_truth import Truth
 from test_sequences_shm import Region, _step_request
@@ -74,7 +74,7 @@ def test_sequences_calls_count_their_input_paths(server, rng, transport):
                 qs, kvs = [truth.query(1) for _ in seqs], [truth.rows(1) for _ in seqs]
                 request, outs = _step_request(region, seqs, qs, kvs, in_shm, return_lse=False)
                 response = decode_step(request)
-                for seq, q, (k, v), where, result in zip(seqs, qs, kvs, outs, response.results):
+                for seq, q, (k, v), where, result in zip_all(seqs, qs, kvs, outs, response.results):
                     truth.add(seq.key, 0, k, v)
                     out = np.frombuffer(result.out.data, np.float16).reshape(q.shape) if where is None \
                         else region.read(where[0], np.float16, q.shape)

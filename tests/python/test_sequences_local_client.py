@@ -16,7 +16,7 @@ import pytest
 
 import flashserve
 import conftest
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from metrics_helpers import scrape
 from sequences_truth import Truth
 
@@ -59,7 +59,7 @@ def _steps(client, seqs, truth, n, layer=0):
         qs = [truth.query(1) for _ in seqs]
         kvs = [truth.rows(1) for _ in seqs]
         outs = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)])
-        for seq, q, (k, v), out in zip(seqs, qs, kvs, outs):
+        for seq, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
             truth.add(seq.key, layer, k, v)
             truth.check(out, q, seq.key, layer)
 

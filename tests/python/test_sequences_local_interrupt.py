@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 import flashserve
-from conftest import ServerProcess, _stop_and_check
+from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def _steps(client, seqs, truth, n, rows_q=1):
         qs = [truth.query(rows_q) for _ in seqs]
         kvs = [truth.rows(rows_q) for _ in seqs]
         outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)], causal=True)
-        for seq, q, (k, v), out in zip(seqs, qs, kvs, outs):
+        for seq, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
             truth.add(seq.key, 0, k, v)
             truth.check(out, q, seq.key, 0)
 
