@@ -112,8 +112,8 @@ int64_t SequenceCache::MaxTokensOf(const CreateRequest& request) const {
   return request.max_tokens > 0 ? request.max_tokens : options_.max_sequence_tokens;
 }
 
-absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest& request,
-                                                             absl::Time deadline) {
+absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(
+    const CreateRequest& request, absl::Time deadline, const std::function<bool()>& cancelled) {
   if (absl::Status s = ValidateCreate(request); !s.ok()) return s;
   absl::StatusOr<std::string> id = NewSequenceId();
   if (!id.ok()) return id.status();
@@ -132,7 +132,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(const CreateRequest
     if (*earlier != nullptr) return AnswerCreatedLocked(*earlier);
     if (absl::Status s = AdmitLocked(std::move(seq), runs, &fresh); !s.ok()) return s;
   }
-  return FinishCreate(raw, WritePrefix(raw, request.prefix, &fresh), deadline, &fresh);
+  return FinishCreate(raw, WritePrefix(raw, request.prefix, &fresh), deadline, cancelled, &fresh);
 }
 
 std::unique_ptr<SequenceCache::Sequence> SequenceCache::NewSequence(const CreateRequest& request,
@@ -212,15 +212,21 @@ absl::Status SequenceCache::WritePrefix(Sequence* seq, const std::vector<LayerRo
 
 absl::StatusOr<SequenceStatus> SequenceCache::FinishCreate(Sequence* seq, absl::Status written,
                                                            absl::Time deadline,
+                                                           const std::function<bool()>& cancelled,
                                                            std::vector<int64_t>* fresh) {
   std::lock_guard<std::mutex> lock(mu_);
   settled_.notify_all();  // the creates waiting for its token look again once mu_ is free
   seq->pins = 0;
-  // A client that stopped waiting would leave the sequence unnamed until its TTL (a re-prefill
-  // storm under tight deadlines piled them up): not kept -- unless a retry with its token waits
-  // for it (the retry names it; dropped, the retry would write the prefix all over again).
-  if (written.ok() && token_waiters_.count(seq->create_token) == 0)
+  // A client that stopped waiting (its deadline passed, or it cancelled or disconnected) would
+  // leave the sequence unnamed until its TTL (a re-prefill storm under tight deadlines piled them
+  // up): not kept -- unless a retry with its token waits for it (the retry names it; dropped,
+  // the retry would write the prefix all over again).
+  if (written.ok() && token_waiters_.count(seq->create_token) == 0) {
     written = CheckDeadline(Now(), deadline, "while its prefix was written");
+    if (written.ok() && cancelled && cancelled()) {
+      written = absl::CancelledError("the call was cancelled while its prefix was written");
+    }
+  }
   if (!written.ok()) {
     pages_.Free(seq->format.page_bytes, *fresh);  // taken for layers not reached
     Remove(seq);                                  // with its token: a retry creates anew

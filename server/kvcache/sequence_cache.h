@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -148,9 +149,11 @@ class SequenceCache {
   /// a create with its token waits for it. With a create_token that names a live sequence made
   /// with it: that sequence, already_created (nothing taken; ALREADY_EXISTS when the request's
   /// settings differ from its). One still writing its prefix is waited for, at most until
-  /// `deadline` (then DEADLINE_EXCEEDED).
+  /// `deadline` (then DEADLINE_EXCEEDED). CANCELLED (nothing kept) when `cancelled` says so once
+  /// the prefix is written: a client that went away would leave a sequence nobody can name.
   absl::StatusOr<SequenceStatus> CreateSequence(const CreateRequest& request,
-                                                absl::Time deadline = absl::InfiniteFuture());
+                                                absl::Time deadline = absl::InfiniteFuture(),
+                                                const std::function<bool()>& cancelled = {});
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
   /// length nor its length less the rows (nothing appended then). DEADLINE_EXCEEDED, nothing
   /// appended, when `deadline` passed while it waited for another append to the sequence.
@@ -176,8 +179,15 @@ class SequenceCache {
   absl::StatusOr<SequenceStatus> Info(std::string_view id);
   CacheStats Stats();
   /// Evicts sequences idle past the TTL (not pinned ones); how many. Also runs by itself from
-  /// the other calls, at most every TTL/8.
+  /// the other calls, at most every TTL/8. While decode calls wait to run (CallWaiting), only
+  /// sequences already idle past the TTL when the oldest of them arrived go: a waiting call's
+  /// sequences were alive when it came, and it names them.
   int64_t EvictIdle();
+  /// A decode call is queued (or batched) from now until CallLeft(the time returned): its
+  /// sequences count as used at least until then (EvictIdle). Call CallLeft once its step is
+  /// prepared (PrepareStep has marked them used) or it is answered without running.
+  absl::Time CallWaiting();
+  void CallLeft(absl::Time waiting_since);
 
   const KvCacheOptions& options() const { return options_; }
   KvStore* store() { return store_; }
@@ -209,11 +219,14 @@ class SequenceCache {
   // Writes the prefix outside the lock (the sequence is hidden: nobody can name it yet).
   absl::Status WritePrefix(Sequence* seq, const std::vector<LayerRows>& prefix,
                            std::vector<int64_t>* fresh);
-  // Shows the admitted sequence once `written` is OK and `deadline` has not passed (or a create
-  // with its token waits for it); otherwise frees it (with its token and the pages not reached in
-  // *fresh) and returns why. Wakes the creates waiting for its token.
+  // Shows the admitted sequence once `written` is OK and neither has `deadline` passed nor was
+  // the call `cancelled` (unless a create with its token waits for it); otherwise frees it (with
+  // its token and the pages not reached in *fresh) and returns why. Wakes the creates waiting
+  // for its token.
   absl::StatusOr<SequenceStatus> FinishCreate(Sequence* seq, absl::Status written,
-                                              absl::Time deadline, std::vector<int64_t>* fresh);
+                                              absl::Time deadline,
+                                              const std::function<bool()>& cancelled,
+                                              std::vector<int64_t>* fresh);
   // Also sets (*fresh_rows)[i]: the rows item i appends (0 when expected_length finds them there).
   absl::Status ValidateStep(const std::vector<StepItem>& items, const std::vector<Sequence*>& found,
                             std::vector<int64_t>* fresh_rows) const;
@@ -291,6 +304,8 @@ class SequenceCache {
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
   void MaybeEvictLocked();    // needs mu_
+  // When the oldest waiting decode call arrived (CallWaiting), or Now() when none waits.
+  absl::Time OldestWaitingLocked() const;  // needs mu_
   int64_t EvictIdleLocked();  // needs mu_
   void PublishLocked();       // needs mu_
   SequenceStatus StatusOf(const Sequence& seq) const;
@@ -316,6 +331,7 @@ class SequenceCache {
   std::unordered_map<Sequence*, std::unique_ptr<Sequence>> retired_;
   absl::Time last_sweep_;
   int64_t evictions_ = 0;
+  std::multiset<absl::Time> waiting_since_;  // decode calls queued or batched (CallWaiting)
 };
 
 }  // namespace flashserve::kvcache

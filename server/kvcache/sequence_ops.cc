@@ -178,18 +178,37 @@ int64_t SequenceCache::EvictIdle() {
   return EvictIdleLocked();
 }
 
+absl::Time SequenceCache::CallWaiting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time now = Now();
+  waiting_since_.insert(now);
+  return now;
+}
+
+void SequenceCache::CallLeft(absl::Time waiting_since) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = waiting_since_.find(waiting_since);
+  if (it != waiting_since_.end()) waiting_since_.erase(it);
+}
+
+absl::Time SequenceCache::OldestWaitingLocked() const {
+  const absl::Time now = Now();
+  return waiting_since_.empty() ? now : std::min(now, *waiting_since_.begin());
+}
+
 void SequenceCache::MaybeEvictLocked() {
   if (options_.ttl == absl::ZeroDuration()) return;
   if (Now() - last_sweep_ >= std::max(options_.ttl / 8, absl::Milliseconds(10))) EvictIdleLocked();
 }
 
 int64_t SequenceCache::EvictIdleLocked() {
-  const absl::Time now = Now();
-  last_sweep_ = now;
+  last_sweep_ = Now();
   if (options_.ttl == absl::ZeroDuration()) return 0;
+  // Idle as of the oldest waiting call's arrival: a queued call may name any sequence alive then.
+  const absl::Time idle_at = OldestWaitingLocked();
   std::vector<Sequence*> idle;
   for (auto& [id, seq] : table_) {
-    if (seq->ready && seq->pins == 0 && now - seq->last_used >= options_.ttl)
+    if (seq->ready && seq->pins == 0 && idle_at - seq->last_used >= options_.ttl)
       idle.push_back(seq.get());
   }
   for (Sequence* seq : idle) Remove(seq);

@@ -51,6 +51,10 @@ struct DecodeCall {
   /// cancel) leaves them appended -- a retry naming expected_length is then answered without
   /// appending them again.
   std::function<void(const absl::Status&, const DecodeReport&)> done;
+  /// Set by SequenceRuntime::Submit (with a TTL): the call stops counting as waiting in the cache
+  /// (SequenceCache::CallLeft; its sequences may be evicted again). Runs once, however often
+  /// called: when the step is prepared, and again (a no-op then) with done().
+  std::function<void()> stop_waiting;
   /// The submitting thread waits for done() anyway (the local socket): without a batch window the
   /// call runs on it when a scheduler worker would be idle, instead of waking a worker.
   bool caller_waits = false;

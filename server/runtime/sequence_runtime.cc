@@ -1,6 +1,7 @@
 #include "runtime/sequence_runtime.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -123,12 +124,29 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
                {});
     return;
   }
+  MarkWaiting(call.get());
   if (batcher_ == nullptr) {
     const bool run_inline = call->caller_waits;
     Dispatch({std::move(call)}, false, run_inline);
     return;
   }
   if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
+}
+
+void SequenceRuntime::MarkWaiting(DecodeCall* call) {
+  if (options_.cache.ttl == absl::ZeroDuration()) return;
+  kvcache::SequenceCache* cache = cache_.get();
+  auto left = std::make_shared<std::atomic<bool>>(false);
+  call->stop_waiting = [cache, since = cache->CallWaiting(), left] {
+    if (!left->exchange(true)) cache->CallLeft(since);
+  };
+  // Every answer (refused by the queue, dropped as stale, run) ends the wait, before the runtime
+  // (and its cache) can go: the destructor waits for every call handed on to be answered.
+  call->done = [stop = call->stop_waiting, done = std::move(call->done)](
+                   const absl::Status& status, const DecodeReport& report) {
+    stop();
+    done(status, report);
+  };
 }
 
 void SequenceRuntime::Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher,
@@ -155,6 +173,7 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
   }
   const absl::Time t0 = absl::Now();
   absl::StatusOr<kvcache::StepPlan> plan = cache_->PrepareStep(call->items, call->deadline);
+  if (call->stop_waiting) call->stop_waiting();  // its sequences are marked used (or it failed)
   if (!plan.ok()) {
     call->done(plan.status(), {});
     return std::nullopt;

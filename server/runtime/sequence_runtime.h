@@ -73,6 +73,9 @@ class SequenceRuntime {
   // Drops a cancelled or expired call, else appends its rows and pins its sequences (answering
   // it on an error).
   std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
+  // With a TTL: the call counts as waiting in the cache (its sequences are not evicted under it)
+  // until its step is prepared or it is answered (DecodeCall::stop_waiting).
+  void MarkWaiting(DecodeCall* call);
   // from_batcher: the calls are one batch of batcher_, told BatchDone once they are answered.
   // run_inline: on this thread if a worker would be idle (Scheduler::SubmitOrRunInline).
   void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher, bool run_inline);

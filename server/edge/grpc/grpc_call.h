@@ -18,6 +18,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -145,6 +146,18 @@ grpc::ServerUnaryReactor* AnswerUnary(grpc::CallbackServerContext* context, Grpc
 absl::Status SerializeAnswer(const google::protobuf::MessageLite& response,
                              grpc::ByteBuffer* raw_response);
 
+/// A raw unary call served on any thread: parses the request, runs `run(request, &response,
+/// call)` unless it did not parse, and finishes `reactor` with the answer (`call` started).
+template <typename Request, typename Response, typename Run>
+void RunUnary(grpc::ServerUnaryReactor* reactor, GrpcCall* call,
+              const grpc::ByteBuffer& raw_request, grpc::ByteBuffer* raw_response, Run&& run) {
+  Request request;
+  Response response;
+  absl::Status status = ParseRequest(raw_request, &request);
+  if (status.ok()) status = run(request, &response, call);
+  FinishUnary(reactor, call, status, response, raw_response);
+}
+
 /// A raw unary method answered on gRPC's thread, recorded as `method` in `metrics` (may be null):
 /// parses the request, runs `run(request, &response, &call)` unless it did not parse, answers.
 template <typename Request, typename Response, typename Run>
@@ -153,11 +166,9 @@ grpc::ServerUnaryReactor* ServeUnary(grpc::CallbackServerContext* context, Serve
                                      grpc::ByteBuffer* raw_response, Run&& run) {
   GrpcCall call(metrics, method);
   call.Start(int64_t(raw_request.Length()));
-  Request request;
-  Response response;
-  absl::Status status = ParseRequest(raw_request, &request);
-  if (status.ok()) status = run(request, &response, &call);
-  return AnswerUnary(context, &call, status, response, raw_response);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  RunUnary<Request, Response>(reactor, &call, raw_request, raw_response, std::forward<Run>(run));
+  return reactor;
 }
 
 }  // namespace flashserve

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/work_queue.h"
 #include "edge/grpc/answer_slices.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
@@ -19,12 +20,26 @@
 #include "edge/sequences/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kvcache/sequence_id.h"
 
 namespace flashserve {
 
 namespace {
 
 using Admission = AttentionRuntime::Admission;
+
+// The calls that may wait (Create, Append, Truncate: for another call's copy or a step's pin)
+// run on threads of the server's own (common/work_queue.h), never on gRPC's: the rest of the
+// control calls (Release, the two Infos) share them, so that they answer in order of arrival.
+constexpr int kControlThreads = 4;
+constexpr int kControlQueue = 1024;  // calls waiting for those threads; more: RESOURCE_EXHAUSTED
+
+// What a control call's work may use of its gRPC call: its deadline, and whether the client is
+// still there.
+struct CallBounds {
+  absl::Time deadline = absl::InfiniteFuture();
+  std::function<bool()> cancelled;
+};
 
 absl::Status Disabled() {
   return absl::FailedPreconditionError(
@@ -130,40 +145,68 @@ class SequencesService final : public SequencesBase {
   }
 
  private:
-  // A call answered on gRPC's thread (no queue): recorded from the request to the answer; `run`
-  // fills the response from the parsed request. The call's sequence id (if it has one) is named
-  // in the failure log line (escaped); a NOT_FOUND's well-formed missing ids go into the trailing
-  // metadata. `run` gets the call's deadline (an Append checks it again after waiting for another
-  // append to its sequence). The request's size goes to heap retention as an Attention request's
-  // does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an 8k-token prefix of a
-  // Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
+  // A control call, answered from the control threads (kControlThreads): recorded from its
+  // arrival to the answer; `run` fills the response from the parsed request. Its bytes count
+  // against --max_inflight_bytes from its arrival (refused RESOURCE_EXHAUSTED at once when they
+  // do not fit, or when kControlQueue calls wait already); one whose client left or whose
+  // deadline passed while it waited is answered so without running. The call's sequence id (if
+  // it has one) is named in the failure log line (escaped); a NOT_FOUND's well-formed missing ids
+  // go into the trailing metadata. The request's size goes to heap retention as an Attention
+  // request's does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an
+  // 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                   const Raw& raw_request, Raw* raw_response,
                                   absl::Status (SequencesService::*run)(const Request&, Response*,
-                                                                        absl::Time deadline)) {
+                                                                        const CallBounds&)) {
     if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(raw_request.Length()));
-    return ServeUnary<Request, Response>(
-        context, runtime_->metrics(), method, raw_request, raw_response,
-        [&](const Request& request, Response* response, GrpcCall* call) {
-          call->set_session_id(SequenceIdOf(request));
-          absl::Status status = (this->*run)(request, response, ToAbslTime(context->deadline()));
-          AddMissing(context, status);
-          return status;
-        });
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    auto call = std::make_shared<GrpcCall>(runtime_->metrics(), method);
+    call->Start(int64_t(raw_request.Length()));
+    auto hold = std::make_shared<CallHold>();
+    absl::Status refused = hold->Reserve(runtime_, int64_t(raw_request.Length()));
+    auto serve = [this, context, reactor, call, hold, &raw_request, raw_response, run] {
+      const CallBounds bounds{ToAbslTime(context->deadline()),
+                              [context] { return context->IsCancelled(); }};
+      RunUnary<Request, Response>(
+          reactor, call.get(), raw_request, raw_response,
+          [&](const Request& request, Response* response, GrpcCall* answered) {
+            answered->set_session_id(SequenceIdOf(request));
+            absl::Status status = StaleControlCall(bounds);
+            if (status.ok()) status = (this->*run)(request, response, bounds);
+            AddMissing(context, status);
+            return status;
+          });
+    };
+    if (refused.ok() && !control_.TrySubmit(std::move(serve))) {
+      refused = absl::ResourceExhaustedError(
+          absl::StrCat(kControlQueue,
+                       " Sequences control calls wait already (Create, Append, Truncate, "
+                       "Release, Get*Info); retry later"));
+    }
+    if (!refused.ok()) FinishUnary(reactor, call.get(), refused, Response(), raw_response);
+    return reactor;
+  }
+  // CANCELLED / DEADLINE_EXCEEDED for a control call nobody waits for any more.
+  static absl::Status StaleControlCall(const CallBounds& bounds) {
+    if (bounds.cancelled()) return absl::CancelledError("the call was cancelled before it ran");
+    if (absl::Now() > bounds.deadline) {
+      return absl::DeadlineExceededError("deadline passed while the call waited to run");
+    }
+    return absl::OkStatus();
   }
   absl::Status DoCreate(const v1::CreateSequenceRequest& request,
-                        v1::CreateSequenceResponse* response, absl::Time deadline);
+                        v1::CreateSequenceResponse* response, const CallBounds& bounds);
   absl::Status DoAppend(const v1::AppendRequest& request, v1::AppendResponse* response,
-                        absl::Time deadline);
+                        const CallBounds& bounds);
   absl::Status DoTruncate(const v1::TruncateRequest& request, v1::TruncateResponse* response,
-                          absl::Time deadline);
+                          const CallBounds& bounds);
   absl::Status DoRelease(const v1::ReleaseRequest& request, v1::ReleaseResponse* response,
-                         absl::Time deadline);
+                         const CallBounds& bounds);
   absl::Status DoInfo(const v1::GetSequenceInfoRequest& request, v1::SequenceInfo* response,
-                      absl::Time deadline);
+                      const CallBounds& bounds);
   absl::Status DoPoolInfo(const v1::GetKvPoolInfoRequest& request, v1::KvPoolInfo* response,
-                          absl::Time deadline);
+                          const CallBounds& bounds);
   // What a decode call's answer keeps while gRPC writes it: its admission, so that a drain waits
   // for the answer to be written (a DecodeStep's answer slices hold it).
   using AnswerHold = std::shared_ptr<void>;
@@ -179,6 +222,9 @@ class SequencesService final : public SequencesBase {
   AttentionRuntime* const runtime_;
   SequenceRuntime* const sequences_;
   HeapRetention* const heap_retention_;  // may be null
+  // Last: destroyed first, running what is queued while the rest is still there (gRPC has
+  // finished every call by then: its Shutdown waits for them).
+  WorkQueue control_{kControlThreads, kControlQueue};
 };
 
 grpc::ServerUnaryReactor* SequencesService::Launch(
@@ -282,16 +328,15 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
 }
 
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
-                                        v1::CreateSequenceResponse* response, absl::Time deadline) {
+                                        v1::CreateSequenceResponse* response,
+                                        const CallBounds& bounds) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
-  CallHold hold;
-  if (absl::Status s = hold.Reserve(runtime_, int64_t(request.ByteSizeLong())); !s.ok()) return s;
   absl::StatusOr<kvcache::CreateRequest> create = CreateRequestFrom(request);
   if (!create.ok()) return create.status();
   absl::StatusOr<kvcache::SequenceStatus> created =
-      sequences_->cache().CreateSequence(*create, deadline);
+      sequences_->cache().CreateSequence(*create, bounds.deadline, bounds.cancelled);
   if (!created.ok()) return created.status();
   response->set_sequence_id(created->id);
   response->set_ttl_ms(absl::ToInt64Milliseconds(sequences_->options().cache.ttl));
@@ -302,12 +347,10 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
 }
 
 absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
-                                        v1::AppendResponse* response, absl::Time deadline) {
+                                        v1::AppendResponse* response, const CallBounds& bounds) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
-  CallHold hold;
-  if (absl::Status s = hold.Reserve(runtime_, int64_t(request.ByteSizeLong())); !s.ok()) return s;
   std::vector<kvcache::LayerRows> rows;
   for (const v1::LayerKV& layer : request.rows()) {
     absl::StatusOr<kvcache::LayerRows> converted = LayerRowsFrom(layer);
@@ -315,7 +358,7 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
     rows.push_back(*converted);
   }
   absl::StatusOr<kvcache::AppendResult> appended =
-      sequences_->cache().Append(request.sequence_id(), rows, deadline);
+      sequences_->cache().Append(request.sequence_id(), rows, bounds.deadline);
   if (!appended.ok()) return appended.status();
   for (int64_t length : appended->lengths) response->add_layer_lengths(length);
   for (int layer : appended->already_appended) response->add_already_appended_layers(layer);
@@ -323,7 +366,8 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
 }
 
 absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
-                                          v1::TruncateResponse* response, absl::Time deadline) {
+                                          v1::TruncateResponse* response,
+                                          const CallBounds& bounds) {
   if (sequences_ == nullptr) return Disabled();
   Admission admission = runtime_->Admit();
   if (!admission) return absl::UnavailableError("server shutting down");
@@ -341,7 +385,7 @@ absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
         {item.sequence_id(), item.length(), {item.layers().begin(), item.layers().end()}});
   }
   absl::StatusOr<std::vector<kvcache::TruncateResult>> cut =
-      sequences_->cache().Truncate(items, deadline);
+      sequences_->cache().Truncate(items, bounds.deadline);
   if (!cut.ok()) return cut.status();
   for (const kvcache::TruncateResult& one : *cut) {
     v1::TruncateResult* result = response->add_results();
@@ -352,7 +396,8 @@ absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
 }
 
 absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
-                                         v1::ReleaseResponse* response, absl::Time /*deadline*/) {
+                                         v1::ReleaseResponse* response,
+                                         const CallBounds& /*bounds*/) {
   if (sequences_ == nullptr) return Disabled();
   // Bounded as a DecodeStep is: the cache's lock is held for the whole list.
   const int max_ids = sequences_->options().max_batch_sequences;
@@ -364,19 +409,21 @@ absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
   const std::vector<std::string> ids(request.sequence_ids().begin(), request.sequence_ids().end());
   const std::vector<std::string> missing = sequences_->cache().Release(ids);
   response->set_released(int32_t(ids.size() - missing.size()));
-  for (const std::string& id : missing) response->add_not_found(id);
+  for (const std::string& id : missing) {
+    if (kvcache::WellFormedSequenceId(id)) response->add_not_found(id);  // never echo client bytes
+  }
   return absl::OkStatus();
 }
 
 absl::Status SequencesService::DoPoolInfo(const v1::GetKvPoolInfoRequest& /*request*/,
-                                          v1::KvPoolInfo* response, absl::Time /*deadline*/) {
+                                          v1::KvPoolInfo* response, const CallBounds& /*bounds*/) {
   response->set_enabled(sequences_ != nullptr);
   if (sequences_ != nullptr) FillPoolInfo(sequences_, response);
   return absl::OkStatus();
 }
 
 absl::Status SequencesService::DoInfo(const v1::GetSequenceInfoRequest& request,
-                                      v1::SequenceInfo* response, absl::Time /*deadline*/) {
+                                      v1::SequenceInfo* response, const CallBounds& /*bounds*/) {
   if (sequences_ == nullptr) return Disabled();
   absl::StatusOr<kvcache::SequenceStatus> info = sequences_->cache().Info(request.sequence_id());
   if (!info.ok()) return info.status();

@@ -458,6 +458,29 @@ TEST_F(SequenceCacheTest, ConcurrentStepsOnSharedAndDisjointSequences) {
   EXPECT_EQ(cache_->Info(ids[1])->lengths[0], 2 + 200);
 }
 
+// A decode call that waits to run (queued or batched) names sequences that were alive when it
+// came: none of them is evicted by the TTL until it has left the wait -- it used to be, and the
+// call was answered NOT_FOUND (the client then re-sent its prefix). A sequence already idle past
+// the TTL when the oldest waiting call came still goes.
+TEST_F(SequenceCacheTest, SequencesAliveWhenAWaitingCallCameAreNotEvictedUnderIt) {
+  Make(4 << 20, 16, absl::Seconds(10));
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
+  std::vector<DenseLayer> a, b;
+  const std::string id_a = NewSequence(s, &a, 3);  // used at t = 0
+  now_ += absl::Seconds(5);
+  const std::string id_b = NewSequence(s, &b, 3);  // used at t = 5
+  now_ += absl::Seconds(7);                        // t = 12: a expired at t = 10
+  const absl::Time waiting = cache_->CallWaiting();
+  now_ += absl::Seconds(20);  // t = 32: both idle past the TTL, but b was alive at t = 12
+  EXPECT_EQ(cache_->EvictIdle(), 1);
+  EXPECT_EQ(cache_->Info(id_a).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache_->Stats().sequences, 1);
+  cache_->CallLeft(waiting);
+  EXPECT_EQ(cache_->EvictIdle(), 1);
+  EXPECT_EQ(cache_->Stats().sequences, 0);
+  EXPECT_EQ(cache_->Stats().used_bytes, 0);
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache
 
@@ -746,6 +769,39 @@ TEST(SequenceCacheCreate, ASequenceWhosePrefixOutlivedItsDeadlineIsNotKept) {
   EXPECT_EQ(cache->Stats().used_bytes, 0);
   EXPECT_TRUE(cache->CreateSequence(create, absl::FromUnixSeconds(2000)).ok());  // in time: kept
   EXPECT_EQ(cache->Stats().sequences, 1);
+}
+
+// A client that cancels (or disconnects) while its prefix is written would leave a sequence
+// nobody can name, holding its pages until the TTL (a cancelled CreateSequence filled the pool):
+// not kept, as one past its deadline. A cancel that comes after the create finished changes
+// nothing.
+TEST(SequenceCacheCreate, ASequenceWhoseCallWasCancelledWhileItsPrefixWasWrittenIsNotKept) {
+  GatedStore store(/*gated_bytes=*/4096);
+  std::atomic<int64_t> now_s{1000};
+  std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
+  std::mt19937 rng(11);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
+  CreateRequest create;
+  create.shape = {1, 1, 1, 64, f16};
+  create.prefix = {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}};
+  std::atomic<bool> cancelled{false};
+  const std::function<bool()> is_cancelled = [&] { return cancelled.load(); };
+  auto created = std::async(std::launch::async, [&] {
+    return cache->CreateSequence(create, absl::InfiniteFuture(), is_cancelled).status();
+  });
+  store.WaitUntilBlocked();
+  cancelled = true;
+  store.Open();
+  EXPECT_EQ(created.get().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(cache->Stats().sequences, 0);
+  EXPECT_EQ(cache->Stats().used_bytes, 0);
+  cancelled = false;
+  absl::StatusOr<SequenceStatus> kept =
+      cache->CreateSequence(create, absl::InfiniteFuture(), is_cancelled);
+  ASSERT_TRUE(kept.ok());
+  cancelled = true;  // after the answer: the sequence stays
+  EXPECT_TRUE(cache->Info(kept->id).ok());
 }
 
 }  // namespace
