@@ -68,7 +68,9 @@ ABSL_FLAG(bool, enable_fault_injection, false,
           "\"flashserve-test:inject-device-fault\" faults its GPU (sticky CUDA error) instead of "
           "computing, to exercise the unhealthy-device path; one whose request_id is "
           "\"flashserve-test:inject-device-hang\" never completes (CUDA: a kernel spins for "
-          "10 minutes), to exercise the bounded shutdown. Never enable in production");
+          "10 minutes), to exercise the bounded shutdown; one whose request_id is "
+          "\"flashserve-test:inject-launch-error\" has a CUDA call refused (not sticky; CUDA "
+          "only), to exercise the failed-launch path. Never enable in production");
 ABSL_FLAG(int64_t, malloc_mmap_threshold_bytes, flashserve::MallocOptions{}.mmap_threshold_bytes,
           "glibc malloc: allocations of at least this many bytes get their own mmap and go back "
           "to the system when freed. A fixed threshold stops glibc from raising it after large "
@@ -182,7 +184,8 @@ ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.sessio
 ABSL_FLAG(int64_t, kv_cache_bytes, flashserve::SequenceRuntimeOptions{}.cache.capacity_bytes,
           "Sequences API: bytes of the KV cache pool (device memory on the CUDA backend, "
           "reserved at startup; host memory on the CPU backend), rounded down to 2 MiB slabs; "
-          "0: the Sequences API is off (its calls get FAILED_PRECONDITION)");
+          "0 or at least 2097152 (one slab). 0: the Sequences API is off (its calls get "
+          "FAILED_PRECONDITION; GetKvPoolInfo answers enabled: false)");
 ABSL_FLAG(int, kv_page_tokens, flashserve::SequenceRuntimeOptions{}.cache.page_tokens,
           "Sequences API: tokens per KV page (a page holds K and V of one layer), in [1, 1024]");
 ABSL_FLAG(int64_t, sequence_ttl_s,

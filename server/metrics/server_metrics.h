@@ -1,5 +1,6 @@
-// The server's metrics (DESIGN.md §6), all named flashserve_*, behind typed methods the edges,
-// scheduler and backends call. One object per server; the metrics HTTP endpoint renders it.
+// The server's metrics, all named flashserve_* (README "API summary" lists the families),
+// behind typed methods the edges, scheduler and backends call. One object per server; the
+// metrics HTTP endpoint renders it.
 #pragma once
 
 #include <array>

@@ -1,7 +1,8 @@
 """Striped client: one request's bytes spread over several gRPC connections (flashserve.v1.AttentionStreamService).
 
-One HTTP/2 connection carries well under 1 GB/s; several in parallel scale. ``StripedClient`` opens ``stripes``
-channels (one connection each), and for each call:
+One HTTP/2 connection carries about 2 GB/s (1.9-2.1 GB/s for unary Attention with the C++ load generator, H100
+hosts; README "Large messages"); several in parallel scale. ``StripedClient`` opens ``stripes`` channels (one
+connection each), and for each call:
 
   1. OpenSession with the shapes (no data);
   2. uploads Q, K, V as ``chunk_bytes`` pieces, round-robin over one client-streaming Upload per channel, in parallel;
