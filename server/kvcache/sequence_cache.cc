@@ -127,7 +127,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::CreateSequence(
     std::unique_lock<std::mutex> lock(mu_);
     MaybeEvictLocked();
     // Looked up and admitted under one hold of mu_: two creates with one token make one sequence.
-    absl::StatusOr<Sequence*> earlier = FindCreatedLocked(request, &lock, deadline);
+    absl::StatusOr<Sequence*> earlier = FindCreatedLocked(request, &lock, deadline, cancelled);
     if (!earlier.ok()) return earlier.status();
     if (*earlier != nullptr) return AnswerCreatedLocked(*earlier);
     if (absl::Status s = AdmitLocked(std::move(seq), runs, &fresh); !s.ok()) return s;
@@ -152,7 +152,8 @@ std::unique_ptr<SequenceCache::Sequence> SequenceCache::NewSequence(const Create
 }
 
 absl::StatusOr<SequenceCache::Sequence*> SequenceCache::FindCreatedLocked(
-    const CreateRequest& request, std::unique_lock<std::mutex>* lock, absl::Time deadline) {
+    const CreateRequest& request, std::unique_lock<std::mutex>* lock, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
   if (request.create_token.empty()) return nullptr;
   while (true) {
     auto it = tokens_.find(request.create_token);
@@ -165,12 +166,12 @@ absl::StatusOr<SequenceCache::Sequence*> SequenceCache::FindCreatedLocked(
     // Its create is writing the prefix (an earlier try of this one, whose client stopped
     // waiting): answer it once it is ready, or create anew if it fails.
     ++token_waiters_[request.create_token];
-    const bool in_time = WaitLocked(&settled_, lock, deadline);
+    const bool in_time = WaitLocked(&settled_, lock, deadline, cancelled);
     if (--token_waiters_[request.create_token] == 0) token_waiters_.erase(request.create_token);
     if (!in_time) {
-      return absl::DeadlineExceededError(
-          "the call's deadline passed while it waited for another create with the same "
-          "create_token to write its prefix; nothing was created (retry with the same token)");
+      return GaveUpWaiting(cancelled,
+                           "while it waited for another create with the same create_token to "
+                           "write its prefix; nothing was created (retry with the same token)");
     }
   }
 }

@@ -157,8 +157,10 @@ class SequenceCache {
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
   /// length nor its length less the rows (nothing appended then). DEADLINE_EXCEEDED, nothing
   /// appended, when `deadline` passed while it waited for another append to the sequence.
+  /// A wait also ends (CANCELLED, nothing appended) once `cancelled` says so.
   absl::StatusOr<AppendResult> Append(std::string_view id, const std::vector<LayerRows>& rows,
-                                      absl::Time deadline = absl::InfiniteFuture());
+                                      absl::Time deadline = absl::InfiniteFuture(),
+                                      const std::function<bool()>& cancelled = {});
   /// Validates every item, appends their rows and pins their sequences. All items must share
   /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once. Items whose
   /// expected_length finds their rows already there are not appended again (ABORTED as Append;
@@ -172,8 +174,10 @@ class SequenceCache {
   /// missing id; ABORTED when a named layer holds fewer than `length` tokens; INVALID_ARGUMENT for
   /// a negative length, a layer out of range or named twice, a sequence named twice. All or
   /// nothing; results in the order of the items.
-  absl::StatusOr<std::vector<TruncateResult>> Truncate(
-      const std::vector<TruncateItem>& items, absl::Time deadline = absl::InfiniteFuture());
+  /// A wait also ends (CANCELLED, nothing cut) once `cancelled` says so.
+  absl::StatusOr<std::vector<TruncateResult>> Truncate(const std::vector<TruncateItem>& items,
+                                                       absl::Time deadline = absl::InfiniteFuture(),
+                                                       const std::function<bool()>& cancelled = {});
   /// Releases the sequences; returns the ids that were not found.
   std::vector<std::string> Release(const std::vector<std::string>& ids);
   absl::StatusOr<SequenceStatus> Info(std::string_view id);
@@ -206,11 +210,13 @@ class SequenceCache {
   std::unique_ptr<Sequence> NewSequence(const CreateRequest& request, std::string id) const;
   // The ready sequence request.create_token names, or null when none does (no token, or its
   // sequence is gone). Waits, releasing mu_, while the create holding the token writes its prefix
-  // (it may still fail and forget the token); DEADLINE_EXCEEDED once `deadline` passes meanwhile.
-  // ALREADY_EXISTS when the sequence was made with other settings than the request's.
+  // (it may still fail and forget the token); DEADLINE_EXCEEDED once `deadline` passes meanwhile
+  // (CANCELLED once `cancelled` says so). ALREADY_EXISTS when the sequence was made with other
+  // settings than the request's.
   absl::StatusOr<Sequence*> FindCreatedLocked(const CreateRequest& request,
                                               std::unique_lock<std::mutex>* lock,
-                                              absl::Time deadline);  // needs mu_
+                                              absl::Time deadline,
+                                              const std::function<bool()>& cancelled);  // needs mu_
   // ALREADY_EXISTS naming the first setting in which `request` differs from the create that made
   // `seq` (its shape, effective max_tokens, prefix rows per layer).
   absl::Status CheckSameCreate(const Sequence& seq, const CreateRequest& request) const;
@@ -269,13 +275,15 @@ class SequenceCache {
   absl::Status CopyRows(const Sequence& seq, int layer, int64_t from, const HostRows& k,
                         const HostRows& v);
   // The sequence `id` once no Append on it is running (waits, releasing mu_, at most until
-  // `deadline`: then it may still be appending); null: not found.
+  // `deadline` or `cancelled`: then it may still be appending); null: not found.
   Sequence* FindIdleLocked(std::string_view id, std::unique_lock<std::mutex>* lock,
-                           absl::Time deadline);
+                           absl::Time deadline, const std::function<bool()>& cancelled = {});
   // Every item's sequence once nothing holds any of them (no append, no prepared step: pins ==
-  // 0), waiting at most until `deadline` (then DEADLINE_EXCEEDED); NOT_FOUND as FindAll.
+  // 0), waiting at most until `deadline` (then DEADLINE_EXCEEDED) or `cancelled` (CANCELLED);
+  // NOT_FOUND as FindAll.
   absl::Status FindUnpinnedLocked(const std::vector<TruncateItem>& items,
                                   std::unique_lock<std::mutex>* lock, absl::Time deadline,
+                                  const std::function<bool()>& cancelled,
                                   std::vector<Sequence*>* found);
   // INVALID_ARGUMENT / ABORTED as Truncate says for item `index`; its layers to cut in *cut.
   absl::Status ValidateTruncate(const Sequence& seq, const TruncateItem& item, size_t index,
@@ -290,11 +298,13 @@ class SequenceCache {
   // Returns the tokens dropped.
   int64_t CutLayer(Sequence* seq, int layer, int64_t length, std::vector<int64_t>* freed);
   // Waits (mu_ held through `lock`) until an append ends or `deadline` passes; false once it has
-  // passed. Waits in slices that re-read Now(), so a test's clock ends the wait too.
-  bool WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline);
+  // passed or `cancelled` (may be empty) says so. Waits in slices that re-read Now() and
+  // `cancelled`, so a test's clock or a client that left ends the wait too.
+  bool WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline,
+                           const std::function<bool()>& cancelled = {});
   // The same for any of the cache's conditions (`cv` waits on mu_).
   bool WaitLocked(std::condition_variable* cv, std::unique_lock<std::mutex>* lock,
-                  absl::Time deadline);
+                  absl::Time deadline, const std::function<bool()>& cancelled = {});
   // Validates an Append's rows against `seq`; the pages each layer taking rows grows by in
   // *runs (in the order of `rows`), the layers whose rows are already there (expected_length) in
   // *already.
@@ -303,11 +313,11 @@ class SequenceCache {
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
-  void MaybeEvictLocked();    // needs mu_
+  void MaybeEvictLocked();  // needs mu_
   // When the oldest waiting decode call arrived (CallWaiting), or Now() when none waits.
   absl::Time OldestWaitingLocked() const;  // needs mu_
-  int64_t EvictIdleLocked();  // needs mu_
-  void PublishLocked();       // needs mu_
+  int64_t EvictIdleLocked();               // needs mu_
+  void PublishLocked();                    // needs mu_
   SequenceStatus StatusOf(const Sequence& seq) const;
   PagedItem ItemFor(const Sequence& seq, int layer, const HostRows& q) const;
 

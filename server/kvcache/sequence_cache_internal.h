@@ -56,6 +56,11 @@ absl::StatusOr<bool> RowsAlreadyThere(int layer, int64_t length, int64_t expecte
 /// (its client has stopped waiting and must not find the call's rows, or a sequence, applied
 /// later).
 absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* while_what);
+// CANCELLED when `cancelled` (may be empty) says so, else CheckDeadline.
+absl::Status CheckStillWanted(absl::Time now, absl::Time deadline,
+                              const std::function<bool()>& cancelled, const char* while_what);
+// Why a wait gave up (never OK): CANCELLED when `cancelled` says so, else DEADLINE_EXCEEDED.
+absl::Status GaveUpWaiting(const std::function<bool()>& cancelled, const char* while_what);
 /// DEADLINE_EXCEEDED for a call whose wait for another append to its sequence gave up.
 absl::Status StillAppending();
 /// INVALID_ARGUMENT unless `token` is empty or 16..64 characters of [0-9A-Za-z_-]. The message

@@ -70,6 +70,22 @@ absl::Status CheckDeadline(absl::Time now, absl::Time deadline, const char* whil
       absl::StrCat("the call's deadline passed ", while_what, "; nothing of it was kept"));
 }
 
+absl::Status CheckStillWanted(absl::Time now, absl::Time deadline,
+                              const std::function<bool()>& cancelled, const char* while_what) {
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(
+        absl::StrCat("the call was cancelled ", while_what, "; nothing of it was kept"));
+  }
+  return CheckDeadline(now, deadline, while_what);
+}
+
+absl::Status GaveUpWaiting(const std::function<bool()>& cancelled, const char* while_what) {
+  if (cancelled && cancelled()) {
+    return absl::CancelledError(absl::StrCat("the call was cancelled ", while_what));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", while_what));
+}
+
 absl::Status StillAppending() {
   return absl::DeadlineExceededError(
       "the call's deadline passed while it waited for another append to its sequence; nothing of "

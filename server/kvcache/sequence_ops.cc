@@ -13,24 +13,26 @@ namespace {
 constexpr absl::Duration kWaitSlice = absl::Milliseconds(20);
 }  // namespace
 
-bool SequenceCache::WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline) {
-  return WaitLocked(&appended_, lock, deadline);
+bool SequenceCache::WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl::Time deadline,
+                                        const std::function<bool()>& cancelled) {
+  return WaitLocked(&appended_, lock, deadline, cancelled);
 }
 
 bool SequenceCache::WaitLocked(std::condition_variable* cv, std::unique_lock<std::mutex>* lock,
-                               absl::Time deadline) {
+                               absl::Time deadline, const std::function<bool()>& cancelled) {
   const absl::Duration left = deadline - Now();
-  if (left <= absl::ZeroDuration()) return false;
+  if (left <= absl::ZeroDuration() || (cancelled && cancelled())) return false;
   cv->wait_for(*lock, absl::ToChronoNanoseconds(std::min(left, kWaitSlice)));
   return true;
 }
 
 SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
                                                        std::unique_lock<std::mutex>* lock,
-                                                       absl::Time deadline) {
+                                                       absl::Time deadline,
+                                                       const std::function<bool()>& cancelled) {
   Sequence* seq = FindLocked(id);
   // Past the deadline the caller answers DEADLINE_EXCEEDED (a large append may copy for seconds).
-  while (seq != nullptr && seq->appending && WaitForAppendLocked(lock, deadline)) {
+  while (seq != nullptr && seq->appending && WaitForAppendLocked(lock, deadline, cancelled)) {
     seq = FindLocked(id);  // it may have been released meanwhile
   }
   return seq;
@@ -71,16 +73,17 @@ absl::Status SequenceCache::ValidateAppend(const Sequence& seq, const std::vecto
 // appending; the lengths move under the lock once every row is in place.
 absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
                                                    const std::vector<LayerRows>& given,
-                                                   absl::Time deadline) {
+                                                   absl::Time deadline,
+                                                   const std::function<bool()>& cancelled) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
-  Sequence* seq = FindIdleLocked(id, &lock, deadline);
+  Sequence* seq = FindIdleLocked(id, &lock, deadline, cancelled);
   if (seq == nullptr) {
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
     return UnknownSequences({std::string(id)});
   }
-  if (absl::Status s =
-          CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
+  if (absl::Status s = CheckStillWanted(Now(), deadline, cancelled,
+                                        "while it waited for another append to its sequence");
       !s.ok())
     return s;
   // Still appending: the wait gave up (a wall clock stepped back may pass the check above).

@@ -10,7 +10,9 @@ namespace flashserve::kvcache {
 
 absl::Status SequenceCache::FindUnpinnedLocked(const std::vector<TruncateItem>& items,
                                                std::unique_lock<std::mutex>* lock,
-                                               absl::Time deadline, std::vector<Sequence*>* found) {
+                                               absl::Time deadline,
+                                               const std::function<bool()>& cancelled,
+                                               std::vector<Sequence*>* found) {
   std::vector<std::string_view> ids;
   ids.reserve(items.size());
   for (const TruncateItem& item : items) ids.push_back(item.id);
@@ -22,10 +24,10 @@ absl::Status SequenceCache::FindUnpinnedLocked(const std::vector<TruncateItem>& 
     if (absl::Status s = FindIds(ids, found); !s.ok()) return s;
     if (std::none_of(found->begin(), found->end(), [](const Sequence* q) { return q->pins > 0; }))
       return absl::OkStatus();
-    if (!WaitLocked(&unpinned_, lock, deadline)) {
-      return absl::DeadlineExceededError(
-          "the call's deadline passed while it waited for the steps and appends holding its "
-          "sequences to end; nothing was cut");
+    if (!WaitLocked(&unpinned_, lock, deadline, cancelled)) {
+      return GaveUpWaiting(cancelled,
+                           "while it waited for the steps and appends holding its sequences to "
+                           "end; nothing was cut");
     }
   }
 }
@@ -103,12 +105,14 @@ int64_t SequenceCache::CutLayer(Sequence* seq, int layer, int64_t length,
 }
 
 absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
-    const std::vector<TruncateItem>& items, absl::Time deadline) {
+    const std::vector<TruncateItem>& items, absl::Time deadline,
+    const std::function<bool()>& cancelled) {
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
   if (absl::Status s = CheckTruncateLocked(items); !s.ok()) return s;
   std::vector<Sequence*> found;
-  if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, &found); !s.ok()) return s;
+  if (absl::Status s = FindUnpinnedLocked(items, &lock, deadline, cancelled, &found); !s.ok())
+    return s;
   std::vector<std::vector<int>> cuts(items.size());  // (names checked once: CheckTruncateLocked)
   for (size_t i = 0; i < items.size(); ++i) {
     if (absl::Status s = ValidateTruncate(*found[i], items[i], i, &cuts[i]); !s.ok()) {

@@ -4,6 +4,7 @@ sequences to the TTL."""
 
 from __future__ import annotations
 
+import signal
 import statistics
 import threading
 import time
@@ -61,22 +62,28 @@ def _health_latencies(address, seconds):
     return latencies
 
 
+def _long_step_setup(client, rng, tokens=32768):
+    """A sequence whose 16-row DecodeStep takes long on the CPU (128 q heads over `tokens` keys: about a second),
+    the step's request, and a no-op Truncate of it (it waits while a step pins the sequence)."""
+    heads_q, heads_kv, d = 128, 8, 128
+    kv = rng.standard_normal((tokens, heads_kv, d)).astype(np.float16)
+    seq = client.create(num_layers=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=d, dtype="float16",
+                        prefix={0: (kv, kv)})
+    q = tensors.to_proto_rows(rng.standard_normal((16, heads_q, d)).astype(np.float16), "q")
+    step = spb.DecodeStepRequest(items=[spb.DecodeItem(sequence_id=seq.id, layer=0, q=q)])
+    truncate = spb.TruncateRequest(items=[spb.TruncateItem(sequence_id=seq.id, length=tokens)])
+    return seq, step, truncate
+
+
 def test_truncates_waiting_for_a_step_do_not_stall_the_grpc_server(start_server, rng):
     """16 clients each send a no-op Truncate on a sequence whose long decode steps keep it pinned: every Truncate
     waits for a step to end. They used to wait on gRPC's callback threads (max(2, cores / 2) of them, shared by every
     method), so health checks and every other call stalled for as long as the steps ran; now they wait on the
     Sequences control threads, and health checks answer at once."""
-    server = start_server("--kv_cache_bytes=134217728", "--kv_page_tokens=64", name="waits")
-    tokens, heads_kv, d = 16384, 8, 128
+    server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", name="waits")
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
-        kv = rng.standard_normal((tokens, heads_kv, d)).astype(np.float16)
-        seq = client.create(num_layers=1, heads_q=32, heads_kv=heads_kv, head_dim=d, dtype="float16",
-                            prefix={0: (kv, kv)})
+        seq, step, truncate = _long_step_setup(client, rng, tokens=16384)
         stub = client.stub(seq.endpoint)
-        step = spb.DecodeStepRequest(items=[spb.DecodeItem(
-            sequence_id=seq.id, layer=0,
-            q=tensors.to_proto_rows(rng.standard_normal((16, 32, d)).astype(np.float16), "q"))])
-        truncate = spb.TruncateRequest(items=[spb.TruncateItem(sequence_id=seq.id, length=tokens)])
         stop = threading.Event()
         steps, truncate_waits, errors = [], [], []
 
@@ -113,6 +120,65 @@ def test_truncates_waiting_for_a_step_do_not_stall_the_grpc_server(start_server,
                 t.join(timeout=120)
         assert not errors, errors
         assert len(steps) >= 3 and statistics.median(steps) > 0.03, f"steps too short to pin: {steps}"
-        assert statistics.median(truncate_waits) > 0.01, "the Truncates did not wait: the test tests nothing"
+        assert max(truncate_waits) > 0.5 * statistics.median(steps), "no Truncate waited for a step: tests nothing"
         assert statistics.median(latencies) < 0.02, f"health checks stalled: median {statistics.median(latencies)}"
         assert max(latencies) < 0.5 * max(steps) + 0.1, f"a health check waited for a step: {max(latencies)}"
+
+
+def _small_create():
+    return spb.CreateSequenceRequest(num_layers=1, heads_q=4, heads_kv=2, head_dim=32, dtype=1)
+
+
+def test_control_calls_queued_at_sigterm_are_served_in_the_drain(start_server, rng):
+    """Four Truncates wait for a long step's pin and hold the four control threads; three Creates queue behind them;
+    then SIGTERM. The drain lets accepted calls finish: the Creates are answered OK once the step ends (they were
+    refused UNAVAILABLE when admission was taken only on a control thread), and the server exits 0."""
+    server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", "--shutdown_grace_seconds=60",
+                          name="drain")
+    with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
+        seq, step, truncate = _long_step_setup(client, rng)
+        stub = client.stub(seq.endpoint)
+        step_call = stub.DecodeStep.future(step, timeout=60)
+        time.sleep(0.2)
+        truncates = [stub.Truncate.future(truncate, timeout=60) for _ in range(4)]
+        time.sleep(0.1)
+        creates = [stub.CreateSequence.future(_small_create(), timeout=60) for _ in range(3)]
+        time.sleep(0.1)
+        assert not step_call.done(), "the step ended before the signal: the test tests nothing"
+        assert not any(c.done() for c in creates), "a Create ran before the signal: the test tests nothing"
+        server.proc.send_signal(signal.SIGTERM)
+        step_call.result()
+        for call in truncates:
+            call.result()
+        for call in creates:
+            assert call.result().sequence_id, call
+    assert server.proc.wait(timeout=60) == 0, server.logs()
+
+
+def test_a_cancelled_wait_frees_its_thread_and_quick_calls_never_queue(start_server, rng):
+    """Four Truncates wait for a long step's pin (all four control threads), then their clients cancel: the threads
+    are free again at once, and a Create is answered while the step still runs. GetKvPoolInfo and GetSequenceInfo,
+    which never wait, answer at once even while the Truncates wait."""
+    server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", name="cancel")
+    with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
+        seq, step, truncate = _long_step_setup(client, rng)
+        stub = client.stub(seq.endpoint)
+        step_call = stub.DecodeStep.future(step, timeout=60)
+        time.sleep(0.2)
+        truncates = [stub.Truncate.future(truncate, timeout=60) for _ in range(4)]
+        time.sleep(0.1)
+        started = time.monotonic()
+        stub.GetKvPoolInfo(spb.GetKvPoolInfoRequest(), timeout=60)
+        stub.GetSequenceInfo(spb.GetSequenceInfoRequest(sequence_id=seq.id), timeout=60)
+        quick = time.monotonic() - started
+        for call in truncates:
+            call.cancel()
+        started = time.monotonic()
+        created = stub.CreateSequence(_small_create(), timeout=60)
+        create_s = time.monotonic() - started
+        still_running = not step_call.done()
+        step_call.result()
+        assert created.sequence_id
+        assert quick < 0.1, f"info calls waited {quick:.3f} s behind the Truncates"
+        assert create_s < 0.2, f"the Create waited {create_s:.3f} s for the cancelled Truncates' threads"
+        assert still_running, "the step ended before the Create: the test tests nothing"

@@ -29,8 +29,8 @@ namespace {
 using Admission = AttentionRuntime::Admission;
 
 // The calls that may wait (Create, Append, Truncate: for another call's copy or a step's pin)
-// run on threads of the server's own (common/work_queue.h), never on gRPC's: the rest of the
-// control calls (Release, the two Infos) share them, so that they answer in order of arrival.
+// run on threads of the server's own (common/work_queue.h), never on gRPC's: waiting there, two
+// of them stalled every call of the server (gRPC 1.51 has max(2, cores / 2) such threads).
 constexpr int kControlThreads = 4;
 constexpr int kControlQueue = 1024;  // calls waiting for those threads; more: RESOURCE_EXHAUSTED
 
@@ -105,19 +105,19 @@ class SequencesService final : public SequencesBase {
 
   grpc::ServerUnaryReactor* CreateSequence(grpc::CallbackServerContext* context, const Raw* request,
                                            Raw* response) override {
-    return Unary<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
+    return Queued<v1::CreateSequenceRequest, v1::CreateSequenceResponse>(
         context, grpc_methods::kCreateSequence, *request, response, &SequencesService::DoCreate);
   }
 
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* context, const Raw* request,
                                    Raw* response) override {
-    return Unary<v1::AppendRequest, v1::AppendResponse>(context, grpc_methods::kAppend, *request,
-                                                        response, &SequencesService::DoAppend);
+    return Queued<v1::AppendRequest, v1::AppendResponse>(context, grpc_methods::kAppend, *request,
+                                                         response, &SequencesService::DoAppend);
   }
 
   grpc::ServerUnaryReactor* Truncate(grpc::CallbackServerContext* context, const Raw* request,
                                      Raw* response) override {
-    return Unary<v1::TruncateRequest, v1::TruncateResponse>(
+    return Queued<v1::TruncateRequest, v1::TruncateResponse>(
         context, grpc_methods::kTruncate, *request, response, &SequencesService::DoTruncate);
   }
 
@@ -128,66 +128,109 @@ class SequencesService final : public SequencesBase {
 
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context, const Raw* request,
                                     Raw* response) override {
-    return Unary<v1::ReleaseRequest, v1::ReleaseResponse>(context, grpc_methods::kRelease, *request,
-                                                          response, &SequencesService::DoRelease);
+    return Inline<v1::ReleaseRequest, v1::ReleaseResponse>(
+        context, grpc_methods::kRelease, *request, response, &SequencesService::DoRelease);
   }
 
   grpc::ServerUnaryReactor* GetSequenceInfo(grpc::CallbackServerContext* context,
                                             const Raw* request, Raw* response) override {
-    return Unary<v1::GetSequenceInfoRequest, v1::SequenceInfo>(
+    return Inline<v1::GetSequenceInfoRequest, v1::SequenceInfo>(
         context, grpc_methods::kGetSequenceInfo, *request, response, &SequencesService::DoInfo);
   }
 
   grpc::ServerUnaryReactor* GetKvPoolInfo(grpc::CallbackServerContext* context, const Raw* request,
                                           Raw* response) override {
-    return Unary<v1::GetKvPoolInfoRequest, v1::KvPoolInfo>(
+    return Inline<v1::GetKvPoolInfoRequest, v1::KvPoolInfo>(
         context, grpc_methods::kGetKvPoolInfo, *request, response, &SequencesService::DoPoolInfo);
   }
 
  private:
-  // A control call, answered from the control threads (kControlThreads): recorded from its
-  // arrival to the answer; `run` fills the response from the parsed request. Its bytes count
-  // against --max_inflight_bytes from its arrival (refused RESOURCE_EXHAUSTED at once when they
-  // do not fit, or when kControlQueue calls wait already); one whose client left or whose
-  // deadline passed while it waited is answered so without running. The call's sequence id (if
-  // it has one) is named in the failure log line (escaped); a NOT_FOUND's well-formed missing ids
-  // go into the trailing metadata. The request's size goes to heap retention as an Attention
-  // request's does (memory/heap_retention.h): a CreateSequence / Append of >= 16 MiB (an
-  // 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap for the next one.
+  // The failure log line names the call's sequence id (if it has one; escaped); a NOT_FOUND's
+  // well-formed missing ids go into the trailing metadata. The request's size goes to heap
+  // retention as an Attention request's does (memory/heap_retention.h): a CreateSequence / Append
+  // of >= 16 MiB (an 8k-token prefix of a Llama-3-8B-like layer is 32 MiB) keeps malloc's heap.
   template <typename Request, typename Response>
-  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, const GrpcMethod& method,
-                                  const Raw& raw_request, Raw* raw_response,
-                                  absl::Status (SequencesService::*run)(const Request&, Response*,
-                                                                        const CallBounds&)) {
+  using Run = absl::Status (SequencesService::*)(const Request&, Response*, const CallBounds&);
+
+  // A control call that may wait (Create, Append, Truncate), answered from the control threads
+  // (kControlThreads): admitted and its bytes counted against --max_inflight_bytes at arrival
+  // (so a drain waits for it; refused at once when either fails, or when kControlQueue calls
+  // wait already), recorded from its arrival to the answer. One whose client left or whose
+  // deadline passed while it waited is answered so without running.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Queued(grpc::CallbackServerContext* context, const GrpcMethod& method,
+                                   const Raw& raw_request, Raw* raw_response,
+                                   Run<Request, Response> run) {
     if (heap_retention_ != nullptr) heap_retention_->Observe(int64_t(raw_request.Length()));
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     auto call = std::make_shared<GrpcCall>(runtime_->metrics(), method);
     call->Start(int64_t(raw_request.Length()));
+    auto admission = std::make_shared<Admission>(runtime_->Admit());
     auto hold = std::make_shared<CallHold>();
-    absl::Status refused = hold->Reserve(runtime_, int64_t(raw_request.Length()));
-    auto serve = [this, context, reactor, call, hold, &raw_request, raw_response, run] {
+    absl::Status refused =
+        *admission ? absl::OkStatus() : absl::UnavailableError("server shutting down");
+    if (refused.ok()) refused = hold->Reserve(runtime_, int64_t(raw_request.Length()));
+    auto serve = [this, context, reactor, call, admission, hold, &raw_request, raw_response, run] {
       const CallBounds bounds{ToAbslTime(context->deadline()),
                               [context] { return context->IsCancelled(); }};
-      RunUnary<Request, Response>(
-          reactor, call.get(), raw_request, raw_response,
-          [&](const Request& request, Response* response, GrpcCall* answered) {
-            answered->set_session_id(SequenceIdOf(request));
-            absl::Status status = StaleControlCall(bounds);
-            if (status.ok()) status = (this->*run)(request, response, bounds);
-            AddMissing(context, status);
-            return status;
-          });
+      RunGuarded<Request, Response>(context, reactor, call.get(), raw_request, raw_response,
+                                    [&](const Request& request, Response* response) {
+                                      absl::Status status = StaleControlCall(bounds);
+                                      if (status.ok())
+                                        status = (this->*run)(request, response, bounds);
+                                      return status;
+                                    });
     };
     if (refused.ok() && !control_.TrySubmit(std::move(serve))) {
-      refused = absl::ResourceExhaustedError(
-          absl::StrCat(kControlQueue,
-                       " Sequences control calls wait already (Create, Append, Truncate, "
-                       "Release, Get*Info); retry later"));
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          kControlQueue, " Sequences calls wait already (Create, Append, Truncate); retry later"));
     }
     if (!refused.ok()) FinishUnary(reactor, call.get(), refused, Response(), raw_response);
     return reactor;
   }
-  // CANCELLED / DEADLINE_EXCEEDED for a control call nobody waits for any more.
+
+  // A control call that never waits (Release, GetSequenceInfo, GetKvPoolInfo), answered on
+  // gRPC's thread: it must not queue behind calls that wait.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Inline(grpc::CallbackServerContext* context, const GrpcMethod& method,
+                                   const Raw& raw_request, Raw* raw_response,
+                                   Run<Request, Response> run) {
+    GrpcCall call(runtime_->metrics(), method);
+    call.Start(int64_t(raw_request.Length()));
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    const CallBounds bounds{ToAbslTime(context->deadline()), {}};
+    RunGuarded<Request, Response>(context, reactor, &call, raw_request, raw_response,
+                                  [&](const Request& request, Response* response) {
+                                    return (this->*run)(request, response, bounds);
+                                  });
+    return reactor;
+  }
+
+  // Parses, runs `body` and answers through `reactor`, exactly once whatever `body` throws (a
+  // control thread has no handler that would answer for it: gRPC's shutdown would wait forever).
+  template <typename Request, typename Response, typename Body>
+  void RunGuarded(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                  GrpcCall* call, const Raw& raw_request, Raw* raw_response, Body&& body) {
+    absl::Status thrown;
+    try {
+      RunUnary<Request, Response>(
+          reactor, call, raw_request, raw_response,
+          [&](const Request& request, Response* response, GrpcCall* answered) {
+            answered->set_session_id(SequenceIdOf(request));
+            absl::Status status = body(request, response);
+            AddMissing(context, status);
+            return status;
+          });
+      return;
+    } catch (const std::bad_alloc&) {
+      thrown = absl::ResourceExhaustedError("out of memory while serving the call");
+    } catch (const std::exception& e) {
+      thrown = absl::InternalError(absl::StrCat("the call failed: ", e.what()));
+    }
+    FinishUnary(reactor, call, thrown, Response(), raw_response);
+  }
+
+  // CANCELLED / DEADLINE_EXCEEDED for a queued call nobody waits for any more.
   static absl::Status StaleControlCall(const CallBounds& bounds) {
     if (bounds.cancelled()) return absl::CancelledError("the call was cancelled before it ran");
     if (absl::Now() > bounds.deadline) {
@@ -242,7 +285,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
   if (!built.ok()) {
     // Before the answer (`build` still holds `hold`); nothing was appended yet.
     hold->shm.ReleaseLeases().IgnoreError();
-    hold.reset();               // and the bytes
+    hold.reset();  // and the bytes
     reactor->Finish(grpc_call->Finish(built.status()));
     return reactor;
   }
@@ -330,9 +373,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
 absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request,
                                         v1::CreateSequenceResponse* response,
                                         const CallBounds& bounds) {
-  if (sequences_ == nullptr) return Disabled();
-  Admission admission = runtime_->Admit();
-  if (!admission) return absl::UnavailableError("server shutting down");
+  if (sequences_ == nullptr) return Disabled();  // after the parse: a malformed call says so
   absl::StatusOr<kvcache::CreateRequest> create = CreateRequestFrom(request);
   if (!create.ok()) return create.status();
   absl::StatusOr<kvcache::SequenceStatus> created =
@@ -348,9 +389,7 @@ absl::Status SequencesService::DoCreate(const v1::CreateSequenceRequest& request
 
 absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
                                         v1::AppendResponse* response, const CallBounds& bounds) {
-  if (sequences_ == nullptr) return Disabled();
-  Admission admission = runtime_->Admit();
-  if (!admission) return absl::UnavailableError("server shutting down");
+  if (sequences_ == nullptr) return Disabled();  // after the parse: a malformed call says so
   std::vector<kvcache::LayerRows> rows;
   for (const v1::LayerKV& layer : request.rows()) {
     absl::StatusOr<kvcache::LayerRows> converted = LayerRowsFrom(layer);
@@ -358,7 +397,7 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
     rows.push_back(*converted);
   }
   absl::StatusOr<kvcache::AppendResult> appended =
-      sequences_->cache().Append(request.sequence_id(), rows, bounds.deadline);
+      sequences_->cache().Append(request.sequence_id(), rows, bounds.deadline, bounds.cancelled);
   if (!appended.ok()) return appended.status();
   for (int64_t length : appended->lengths) response->add_layer_lengths(length);
   for (int layer : appended->already_appended) response->add_already_appended_layers(layer);
@@ -368,9 +407,7 @@ absl::Status SequencesService::DoAppend(const v1::AppendRequest& request,
 absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
                                           v1::TruncateResponse* response,
                                           const CallBounds& bounds) {
-  if (sequences_ == nullptr) return Disabled();
-  Admission admission = runtime_->Admit();
-  if (!admission) return absl::UnavailableError("server shutting down");
+  if (sequences_ == nullptr) return Disabled();  // after the parse: a malformed call says so
   // Bounded as a DecodeStep is: the cache's lock is held for the whole list.
   const int max_items = sequences_->options().max_batch_sequences;
   if (request.items_size() > max_items) {
@@ -385,7 +422,7 @@ absl::Status SequencesService::DoTruncate(const v1::TruncateRequest& request,
         {item.sequence_id(), item.length(), {item.layers().begin(), item.layers().end()}});
   }
   absl::StatusOr<std::vector<kvcache::TruncateResult>> cut =
-      sequences_->cache().Truncate(items, bounds.deadline);
+      sequences_->cache().Truncate(items, bounds.deadline, bounds.cancelled);
   if (!cut.ok()) return cut.status();
   for (const kvcache::TruncateResult& one : *cut) {
     v1::TruncateResult* result = response->add_results();

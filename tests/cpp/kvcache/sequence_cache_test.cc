@@ -353,6 +353,31 @@ TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
   EXPECT_EQ(cache_->Stats().pages_used, 0);
 }
 
+// A Truncate waiting for a running step's pin ends CANCELLED, nothing cut, once its client has
+// left (it used to wait for the step, or the deadline, on one of the few control threads).
+TEST_F(SequenceCacheTest, ATruncateWaitingForAStepEndsWhenItsClientLeaves) {
+  Make(4 << 20, 16);
+  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
+  std::vector<DenseLayer> a;
+  const std::string id = NewSequence(s, &a, 40);
+  Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
+  StepItem item{id, 0, Rows(q, 2, 32, DType::kFloat16), {}, {}};
+  absl::StatusOr<StepPlan> plan = cache_->PrepareStep({item});
+  ASSERT_TRUE(plan.ok());
+  std::atomic<bool> left{false};
+  auto truncated = std::async(std::launch::async, [&] {
+    return cache_->Truncate({{id, 8, {}}}, absl::InfiniteFuture(), [&] { return left.load(); })
+        .status();
+  });
+  EXPECT_EQ(truncated.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout)
+      << "the Truncate did not wait for the step";
+  left = true;
+  ASSERT_EQ(truncated.wait_for(std::chrono::seconds(5)), std::future_status::ready);
+  EXPECT_EQ(truncated.get().code(), absl::StatusCode::kCancelled);
+  *plan = StepPlan();
+  EXPECT_EQ(cache_->Info(id)->lengths[0], 40) << "a cancelled Truncate cut";
+}
+
 TEST_F(SequenceCacheTest, MaxSequences) {
   Make(4 << 20, 16, absl::Seconds(300), 2);
   const SequenceShape s = Shape(1, 1, 1, 32, DType::kFloat16);
