@@ -4,6 +4,7 @@
 #include <string>
 
 #include "api/response_wire.h"  // AppendVarint
+#include "common/protobuf_errors.h"
 
 namespace flashserve {
 namespace {
@@ -157,8 +158,8 @@ absl::Status ParseAttentionRequestWire(const std::vector<std::string_view>& slic
       return malformed();
     }
   }
-  if (!out->header.ParseFromString(skeleton)) return malformed();
-  return absl::OkStatus();
+  // With protobuf's reason when it gives one (a string field that is not UTF-8 is named).
+  return ParseMessage(skeleton, &out->header);
 }
 
 }  // namespace flashserve
