@@ -73,7 +73,9 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
       {"phase"}, metrics::LatencyBuckets());
   request_bytes_ =
       &registry_.AddCounter("flashserve_request_bytes_total",
-                            "Tensor payload bytes received (in) and sent (out).", {"direction"});
+                            "Request bytes received (in) and answer bytes sent for successful "
+                            "calls (out): serialized messages, HTTP bodies, local-socket frames.",
+                            {"direction"});
   auto& inflight = registry_.AddGauge("flashserve_inflight_requests",
                                       "Requests accepted by an edge and not yet answered.");
   auto& queue_depth =

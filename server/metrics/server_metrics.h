@@ -76,12 +76,15 @@ class ServerMetrics {
   /// hot_lane_requests_total{result}: "lane" (processed on the hot lane) or "busy" (the lane was
   /// busy; processed on the gRPC thread). Only requests small enough for the lane are counted.
   void RecordHotLane(bool on_lane) { (on_lane ? hot_lane_run_ : hot_lane_busy_)->Increment(); }
-  /// A native-API request's tensors reached the backend read in place from the receive arena, or
-  /// copied into request buffers.
-  void RecordInputPath(bool in_place) { (in_place ? inputs_in_place_ : inputs_copied_)->Increment(); }
-  /// A request whose inputs came from a client's shared memory: path "shm_system" / "shm_cuda".
-  void RecordShmInputPath(std::string_view shm_path) {
-    (shm_path == "shm_cuda" ? inputs_shm_cuda_ : inputs_shm_system_)->Increment();
+  /// How a request's tensors reached the backend, once it runs: path "in_place" (read from the
+  /// receive arena), "copied" (into request buffers), "shm_system" / "shm_cuda" (a client's
+  /// shared memory).
+  void RecordInputPath(std::string_view path) {
+    (path == "shm_cuda"     ? inputs_shm_cuda_
+     : path == "shm_system" ? inputs_shm_system_
+     : path == "in_place"   ? inputs_in_place_
+                            : inputs_copied_)
+        ->Increment();
   }
   /// Clients' shared-memory regions now: shm_regions{type} and shm_region_bytes{type}.
   void SetShmRegions(std::string_view type, int64_t count, int64_t bytes);

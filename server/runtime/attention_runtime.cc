@@ -46,6 +46,9 @@ struct AttentionRuntime::Job {
   AttentionProblem problem;
   TensorPlacement placement;
   absl::Time enqueued;
+  // How its inputs reached the backend (request_inputs_total), counted once it runs: a call the
+  // queue refuses, or that expires or is cancelled there, reached nothing.
+  const char* input_path = nullptr;
 };
 
 AttentionRuntime::AttentionRuntime(Backend* backend, Scheduler* scheduler, ValidationLimits limits,
@@ -185,10 +188,10 @@ absl::Status AttentionRuntime::Place(Call& call, Job* job) {
   where.regions[0] = call.regions[0];
   where.regions[1] = call.regions[1];
   ASSIGN_OR_RETURN(job->placement, PlaceTensors(std::move(where), *backend_, copier_));
-  if (metrics_ != nullptr && call.shm_input_path != nullptr) {
-    metrics_->RecordShmInputPath(call.shm_input_path);
-  } else if (metrics_ != nullptr && from_receive_buffers) {
-    metrics_->RecordInputPath(!job->placement.inputs_copied);
+  if (call.shm_input_path != nullptr) {
+    job->input_path = call.shm_input_path;
+  } else if (from_receive_buffers) {
+    job->input_path = job->placement.inputs_copied ? "copied" : "in_place";
   }
   // Staged inputs no longer need the memory they arrived in. Small requests give it back now
   // (flat RSS under mixed traffic); large ones at the end, so freeing hundreds of MB of read
@@ -233,6 +236,7 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
     call.done(absl::CancelledError(CancelledBy()));
     return;
   }
+  if (metrics_ != nullptr && job->input_path != nullptr) metrics_->RecordInputPath(job->input_path);
   const AttentionProblem& problem = job->problem;
   const auto dtype = static_cast<v1::DType>(problem.dtype);
   SetTensorHeader(call.response->mutable_out(), dtype,

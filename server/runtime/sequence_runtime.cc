@@ -86,6 +86,9 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
       kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
   if (!cache.ok()) return cache.status();
   runtime->cache_ = std::move(*cache);
+  if (options.cache.ttl > absl::ZeroDuration()) {
+    runtime->sweeper_ = std::thread([self = runtime.get()] { self->SweepIdle(); });
+  }
   if (options.batch_window_us > 0 || options.batch_when_busy) {
     SequenceRuntime* self = runtime.get();
     // A batch handed on while no worker is free would only wait in the scheduler's queue, where
@@ -106,7 +109,22 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
 SequenceRuntime::SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler)
     : options_(options), scheduler_(scheduler) {}
 
+void SequenceRuntime::SweepIdle() {
+  const auto every =
+      absl::ToChronoNanoseconds(std::max(options_.cache.ttl / 8, absl::Milliseconds(10)));
+  std::unique_lock<std::mutex> lock(sweep_mu_);
+  while (!sweep_stop_.wait_for(lock, every, [this] { return sweep_stopping_; })) {
+    cache_->EvictIdle();
+  }
+}
+
 SequenceRuntime::~SequenceRuntime() {
+  {
+    std::lock_guard<std::mutex> lock(sweep_mu_);
+    sweep_stopping_ = true;
+  }
+  sweep_stop_.notify_all();
+  if (sweeper_.joinable()) sweeper_.join();
   // Hands on what the batcher holds (more jobs), then lets every job end: a queued one would run
   // RunCalls on the freed runtime, a running one unpin in the freed cache.
   if (batcher_ != nullptr) batcher_->Stop();  // its batches still call batcher_->BatchDone
@@ -180,8 +198,8 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
   }
   // Counted once the call really runs (a queue or batcher that refused it counts nothing).
   if (request_metrics_ != nullptr) {
-    if (call->shm_system_inputs) request_metrics_->RecordShmInputPath("shm_system");
-    if (call->shm_cuda_inputs) request_metrics_->RecordShmInputPath("shm_cuda");
+    if (call->shm_system_inputs) request_metrics_->RecordInputPath("shm_system");
+    if (call->shm_cuda_inputs) request_metrics_->RecordInputPath("shm_cuda");
   }
   Prepared p{call, std::move(*plan), {}};
   p.report.prepare_us = absl::ToInt64Microseconds(call->submitted - call->received);

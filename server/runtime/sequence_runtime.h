@@ -3,11 +3,14 @@
 // and, with a batch window, merged across calls into one paged launch (runtime/decode_batcher.h).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -73,6 +76,10 @@ class SequenceRuntime {
   // Drops a cancelled or expired call, else appends its rows and pins its sequences (answering
   // it on an error).
   std::optional<PreparedDecode> Prepare(std::shared_ptr<DecodeCall> call, absl::Time start);
+  // With a TTL: evicts sequences idle past it every TTL/8 (at least 10 ms apart) even when no
+  // call comes, so the pool's gauges and GetKvPoolInfo show what is really held (eviction also
+  // runs from calls). Runs on sweeper_ until the destructor says stop.
+  void SweepIdle();
   // With a TTL: the call counts as waiting in the cache (its sequences are not evicted under it)
   // until its step is prepared or it is answered (DecodeCall::stop_waiting).
   void MarkWaiting(DecodeCall* call);
@@ -89,6 +96,10 @@ class SequenceRuntime {
   std::unique_ptr<kvcache::KvStore> store_;
   std::unique_ptr<kvcache::SequenceCache> cache_;
   std::unique_ptr<DecodeBatcher> batcher_;  // null when batch_window_us == 0
+  std::mutex sweep_mu_;
+  std::condition_variable sweep_stop_;
+  bool sweep_stopping_ = false;  // guarded by sweep_mu_
+  std::thread sweeper_;          // SweepIdle; not started without a TTL
   // Jobs handed to the scheduler and not yet ended. They use this runtime (its cache, store and
   // batcher), and the scheduler may run a queued one after its owner began destroying the
   // runtime (the server destroys the runtime first): the destructor waits for them.

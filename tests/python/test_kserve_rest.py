@@ -350,6 +350,11 @@ def test_large_binary_request_byte_accounting(private, rng, check_answer):
     requests_total = "flashserve_requests_total"
     assert (after.value(requests_total, method="KServeInfer", status="OK")
             - before.value(requests_total, method="KServeInfer", status="OK")) == 1
+    # A refused call's error body is not an answer: out counts nothing for it, as on gRPC.
+    refused = requests.post(infer_url(private, model="flash"), data=b"{not json", timeout=30)
+    assert refused.status_code == 400 and refused.content
+    again = metrics_helpers.scrape(private.metrics_url)
+    assert again.value(name, direction="out") == after.value(name, direction="out")
 
 
 def test_concurrent_rest_requests(server, rng, make_qkv, check_answer):

@@ -21,6 +21,7 @@ import pytest
 import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import reference, tensors
+from metrics_helpers import scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -189,4 +190,10 @@ def test_overload_sheds_with_resource_exhausted(start_server):
         request, ref, tol = problems[0]
         out = tensors.from_proto(c.stub.Attention(request, timeout=30).out).astype(np.float64)
         assert float(np.abs(out - ref).max()) <= tol
+    # request_inputs_total counts how the inputs of the calls that ran reached the backend: the refused ones reached
+    # nothing (they were counted when placed, before the queue refused them).
+    ran = 3 + len(single) + capacity.codes.get("OK", 0) + overload.codes.get("OK", 0) + 1  # calibration .. the last
+    inputs = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
+    counted = sum(inputs.value("flashserve_request_inputs_total", path=p) for p in ("copied", "in_place"))
+    assert counted == ran, f"request_inputs_total counted {counted} calls, {ran} ran"
     assert server.stop() == 0
