@@ -64,7 +64,8 @@ ServerMetrics::ServerMetrics(const ServerMetricsOptions& options) {
                                     {"method", "status"});
   request_duration_ = &registry_.AddHistogram(
       "flashserve_request_duration_seconds",
-      "End-to-end time of an RPC inside the server, from the request read to the response sent.",
+      "Time of an RPC inside the server, from the request read to the answer handed to the "
+      "transport (its sending, which a slow reader prolongs, is not included).",
       {"method"}, metrics::LatencyBuckets());
   phase_duration_ = &registry_.AddHistogram(
       "flashserve_phase_duration_seconds",

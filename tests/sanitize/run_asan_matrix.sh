@@ -81,7 +81,7 @@ rm -rf "$BUILD_DIR/pytest"
 # (pipefail: the pipeline fails when pytest does; `if` keeps set -e from ending the script before
 # the report scan below.)
 if ! FLASHSERVE_BIN="$BUILD_DIR/server/flashserve" "$PYTHON" -m pytest -q -p no:cacheprovider \
-  --tb=line -rxX --basetemp="$BUILD_DIR/pytest" "${PYTEST_FILES[@]}" 2>&1 | tee "$BUILD_DIR/pytest.log" | tail -15; then
+  --tb=line -rsxX --basetemp="$BUILD_DIR/pytest" "${PYTEST_FILES[@]}" 2>&1 | tee "$BUILD_DIR/pytest.log" | tail -15; then
   status=1
 fi
 

@@ -296,8 +296,8 @@ absl::Status ParseRestInput(const json& input, size_t i, int64_t max_binary_byte
     }
     if (binary_size > max_binary_bytes || binary->total > max_binary_bytes - binary_size) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("inputs: binary_data_size adds up to more than --max_request_bytes=",
-                       max_binary_bytes));
+          absl::StrCat("inputs: binary_data_size adds up to more than the ", max_binary_bytes,
+                       " bytes --max_request_bytes leaves after the JSON header"));
     }
     binary->total += binary_size;
     binary->targets.emplace_back(tensor->mutable_data(), binary_size);

@@ -88,6 +88,10 @@ absl::StatusOr<PackedRows> ResolvePacked(const v1::DecodeStepRequest& request, S
   if (!q_counts.ok()) return q_counts.status();
   r.rows_q = *std::move(q_counts);
   const bool has_kv = r.k.data != nullptr || r.v.data != nullptr;
+  if (has_kv && (r.k.data == nullptr || r.v.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("packed.", r.k.data == nullptr ? "k" : "v",
+                                                   " is missing: new rows need both k and v"));
+  }
   absl::StatusOr<std::vector<int64_t>> kv_counts =
       RowCounts(packed.rows_kv(), "rows_kv", items, 0, r.k.rows,
                 has_kv ? r.rows_q : std::vector<int64_t>(size_t(items), 0));

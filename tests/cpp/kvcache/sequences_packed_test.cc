@@ -154,7 +154,8 @@ TEST(SequencesPacked, InconsistenciesAreRefused) {
       {"packed.q has 4 rows, the items' counts add up to 5",
        [](auto* r) { r->mutable_packed()->set_rows_q(0, 2); }},
       {"packed.k has 3 rows", [](auto* r) { r->mutable_packed()->set_rows_kv(0, 0); }},
-      {"packed.v has", [](auto* r) { r->mutable_packed()->clear_v(); }},
+      {"packed.v is missing", [](auto* r) { r->mutable_packed()->clear_v(); }},
+      {"packed.k is missing", [](auto* r) { r->mutable_packed()->clear_k(); }},
       {"packed.q:", [](auto* r) { r->mutable_packed()->mutable_q()->mutable_data()->pop_back(); }},
   };
   for (const Bad& b : bad) {
