@@ -166,11 +166,10 @@ def test_a_nan_key_poisons_only_the_heads_that_read_it(kv_server, rng):
     check_a_nan_key_poisons_only_the_heads_that_read_it(kv_server.address, rng, keys=3000)
 
 
-def test_sequences_idle_past_the_ttl_leave_the_pool_without_a_call(start_server, rng):
-    """Sequences idle past the TTL leave the pool's gauges and GetKvPoolInfo by themselves: eviction ran only from
-    calls, so an idle server went on showing them held (and FlashserveKvPoolNearlyFull could fire on a server whose
-    sequences were all gone)."""
-    server = start_server(*KV_FLAGS, "--sequence_ttl_s=1", name="sweep")
+def check_idle_sequences_leave_the_pool_without_a_call(server, rng):
+    """Sequences idle past the TTL (1 s on `server`) leave the pool's gauges and GetKvPoolInfo by themselves:
+    eviction ran only from calls, so an idle server went on showing them held (and FlashserveKvPoolNearlyFull could
+    fire on a server whose sequences were all gone)."""
     truth = Truth(rng, 8, 2, 128, "bfloat16")
     url = f"http://127.0.0.1:{server.metrics_port}/metrics"
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
@@ -184,6 +183,10 @@ def test_sequences_idle_past_the_ttl_leave_the_pool_without_a_call(start_server,
         assert idle.value("flashserve_kv_pages_used") == 0
         assert idle.value("flashserve_kv_evictions_total") == 3
         assert client.pool_info().sequences == 0
+
+
+def test_sequences_idle_past_the_ttl_leave_the_pool_without_a_call(start_server, rng):
+    check_idle_sequences_leave_the_pool_without_a_call(start_server(*KV_FLAGS, "--sequence_ttl_s=1", name="sweep"), rng)
 
 
 def test_release_frees_pages_and_then_not_found(kv_server, rng):

@@ -16,7 +16,8 @@ import flashserve
 from conftest import ServerProcess, _stop_and_check, zip_all
 from sequences_truth import Truth
 from test_gpu_e2e import _gpu_present
-from test_sequences_e2e import check_a_nan_key_poisons_only_the_heads_that_read_it
+from test_sequences_e2e import check_a_nan_key_poisons_only_the_heads_that_read_it, \
+    check_idle_sequences_leave_the_pool_without_a_call
 from test_sequences_packed import run_packed_steps
 from test_sequences_shm import run_shm_steps
 
@@ -112,3 +113,15 @@ def test_packed_steps_of_64_sequences(cuda_kv_server, rng):
 def test_a_nan_key_poisons_only_the_heads_that_read_it_whatever_the_split(cuda_kv_server, rng):
     """12000 keys of one sequence: the decode kernel splits them over many blocks (test_sequences_e2e.py)."""
     check_a_nan_key_poisons_only_the_heads_that_read_it(cuda_kv_server.address, rng)
+
+
+def test_idle_sequences_leave_the_device_pool_without_a_call(flashserve_bin, tmp_path, rng):
+    """The sweeper evicts from the CUDA store too (its pages freed through the store's fence, off any call)."""
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA Sequences tests skipped")
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--kv_cache_bytes=268435456", "--sequence_ttl_s=1"],
+                      name="cuda_sweep").start()
+    try:
+        check_idle_sequences_leave_the_pool_without_a_call(s, rng)
+    finally:
+        _stop_and_check(s)
