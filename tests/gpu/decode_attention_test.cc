@@ -322,15 +322,28 @@ struct DefaultKnobsAfter {
   ~DefaultKnobsAfter() { set_variant(3, 0); }
 };
 
-// One launch of the (poisoned) problem with the knobs as set, checked against the references.
-void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
-               const References& ref, const tu::EmulatedError& emu, int splits, int variant) {
+// One launch with `splits` splits and the knobs as set; O widened to double.
+void run_once(const DecodeCase& c, DeviceProblem& dev, int splits, tu::RunAnswers* answers) {
   fk::DecodeParams p = dev.p;
   p.num_splits = splits;
   ASSERT_EQ(dev.o.poison(), cudaSuccess);
   ASSERT_EQ(dev.lse.poison(), cudaSuccess);
   ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(dev.out_elems);
+  answers->lse.resize(dev.lse_elems);
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  ASSERT_EQ(dev.lse.download(&answers->lse), cudaSuccess);
+  answers->out = tu::to_double(c.dtype, out);
+}
+
+// One launch of the (poisoned) problem with the knobs as set, checked against the references.
+void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
+               const References& ref, const tu::EmulatedError& emu, int splits, int variant) {
+  tu::RunAnswers got;
+  ASSERT_NO_FATAL_FAILURE(run_once(c, dev, splits, &got));
+  fk::DecodeParams p = dev.p;
+  p.num_splits = splits;
   const ExpectedTiles want = expected_tiles(c, p, splits);
   if (variant % 2 == 1 && hp.total_q > 0) {
     ASSERT_EQ(fk::decode::last_copy(), expects_tma(c, want.block_n, variant == 1) ? 2 : 0)
@@ -345,14 +358,9 @@ void check_run(const DecodeCase& c, const HostProblem& hp, DeviceProblem& dev,
       ASSERT_EQ(fk::decode::last_stages(), want.stages) << "stages";
     }
   }
-  std::vector<uint16_t> out(dev.out_elems);
-  std::vector<float> lse(dev.lse_elems);
-  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
-  ASSERT_EQ(dev.lse.download(&lse), cudaSuccess);
-  const std::vector<double> got = tu::to_double(c.dtype, out);
-  ASSERT_TRUE(tu::all_finite(got));
-  EXPECT_TRUE(tu::lse_matches(lse, ref.lse, emu.lse));
-  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out), emu.out));
+  ASSERT_TRUE(tu::all_finite(got.out));
+  EXPECT_TRUE(tu::lse_matches(got.lse, ref.lse, emu.lse));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got.out, ref.out), emu.out));
 }
 
 // Runs the case with the heuristic's split count and with forced ones; checks each result.
@@ -515,21 +523,6 @@ TEST(DecodeAttentionEdge, AllEmptyIsZeroAndMinusInf) {
   SKIP_WITHOUT_GPU();
   check_case({"allempty", Layout::kPaged, {3, 3}, {0, 0}, 8, 2, 128, false, 16});
   check_case({"allempty", Layout::kDenseVarlen, {1, 2}, {0, 0}, 8, 8, 64, true, 0});
-}
-
-// One launch with `splits` splits and the knobs as set; O widened to double.
-void run_once(const DecodeCase& c, DeviceProblem& dev, int splits, tu::RunAnswers* answers) {
-  fk::DecodeParams p = dev.p;
-  p.num_splits = splits;
-  ASSERT_EQ(dev.o.poison(), cudaSuccess);
-  ASSERT_EQ(dev.lse.poison(), cudaSuccess);
-  ASSERT_EQ(fk::run_decode(p, nullptr), cudaSuccess);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint16_t> out(dev.out_elems);
-  answers->lse.resize(dev.lse_elems);
-  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
-  ASSERT_EQ(dev.lse.download(&answers->lse), cudaSuccess);
-  answers->out = tu::to_double(c.dtype, out);
 }
 
 // A NaN input makes NaN exactly the rows that read it, O and LSE, whatever the split count and

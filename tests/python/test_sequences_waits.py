@@ -125,6 +125,15 @@ def test_truncates_waiting_for_a_step_do_not_stall_the_grpc_server(start_server,
         assert max(latencies) < 0.5 * max(steps) + 0.1, f"a health check waited for a step: {max(latencies)}"
 
 
+def _four_truncates_behind_a_step(stub, step, truncate):
+    """Starts a long step, then four Truncates that wait for its pin (every control thread): their futures."""
+    step_call = stub.DecodeStep.future(step, timeout=60)
+    time.sleep(0.2)
+    truncates = [stub.Truncate.future(truncate, timeout=60) for _ in range(4)]
+    time.sleep(0.1)
+    return step_call, truncates
+
+
 def _small_create():
     return spb.CreateSequenceRequest(num_layers=1, heads_q=4, heads_kv=2, head_dim=32, dtype=1)
 
@@ -138,10 +147,7 @@ def test_control_calls_queued_at_sigterm_are_served_in_the_drain(start_server, r
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
         seq, step, truncate = _long_step_setup(client, rng)
         stub = client.stub(seq.endpoint)
-        step_call = stub.DecodeStep.future(step, timeout=60)
-        time.sleep(0.2)
-        truncates = [stub.Truncate.future(truncate, timeout=60) for _ in range(4)]
-        time.sleep(0.1)
+        step_call, truncates = _four_truncates_behind_a_step(stub, step, truncate)
         creates = [stub.CreateSequence.future(_small_create(), timeout=60) for _ in range(3)]
         time.sleep(0.1)
         assert not step_call.done(), "the step ended before the signal: the test tests nothing"
@@ -163,10 +169,7 @@ def test_a_cancelled_wait_frees_its_thread_and_quick_calls_never_queue(start_ser
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
         seq, step, truncate = _long_step_setup(client, rng)
         stub = client.stub(seq.endpoint)
-        step_call = stub.DecodeStep.future(step, timeout=60)
-        time.sleep(0.2)
-        truncates = [stub.Truncate.future(truncate, timeout=60) for _ in range(4)]
-        time.sleep(0.1)
+        step_call, truncates = _four_truncates_behind_a_step(stub, step, truncate)
         started = time.monotonic()
         stub.GetKvPoolInfo(spb.GetKvPoolInfoRequest(), timeout=60)
         stub.GetSequenceInfo(spb.GetSequenceInfoRequest(sequence_id=seq.id), timeout=60)

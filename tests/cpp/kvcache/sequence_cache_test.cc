@@ -771,18 +771,30 @@ TEST_F(LateCallsBehindACopy, CallsWaitingForAnotherAppendGiveUpAtTheirDeadline) 
   EXPECT_EQ(cache_->Info(a_)->lengths, (std::vector<int64_t>{32, 0}));
 }
 
+// A one-layer create of 32 prefix rows (d64 fp16), for a GatedStore to hold back; its rows point
+// into `bits` (so it is neither copied nor moved).
+struct GatedCreate {
+  explicit GatedCreate(uint32_t seed) {
+    std::mt19937 rng(seed);
+    const kernels::DType f16 = kernels::DType::kFloat16;
+    bits = testing::RandomRows(&rng, 32, 1, 64, f16);
+    request.shape = {1, 1, 1, 64, f16};
+    request.prefix = {{0, testing::Rows(bits, 1, 64, f16), testing::Rows(bits, 1, 64, f16)}};
+  }
+  GatedCreate(const GatedCreate&) = delete;
+  GatedCreate& operator=(const GatedCreate&) = delete;
+  testing::Bits bits;
+  CreateRequest request;
+};
+
 // A CreateSequence whose deadline passed while its prefix was written is not kept: its client
 // never learns the id (it would hold pages, unnamed, until its TTL).
 TEST(SequenceCacheCreate, ASequenceWhosePrefixOutlivedItsDeadlineIsNotKept) {
   GatedStore store(/*gated_bytes=*/4096);
   std::atomic<int64_t> now_s{1000};
   std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
-  std::mt19937 rng(9);
-  const kernels::DType f16 = kernels::DType::kFloat16;
-  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
-  CreateRequest create;
-  create.shape = {1, 1, 1, 64, f16};
-  create.prefix = {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}};
+  const GatedCreate gated(9);
+  const CreateRequest& create = gated.request;
   auto created = std::async(std::launch::async, [&] {
     return cache->CreateSequence(create, absl::FromUnixSeconds(1005)).status();
   });
@@ -804,12 +816,8 @@ TEST(SequenceCacheCreate, ASequenceWhoseCallWasCancelledWhileItsPrefixWasWritten
   GatedStore store(/*gated_bytes=*/4096);
   std::atomic<int64_t> now_s{1000};
   std::unique_ptr<SequenceCache> cache = CacheWithClock(&store, &now_s);
-  std::mt19937 rng(11);
-  const kernels::DType f16 = kernels::DType::kFloat16;
-  testing::Bits big = testing::RandomRows(&rng, 32, 1, 64, f16);
-  CreateRequest create;
-  create.shape = {1, 1, 1, 64, f16};
-  create.prefix = {{0, testing::Rows(big, 1, 64, f16), testing::Rows(big, 1, 64, f16)}};
+  const GatedCreate gated(11);
+  const CreateRequest& create = gated.request;
   std::atomic<bool> cancelled{false};
   const std::function<bool()> is_cancelled = [&] { return cancelled.load(); };
   auto created = std::async(std::launch::async, [&] {
