@@ -51,6 +51,17 @@ class SequenceCacheTest : public ::testing::Test {
     cache_ = *SequenceCache::Create(options, store_.get(), nullptr);
   }
 
+  // A sequence of 40 tokens (3 pages of 16) held by a prepared step (*plan) until it is reset.
+  std::string PinnedSequence(absl::StatusOr<StepPlan>* plan) {
+    const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
+    std::vector<DenseLayer> dense;
+    const std::string id = NewSequence(s, &dense, 40);
+    pinned_q_ = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);  // the plan's item reads it
+    *plan = cache_->PrepareStep({StepItem{id, 0, Rows(pinned_q_, 2, 32, DType::kFloat16), {}, {}}});
+    return id;
+  }
+  Bits pinned_q_;
+
   std::string NewSequence(const SequenceShape& s, std::vector<DenseLayer>* dense, int prefix) {
     CreateRequest request;
     request.shape = s;
@@ -339,12 +350,8 @@ TEST_F(SequenceCacheTest, AGrowingLayerKeepsItsPagesInItsSlab) {
 
 TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
   Make(4 << 20, 16);
-  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
-  std::vector<DenseLayer> a;
-  const std::string id = NewSequence(s, &a, 40);
-  Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
-  StepItem item{id, 0, Rows(q, 2, 32, DType::kFloat16), {}, {}};
-  absl::StatusOr<StepPlan> plan = cache_->PrepareStep({item});
+  absl::StatusOr<StepPlan> plan;
+  const std::string id = PinnedSequence(&plan);
   ASSERT_TRUE(plan.ok());
   EXPECT_TRUE(cache_->Release({id}).empty());
   EXPECT_EQ(cache_->Info(id).status().code(), absl::StatusCode::kNotFound);
@@ -357,12 +364,8 @@ TEST_F(SequenceCacheTest, ReleaseWhileRunningFreesPagesWhenTheStepEnds) {
 // left (it used to wait for the step, or the deadline, on one of the few control threads).
 TEST_F(SequenceCacheTest, ATruncateWaitingForAStepEndsWhenItsClientLeaves) {
   Make(4 << 20, 16);
-  const SequenceShape s = Shape(1, 2, 1, 32, DType::kFloat16);
-  std::vector<DenseLayer> a;
-  const std::string id = NewSequence(s, &a, 40);
-  Bits q = RandomRows(&rng_, 1, 2, 32, DType::kFloat16);
-  StepItem item{id, 0, Rows(q, 2, 32, DType::kFloat16), {}, {}};
-  absl::StatusOr<StepPlan> plan = cache_->PrepareStep({item});
+  absl::StatusOr<StepPlan> plan;
+  const std::string id = PinnedSequence(&plan);
   ASSERT_TRUE(plan.ok());
   std::atomic<bool> left{false};
   auto truncated = std::async(std::launch::async, [&] {
