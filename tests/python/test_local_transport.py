@@ -517,6 +517,54 @@ def test_sigterm_answers_the_call_in_progress_then_removes_the_socket(flashserve
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_client_taking_its_answer_slowly_is_cut_off_after_the_read_timeout(local_server):
+    """A client taking its answer a little at a time held the call (a compute call's in-flight bytes and admission
+    with it: other clients were refused) for as long as it kept reading: the socket's send timeout restarted at
+    every chunk. The whole answer now gets one --local_read_timeout_ms (500 ms here), then the connection closes."""
+    payload = bytes(4 << 20)
+    with raw_connect(local_server.local_path) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(frame(2, payload))  # Echo: the answer is the payload back
+        got, started = 0, time.monotonic()
+        while time.monotonic() - started < 10:
+            time.sleep(0.1)
+            chunk = sock.recv(16384)  # ~160 KB/s: the whole answer would take ~26 s
+            if not chunk:
+                break
+            got += len(chunk)
+        elapsed = time.monotonic() - started
+    assert got < len(payload), "the whole answer came: the test tests nothing"
+    assert elapsed < 4, f"the server kept sending for {elapsed:.1f} s"
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def test_idle_connections_give_their_large_buffers_back(local_server):
+    """Each connection echoes 8 MiB once, then idles: a connection kept its largest request's buffer between calls
+    (12 idle ones held 96 MiB more); now one larger than 1 MiB goes once the connection has been idle for 1 s."""
+    from test_allocators import _sanitized
+
+    if _sanitized(local_server.binary):
+        pytest.skip("a sanitized server's RSS says nothing about its buffers")
+    pid = local_server.proc.pid
+    before = _rss_mib(pid)
+    socks = [raw_connect(local_server.local_path) for _ in range(12)]  # of --local_max_connections=16
+    try:
+        for sock in socks:
+            sock.sendall(frame(2, bytes(8 << 20)))
+            status, body = read_frame(sock)
+            assert status == 0 and len(body) == 8 << 20
+        time.sleep(2.0)
+        grew = _rss_mib(pid) - before
+    finally:
+        for sock in socks:
+            sock.close()
+    assert grew < 48, f"12 idle connections hold {grew:.0f} MiB more"
+
+
 def test_half_closed_client_still_gets_its_answer(local_server, rng):
     q, k, v = random_qkv(rng, 1, 64, 256, 4, 2, 32, "float16")
     request = pb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"), v=tensors.to_proto(v, "v"))

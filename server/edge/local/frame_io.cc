@@ -19,8 +19,9 @@ namespace local = v1::local;
 
 namespace {
 
-// Waits until `fd` is readable or `deadline` passes; false on timeout.
-bool WaitReadable(int fd, absl::Time deadline) {
+// Waits until `fd` is readable (`events` POLLIN) or writable (POLLOUT), or `deadline` passes;
+// false on timeout.
+bool WaitFor(int fd, short events, absl::Time deadline) {
   for (;;) {
     int timeout_ms = -1;
     if (deadline != absl::InfiniteFuture()) {
@@ -29,12 +30,15 @@ bool WaitReadable(int fd, absl::Time deadline) {
       timeout_ms = int(std::min<int64_t>(
           absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 1 << 30));
     }
-    pollfd p{fd, POLLIN, 0};
+    pollfd p{fd, events, 0};
     const int n = poll(&p, 1, timeout_ms);
-    if (n > 0) return true;  // readable, or hung up / errored: the read says which
+    if (n > 0) return true;  // ready, or hung up / errored: the read or write says which
     if (n < 0 && errno != EINTR) return true;
   }
 }
+
+bool WaitReadable(int fd, absl::Time deadline) { return WaitFor(fd, POLLIN, deadline); }
+bool WaitWritable(int fd, absl::Time deadline) { return WaitFor(fd, POLLOUT, deadline); }
 
 }  // namespace
 
@@ -102,7 +106,8 @@ FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::St
 
 absl::Status FrameReader::ReadPayload(char* dest, size_t bytes) { return ReadFull(dest, bytes); }
 
-absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count) {
+absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count,
+                        absl::Time deadline) {
   local::FrameHeader header;
   header.method_or_status = uint16_t(status_code);
   uint64_t total = 0;
@@ -122,7 +127,18 @@ absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count)
     msghdr msg{};
     msg.msg_iov = iov.data() + first;
     msg.msg_iovlen = std::min<size_t>(iov.size() - first, IOV_MAX);
-    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL);
+    // With a deadline, writes never block: a blocking sendmsg on a Unix socket waits for room
+    // chunk by chunk, each wait with a fresh send timeout, so a peer taking a little at a time
+    // kept one call going for as long as it liked.
+    const bool bounded = deadline != absl::InfiniteFuture();
+    ssize_t n = sendmsg(fd, &msg, MSG_NOSIGNAL | (bounded ? MSG_DONTWAIT : 0));
+    if (n < 0 && bounded && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!WaitWritable(fd, deadline)) {
+        return absl::DeadlineExceededError(
+            "local frame: the peer did not take the answer in time (--local_read_timeout_ms)");
+      }
+      continue;
+    }
     if (n < 0) {
       if (errno == EINTR) continue;
       return absl::UnavailableError(absl::StrCat("local frame: write failed: ", strerror(errno)));

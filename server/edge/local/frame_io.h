@@ -54,8 +54,11 @@ class FrameReader {
 
 /// Writes one response frame: the header (status, payload length) then `pieces` in order, with
 /// as few sendmsg calls as the socket allows (no copy of the pieces; no SIGPIPE). A peer that
-/// left, or one that stops reading past the socket's send timeout, gives an error.
-absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count);
+/// left, one that stops reading past the socket's send timeout, or one that has not taken the
+/// whole frame by `deadline` (a peer reading a little at a time restarts the send timeout at
+/// every write) gives an error.
+absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count,
+                        absl::Time deadline = absl::InfiniteFuture());
 /// An error frame: `status`'s code, its message as the payload.
 absl::Status WriteErrorFrame(int fd, const absl::Status& status);
 

@@ -24,8 +24,10 @@ namespace {
 // Before a valid Hello a connection may send only a Hello, and only this many bytes of it: an
 // unauthenticated peer cannot make the server allocate more.
 constexpr uint32_t kMaxHelloBytes = 4096;
-// A connection keeps a payload buffer up to this size between calls; larger ones are freed.
+// A connection keeps a payload buffer up to this size between calls; a larger one is freed once
+// the connection is idle (DropLargeBufferWhenIdle).
 constexpr size_t kKeptBufferBytes = size_t{1} << 20;
+constexpr absl::Duration kIdleBeforeDrop = absl::Seconds(1);
 
 const CallMethod& MethodOf(local::Method method) {
   switch (method) {
@@ -87,6 +89,7 @@ class Connection {
       const bool keep_open = ServeOne(header);
       calls_->in_progress.fetch_sub(1);
       if (!keep_open) return;
+      DropLargeBufferWhenIdle();
     }
   }
 
@@ -129,6 +132,18 @@ class Connection {
       Compute(method, payload, std::move(admission), metrics.started(), &reply);
     }
     return Answer(&metrics, &reply) && keep_open;
+  }
+
+  // A payload buffer over kKeptBufferBytes stays while calls keep coming (a client sending large
+  // requests reuses it: no page faults per call) and goes once the connection has been idle for
+  // kIdleBeforeDrop: idle connections held their largest request's buffer (60 of 8 MiB: +0.5 GB).
+  void DropLargeBufferWhenIdle() {
+    if (buffer_capacity_ <= kKeptBufferBytes) return;
+    pollfd p{fd_, POLLIN, 0};
+    if (poll(&p, 1, int(absl::ToInt64Milliseconds(kIdleBeforeDrop))) == 0) {
+      buffer_.reset();
+      buffer_capacity_ = 0;
+    }
   }
 
   // The payload into buffer_, allocated only now that the header was checked.
@@ -174,9 +189,14 @@ class Connection {
     for (const iovec& piece : reply->pieces) bytes += int64_t(piece.iov_len);
     metrics->AddBytesOut(bytes);
     metrics->Finish(reply->status);
+    // One read timeout for the whole answer: the socket's send timeout alone restarts at every
+    // partial write, and a client taking a little at a time held the call (its in-flight bytes,
+    // its admission) for as long as it liked.
+    const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.read_timeout_ms);
     const absl::Status written =
-        reply->status.ok() ? WriteFrame(fd_, 0, reply->pieces.data(), int(reply->pieces.size()))
-                           : WriteErrorFrame(fd_, reply->status);
+        reply->status.ok()
+            ? WriteFrame(fd_, 0, reply->pieces.data(), int(reply->pieces.size()), deadline)
+            : WriteErrorFrame(fd_, reply->status);
     return written.ok();
   }
 
