@@ -269,6 +269,16 @@ def test_steps_go_packed_unless_told_not_to(fakes, rng, packed_steps):
     assert fakes[0].servicer.packed_steps == (3 if packed_steps else 0)
 
 
+def test_release_drops_the_history(fakes, rng):
+    """A released sequence is never re-created: the rows the client kept for that go with it (they stayed)."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = client.create(**SHAPE, prefix={0: truth.rows(50)})
+        assert seq.history_bytes > 0
+        assert seq.release() is True
+        assert seq.history_bytes == 0
+
+
 def test_items_that_cannot_share_a_packed_step_go_one_by_one(fakes, rng):
     """Items of different head shapes (which the server refuses naming the item) are not packed."""
     with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:

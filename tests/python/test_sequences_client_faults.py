@@ -497,6 +497,26 @@ def test_prefix_source_holding_the_row_in_flight_is_cut_to_the_acknowledged_rows
         assert seq.reprefills == 1 and _server_rows(fakes[0], seq) == [truth.length(seq.key, 0), 3]
 
 
+def test_without_history_an_uncertain_sequence_is_left_on_the_server(fakes, rng):
+    """keep_history=False: a step whose rows landed but whose answer was lost leaves the sequence uncertain, and the
+    client cannot re-create it. It used to release the server's copy (the only one) and report NOT_FOUND "lost by the
+    server"; now the next call says FAILED_PRECONDITION and the server keeps the sequence."""
+    truth = _truth(rng)
+    fake = fakes[0].servicer
+    with flashserve.SequenceClient(fakes[0].address, timeout=30, max_attempts=1) as client:  # no retry
+        k, v = truth.rows(4)
+        seq = client.create(**SHAPE, prefix={0: (k, v)}, keep_history=False)
+        fake.fail_next_step = (UNAVAILABLE, True)
+        with pytest.raises(flashserve.UnavailableError):
+            seq.step(0, truth.query(), *truth.rows(1))
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.attend(0, truth.query())
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value
+        assert "left as it is" in info.value.message
+        assert _server_rows(fakes[0], seq) == [5, 0]
+        assert "Release" not in fake.calls
+
+
 def test_prefix_source_with_fewer_rows_than_acknowledged_is_refused(fakes, rng):
     """A source that cannot give every acknowledged row: re-creating from it would leave rows out (wrong answers)."""
     truth = _truth(rng)

@@ -197,19 +197,31 @@ class _Recovery:
                     if not seq.uncertain:
                         break
                     failed_id, endpoint, doubts, may_land = seq.id, seq.endpoint, seq.doubts, seq.may_land
-                same = False
+                same, gone = False, False
                 try:
                     if not may_land:
                         info = self._rpc(endpoint, "GetSequenceInfo", spb.GetSequenceInfoRequest(sequence_id=failed_id),
                                          seq.key, timeout)
                         same = [int(n) for n in info.layer_lengths] == seq.lengths
-                except (NotFoundError, UnavailableError):
-                    same = False
+                except NotFoundError:
+                    gone = True
+                except UnavailableError:
+                    pass
                 if same:
                     with seq.lock:  # only the doubts this look saw: a failure since may have appended after it
                         if seq.doubts == doubts and seq.id == failed_id:
                             seq.uncertain = False
                     continue
+                with seq.lock:
+                    rebuildable = seq.recovery_prefix() is not None
+                if not rebuildable and not gone:
+                    # Releasing it would throw away the server's copy, the only one (it did with keep_history=False
+                    # after one deadline, then blamed the server for losing it).
+                    raise error_for(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"sequence {failed_id}: a call that failed may or may not have appended its rows "
+                                    f"on {endpoint}, and the client keeps no history (keep_history=False and no "
+                                    "prefix_source) to re-create it; the server's copy is left as it is "
+                                    "(GetSequenceInfo has its lengths; release() drops it)")
                 self._release_quietly(endpoint, failed_id, seq.key)
                 self._reprefill(seq, failed_id, timeout)  # then look again: a new id may have a new doubt
 

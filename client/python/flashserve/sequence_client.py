@@ -421,6 +421,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             if seq.released:
                 return False
             seq.released = True
+            seq.reset_history({})  # nothing re-creates a released sequence: its rows need not stay
         try:
             response = self._rpc(seq.endpoint, "Release", spb.ReleaseRequest(sequence_ids=[seq.id]), seq.key, timeout)
         except UnavailableError:
