@@ -195,7 +195,8 @@ void ServerMetrics::Record(std::string_view method, int code, std::string_view c
     request_duration_->Labels({method})->Observe(seconds);
   }
   if (bytes_in > 0) bytes_in_->Increment(uint64_t(bytes_in));
-  if (bytes_out > 0) bytes_out_->Increment(uint64_t(bytes_out));
+  // An error's body (an HTTP error JSON, a gRPC status) is not an answer: out counts OK calls only.
+  if (bytes_out > 0 && code == 0) bytes_out_->Increment(uint64_t(bytes_out));
 }
 
 void ServerMetrics::RecordRequest(std::string_view method, std::string_view status_code_name,

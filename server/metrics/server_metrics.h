@@ -59,7 +59,8 @@ class ServerMetrics {
 
   /// One finished RPC: requests_total{method,status} += 1,
   /// request_duration_seconds{method} observes `seconds` (end to end in the server),
-  /// request_bytes_total{direction="in"|"out"} += bytes (negative values are ignored).
+  /// request_bytes_total{direction="in"} += bytes_in, {direction="out"} += bytes_out for an OK
+  /// call only (negative values are ignored).
   /// `status_code_name` is the gRPC code name, e.g. "OK", "INVALID_ARGUMENT".
   void RecordRequest(std::string_view method, std::string_view status_code_name, double seconds,
                      int64_t bytes_in, int64_t bytes_out);

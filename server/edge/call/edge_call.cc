@@ -48,7 +48,7 @@ void EdgeCall::Finish(const absl::Status& status) {
     const double seconds =
         started_ == absl::InfinitePast() ? 0.0 : absl::ToDoubleSeconds(absl::Now() - started_);
     metrics_->RecordRequest(method_.label, static_cast<int>(status.code()), seconds, bytes_in_,
-                            status.ok() ? bytes_out_ : 0);
+                            bytes_out_);
   }
   if (!status.ok()) {
     spdlog::warn("{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,

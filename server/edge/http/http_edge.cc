@@ -60,9 +60,8 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
   listener.auth = options.auth;
   if (ServerMetrics* metrics = runtime->metrics()) {
     listener.on_finished = [metrics](const HttpCallRecord& call) {
-      // An error's body is not an answer: counted out as on gRPC (nothing), not by its size.
       metrics->RecordRequest(call.metric, static_cast<int>(call.status.code()), call.seconds,
-                             call.bytes_in, call.status.ok() ? call.bytes_out : 0);
+                             call.bytes_in, call.bytes_out);
     };
   }
   std::vector<HttpRoute> routes = HealthRoutes(runtime, options.open_health);

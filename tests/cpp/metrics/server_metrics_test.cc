@@ -167,6 +167,7 @@ TEST(ServerMetricsTest, RecordRequestCountsByMethodAndStatus) {
   m.RecordRequest("GetServerInfo", 0, 1e-4, 0, 64);
   m.RecordRequest("Custom", "NOT_A_CODE", 20.0, -5, -5);  // unknown method and name still count
   m.RecordRequest("Attention", 99, 1.0, 0, 0);            // out of range -> UNKNOWN
+  m.RecordRequest("KServeInfer", "INVALID_ARGUMENT", 1e-5, 7, 58);  // its error body: not out
   const std::string text = m.Render();
   EXPECT_EQ(Sample(text, R"(flashserve_requests_total{method="Attention",status="OK"})"), "2");
   EXPECT_EQ(
@@ -190,7 +191,7 @@ TEST(ServerMetricsTest, RecordRequestCountsByMethodAndStatus) {
   EXPECT_EQ(
       Sample(text, R"(flashserve_request_duration_seconds_bucket{method="Custom",le="+Inf"})"),
       "1");
-  EXPECT_EQ(Sample(text, R"(flashserve_request_bytes_total{direction="in"})"), "2030");
+  EXPECT_EQ(Sample(text, R"(flashserve_request_bytes_total{direction="in"})"), "2037");
   EXPECT_EQ(Sample(text, R"(flashserve_request_bytes_total{direction="out"})"), "1064");
 }
 
