@@ -6,6 +6,7 @@
 // then only hides it, and its pages return to the pool when the step ends.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -164,9 +165,18 @@ class SequenceCache {
   /// Validates every item, appends their rows and pins their sequences. All items must share
   /// heads_q, heads_kv, head_dim and dtype; a (sequence, layer) may appear once. Items whose
   /// expected_length finds their rows already there are not appended again (ABORTED as Append;
-  /// DEADLINE_EXCEEDED as Append).
+  /// DEADLINE_EXCEEDED and CANCELLED as Append).
   absl::StatusOr<StepPlan> PrepareStep(const std::vector<StepItem>& items,
-                                       absl::Time deadline = absl::InfiniteFuture());
+                                       absl::Time deadline = absl::InfiniteFuture(),
+                                       const std::function<bool()>& cancelled = {});
+  /// Whether an Append is copying rows into a sequence `items` name (PrepareStep would wait for
+  /// it). Unknown ids count as idle. Takes no lock while no Append runs anywhere.
+  bool AnyAppending(const std::vector<StepItem>& items);
+  /// Returns once no Append copies rows into a sequence `items` name, or once `deadline` passes
+  /// or `cancelled` (may be empty) says so: a step's caller waits here, on a thread of its own,
+  /// instead of in PrepareStep on a scheduler worker that other clients' steps need.
+  void AwaitAppends(const std::vector<StepItem>& items, absl::Time deadline,
+                    const std::function<bool()>& cancelled);
   /// Cuts each item's layers back to their first `length` tokens; the pages wholly past the cut
   /// return to the pool. A layer already that short is left as it is (a retry). Waits, at most
   /// until `deadline` (then DEADLINE_EXCEEDED, nothing cut), while an append or a prepared step
@@ -310,6 +320,7 @@ class SequenceCache {
   // *already.
   absl::Status ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
                               std::vector<PageRun>* runs, std::vector<int>* already) const;
+  bool AnyAppendingLocked(const std::vector<StepItem>& items);  // needs mu_
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
@@ -328,6 +339,7 @@ class SequenceCache {
   // instrumented. Guards everything below; the functions marked "needs mu_" run under it.
   std::mutex mu_;
   std::condition_variable appended_;  // a Sequence::appending went false
+  std::atomic<int64_t> appends_running_{0};  // Sequences with appending set (read without mu_)
   std::condition_variable unpinned_;  // a Sequence::pins went to 0
   std::condition_variable settled_;   // a hidden (being created) sequence became ready or went
   PageAllocator pages_;

@@ -26,6 +26,26 @@ bool SequenceCache::WaitLocked(std::condition_variable* cv, std::unique_lock<std
   return true;
 }
 
+bool SequenceCache::AnyAppending(const std::vector<StepItem>& items) {
+  if (appends_running_.load() == 0) return false;  // the common case: no lock, no lookups
+  std::lock_guard<std::mutex> lock(mu_);
+  return AnyAppendingLocked(items);
+}
+
+bool SequenceCache::AnyAppendingLocked(const std::vector<StepItem>& items) {
+  return std::any_of(items.begin(), items.end(), [this](const StepItem& item) {
+    const Sequence* seq = FindLocked(item.id);
+    return seq != nullptr && seq->appending;
+  });
+}
+
+void SequenceCache::AwaitAppends(const std::vector<StepItem>& items, absl::Time deadline,
+                                 const std::function<bool()>& cancelled) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (AnyAppendingLocked(items) && WaitForAppendLocked(&lock, deadline, cancelled)) {
+  }
+}
+
 SequenceCache::Sequence* SequenceCache::FindIdleLocked(std::string_view id,
                                                        std::unique_lock<std::mutex>* lock,
                                                        absl::Time deadline,
@@ -107,6 +127,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   if (!taken.ok()) return taken;
   for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
   seq->appending = true;
+  appends_running_.fetch_add(1);
   ++seq->pins;  // not freed by a Release or eviction meanwhile
   lock.unlock();
   absl::Status written = absl::OkStatus();
@@ -119,6 +140,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   }
   result.lengths = seq->lengths;
   seq->appending = false;
+  appends_running_.fetch_sub(1);
   seq->last_used = Now();
   if (--seq->pins == 0) {
     auto it = retired_.find(seq);  // released while it was written

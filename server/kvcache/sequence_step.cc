@@ -155,7 +155,8 @@ absl::Status SequenceCache::WriteStepRows(const std::vector<StepItem>& items,
 }
 
 absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>& items,
-                                                    absl::Time deadline) {
+                                                    absl::Time deadline,
+                                                    const std::function<bool()>& cancelled) {
   if (items.empty()) return absl::InvalidArgumentError("a step needs at least one item");
   std::unique_lock<std::mutex> lock(mu_);
   MaybeEvictLocked();
@@ -165,10 +166,10 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
     if (absl::Status s = FindAll(items, &found); !s.ok()) return s;
     if (std::none_of(found.begin(), found.end(), [](const Sequence* q) { return q->appending; }))
       break;
-    if (!WaitForAppendLocked(&lock, deadline)) break;  // answered DEADLINE_EXCEEDED below
+    if (!WaitForAppendLocked(&lock, deadline, cancelled)) break;  // answered below
   }
-  if (absl::Status s =
-          CheckDeadline(Now(), deadline, "while it waited for another append to its sequence");
+  if (absl::Status s = CheckStillWanted(Now(), deadline, cancelled,
+                                        "while it waited for another append to its sequence");
       !s.ok())
     return s;
   // Still appending: the wait gave up (a wall clock stepped back may pass the check above).

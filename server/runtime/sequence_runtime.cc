@@ -14,6 +14,11 @@ namespace flashserve {
 
 namespace {
 
+// Decode calls that wait for an Append to their sequences (AwaitAppendsThenEnqueue): threads
+// that wait, and calls queued for them; more are refused (RESOURCE_EXHAUSTED).
+constexpr int kAppendWaitThreads = 4;
+constexpr int kAppendWaitCapacity = 1024;
+
 // Calls whose plans can share one paged launch: same shape, page format, mask and scale.
 bool SameLaunch(const kvcache::PagedBatch& a, const kvcache::PagedBatch& b) {
   const kvcache::SequenceShape& x = a.shape;
@@ -107,7 +112,9 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
 }
 
 SequenceRuntime::SequenceRuntime(const SequenceRuntimeOptions& options, Scheduler* scheduler)
-    : options_(options), scheduler_(scheduler) {}
+    : options_(options),
+      scheduler_(scheduler),
+      append_waits_(std::make_unique<WorkQueue>(kAppendWaitThreads, kAppendWaitCapacity)) {}
 
 void SequenceRuntime::SweepIdle() {
   const auto every =
@@ -119,6 +126,7 @@ void SequenceRuntime::SweepIdle() {
 }
 
 SequenceRuntime::~SequenceRuntime() {
+  append_waits_.reset();  // every call it holds goes on to the batcher or the scheduler
   {
     std::lock_guard<std::mutex> lock(sweep_mu_);
     sweep_stopping_ = true;
@@ -143,12 +151,37 @@ void SequenceRuntime::Submit(std::shared_ptr<DecodeCall> call) {
     return;
   }
   MarkWaiting(call.get());
+  if (cache_->AnyAppending(call->items)) {
+    AwaitAppendsThenEnqueue(std::move(call));
+    return;
+  }
+  Enqueue(std::move(call));
+}
+
+void SequenceRuntime::Enqueue(std::shared_ptr<DecodeCall> call) {
   if (batcher_ == nullptr) {
     const bool run_inline = call->caller_waits;
     Dispatch({std::move(call)}, false, run_inline);
     return;
   }
+  const int n = int(call->items.size());
   if (absl::Status s = batcher_->Add(call, n); !s.ok()) call->done(s, {});
+}
+
+void SequenceRuntime::AwaitAppendsThenEnqueue(std::shared_ptr<DecodeCall> call) {
+  // A call that gave up waiting is enqueued all the same: Prepare answers it as stale.
+  auto wait_then_enqueue = [this, call] {
+    cache_->AwaitAppends(call->items, call->deadline, call->cancelled);
+    Enqueue(call);
+  };
+  if (call->caller_waits) {
+    wait_then_enqueue();
+  } else if (!append_waits_->TrySubmit(wait_then_enqueue)) {
+    call->done(absl::ResourceExhaustedError(
+                   absl::StrCat("too many decode calls (", kAppendWaitCapacity,
+                                ") wait for appends to their sequences; retry later")),
+               {});
+  }
 }
 
 void SequenceRuntime::MarkWaiting(DecodeCall* call) {
@@ -190,7 +223,8 @@ std::optional<PreparedDecode> SequenceRuntime::Prepare(std::shared_ptr<DecodeCal
     return std::nullopt;
   }
   const absl::Time t0 = absl::Now();
-  absl::StatusOr<kvcache::StepPlan> plan = cache_->PrepareStep(call->items, call->deadline);
+  absl::StatusOr<kvcache::StepPlan> plan =
+      cache_->PrepareStep(call->items, call->deadline, call->cancelled);
   if (call->stop_waiting) call->stop_waiting();  // its sequences are marked used (or it failed)
   if (!plan.ok()) {
     call->done(plan.status(), {});

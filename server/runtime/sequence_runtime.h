@@ -16,6 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/work_queue.h"
 #include "kvcache/kv_metrics.h"
 #include "kvcache/sequence_cache.h"
 #include "metrics/server_metrics.h"
@@ -83,6 +84,13 @@ class SequenceRuntime {
   // With a TTL: the call counts as waiting in the cache (its sequences are not evicted under it)
   // until its step is prepared or it is answered (DecodeCall::stop_waiting).
   void MarkWaiting(DecodeCall* call);
+  // Hands the call to the batcher, or to the scheduler without one.
+  void Enqueue(std::shared_ptr<DecodeCall> call);
+  // A call whose sequence an Append is copying into waits for that copy here -- on the caller's
+  // own thread when it waits anyway (the local socket), else on append_waits_ -- and is enqueued
+  // after it: in PrepareStep it would hold a scheduler worker (the CPU backend has one) and the
+  // other calls of its batch meanwhile.
+  void AwaitAppendsThenEnqueue(std::shared_ptr<DecodeCall> call);
   // from_batcher: the calls are one batch of batcher_, told BatchDone once they are answered.
   // run_inline: on this thread if a worker would be idle (Scheduler::SubmitOrRunInline).
   void Dispatch(std::vector<std::shared_ptr<DecodeCall>> calls, bool from_batcher, bool run_inline);
@@ -96,6 +104,9 @@ class SequenceRuntime {
   std::unique_ptr<kvcache::KvStore> store_;
   std::unique_ptr<kvcache::SequenceCache> cache_;
   std::unique_ptr<DecodeBatcher> batcher_;  // null when batch_window_us == 0
+  // Runs AwaitAppendsThenEnqueue's waits (no thread of gRPC's may wait); reset first in the
+  // destructor, enqueueing what still waits.
+  std::unique_ptr<WorkQueue> append_waits_;
   std::mutex sweep_mu_;
   std::condition_variable sweep_stop_;
   bool sweep_stopping_ = false;  // guarded by sweep_mu_
