@@ -10,13 +10,16 @@ rows were appended -- or cut -- first), or a list of those for the next calls in
 where)`` stops the next such call "before" it reads anything (a request on its way, or one the server has not got to
 yet: the real server's Append applies however late, DecodeStep once it has started running) or "after" it applied and
 built its answer (an answer on its way back) until the test lets it go; ``hold("GetSequenceInfo", "after")`` the same
-for an info answer.
+for an info answer, and ``hold("Release", "before")`` for a release on its way.
+``slow(method, seconds)``: every call of ``method`` waits that long before it reads anything (and still applies after
+the client's deadline, as the real server's Append does); ``slow(method, 0)`` ends it.
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
+import time
 from concurrent import futures
 from typing import Dict, List, Optional
 
@@ -77,12 +80,17 @@ class FakeSequences(spb_grpc.SequencesServicer):
         self.fail_next_append = None  # the same for the next Append
         self.fail_next_truncate = None  # the same for the next Truncate (whether it cut)
         self.holds: Dict[str, Hold] = {}  # method -> the next call of it to hold (hold())
+        self.delays: Dict[str, float] = {}  # method -> seconds each call of it waits first (slow())
         self.packed_steps = 0  # DecodeSteps that came packed (DecodeStepRequest.packed)
 
     def hold(self, method: str, where: str) -> Hold:
         """Holds the next call of ``method`` ("before" it reads anything, or "after" it applied); see Hold."""
         self.holds[method] = Hold(where)
         return self.holds[method]
+
+    def slow(self, method: str, seconds: float) -> None:
+        """Every call of ``method`` waits ``seconds`` before it reads anything (0: no more)."""
+        self.delays[method] = seconds
 
     def _held(self, method: str, where: str) -> Optional[Hold]:
         with self.lock:
@@ -111,6 +119,8 @@ class FakeSequences(spb_grpc.SequencesServicer):
     def _note(self, name, context):
         self.calls.append(name)
         self.metadata_seen.append(dict(context.invocation_metadata()))
+        if self.delays.get(name):
+            time.sleep(self.delays[name])
 
     def CreateSequence(self, request, context):
         self._note("CreateSequence", context)
@@ -285,9 +295,14 @@ class FakeSequences(spb_grpc.SequencesServicer):
 
     def Release(self, request, context):
         self._note("Release", context)
-        with self.lock:
-            gone = [i for i in request.sequence_ids if self.seqs.pop(i, None) is None]
-        return spb.ReleaseResponse(released=len(request.sequence_ids) - len(gone), not_found=gone)
+        hold = self._held("Release", "before")
+        try:
+            with self.lock:
+                gone = [i for i in request.sequence_ids if self.seqs.pop(i, None) is None]
+            return spb.ReleaseResponse(released=len(request.sequence_ids) - len(gone), not_found=gone)
+        finally:
+            if hold is not None:
+                hold.finished.set()
 
     def GetSequenceInfo(self, request, context):
         self._note("GetSequenceInfo", context)

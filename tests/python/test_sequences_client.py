@@ -325,7 +325,8 @@ def test_reprefill_off_shows_not_found_with_the_missing_ids(fakes, rng):
 @pytest.mark.parametrize("appended", [True, False])
 def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended):
     """A step that failed with INTERNAL may have appended its rows (the server says so): the next call compares the
-    server's lengths with the client's and re-creates the sequence only when they differ."""
+    server's lengths with the client's and, when they hold the failed step's row, cuts it off (Truncate): the
+    sequence is not re-created (test_sequences_recovery_deadline.py)."""
     truth = _truth(rng)
     with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
         k, v = truth.rows(6)
@@ -336,8 +337,9 @@ def test_ambiguous_failure_is_settled_before_the_next_call(fakes, rng, appended)
             seq.step(0, truth.query(), *truth.rows(1))
         assert info.value.code == grpc.StatusCode.INTERNAL and seq.uncertain
         _decode_rounds(client, [seq], truth, 3)
-        assert seq.reprefills == int(appended) and not seq.uncertain
-        assert len(fakes[0].servicer.seqs) == 1  # the inconsistent copy was released
+        assert seq.reprefills == 0 and not seq.uncertain
+        assert client.stats["truncated_back"] == int(appended)
+        assert len(fakes[0].servicer.seqs) == 1  # no second copy
 
 
 @pytest.mark.parametrize("code,cut", [(grpc.StatusCode.INTERNAL, False), (grpc.StatusCode.INTERNAL, True),

@@ -10,7 +10,7 @@ import grpc
 from . import tensors
 from ._pb import attention_pb2 as pb
 from ._pb import sequences_pb2 as spb
-from ._seq_recovery import _mark_uncertain
+from ._seq_recovery import CallDeadline, _mark_uncertain
 from .errors import FlashserveError, error_for
 from ._step_answer import DecodeStepAnswer
 from .packed_step import packed_step_request
@@ -48,6 +48,12 @@ class _Item:
         item.kind, item.device = "raw", None
         return item
 
+    def appended_rows(self) -> Optional[dict]:
+        """{layer: rows} this item appends; None for an attend-only item."""
+        if self.k is None:
+            return None
+        return {self.layer: int(self.k.shape[0]) if self.k.shape else 0}
+
     def add_to(self, request: "spb.DecodeStepRequest", sequence_id: str) -> None:
         item = request.items.add(sequence_id=sequence_id, layer=self.layer)
         _copy_rows(item.q, self.q)
@@ -70,15 +76,18 @@ class _DecodeSteps:
     """Mixin of SequenceClient (which supplies packed_steps, stats, _lock, _rpc, _calls_by_endpoint and
     _count_already_appended)."""
 
-    def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options) -> list:
-        """decode_step's calls and retries (its layers held by hold_layers); fills results, and doubtful with
-        (sequence, id sent, code) of the items whose rows a failed try may have left on a server. Each item goes
-        with its sequence's id and the layer's length (expected_length), read together."""
+    def _decode_step(self, prepared: List[_Item], results: List[Any], doubtful: list, options,
+                     deadline: CallDeadline) -> list:
+        """decode_step's calls and retries (its layers held by hold_layers) within ``deadline``; fills results, and
+        doubtful with (sequence, id sent, code, rows) of the items whose rows a failed try may have left on a server.
+        Each item goes with its sequence's id and the layer's length (expected_length), read together. options:
+        (causal, softmax_scale, return_lse)."""
         return self._calls_by_endpoint(
             [item.seq for item in prepared],
             lambda i: (prepared[i].seq.id, prepared[i].seq.lengths[prepared[i].layer]),
-            lambda group, sent, endpoint: self._step_group(prepared, group, sent, endpoint, results, *options),
-            results, doubtful, options[-1], "decode", lambda i: prepared[i].k is not None)
+            lambda group, sent, endpoint, timeout: self._step_group(prepared, group, sent, endpoint, results,
+                                                                    *options, timeout),
+            results, doubtful, deadline, "decode", lambda i: prepared[i].appended_rows())
 
     def _step_group(self, prepared, group, sent, endpoint, results, causal, softmax_scale, return_lse,
                     timeout) -> None:
@@ -117,7 +126,7 @@ class _DecodeSteps:
         except BaseException:  # interrupted, or an answer the caller's tensors cannot take (out of memory ...)
             appended = [j for j, i in enumerate(group) if prepared[i].k is not None]
             _mark_uncertain([prepared[group[j]].seq for j in appended], [sent[j][0] for j in appended],
-                            grpc.StatusCode.CANCELLED)
+                            grpc.StatusCode.CANCELLED, [prepared[group[j]].appended_rows() for j in appended])
             raise
         self._count_already_appended(sum(1 for result in response.results if result.already_appended))
         with self._lock:

@@ -9,6 +9,7 @@ from typing import Iterable, List, Optional, Tuple
 import grpc
 
 from ._pb import sequences_pb2 as spb
+from ._seq_recovery import CallDeadline
 from .errors import error_for
 from .sequences import Sequence
 
@@ -36,14 +37,16 @@ class _Cut:
 class _Truncates:
     """Mixin of SequenceClient (which supplies _rpc and _calls_by_endpoint)."""
 
-    def _truncate(self, cuts: List[_Cut], results: List[Optional[List[int]]], doubtful: list, timeout) -> list:
-        """truncate_many's calls and retries (its layers held); fills results (every layer's length per item), and
-        doubtful with (sequence, id sent, code) of the items a failed try may have cut on a server."""
+    def _truncate(self, cuts: List[_Cut], results: List[Optional[List[int]]], doubtful: list,
+                  deadline: CallDeadline) -> list:
+        """truncate_many's calls and retries (its layers held) within ``deadline``; fills results (every layer's
+        length per item), and doubtful with (sequence, id sent, code, rows: none) of the items a failed try may have
+        cut on a server."""
         return self._calls_by_endpoint(
             [cut.seq for cut in cuts], lambda i: (cuts[i].seq.id,),
-            lambda group, sent, endpoint: self._truncate_group(cuts, group, [s[0] for s in sent], endpoint, results,
-                                                               timeout),
-            results, doubtful, timeout, "truncate", lambda i: True)
+            lambda group, sent, endpoint, timeout: self._truncate_group(cuts, group, [s[0] for s in sent], endpoint,
+                                                                        results, timeout),
+            results, doubtful, deadline, "truncate", lambda i: {})
 
     def _truncate_group(self, cuts, group, sent, endpoint, results, timeout) -> None:
         """One Truncate of the group's items to the ids ``sent``; fills results of the items whose sequence still has

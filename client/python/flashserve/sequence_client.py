@@ -12,13 +12,20 @@ Recovery (``reprefill=True``): NOT_FOUND (evicted after --sequence_ttl_s, releas
 re-create the sequence with every row the client keeps (or ``prefix_source`` gives) and retry the call. UNAVAILABLE
 (the server left) -> mark the endpoint down for ``down_s`` seconds, re-create the sequence on the next endpoint of the
 ring, retry (with one endpoint, e.g. a proxy, just retry). A call that failed ambiguously (deadline, cancelled,
-internal) after sending rows marks the sequence uncertain: the next call first compares the server's lengths with the
-client's and re-creates on a mismatch; after a failure that may still be running on the server (deadline, cancelled,
-or UNAVAILABLE the client does not retry: its rows may land after any check) it re-creates without asking. Every
-server call is all-or-nothing, and every append names the length it follows (expected_length: a retry whose first
-try was applied finds its rows there and is not applied again), so a retried step appends its rows exactly once: no
-wrong answer, only a slower one. Only an append's (or truncate's) answer sets a layer's length, and an answer from a
-sequence id the client re-created meanwhile (another thread's recovery) is dropped and its item sent again.
+internal) after sending rows marks the sequence uncertain, as does a multi-server step's share taken back because
+another share failed: the next call first compares the server's lengths with the client's, cuts off (Truncate) rows
+that failed calls sent, and re-creates only a sequence that is gone or whose lengths are not the client's plus such
+rows; after a failure that may still be running on the server (deadline, cancelled, or UNAVAILABLE the client does
+not retry: its rows may land after any check) it re-creates without asking. Every server call is all-or-nothing, and
+every append names the length it follows (expected_length: a retry whose first try was applied finds its rows there
+and is not applied again), so a retried step appends its rows exactly once: no wrong answer, only a slower one. Only
+an append's (or truncate's) answer sets a layer's length, and an answer from a sequence id the client re-created
+meanwhile (another thread's recovery) is dropped and its item sent again.
+
+Deadline: a call's ``timeout`` (or the client's) is one deadline for the whole call -- its wait for this client's
+other calls on its layers, its tries, and recovery's looks, truncates, releases, re-creates and backoffs: each RPC
+gets the time left, and once none is left the call raises DEADLINE_EXCEEDED ("recovery ran out of time") without
+sending more. None: no deadline.
 
 Truncate (speculative decoding: ``seq.truncate(n)`` after a step that appended the drafts keeps each layer's first n
 tokens; ``truncate_many`` a batch's, one call per server) is an append in reverse for all of the above: it holds its
@@ -57,7 +64,7 @@ from . import tensors
 from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_create import CREATE_CHUNK_BYTES
-from ._seq_recovery import _mark_uncertain, _Recovery
+from ._seq_recovery import CallDeadline, _mark_uncertain, _Recovery
 from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
 from ._step_answer import DecodeStepAnswer
@@ -128,8 +135,9 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         # already_appended: appends a retry found applied by its lost first try (expected_length), not applied again.
         # already_created: creates whose retry found the sequence its lost try made (create_token).
         # left_behind_released: ids a failover after UNAVAILABLE left on a server that then took their release.
+        # truncated_back: uncertain sequences whose failed calls' rows a Truncate cut off (instead of a re-create).
         self.stats = {"reprefills": 0, "not_found": 0, "unavailable": 0, "max_batched_calls": 0,
-                      "already_appended": 0, "already_created": 0, "left_behind_released": 0}
+                      "already_appended": 0, "already_created": 0, "left_behind_released": 0, "truncated_back": 0}
         unknown = set(local_sockets or {}) - set(self.endpoints)
         if unknown:
             raise ValueError(f"local_sockets names endpoints not in the list: {sorted(unknown)}")
@@ -251,7 +259,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         spec = SequenceSpec(num_layers, heads_q, heads_kv, head_dim, dtype)
         seq = Sequence(self, spec, key, keep_history, prefix_source, max_tokens, label)
         encoded = encode_prefix(prefix)
-        self._create_on_ring(seq, encoded, timeout, create_token)
+        self._create_on_ring(seq, encoded, self._deadline(timeout), create_token, recovering=False)
         seq.reset_history(encoded)
         return seq
 
@@ -270,7 +278,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
                    for layer, (k, v) in rows.items()}
 
-        def attempt(ids):
+        def attempt(ids, left):
             sent_id = ids[0]
             with seq.lock:  # the lengths of the id read (a re-create changes both)
                 if seq.id != sent_id:
@@ -278,7 +286,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                                         missing_ids=(sent_id,))
                 expected = {layer: seq.lengths[layer] for layer in encoded}
             request = append_request_bytes(sent_id, encoded, expected)
-            response = self._rpc(seq.endpoint, "Append", request, seq.key, timeout)
+            response = self._rpc(seq.endpoint, "Append", request, seq.key, left)
             self._count_already_appended(len(response.already_appended_layers))
             with seq.lock:
                 if seq.id != sent_id:  # re-created while this ran, without these rows: send them again
@@ -289,8 +297,10 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                     seq.acknowledge_layer(layer, k, v, response.layer_lengths[layer])
                 return list(seq.lengths)
 
-        with hold_layers(writes=[(seq, layer) for layer in encoded], timeout=self._call_timeout(timeout)):
-            return self._with_recovery([seq], attempt, timeout, appends=True)
+        deadline = self._deadline(timeout)
+        appended_rows = {layer: int(k.shape[0]) if k.shape else 0 for layer, (k, _) in encoded.items()}
+        with hold_layers(writes=[(seq, layer) for layer in encoded], timeout=deadline.remaining()):
+            return self._with_recovery([seq], attempt, deadline, appended_rows)
 
     def truncate(self, seq: Sequence, length: int, layers: Optional[Iterable[int]] = None,
                  timeout: Optional[float] = None) -> List[int]:
@@ -314,19 +324,24 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         # the server (it cut them all while the history kept them: later answers went wrong).
         sent = [cut for cut in cuts if cut.named]
         results: List[Optional[List[int]]] = [None] * len(sent)
-        doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
+        doubtful: List[Tuple[Sequence, str, grpc.StatusCode, dict]] = []
+        deadline = self._deadline(timeout)
         with hold_layers(writes=[(cut.seq, layer) for cut in sent for layer in cut.named],
-                         timeout=self._call_timeout(timeout)):
+                         timeout=deadline.remaining()):
             try:
-                answered = iter(self._truncate(sent, results, doubtful, timeout) if sent else [])
+                answered = iter(self._truncate(sent, results, doubtful, deadline) if sent else [])
             except BaseException:
-                for seq, sent_id, code in doubtful:  # tries that may have cut: settled before the next call
-                    _mark_uncertain([seq], [sent_id], code)
+                for seq, sent_id, code, rows in doubtful:  # tries that may have cut: settled before the next call
+                    _mark_uncertain([seq], [sent_id], code, [rows])
                 raise
             return [next(answered) if cut.named else list(cut.seq.lengths) for cut in cuts]
 
     def _call_timeout(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout
+
+    def _deadline(self, timeout: Optional[float]) -> CallDeadline:
+        """The whole call's deadline: its timeout (or the client's) from now, recovery included; None: none."""
+        return CallDeadline(self._call_timeout(timeout))
 
     def _count_already_appended(self, n: int) -> None:
         if n:
@@ -339,24 +354,25 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self._check_live(seq)
         item = _Item((seq, layer, q))
 
-        def attempt(ids):
+        def attempt(ids, left):
             request = spb.AttendRequest(sequence_id=ids[0], layer=int(layer), causal=bool(causal),
                                         return_lse=bool(return_lse))
             _copy_rows(request.q, item.q)
             if softmax_scale is not None:
                 request.softmax_scale = float(softmax_scale)
-            response = self._rpc(seq.endpoint, "Attend", request, seq.key, timeout)
+            response = self._rpc(seq.endpoint, "Attend", request, seq.key, left)
             return _answer(response, item, return_lse)
 
-        with hold_layers(reads=[(seq, int(layer))], timeout=self._call_timeout(timeout)):
-            return self._with_recovery([seq], attempt, timeout, appends=False)
+        deadline = self._deadline(timeout)
+        with hold_layers(reads=[(seq, int(layer))], timeout=deadline.remaining()):
+            return self._with_recovery([seq], attempt, deadline, None)
 
     def decode_step(self, items: Iterable[DecodeInput], causal: bool = False, softmax_scale: Optional[float] = None,
                     return_lse: bool = False, timeout: Optional[float] = None) -> list:
         """For each (sequence, layer, q, k, v): append k/v (may be None) to the layer, attend q. One DecodeStep per
         endpoint holding some of the sequences (in parallel). Returns outs (or (out, lse)) in the items' order."""
-        return self._run_decode([_Item(entry) for entry in items], (bool(causal), softmax_scale, bool(return_lse),
-                                                                      timeout))
+        return self._run_decode([_Item(entry) for entry in items], (bool(causal), softmax_scale, bool(return_lse)),
+                                timeout)
 
     def decode_step_batch(self, seqs: Seq[Sequence], layer: int, q, k=None, v=None, causal: bool = False,
                           softmax_scale: Optional[float] = None, return_lse: bool = False,
@@ -378,7 +394,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         blocks = [_row_blocks(tensors.to_host_rows(t, name, copy=False), count, copy=name != "q") if t is not None
                   else [None] * count for name, t in (("q", q), ("k", k), ("v", v))]
         prepared = [_Item.encoded(seq, layer, qi, ki, vi) for seq, qi, ki, vi in zip(seqs, *blocks)]
-        answers = self._run_decode(prepared, (bool(causal), softmax_scale, bool(return_lse), timeout))
+        answers = self._run_decode(prepared, (bool(causal), softmax_scale, bool(return_lse)), timeout)
         out = tensors.from_proto(tensors.HostRows(blocks[0][0].dtype, tuple(int(n) for n in q.shape),
                                                   bytearray().join(a[0] for a in answers)), kind, device)
         if not return_lse:
@@ -388,28 +404,30 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                                                   bytearray().join(a[1] for a in answers)), kind, device)
         return out, lse
 
-    def _run_decode(self, prepared: List[_Item], options) -> list:
+    def _run_decode(self, prepared: List[_Item], options, timeout: Optional[float]) -> list:
+        """options: (causal, softmax_scale, return_lse)."""
         for item in prepared:
             self._check_live(item.seq)
+        deadline = self._deadline(timeout)
         with hold_layers(writes=[(item.seq, item.layer) for item in prepared if item.k is not None],
                          reads=[(item.seq, item.layer) for item in prepared if item.k is None],
-                         timeout=self._call_timeout(options[-1])):
+                         timeout=deadline.remaining()):
             results: List[Any] = [None] * len(prepared)
-            doubtful: List[Tuple[Sequence, str, grpc.StatusCode]] = []
+            doubtful: List[Tuple[Sequence, str, grpc.StatusCode, Optional[dict]]] = []
             try:
-                return self._decode_step(prepared, results, doubtful, options)
+                return self._decode_step(prepared, results, doubtful, options, deadline)
             except BaseException:
                 # A step that raises appended nothing, for the caller (who may well send it again). Its tries that
                 # failed in a way that may have appended (every group, every try, not only the error raised) make
                 # their sequences uncertain; items that one server took while another server's share failed are
-                # taken back: the client forgets their rows and the next call re-creates the sequence without them.
-                for seq, sent_id, code in doubtful:
-                    _mark_uncertain([seq], [sent_id], code)
+                # taken back: the client forgets their rows and the next call cuts them off the server (Truncate).
+                for seq, sent_id, code, rows in doubtful:
+                    _mark_uncertain([seq], [sent_id], code, [rows])
                 for item, result in zip(prepared, results):
                     if result is not None and item.k is not None:
                         with item.seq.lock:
                             item.seq.take_back(item.layer, item.k)
-                            item.seq.doubt(may_land=False)
+                            item.seq.doubt(may_land=False, rows=item.appended_rows())
                 raise
 
     # --- release and information ----------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ class Sequence:
         self.uncertain = False  # the last append failed ambiguously: check the server's lengths first
         self.may_land = False  # ... and may still be applied later (a deadline, UNAVAILABLE): re-create, don't check
         self.doubts = 0  # failures that made it uncertain: a check of the lengths clears only those it began after
+        # Per layer, the rows that failed calls sent and the server may hold past self.lengths: a server copy longer
+        # by at most these is cut back (Truncate) instead of re-created.
+        self.doubtful_rows: Dict[int, int] = {}
         # Per layer, this client's calls in flight (hold_layers, below): the append (an append names the length it
         # follows, expected_length, which two concurrent appends to one layer would both name; and its rows may
         # still be taken back), attends reading it, appends waiting for them.
@@ -179,11 +182,19 @@ class Sequence:
             self._history.add(layer, k, v)
         self.lengths[layer] = int(length)
 
-    def doubt(self, may_land: bool) -> None:
-        """A call that sent rows failed, and they may be on the server (under self.lock)."""
+    def doubt(self, may_land: bool, rows: Optional[Mapping[int, int]] = None) -> None:
+        """A call that sent rows failed, and they may be on the server (under self.lock). ``rows``: how many it sent
+        per layer (none for a truncate: it adds none)."""
         self.uncertain = True
         self.may_land = self.may_land or may_land
         self.doubts += 1
+        for layer, n in (rows or {}).items():
+            self.doubtful_rows[layer] = self.doubtful_rows.get(layer, 0) + n
+
+    def settle(self) -> None:
+        """The server's copy is the client's again: the rows of failed calls are not there (under self.lock)."""
+        self.uncertain = False
+        self.doubtful_rows = {}
 
     def take_back(self, layer: int, k: Rows) -> None:
         """Forgets the last acknowledged append of ``layer`` (rows ``k``; appends to a layer run one at a time)."""
