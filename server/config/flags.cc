@@ -144,6 +144,10 @@ ABSL_FLAG(
     "gRPC resource quota for its buffers (received messages included): over it, new calls get "
     "RESOURCE_EXHAUSTED instead of growing the process. -1: auto, sized from the host (a quarter "
     "of physical memory, at most 4 GiB); 0: gRPC's default (no bound)");
+ABSL_FLAG(int, grpc_answer_timeout_s, flashserve::NetworkOptions{}.grpc_answer_timeout_s,
+          "gRPC: a tensor answer (Attention, ModelInfer, Attend, DecodeStep) the client has not "
+          "taken this long after it was ready is dropped and the call cancelled; until it has "
+          "left, its bytes count against --max_inflight_bytes. 0: no limit");
 ABSL_FLAG(
     std::string, tls_cert, "",
     "PEM certificate (chain) file: with --tls_key, gRPC, HTTP and metrics are served over TLS");
@@ -301,6 +305,7 @@ NetworkOptions NetworkFromFlags() {
   network.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   network.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   network.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
+  network.grpc_answer_timeout_s = absl::GetFlag(FLAGS_grpc_answer_timeout_s);
   network.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (const char* token = std::getenv("FLASHSERVE_AUTH_TOKEN");
       network.auth_token_file.empty() && token != nullptr) {

@@ -186,6 +186,7 @@ absl::Status Server::StartGrpc() {
   grpc.port = network.grpc_port;
   grpc.max_request_bytes = config_.limits.max_request_bytes;
   grpc.memory_quota_bytes = network.grpc_memory_quota_bytes;
+  grpc.answer_timeout_s = network.grpc_answer_timeout_s;
   grpc.tls_cert_file = network.tls_cert_file;
   grpc.tls_key_file = network.tls_key_file;
   grpc.auth = auth_.get();

@@ -36,6 +36,10 @@ absl::Status NetworkOptions::Check() const {
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
+  if (grpc_answer_timeout_s < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--grpc_answer_timeout_s must be >= 0 (0: no limit), got ", grpc_answer_timeout_s));
+  }
   if (grpc_memory_quota_bytes < -1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--grpc_memory_quota_bytes must be -1 (auto), 0 (gRPC's default) or a byte count, got ",

@@ -59,6 +59,9 @@ void HeapRetention::Retain() {
     SetMallocThresholds(kRetainingMmapThreshold, retain_bytes_);
     retaining_.store(true);
   }
+  spdlog::debug(
+      "heap: retaining freed memory (a big request or a decode step) until {} ms after the last",
+      hold_ns_ / 1000000);
   cv_.notify_all();
 }
 
@@ -77,6 +80,7 @@ void HeapRetention::EndAfterHold() {
     SetMallocThresholds(base_mmap_threshold_, kGlibcDefaultTrimThreshold);
     retaining_.store(false);
     malloc_trim(0);  // what was kept goes back now, not at some later free
+    spdlog::debug("heap: retention ended, freed memory given back");
   }
 }
 

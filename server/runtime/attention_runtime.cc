@@ -95,9 +95,11 @@ bool AttentionRuntime::AdmitBytes(Call& call, int64_t bytes) {
     call.done(s);
     return false;
   }
-  call.done = [inflight = inflight_, bytes,
-               done = std::move(call.done)](const absl::Status& status) {
-    inflight->Release(bytes);
+  auto held = std::make_shared<InflightReservation>(inflight_, bytes);
+  if (call.answer_keeps_bytes != nullptr) *call.answer_keeps_bytes = held;
+  call.done = [held = std::move(held),
+               done = std::move(call.done)](const absl::Status& status) mutable {
+    held.reset();  // the edge's copy, if any, keeps the bytes until the answer has left
     done(status);
   };
   return true;

@@ -50,6 +50,10 @@ class AttentionRuntime {
     // Where the runtime stores `io` once placed, before done() (may be null): the edge sends O
     // and LSE from there.
     std::shared_ptr<IoBuffers>* buffers_out = nullptr;
+    // Where the runtime stores the call's --max_inflight_bytes reservation once admitted (may be
+    // null: it ends before done()): an edge whose answer gRPC may hold unsent keeps the bytes
+    // counted until the answer has left (edge/grpc/live_calls.h).
+    std::shared_ptr<void>* answer_keeps_bytes = nullptr;
     InjectedFault inject = InjectedFault::kNone;  // test hook, see BackendJob
     // O and LSE into a client's shared-memory region (data null: the usual way); at least the
     // output's size. The edge holds the region's lease (memory/shm_regions.h) until done() and

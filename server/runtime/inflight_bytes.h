@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -36,6 +38,20 @@ class InflightBytes {
  private:
   const int64_t limit_;  // 0: no limit
   std::atomic<int64_t> held_{0};
+};
+
+/// `bytes` counted on `budget` (reserved by the caller), given back when the last owner goes.
+class InflightReservation {
+ public:
+  InflightReservation(std::shared_ptr<InflightBytes> budget, int64_t bytes)
+      : budget_(std::move(budget)), bytes_(bytes) {}
+  ~InflightReservation() { budget_->Release(bytes_); }
+  InflightReservation(const InflightReservation&) = delete;
+  InflightReservation& operator=(const InflightReservation&) = delete;
+
+ private:
+  const std::shared_ptr<InflightBytes> budget_;
+  const int64_t bytes_;
 };
 
 }  // namespace flashserve

@@ -17,6 +17,7 @@ import shutil
 import statistics
 import tempfile
 
+import grpc
 import numpy as np
 import pytest
 
@@ -153,3 +154,43 @@ def test_big_creates_page_fault_less_while_retaining(flashserve_bin, tmp_path_fa
     # Seen on the 2-core build machine: 1,670 vs 9,786 per create (before creates retained, with the 4 MiB threshold:
     # 11,754 vs 9,570). The two 16 MiB strings alone are 8,192 pages: retention must keep at least half of them.
     assert off - retaining > 4096, f"{retaining:.0f} faults per 32 MiB create retaining vs {off:.0f} without"
+
+
+
+@pytest.mark.parametrize("poke", ["unparsable", "no_kv_cache"])
+def test_decode_steps_that_cannot_run_keep_no_heap(flashserve_bin, start_server, poke):
+    """A DecodeStep retained the heap for 10 s before it was parsed, on a server without a KV cache too: a 1-byte call
+    every few seconds kept glibc's freed heap from going back (RSS 430 vs 94 MiB after the same Attention traffic,
+    session 36). Now only a step that can run retains (the server logs when retention starts, at debug)."""
+    if _sanitized(flashserve_bin) or os.environ.get("LD_PRELOAD"):
+        pytest.skip("another allocator (a sanitizer's, a preloaded one) refuses glibc's mallopt: nothing is retained")
+    server = start_server("--log_level=debug", name="noretain")  # no --kv_cache_bytes: the Sequences API is off
+    with grpc.insecure_channel(server.address) as channel:
+        step = channel.unary_unary("/flashserve.v1.Sequences/DecodeStep")
+        body = b"\xff" if poke == "unparsable" else spb.DecodeStepRequest(
+            items=[spb.DecodeItem(sequence_id="x" * 32, layer=0)]).SerializeToString()
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as refused:
+                step(body, timeout=10)
+        expected = grpc.StatusCode.INVALID_ARGUMENT if poke == "unparsable" else grpc.StatusCode.FAILED_PRECONDITION
+        assert refused.value.code() == expected, refused.value
+    assert "DecodeStep failed" in server.logs(limit=20000), "the server's debug log was not read"
+    assert "heap: retaining" not in server.logs(limit=20000), "a step that could not run retained the heap"
+
+
+def test_a_decode_step_that_runs_retains_the_heap(flashserve_bin, start_server, rng):
+    """The other side: a step on a server with a KV cache starts retention (the log line the test above looks for)."""
+    if _sanitized(flashserve_bin) or os.environ.get("LD_PRELOAD"):
+        pytest.skip("another allocator (a sanitizer's, a preloaded one) refuses glibc's mallopt: nothing is retained")
+    server = start_server("--log_level=debug", "--kv_cache_bytes=16777216", name="retain")
+    truth = Truth(rng, 4, 2, 32, "float16")
+    with flashserve.SequenceClient(server.address, timeout=30, reprefill=False) as client:
+        k, v = truth.rows(4)
+        seq = client.create(num_layers=1, heads_q=4, heads_kv=2, head_dim=32, dtype="float16", prefix={0: (k, v)})
+        truth.add(seq.key, 0, k, v)
+        q = truth.query()
+        k, v = truth.rows(1)
+        [out] = client.decode_step([(seq, 0, q, k, v)])
+        truth.add(seq.key, 0, k, v)
+        truth.check(out, q, seq.key, 0)
+    assert "heap: retaining" in server.logs(limit=20000)

@@ -127,6 +127,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.inputs_owner = std::make_shared<std::vector<grpc::Slice>>(std::move(slices_));
     call.outputs_in_buffers = true;  // O and LSE leave as slices of the request buffers
     call.buffers_out = &io_;
+    call.answer_keeps_bytes = &answer_bytes_;
     const ShmReferences shm = NativeShmReferences(wire_.header);
     if (shm.any()) {
       // Shared memory (Triton's extension): an output in a region is not sent, so the response
@@ -166,6 +167,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     }
     // Before the answer goes out: once it has, gRPC may delete `this` at any moment.
     const grpc::Status finished = call_.Finish(status);
+    live_.AnswerHandedOver(context_, std::move(answer_bytes_));
     if (status.ok()) {
       StartWriteAndFinish(&response_bytes_, grpc::WriteOptions(), finished);
     } else {
@@ -184,6 +186,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   WireRequest wire_;
   v1::AttentionResponse response_;
   std::shared_ptr<IoBuffers> io_;
+  std::shared_ptr<void> answer_bytes_;  // the call's --max_inflight_bytes, until gRPC is done
   ShmLeases leases_;          // regions the request names (given back before the answer)
   bool shm_outputs_ = false;  // O or LSE goes into a region: the response is the plain message
   grpc::ByteBuffer response_bytes_;

@@ -186,8 +186,10 @@ absl::StatusOr<std::unique_ptr<GrpcEdge>> GrpcEdge::Create(
   builder.RegisterCallbackGenericService(impl->router.get());
   for (grpc::Service* service : extra_services) builder.RegisterService(service);
   ConfigureTransport(options, *quota, &builder);
+  AnswerWatch::Start(absl::Seconds(options.answer_timeout_s));
   impl->server = builder.BuildAndStart();
   if (!impl->server || impl->port == 0) {
+    AnswerWatch::Stop();
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", address));
   }
   auto edge = std::unique_ptr<GrpcEdge>(new GrpcEdge(std::move(impl)));
@@ -216,6 +218,7 @@ void GrpcEdge::Shutdown(absl::Time deadline) {
   if (!impl_->server) return;
   impl_->server->Shutdown(absl::ToChronoTime(deadline));
   impl_->server->Wait();
+  AnswerWatch::Stop();
   if (const int64_t live = LiveCall::count(); live != 0) {
     spdlog::warn("{} data calls were never finished by gRPC", live);
   }

@@ -26,6 +26,9 @@ struct GrpcOptions {
   // gRPC resource quota for its buffers: -1 auto (sized from the host), 0 gRPC's default
   // (unbounded), > 0 bytes; edge/grpc/grpc_memory_quota.h has the rule.
   int64_t memory_quota_bytes = -1;
+  // An answer the client has not taken this long after it was ready is dropped (the call is
+  // cancelled: edge/grpc/answer_watch.h); until then its bytes count as in flight. 0: no limit.
+  int answer_timeout_s = 120;
   std::string tls_cert_file, tls_key_file;  // both set: TLS
   // Set: every call but health needs the token, checked before its message is read
   // (edge/grpc/grpc_auth.h), on every service of the port.

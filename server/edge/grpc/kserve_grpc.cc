@@ -30,6 +30,7 @@ struct InferCall {
   std::vector<kserve::OutputSpec> outputs;
   kserve::ShmParams shm_inputs[3];  // Q, K, V in a client's shared-memory region
   ShmLeases leases;                 // given back before the answer
+  std::shared_ptr<void> answer_bytes;  // --max_inflight_bytes: to the reactor with the answer
   std::string id;
   absl::Time received;
   GrpcCall call;  // metrics, failure log, status conversion
@@ -156,11 +157,11 @@ class KServeGrpcService final : public KServeBase {
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context, const Raw* raw_request,
                                        Raw* raw_response) override {
     // Counts as a live call until gRPC has written the answer (live_calls.h).
-    grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();
+    LiveUnaryReactor* reactor = new LiveUnaryReactor();
     auto* call_state = new InferCall(runtime_->metrics());
     call_state->call.Start(int64_t(raw_request->Length()));
     call_state->received = call_state->call.started();
-    auto done = [this, reactor, raw_response, call_state](absl::Status status) {
+    auto done = [this, reactor, context, raw_response, call_state](absl::Status status) {
       // The output is in its region: the client may unregister now.
       status = ReleaseShmLeases(std::move(status), &call_state->leases);
       if (status.ok()) {
@@ -170,8 +171,9 @@ class KServeGrpcService final : public KServeBase {
         if (status.ok()) call_state->call.AddBytesOut(int64_t(raw_response->Length()));
       }
       const grpc::Status finished = call_state->call.Finish(status);
+      std::shared_ptr<void> answer_bytes = std::move(call_state->answer_bytes);
       delete call_state;
-      reactor->Finish(finished);
+      reactor->FinishAnswer(context, std::move(answer_bytes), finished);
     };
     ModelInferRequest* request = &call_state->infer_request;
     absl::Status converted = ParseRequest(*raw_request, request);
@@ -198,6 +200,7 @@ class KServeGrpcService final : public KServeBase {
       return reactor;
     }
     call.response = &call_state->response;
+    call.answer_keeps_bytes = &call_state->answer_bytes;
     call.received = call_state->received;
     call.deadline = ToAbslTime(context->deadline());
     if (timeout_us > 0) {

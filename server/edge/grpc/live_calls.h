@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <utility>
 
+#include "edge/grpc/answer_watch.h"
 #include "grpcpp/support/server_callback.h"
 
 namespace flashserve {
@@ -17,15 +20,30 @@ namespace flashserve {
 class LiveCall {
  public:
   LiveCall() { count_.fetch_add(1); }
-  ~LiveCall() { count_.fetch_sub(1); }
+  ~LiveCall() {
+    watch_ = AnswerWatch::Token();  // before `keep_`: the watch never cancels a finished call
+    keep_.reset();
+    count_.fetch_sub(1);
+  }
   LiveCall(const LiveCall&) = delete;
   LiveCall& operator=(const LiveCall&) = delete;
+
+  /// The call's answer goes to gRPC now (call before Finish: gRPC may destroy the reactor right
+  /// after): `keep` -- its bytes' reservation against --max_inflight_bytes -- stays until gRPC has
+  /// finished the call, so answers a client does not read still count, and AnswerWatch cancels the
+  /// call if the answer has not left within --grpc_answer_timeout_s. Once per call.
+  void AnswerHandedOver(grpc::ServerContextBase* context, std::shared_ptr<void> keep) {
+    keep_ = std::move(keep);
+    watch_ = AnswerWatch::Watch(context);
+  }
 
   /// Live calls now: 0 once the server is shut down, or reactors leak.
   static int64_t count() { return count_.load(); }
 
  private:
   static inline std::atomic<int64_t> count_{0};
+  std::shared_ptr<void> keep_;
+  AnswerWatch::Token watch_;
 };
 
 /// The reactor of a unary call whose answer carries tensor data (ModelInfer, Attend, DecodeStep):
@@ -35,6 +53,12 @@ class LiveCall {
 class LiveUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   void OnDone() override { delete this; }
+  /// LiveCall::AnswerHandedOver, then Finish.
+  void FinishAnswer(grpc::ServerContextBase* context, std::shared_ptr<void> keep,
+                    const grpc::Status& status) {
+    live_.AnswerHandedOver(context, std::move(keep));
+    Finish(status);
+  }
 
  private:
   LiveCall live_;

@@ -275,7 +275,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     std::shared_ptr<CallHold> hold,
     const std::function<absl::StatusOr<std::shared_ptr<DecodeCall>>()>& build,
     std::function<absl::StatusOr<int64_t>(const DecodeReport&, AnswerHold)> fill) {
-  grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
+  LiveUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
   auto admission = std::make_shared<Admission>(runtime_->Admit());
   absl::Status refused = sequences_ == nullptr ? Disabled() : absl::OkStatus();
   if (refused.ok() && !*admission) refused = absl::UnavailableError("server shutting down");
@@ -307,8 +307,8 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
     // O is in place: a client that unregisters after the answer finds no lease (`build` may
     // still hold `hold` when the call ran inline, so the leases go explicitly).
     answered = FinishSequenceShm(std::move(answered), &hold->shm, cache);
-    hold.reset();
-    reactor->Finish(grpc_call->Finish(answered));
+    // The bytes stay counted until the answer has left (an unread one is held by gRPC).
+    reactor->FinishAnswer(context, std::move(hold), grpc_call->Finish(answered));
     // `admission` is released with this callback, or later with the answer's slices (DecodeStep).
   };
   sequences_->Submit(std::move(call));
@@ -343,11 +343,13 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
                                                        Raw* response_bytes) {
   auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kDecodeStep);
   grpc_call->Start(int64_t(request_bytes->Length()));
-  if (heap_retention_ != nullptr) heap_retention_->Retain();
   auto state = std::make_shared<DecodeStepState>(request_bytes->Length());
   if (absl::Status parsed = ParseRequest(*request_bytes, state->request); !parsed.ok()) {
     return AnswerUnary(context, grpc_call.get(), parsed, *state->response, response_bytes);
   }
+  // Only steps that can run keep the heap (a malformed one, or one on a server without a KV cache,
+  // held it 10 s each: a 1-byte call every few seconds kept freed heap forever).
+  if (heap_retention_ != nullptr && sequences_ != nullptr) heap_retention_->Retain();
   state->answer.pool = runtime_->backend().staging_pool();
   const int max_items = sequences_ == nullptr ? 0 : sequences_->options().max_batch_sequences;
   const absl::Time received = grpc_call->started();

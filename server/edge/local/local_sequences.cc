@@ -89,12 +89,15 @@ absl::Status RunAndKeep(const LocalServices& services, LocalCall& local, int64_t
 }  // namespace
 
 void ServeLocalDecodeStep(const LocalServices& services, LocalCall local, LocalReply* reply) {
-  if (services.heap_retention != nullptr) services.heap_retention->Retain();
   auto state = std::make_shared<DecodeState>(local.payload.size());
   google::protobuf::Arena& arena = state->arena;
   auto& request = *google::protobuf::Arena::CreateMessage<v1::DecodeStepRequest>(&arena);
   reply->status = ParseMessage(local.payload, &request);
   if (!reply->status.ok()) return;
+  // Only steps that can run keep the heap (a malformed one, or one on a server without a KV cache,
+  // held it 10 s each: a 1-byte call every few seconds kept freed heap forever).
+  if (services.heap_retention != nullptr && services.sequences != nullptr)
+    services.heap_retention->Retain();
   auto& response = *google::protobuf::Arena::CreateMessage<v1::DecodeStepResponse>(&arena);
   const int max_items =
       services.sequences == nullptr ? 0 : services.sequences->options().max_batch_sequences;

@@ -1,0 +1,150 @@
+"""gRPC answers a client does not read (CPU backend, the real binary). A raw HTTP/2 client that opens no flow-control
+window lets the server send headers but no data: gRPC keeps each answer -- and the request buffers its slices point
+into -- until the window opens. Those answers used to leave --max_inflight_bytes as soon as they were computed, so one
+connection held +5.4 MiB per 4 MiB call without bound (1.6 GiB for 300 calls). Now an answer's bytes stay counted
+until it has left (later calls get RESOURCE_EXHAUSTED while they are), and an answer not taken within
+--grpc_answer_timeout_s is dropped: the call is cancelled, its bytes freed."""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import time
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import numpy as np
+import pytest
+
+import flashserve
+from flashserve import sequences_pb2 as spb
+from flashserve import tensors
+from flashserve._pb import attention_pb2 as pb
+
+pytestmark = pytest.mark.e2e
+
+BUDGET = 32 << 20  # --max_inflight_bytes: three or four of the calls below
+TIMEOUT_S = 6      # --grpc_answer_timeout_s: past the sends below
+CALLS = 16
+STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+class WindowlessClient:
+    """One HTTP/2 connection whose streams get no flow-control window: the server's answers wait unsent."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.local_settings = h2.settings.Settings(client=True, initial_values={
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0, h2.settings.SettingCodes.ENABLE_PUSH: 0})
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.ended = {}  # stream -> gRPC status name (trailers) or "reset"
+
+    def call(self, path: str, message: bytes) -> int:
+        """Sends one unary call whole (the server's window allows it) and returns its stream id."""
+        body = struct.pack(">BI", 0, len(message)) + message
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":path", path),
+                                     (":authority", f"127.0.0.1:{self.port}"), ("content-type", "application/grpc"),
+                                     ("te", "trailers")])
+        sent, deadline = 0, time.monotonic() + 30
+        while sent < len(body):
+            n = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size, len(body) - sent)
+            if n > 0:
+                self.conn.send_data(sid, body[sent:sent + n])
+                sent += n
+            self._flush()
+            if n <= 0:
+                assert time.monotonic() < deadline, "the server opened no window for the request"
+                self.pump(0.05)
+        self.conn.end_stream(sid)
+        self._flush()
+        return sid
+
+    def _flush(self):
+        out = self.conn.data_to_send()
+        if out:
+            self.sock.sendall(out)
+
+    def pump(self, seconds: float) -> None:
+        """Reads the server's frames for `seconds`, noting how streams end."""
+        until = time.monotonic() + seconds
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            if not select.select([self.sock], [], [], left)[0]:
+                return
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise AssertionError("the server closed the connection")
+            for event in self.conn.receive_data(data):
+                if isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived)):
+                    status = dict(event.headers).get("grpc-status")  # on headers: a trailers-only error answer
+                    if status is not None:
+                        self.ended[event.stream_id] = STATUS_NAMES.get(int(status), status)
+                elif isinstance(event, h2.events.StreamReset):
+                    self.ended[event.stream_id] = "reset"
+            self._flush()
+
+    def close(self):
+        self.sock.close()
+
+
+def _attention_message(rng) -> bytes:
+    """4 MiB of q and 4 MiB of O for almost no compute (8 keys)."""
+    q = rng.standard_normal((1, 4096, 8, 64)).astype(np.float16)
+    k = rng.standard_normal((1, 8, 8, 64)).astype(np.float16)
+    v = rng.standard_normal((1, 8, 8, 64)).astype(np.float16)
+    return pb.AttentionRequest(q=tensors.to_proto(q, "q"), k=tensors.to_proto(k, "k"),
+                               v=tensors.to_proto(v, "v")).SerializeToString()
+
+
+def _decode_step_message(server, rng) -> bytes:
+    """An attend-only DecodeStep of 4 MiB of q (and O): 32 sequences of 8 keys, 16 query rows of 32 heads each."""
+    request = spb.DecodeStepRequest()
+    with flashserve.SequenceClient(server.address, timeout=30) as client:
+        for _ in range(32):
+            kv = rng.standard_normal((8, 8, 128)).astype(np.float16)
+            seq = client.create(num_layers=1, heads_q=32, heads_kv=8, head_dim=128, dtype="float16",
+                                prefix={0: (kv, kv)})
+            q = rng.standard_normal((16, 32, 128)).astype(np.float16)
+            request.items.add(sequence_id=seq.id, layer=0, q=tensors.to_proto_rows(q, "q"))
+    return request.SerializeToString()
+
+
+@pytest.mark.parametrize("api", ["attention", "decode_step"])
+def test_unread_answers_count_as_in_flight_and_are_dropped_after_the_timeout(api, start_server, rng):
+    server = start_server(f"--max_inflight_bytes={BUDGET}", f"--grpc_answer_timeout_s={TIMEOUT_S}",
+                          "--kv_cache_bytes=67108864", name="unread")
+    if api == "attention":
+        path, messages = "/flashserve.v1.AttentionService/Attention", [_attention_message(rng)] * CALLS
+    else:
+        path, messages = "/flashserve.v1.Sequences/DecodeStep", [_decode_step_message(server, rng)] * CALLS
+    client = WindowlessClient(server.grpc_port)
+    try:
+        streams = []
+        for message in messages:  # one at a time: each is answered (or refused) before the next
+            streams.append(client.call(path, message))
+            client.pump(0.1)
+        client.pump(1.0)
+        refused = [s for s in streams if client.ended.get(s) == "RESOURCE_EXHAUSTED"]
+        held = [s for s in streams if s not in client.ended]
+        assert 1 <= len(held) <= 5, f"answers held unsent: {len(held)} of {CALLS} ({client.ended})"
+        assert len(refused) == CALLS - len(held), client.ended
+        # Held past the timeout: cancelled (reset), their bytes freed for other clients.
+        client.pump(TIMEOUT_S + 2.5)
+        assert all(client.ended.get(s) in ("CANCELLED", "reset") for s in held), {s: client.ended.get(s) for s in held}
+        with flashserve.Client(server.address, timeout=30) as other:
+            q = rng.standard_normal((1, 4096, 8, 64)).astype(np.float16)
+            kv = rng.standard_normal((1, 8, 8, 64)).astype(np.float16)
+            other.attention(q, kv, kv)  # whole budget's worth again: admitted
+    finally:
+        client.close()
+    assert "dropped" in server.logs(limit=20000), "the dropped answers were not logged"
