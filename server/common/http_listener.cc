@@ -208,7 +208,7 @@ MHD_Result HttpListener::Impl::Respond(MHD_Connection* connection, RequestState*
   const int http_status = response.status;
   const int64_t bytes_out = response.size();
   st->answered = true;
-  SetPhase(connection, Phase::kBusy);
+  SetPhase(connection, Phase::kSending);
   MHD_Response* r = ToMhd(std::move(response));
   const MHD_Result queued =
       r == nullptr ? MHD_NO : MHD_queue_response(connection, unsigned(http_status), r);

@@ -130,6 +130,9 @@ struct HttpListenerOptions {
   int idle_timeout_s = 30;              // nothing received (or sent) for this long: closed
   int header_timeout_s = 10;            // request line to end of headers; longer: closed
   int body_timeout_s = 300;             // end of headers to end of body; longer: 408
+  // An answer not taken this long after it was queued: the connection is closed (a client that
+  // reads a little now and then kept the idle timeout from ever passing). 0: no limit.
+  int answer_timeout_s = 120;
   // After kMinBodyRateGrace from the headers, a body arriving slower than this on average is
   // cut off (a claim that holds the receive budget must keep coming); 0: no floor.
   int64_t min_body_bytes_per_s = 0;

@@ -82,6 +82,9 @@ void HttpListener::Impl::Sweep() {
   const absl::Duration idle = absl::Seconds(options.idle_timeout_s);
   const absl::Duration header = absl::Seconds(options.header_timeout_s);
   const absl::Duration body = absl::Seconds(options.body_timeout_s);
+  const absl::Duration answer = options.answer_timeout_s > 0
+                                    ? absl::Seconds(options.answer_timeout_s)
+                                    : absl::InfiniteDuration();
   std::unique_lock<std::mutex> lock(mu);
   while (!stop) {
     stop_cv.wait_for(lock, std::chrono::milliseconds(250));
@@ -91,6 +94,7 @@ void HttpListener::Impl::Sweep() {
       if (c->phase == Phase::kAwaiting) limit = idle + header;  // silent ones: idle timeout
       if (c->phase == Phase::kHeaders) limit = header;
       if (c->phase == Phase::kBody) limit = body + idle;  // trickles are cut off in Body()
+      if (c->phase == Phase::kSending) limit = answer;
       if (now - c->since > limit && c->fd >= 0) {
         shutdown(c->fd, SHUT_RDWR);
         c->fd = -1;
@@ -389,7 +393,8 @@ void HttpListener::Stop(absl::Duration finish_answers) {
       {
         std::lock_guard<std::mutex> lock(impl_->mu);
         bool busy = false;
-        for (const ConnectionState* c : impl_->connections) busy |= c->phase == Phase::kBusy;
+        for (const ConnectionState* c : impl_->connections)
+          busy |= c->phase == Phase::kBusy || c->phase == Phase::kSending;
         if (!busy) break;
       }
       absl::SleepFor(absl::Milliseconds(10));

@@ -26,7 +26,8 @@ namespace flashserve::http_internal {
 inline constexpr int64_t kDrainBytes = int64_t{16} << 20;
 
 // Where a connection is, for the timeout sweeper.
-enum class Phase { kAwaiting, kHeaders, kBody, kBusy };
+// kBusy: computing; kSending: the answer is queued and leaves as fast as the client reads it.
+enum class Phase { kAwaiting, kHeaders, kBody, kBusy, kSending };
 
 struct ConnectionState {
   int fd = -1;

@@ -144,10 +144,10 @@ ABSL_FLAG(
     "gRPC resource quota for its buffers (received messages included): over it, new calls get "
     "RESOURCE_EXHAUSTED instead of growing the process. -1: auto, sized from the host (a quarter "
     "of physical memory, at most 4 GiB); 0: gRPC's default (no bound)");
-ABSL_FLAG(int, grpc_answer_timeout_s, flashserve::NetworkOptions{}.grpc_answer_timeout_s,
-          "gRPC: a tensor answer (Attention, ModelInfer, Attend, DecodeStep) the client has not "
-          "taken this long after it was ready is dropped and the call cancelled; until it has "
-          "left, its bytes count against --max_inflight_bytes. 0: no limit");
+ABSL_FLAG(int, answer_timeout_s, flashserve::NetworkOptions{}.answer_timeout_s,
+          "A tensor answer the client has not taken this long after it was ready is dropped: "
+          "gRPC (Attention, ModelInfer, Attend, DecodeStep) cancels the call, until then its bytes "
+          "count against --max_inflight_bytes; HTTP closes the connection. 0: no limit");
 ABSL_FLAG(
     std::string, tls_cert, "",
     "PEM certificate (chain) file: with --tls_key, gRPC, HTTP and metrics are served over TLS");
@@ -242,7 +242,8 @@ ABSL_FLAG(int64_t, http_min_body_bytes_per_s, flashserve::HttpLimitsOptions{}.mi
 ABSL_FLAG(int64_t, http_max_json_bytes, flashserve::HttpLimitsOptions{}.max_json_bytes,
           "HTTP: the JSON part of a KServe infer body (413 beyond)");
 ABSL_FLAG(int64_t, http_max_receive_bytes, flashserve::HttpLimitsOptions{}.max_receive_bytes,
-          "HTTP: request-body bytes held at once over all requests (503 beyond: retry later)");
+          "HTTP: request-body bytes held at once over all requests, and their answers' bytes "
+          "until read (503 beyond: retry later)");
 
 // The local transport (server/edge/local): frames over a Unix socket for clients on this host.
 ABSL_FLAG(std::string, local_socket, "",
@@ -305,7 +306,7 @@ NetworkOptions NetworkFromFlags() {
   network.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   network.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   network.grpc_memory_quota_bytes = absl::GetFlag(FLAGS_grpc_memory_quota_bytes);
-  network.grpc_answer_timeout_s = absl::GetFlag(FLAGS_grpc_answer_timeout_s);
+  network.answer_timeout_s = absl::GetFlag(FLAGS_answer_timeout_s);
   network.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
   if (const char* token = std::getenv("FLASHSERVE_AUTH_TOKEN");
       network.auth_token_file.empty() && token != nullptr) {

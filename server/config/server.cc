@@ -186,7 +186,7 @@ absl::Status Server::StartGrpc() {
   grpc.port = network.grpc_port;
   grpc.max_request_bytes = config_.limits.max_request_bytes;
   grpc.memory_quota_bytes = network.grpc_memory_quota_bytes;
-  grpc.answer_timeout_s = network.grpc_answer_timeout_s;
+  grpc.answer_timeout_s = network.answer_timeout_s;
   grpc.tls_cert_file = network.tls_cert_file;
   grpc.tls_key_file = network.tls_key_file;
   grpc.auth = auth_.get();
@@ -227,6 +227,7 @@ absl::Status Server::StartHttp() {
   http.idle_timeout_s = limits.idle_timeout_s;
   http.header_timeout_s = limits.header_timeout_s;
   http.body_timeout_s = limits.body_timeout_s;
+  http.answer_timeout_s = network.answer_timeout_s;
   http.min_body_bytes_per_s = limits.min_body_bytes_per_s;
   http.max_json_bytes = limits.max_json_bytes;
   http.max_receive_bytes = limits.max_receive_bytes;

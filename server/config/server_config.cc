@@ -36,9 +36,9 @@ absl::Status NetworkOptions::Check() const {
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
-  if (grpc_answer_timeout_s < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--grpc_answer_timeout_s must be >= 0 (0: no limit), got ", grpc_answer_timeout_s));
+  if (answer_timeout_s < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--answer_timeout_s must be >= 0 (0: no limit), got ", answer_timeout_s));
   }
   if (grpc_memory_quota_bytes < -1) {
     return absl::InvalidArgumentError(absl::StrCat(

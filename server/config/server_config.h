@@ -36,7 +36,7 @@ struct NetworkOptions {
   // gRPC's resource quota for its buffers (received messages included). -1: sized from the host
   // by the gRPC edge; 0: gRPC's default (no bound).
   int64_t grpc_memory_quota_bytes = GrpcOptions{}.memory_quota_bytes;
-  int grpc_answer_timeout_s = GrpcOptions{}.answer_timeout_s;  // 0: no limit
+  int answer_timeout_s = GrpcOptions{}.answer_timeout_s;  // 0: no limit
   std::string auth_token_file;  // set: calls need "authorization: Bearer <token>"
   std::string auth_token;       // used when auth_token_file is empty ($FLASHSERVE_AUTH_TOKEN)
   bool auth_open_health = HttpOptions{}.open_health;  // /v2/health/* without a token

@@ -246,7 +246,9 @@ def valid_claim(port, wrong_shape=False, auth=()):
         header = binary_header([TRICKLE_Q, [1, 640, 32, 64], TRICKLE_KV], TRICKLE_SIZES)
     else:
         # A 1 us deadline: an admitted request expires in the queue (504), so no compute memory muddies the bound.
-        header = binary_header([TRICKLE_Q, TRICKLE_KV, TRICKLE_KV], TRICKLE_SIZES, parameters={"timeout": 1})
+        # Binary output: its 20 MiB count in the budget from the header on (a JSON O would count 48 B per element).
+        header = binary_header([TRICKLE_Q, TRICKLE_KV, TRICKLE_KV], TRICKLE_SIZES,
+                               parameters={"timeout": 1, "binary_data_output": True})
     s = connect(port)
     s.sendall(post_head(INFER, {**dict(auth), "Inference-Header-Content-Length": len(header)},
                         content_length=len(header) + sum(TRICKLE_SIZES)) + header)
@@ -254,9 +256,9 @@ def valid_claim(port, wrong_shape=False, auth=()):
 
 
 def over_budget(port, i, auth=()):
-    """40 MiB of valid inputs at full speed, 16 at once: the receive budget (128 MiB) admits three at a time (they
-    expire in the queue: 504), the others get 503 (retry later) without their tensors being allocated; a wrong
-    shape gets 400."""
+    """40 MiB of valid inputs (and a 20 MiB binary answer) at full speed, 16 at once: the receive budget (128 MiB)
+    admits two at a time (they expire in the queue: 504), the others get 503 (retry later) without their tensors being
+    allocated; a wrong shape gets 400."""
     s = valid_claim(port, wrong_shape=(i % 4 == 3), auth=auth)
     try:
         for size in TRICKLE_SIZES:

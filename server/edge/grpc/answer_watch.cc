@@ -73,7 +73,7 @@ void Loop() {
       s.cancelled.fetch_add(dropped);
       spdlog::warn(
           "gRPC: dropped {} answer(s) their clients had not taken {} s after they were ready "
-          "(--grpc_answer_timeout_s): the calls are cancelled",
+          "(--answer_timeout_s): the calls are cancelled",
           dropped, absl::ToInt64Seconds(s.timeout));
     }
     lock.lock();

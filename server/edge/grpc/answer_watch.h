@@ -3,7 +3,7 @@
 // of its own: a client that opens no window held every answer it asked for (+5.4 MiB per 4 MiB
 // call, 1.6 GiB for 300, one connection). So the tensor-carrying reactors keep their call's
 // --max_inflight_bytes reservation until gRPC has finished the call (LiveCall::AnswerHandedOver),
-// and this watch cancels a call whose answer has not left within --grpc_answer_timeout_s.
+// and this watch cancels a call whose answer has not left within --answer_timeout_s.
 #pragma once
 
 #include <memory>

@@ -31,7 +31,7 @@ class LiveCall {
   /// The call's answer goes to gRPC now (call before Finish: gRPC may destroy the reactor right
   /// after): `keep` -- its bytes' reservation against --max_inflight_bytes -- stays until gRPC has
   /// finished the call, so answers a client does not read still count, and AnswerWatch cancels the
-  /// call if the answer has not left within --grpc_answer_timeout_s. Once per call.
+  /// call if the answer has not left within --answer_timeout_s. Once per call.
   void AnswerHandedOver(grpc::ServerContextBase* context, std::shared_ptr<void> keep) {
     keep_ = std::move(keep);
     watch_ = AnswerWatch::Watch(context);

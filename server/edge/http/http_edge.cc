@@ -54,6 +54,7 @@ absl::StatusOr<std::unique_ptr<HttpEdge>> HttpEdge::Create(const HttpOptions& op
   listener.idle_timeout_s = options.idle_timeout_s;
   listener.header_timeout_s = options.header_timeout_s;
   listener.body_timeout_s = options.body_timeout_s;
+  listener.answer_timeout_s = options.answer_timeout_s;
   listener.min_body_bytes_per_s = options.min_body_bytes_per_s;
   listener.tls_cert_file = options.tls_cert_file;
   listener.tls_key_file = options.tls_key_file;

@@ -32,6 +32,7 @@ struct HttpOptions {
   int idle_timeout_s = 30;                // connection silent this long: closed
   int header_timeout_s = 10;              // request line to end of headers: closed beyond
   int body_timeout_s = 300;               // end of headers to end of body: 408 beyond
+  int answer_timeout_s = 120;             // an answer not taken this long: connection closed
   int64_t min_body_bytes_per_s = int64_t{1} << 20;  // slower on average after 5 s: cut off
   int64_t max_json_bytes = int64_t{64} << 20;     // JSON part of an infer body (413 beyond)
   int64_t max_receive_bytes = int64_t{4} << 30;  // body bytes held at once, all requests (503)

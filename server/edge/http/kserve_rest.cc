@@ -31,6 +31,30 @@ namespace {
 constexpr const char kMethod[] = "KServeInfer";  // the `method` label of REST inferences
 constexpr const char kModelPath[] = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)";
 
+// Budget for a JSON output element while its answer is built and sent: nlohmann's value (16 B)
+// and its text (up to 25 B: 17 significant digits of a double, sign, exponent, comma), then
+// libmicrohttpd's copy of the text. Measured: 15 B of text per fp16 element.
+constexpr int64_t kJsonAnswerBytesPerElement = 48;
+
+// The bytes an answer to `r` holds until the client has read it (outputs in a client's region:
+// none): an unread JSON answer held ~15x its binary size outside every budget (15 answers of
+// 30 MiB for 4 MiB requests: +569 MiB RSS).
+int64_t AnswerBytesAtMost(const kserve::RestInferRequest& r) {
+  const auto& shape = r.request.q().shape();
+  if (shape.size() != 4) return 0;  // refused by validation before this
+  const int64_t rows = int64_t(shape[0]) * shape[1] * shape[2];  // batch x seqlen_q x heads_q
+  const int64_t elements[2] = {rows * shape[3], rows};           // O, LSE
+  const int64_t element_bytes[2] = {
+      int64_t(kernels::dtype_size(static_cast<kernels::DType>(r.request.q().dtype()))), 4};
+  int64_t bytes = 0;
+  for (const kserve::OutputSpec& spec : r.outputs) {
+    if (spec.shm.set()) continue;
+    const int k = spec.kind == kserve::OutputSpec::kOut ? 0 : 1;
+    bytes += elements[k] * (spec.binary ? element_bytes[k] : kJsonAnswerBytesPerElement);
+  }
+  return bytes;
+}
+
 // Bytes taken from the receive budget, given back when the request is over.
 class BudgetHold {
  public:
@@ -141,6 +165,21 @@ class InferBodyReader {
         "request body: JSON header over --http_max_json_bytes=", limits_.max_json_bytes));
   }
 
+  // The answer stays until the client has read it (--answer_timeout_s at most): its bytes count
+  // from now, before anything is computed or a binary input allocated.
+  absl::Status TakeAnswerBytes() {
+    const int64_t bytes = AnswerBytesAtMost(request_);
+    if (limits_.budget != nullptr && bytes > limits_.budget->limit()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the answer would hold ", bytes,
+          " bytes until it is read, more than "
+          "--http_max_receive_bytes=",
+          limits_.budget->limit(), " (a JSON output takes up to ", kJsonAnswerBytesPerElement,
+          " bytes per element): ask for binary outputs (binary_data_output)"));
+    }
+    return hold_->Take(bytes);
+  }
+
   absl::Status ParseHeader() {
     const int64_t header_bytes = int64_t(header_.size());
     const int64_t binary_bytes = header_length_ < 0    ? 0
@@ -154,6 +193,7 @@ class InferBodyReader {
         header_, binary_bytes, limits_.max_request_bytes - header_bytes, &request_, checks);
     std::string().swap(header_);
     RETURN_IF_ERROR(s);
+    RETURN_IF_ERROR(TakeAnswerBytes());
     state_ = State::kBinary;
     SkipFilledTargets();
     return absl::OkStatus();

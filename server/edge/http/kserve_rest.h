@@ -31,6 +31,7 @@ class ReceiveBudget {
   explicit ReceiveBudget(int64_t limit) : limit_(limit) {}
   /// RESOURCE_EXHAUSTED (503: retry later) when `bytes` more would pass the limit.
   absl::Status Take(int64_t bytes);
+  int64_t limit() const { return limit_; }
   void Give(int64_t bytes) { used_.fetch_sub(bytes); }
   int64_t used() const { return used_.load(); }
 

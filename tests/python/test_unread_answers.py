@@ -1,9 +1,9 @@
-"""gRPC answers a client does not read (CPU backend, the real binary). A raw HTTP/2 client that opens no flow-control
+"""Answers a client does not read: gRPC, then KServe REST. gRPC answers a client does not read (CPU backend, the real binary). A raw HTTP/2 client that opens no flow-control
 window lets the server send headers but no data: gRPC keeps each answer -- and the request buffers its slices point
 into -- until the window opens. Those answers used to leave --max_inflight_bytes as soon as they were computed, so one
 connection held +5.4 MiB per 4 MiB call without bound (1.6 GiB for 300 calls). Now an answer's bytes stay counted
 until it has left (later calls get RESOURCE_EXHAUSTED while they are), and an answer not taken within
---grpc_answer_timeout_s is dropped: the call is cancelled, its bytes freed."""
+--answer_timeout_s is dropped: the call is cancelled, its bytes freed."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from flashserve._pb import attention_pb2 as pb
 pytestmark = pytest.mark.e2e
 
 BUDGET = 32 << 20  # --max_inflight_bytes: three or four of the calls below
-TIMEOUT_S = 6      # --grpc_answer_timeout_s: past the sends below
+TIMEOUT_S = 6      # --answer_timeout_s: past the sends below
 CALLS = 16
 STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
@@ -121,7 +121,7 @@ def _decode_step_message(server, rng) -> bytes:
 
 @pytest.mark.parametrize("api", ["attention", "decode_step"])
 def test_unread_answers_count_as_in_flight_and_are_dropped_after_the_timeout(api, start_server, rng):
-    server = start_server(f"--max_inflight_bytes={BUDGET}", f"--grpc_answer_timeout_s={TIMEOUT_S}",
+    server = start_server(f"--max_inflight_bytes={BUDGET}", f"--answer_timeout_s={TIMEOUT_S}",
                           "--kv_cache_bytes=67108864", name="unread")
     if api == "attention":
         path, messages = "/flashserve.v1.AttentionService/Attention", [_attention_message(rng)] * CALLS
@@ -148,3 +148,57 @@ def test_unread_answers_count_as_in_flight_and_are_dropped_after_the_timeout(api
     finally:
         client.close()
     assert "dropped" in server.logs(limit=20000), "the dropped answers were not logged"
+
+
+def _post_unread(port: int, body: bytes, headers: dict) -> socket.socket:
+    """Sends one REST infer on a connection of its own and never reads the answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the answer cannot hide in socket buffers
+    sock.connect(("127.0.0.1", port))
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    sock.sendall(f"POST /v2/models/attention/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n"
+                 f"{head}\r\n".encode() + body)
+    return sock
+
+
+def test_unread_rest_answers_hold_the_receive_budget_and_are_dropped_after_the_timeout(start_server, rng):
+    """KServe REST: a JSON answer (~15 bytes of text per element, ~15 MiB here for 2 MiB of q) waits in the server for
+    a client that does not read it. It counted nowhere (15 of them held +569 MiB against a 64 MiB receive budget) and,
+    sent a little at a time, never timed out. Now the answer's bytes come out of --http_max_receive_bytes before the
+    request is computed (later requests get 503 while it waits), and an answer not taken within --answer_timeout_s
+    closes its connection; a JSON answer larger than the whole budget is refused up front, naming binary outputs."""
+    requests = pytest.importorskip("requests")
+    from test_kserve_rest import binary_request
+
+    server = start_server(f"--http_max_receive_bytes={128 << 20}", f"--answer_timeout_s={TIMEOUT_S}",
+                          name="unread_rest")
+    q = rng.standard_normal((1, 2048, 8, 64)).astype(np.float16)  # 1 Mi elements: ~15 MiB of JSON, 50 MiB counted
+    kv = rng.standard_normal((1, 8, 8, 64)).astype(np.float16)
+    body, headers = binary_request(q, kv, kv)
+    held = [_post_unread(server.http_port, body, headers) for _ in range(2)]
+    try:
+        time.sleep(1.0)
+        refused = requests.post(f"{server.http}/v2/models/attention/infer", data=body, headers=headers, timeout=30)
+        assert refused.status_code == 503, refused.text[:300]
+        assert "--http_max_receive_bytes" in refused.text
+        big_q = rng.standard_normal((1, 4096, 8, 128)).astype(np.float16)  # 4 Mi elements: 192 MiB as JSON
+        big_kv = rng.standard_normal((1, 8, 8, 128)).astype(np.float16)
+        big_body, big_headers = binary_request(big_q, big_kv, big_kv)
+        too_big = requests.post(f"{server.http}/v2/models/attention/infer", data=big_body, headers=big_headers,
+                                timeout=30)
+        assert too_big.status_code == 503 and "binary_data_output" in too_big.text, too_big.text[:300]
+        time.sleep(TIMEOUT_S + 1.5)  # the unread answers' connections are closed, their bytes given back
+        for sock in held:
+            sock.settimeout(5)
+            received = b""
+            while True:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    break
+                received += chunk
+            assert len(received) < 12 << 20, "a whole answer reached a client that read nothing for the timeout"
+        answered = requests.post(f"{server.http}/v2/models/attention/infer", data=body, headers=headers, timeout=30)
+        assert answered.status_code == 200, answered.text[:300]
+    finally:
+        for sock in held:
+            sock.close()
