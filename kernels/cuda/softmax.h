@@ -15,6 +15,18 @@
 
 namespace flashserve::kernels::cuda {
 
+/// The row sum a row finalizes with: NaN when the row saw a key but its scaled max M =
+/// row_max * scale * log2(e) reaches kMaxScaledLogit, else `sum`. p = 2^(fma(s, scale_log2, -M))
+/// carries the rounding of M (up to ulp(M) / 2) into every exponent: past 2^31 that can reach
+/// 2^128 (P and the sums overflow) or -126 (the max key's own p underflows; M = inf makes every p
+/// 0 and the row would read as one that saw no key): a silent wrong answer without this.
+constexpr float kMaxScaledLogit = 2147483648.f;  // 2^31: ulp(M) / 2 <= 64 below it
+__device__ __forceinline__ float out_of_range_sum(float sum, float row_max, float scale,
+                                                  bool empty) {
+  const float scaled = row_max * scale * 1.4426950408889634f;
+  return !empty && !(fabsf(scaled) < kMaxScaledLogit) ? NAN : sum;
+}
+
 template <int kMTiles, int kNTiles, int kDTiles, bool kLazy = false>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows per lane: (mi, h) -> row g + 8h of tile mi
@@ -135,7 +147,8 @@ struct OnlineSoftmax {
 
   /// Completes the row sums across the quad, scales o by 1 / sum and returns per-row LSE
   /// (natural log). A row that saw no key gets o = 0 and LSE = -inf; a row with a NaN score (a
-  /// NaN input, or logits past fp32) has a NaN sum and gets NaN in both, as on the CPU.
+  /// NaN input, or logits past fp32) or out of the exp2 form's range (out_of_range_sum) gets NaN
+  /// in both, as the CPU does for logits past fp32.
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float scale,
                                            float (&lse)[kRows]) {
 #pragma unroll
@@ -146,7 +159,10 @@ struct OnlineSoftmax {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const bool empty = sum == 0.f;
+        // Every key masked: max -inf and sum 0 (a NaN score -- fmaxf skips it -- leaves max -inf
+        // too, but makes the sum NaN).
+        const bool empty = row_max[r] == -INFINITY && sum == 0.f;
+        sum = out_of_range_sum(sum, row_max[r], scale, empty);
         const float inv = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
 #pragma unroll

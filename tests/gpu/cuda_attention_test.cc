@@ -181,6 +181,110 @@ TEST(CudaAttentionNaN, PoisonsOnlyTheRowsThatReadIt) {
   }
 }
 
+// bf16 bits of 2^e (exact for -126 <= e <= 127).
+uint16_t bf16_pow2(int e) { return uint16_t((e + 127) << 7); }
+
+// Sets every element of q row `row` of head `h` (batch-major [b, s, h, d]) to `bits`.
+void fill_q_row(const AttentionParams& p, tu::HostQkv* qkv, int b, int row, int h, uint16_t bits) {
+  const size_t at = ((size_t(b) * p.seqlen_q + row) * p.heads_q + h) * p.head_dim;
+  std::fill(qkv->q.begin() + long(at), qkv->q.begin() + long(at + p.head_dim), bits);
+}
+
+// The fp64 softmax of one q row over the keys it sees: its largest scaled logit (log2 units,
+// the kernels' M), its O and its LSE.
+struct RowTruth {
+  double max_log2 = 0, lse = 0;
+  std::vector<double> out;
+};
+RowTruth row_truth(const AttentionParams& p, const tu::HostQkv& qkv, int b, int row, int h) {
+  const int d = p.head_dim, kh = h / (p.heads_q / p.heads_kv);
+  const int last =
+      p.causal ? std::min(p.seqlen_k - 1, row + p.seqlen_k - p.seqlen_q) : p.seqlen_k - 1;
+  std::vector<double> logit(size_t(last) + 1);
+  for (int j = 0; j <= last; ++j) {
+    double dot = 0;
+    for (int c = 0; c < d; ++c)
+      dot +=
+          tu::to_double(p.dtype, qkv.q[((size_t(b) * p.seqlen_q + row) * p.heads_q + h) * d + c]) *
+          tu::to_double(p.dtype, qkv.k[((size_t(b) * p.seqlen_k + j) * p.heads_kv + kh) * d + c]);
+    logit[size_t(j)] = dot * p.softmax_scale;
+  }
+  const double mx = *std::max_element(logit.begin(), logit.end());
+  RowTruth t;
+  t.max_log2 = mx * 1.4426950408889634;
+  t.out.assign(size_t(d), 0.0);
+  double sum = 0;
+  for (int j = 0; j <= last; ++j) {
+    const double w = std::exp(logit[size_t(j)] - mx);
+    sum += w;
+    for (int c = 0; c < d; ++c)
+      t.out[size_t(c)] +=
+          w *
+          tu::to_double(p.dtype, qkv.v[((size_t(b) * p.seqlen_k + j) * p.heads_kv + kh) * d + c]);
+  }
+  for (double& o : t.out) o /= sum;
+  t.lse = mx + std::log(sum);
+  return t;
+}
+
+// Logits whose scale the prefill kernels' exp2 form cannot hold: P = 2^(fma(s, scale_log2, -M))
+// carries M's rounding (up to ulp(M) / 2) into every exponent, so from |M| = 2^31 on (M in log2
+// units) P could overflow or the max key's own P underflow to 0 -- a row of zeros and LSE -inf,
+// "saw no key", on finite inputs. Such rows are NaN now, in every config and nowhere else; a row
+// of large logits below the limit is still computed (against fp64). bf16 q rows of 2^31..2^60
+// over N(0, 1) keys give |M| of 2^33 and more.
+TEST(CudaAttentionRange, LogitsPastTheExp2FormsRangeAreNaNOnlyInTheirRows) {
+  SKIP_WITHOUT_GPU();
+  const DType dtype = DType::kBFloat16;
+  const int d = 128, batch = 2, sq = 130, sk = 300, hq = 8, hkv = 2;
+  if (!tu::compiled(dtype, d)) GTEST_SKIP() << "bf16 d128 not compiled in this build";
+  struct BigRow {
+    int b, row, h, log2_q;
+  };
+  const std::vector<BigRow> past = {{0, 5, 0, 34},  {0, 77, 6, 40},  {1, 9, 5, 31},
+                                    {1, 64, 2, 45}, {1, 129, 7, 60}, {0, 120, 1, 33}};
+  const BigRow within{0, 100, 3, 24};  // |M| about 2^26: computed
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    std::mt19937_64 rng(tu::case_seed(std::string("range_rows_") + (causal ? "causal" : "full")));
+    AttentionParams host_p =
+        make_contiguous_params(dtype, batch, sq, sk, hq, hkv, d, causal, 1.f / std::sqrt(float(d)));
+    tu::HostQkv clean_qkv = tu::random_qkv(&host_p, 1.f, rng);
+    fill_q_row(host_p, &clean_qkv, within.b, within.row, within.h, bf16_pow2(within.log2_q));
+    tu::HostQkv big_qkv = clean_qkv;
+    for (const BigRow& r : past) {
+      fill_q_row(host_p, &big_qkv, r.b, r.row, r.h, bf16_pow2(r.log2_q));
+      ASSERT_GE(std::abs(row_truth(host_p, big_qkv, r.b, r.row, r.h).max_log2), 4294967296.0)
+          << "row " << r.row << ": its logits stay in range, the case tests nothing";
+    }
+    const RowTruth truth = row_truth(host_p, clean_qkv, within.b, within.row, within.h);
+    ASSERT_LT(std::abs(truth.max_log2), 1073741824.0);
+    const auto lse_at = [&](int row, int h) { return (size_t(row / sq) * hq + h) * sq + row % sq; };
+    const auto past_limit = [&](int row, int h) {
+      return std::any_of(past.begin(), past.end(), [&](const BigRow& r) {
+        return r.b == row / sq && r.row == row % sq && r.h == h;
+      });
+    };
+    for (const fk::KernelConfig& cfg : fk::candidates(dtype, d, causal)) {
+      SCOPED_TRACE("config " + cfg.name());
+      tu::RunAnswers clean, got;
+      ASSERT_NO_FATAL_FAILURE(run_on(host_p, clean_qkv, cfg, &clean));
+      ASSERT_NO_FATAL_FAILURE(run_on(host_p, big_qkv, cfg, &got));
+      ASSERT_TRUE(tu::all_finite(clean.out));
+      EXPECT_TRUE(tu::nan_only_where_read(clean, got, batch * sq, hq, d, lse_at, past_limit));
+      const size_t at = ((size_t(within.b) * sq + within.row) * hq + within.h) * d;
+      double err = 0, v_max = 0;
+      for (int c = 0; c < d; ++c) {
+        err = std::max(err, std::abs(clean.out[at + size_t(c)] - truth.out[size_t(c)]));
+        v_max = std::max(v_max, std::abs(truth.out[size_t(c)]));
+      }
+      EXPECT_LE(err, 0.01 * std::max(v_max, 1.0)) << "a row of large logits within range";
+      const float lse = clean.lse[lse_at(within.b * sq + within.row, within.h)];
+      EXPECT_NEAR(lse, truth.lse, 1e-4 * std::abs(truth.lse));  // fp32 q.k of ~2^30
+    }
+  }
+}
+
 // Strided (non-contiguous) views: q/k/v/o inside larger packed buffers, as a server batching
 // requests would pass them.
 TEST(CudaAttentionLayout, PaddedStrides) {

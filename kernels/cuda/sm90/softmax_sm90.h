@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "../ptx.h"
+#include "../softmax.h"
 #include "flashserve/kernels/kernel_config.h"
 
 namespace flashserve::kernels::cuda::sm90 {
@@ -78,7 +79,8 @@ struct Sm90Softmax {
 
   /// Completes the row sums across the quad, scales o by 1 / sum and returns per-row LSE
   /// (natural log). A row that saw no key gets o = 0 and LSE = -inf; a row with a NaN score (a
-  /// NaN input, or logits past fp32) has a NaN sum and gets NaN in both, as on the CPU.
+  /// NaN input, or logits past fp32) or out of the exp2 form's range (out_of_range_sum in
+  /// ../softmax.h) gets NaN in both, as the CPU does for logits past fp32.
   __device__ __forceinline__ void finalize(float (&o)[kD / 2], float scale, float (&lse)[2]) {
     float inv[2];
 #pragma unroll
@@ -86,7 +88,9 @@ struct Sm90Softmax {
       float sum = row_sum[h];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const bool empty = sum == 0.f;
+      // Every key masked (a NaN score leaves max -inf too, but makes the sum NaN).
+      const bool empty = row_max[h] == -INFINITY && sum == 0.f;
+      sum = out_of_range_sum(sum, row_max[h], scale, empty);
       inv[h] = empty ? 0.f : 1.f / sum;
       lse[h] = empty ? -INFINITY : row_max[h] * scale + logf(sum);
     }

@@ -34,7 +34,9 @@ struct KernelConfig {
   KernelFamily family = KernelFamily::kSm80;
 
   /// The lazy rescale's threshold: rescale when (new max - running max) * scale * log2(e) > 8.
-  /// 2^8 keeps P, O and the row sums far from fp16/fp32 overflow.
+  /// 2^8 keeps P (rounded to fp16/bf16 for P*V) and the row sums far from overflow; the fp32 O
+  /// accumulator holds up to 2^8 x keys x max|V| before the final 1 / sum (bf16 V near 1e34 with
+  /// thousands of keys overflows it: O = inf, README "Numerics").
   static constexpr float kLazyRescaleThresholdLog2 = 8.f;
   /// The threshold this configuration uses (0: rescale whenever the max grows).
   float rescale_threshold_log2() const { return lazy_rescale ? kLazyRescaleThresholdLog2 : 0.f; }
