@@ -146,8 +146,9 @@ ABSL_FLAG(
     "of physical memory, at most 4 GiB); 0: gRPC's default (no bound)");
 ABSL_FLAG(int, answer_timeout_s, flashserve::NetworkOptions{}.answer_timeout_s,
           "A tensor answer the client has not taken this long after it was ready is dropped: "
-          "gRPC (Attention, ModelInfer, Attend, DecodeStep) cancels the call, until then its bytes "
-          "count against --max_inflight_bytes; HTTP closes the connection. 0: no limit");
+          "gRPC (Attention, ModelInfer, Attend, DecodeStep, inline Compute) cancels the call, its "
+          "bytes counting against --max_inflight_bytes until then; HTTP closes the connection. "
+          "0: no limit");
 ABSL_FLAG(
     std::string, tls_cert, "",
     "PEM certificate (chain) file: with --tls_key, gRPC, HTTP and metrics are served over TLS");

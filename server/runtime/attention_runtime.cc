@@ -22,6 +22,21 @@ void SetTensorHeader(v1::Tensor* tensor, v1::DType dtype, std::initializer_list<
   for (int64_t d : shape) tensor->add_shape(d);
 }
 
+// O and LSE sent in the answer (not in a region) must fit the edge's message limit: with inputs in
+// shared memory a small request can ask for an answer past gRPC's 2 GiB, which was computed and
+// then failed to send.
+absl::Status CheckInlineAnswer(const AttentionRuntime::Call& call, const AttentionProblem& p) {
+  if (call.max_inline_answer_bytes <= 0) return absl::OkStatus();
+  const int64_t out = call.regions[0].data == nullptr ? p.out_bytes() : 0;
+  const int64_t lse =
+      call.regions[1].data == nullptr ? p.lse_elements() * int64_t(sizeof(float)) : 0;
+  if (out + lse <= call.max_inline_answer_bytes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "the answer would carry ", out + lse, " bytes of O and LSE, past the ",
+      call.max_inline_answer_bytes,
+      " a gRPC message may hold: put O (and LSE) in a shared-memory region, or split the batch"));
+}
+
 }  // namespace
 
 // What an Admission needs once its runtime may be gone.
@@ -127,6 +142,10 @@ void AttentionRuntime::Submit(Call call, Admission admission) {
       ValidateAttentionRequest(*call.request, limits_, external ? data_bytes : nullptr);
   if (!problem.ok()) {
     call.done(problem.status());
+    return;
+  }
+  if (absl::Status s = CheckInlineAnswer(call, *problem); !s.ok()) {
+    call.done(s);
     return;
   }
   // Admission by bytes: inputs (already received) plus the output this request will allocate.

@@ -54,6 +54,9 @@ class AttentionRuntime {
     // null: it ends before done()): an edge whose answer gRPC may hold unsent keeps the bytes
     // counted until the answer has left (edge/grpc/live_calls.h).
     std::shared_ptr<void>* answer_keeps_bytes = nullptr;
+    // > 0: the most bytes of O and LSE the answer may carry inline (not in a region): gRPC sends
+    // no message past 2 GiB, so a larger answer is refused before it is computed.
+    int64_t max_inline_answer_bytes = 0;
     InjectedFault inject = InjectedFault::kNone;  // test hook, see BackendJob
     // O and LSE into a client's shared-memory region (data null: the usual way); at least the
     // output's size. The edge holds the region's lease (memory/shm_regions.h) until done() and

@@ -30,7 +30,7 @@ SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
 E2E_SHAPE = dict(num_layers=2, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
 INTERNAL, UNAVAILABLE = grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE
 TIMEOUT = 1.0  # the call's timeout in the deadline tests
-SLACK = 0.4  # what a loaded machine may add to a call that keeps to its deadline
+SLACK = 0.9  # what a loaded 2-core machine may add to a call that keeps to its deadline (the old client: 2+ s)
 
 
 @pytest.fixture
@@ -353,3 +353,27 @@ def test_real_servers_cut_back_the_share_of_a_step_that_failed_elsewhere(start_s
         assert client.stats["truncated_back"] == 2
         for s in healthy:
             assert list(s.info().layer_lengths) == [truth.length(s.key, 0), truth.length(s.key, 1)]
+
+
+def test_a_cut_back_that_timed_out_is_not_looked_at_again(fakes, rng):
+    """The Truncate that cuts a failed call's rows back timed out (it may still cut later), and the call ran out of
+    time before its re-create: the sequence stays uncertain. Its next call must re-create it without looking and
+    cutting again -- a late first Truncate would cut rows appended after the second one. It used to look again."""
+    truth = _truth(rng)
+    fake = fakes[0].servicer
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = _create(client, truth)
+        fake.fail_next_step = (INTERNAL, True)
+        with pytest.raises(flashserve.FlashserveError):
+            seq.step(0, truth.query(), *truth.rows(1))
+        fake.fail_next_truncate = (grpc.StatusCode.DEADLINE_EXCEEDED, False)
+        fake.slow("Release", 2 * TIMEOUT)  # the release on the way to the re-create eats the call's time
+        with pytest.raises(flashserve.DeadlineExceededError):
+            seq.step(0, truth.query(), *truth.rows(1), timeout=TIMEOUT)
+        fake.slow("Release", 0)
+        assert seq.uncertain
+        looks = fake.calls.count("GetSequenceInfo")
+        _rounds(client, [seq], truth, 2)
+        assert fake.calls.count("GetSequenceInfo") == looks, "it looked (and could cut) again"
+        assert seq.reprefills == 1 and not seq.uncertain
+        _assert_server_holds_truth(fakes[0], seq, truth)

@@ -119,14 +119,35 @@ def _decode_step_message(server, rng) -> bytes:
     return request.SerializeToString()
 
 
-@pytest.mark.parametrize("api", ["attention", "decode_step"])
+def _stream_compute_messages(server, rng, n: int):
+    """Striped sessions, each with 4 MiB of q uploaded, and for each a Compute asking for O inline (in its answer)."""
+    q = rng.standard_normal((1, 4096, 8, 64)).astype(np.float16)
+    kv = rng.standard_normal((1, 8, 8, 64)).astype(np.float16)
+    header = pb.AttentionRequest(q=pb.Tensor(dtype=pb.FLOAT16, shape=q.shape), k=pb.Tensor(dtype=pb.FLOAT16,
+                                 shape=kv.shape), v=pb.Tensor(dtype=pb.FLOAT16, shape=kv.shape))
+    messages = []
+    with flashserve.StripedClient(server.address, timeout=30) as client:
+        stub = client.stubs[0]
+        for _ in range(n):
+            session = stub.OpenSession(header, timeout=30).session_id
+            chunks = [pb.AttentionChunk(session_id=session, tensor=1, offset=0, data=q.tobytes()),
+                      pb.AttentionChunk(tensor=2, offset=0, data=kv.tobytes()),
+                      pb.AttentionChunk(tensor=3, offset=0, data=kv.tobytes())]
+            stub.Upload(iter(chunks), timeout=30)
+            messages.append(pb.ComputeRequest(session_id=session, inline_output=True).SerializeToString())
+    return messages
+
+
+@pytest.mark.parametrize("api", ["attention", "decode_step", "stream_compute"])
 def test_unread_answers_count_as_in_flight_and_are_dropped_after_the_timeout(api, start_server, rng):
     server = start_server(f"--max_inflight_bytes={BUDGET}", f"--answer_timeout_s={TIMEOUT_S}",
                           "--kv_cache_bytes=67108864", name="unread")
     if api == "attention":
         path, messages = "/flashserve.v1.AttentionService/Attention", [_attention_message(rng)] * CALLS
-    else:
+    elif api == "decode_step":
         path, messages = "/flashserve.v1.Sequences/DecodeStep", [_decode_step_message(server, rng)] * CALLS
+    else:  # 3 sessions: open ones count against a budget of their own (as large): the answers' timeout is tested
+        path, messages = "/flashserve.v1.AttentionStreamService/Compute", _stream_compute_messages(server, rng, 3)
     client = WindowlessClient(server.grpc_port)
     try:
         streams = []
@@ -136,8 +157,8 @@ def test_unread_answers_count_as_in_flight_and_are_dropped_after_the_timeout(api
         client.pump(1.0)
         refused = [s for s in streams if client.ended.get(s) == "RESOURCE_EXHAUSTED"]
         held = [s for s in streams if s not in client.ended]
-        assert 1 <= len(held) <= 5, f"answers held unsent: {len(held)} of {CALLS} ({client.ended})"
-        assert len(refused) == CALLS - len(held), client.ended
+        assert 1 <= len(held) <= 5, f"answers held unsent: {len(held)} of {len(streams)} ({client.ended})"
+        assert len(refused) == len(streams) - len(held), client.ended
         # Held past the timeout: cancelled (reset), their bytes freed for other clients.
         client.pump(TIMEOUT_S + 2.5)
         assert all(client.ended.get(s) in ("CANCELLED", "reset") for s in held), {s: client.ended.get(s) for s in held}
@@ -166,7 +187,8 @@ def test_unread_rest_answers_hold_the_receive_budget_and_are_dropped_after_the_t
     a client that does not read it. It counted nowhere (15 of them held +569 MiB against a 64 MiB receive budget) and,
     sent a little at a time, never timed out. Now the answer's bytes come out of --http_max_receive_bytes before the
     request is computed (later requests get 503 while it waits), and an answer not taken within --answer_timeout_s
-    closes its connection; a JSON answer larger than the whole budget is refused up front, naming binary outputs."""
+    closes its connection; a request whose body and JSON answer could never fit the budget is refused up front
+    (413, naming binary outputs)."""
     requests = pytest.importorskip("requests")
     from test_kserve_rest import binary_request
 
@@ -177,7 +199,7 @@ def test_unread_rest_answers_hold_the_receive_budget_and_are_dropped_after_the_t
     body, headers = binary_request(q, kv, kv)
     held = [_post_unread(server.http_port, body, headers) for _ in range(2)]
     try:
-        time.sleep(1.0)
+        time.sleep(2.5)  # parsed and computed: their answers wait (dropped at TIMEOUT_S)
         refused = requests.post(f"{server.http}/v2/models/attention/infer", data=body, headers=headers, timeout=30)
         assert refused.status_code == 503, refused.text[:300]
         assert "--http_max_receive_bytes" in refused.text
@@ -186,7 +208,7 @@ def test_unread_rest_answers_hold_the_receive_budget_and_are_dropped_after_the_t
         big_body, big_headers = binary_request(big_q, big_kv, big_kv)
         too_big = requests.post(f"{server.http}/v2/models/attention/infer", data=big_body, headers=big_headers,
                                 timeout=30)
-        assert too_big.status_code == 503 and "binary_data_output" in too_big.text, too_big.text[:300]
+        assert too_big.status_code == 413 and "binary_data_output" in too_big.text, too_big.text[:300]
         time.sleep(TIMEOUT_S + 1.5)  # the unread answers' connections are closed, their bytes given back
         for sock in held:
             sock.settimeout(5)

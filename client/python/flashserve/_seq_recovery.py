@@ -302,7 +302,9 @@ class _Recovery:
                               deadline.left(f"cutting sequence {failed_id} back to the client's lengths"))
                 except NotFoundError:
                     raise
-                except FlashserveError:  # refused, or cut maybe: a re-create makes it certain
+                except FlashserveError as e:  # refused, or cut maybe: a re-create makes it certain
+                    if e.code in _MAY_LAND:  # may still cut later, after rows appended since: no more looks
+                        seq.may_land = True
                     return False
             seq.settle()
         if cuts:

@@ -2,13 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <list>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#include "absl/time/clock.h"
 #include "grpcpp/server_context.h"
 #include "spdlog/spdlog.h"
 
@@ -19,7 +19,7 @@ namespace flashserve {
 struct AnswerWatch::Entry {
   std::recursive_mutex mu;
   grpc::ServerContextBase* context = nullptr;  // null once gRPC is done with the call
-  absl::Time deadline;
+  std::chrono::steady_clock::time_point deadline;  // steady: a clock step cancels nothing
   bool cancelled = false;                          // guarded by the watch's mutex
   std::list<std::shared_ptr<Entry>>::iterator at;  // in State::entries
 };
@@ -42,7 +42,8 @@ State& state() {
 }
 
 // The entries due now, marked cancelled (each is cancelled once).
-std::vector<std::shared_ptr<AnswerWatch::Entry>> TakeDue(State& s, absl::Time now) {
+std::vector<std::shared_ptr<AnswerWatch::Entry>> TakeDue(
+    State& s, std::chrono::steady_clock::time_point now) {
   std::vector<std::shared_ptr<AnswerWatch::Entry>> due;
   for (const auto& entry : s.entries) {
     if (entry->deadline > now) break;  // deadlines grow with the list: the rest are later
@@ -59,7 +60,8 @@ void Loop() {
       std::clamp(s.timeout / 4, absl::Milliseconds(10), absl::Milliseconds(250)));
   while (!s.stopping) {
     s.wake.wait_for(lock, every);
-    const std::vector<std::shared_ptr<AnswerWatch::Entry>> due = TakeDue(s, absl::Now());
+    const std::vector<std::shared_ptr<AnswerWatch::Entry>> due =
+        TakeDue(s, std::chrono::steady_clock::now());
     if (due.empty()) continue;
     lock.unlock();  // OnDone forgets entries under s.mu
     int64_t dropped = 0;
@@ -111,7 +113,9 @@ AnswerWatch::Token AnswerWatch::Watch(grpc::ServerContextBase* context) {
   if (!s.running || s.stopping) return Token();
   auto entry = std::make_shared<Entry>();
   entry->context = context;
-  entry->deadline = absl::Now() + s.timeout;
+  entry->deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        absl::ToChronoNanoseconds(s.timeout));
   entry->at = s.entries.insert(s.entries.end(), entry);
   return Token(std::move(entry));
 }
@@ -133,9 +137,10 @@ void AnswerWatch::Token::Forget() {
     std::lock_guard<std::mutex> lock(s.mu);
     s.entries.erase(entry_->at);
   }
-  std::lock_guard<std::recursive_mutex> call(entry_->mu);  // waits for a cancel in progress
-  entry_->context = nullptr;
-  entry_.reset();
+  // Kept past the guard: the entry (and its mutex) would be freed while still locked.
+  const std::shared_ptr<Entry> entry = std::move(entry_);
+  std::lock_guard<std::recursive_mutex> call(entry->mu);  // waits for a cancel in progress
+  entry->context = nullptr;
 }
 
 }  // namespace flashserve

@@ -128,6 +128,7 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
     call.outputs_in_buffers = true;  // O and LSE leave as slices of the request buffers
     call.buffers_out = &io_;
     call.answer_keeps_bytes = &answer_bytes_;
+    call.max_inline_answer_bytes = kMaxInlineAnswerBytes;
     const ShmReferences shm = NativeShmReferences(wire_.header);
     if (shm.any()) {
       // Shared memory (Triton's extension): an output in a region is not sent, so the response

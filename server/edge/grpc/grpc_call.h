@@ -16,6 +16,7 @@
 // of the backend's buffers. An object the handler holds knows all of it.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -31,6 +32,11 @@
 #include "metrics/server_metrics.h"
 
 namespace flashserve {
+
+/// The most bytes of O and LSE an answer may carry in its message: gRPC sends none past 2 GiB
+/// (INT_MAX), less room for the answer's other fields. Larger answers are refused before they are
+/// computed (AttentionRuntime::Call::max_inline_answer_bytes).
+inline constexpr int64_t kMaxInlineAnswerBytes = int64_t{2147483647} - (int64_t{1} << 20);
 
 /// One method the gRPC edge serves: its full path, its `method` label, and whether its calls
 /// hand a request to the runtime (those count in flashserve_inflight_requests while they run).

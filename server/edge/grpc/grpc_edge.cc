@@ -87,7 +87,7 @@ void LogFromGrpc(gpr_log_func_args* args) {
 void ConfigureTransport(const GrpcOptions& options, int64_t memory_quota_bytes,
                         grpc::ServerBuilder* builder) {
   // A request is bounded by --max_request_bytes (gRPC answers RESOURCE_EXHAUSTED above it,
-  // before we see it); a response is at most the size of its request plus the LSE.
+  // before we see it); an answer over kMaxInlineAnswerBytes is refused before it is computed.
   builder->SetMaxReceiveMessageSize(int(options.max_request_bytes));
   builder->SetMaxSendMessageSize(INT_MAX);
   // Reflection is a sync service: its pollers wake every CQ_TIMEOUT_MSEC (default 10 s) and

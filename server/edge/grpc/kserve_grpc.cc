@@ -201,6 +201,7 @@ class KServeGrpcService final : public KServeBase {
     }
     call.response = &call_state->response;
     call.answer_keeps_bytes = &call_state->answer_bytes;
+    call.max_inline_answer_bytes = kMaxInlineAnswerBytes;
     call.received = call_state->received;
     call.deadline = ToAbslTime(context->deadline());
     if (timeout_us > 0) {

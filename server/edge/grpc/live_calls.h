@@ -53,10 +53,14 @@ class LiveCall {
 class LiveUnaryReactor final : public grpc::ServerUnaryReactor {
  public:
   void OnDone() override { delete this; }
-  /// LiveCall::AnswerHandedOver, then Finish.
+  /// LiveCall::AnswerHandedOver: call before Finish.
+  void AnswerHandedOver(grpc::ServerContextBase* context, std::shared_ptr<void> keep) {
+    live_.AnswerHandedOver(context, std::move(keep));
+  }
+  /// AnswerHandedOver, then Finish.
   void FinishAnswer(grpc::ServerContextBase* context, std::shared_ptr<void> keep,
                     const grpc::Status& status) {
-    live_.AnswerHandedOver(context, std::move(keep));
+    AnswerHandedOver(context, std::move(keep));
     Finish(status);
   }
 

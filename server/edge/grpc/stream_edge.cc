@@ -30,6 +30,7 @@ using StreamServiceBase =
 struct ComputeState {
   v1::ComputeRequest request;
   v1::AttentionResponse response;
+  std::shared_ptr<void> answer_bytes;  // inline_output: --max_inflight_bytes, to the reactor
 };
 
 class StreamService final : public StreamServiceBase {
@@ -73,7 +74,7 @@ class StreamService final : public StreamServiceBase {
   grpc::ServerUnaryReactor* Compute(grpc::CallbackServerContext* context, const Raw* raw_request,
                                     Raw* raw_response) override {
     // A live call until gRPC has written the answer (inline_output carries all of O).
-    grpc::ServerUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
+    LiveUnaryReactor* reactor = new LiveUnaryReactor();  // deletes itself (OnDone)
     // Shared with the runtime's done callback, which finishes it.
     auto grpc_call = std::make_shared<GrpcCall>(runtime_->metrics(), grpc_methods::kCompute);
     grpc_call->Start(int64_t(raw_request->Length()));
@@ -111,10 +112,14 @@ class StreamService final : public StreamServiceBase {
     call.io = session->io();
     call.outputs_in_buffers = true;
     call.buffers_out = session->io_for_compute();
+    if (inline_output) {  // the answer carries O: counted until sent, within a message's limit
+      call.answer_keeps_bytes = &state->answer_bytes;
+      call.max_inline_answer_bytes = kMaxInlineAnswerBytes;
+    }
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
-    call.done = [this, reactor, session, state, response, raw_response, inline_output,
+    call.done = [this, reactor, context, session, state, response, raw_response, inline_output,
                  grpc_call](const absl::Status& status) {
       if (status.ok() && inline_output) {
         // K = 1: the output goes back in this response (one copy out of the session's buffers).
@@ -128,6 +133,7 @@ class StreamService final : public StreamServiceBase {
       if (!status.ok() || inline_output) {
         session->EndCompute(false);
         table_.Erase(session->id());
+        reactor->AnswerHandedOver(context, std::move(state->answer_bytes));
         FinishUnary(reactor, grpc_call.get(), status, *response, raw_response);
         return;
       }

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/http_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "runtime/shm_requests.h"
@@ -70,6 +71,7 @@ class BudgetHold {
     if (s.ok()) held_ += bytes;
     return s;
   }
+  int64_t held() const { return held_; }
 
  private:
   std::shared_ptr<ReceiveBudget> budget_;
@@ -166,16 +168,17 @@ class InferBodyReader {
   }
 
   // The answer stays until the client has read it (--answer_timeout_s at most): its bytes count
-  // from now, before anything is computed or a binary input allocated.
+  // from now, before anything is computed. A request whose body and answer together could never
+  // fit the budget is refused as too large (413), not as busy (503: retry later).
   absl::Status TakeAnswerBytes() {
     const int64_t bytes = AnswerBytesAtMost(request_);
-    if (limits_.budget != nullptr && bytes > limits_.budget->limit()) {
+    if (limits_.budget != nullptr && hold_->held() + bytes > limits_.budget->limit()) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "the answer would hold ", bytes,
-          " bytes until it is read, more than "
-          "--http_max_receive_bytes=",
-          limits_.budget->limit(), " (a JSON output takes up to ", kJsonAnswerBytesPerElement,
-          " bytes per element): ask for binary outputs (binary_data_output)"));
+          kBodyOverLimit, "what --http_max_receive_bytes=", limits_.budget->limit(),
+          " can hold with its answer: the body holds ", hold_->held(),
+          " bytes and the answer would hold ", bytes,
+          " until it is read (a JSON output takes up to ", kJsonAnswerBytesPerElement,
+          " bytes per element): ask for binary outputs (binary_data_output) or send less"));
     }
     return hold_->Take(bytes);
   }

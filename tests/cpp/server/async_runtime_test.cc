@@ -171,6 +171,44 @@ TEST(AsyncRuntime, InflightBytesAreHeldUntilCompletion) {
   EXPECT_TRUE(third.get().ok());
 }
 
+// An edge whose answer may wait unsent (gRPC) keeps the call's bytes counted until it lets go.
+TEST(AsyncRuntime, AnEdgeKeepsTheBytesUntilItsAnswerHasLeft) {
+  v1::AttentionRequest request = Request();
+  Harness h(8, 400);
+  v1::AttentionResponse response;
+  std::shared_ptr<void> answer_bytes;
+  auto done =
+      h.Submit(&request, &response, absl::InfiniteFuture(), {},
+               [&](AttentionRuntime::Call& call) { call.answer_keeps_bytes = &answer_bytes; });
+  h.backend.Release(1);
+  ASSERT_TRUE(done.get().ok());
+  ASSERT_NE(answer_bytes, nullptr);
+  EXPECT_EQ(h.runtime->inflight_bytes(), 352) << "answered, not yet sent: still counted";
+  v1::AttentionResponse other;
+  EXPECT_EQ(h.Submit(&request, &other).get().code(), absl::StatusCode::kResourceExhausted);
+  answer_bytes.reset();  // the answer has left
+  EXPECT_EQ(h.runtime->inflight_bytes(), 0);
+}
+
+// An answer whose inline O and LSE pass the edge's message limit is refused before it runs.
+TEST(AsyncRuntime, AnAnswerPastTheInlineLimitIsRefusedBeforeItRuns) {
+  v1::AttentionRequest request = Request();  // O: 96 bytes
+  Harness h;
+  v1::AttentionResponse response;
+  auto refusal = h.Submit(&request, &response, absl::InfiniteFuture(), {},
+                          [](AttentionRuntime::Call& call) { call.max_inline_answer_bytes = 95; });
+  h.backend.Release(1);  // lets a launch that should not have happened end: a failure, not a hang
+  const absl::Status refused = refusal.get();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("shared-memory region"), std::string::npos) << refused;
+  EXPECT_EQ(h.backend.launched(), 0);
+  EXPECT_EQ(h.runtime->inflight_bytes(), 0);
+  auto fits = h.Submit(&request, &response, absl::InfiniteFuture(), {},
+                       [](AttentionRuntime::Call& call) { call.max_inline_answer_bytes = 96; });
+  h.backend.Release(1);
+  EXPECT_TRUE(fits.get().ok());
+}
+
 TEST(AsyncRuntime, OutOfDeviceMemoryThenTheNextRequestSucceeds) {
   Harness h;
   v1::AttentionRequest oversized = Request(13), normal = Request();

@@ -50,10 +50,10 @@ struct Harness {
                                                  max_inflight_bytes);
   }
   /// Submits and returns a future for the status.
-  std::future<absl::Status> Submit(const v1::AttentionRequest* request,
-                                   v1::AttentionResponse* response,
-                                   absl::Time deadline = absl::InfiniteFuture(),
-                                   std::function<bool()> cancelled = {}) {
+  std::future<absl::Status> Submit(
+      const v1::AttentionRequest* request, v1::AttentionResponse* response,
+      absl::Time deadline = absl::InfiniteFuture(), std::function<bool()> cancelled = {},
+      const std::function<void(AttentionRuntime::Call&)>& adjust = {}) {
     auto promise = std::make_shared<std::promise<absl::Status>>();
     AttentionRuntime::Call call;
     call.request = request;
@@ -62,6 +62,7 @@ struct Harness {
     call.deadline = deadline;
     call.cancelled = std::move(cancelled);
     call.done = [promise](const absl::Status& s) { promise->set_value(s); };
+    if (adjust) adjust(call);
     runtime->Submit(std::move(call));
     return promise->get_future();
   }
