@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -169,6 +170,16 @@ absl::StatusOr<AttentionProblem> ValidateAttentionRequest(const v1::AttentionReq
             ? absl::StrCat("max ", limits.max_head_dim)
             : absl::StrCat("supported: ", absl::StrJoin(limits.head_dims, ", ")),
         ")"));
+  }
+
+  // Before anything is allocated (the CUDA kernels refused these after the device buffers were).
+  for (const auto& [name, value] :
+       {std::pair{"batch", q.shape(0)}, std::pair{"heads_q", q.shape(2)}}) {
+    if (limits.max_batch_and_heads > 0 && value > limits.max_batch_and_heads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("q.shape: ", name, " ", value, " exceeds the ", limits.backend_name,
+                       " backend's limit of ", limits.max_batch_and_heads, " (split the request)"));
+    }
   }
 
   float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));

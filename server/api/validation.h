@@ -17,6 +17,9 @@ struct ValidationLimits {
   std::vector<kernels::DType> dtypes;  // supported element types
   std::vector<int> head_dims;          // exact list; empty means any in [1, max_head_dim]
   int max_head_dim = 256;
+  // > 0: the most batch and heads_q each (the CUDA kernels' grid holds them in its y and z
+  // dimensions, 65535 at most); 0: no such limit.
+  int64_t max_batch_and_heads = 0;
   std::string backend_name = "cpu";
 };
 

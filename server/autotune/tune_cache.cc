@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/random_id.h"
 #include "nlohmann/json.hpp"
 
@@ -98,6 +99,22 @@ std::string TuneCache::ToJson() const {
   return j.dump(2) + "\n";
 }
 
+namespace {
+
+// Takes `fd`'s exclusive lock within `wait`. True also when the file system has no locks (the save
+// goes on unlocked, as before); false only while another writer holds it.
+bool LockWithin(int fd, absl::Duration wait) {
+  const absl::Time until = absl::Now() + wait;
+  while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno != EWOULDBLOCK && errno != EINTR) return true;
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::Status TuneCache::FromJson(const std::string& text) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
@@ -159,14 +176,23 @@ absl::Status TuneCache::Load(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::Status TuneCache::Save(const std::string& path) const {
+absl::Status TuneCache::Save(const std::string& path, absl::Duration lock_wait) const {
   // Writers of one file (a server tuning in the background, flashserve-tune, replicas on a shared
   // volume, each possibly pid 1 in its container) take turns on its lock file, and each keeps the
   // entries the others wrote (its own win). Without the lock (a file system that refuses it) the
   // write still goes through a temp file no other writer can share.
   const std::string lock_path = path + ".lock";
-  const int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (lock_fd >= 0) ::flock(lock_fd, LOCK_EX);
+  // Anyone may take it (0666 less the umask); another user's lock file is locked read-only (flock
+  // needs no write access): the server's user could not open one flashserve-tune made as root,
+  // and wrote unlocked, losing other writers' entries.
+  int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+  if (lock_fd < 0) lock_fd = ::open(lock_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (lock_fd >= 0 && !LockWithin(lock_fd, lock_wait)) {
+    ::close(lock_fd);
+    return absl::UnavailableError(absl::StrCat(
+        lock_path, ": another writer has held it for ", absl::FormatDuration(lock_wait),
+        "; not saved now (the entries go with the next save)"));
+  }
   absl::Status saved = SaveMergedLocked(path);
   if (lock_fd >= 0) ::close(lock_fd);  // releases the lock
   return saved;

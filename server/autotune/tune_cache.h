@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 
 namespace flashserve {
 
@@ -52,9 +53,14 @@ class TuneCache {
   absl::Status Load(const std::string& path);
   /// Writes the cache atomically (a temp file in the same directory, fsync, rename), merged with
   /// the entries the file holds (another writer's; this cache's win), under `path`.lock.
-  absl::Status Save(const std::string& path) const;
-  /// A cache file larger than this (or not a regular file) is not read.
-  static constexpr int64_t kMaxFileBytes = int64_t{64} << 20;
+  /// UNAVAILABLE, nothing written, when another writer holds the lock longer than `lock_wait`
+  /// (a stopped process, a hung network file system held the tuner, and a server's shutdown
+  /// joining it, forever); the entries stay for the next save.
+  absl::Status Save(const std::string& path, absl::Duration lock_wait = kLockWait) const;
+  static constexpr absl::Duration kLockWait = absl::Seconds(5);
+  /// A cache file larger than this (or not a regular file) is not read: it is parsed into a tree
+  /// of ~37x its size (a 64 MiB file took 2.4 GB); entries are ~250 bytes each.
+  static constexpr int64_t kMaxFileBytes = int64_t{8} << 20;
 
   std::string ToJson() const;
   /// Parses `text`; on success replaces the entries. Errors name what is wrong.

@@ -147,6 +147,7 @@ absl::Status Server::StartRuntime() {
   limits.dtypes = caps.dtypes;
   limits.head_dims = caps.head_dims;
   limits.max_head_dim = caps.max_head_dim;
+  limits.max_batch_and_heads = caps.max_batch_and_heads;
   limits.backend_name = caps.name;
   copier_ = std::make_unique<ParallelCopier>(config_.request_threads.copy_threads);
   runtime_ = std::make_unique<AttentionRuntime>(backend_.backend.get(), scheduler_.get(), limits,

@@ -32,6 +32,7 @@ struct BackendCapabilities {
   std::vector<kernels::DType> dtypes;
   std::vector<int> head_dims;  // exact list; empty means any in [1, max_head_dim]
   int max_head_dim = 0;
+  int64_t max_batch_and_heads = 0;  // > 0: the most batch and heads_q each (ValidationLimits)
   std::vector<DeviceDescription> devices;
 };
 

@@ -69,6 +69,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CudaBackend::Create(
   }
   auto backend = std::unique_ptr<CudaBackend>(new CudaBackend());
   backend->capabilities_.name = "cuda";
+  backend->capabilities_.max_batch_and_heads = 65535;  // grid y / z (flash_fwd_dispatch.cu)
   backend->capabilities_.dtypes = kernels::cuda::supported_dtypes();
   backend->capabilities_.head_dims = kernels::cuda::supported_head_dims();
   backend->capabilities_.max_head_dim =

@@ -1,6 +1,8 @@
 // Autotuning on the CPU: class bucketing, the cache file (round trip, foreign/corrupt files,
 // atomic writes) and the background tuner never blocking a lookup.
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -232,6 +234,31 @@ TEST(TuneCache, WritersOfOneFileKeepEachOthersEntries) {
   ASSERT_TRUE(reread.Load(path).ok());
   EXPECT_EQ(reread.size(), 50u);
   EXPECT_EQ(TempFilesOf(path), 0);
+  std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
+}
+
+// A writer that holds the lock and never lets go (a stopped flashserve-tune, a hung network file
+// system) held Save -- the tuner thread, and a server's shutdown joining it -- forever.
+TEST(TuneCache, ALockHeldByAnotherWriterSkipsTheSaveInTime) {
+  const std::string path = TempPath("held_lock");
+  const int other = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  ASSERT_GE(other, 0);
+  ASSERT_EQ(::flock(other, LOCK_EX), 0);
+  TuneCache cache(Header());
+  cache.Put("k", {"m128n64w4s2", 1, "", 0, "", 0, 1});
+  const absl::Time start = absl::Now();
+  const absl::Status held = cache.Save(path, absl::Milliseconds(200));
+  EXPECT_EQ(held.code(), absl::StatusCode::kUnavailable) << held;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  TuneCache none(Header());
+  EXPECT_TRUE(none.Load(path).ok());
+  EXPECT_EQ(none.size(), 0u) << "written without the lock";
+  ::close(other);  // the other writer lets go: the next save goes through
+  ASSERT_TRUE(cache.Save(path, absl::Milliseconds(200)).ok());
+  TuneCache reread(Header());
+  ASSERT_TRUE(reread.Load(path).ok());
+  EXPECT_EQ(reread.size(), 1u);
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
 }

@@ -183,6 +183,37 @@ TEST(Validation, UnsupportedDTypeForBackend) {
             "q.dtype: FLOAT32 is not supported by the cuda backend (supported: FLOAT16, BFLOAT16)");
 }
 
+// The CUDA kernels' grid limit on batch and heads_q is checked with the rest, before anything is
+// allocated (the CUDA backend refused such a request only after its device buffers were).
+TEST(Validation, BatchAndHeadsWithinTheBackendsLimit) {
+  ValidationLimits limits = CpuLimits();
+  limits.backend_name = "cuda";
+  limits.max_tensor_elements = int64_t{1} << 40;
+  limits.max_batch_and_heads = 65535;
+  // Shapes [batch, 1, heads_q, 8] against K/V of one head, their data held outside the message.
+  auto validate = [&](int64_t batch, int64_t heads_q) {
+    v1::AttentionRequest r;
+    for (auto [t, heads] : {std::pair{r.mutable_q(), heads_q}, std::pair{r.mutable_k(), int64_t{1}},
+                            std::pair{r.mutable_v(), int64_t{1}}}) {
+      t->set_dtype(v1::FLOAT16);
+      for (int64_t d : {batch, int64_t{1}, heads, int64_t{8}}) t->add_shape(d);
+    }
+    const int64_t bytes[3] = {batch * heads_q * 16, batch * 16, batch * 16};
+    return ValidateAttentionRequest(r, limits, bytes);
+  };
+  absl::StatusOr<AttentionProblem> result = validate(65536, 4);
+  ASSERT_FALSE(result.ok());
+  EXPECT_EQ(result.status().message(),
+            "q.shape: batch 65536 exceeds the cuda backend's limit of 65535 (split the request)");
+  result = validate(1, 65536);
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.status().message().find("heads_q 65536 exceeds"), std::string::npos)
+      << result.status();
+  EXPECT_TRUE(validate(65535, 65535).ok()) << validate(65535, 65535).status();
+  limits.max_batch_and_heads = 0;  // the CPU backend: none
+  EXPECT_TRUE(validate(65536, 4).ok());
+}
+
 TEST(Validation, HeadDimListed) {
   ValidationLimits limits = CpuLimits();
   limits.head_dims = {64, 128};
