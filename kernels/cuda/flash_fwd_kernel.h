@@ -184,7 +184,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // Epilogue: normalize, LSE, stage O (as Element) in sQ's rows of this warp, 16-byte stores.
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, p.softmax_scale, lse);
+  softmax.finalize(acc_o, p.softmax_scale, kMaxScaledLogit<Element>, lse);
   if (lse_out != nullptr && lane % 4 == 0) {
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) {

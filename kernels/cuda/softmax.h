@@ -8,6 +8,8 @@
 // EmulationOptions{block_n, backwards, threshold} rounds P at the same places.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cmath>
 
 #include "flashserve/kernels/kernel_config.h"
@@ -15,16 +17,24 @@
 
 namespace flashserve::kernels::cuda {
 
-/// The row sum a row finalizes with: NaN when the row saw a key but its scaled max M =
-/// row_max * scale * log2(e) reaches kMaxScaledLogit, else `sum`. p = 2^(fma(s, scale_log2, -M))
-/// carries the rounding of M (up to ulp(M) / 2) into every exponent: past 2^31 that can reach
-/// 2^128 (P and the sums overflow) or -126 (the max key's own p underflows; M = inf makes every p
-/// 0 and the row would read as one that saw no key): a silent wrong answer without this.
-constexpr float kMaxScaledLogit = 2147483648.f;  // 2^31: ulp(M) / 2 <= 64 below it
-__device__ __forceinline__ float out_of_range_sum(float sum, float row_max, float scale,
-                                                  bool empty) {
+/// The |M| (M = row_max * scale * log2(e)) from which a row finalizes NaN (out_of_range_sum), by
+/// the type P is rounded to for P*V. p = 2^(fma(s, scale_log2, -M)) carries the rounding of M (up
+/// to ulp(M) / 2) into every exponent, on top of the lazy rescale's 2^8. bf16 keeps fp32's
+/// exponent range: below 2^31 every P stays within 2^+-72. fp16 ends at 65504 and is 0 below
+/// 2^-24: below 2^27 P stays within [2^-4, 2^12] (from 2^29 an audit's emulation found the max
+/// key's P rounded to 0 or inf). Past the limit P could overflow or vanish -- O = 0 with a finite
+/// LSE, or every P 0 and the row read as one that saw no key: silent wrong answers.
+template <typename Element>
+inline constexpr float kMaxScaledLogit = 2147483648.f;  // 2^31
+template <>
+inline constexpr float kMaxScaledLogit<__half> = 134217728.f;  // 2^27
+
+/// The row sum a row finalizes with: NaN when the row saw a key but |M| reaches `max_scaled`
+/// (kMaxScaledLogit), else `sum`.
+__device__ __forceinline__ float out_of_range_sum(float sum, float row_max, float scale, bool empty,
+                                                  float max_scaled) {
   const float scaled = row_max * scale * 1.4426950408889634f;
-  return !empty && !(fabsf(scaled) < kMaxScaledLogit) ? NAN : sum;
+  return !empty && !(fabsf(scaled) < max_scaled) ? NAN : sum;
 }
 
 template <int kMTiles, int kNTiles, int kDTiles, bool kLazy = false>
@@ -150,7 +160,7 @@ struct OnlineSoftmax {
   /// NaN input, or logits past fp32) or out of the exp2 form's range (out_of_range_sum) gets NaN
   /// in both, as the CPU does for logits past fp32.
   __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float scale,
-                                           float (&lse)[kRows]) {
+                                           float max_scaled, float (&lse)[kRows]) {
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -162,7 +172,7 @@ struct OnlineSoftmax {
         // Every key masked: max -inf and sum 0 (a NaN score -- fmaxf skips it -- leaves max -inf
         // too, but makes the sum NaN).
         const bool empty = row_max[r] == -INFINITY && sum == 0.f;
-        sum = out_of_range_sum(sum, row_max[r], scale, empty);
+        sum = out_of_range_sum(sum, row_max[r], scale, empty, max_scaled);
         const float inv = empty ? 0.f : 1.f / sum;
         lse[r] = empty ? -INFINITY : row_max[r] * scale + logf(sum);
 #pragma unroll

@@ -183,6 +183,14 @@ TEST(CudaAttentionNaN, PoisonsOnlyTheRowsThatReadIt) {
 
 // bf16 bits of 2^e (exact for -126 <= e <= 127).
 uint16_t bf16_pow2(int e) { return uint16_t((e + 127) << 7); }
+// fp16 bits of 2^e (exact for -14 <= e <= 15).
+uint16_t fp16_pow2(int e) { return uint16_t((e + 15) << 10); }
+
+// Sets every element of key `key` of KV head `h` (batch-major [b, s, h, d]) to `bits`.
+void fill_k_row(const AttentionParams& p, tu::HostQkv* qkv, int b, int key, int h, uint16_t bits) {
+  const size_t at = ((size_t(b) * p.seqlen_k + key) * p.heads_kv + h) * p.head_dim;
+  std::fill(qkv->k.begin() + long(at), qkv->k.begin() + long(at + p.head_dim), bits);
+}
 
 // Sets every element of q row `row` of head `h` (batch-major [b, s, h, d]) to `bits`.
 void fill_q_row(const AttentionParams& p, tu::HostQkv* qkv, int b, int row, int h, uint16_t bits) {
@@ -227,6 +235,43 @@ RowTruth row_truth(const AttentionParams& p, const tu::HostQkv& qkv, int b, int 
   return t;
 }
 
+// A q row (batch b, row, head h) of the range tests, its elements 2^log2_q.
+struct BigRow {
+  int b, row, h, log2_q;
+};
+
+// Every compiled config on `clean_qkv` and on `big_qkv` (which adds the rows `past` to it): the
+// rows past the range NaN in O and LSE and every other row as on the clean inputs; `within` (a row
+// of large logits in range, in both) against its fp64 softmax `truth`.
+void expect_range_rows(const AttentionParams& host_p, const tu::HostQkv& clean_qkv,
+                       const tu::HostQkv& big_qkv, const std::vector<BigRow>& past,
+                       const BigRow& within, const RowTruth& truth) {
+  const int sq = host_p.seqlen_q, hq = host_p.heads_q, d = host_p.head_dim;
+  const auto lse_at = [&](int row, int h) { return (size_t(row / sq) * hq + h) * sq + row % sq; };
+  const auto past_limit = [&](int row, int h) {
+    return std::any_of(past.begin(), past.end(), [&](const BigRow& r) {
+      return r.b == row / sq && r.row == row % sq && r.h == h;
+    });
+  };
+  for (const fk::KernelConfig& cfg : fk::candidates(host_p.dtype, d, host_p.causal)) {
+    SCOPED_TRACE("config " + cfg.name());
+    tu::RunAnswers clean, got;
+    ASSERT_NO_FATAL_FAILURE(run_on(host_p, clean_qkv, cfg, &clean));
+    ASSERT_NO_FATAL_FAILURE(run_on(host_p, big_qkv, cfg, &got));
+    ASSERT_TRUE(tu::all_finite(clean.out));
+    EXPECT_TRUE(tu::nan_only_where_read(clean, got, host_p.batch * sq, hq, d, lse_at, past_limit));
+    const size_t at = ((size_t(within.b) * sq + within.row) * hq + within.h) * d;
+    double err = 0, v_max = 0;
+    for (int c = 0; c < d; ++c) {
+      err = std::max(err, std::abs(clean.out[at + size_t(c)] - truth.out[size_t(c)]));
+      v_max = std::max(v_max, std::abs(truth.out[size_t(c)]));
+    }
+    EXPECT_LE(err, 0.01 * std::max(v_max, 1.0)) << "a row of large logits within range";
+    const float lse = clean.lse[lse_at(within.b * sq + within.row, within.h)];
+    EXPECT_NEAR(lse, truth.lse, 1e-4 * std::abs(truth.lse));  // fp32 q.k of ~2^30
+  }
+}
+
 // Logits whose scale the prefill kernels' exp2 form cannot hold: P = 2^(fma(s, scale_log2, -M))
 // carries M's rounding (up to ulp(M) / 2) into every exponent, so from |M| = 2^31 on (M in log2
 // units) P could overflow or the max key's own P underflow to 0 -- a row of zeros and LSE -inf,
@@ -238,9 +283,6 @@ TEST(CudaAttentionRange, LogitsPastTheExp2FormsRangeAreNaNOnlyInTheirRows) {
   const DType dtype = DType::kBFloat16;
   const int d = 128, batch = 2, sq = 130, sk = 300, hq = 8, hkv = 2;
   if (!tu::compiled(dtype, d)) GTEST_SKIP() << "bf16 d128 not compiled in this build";
-  struct BigRow {
-    int b, row, h, log2_q;
-  };
   const std::vector<BigRow> past = {{0, 5, 0, 34},  {0, 77, 6, 40},  {1, 9, 5, 31},
                                     {1, 64, 2, 45}, {1, 129, 7, 60}, {0, 120, 1, 33}};
   const BigRow within{0, 100, 3, 24};  // |M| about 2^26: computed
@@ -259,29 +301,39 @@ TEST(CudaAttentionRange, LogitsPastTheExp2FormsRangeAreNaNOnlyInTheirRows) {
     }
     const RowTruth truth = row_truth(host_p, clean_qkv, within.b, within.row, within.h);
     ASSERT_LT(std::abs(truth.max_log2), 1073741824.0);
-    const auto lse_at = [&](int row, int h) { return (size_t(row / sq) * hq + h) * sq + row % sq; };
-    const auto past_limit = [&](int row, int h) {
-      return std::any_of(past.begin(), past.end(), [&](const BigRow& r) {
-        return r.b == row / sq && r.row == row % sq && r.h == h;
-      });
-    };
-    for (const fk::KernelConfig& cfg : fk::candidates(dtype, d, causal)) {
-      SCOPED_TRACE("config " + cfg.name());
-      tu::RunAnswers clean, got;
-      ASSERT_NO_FATAL_FAILURE(run_on(host_p, clean_qkv, cfg, &clean));
-      ASSERT_NO_FATAL_FAILURE(run_on(host_p, big_qkv, cfg, &got));
-      ASSERT_TRUE(tu::all_finite(clean.out));
-      EXPECT_TRUE(tu::nan_only_where_read(clean, got, batch * sq, hq, d, lse_at, past_limit));
-      const size_t at = ((size_t(within.b) * sq + within.row) * hq + within.h) * d;
-      double err = 0, v_max = 0;
-      for (int c = 0; c < d; ++c) {
-        err = std::max(err, std::abs(clean.out[at + size_t(c)] - truth.out[size_t(c)]));
-        v_max = std::max(v_max, std::abs(truth.out[size_t(c)]));
-      }
-      EXPECT_LE(err, 0.01 * std::max(v_max, 1.0)) << "a row of large logits within range";
-      const float lse = clean.lse[lse_at(within.b * sq + within.row, within.h)];
-      EXPECT_NEAR(lse, truth.lse, 1e-4 * std::abs(truth.lse));  // fp32 q.k of ~2^30
+    expect_range_rows(host_p, clean_qkv, big_qkv, past, within, truth);
+  }
+}
+
+// fp16: P is rounded to fp16 for P*V, which ends at 65504 and is 0 below 2^-24, so M's rounding
+// breaks it sooner: from 2^29 an audit's emulation rounded the max key's P to 0 (O = 0, LSE finite)
+// or inf. Rows from |M| = 2^27 on are NaN. fp16 inputs reach such logits only through large q and
+// k together: key 150 of KV head 0 is 2^12 in every element (in the clean inputs too); q rows of
+// 2^12 against it give |M| ~ 2^28 (NaN), a row of 2^10 ~ 2^26 (computed, against fp64).
+TEST(CudaAttentionRange, Fp16RowsPast2To27AreNaNOnlyInTheirRows) {
+  SKIP_WITHOUT_GPU();
+  const DType dtype = DType::kFloat16;
+  const int d = 128, batch = 2, sq = 130, sk = 300, hq = 8, hkv = 2, big_key = 150;
+  if (!tu::compiled(dtype, d)) GTEST_SKIP() << "fp16 d128 not compiled in this build";
+  const std::vector<BigRow> past = {{0, 5, 0, 12}, {0, 77, 3, 12}, {1, 9, 1, 12}, {1, 129, 2, 12}};
+  const BigRow within{0, 100, 2, 10};  // q heads 0..3 read KV head 0
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    std::mt19937_64 rng(tu::case_seed(std::string("fp16_range_") + (causal ? "causal" : "full")));
+    AttentionParams host_p =
+        make_contiguous_params(dtype, batch, sq, sk, hq, hkv, d, causal, 1.f / std::sqrt(float(d)));
+    tu::HostQkv clean_qkv = tu::random_qkv(&host_p, 1.f, rng);
+    for (int b = 0; b < batch; ++b) fill_k_row(host_p, &clean_qkv, b, big_key, 0, fp16_pow2(12));
+    fill_q_row(host_p, &clean_qkv, within.b, within.row, within.h, fp16_pow2(within.log2_q));
+    tu::HostQkv big_qkv = clean_qkv;
+    for (const BigRow& r : past) {
+      fill_q_row(host_p, &big_qkv, r.b, r.row, r.h, fp16_pow2(r.log2_q));
+      ASSERT_GE(std::abs(row_truth(host_p, big_qkv, r.b, r.row, r.h).max_log2), 268435456.0)
+          << "row " << r.row << ": its logits stay in range, the case tests nothing";
     }
+    const RowTruth truth = row_truth(host_p, clean_qkv, within.b, within.row, within.h);
+    ASSERT_LT(std::abs(truth.max_log2), 100663296.0);  // 0.75 x 2^27
+    expect_range_rows(host_p, clean_qkv, big_qkv, past, within, truth);
   }
 }
 

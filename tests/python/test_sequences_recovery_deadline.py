@@ -10,7 +10,6 @@ test on two real servers (CPU backend) whose DecodeStep fails on one of them.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -25,6 +24,7 @@ from conftest import zip_all  # noqa: E402
 from ring_keys import key_on  # noqa: E402
 from sequences_fake import FakeSequencesServer  # noqa: E402
 from sequences_truth import Truth  # noqa: E402
+from test_sequences_client_faults import _Thread  # noqa: E402
 
 SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
 E2E_SHAPE = dict(num_layers=2, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
@@ -304,28 +304,6 @@ def test_a_look_that_began_before_another_thread_settled_cuts_nothing(fakes, rng
         _rounds(client, [seq], truth, 2)
         assert seq.reprefills == 0 and client.stats["truncated_back"] == 1
         _assert_server_holds_truth(fakes[0], seq, truth)
-
-
-class _Thread(threading.Thread):
-    """Runs fn; join() returns its value or raises its exception."""
-
-    def __init__(self, fn):
-        super().__init__(daemon=True)
-        self.fn, self.value, self.error = fn, None, None
-        self.start()
-
-    def run(self):
-        try:
-            self.value = self.fn()
-        except BaseException as e:  # noqa: BLE001 - handed to join()
-            self.error = e
-
-    def join(self, timeout=20):
-        super().join(timeout)
-        assert not self.is_alive(), "the call hangs"
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 # --- the real server (CPU backend) -----------------------------------------------------------------------------------

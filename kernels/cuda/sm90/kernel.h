@@ -483,7 +483,7 @@ __device__ void consume_tile(const AttentionParams& p, const SmemMap<T>& sm,
   release(sm.v_empty(stage_of(w.n_blocks - 1)));
 
   float lse[2];
-  softmax.finalize(o, p.softmax_scale, lse);
+  softmax.finalize(o, p.softmax_scale, kMaxScaledLogit<Element>, lse);
   store_o<T>(p, sm, tm_o, w, cw, qb, o, lse, pending_release);
 }
 

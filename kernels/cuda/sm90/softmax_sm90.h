@@ -81,7 +81,8 @@ struct Sm90Softmax {
   /// (natural log). A row that saw no key gets o = 0 and LSE = -inf; a row with a NaN score (a
   /// NaN input, or logits past fp32) or out of the exp2 form's range (out_of_range_sum in
   /// ../softmax.h) gets NaN in both, as the CPU does for logits past fp32.
-  __device__ __forceinline__ void finalize(float (&o)[kD / 2], float scale, float (&lse)[2]) {
+  __device__ __forceinline__ void finalize(float (&o)[kD / 2], float scale, float max_scaled,
+                                           float (&lse)[2]) {
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -90,7 +91,7 @@ struct Sm90Softmax {
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       // Every key masked (a NaN score leaves max -inf too, but makes the sum NaN).
       const bool empty = row_max[h] == -INFINITY && sum == 0.f;
-      sum = out_of_range_sum(sum, row_max[h], scale, empty);
+      sum = out_of_range_sum(sum, row_max[h], scale, empty, max_scaled);
       inv[h] = empty ? 0.f : 1.f / sum;
       lse[h] = empty ? -INFINITY : row_max[h] * scale + logf(sum);
     }
