@@ -88,7 +88,7 @@ kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams
   if (!covered || cache_ == nullptr) return fallback;
   const ProblemClass c = ClassOf(params, identity_);
   std::optional<std::string> name;
-  if (tuner_) {
+  if (tuner_ && c.tunable_live(sm_count)) {
     name = tuner_->Lookup(c);
   } else if (std::optional<TuneRecord> record = cache_->Find(c.key())) {
     name = record->config;

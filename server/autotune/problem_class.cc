@@ -57,6 +57,12 @@ std::string ProblemClass::key() const {
                       seqlen_k_bucket);
 }
 
+bool ProblemClass::tunable_live(int sm_count) const {
+  const kernels::AttentionParams p = representative(sm_count);
+  const double flops = 4.0 * p.batch * p.heads_q * double(p.seqlen_q) * p.seqlen_k * p.head_dim;
+  return (causal ? flops / 2 : flops) <= kMaxLiveTuneFlops;
+}
+
 kernels::AttentionParams ProblemClass::representative(int sm_count) const {
   const int heads_kv = std::max(1, 16 / gqa_bucket);
   const int heads_q = heads_kv * gqa_bucket;

@@ -39,6 +39,12 @@ struct ProblemClass {
   /// A problem of this class to time candidates on: the bucket's lengths with enough
   /// batch x heads to fill `sm_count` multiprocessors several times over.
   kernels::AttentionParams representative(int sm_count) const;
+  /// Whether the background tuner may time this class while the server serves: its
+  /// representative's work stays under kMaxLiveTuneFlops. A class past it (a client's 131072 x
+  /// 131072 request made the tuner spend ~85 s of GPU and ~4.5 GiB beside live requests, 256 such
+  /// classes queued) keeps the heuristic choice unless flashserve-tune tuned it offline.
+  bool tunable_live(int sm_count) const;
+  static constexpr double kMaxLiveTuneFlops = 1e13;  // ~25 ms a run at 400 TFLOPS
 
   friend bool operator==(const ProblemClass& a, const ProblemClass& b) {
     return a.key() == b.key();

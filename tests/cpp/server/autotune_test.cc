@@ -110,6 +110,17 @@ TEST(ProblemClass, RepresentativeBelongsToItsClass) {
   }
 }
 
+// Classes too big to time beside live requests are left to the heuristic (or an offline tuning).
+TEST(ProblemClass, OnlyClassesOfBoundedWorkAreTunedLive) {
+  DeviceIdentity device{"H100", 9, 0};
+  kernels::AttentionParams typical = kernels::make_contiguous_params(
+      kernels::DType::kBFloat16, 4, 4096, 4096, 16, 16, 128, true, 0.088f);
+  EXPECT_TRUE(ClassOf(typical, device).tunable_live(132));
+  kernels::AttentionParams huge = kernels::make_contiguous_params(
+      kernels::DType::kBFloat16, 1, 65537, 65537, 1, 1, 128, false, 0.088f);
+  EXPECT_FALSE(ClassOf(huge, device).tunable_live(132));
+}
+
 TEST(TuneCache, RoundTrip) {
   TuneCache cache(Header());
   TuneRecord r{"m128n64w4s2", 351.5, "m128n128w8s2", 340.25, "m128n64w4s1", 300.0, 7};
