@@ -57,14 +57,14 @@ def fakes():
         s.stop()
 
 
-def _truth(rng):
-    return Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+def _truth(rng, shape=SHAPE):
+    return Truth(rng, shape["heads_q"], shape["heads_kv"], shape["head_dim"], shape["dtype"])
 
 
-def _create(client, truth, rows=(4, 3), key=None, **kw):
+def _create(client, truth, rows=(4, 3), key=None, shape=SHAPE, **kw):
     """A sequence with `rows[layer]` prefix rows per layer (kept in truth under its key)."""
     prefix = {layer: truth.rows(n) for layer, n in enumerate(rows) if n}
-    seq = client.create(**SHAPE, prefix=prefix, key=key, **kw)
+    seq = client.create(**shape, prefix=prefix, key=key, **kw)
     for layer, (k, v) in prefix.items():
         truth.add(seq.key, layer, k, v)
     return seq

@@ -22,38 +22,13 @@ pytest.importorskip("flashserve.sequence_client", reason="no sequences.proto in 
 
 from conftest import zip_all  # noqa: E402
 from ring_keys import key_on  # noqa: E402
-from sequences_fake import FakeSequencesServer  # noqa: E402
-from sequences_truth import Truth  # noqa: E402
-from test_sequences_client_faults import _Thread  # noqa: E402
+from test_sequences_client_faults import (  # noqa: E402,F401 - fakes: the fixture, shared
+    SHAPE, _create, _rounds, _server_rows, _Thread, _truth, fakes)
 
-SHAPE = dict(num_layers=2, heads_q=4, heads_kv=2, head_dim=16, dtype="float16")
 E2E_SHAPE = dict(num_layers=2, heads_q=8, heads_kv=2, head_dim=64, dtype="bfloat16")
 INTERNAL, UNAVAILABLE = grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE
 TIMEOUT = 1.0  # the call's timeout in the deadline tests
 SLACK = 0.9  # what a loaded 2-core machine may add to a call that keeps to its deadline (the old client: 2+ s)
-
-
-@pytest.fixture
-def fakes():
-    servers = [FakeSequencesServer() for _ in range(2)]
-    yield servers
-    for s in servers:
-        for hold in list(s.servicer.holds.values()):
-            hold.proceed.set()
-        s.stop()
-
-
-def _truth(rng, shape=SHAPE):
-    return Truth(rng, shape["heads_q"], shape["heads_kv"], shape["head_dim"], shape["dtype"])
-
-
-def _create(client, truth, rows=(4, 3), key=None, shape=SHAPE, **kw):
-    """A sequence with `rows[layer]` fresh prefix rows per layer (kept in truth under its key)."""
-    prefix = {layer: truth.rows(n) for layer, n in enumerate(rows) if n}
-    seq = client.create(**shape, prefix=prefix, key=key, **kw)
-    for layer, (k, v) in prefix.items():
-        truth.add(seq.key, layer, k, v)
-    return seq
 
 
 def _call(seq, truth, call, timeout=None):
@@ -63,21 +38,6 @@ def _call(seq, truth, call, timeout=None):
     if call == "append":
         return seq.append(0, *truth.rows(2), timeout=timeout)
     return seq.attend(0, truth.query(), timeout=timeout)
-
-
-def _rounds(client, seqs, truth, n, layer=0):
-    """n decode steps over seqs, one fresh row each, every answer checked."""
-    for _ in range(n):
-        qs = [truth.query() for _ in seqs]
-        kvs = [truth.rows(1) for _ in seqs]
-        outs = client.decode_step([(s, layer, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)])
-        for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
-            truth.add(s.key, layer, k, v)
-            truth.check(out, q, s.key, layer)
-
-
-def _server_rows(fake, seq):
-    return [len(k) for k in fake.servicer.seqs[seq.id].k]
 
 
 def _assert_server_holds_truth(fake, seq, truth):
