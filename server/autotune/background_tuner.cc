@@ -47,9 +47,27 @@ std::optional<std::string> BackgroundTuner::Lookup(const std::string& key, JobFn
 void BackgroundTuner::Enqueue(const std::string& key, JobFn job) {
   if (cache_->Find(key)) return;
   absl::MutexLock lock(&mu_);
-  if (known_.count(key) || int(queue_.size()) >= options_.max_pending) return;
+  if (!MayQueueLocked(key)) return;
   known_.insert(key);
   queue_.push_back(Job{key, std::move(job)});
+}
+
+bool BackgroundTuner::MayQueueLocked(const std::string& key) {
+  if (known_.count(key) || int(queue_.size()) >= options_.max_pending) return false;
+  auto failed = failed_.find(key);
+  if (failed != failed_.end()) {
+    return failed->second.count < options_.max_failures && absl::Now() >= failed->second.retry_at;
+  }
+  if (cache_->size() + known_.size() + failed_.size() < size_t(options_.max_classes)) return true;
+  Event("skipped");
+  if (!warned_full_) {
+    warned_full_ = true;
+    spdlog::warn(
+        "autotune: {} classes cached, queued or failed reach --tune_max_classes; further "
+        "classes keep the heuristic default",
+        options_.max_classes);
+  }
+  return false;
 }
 
 bool BackgroundTuner::WaitIdle(absl::Duration timeout) {
@@ -70,28 +88,42 @@ void BackgroundTuner::Loop() {
       queue_.pop_front();
       busy_ = true;
     }
-    const absl::Time start = absl::Now();
-    absl::StatusOr<TuneRecord> record = job.run();
-    if (record.ok()) {
-      cache_->Put(job.key, *record);
-      Event("tuned");
-      const double speedup =
-          record->default_tflops > 0 ? record->tflops / record->default_tflops : 0;
-      // Throughput unit: TFLOPS for attention classes, K/V TB/s for decode classes.
-      spdlog::info("autotune {}: {} at {:.2f} ({:.2f}x the default {}) in {:.1f} s", job.key,
-                   record->config, record->tflops, speedup, record->default_config,
-                   absl::ToDoubleSeconds(absl::Now() - start));
-      if (!options_.cache_path.empty()) {
-        if (absl::Status s = cache_->Save(options_.cache_path); !s.ok()) {
-          spdlog::warn("autotune: cannot save the cache: {}", std::string(s.message()));
-        }
-      }
-    } else {
-      Event("failed");
-      spdlog::warn("autotune {} failed: {}", job.key, std::string(record.status().message()));
-    }
+    RunJob(job);
     absl::MutexLock lock(&mu_);
+    known_.erase(job.key);  // tuned: in the cache; failed: in failed_
     busy_ = false;
+  }
+}
+
+void BackgroundTuner::RunJob(Job& job) {
+  if (cache_->Find(job.key)) return;  // queued again between its Put and leaving known_
+  const absl::Time start = absl::Now();
+  absl::StatusOr<TuneRecord> record = job.run();
+  if (!record.ok()) {
+    Event("failed");
+    absl::MutexLock lock(&mu_);
+    Failures& f = failed_[job.key];
+    f.count++;
+    f.retry_at = absl::Now() + options_.retry_failed_after;
+    spdlog::warn("autotune {} failed ({} of {} tries): {}", job.key, f.count, options_.max_failures,
+                 std::string(record.status().message()));
+    return;
+  }
+  cache_->Put(job.key, *record);
+  {
+    absl::MutexLock lock(&mu_);
+    failed_.erase(job.key);
+  }
+  Event("tuned");
+  const double speedup = record->default_tflops > 0 ? record->tflops / record->default_tflops : 0;
+  // Throughput unit: TFLOPS for attention classes, K/V TB/s for decode classes.
+  spdlog::info("autotune {}: {} at {:.2f} ({:.2f}x the default {}) in {:.1f} s", job.key,
+               record->config, record->tflops, speedup, record->default_config,
+               absl::ToDoubleSeconds(absl::Now() - start));
+  if (!options_.cache_path.empty()) {
+    if (absl::Status s = cache_->Save(options_.cache_path); !s.ok()) {
+      spdlog::warn("autotune: cannot save the cache: {}", std::string(s.message()));
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <deque>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -25,12 +26,21 @@ class BackgroundTuner {
   using TuneFn = std::function<absl::StatusOr<TuneRecord>(const ProblemClass&)>;
   /// Tunes one class of another kind (e.g. a DecodeClass); runs on the tuner's thread.
   using JobFn = std::function<absl::StatusOr<TuneRecord>()>;
-  /// Called with "hit", "miss", "tuned" or "failed" (for metrics); may be empty.
+  /// Called with "hit", "miss", "tuned", "failed" or "skipped" (a miss not queued: the tuner
+  /// holds max_classes) for metrics; may be empty.
   using EventFn = std::function<void(const char* event)>;
 
   struct Options {
     std::string cache_path;  // "" keeps results in memory only
     int max_pending = 256;   // classes waiting; further misses are not queued (served by default)
+    // Classes cached, queued or failed: past it misses are not queued. Decode classes are keyed
+    // by a client's head counts and shapes, so without a bound clients grow the cache (and its
+    // file, unreadable past TuneCache::kMaxFileBytes) and keep the GPU tuning.
+    int max_classes = 4096;
+    // A failed class (e.g. no device memory for its timing while requests held it) is queued
+    // again by a miss this long after, at most max_failures times in all.
+    absl::Duration retry_failed_after = absl::Minutes(10);
+    int max_failures = 3;
   };
 
   BackgroundTuner(TuneCache* cache, TuneFn tune, Options options, EventFn on_event = {});
@@ -53,6 +63,9 @@ class BackgroundTuner {
     JobFn run;
   };
   void Loop();
+  void RunJob(Job& job);
+  /// Whether `key` may be queued now (not queued, running, given up on or past the bounds).
+  bool MayQueueLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Event(const char* event) {
     if (on_event_) on_event_(event);
   }
@@ -63,7 +76,13 @@ class BackgroundTuner {
   const EventFn on_event_;
   absl::Mutex mu_;
   std::deque<Job> queue_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> known_ ABSL_GUARDED_BY(mu_);  // queued, running or finished (incl. failed)
+  struct Failures {
+    int count = 0;
+    absl::Time retry_at;
+  };
+  std::set<std::string> known_ ABSL_GUARDED_BY(mu_);  // queued or running
+  std::map<std::string, Failures> failed_ ABSL_GUARDED_BY(mu_);
+  bool warned_full_ ABSL_GUARDED_BY(mu_) = false;
   bool busy_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

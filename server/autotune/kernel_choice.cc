@@ -24,9 +24,11 @@ absl::StatusOr<std::unique_ptr<KernelChooser>> KernelChooser::Create(
   chooser->identity_ = facts->identity;
   chooser->cache_ = std::make_unique<TuneCache>(CacheHeaderFor(chooser->identity_));
   if (!options.tune_cache_path.empty()) {
-    if (absl::Status s = chooser->cache_->Load(options.tune_cache_path); !s.ok()) {
+    TuneCache::LoadReport report;
+    if (absl::Status s = chooser->cache_->Load(options.tune_cache_path, &report); !s.ok()) {
       spdlog::warn("autotune: ignoring the tuning cache: {}", std::string(s.message()));
     } else {
+      if (report.skipped > 0) spdlog::warn("autotune: {}", report.Warning(options.tune_cache_path));
       spdlog::info("autotune: {} tuned classes loaded from {}", chooser->cache_->size(),
                    options.tune_cache_path);
     }
@@ -50,6 +52,7 @@ absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int d
   device_index_ = device_index;
   BackgroundTuner::Options tuner_options;
   tuner_options.cache_path = options.tune_cache_path;
+  tuner_options.max_classes = options.max_classes;
   tuner_ = std::make_unique<BackgroundTuner>(
       cache_.get(),
       [device_index, sm_count, stream](const ProblemClass& c) {

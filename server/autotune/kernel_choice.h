@@ -25,6 +25,7 @@ struct KernelChoiceOptions {
   std::string autotune = "off";
   std::string tune_cache_path;  // "": tuning results stay in memory
   TuneGrid startup_grid;
+  int max_classes = BackgroundTuner::Options{}.max_classes;  // BackgroundTuner::Options
   BackgroundTuner::EventFn on_event;  // "hit", "miss", "tuned", "failed"; may be empty
   // Polled during startup tuning: true ends Create with CANCELLED (a signal must not wait for the
   // whole grid: minutes). May be empty.

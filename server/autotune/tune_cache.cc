@@ -36,6 +36,19 @@ int IntField(const nlohmann::json& object, const char* key) {
   return int(v);
 }
 
+// One entry; throws nlohmann's exceptions naming the field that is wrong.
+TuneRecord RecordFromJson(const nlohmann::json& e) {
+  TuneRecord r;
+  r.config = e.at("config").get<std::string>();
+  r.tflops = e.at("tflops").get<double>();
+  r.runner_up = e.value("runner_up", "");
+  r.runner_up_tflops = e.value("runner_up_tflops", 0.0);
+  r.default_config = e.value("default", "");
+  r.default_tflops = e.value("default_tflops", 0.0);
+  r.candidates_timed = e.contains("candidates_timed") ? IntField(e, "candidates_timed") : 0;
+  return r;
+}
+
 }  // namespace
 
 std::string TuneCacheHeader::Mismatch(const TuneCacheHeader& other) const {
@@ -54,6 +67,12 @@ std::string TuneCacheHeader::Mismatch(const TuneCacheHeader& other) const {
                         " != ", driver_version, "/", runtime_version);
   }
   return "";
+}
+
+std::string TuneCache::LoadReport::Warning(const std::string& path) const {
+  if (skipped == 0) return "";
+  return absl::StrCat(path, ": ", skipped, " malformed entries skipped (the first: ", first_skipped,
+                      "); the next save drops them");
 }
 
 std::optional<TuneRecord> TuneCache::Find(const std::string& key) const {
@@ -115,7 +134,7 @@ bool LockWithin(int fd, absl::Duration wait) {
 
 }  // namespace
 
-absl::Status TuneCache::FromJson(const std::string& text) {
+absl::Status TuneCache::FromJson(const std::string& text, LoadReport* report) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::DataLossError("not valid JSON (corrupt or truncated)");
@@ -135,18 +154,21 @@ absl::Status TuneCache::FromJson(const std::string& text) {
     if (std::string why = header_.Mismatch(file); !why.empty()) {
       return absl::FailedPreconditionError(absl::StrCat("cache is for another setup: ", why));
     }
-    std::map<std::string, TuneRecord> loaded;
-    for (const auto& [key, e] : j.at("entries").items()) {
-      TuneRecord r;
-      r.config = e.at("config").get<std::string>();
-      r.tflops = e.at("tflops").get<double>();
-      r.runner_up = e.value("runner_up", "");
-      r.runner_up_tflops = e.value("runner_up_tflops", 0.0);
-      r.default_config = e.value("default", "");
-      r.default_tflops = e.value("default_tflops", 0.0);
-      r.candidates_timed = e.contains("candidates_timed") ? IntField(e, "candidates_timed") : 0;
-      loaded[key] = std::move(r);
+    const nlohmann::json& entries = j.at("entries");
+    if (!entries.is_object()) {
+      throw nlohmann::json::type_error::create(302, "entries is not an object", &entries);
     }
+    std::map<std::string, TuneRecord> loaded;
+    LoadReport skipped;
+    for (const auto& [key, e] : entries.items()) {
+      try {
+        loaded[key] = RecordFromJson(e);
+      } catch (const nlohmann::json::exception& why) {
+        if (skipped.skipped++ == 0)
+          skipped.first_skipped = absl::StrCat("\"", key, "\": ", why.what());
+      }
+    }
+    if (report != nullptr) *report = skipped;
     absl::MutexLock lock(&mu_);
     entries_ = std::move(loaded);
   } catch (const nlohmann::json::exception& e) {
@@ -155,7 +177,7 @@ absl::Status TuneCache::FromJson(const std::string& text) {
   return absl::OkStatus();
 }
 
-absl::Status TuneCache::Load(const std::string& path) {
+absl::Status TuneCache::Load(const std::string& path, LoadReport* report) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return absl::OkStatus();
@@ -171,7 +193,7 @@ absl::Status TuneCache::Load(const std::string& path) {
   if (!in) return absl::UnavailableError(absl::StrCat(path, ": cannot open for reading"));
   std::stringstream text;
   text << in.rdbuf();
-  absl::Status s = FromJson(text.str());
+  absl::Status s = FromJson(text.str(), report);
   if (!s.ok()) return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
   return absl::OkStatus();
 }

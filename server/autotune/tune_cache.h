@@ -47,10 +47,19 @@ class TuneCache {
   void Put(const std::string& key, const TuneRecord& record);
   size_t size() const;
 
+  /// What a load dropped: entries that are not well-formed (a hand edit, another version's field
+  /// types) are skipped one by one, so one bad entry does not cost the file's other classes.
+  struct LoadReport {
+    int skipped = 0;
+    std::string first_skipped;  // its key and why
+    /// "" when nothing was skipped, else a warning for the log naming `path`.
+    std::string Warning(const std::string& path) const;
+  };
   /// Loads entries from `path` if its header matches. A missing file is OK (nothing loaded).
-  /// A foreign (other device/build) or corrupt file loads nothing and returns a status that
-  /// says why (callers log it as a warning and carry on with an empty cache).
-  absl::Status Load(const std::string& path);
+  /// A foreign (other device/build) or corrupt file (not JSON, a bad header) loads nothing and
+  /// returns a status that says why (callers log it as a warning and carry on with an empty
+  /// cache); malformed entries of a good file are skipped and counted in `report` if given.
+  absl::Status Load(const std::string& path, LoadReport* report = nullptr);
   /// Writes the cache atomically (a temp file in the same directory, fsync, rename), merged with
   /// the entries the file holds (another writer's; this cache's win), under `path`.lock.
   /// UNAVAILABLE, nothing written, when another writer holds the lock longer than `lock_wait`
@@ -63,8 +72,9 @@ class TuneCache {
   static constexpr int64_t kMaxFileBytes = int64_t{8} << 20;
 
   std::string ToJson() const;
-  /// Parses `text`; on success replaces the entries. Errors name what is wrong.
-  absl::Status FromJson(const std::string& text);
+  /// Parses `text`; on success replaces the entries with its well-formed ones. Errors name what
+  /// is wrong.
+  absl::Status FromJson(const std::string& text, LoadReport* report = nullptr);
 
  private:
   absl::Status SaveMergedLocked(const std::string& path) const;

@@ -125,6 +125,11 @@ ABSL_FLAG(std::string, autotune, flashserve::CudaBackendOptions{}.autotune,
 ABSL_FLAG(std::string, tune_cache, "",
           "Autotuning cache file (JSON; written by the server and flashserve-tune); a cache from "
           "another GPU model or kernel build is ignored with a warning");
+ABSL_FLAG(int, tune_max_classes, flashserve::CudaBackendOptions{}.tune_max_classes,
+          "Autotuning: problem classes the server holds (cached, queued or failed); a miss past "
+          "it keeps the heuristic default and counts autotune_total{result=\"skipped\"}. Decode "
+          "classes follow the clients' head counts and shapes, so this bounds what they can make "
+          "the server tune and store");
 ABSL_FLAG(std::string, tune_dtypes, "bf16,fp16", "--autotune=startup grid: dtypes");
 ABSL_FLAG(std::string, tune_head_dims, "64,128", "--autotune=startup grid: head dims");
 ABSL_FLAG(std::string, tune_causal, "both", "--autotune=startup grid: yes, no or both");
@@ -374,6 +379,7 @@ absl::StatusOr<BackendOptions> BackendFromFlags() {
   cuda.max_device_bytes_per_request = absl::GetFlag(FLAGS_max_device_bytes_per_request);
   cuda.autotune = absl::GetFlag(FLAGS_autotune);
   cuda.tune_cache_path = absl::GetFlag(FLAGS_tune_cache);
+  cuda.tune_max_classes = absl::GetFlag(FLAGS_tune_max_classes);
   if (cuda.autotune == "startup") {
     absl::StatusOr<TuneGrid> grid =
         ParseTuneGrid(absl::GetFlag(FLAGS_tune_dtypes), absl::GetFlag(FLAGS_tune_head_dims),

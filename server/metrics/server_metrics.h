@@ -24,7 +24,8 @@ std::string_view PhaseName(Phase phase);
 
 /// The `result` label values of autotune_total, as the background tuner reports them: exported at 0
 /// from startup so a dashboard shows 0, not "No data", before the first event.
-inline constexpr std::string_view kAutotuneResults[] = {"hit", "miss", "tuned", "failed"};
+inline constexpr std::string_view kAutotuneResults[] = {"hit", "miss", "tuned", "failed",
+                                                        "skipped"};
 
 /// The gRPC status code name for a code number ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for
 /// numbers outside 0..16). absl::StatusCode uses the same numbers: GrpcCodeName(int(s.code())).

@@ -35,6 +35,9 @@ absl::Status CudaBackendOptions::Check() const {
   if (max_device_bytes_per_request < 0) {
     return absl::InvalidArgumentError("--max_device_bytes_per_request must be >= 0");
   }
+  if (tune_max_classes < 0 || tune_max_classes > 1000000) {
+    return OutOfRange("tune_max_classes", tune_max_classes, 0, 1000000);
+  }
   if (autotune != "off" && autotune != "background" && autotune != "startup") {
     return absl::InvalidArgumentError(
         absl::StrCat("--autotune must be off, background or startup, got \"", autotune, "\""));

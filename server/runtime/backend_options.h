@@ -44,6 +44,8 @@ struct CudaBackendOptions {
   std::string autotune = "off";
   std::string tune_cache_path;  // "" keeps tuning results in memory only
   TuneGrid startup_grid;
+  // Classes the background tuner holds (cached, queued or failed); misses past it keep the default.
+  int tune_max_classes = BackgroundTuner::Options{}.max_classes;
   BackgroundTuner::EventFn on_autotune_event;  // "hit", "miss", "tuned", "failed"; may be empty
   // Polled while "startup" tunes: true (a shutdown signal came) ends Create with CANCELLED. May be
   // empty (the tuning then runs to its end).

@@ -185,6 +185,7 @@ absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {
   choice.autotune = options.autotune;
   choice.tune_cache_path = options.tune_cache_path;
   choice.startup_grid = options.startup_grid;
+  choice.max_classes = options.tune_max_classes;
   choice.on_event = options.on_autotune_event;
   choice.stop_requested = options.stop_requested;
   const Device& first = *devices_.front();

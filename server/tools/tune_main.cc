@@ -61,9 +61,12 @@ int Main() {
   }
   const std::string path = absl::GetFlag(FLAGS_tune_cache);
   TuneCache cache(CacheHeaderFor(facts->identity));
-  if (absl::Status s = cache.Load(path); !s.ok()) {
+  TuneCache::LoadReport report;
+  if (absl::Status s = cache.Load(path, &report); !s.ok()) {
     std::fprintf(stderr, "flashserve-tune: warning: ignoring %s\n",
                  std::string(s.message()).c_str());
+  } else if (report.skipped > 0) {
+    std::fprintf(stderr, "flashserve-tune: warning: %s\n", report.Warning(path).c_str());
   }
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);

@@ -185,9 +185,9 @@ TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
   bad.push_back("\x00\xff garbage");
   bad.push_back("[]");
   bad.push_back(R"({"format":"flashserve-tune-cache/1","device":{"name":5}})");
-  std::string wrong_type = full;
-  wrong_type.replace(wrong_type.find("\"tflops\": 1"), 11, "\"tflops\": \"x\"");
-  bad.push_back(wrong_type);
+  bad.push_back(R"({"format":"flashserve-tune-cache/1","device":{"name":"NVIDIA H100 80GB HBM3",)"
+                R"("cc_major":9,"cc_minor":0,"driver_version":13000,"runtime_version":13000},)"
+                R"("build_id":"abc123","entries":[]})");
   std::string huge_int = full;  // a float where an int belongs (was undefined behaviour; found by fuzzing)
   huge_int.replace(huge_int.find("\"cc_major\": 9"), 13, "\"cc_major\": 1e20");
   bad.push_back(huge_int);
@@ -198,6 +198,44 @@ TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
     EXPECT_FALSE(s.ok()) << "accepted: " << text.substr(0, 60);
     EXPECT_EQ(loaded.size(), 0u);
   }
+  std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
+}
+
+// One malformed entry (a hand edit, a field of another type) made the whole file unreadable, and
+// the next save replaced it with this process's entries alone: every other class was lost.
+TEST(TuneCache, AMalformedEntryIsSkippedAndTheOthersKept) {
+  TuneCache cache(Header());
+  for (int i = 0; i < 5; ++i)
+    cache.Put(absl::StrCat("k", i), {"m128n64w4s2", 1.0 + i, "", 0, "", 0, 1});
+  std::string text = cache.ToJson();
+  const size_t k1 = text.find("\"k1\"");
+  text.replace(text.find("\"tflops\": 2.0", k1), 13, "\"tflops\": \"x\"");  // k1: wrong type
+  const size_t k3 = text.find("\"k3\"");
+  text.replace(text.find("\"candidates_timed\": 1", k3), 21, "\"candidates_timed\": 1e20");
+  const std::string path = TempPath("one_bad_entry");
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+
+  TuneCache loaded(Header());
+  TuneCache::LoadReport report;
+  ASSERT_TRUE(loaded.Load(path, &report).ok()) << loaded.Load(path);
+  EXPECT_EQ(loaded.size(), 3u);
+  EXPECT_FALSE(loaded.Find("k1").has_value());
+  EXPECT_FALSE(loaded.Find("k3").has_value());
+  EXPECT_EQ(loaded.Find("k4")->tflops, 5.0);
+  EXPECT_EQ(report.skipped, 2);
+  EXPECT_NE(report.Warning(path).find("\"k1\""), std::string::npos) << report.Warning(path);
+  EXPECT_EQ(TuneCache::LoadReport{}.Warning(path), "");
+
+  // Another writer's save keeps the good entries and drops the bad ones.
+  TuneCache writer(Header());
+  writer.Put("mine", {"m64n64w4s2", 9, "", 0, "", 0, 1});
+  ASSERT_TRUE(writer.Save(path).ok());
+  TuneCache reread(Header());
+  ASSERT_TRUE(reread.Load(path, &report).ok());
+  EXPECT_EQ(reread.size(), 4u);
+  EXPECT_EQ(report.skipped, 0);
+  EXPECT_TRUE(reread.Find("k0").has_value());
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
 }
@@ -387,6 +425,73 @@ TEST(BackgroundTuner, TunesOneClassAtATimeAndSaves) {
   EXPECT_EQ(reloaded.Find(ClassWithSeqlen(300).key())->config, "cfg512");
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
+}
+
+// A tuner that fails `failures` times per key, then returns a record.
+BackgroundTuner::JobFn FlakyJob(std::atomic<int>* runs, int failures) {
+  return [runs, failures]() -> absl::StatusOr<TuneRecord> {
+    if (++*runs <= failures) return absl::ResourceExhaustedError("no device memory for timing");
+    return TuneRecord{"splits=4", 1, "", 0, "", 0, 1};
+  };
+}
+
+// Decode classes are keyed by client-chosen heads and shapes: every new one was queued, tuned on
+// the GPU and stored, without bound (and a cache file past 8 MiB is not read at the next start).
+TEST(BackgroundTuner, HoldsAtMostMaxClasses) {
+  TuneCache cache(Header());
+  cache.Put("loaded", {"splits=2", 1, "", 0, "", 0, 1});
+  std::vector<std::string> events;
+  absl::Mutex events_mu;
+  BackgroundTuner::Options options;
+  options.max_classes = 4;  // one loaded + 3 new
+  std::atomic<int> runs{0};
+  BackgroundTuner tuner(
+      &cache, [](const ProblemClass&) -> absl::StatusOr<TuneRecord> { return TuneRecord{}; },
+      options,
+      [&](const char* e) {
+        absl::MutexLock lock(&events_mu);
+        events.push_back(e);
+      });
+  for (int i = 0; i < 10; ++i) {
+    EXPECT_FALSE(tuner.Lookup(absl::StrCat("decode|", i), FlakyJob(&runs, 0)).has_value());
+    ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  }
+  EXPECT_EQ(runs.load(), 3);
+  EXPECT_EQ(cache.size(), 4u);
+  EXPECT_EQ(tuner.Lookup("decode|2", FlakyJob(&runs, 0)).value_or(""), "splits=4");
+  absl::MutexLock lock(&events_mu);
+  EXPECT_EQ(std::count(events.begin(), events.end(), std::string("skipped")), 7);
+}
+
+// A class whose timing failed once (no device memory while requests held it) was never tuned
+// again in the process; now a miss queues it again after retry_failed_after, at most
+// max_failures times, and the failed classes count against max_classes.
+TEST(BackgroundTuner, RetriesAFailedClassAfterAWhileAndGivesUp) {
+  TuneCache cache(Header());
+  BackgroundTuner::Options options;
+  options.retry_failed_after = absl::Milliseconds(200);
+  options.max_failures = 3;
+  BackgroundTuner tuner(
+      &cache, [](const ProblemClass&) -> absl::StatusOr<TuneRecord> { return TuneRecord{}; },
+      options);
+  std::atomic<int> flaky{0}, broken{0};
+  auto miss_and_wait = [&](const std::string& key, std::atomic<int>* runs, int failures) {
+    tuner.Lookup(key, FlakyJob(runs, failures));
+    EXPECT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  };
+  miss_and_wait("flaky", &flaky, 1);
+  miss_and_wait("flaky", &flaky, 1);  // within retry_failed_after: not queued
+  EXPECT_EQ(flaky.load(), 1);
+  absl::SleepFor(absl::Milliseconds(250));
+  miss_and_wait("flaky", &flaky, 1);
+  EXPECT_EQ(flaky.load(), 2);
+  EXPECT_EQ(tuner.Lookup("flaky", FlakyJob(&flaky, 1)).value_or(""), "splits=4");
+
+  for (int i = 0; i < 6; ++i) {
+    miss_and_wait("broken", &broken, 100);
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+  EXPECT_EQ(broken.load(), 3);  // given up after max_failures
 }
 
 }  // namespace
