@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/client_log.h"
 #include "common/http_listener_internal.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
@@ -231,11 +232,15 @@ void HttpListener::Impl::Report(const RequestState& st, absl::string_view metric
   }
   if (!status.ok() && http_status != 404) {
     const std::string context = st.upload ? st.upload->LogContext() : std::string();
-    const auto level = metric.empty() || http_status == 401 ? spdlog::level::debug
-                                                            : spdlog::level::warn;
-    spdlog::log(level, "{} {} failed: {}http={} code={} message=\"{}\"", options.name,
-                metric.empty() ? "request" : std::string(metric), context, http_status,
-                absl::StatusCodeToString(status.code()), LogSafe(status.message()));
+    if (metric.empty() || http_status == 401) {
+      spdlog::debug("{} {} failed: {}http={} code={} message=\"{}\"", options.name,
+                    metric.empty() ? "request" : std::string(metric), context, http_status,
+                    absl::StatusCodeToString(status.code()), LogSafe(status.message()));
+    } else {
+      WarnClientCaused("{} {} failed: {}http={} code={} message=\"{}\"", options.name,
+                       std::string(metric), context, http_status,
+                       absl::StatusCodeToString(status.code()), LogSafe(status.message()));
+    }
   }
 }
 
@@ -309,6 +314,7 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
 MHD_Result HttpListener::Impl::Body(MHD_Connection* connection, RequestState* st,
                                     absl::string_view piece) {
   st->bytes_in += int64_t(piece.size());
+  AddBodyBytes(connection, int64_t(piece.size()));
   if (st->upload == nullptr) return MHD_YES;
   const HttpRoute& route = st->route->route;
   const absl::Duration elapsed = absl::Now() - st->started;

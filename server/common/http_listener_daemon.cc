@@ -73,6 +73,21 @@ void HttpListener::Impl::SetPhase(MHD_Connection* connection, Phase phase) {
   std::lock_guard<std::mutex> lock(mu);
   state->phase = phase;
   state->since = absl::Now();
+  state->body_bytes = 0;
+}
+
+void HttpListener::Impl::AddBodyBytes(MHD_Connection* connection, int64_t bytes) {
+  const MHD_ConnectionInfo* info =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  if (info == nullptr || info->socket_context == nullptr) return;
+  std::lock_guard<std::mutex> lock(mu);
+  static_cast<ConnectionState*>(info->socket_context)->body_bytes += bytes;
+}
+
+bool HttpListener::Impl::BodyStalled(absl::Duration elapsed, int64_t bytes, bool at_the_cap) const {
+  if (options.min_body_bytes_per_s <= 0) return at_the_cap && bytes == 0;
+  if (!at_the_cap && elapsed <= kMinBodyRateGrace) return false;
+  return double(bytes) < absl::ToDoubleSeconds(elapsed) * double(options.min_body_bytes_per_s);
 }
 
 // Closes connections stuck in the request line or headers (a slowloris trickles them). The
@@ -95,34 +110,48 @@ void HttpListener::Impl::Sweep() {
       if (c->phase == Phase::kHeaders) limit = header;
       if (c->phase == Phase::kBody) limit = body + idle;  // trickles are cut off in Body()
       if (c->phase == Phase::kSending) limit = answer;
-      if (now - c->since > limit && c->fd >= 0) {
+      // Body() cuts a trickle off when a piece arrives; a body that sends none is cut off here
+      // (complete headers, then silence, held connection slots for the whole idle timeout).
+      const bool stalled = c->phase == Phase::kBody &&
+                           BodyStalled(now - c->since, c->body_bytes, /*at_the_cap=*/false);
+      if ((stalled || now - c->since > limit) && c->fd >= 0) {
         shutdown(c->fd, SHUT_RDWR);
         c->fd = -1;
       }
     }
-    EvictIdleAtTheCap(now);
+    EvictAtTheCap(now);
   }
 }
 
-void HttpListener::Impl::EvictIdleAtTheCap(absl::Time now) {
+void HttpListener::Impl::EvictAtTheCap(absl::Time now) {
   // At --http_max_connections new connections wait in the listen backlog, health probes too: a
   // client holding thousands of idle connections kept /v2/health/ready unanswered. As nginx does
   // with keep-alive connections, the ones idle longest (between requests, for at least
-  // kMinIdleToEvict) are closed to keep a few slots free; a client reconnects when it next sends.
-  constexpr absl::Duration kMinIdleToEvict = absl::Milliseconds(500);
+  // kMinProgressWindow) are closed to keep a few slots free; a client reconnects when it next
+  // sends. Then connections that make no progress: in their headers that long (a slowloris), or
+  // in a body arriving under --http_min_body_bytes_per_s (none at all when it is 0) -- complete
+  // headers and then silence held the slots as well as idle ones did.
+  constexpr absl::Duration kMinProgressWindow = absl::Milliseconds(500);
   const size_t cap = size_t(std::max(options.max_connections, 1));
   const size_t spare = std::max<size_t>(1, cap / 16);
-  std::vector<ConnectionState*> idle;
+  std::vector<std::pair<int, ConnectionState*>> evictable;  // (0: idle, 1: stalled, connection)
   size_t open = 0;
   for (ConnectionState* c : connections) {
     if (c->fd < 0) continue;
     ++open;
-    if (c->phase == Phase::kAwaiting && now - c->since >= kMinIdleToEvict) idle.push_back(c);
+    const absl::Duration in_phase = now - c->since;
+    if (in_phase < kMinProgressWindow) continue;
+    if (c->phase == Phase::kAwaiting) evictable.emplace_back(0, c);
+    if (c->phase == Phase::kHeaders ||
+        (c->phase == Phase::kBody && BodyStalled(in_phase, c->body_bytes, /*at_the_cap=*/true))) {
+      evictable.emplace_back(1, c);
+    }
   }
   if (open + spare <= cap) return;
-  std::sort(idle.begin(), idle.end(),
-            [](const ConnectionState* a, const ConnectionState* b) { return a->since < b->since; });
-  for (ConnectionState* c : idle) {
+  std::sort(evictable.begin(), evictable.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second->since < b.second->since;
+  });
+  for (const auto& [kind, c] : evictable) {
     if (open + spare <= cap) break;
     shutdown(c->fd, SHUT_RDWR);
     c->fd = -1;

@@ -33,6 +33,7 @@ struct ConnectionState {
   int fd = -1;
   Phase phase = Phase::kAwaiting;
   absl::Time since = absl::Now();
+  int64_t body_bytes = 0;  // received in this kBody phase
 };
 
 // A suspended request's answer, handed over from whichever thread computes it.
@@ -93,8 +94,12 @@ struct HttpListener::Impl {
 
   // The timeouts (http_listener_daemon.cc).
   void SetPhase(MHD_Connection* connection, Phase phase);
+  void AddBodyBytes(MHD_Connection* connection, int64_t bytes);
+  // Whether a connection in kBody for `elapsed` with `bytes` received falls under
+  // --http_min_body_bytes_per_s (after kMinBodyRateGrace unless `at_the_cap`).
+  bool BodyStalled(absl::Duration elapsed, int64_t bytes, bool at_the_cap) const;
   void Sweep();
-  void EvictIdleAtTheCap(absl::Time now);  // under mu
+  void EvictAtTheCap(absl::Time now);  // under mu
   // Answers every request still suspended with `answer` and waits (up to `wait`) until each is
   // resumed and answered or its connection closed (http_listener_daemon.cc).
   void AnswerSuspended(const HttpAnswer& answer, absl::Duration wait);

@@ -463,13 +463,13 @@ def test_token_is_checked_before_the_body_is_read(start_server, tmp_path):
 
 def test_connection_cap(start_server):
     """At --http_max_connections the server stops accepting: a further connection waits in the listen backlog,
-    unanswered, while the held ones are busy (here: mid-request, their headers incomplete); once one closes it is
-    served."""
-    server = start_server("--http_max_connections=20", "--http_header_timeout_s=30")
+    unanswered, while the held ones are busy (here: mid-body, their bodies arriving over the rate floor); once one
+    closes it is served."""
+    server = start_server("--http_max_connections=20", "--http_min_body_bytes_per_s=1")
     held = [connect(server.http_port) for _ in range(20)]
     for s in held:
-        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # not idle: a request under way
-    time.sleep(1.5)  # past the idle eviction's 0.5 s: busy connections are never evicted
+        s.sendall(post_head(INFER, {}, content_length=4096) + b"x" * 512)  # not idle: a body under way
+    time.sleep(1.5)  # past the eviction's 0.5 s: connections making progress are never evicted
     extra = connect(server.http_port)
     extra.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
     extra.settimeout(1.0)
@@ -480,6 +480,56 @@ def test_connection_cap(start_server):
     extra.close()
     for s in held:
         s.close()
+
+
+def _closed_by_server(sockets) -> int:
+    closed = 0
+    for s in sockets:
+        s.settimeout(0.01)
+        try:
+            closed += s.recv(1) == b""
+        except (socket.timeout, BlockingIOError):
+            pass
+        except ConnectionResetError:
+            closed += 1
+        s.close()
+    return closed
+
+
+@pytest.mark.parametrize("stall", ["headers", "body"])
+def test_stalled_requests_at_the_cap_make_room_for_health(start_server, stall):
+    """One client holding the connection cap with requests that make no progress -- complete POST headers and then
+    no body byte (evicted nowhere: liveness probes failed for the 30 s idle timeout, audit), or headers never
+    finished (a slowloris) -- kept /v2/health/live unanswered. At the cap, after half a second without progress,
+    they are closed like idle ones: a probe over a new connection is answered."""
+    server = start_server("--http_max_connections=32", "--http_header_timeout_s=30")
+    head = post_head(INFER, {}, content_length=MiB) if stall == "body" else b"POST /v2/models/attention/infer HTTP/1.1\r\n"
+    held = [connect(server.http_port) for _ in range(32)]
+    for s in held:
+        s.sendall(head)
+    time.sleep(0.7)
+    start = time.monotonic()
+    probe = connect(server.http_port)
+    probe.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status_of(probe, timeout=10) == 200
+    waited = time.monotonic() - start
+    probe.close()
+    assert waited < 3, f"probe answered after {waited:.2f} s at the cap"
+    assert 1 <= _closed_by_server(held) < 32  # room made; not every connection dropped
+
+
+def test_a_body_that_never_starts_is_cut_off_at_the_rate_floor(start_server):
+    """--http_min_body_bytes_per_s cut a slow body off only when a piece of it arrived: complete headers and then
+    silence held the connection (and its slot) until the idle timeout. Now the floor holds from 5 s after the
+    headers whether or not a byte came."""
+    server = start_server("--http_idle_timeout_s=60")
+    s = connect(server.http_port)
+    start = time.monotonic()
+    s.sendall(post_head(INFER, {}, content_length=MiB))
+    assert status_of(s, timeout=20) == 0  # closed, no answer
+    held = time.monotonic() - start
+    s.close()
+    assert 4.5 < held < 8, f"a body that never started held its connection {held:.1f} s (floor from 5 s)"
 
 
 def test_idle_connections_at_the_cap_make_room_for_health(start_server):
@@ -498,17 +548,7 @@ def test_idle_connections_at_the_cap_make_room_for_health(start_server):
     print(f"probe answered after {waited:.2f} s at the cap")
     assert waited < 3, waited
     probe.close()
-    closed = 0
-    for s in held:
-        s.settimeout(0.01)
-        try:
-            closed += s.recv(1) == b""
-        except (socket.timeout, BlockingIOError):
-            pass
-        except ConnectionResetError:
-            closed += 1
-        s.close()
-    assert 1 <= closed < 32, closed  # the longest idle made room; not every connection was dropped
+    assert 1 <= _closed_by_server(held) < 32  # the longest idle made room; not every connection was dropped
 
 
 def test_health_answers_while_every_inference_computes(start_server, rng):

@@ -1,22 +1,32 @@
 #include "edge/call/edge_call.h"
 
 #include "absl/time/clock.h"
+#include "common/client_log.h"
 #include "common/logging.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
 
 namespace {
-// Status messages may quote client data (names, ids); 4 KiB covers the longest the server writes.
-constexpr size_t kLoggedMessageBytes = 4096;
+// Status messages may quote client data (names, ids), escaped at up to 4 characters a byte: 1 KiB
+// of a message keeps what the server writes and bounds a line (4 KiB of control bytes made 16 KiB).
+constexpr size_t kLoggedMessageBytes = 1024;
 }  // namespace
 
 void RecordRefusedCall(ServerMetrics* metrics, std::string_view label, const absl::Status& status) {
   if (metrics != nullptr) {
     metrics->RecordRequest(label, static_cast<int>(status.code()), 0.0, 0, 0);
   }
-  spdlog::warn("{} refused: code={} message=\"{}\"", label, absl::StatusCodeToString(status.code()),
-               LogSafe(status.message(), kLoggedMessageBytes));
+  // A client without the token is counted, not logged at warn (as HTTP's 401s): one line per call
+  // was a log flood anyone reaching the port could cause.
+  if (status.code() == absl::StatusCode::kUnauthenticated) {
+    spdlog::debug("{} refused: code={} message=\"{}\"", label,
+                  absl::StatusCodeToString(status.code()), LogSafe(status.message()));
+    return;
+  }
+  WarnClientCaused("{} refused: code={} message=\"{}\"", label,
+                   absl::StatusCodeToString(status.code()),
+                   LogSafe(status.message(), kLoggedMessageBytes));
 }
 
 EdgeCall::EdgeCall(ServerMetrics* metrics, CallMethod method)
@@ -51,10 +61,10 @@ void EdgeCall::Finish(const absl::Status& status) {
                             bytes_out_);
   }
   if (!status.ok()) {
-    spdlog::warn("{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,
-                 LogSafe(request_id_), session_id_.empty() ? "" : " session=", LogSafe(session_id_),
-                 absl::StatusCodeToString(status.code()),
-                 LogSafe(status.message(), kLoggedMessageBytes));
+    WarnClientCaused(
+        "{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,
+        LogSafe(request_id_), session_id_.empty() ? "" : " session=", LogSafe(session_id_),
+        absl::StatusCodeToString(status.code()), LogSafe(status.message(), kLoggedMessageBytes));
   }
 }
 
