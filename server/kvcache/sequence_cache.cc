@@ -63,7 +63,7 @@ absl::Status SequenceCache::ValidateCreate(const CreateRequest& request) const {
     return absl::InvalidArgumentError("dtype must be FLOAT16 or BFLOAT16");
   }
   const std::vector<int> dims = store_->head_dims();
-  const bool dim_ok = dims.empty() ? shape.head_dim >= 1 && shape.head_dim <= 256
+  const bool dim_ok = dims.empty() ? shape.head_dim >= 1 && shape.head_dim <= kMaxHeadDim
                                    : std::count(dims.begin(), dims.end(), shape.head_dim) > 0;
   if (!dim_ok) {
     return absl::InvalidArgumentError(
@@ -325,7 +325,9 @@ absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t fro
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
-  return FindLocked(std::string(id));
+  // Only an id this server could have issued is copied and looked up (a client's 1 MiB "id" was
+  // copied and hashed under the cache's lock).
+  return WellFormedSequenceId(id) ? FindLocked(std::string(id)) : nullptr;
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(const std::string& id) {

@@ -33,6 +33,7 @@ inline constexpr int kMaxQueryRows = 16;
 /// Sanity bounds on a sequence's shape (metadata stays small).
 inline constexpr int kMaxLayers = 1024;
 inline constexpr int kMaxHeads = 1024;
+inline constexpr int kMaxHeadDim = 256;  // what any store serves at most
 
 struct KvCacheOptions {
   int64_t capacity_bytes = 0;               // --kv_cache_bytes
@@ -188,8 +189,11 @@ class SequenceCache {
   absl::StatusOr<std::vector<TruncateResult>> Truncate(const std::vector<TruncateItem>& items,
                                                        absl::Time deadline = absl::InfiniteFuture(),
                                                        const std::function<bool()>& cancelled = {});
-  /// Releases the sequences; returns the ids that were not found.
-  std::vector<std::string> Release(const std::vector<std::string>& ids);
+  /// Releases the sequences; returns the well-formed ids that were not found (an id named twice is
+  /// released once and is not "not found" the second time; ids the server cannot have issued are
+  /// skipped before any lookup). `released`, if given: how many were released.
+  std::vector<std::string> Release(const std::vector<std::string>& ids,
+                                   int64_t* released = nullptr);
   absl::StatusOr<SequenceStatus> Info(std::string_view id);
   CacheStats Stats();
   /// Evicts sequences idle past the TTL (not pinned ones); how many. Also runs by itself from

@@ -48,11 +48,16 @@ absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
 absl::Status SequenceCache::FindIds(const std::vector<std::string_view>& ids,
                                     std::vector<Sequence*>* found) {
   std::vector<std::string> missing;
-  std::set<std::string_view> missing_set;
+  std::set<std::string_view> missing_set;  // well-formed ids only: malformed ones are not compared
   for (std::string_view id : ids) {
     Sequence* seq = FindLocked(id);
     found->push_back(seq);
-    if (seq == nullptr && missing_set.insert(id).second) missing.emplace_back(id);
+    if (seq != nullptr) continue;
+    if (!WellFormedSequenceId(id)) {
+      missing.push_back(ShownSequenceId(id));
+    } else if (missing_set.insert(id).second) {
+      missing.emplace_back(id);
+    }
   }
   if (missing.empty()) return absl::OkStatus();
   if (metrics_ != nullptr) metrics_->RecordRefused("not_found");

@@ -19,6 +19,7 @@ import pytest
 import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import sequences_pb2 as spb
+from flashserve import sequences_pb2_grpc
 from flashserve import tensors
 from conftest import ServerProcess, _stop_and_check
 from metrics_helpers import scrape
@@ -316,3 +317,42 @@ def faults_seen(logs: str) -> bool:
 def server_alive(server) -> bool:
     with urllib.request.urlopen(f"{server.http}/v2/health/live", timeout=10) as r:
         return r.status == 200 and server.proc.poll() is None
+
+
+def _vm_hwm_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+@pytest.mark.parametrize("case", ["heads", "answer"])
+def test_a_q_in_a_region_is_bounded_before_its_outputs_are_sized(shm_server, case):
+    """O is q's size, and a q in a region is bounded by the region, not the message: a q claiming [16, 8192, 24576]
+    had 6 GiB of O allocated (and zero-filled) before its sequence was looked up, and 'one call alone is always
+    admitted' under --max_inflight_bytes (audit). Now heads and head_dim are bounded (1024, 256) where q is read, and
+    a step whose inline O and LSE could not fit a gRPC message is refused before anything is sized."""
+    size = 256 << 20
+    key = f"/fs_qbound_{os.getpid()}_{case}"
+    fd = os.open("/dev/shm" + key, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)  # sparse: costs this test nothing
+        _post(shm_server, f"/v2/systemsharedmemory/region/qbound_{case}/register", {"key": key, "byte_size": size})
+        shape, items = ([16, 2048, 4096], 1) if case == "heads" else ([16, 1024, 256], 260)  # 260 x 8 MiB of O
+        q = pb.Tensor(dtype=pb.FLOAT16, shape=shape)
+        q.shm.CopyFrom(pb.SharedMemoryRef(region=f"qbound_{case}", offset=0, byte_size=2 * int(np.prod(shape))))
+        request = spb.DecodeStepRequest()
+        for i in range(items):
+            request.items.add(sequence_id=f"{i:032x}", layer=0).q.CopyFrom(q)
+        before = _vm_hwm_mib(shm_server.proc.pid)
+        with grpc.insecure_channel(shm_server.address) as channel:
+            stub = sequences_pb2_grpc.SequencesStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.DecodeStep(request, timeout=60)
+        grown = _vm_hwm_mib(shm_server.proc.pid) - before
+        wanted = grpc.StatusCode.INVALID_ARGUMENT if case == "heads" else grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.code() == wanted, e.value.details()
+        assert ("heads at most 1024" if case == "heads" else "out_shm") in e.value.details(), e.value.details()
+        assert grown < 128, f"the server's peak RSS grew {grown:.0f} MiB for a refused step"
+        _post(shm_server, f"/v2/systemsharedmemory/region/qbound_{case}/unregister", {})
+    finally:
+        os.close(fd)
+        os.unlink("/dev/shm" + key)

@@ -347,6 +347,19 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   if (absl::Status parsed = ParseRequest(*request_bytes, state->request); !parsed.ok()) {
     return AnswerUnary(context, grpc_call.get(), parsed, *state->response, response_bytes);
   }
+  // A q in a region makes an O of its size in the answer, past what its message bounds: one that
+  // gRPC could not send is refused before anything is sized from it (a call alone is always
+  // admitted under --max_inflight_bytes).
+  if (const int64_t answer = DecodeAnswerBytesAtMost(*state->request);
+      answer > kMaxInlineAnswerBytes) {
+    return AnswerUnary(
+        context, grpc_call.get(),
+        absl::ResourceExhaustedError(absl::StrCat(
+            "the answer would carry up to ", answer,
+            " bytes of O and LSE; a gRPC message holds at most ", kMaxInlineAnswerBytes,
+            ": write them into shared-memory regions (out_shm, lse_shm)")),
+        *state->response, response_bytes);
+  }
   // Only steps that can run keep the heap (a malformed one, or one on a server without a KV cache,
   // held it 10 s each: a 1-byte call every few seconds kept freed heap forever).
   if (heap_retention_ != nullptr && sequences_ != nullptr) heap_retention_->Retain();
@@ -446,11 +459,10 @@ absl::Status SequencesService::DoRelease(const v1::ReleaseRequest& request,
                                                    request.sequence_ids_size()));
   }
   const std::vector<std::string> ids(request.sequence_ids().begin(), request.sequence_ids().end());
-  const std::vector<std::string> missing = sequences_->cache().Release(ids);
-  response->set_released(int32_t(ids.size() - missing.size()));
-  for (const std::string& id : missing) {
-    if (kvcache::WellFormedSequenceId(id)) response->add_not_found(id);  // never echo client bytes
-  }
+  int64_t released = 0;
+  const std::vector<std::string> missing = sequences_->cache().Release(ids, &released);
+  response->set_released(int32_t(released));
+  for (const std::string& id : missing) response->add_not_found(id);  // well-formed: ours
   return absl::OkStatus();
 }
 

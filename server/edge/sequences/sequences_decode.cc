@@ -152,8 +152,17 @@ void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* tim
 
 absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
                                                    bool optional, SequenceShm* shm) {
-  if (tensor.has_shm() && shm != nullptr) return ShmRows(tensor, name, shm);
-  absl::StatusOr<kvcache::HostRows> rows = RowsFromTensor(tensor, name, optional);
+  absl::StatusOr<kvcache::HostRows> rows = tensor.has_shm() && shm != nullptr
+                                               ? ShmRows(tensor, name, shm)
+                                               : RowsFromTensor(tensor, name, optional);
+  // Bounded before anything is sized from them (O is q's size): a q in a region claiming
+  // [16, 8192, 24576] had 6 GiB of O allocated before its sequence was looked up (audit).
+  if (rows.ok() && (rows->heads > kvcache::kMaxHeads || rows->head_dim > kvcache::kMaxHeadDim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": [", rows->rows, ", ", rows->heads, ", ", rows->head_dim, "]: heads at most ",
+        kvcache::kMaxHeads, " and head_dim at most ", kvcache::kMaxHeadDim));
+  }
+  if (tensor.has_shm() && shm != nullptr) return rows;
   // Rows in the message whose bytes the server's malloc took from the page-locked receive arena
   // (buffer-sized strings, e.g. a packed step's q): the GPU store reads them where they are
   // instead of copying them into its staging first.
