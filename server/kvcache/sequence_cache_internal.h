@@ -13,7 +13,7 @@ namespace flashserve::kvcache {
 
 /// NOT_FOUND for `ids` (unknown or evicted): the message names each (sequence_id.h's
 /// ShownSequenceId), the payload lists the well-formed ones (MissingSequenceIdList).
-absl::Status UnknownSequences(const std::vector<std::string>& ids);
+absl::Status UnknownSequences(const std::vector<std::string_view>& ids);
 
 struct SequenceCache::Sequence {
   std::string id;

@@ -102,7 +102,7 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   Sequence* seq = FindIdleLocked(id, &lock, deadline, cancelled);
   if (seq == nullptr) {
     if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
-    return UnknownSequences({std::string(id)});
+    return UnknownSequences({id});
   }
   if (absl::Status s = CheckStillWanted(Now(), deadline, cancelled,
                                         "while it waited for another append to its sequence");
@@ -188,7 +188,7 @@ absl::StatusOr<SequenceStatus> SequenceCache::Info(std::string_view id) {
   std::lock_guard<std::mutex> lock(mu_);
   MaybeEvictLocked();
   Sequence* seq = FindLocked(id);
-  if (seq == nullptr) return UnknownSequences({std::string(id)});
+  if (seq == nullptr) return UnknownSequences({id});
   SequenceStatus status = StatusOf(*seq);
   seq->last_used = Now();
   return status;

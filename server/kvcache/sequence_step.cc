@@ -17,11 +17,11 @@ namespace {
 constexpr char kMissingIdsPayload[] = "type.flashserve.dev/missing-sequence-ids";
 }  // namespace
 
-absl::Status UnknownSequences(const std::vector<std::string>& ids) {
+absl::Status UnknownSequences(const std::vector<std::string_view>& ids) {
   std::vector<std::string> shown, well_formed;
-  for (const std::string& id : ids) {
-    shown.push_back(ShownSequenceId(id));
-    if (WellFormedSequenceId(id)) well_formed.push_back(id);
+  for (std::string_view id : ids) {
+    shown.push_back(ShownSequenceId(id));  // a malformed id: its size only, never its bytes
+    if (WellFormedSequenceId(id)) well_formed.emplace_back(id);
   }
   absl::Status status = absl::NotFoundError(absl::StrCat(
       ids.size(), " unknown or evicted sequence(s) (re-create them with their prefix): ",
@@ -47,16 +47,13 @@ absl::Status SequenceCache::FindAll(const std::vector<StepItem>& items,
 
 absl::Status SequenceCache::FindIds(const std::vector<std::string_view>& ids,
                                     std::vector<Sequence*>* found) {
-  std::vector<std::string> missing;
+  std::vector<std::string_view> missing;
   std::set<std::string_view> missing_set;  // well-formed ids only: malformed ones are not compared
   for (std::string_view id : ids) {
     Sequence* seq = FindLocked(id);
     found->push_back(seq);
-    if (seq != nullptr) continue;
-    if (!WellFormedSequenceId(id)) {
-      missing.push_back(ShownSequenceId(id));
-    } else if (missing_set.insert(id).second) {
-      missing.emplace_back(id);
+    if (seq == nullptr && (!WellFormedSequenceId(id) || missing_set.insert(id).second)) {
+      missing.push_back(id);
     }
   }
   if (missing.empty()) return absl::OkStatus();
