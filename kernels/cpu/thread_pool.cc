@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -72,9 +74,18 @@ struct ThreadPool::Impl {
 ThreadPool::ThreadPool(int num_threads) : impl_(std::make_unique<Impl>()) {
   if (num_threads <= 0)
     num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  // The calling thread of parallel_for is one of the num_threads.
-  for (int t = 1; t < num_threads; ++t)
-    impl_->workers.emplace_back([this] { impl_->worker_loop(); });
+  // The calling thread of parallel_for is one of the num_threads. A thread that cannot start
+  // (std::system_error: the process's or the system's thread limit, memory for its stack) ends the
+  // pool's growth, not the process: the pool runs with the workers it has (num_threads() says).
+  for (int t = 1; t < num_threads; ++t) {
+    try {
+      impl_->workers.emplace_back([this] { impl_->worker_loop(); });
+    } catch (const std::system_error& e) {
+      std::fprintf(stderr, "cpu::ThreadPool: %d of %d threads started, no more could (%s)\n", t,
+                   num_threads, e.what());
+      break;
+    }
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -343,7 +343,8 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
       {MHD_OPTION_PER_IP_CONNECTION_LIMIT, options.max_connections_per_ip, nullptr},
       {MHD_OPTION_CONNECTION_TIMEOUT, options.idle_timeout_s, nullptr},
       // Request line and headers live in this pool (431/414 beyond); the rest buffers the body.
-      {MHD_OPTION_CONNECTION_MEMORY_LIMIT, options.max_header_bytes + (16 << 10), nullptr},
+      {MHD_OPTION_CONNECTION_MEMORY_LIMIT, intptr_t{options.max_header_bytes} + (16 << 10),
+       nullptr},
       {MHD_OPTION_LISTEN_BACKLOG_SIZE, 4096, nullptr},
       {MHD_OPTION_NOTIFY_COMPLETED, intptr_t(&OnCompleted), &impl},
       {MHD_OPTION_NOTIFY_CONNECTION, intptr_t(&OnConnection), &impl},

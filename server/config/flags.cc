@@ -42,8 +42,9 @@ ABSL_FLAG(int, streams_per_device, flashserve::CudaBackendOptions{}.streams_per_
           "more calls/s");
 ABSL_FLAG(int, completion_spin_us, flashserve::CudaBackendOptions{}.completion_spin_us,
           "CUDA backend: how long a stream's completion thread polls for its job to finish before "
-          "it sleeps (a sleeping wait wakes tens of us late, which dominates small requests; "
-          "polling uses a core only while such a job runs); 0: always sleep, max 1000000");
+          "it polls every ~20 us with short sleeps (up to 20 ms) and then sleeps (a sleeping wait "
+          "wakes tens of us late, which dominates small requests; polling uses a core only while "
+          "such a job runs); 0: always sleep, max 1000000");
 ABSL_FLAG(int, copy_pipeline_chunks, flashserve::CudaBackendOptions{}.copy_pipeline_chunks,
           "CUDA backend: cut a request with >= 8 MiB of inputs in one page-locked piece each "
           "(staged, or a system shared-memory region) that is alone on its GPU into this many "
@@ -148,7 +149,8 @@ ABSL_FLAG(
     int64_t, grpc_memory_quota_bytes, flashserve::NetworkOptions{}.grpc_memory_quota_bytes,
     "gRPC resource quota for its buffers (received messages included): over it, new calls get "
     "RESOURCE_EXHAUSTED instead of growing the process. -1: auto, sized from the host (a quarter "
-    "of physical memory, at most 4 GiB); 0: gRPC's default (no bound)");
+    "of physical memory, at most 4 GiB); 0: gRPC's default (no bound); else at least "
+    "--max_request_bytes + 4194304");
 ABSL_FLAG(int, answer_timeout_s, flashserve::NetworkOptions{}.answer_timeout_s,
           "A tensor answer the client has not taken this long after it was ready is dropped: "
           "gRPC (Attention, ModelInfer, Attend, DecodeStep, inline Compute) cancels the call, its "
@@ -172,7 +174,7 @@ ABSL_FLAG(
     int, queue_capacity, flashserve::SchedulerOptions{}.queue_capacity,
     "Requests that may wait for a worker; when full, new ones get RESOURCE_EXHAUSTED at once");
 ABSL_FLAG(int, worker_threads, flashserve::CpuBackendOptions{}.num_threads,
-          "CPU backend compute threads; 0 uses every core");
+          "CPU backend compute threads, at most 1024; 0 uses every core");
 ABSL_FLAG(
     int, shutdown_grace_seconds, flashserve::ShutdownOptions{}.grace_seconds,
     "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled "
@@ -233,14 +235,17 @@ ABSL_FLAG(int, http_max_connections, flashserve::HttpLimitsOptions{}.max_connect
 ABSL_FLAG(int, http_max_connections_per_ip, flashserve::HttpLimitsOptions{}.max_connections_per_ip,
           "HTTP and metrics ports: open connections per client address; 0: no per-address cap");
 ABSL_FLAG(int, http_max_header_bytes, flashserve::HttpLimitsOptions{}.max_header_bytes,
-          "HTTP: request line plus headers, bytes (431 or 414 beyond); at most 100 header fields");
+          "HTTP: request line plus headers, bytes (431 or 414 beyond), in [1024, 1048576]; at "
+          "most 100 header fields");
 ABSL_FLAG(int, http_idle_timeout_s, flashserve::HttpLimitsOptions{}.idle_timeout_s,
-          "HTTP: a connection that sends nothing for this long is closed (idle keep-alive too)");
+          "HTTP: a connection that sends nothing for this long is closed (idle keep-alive too); "
+          "in [1, 86400]");
 ABSL_FLAG(int, http_header_timeout_s, flashserve::HttpLimitsOptions{}.header_timeout_s,
-          "HTTP: the headers must arrive within this long of the request line, else closed");
+          "HTTP: the headers must arrive within this long of the request line, else closed; in "
+          "[1, 86400]");
 ABSL_FLAG(int, http_body_timeout_s, flashserve::HttpLimitsOptions{}.body_timeout_s,
           "HTTP: a request body must arrive within this long of its headers, else the "
-          "connection is cut off");
+          "connection is cut off; in [1, 86400]");
 ABSL_FLAG(int64_t, http_min_body_bytes_per_s, flashserve::HttpLimitsOptions{}.min_body_bytes_per_s,
           "HTTP: from 5 s after its headers, a request body arriving slower than this on "
           "average is cut off (a claimed body holds --http_max_receive_bytes while it comes); "

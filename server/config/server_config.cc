@@ -50,13 +50,23 @@ absl::Status NetworkOptions::Check() const {
 
 absl::Status HttpLimitsOptions::Check() const {
   for (auto [flag, value] : {std::pair{"http_max_connections", int64_t{max_connections}},
-                             std::pair{"http_max_header_bytes", int64_t{max_header_bytes}},
-                             std::pair{"http_idle_timeout_s", int64_t{idle_timeout_s}},
-                             std::pair{"http_header_timeout_s", int64_t{header_timeout_s}},
-                             std::pair{"http_body_timeout_s", int64_t{body_timeout_s}},
                              std::pair{"http_max_json_bytes", max_json_bytes},
                              std::pair{"http_max_receive_bytes", max_receive_bytes}}) {
     if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be >= 1"));
+  }
+  // libmicrohttpd's per-connection pool is this + 16 KiB; near INT_MAX that sum overflowed and
+  // every HTTP and metrics request got an empty reply. The listener needs at least 1 KiB.
+  if (max_header_bytes < kMinHeaderBytes || max_header_bytes > kMaxHeaderBytes) {
+    return OutOfRange("http_max_header_bytes", max_header_bytes, kMinHeaderBytes, kMaxHeaderBytes);
+  }
+  // At most a day: libmicrohttpd keeps the idle timeout in 32-bit milliseconds, so from 4294968 s
+  // on it wrapped to under a second.
+  for (auto [flag, value] : {std::pair{"http_idle_timeout_s", idle_timeout_s},
+                             std::pair{"http_header_timeout_s", header_timeout_s},
+                             std::pair{"http_body_timeout_s", body_timeout_s}}) {
+    if (value < 1 || value > kMaxTimeoutSeconds) {
+      return OutOfRange(flag, value, 1, kMaxTimeoutSeconds);
+    }
   }
   if (max_connections_per_ip < 0) {
     return absl::InvalidArgumentError("--http_max_connections_per_ip must be >= 0");
@@ -172,6 +182,16 @@ absl::Status ServerConfig::Check() const {
                          scheduler.Check(), limits.Check(), request_threads.Check(), stream.Check(),
                          sequences.Check(), model.Check(), log.Check(), shutdown.Check()}) {
     if (!s.ok()) return s;
+  }
+  // A quota of a few bytes was accepted, the server said ready, and every gRPC call failed with
+  // "Buffers full" (kMinGrpcMemoryQuotaHeadroom says why this floor).
+  const int64_t quota = network.grpc_memory_quota_bytes;
+  const int64_t min_quota = limits.max_request_bytes + kMinGrpcMemoryQuotaHeadroom;
+  if (quota > 0 && quota < min_quota) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--grpc_memory_quota_bytes must be -1 (auto), 0 (gRPC's default) or at least "
+                     "--max_request_bytes + ",
+                     kMinGrpcMemoryQuotaHeadroom, " = ", min_quota, ", got ", quota));
   }
   return absl::OkStatus();
 }

@@ -47,6 +47,11 @@ struct NetworkOptions {
 /// The HTTP and metrics ports against hostile clients (server/README.md, "HTTP edge"); the
 /// defaults are the HTTP edge's own (HttpOptions).
 struct HttpLimitsOptions {
+  static constexpr int kMinHeaderBytes = 1 << 10;
+  static constexpr int kMaxHeaderBytes = 1 << 20;
+  // Of each --http_*_timeout_s.
+  static constexpr int kMaxTimeoutSeconds = 24 * 3600;
+
   int max_connections = HttpOptions{}.max_connections;  // per port
   int max_connections_per_ip = HttpOptions{}.max_connections_per_ip;  // 0: no cap
   int max_header_bytes = HttpOptions{}.max_header_bytes;
@@ -152,6 +157,12 @@ struct TestHookOptions {
 };
 
 struct ServerConfig {
+  // An explicit --grpc_memory_quota_bytes is at least --max_request_bytes + this: one request of
+  // the largest size plus room for the transport's own buffers (gRPC 1.51, CPU backend: at 256 KiB
+  // no call got through, "Buffers full"; at 1 MiB calls up to --max_request_bytes=1MiB did). The
+  // auto quota keeps more (+64 MiB); the margin is small so that a quota can still stop a message
+  // over --max_request_bytes from being buffered whole (tests/python/test_bad_input_matrix.py).
+  static constexpr int64_t kMinGrpcMemoryQuotaHeadroom = int64_t{4} << 20;
   NetworkOptions network;
   HttpLimitsOptions http;
   LocalOptions local;  // the local socket (--local_*); its auth is set when the server starts
@@ -167,7 +178,7 @@ struct ServerConfig {
   ShutdownOptions shutdown;
   TestHookOptions test_hooks;
 
-  /// Every struct's Check, in the order above: the first refusal.
+  /// Every struct's Check, in the order above, then the checks across structs: the first refusal.
   absl::Status Check() const;
   /// `backend` with both backends' request-buffer pools set to memory.pinned_pool_bytes.
   BackendOptions ResolvedBackend() const;

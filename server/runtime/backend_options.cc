@@ -46,7 +46,10 @@ absl::Status CudaBackendOptions::Check() const {
 }
 
 absl::Status CpuBackendOptions::Check() const {
-  if (num_threads < 0) return absl::InvalidArgumentError("--worker_threads must be >= 0");
+  // Thousands of threads failed to start and ended the process (std::system_error).
+  if (num_threads < 0 || num_threads > kMaxThreads) {
+    return OutOfRange("worker_threads", num_threads, 0, kMaxThreads);
+  }
   if (buffer_pool_bytes < 0) return absl::InvalidArgumentError("--pinned_pool_bytes must be >= 0");
   return absl::OkStatus();
 }

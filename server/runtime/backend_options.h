@@ -56,7 +56,8 @@ struct CudaBackendOptions {
 };
 
 struct CpuBackendOptions {
-  int num_threads = 0;  // compute threads; 0: all cores
+  static constexpr int kMaxThreads = 1024;
+  int num_threads = 0;  // compute threads, at most kMaxThreads; 0: all cores
   // Cap of the pool of request buffers (IoBuffers), reused between requests: a fresh buffer costs
   // page faults on every request (its memory comes from mmap). 0: no pool.
   int64_t buffer_pool_bytes = kDefaultRequestPoolBytes;

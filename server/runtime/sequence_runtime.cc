@@ -91,7 +91,8 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
       kvcache::SequenceCache::Create(options.cache, runtime->store_.get(), runtime->metrics_.get());
   if (!cache.ok()) return cache.status();
   runtime->cache_ = std::move(*cache);
-  if (options.cache.ttl > absl::ZeroDuration()) {
+  // An infinite TTL evicts nothing: no sweeper.
+  if (options.cache.ttl > absl::ZeroDuration() && options.cache.ttl != absl::InfiniteDuration()) {
     runtime->sweeper_ = std::thread([self = runtime.get()] { self->SweepIdle(); });
   }
   if (options.batch_window_us > 0 || options.batch_when_busy) {
@@ -117,8 +118,10 @@ SequenceRuntime::SequenceRuntime(const SequenceRuntimeOptions& options, Schedule
       append_waits_(std::make_unique<WorkQueue>(kAppendWaitThreads, kAppendWaitCapacity)) {}
 
 void SequenceRuntime::SweepIdle() {
-  const auto every =
-      absl::ToChronoNanoseconds(std::max(options_.cache.ttl / 8, absl::Milliseconds(10)));
+  // At most hourly: a TTL of centuries (or infinite) made ttl / 8 overflow the steady clock's
+  // deadline inside wait_for, which then returned at once and the sweeper spun on a core.
+  const auto every = absl::ToChronoNanoseconds(
+      std::clamp(options_.cache.ttl / 8, absl::Milliseconds(10), absl::Hours(1)));
   std::unique_lock<std::mutex> lock(sweep_mu_);
   while (!sweep_stop_.wait_for(lock, every, [this] { return sweep_stopping_; })) {
     cache_->EvictIdle();

@@ -3,12 +3,16 @@
 #include "flashserve/kernels/cpu_attention.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -568,6 +572,32 @@ TEST(ThreadPool, NestedParallelForCompletes) {
   pool.parallel_for(8,
                     [&](int64_t) { pool.parallel_for(16, [&](int64_t) { count.fetch_add(1); }); });
   EXPECT_EQ(count.load(), 8 * 16);
+}
+
+// Under an address-space limit with room for a few thread stacks (8 MiB each), not 1000: a pool
+// of 1000 threads runs a parallel_for with the ones that started. Exits 0 when it did.
+[[noreturn]] void PoolOfThreadsThatCannotAllStart() {
+  std::ifstream statm("/proc/self/statm");
+  long pages = 0;
+  statm >> pages;
+  rlimit as{};
+  as.rlim_cur = as.rlim_max = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t{64} << 20);
+  if (pages <= 0 || setrlimit(RLIMIT_AS, &as) != 0) std::_Exit(3);
+  cpu::ThreadPool pool(1000);
+  std::atomic<int64_t> sum{0};
+  pool.parallel_for(1000, [&](int64_t i) { sum.fetch_add(i); });
+  const bool fewer = pool.num_threads() >= 1 && pool.num_threads() < 1000;
+  std::_Exit(fewer && sum.load() == 999 * 1000 / 2 ? 0 : 4);
+}
+
+// Threads that cannot start are left out of the pool; the std::system_error of the first one
+// ended the process (std::terminate), e.g. the server's at --worker_threads=100000.
+TEST(ThreadPoolDeathTest, ThreadsThatCannotStartAreLeftOut) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "an address-space limit breaks the sanitizer's shadow memory";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(PoolOfThreadsThatCannotAllStart(), testing::ExitedWithCode(0), "");
 }
 
 // --- the references themselves ------------------------------------------------------------

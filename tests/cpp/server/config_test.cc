@@ -141,12 +141,22 @@ std::vector<BadValue> BadValues() {
       {"metrics_port", "8000"},  // the default --http_port
       {"tls_cert", "cert.pem"},
       {"grpc_memory_quota_bytes", "-2"},
+      // Ready, then every call failed ("Buffers full"); the second is --max_request_bytes alone.
+      {"grpc_memory_quota_bytes", "1"},
+      {"grpc_memory_quota_bytes", "1073741824"},
       {"http_max_connections", "0"},
       {"http_max_connections_per_ip", "-1"},
       {"http_max_header_bytes", "0"},
+      {"http_max_header_bytes", "1023"},     // the listener needs 1 KiB
+      {"http_max_header_bytes", "1048577"},  // + 16 KiB overflowed int near INT_MAX
+      {"http_max_header_bytes", "2147467264"},
       {"http_idle_timeout_s", "0"},
+      {"http_idle_timeout_s", "86401"},
+      {"http_idle_timeout_s", "4294968"},  // libmicrohttpd's 32-bit milliseconds: ~0.7 s
       {"http_header_timeout_s", "-5"},
+      {"http_header_timeout_s", "86401"},
       {"http_body_timeout_s", "0"},
+      {"http_body_timeout_s", "2147483647"},
       {"http_max_json_bytes", "0"},
       {"http_max_receive_bytes", "0"},
       {"receive_arena_bytes", "-2"},
@@ -168,6 +178,8 @@ std::vector<BadValue> BadValues() {
       {"max_device_bytes_per_request", "-1"},
       {"autotune", "sometimes"},
       {"worker_threads", "-1"},
+      {"worker_threads", "1025"},
+      {"worker_threads", "100000"},  // std::system_error from std::thread ended the process
       {"queue_capacity", "0"},
       {"max_tensor_elements", "0"},
       {"max_tensor_elements", "1099511627777"},
@@ -208,6 +220,39 @@ std::vector<BadValue> BadValues() {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllChecks, BadFlagTest, testing::ValuesIn(BadValues()));
+
+// The ends of the ranges the checks above refuse just past.
+TEST(ServerConfigTest, LargestValuesAreAccepted) {
+  absl::FlagSaver saver;
+  absl::StatusOr<ServerConfig> config = ConfigWith({{"http_max_header_bytes", "1048576"},
+                                                    {"http_idle_timeout_s", "86400"},
+                                                    {"http_header_timeout_s", "86400"},
+                                                    {"http_body_timeout_s", "86400"},
+                                                    {"worker_threads", "1024"},
+                                                    {"sequence_ttl_s", "9223372036854775807"}});
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->http.max_header_bytes, 1 << 20);
+  EXPECT_EQ(config->http.idle_timeout_s, 86400);
+  EXPECT_EQ(config->backend.cpu.num_threads, 1024);
+  ASSERT_TRUE(ConfigWith({{"http_max_header_bytes", "1024"}}).ok());
+}
+
+// An explicit gRPC quota holds a request of --max_request_bytes plus 4 MiB; -1 (auto) and 0
+// (gRPC's default) stay valid whatever --max_request_bytes is.
+TEST(ServerConfigTest, GrpcMemoryQuotaHoldsTheLargestRequest) {
+  absl::FlagSaver saver;
+  SetFlag("max_request_bytes", "1048576");
+  for (const char* quota : {"-1", "0", "5242880", "16777216"}) {
+    absl::StatusOr<ServerConfig> config = ConfigWith({{"grpc_memory_quota_bytes", quota}});
+    EXPECT_TRUE(config.ok()) << "--grpc_memory_quota_bytes=" << quota << ": " << config.status();
+  }
+  absl::StatusOr<ServerConfig> config = ConfigWith({{"grpc_memory_quota_bytes", "5242879"}});
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  for (const char* flag : {"--grpc_memory_quota_bytes", "--max_request_bytes", "5242880"}) {
+    EXPECT_NE(config.status().message().find(flag), std::string::npos) << config.status();
+  }
+}
 
 TEST(BadFlagTest, TuneGridIsCheckedForStartupTuning) {
   absl::FlagSaver saver;

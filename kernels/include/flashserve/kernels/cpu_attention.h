@@ -16,7 +16,9 @@ namespace flashserve::kernels::cpu {
 /// Thread-safe: parallel_for may be called from several threads at once; calls share the workers.
 class ThreadPool {
  public:
-  explicit ThreadPool(int num_threads);  // num_threads <= 0: hardware concurrency
+  // num_threads <= 0: hardware concurrency. Threads that cannot start are left out (a line on
+  // stderr; num_threads() counts the ones running).
+  explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
