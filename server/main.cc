@@ -2,8 +2,10 @@
 // (config/flags.cc), starts the server (config/server.cc), waits for a shutdown signal or an
 // unhealthy backend and drains.
 //
-// Exit codes (README "Server flags", ShutdownOptions): 0 after a drain on SIGINT/SIGTERM; 1 when
-// the server cannot start (a port in use, no usable backend); 2 for a refused flag or file; 3 when
+// Exit codes (README "Server flags", ShutdownOptions): 0 after a drain on SIGINT/SIGTERM/SIGHUP (a
+// second signal during it cancels what is left at once, as the grace period's end does); 1 when
+// the server cannot start (a port in use, no usable backend); 2 for a refused flag or file, or a
+// value the server cannot use (a KV pool it cannot map, a --host it cannot listen on); 3 when
 // the backend turned unhealthy (a sticky CUDA fault): the process drains for
 // --shutdown_grace_seconds and exits so that its supervisor restarts it with a fresh GPU context;
 // 3 also when the shutdown outlasts the grace period by over 20 s (a device launch that never

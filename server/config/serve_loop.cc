@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <thread>
 
@@ -20,6 +21,7 @@ sigset_t ShutdownSignals() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);  // a terminal's hang-up, some logrotate setups: drain, not die
   return signals;
 }
 
@@ -54,11 +56,36 @@ StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick) {
 
 bool ShutdownSignalPending() { return TakeSignal(absl::ZeroDuration()) != 0; }
 
-bool WaitForSignalUntil(absl::Time deadline) {
+int WaitForSignalUntil(absl::Time deadline) {
   for (;;) {
     const absl::Duration left = deadline - absl::Now();
-    if (left <= absl::ZeroDuration()) return false;
-    if (TakeSignal(std::min(left, absl::Seconds(1))) != 0) return true;
+    if (left <= absl::ZeroDuration()) return 0;
+    if (int taken = TakeSignal(std::min(left, absl::Seconds(1))); taken != 0) return taken;
+  }
+}
+
+bool WaitUnlessSignalled(const std::function<bool(absl::Time)>& wait, absl::Time deadline,
+                         int* signal_number) {
+  for (;;) {
+    if (wait(std::min(deadline, absl::Now() + absl::Milliseconds(100)))) return true;
+    if (int taken = TakeSignal(absl::ZeroDuration()); taken != 0) {
+      *signal_number = taken;
+      return false;
+    }
+    if (absl::Now() >= deadline) return false;
+  }
+}
+
+const char* SignalName(int signal_number) {
+  switch (signal_number) {
+    case SIGINT:
+      return "SIGINT";
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGHUP:
+      return "SIGHUP";
+    default:
+      return strsignal(signal_number);
   }
 }
 

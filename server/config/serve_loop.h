@@ -1,7 +1,8 @@
-// How the serving process waits for its end and what it exits with: a shutdown signal (drain,
-// exit 0) or a backend that turned unhealthy (a sticky device fault: drain, exit 3, so that the
-// supervisor -- Kubernetes, systemd, docker --restart -- starts a fresh process with a working GPU
-// context instead of keeping a zombie that holds the GPU and answers nothing).
+// How the serving process waits for its end and what it exits with: a shutdown signal (SIGINT,
+// SIGTERM or SIGHUP: drain, exit 0; a second one during the drain stops it at once, exit 0) or a
+// backend that turned unhealthy (a sticky device fault: drain, exit 3, so that the supervisor --
+// Kubernetes, systemd, docker --restart -- starts a fresh process with a working GPU context
+// instead of keeping a zombie that holds the GPU and answers nothing).
 #pragma once
 
 #include <functional>
@@ -11,7 +12,7 @@
 namespace flashserve {
 
 enum class StopReason {
-  kSignal,            // SIGINT or SIGTERM
+  kSignal,            // SIGINT, SIGTERM or SIGHUP
   kBackendUnhealthy,  // live() turned false
 };
 
@@ -20,18 +21,28 @@ struct StopEvent {
   int signal_number = 0;  // with kSignal
 };
 
-/// Blocks SIGINT and SIGTERM in the calling thread, and so in every thread it starts later: only
-/// the waits below take them. Call first thing in main.
+/// Blocks the shutdown signals (SIGINT, SIGTERM, SIGHUP) in the calling thread, and so in every
+/// thread it starts later: only the waits below take them. Call first thing in main.
 void BlockShutdownSignals();
 
-/// Waits for SIGINT/SIGTERM or for `live` to return false, asking it every `tick`.
+/// Waits for a shutdown signal or for `live` to return false, asking it every `tick`.
 StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick = absl::Seconds(1));
 
 /// Whether a shutdown signal came (taken: it counts once), without waiting.
 bool ShutdownSignalPending();
 
-/// Waits until `deadline` or a shutdown signal, whichever comes first; true on a signal.
-bool WaitForSignalUntil(absl::Time deadline);
+/// Waits until `deadline` or a shutdown signal, whichever comes first: the signal's number, else 0.
+int WaitForSignalUntil(absl::Time deadline);
+
+/// Calls `wait(until)` -- which waits for something until `until` and says whether it came -- in
+/// slices of 100 ms up to `deadline`, taking a shutdown signal between them: true once it came;
+/// false at the deadline or at a signal (its number then in *signal_number). A second signal
+/// during a drain cuts it short this way.
+bool WaitUnlessSignalled(const std::function<bool(absl::Time)>& wait, absl::Time deadline,
+                         int* signal_number);
+
+/// "SIGTERM", "SIGINT", "SIGHUP", else strsignal's description.
+const char* SignalName(int signal_number);
 
 /// The process's exit code for how it stopped (ShutdownOptions::kExit*).
 int ExitCodeFor(StopReason reason);

@@ -1,7 +1,13 @@
 #include "config/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -44,6 +50,45 @@ absl::StatusOr<std::unique_ptr<BearerAuth>> LoadAuth(const NetworkOptions& netwo
   }
   if (!auth.ok()) return absl::InvalidArgumentError(auth.status().message());
   return auth;
+}
+
+// When gRPC cannot listen: whether --host's value is why -- a name that does not resolve, or an
+// address this machine has not (or of a family it lacks) -- as INVALID_ARGUMENT naming the flag
+// (exit 2). OK otherwise: a port in use, or no file descriptors, is the environment's (exit 1).
+absl::Status CheckListenHost(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (const int e = getaddrinfo(host.c_str(), nullptr, &hints, &found); e != 0) {
+    // A resolver that is down for now (EAI_AGAIN, ...) is the environment's.
+    if (e != EAI_NONAME && e != EAI_NODATA && e != EAI_ADDRFAMILY && e != EAI_FAIL) {
+      return absl::OkStatus();
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("--host=", host, ": cannot resolve it: ", gai_strerror(e)));
+  }
+  int refused = 0;  // errno of a bind that refused the address itself; 0 if any other cause
+  bool bound = false;
+  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
+    int e = 0;
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0 || bind(fd, a->ai_addr, a->ai_addrlen) != 0) e = errno;
+    if (fd >= 0) close(fd);
+    if (e == 0) {
+      bound = true;
+    } else if (e == EADDRNOTAVAIL || e == EAFNOSUPPORT) {
+      if (refused == 0) refused = e;
+    } else {
+      bound = true;  // not the address's fault: leave gRPC's error as it is
+    }
+  }
+  freeaddrinfo(found);
+  if (bound || refused == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("--host=", host,
+                                                 ": cannot listen on it: ", std::strerror(refused),
+                                                 " (not an address of this machine?)"));
 }
 
 }  // namespace
@@ -206,7 +251,14 @@ absl::Status Server::StartGrpc() {
   absl::StatusOr<std::unique_ptr<GrpcEdge>> edge = GrpcEdge::Create(
       grpc, runtime_.get(), identity,
       {kserve_grpc_.get(), stream_grpc_.get(), sequences_grpc_.get()});
-  if (!edge.ok()) return edge.status();
+  if (!edge.ok()) {
+    if (edge.status().code() != absl::StatusCode::kUnavailable) return edge.status();
+    if (absl::Status host = CheckListenHost(network.host); !host.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(edge.status().message(), ": ", host.message()));
+    }
+    return edge.status();
+  }
   grpc_edge_ = *std::move(edge);
   return absl::OkStatus();
 }
@@ -309,24 +361,33 @@ bool Server::Drain(const StopEvent& stop) {
   const absl::Time deadline = absl::Now() + absl::Seconds(config_.shutdown.grace_seconds);
   grpc_edge_->SetServing(false);
   if (stop.reason == StopReason::kSignal) {
-    spdlog::info("{} received: draining (grace {}s)", strsignal(stop.signal_number),
-                 config_.shutdown.grace_seconds);
+    spdlog::info("{} received: draining (grace {}s; a second signal stops at once)",
+                 SignalName(stop.signal_number), config_.shutdown.grace_seconds);
     runtime_->StopAccepting();  // new requests: UNAVAILABLE
     if (local_ != nullptr) local_->StopAccepting();  // no new connections; the socket file goes
   }
   // Native Attention calls are admitted when they start (edge/grpc/attention_call.h), so WaitIdle
   // also waits for requests still uploading; gRPC's Shutdown would cancel those. Then the answers
   // handed to gRPC -- native, KServe and striped downloads alike -- must still be written: a large
-  // one to a slow reader can take seconds, and Shutdown's deadline would cut it off.
-  const bool drained = runtime_->WaitIdle(deadline) && grpc_edge_->WaitForDataCalls(deadline) &&
-                       (local_ == nullptr || local_->WaitIdle(deadline));
+  // one to a slow reader can take seconds, and Shutdown's deadline would cut it off. A (second)
+  // shutdown signal meanwhile ends the wait at once, as the end of the grace period does.
+  int stop_now = 0;
+  const auto wait = [&](const std::function<bool(absl::Time)>& idle) {
+    return stop_now == 0 && WaitUnlessSignalled(idle, deadline, &stop_now);
+  };
+  const bool drained =
+      wait([this](absl::Time until) { return runtime_->WaitIdle(until); }) &&
+      wait([this](absl::Time until) { return grpc_edge_->WaitForDataCalls(until); }) &&
+      (local_ == nullptr || wait([this](absl::Time until) { return local_->WaitIdle(until); }));
   if (stop.reason == StopReason::kBackendUnhealthy) {
     // Requests meanwhile get UNAVAILABLE from the backend, naming the fault.
-    if (WaitForSignalUntil(deadline)) spdlog::info("signal received: stopping now");
+    if (stop_now == 0) stop_now = WaitForSignalUntil(deadline);
     runtime_->StopAccepting();
   }
+  if (stop_now != 0) spdlog::warn("{} received: stopping now", SignalName(stop_now));
   if (!drained) {
-    spdlog::warn("grace period over with requests still running; cancelling them");
+    spdlog::warn(stop_now != 0 ? "cancelling the requests still running"
+                               : "grace period over with requests still running; cancelling them");
     runtime_->CancelRunning();  // running CPU work stops; gRPC's Shutdown below ends the calls
   }
   grpc_edge_->Shutdown(drained ? absl::Now() + absl::Seconds(1) : absl::Now());

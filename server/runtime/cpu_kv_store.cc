@@ -59,9 +59,9 @@ absl::StatusOr<std::unique_ptr<CpuKvStore>> CpuKvStore::Create(int64_t bytes,
   void* base = mmap(nullptr, size_t(bytes), PROT_READ | PROT_WRITE,
                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("cannot map ", bytes,
-                     " bytes for the KV cache (--kv_cache_bytes): ", std::strerror(errno)));
+    // The flag's value is more than this machine can map (SequenceRuntime names the flag): exit 2.
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot map ", bytes, " bytes for the KV cache: ", std::strerror(errno)));
   }
   return std::unique_ptr<CpuKvStore>(new CpuKvStore(static_cast<char*>(base), bytes, pool));
 }

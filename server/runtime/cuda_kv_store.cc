@@ -25,10 +25,10 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(&store->pool_), size_t(bytes));
   if (e != cudaSuccess) {
     cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes,
-                                                     " bytes of device memory for the KV cache "
-                                                     "(--kv_cache_bytes): ",
-                                                     cudaGetErrorString(e)));
+    // More than the device has for it (SequenceRuntime names the flag): exit 2, like the CPU pool.
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot allocate ", bytes,
+                     " bytes of device memory for the KV cache: ", cudaGetErrorString(e)));
   }
   if ((e = cudaStreamCreateWithFlags(&store->stream_, cudaStreamNonBlocking)) != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));

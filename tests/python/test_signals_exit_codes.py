@@ -1,0 +1,160 @@
+"""Shutdown signals and exit codes (README "Exit codes"): SIGHUP drains like SIGTERM (it used to kill the process
+at once, dropping what was in flight); a second signal during the drain stops it at once instead of waiting out
+--shutdown_grace_seconds; a flag value the server cannot use -- a KV pool it cannot map, a --host that does not
+resolve or is not this machine's -- exits 2 naming the flag, while a port in use stays 1 (the environment's)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import flashserve
+from metrics_helpers import scrape
+from tcp_proxy import ThrottlingProxy
+
+pytestmark = pytest.mark.e2e
+
+
+def _inflight(server) -> float:
+    return scrape(f"http://127.0.0.1:{server.metrics_port}/metrics").value("flashserve_inflight_requests")
+
+
+def _wait_for_log(server, text: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in server.logs(limit=100_000):
+            return True
+        if server.proc.poll() is not None:
+            return text in server.logs(limit=100_000)
+        time.sleep(0.02)
+    return False
+
+
+def _wait_exit(server, timeout: float):
+    """(exit code, seconds waited); kills the process and fails if it is still running after `timeout`."""
+    started = time.monotonic()
+    try:
+        code = server.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
+        pytest.fail(f"still running {timeout} s later\n{server.logs()}")
+    return code, time.monotonic() - started
+
+
+def test_sighup_drains_like_sigterm(start_server):
+    """SIGHUP (a terminal's hang-up, some logrotate setups) is a graceful shutdown: the request in flight is answered
+    correctly, the server logs which signal came and exits 0. It used to die at once (the default action)."""
+    server = start_server("--shutdown_grace_seconds=60", "--worker_threads=1", name="sighup")
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((1, 4096, 8, 64)).astype(np.float32) for _ in range(3))  # ~34 GFLOP
+    result = {}
+
+    def call():
+        try:
+            with flashserve.Client(server.address, timeout=120) as c:
+                result["out"] = c.attention(q, k, v)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _inflight(server) < 1 and thread.is_alive():
+        time.sleep(0.005)
+    assert thread.is_alive() and _inflight(server) >= 1, "the request was not in flight; make it bigger"
+    server.proc.send_signal(signal.SIGHUP)
+    code, _ = _wait_exit(server, 60)
+    thread.join(timeout=60)
+    logs = server.logs()
+    assert code == 0, f"exit code {code} after SIGHUP\n{logs}"
+    assert "SIGHUP received: draining" in logs, logs
+    assert "error" not in result, f"the request in flight failed: {result.get('error')}\n{logs}"
+    rows = [0, 1, 2049, 4095]
+    ref = flashserve.reference.attention(q[:, rows], k, v)
+    np.testing.assert_allclose(result["out"][:, rows], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGHUP, signal.SIGINT)],
+                         ids=["term-term", "hup-int"])
+def test_a_second_signal_during_the_drain_stops_it_now(start_server, rng, first, second):
+    """A native call admitted from its first byte whose client then stalls holds the drain up to the grace period
+    (60 s here). A second signal means "stop now": the server logs it, cancels what is left, as the end of the grace
+    period does, and exits 0 within a second or two. It used to be ignored: only SIGKILL ended the wait sooner."""
+    server = start_server("--shutdown_grace_seconds=60", name="second_signal")
+    proxy = ThrottlingProxy(server.grpc_port, upload_limit=1 << 20)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(1, 4096, 4, 128), (1, 8, 4, 128),
+                                                                             (1, 8, 4, 128)])  # 8 MiB of q
+    result = {}
+
+    def run():
+        try:
+            with flashserve.Client(proxy.address, timeout=120) as c:
+                result["out"] = c.attention(q, k, v)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            result["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        thread.start()
+        proxy.wait_to_server(1 << 20, timeout=30)
+        assert proxy.to_server == 1 << 20, "the upload never reached the stall point"
+        time.sleep(0.5)  # the server reads what the proxy passed on: the call is admitted
+        server.proc.send_signal(first)
+        # Taken before the second comes: two pending signals of one kind would count once.
+        assert _wait_for_log(server, "received: draining"), f"no drain after {first!r}\n{server.logs()}"
+        time.sleep(0.5)
+        assert server.proc.poll() is None, f"exited before the stalled call's grace period\n{server.logs()}"
+        server.proc.send_signal(second)
+        code, took = _wait_exit(server, 15)
+    finally:
+        proxy.close()
+    thread.join(timeout=30)
+    logs = server.logs()
+    assert code == 0, f"exit code {code}\n{logs}"
+    assert took < 10, f"exited {took:.1f} s after the second signal\n{logs}"
+    assert f"{signal.Signals(second).name} received: stopping now" in logs, logs
+    assert "error" in result, "a request that never arrived whole was answered?"
+
+
+def _run(flashserve_bin, *flags):
+    return subprocess.run([str(flashserve_bin), "--backend=cpu", "--grpc_port=0", "--http_port=0",
+                           "--metrics_port=0", *flags], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("flag", ["--kv_cache_bytes=9223372036854775807", "--host=999.1.1.1", "--host=192.0.2.1"],
+                         ids=["kv_pool_unmappable", "host_unresolvable", "host_not_this_machine"])
+def test_a_flag_value_the_server_cannot_use_exits_2_naming_it(flashserve_bin, flag):
+    """README: exit 2 when a flag's value is refused, the message naming the flag. A KV pool too large to map exited 1
+    (RESOURCE_EXHAUSTED), and a --host that does not resolve (or is not an address of this machine: 192.0.2.1 is
+    TEST-NET-1) exited 1 with only gRPC's "Name or service not known"."""
+    name, value = flag.split("=", 1)
+    if flag == "--host=999.1.1.1":
+        try:
+            socket.getaddrinfo(value, None)
+        except socket.gaierror as e:
+            if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+                pytest.skip(f"this machine's resolver cannot tell (a name that does not resolve: {e})")
+        else:
+            pytest.skip(f"{value} resolves on this machine?")
+    r = _run(flashserve_bin, flag)
+    assert r.returncode == 2, (flag, r.returncode, r.stderr[-3000:])
+    assert any(name in line and "error" in line for line in r.stderr.splitlines()), r.stderr[-3000:]
+
+
+def test_a_port_in_use_exits_1(flashserve_bin):
+    """A port another process holds is the environment's problem, not the flag's: exit 1 ("cannot start")."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        r = _run(flashserve_bin, "--host=127.0.0.1", f"--grpc_port={port}")
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "cannot listen" in r.stderr, r.stderr[-3000:]
