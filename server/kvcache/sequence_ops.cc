@@ -20,8 +20,24 @@ bool SequenceCache::WaitForAppendLocked(std::unique_lock<std::mutex>* lock, absl
   return WaitLocked(&appended_, lock, deadline, cancelled);
 }
 
+namespace {
+struct NoWait {
+  bool active = false;
+  bool waited = false;
+};
+thread_local NoWait no_wait;
+}  // namespace
+
+NoWaitScope::NoWaitScope() { no_wait = NoWait{true, false}; }
+NoWaitScope::~NoWaitScope() { no_wait = NoWait{}; }
+bool NoWaitScope::would_have_waited() const { return no_wait.waited; }
+
 bool SequenceCache::WaitLocked(std::condition_variable* cv, std::unique_lock<std::mutex>* lock,
                                absl::Time deadline, const std::function<bool()>& cancelled) {
+  if (no_wait.active) {
+    no_wait.waited = true;
+    return false;
+  }
   const absl::Duration left = deadline - Now();
   if (left <= absl::ZeroDuration() || (cancelled && cancelled())) return false;
   cv->wait_for(*lock, absl::ToChronoNanoseconds(std::min(left, kWaitSlice)));

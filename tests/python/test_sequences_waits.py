@@ -139,25 +139,26 @@ def _small_create():
 
 
 def test_control_calls_queued_at_sigterm_are_served_in_the_drain(start_server, rng):
-    """Four Truncates wait for a long step's pin and hold the four control threads; three Creates queue behind them;
-    then SIGTERM. The drain lets accepted calls finish: the Creates are answered OK once the step ends (they were
-    refused UNAVAILABLE when admission was taken only on a control thread), and the server exits 0."""
+    """Four Truncates wait for a long step's pin and hold the four control threads; three more queue behind them (a
+    call that must wait takes a control thread); then SIGTERM. The drain lets accepted calls finish: the queued
+    Truncates are answered OK once the step ends (they were refused UNAVAILABLE when admission was taken only on a
+    control thread), and the server exits 0."""
     server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", "--shutdown_grace_seconds=60",
                           name="drain")
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
         seq, step, truncate = _long_step_setup(client, rng)
         stub = client.stub(seq.endpoint)
         step_call, truncates = _four_truncates_behind_a_step(stub, step, truncate)
-        creates = [stub.CreateSequence.future(_small_create(), timeout=60) for _ in range(3)]
+        queued = [stub.Truncate.future(truncate, timeout=60) for _ in range(3)]
         time.sleep(0.1)
         assert not step_call.done(), "the step ended before the signal: the test tests nothing"
-        assert not any(c.done() for c in creates), "a Create ran before the signal: the test tests nothing"
+        assert not any(c.done() for c in queued), "a Truncate ran before the signal: the test tests nothing"
         server.proc.send_signal(signal.SIGTERM)
         step_call.result()
         for call in truncates:
             call.result()
-        for call in creates:
-            assert call.result().sequence_id, call
+        for call in queued:
+            assert len(call.result().results) == 1, call
     assert server.proc.wait(timeout=60) == 0, server.logs()
 
 
@@ -185,3 +186,31 @@ def test_a_cancelled_wait_frees_its_thread_and_quick_calls_never_queue(start_ser
         assert quick < 0.1, f"info calls waited {quick:.3f} s behind the Truncates"
         assert create_s < 0.2, f"the Create waited {create_s:.3f} s for the cancelled Truncates' threads"
         assert still_running, "the step ended before the Create: the test tests nothing"
+
+
+def test_calls_that_need_not_wait_never_queue_behind_waiting_ones(start_server, rng):
+    """Four Truncates wait for a long step's pin and keep waiting (their clients stay): an unrelated Create, Append
+    and Truncate from another client are answered at once, on gRPC's thread, while the step still runs. They queued
+    behind the waiting Truncates for the control threads (all four held): a client could stall every other client's
+    Creates for as long as it kept its own sequence pinned (audit)."""
+    server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", name="no_queue")
+    with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
+        seq, step, truncate = _long_step_setup(client, rng)
+        stub = client.stub(seq.endpoint)
+        other = stub.CreateSequence(_small_create(), timeout=60).sequence_id
+        row = tensors.to_proto_rows(np.ones((1, 2, 32), np.float16), "k")
+        step_call, truncates = _four_truncates_behind_a_step(stub, step, truncate)
+        started = time.monotonic()
+        created = stub.CreateSequence(_small_create(), timeout=60)
+        appended = stub.Append(spb.AppendRequest(sequence_id=other, rows=[spb.LayerKV(layer=0, k=row, v=row)]),
+                               timeout=60)
+        stub.Truncate(spb.TruncateRequest(items=[spb.TruncateItem(sequence_id=other, length=0)]), timeout=60)
+        others_s = time.monotonic() - started
+        still_running = not step_call.done()
+        step_call.result()
+        step_s = time.monotonic() - started  # until the step (and the Truncates' waits) ended
+        for call in truncates:
+            call.result()
+        assert created.sequence_id and list(appended.layer_lengths) == [1]
+        assert others_s < step_s / 3, f"the other client's calls took {others_s:.3f} s of the step's {step_s:.3f} s"
+        assert still_running, "the step ended before the other client's calls: the test tests nothing"

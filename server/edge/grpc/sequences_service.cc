@@ -20,6 +20,7 @@
 #include "edge/sequences/sequences_shm.h"
 #include "flashserve/v1/sequences.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kvcache/sequence_cache.h"
 #include "kvcache/sequence_id.h"
 
 namespace flashserve {
@@ -33,6 +34,11 @@ using Admission = AttentionRuntime::Admission;
 // of them stalled every call of the server (gRPC 1.51 has max(2, cores / 2) such threads).
 constexpr int kControlThreads = 4;
 constexpr int kControlQueue = 1024;  // calls waiting for those threads; more: RESOURCE_EXHAUSTED
+// A control call this small is first tried on gRPC's thread, giving up where it would wait
+// (kvcache::NoWaitScope): only calls that must wait take a control thread, so calls that need not
+// never queue behind them. Larger ones (prefixes, appends of many rows: copies of milliseconds)
+// go to the control threads at once.
+constexpr int64_t kTryInlineBytes = int64_t{1} << 20;
 
 // What a control call's work may use of its gRPC call: its deadline, and whether the client is
 // still there.
@@ -181,12 +187,43 @@ class SequencesService final : public SequencesBase {
                                       return status;
                                     });
     };
+    if (refused.ok() && int64_t(raw_request.Length()) <= kTryInlineBytes &&
+        TriedWithoutWaiting<Request, Response>(context, reactor, call.get(), raw_request,
+                                               raw_response, run)) {
+      return reactor;
+    }
     if (refused.ok() && !control_.TrySubmit(std::move(serve))) {
       refused = absl::ResourceExhaustedError(absl::StrCat(
           kControlQueue, " Sequences calls wait already (Create, Append, Truncate); retry later"));
     }
     if (!refused.ok()) FinishUnary(reactor, call.get(), refused, Response(), raw_response);
     return reactor;
+  }
+
+  // Runs a Queued call on this thread unless it would wait (then nothing was done: false, not
+  // answered); true once answered.
+  template <typename Request, typename Response>
+  bool TriedWithoutWaiting(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                           GrpcCall* call, const Raw& raw_request, Raw* raw_response,
+                           Run<Request, Response> run) {
+    Request request;
+    Response response;
+    absl::Status status = ParseRequest(raw_request, &request);
+    const CallBounds bounds{ToAbslTime(context->deadline()),
+                            [context] { return context->IsCancelled(); }};
+    try {
+      kvcache::NoWaitScope no_wait;
+      if (status.ok()) status = (this->*run)(request, &response, bounds);
+      if (no_wait.would_have_waited()) return false;
+    } catch (const std::bad_alloc&) {
+      status = absl::ResourceExhaustedError("out of memory while serving the call");
+    } catch (const std::exception& e) {
+      status = absl::InternalError(absl::StrCat("the call failed: ", e.what()));
+    }
+    call->set_session_id(SequenceIdOf(request));
+    AddMissing(context, status);
+    FinishUnary(reactor, call, status, response, raw_response);
+    return true;
   }
 
   // A control call that never waits (Release, GetSequenceInfo, GetKvPoolInfo), answered on
