@@ -199,6 +199,22 @@ def free_port() -> int:
     raise RuntimeError("no fresh free port in 100 tries")
 
 
+def attention_in_background(address: str, q, k, v, timeout: float = 120):
+    """Starts one Attention call on a thread of its own: (the started thread, a dict that gets "out" or "error")."""
+    result = {}
+
+    def call():
+        try:
+            with flashserve.Client(address, timeout=timeout) as c:
+                result["out"] = c.attention(q, k, v)
+        except BaseException as e:  # noqa: BLE001 - the caller checks it
+            result["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, result
+
+
 def http_get(url: str, timeout: float = 2.0):
     """(status, body) of a GET; status 0 when nothing answered."""
     try:

@@ -9,7 +9,6 @@ its end (work grows as seqlen_q x seqlen_k), so without the stop every check bel
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ import requests
 import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import tensors
+from conftest import attention_in_background
 from test_kserve_rest import binary_request
 
 pytestmark = pytest.mark.e2e
@@ -122,17 +122,7 @@ def test_sigterm_during_a_long_computation_exits_within_the_grace(start_server):
     grace_s = 2
     server = start_server(f"--shutdown_grace_seconds={grace_s}", name="cpu_cancel_sigterm")
     q, k, v = _qkv(LARGE)
-    result = {}
-
-    def call():
-        try:
-            with flashserve.Client(server.address, timeout=120) as c:
-                result["out"] = c.attention(q, k, v)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            result["error"] = e
-
-    thread = threading.Thread(target=call)
-    thread.start()
+    thread, result = attention_in_background(server.address, q, k, v)
     _wait_computing(server, thread.is_alive)
     assert thread.is_alive(), f"the large request finished early: {result}"
     signalled = time.monotonic()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import threading
 import time
 
 import numpy as np
 import pytest
 
 import flashserve
+from conftest import attention_in_background
 from metrics_helpers import scrape
 from tcp_proxy import ThrottlingProxy
 
@@ -54,17 +54,7 @@ def test_sighup_drains_like_sigterm(start_server):
     server = start_server("--shutdown_grace_seconds=60", "--worker_threads=1", name="sighup")
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((1, 4096, 8, 64)).astype(np.float32) for _ in range(3))  # ~34 GFLOP
-    result = {}
-
-    def call():
-        try:
-            with flashserve.Client(server.address, timeout=120) as c:
-                result["out"] = c.attention(q, k, v)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            result["error"] = e
-
-    thread = threading.Thread(target=call)
-    thread.start()
+    thread, result = attention_in_background(server.address, q, k, v)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and _inflight(server) < 1 and thread.is_alive():
         time.sleep(0.005)
@@ -91,18 +81,8 @@ def test_a_second_signal_during_the_drain_stops_it_now(start_server, rng, first,
     proxy = ThrottlingProxy(server.grpc_port, upload_limit=1 << 20)
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(1, 4096, 4, 128), (1, 8, 4, 128),
                                                                              (1, 8, 4, 128)])  # 8 MiB of q
-    result = {}
-
-    def run():
-        try:
-            with flashserve.Client(proxy.address, timeout=120) as c:
-                result["out"] = c.attention(q, k, v)
-        except BaseException as e:  # noqa: BLE001 - checked below
-            result["error"] = e
-
-    thread = threading.Thread(target=run, daemon=True)
+    thread, result = attention_in_background(proxy.address, q, k, v)
     try:
-        thread.start()
         proxy.wait_to_server(1 << 20, timeout=30)
         assert proxy.to_server == 1 << 20, "the upload never reached the stall point"
         time.sleep(0.5)  # the server reads what the proxy passed on: the call is admitted
