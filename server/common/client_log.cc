@@ -22,6 +22,18 @@ ClientLogBudget::Slot ClientLogBudget::Take(absl::Time now) {
   return slot;
 }
 
+bool ClientCaused(absl::StatusCode code) {
+  switch (code) {
+    case absl::StatusCode::kInternal:
+    case absl::StatusCode::kUnknown:
+    case absl::StatusCode::kDataLoss:
+    case absl::StatusCode::kUnavailable:
+      return false;
+    default:
+      return true;
+  }
+}
+
 ClientLogBudget& ProcessClientLogBudget() {
   static ClientLogBudget* budget = new ClientLogBudget();
   return *budget;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "spdlog/spdlog.h"
@@ -34,9 +35,20 @@ class ClientLogBudget {
 
 ClientLogBudget& ProcessClientLogBudget();
 
-/// spdlog::warn for a line a client caused, within the process's budget (else debug).
+/// Whether a failure with this code is the client's doing (bad input, unknown ids, limits, its
+/// own deadline or cancel) and so within the budget; a server fault (INTERNAL, UNKNOWN, DATA_LOSS,
+/// UNAVAILABLE: a broken device, a draining server) always warns -- a flood of bad calls must not
+/// hide one.
+bool ClientCaused(absl::StatusCode code);
+
+/// spdlog::warn for the log line of a failure with `code`: within the process's budget (else at
+/// debug) when ClientCaused(code), always otherwise.
 template <typename... Args>
-void WarnClientCaused(spdlog::format_string_t<Args...> format, Args&&... args) {
+void WarnFailure(absl::StatusCode code, spdlog::format_string_t<Args...> format, Args&&... args) {
+  if (!ClientCaused(code)) {
+    spdlog::warn(format, std::forward<Args>(args)...);
+    return;
+  }
   const ClientLogBudget::Slot slot = ProcessClientLogBudget().Take(absl::Now());
   spdlog::log(slot.level, format, std::forward<Args>(args)...);
   if (slot.demoted_before > 0) {

@@ -237,9 +237,9 @@ void HttpListener::Impl::Report(const RequestState& st, absl::string_view metric
                     metric.empty() ? "request" : std::string(metric), context, http_status,
                     absl::StatusCodeToString(status.code()), LogSafe(status.message()));
     } else {
-      WarnClientCaused("{} {} failed: {}http={} code={} message=\"{}\"", options.name,
-                       std::string(metric), context, http_status,
-                       absl::StatusCodeToString(status.code()), LogSafe(status.message()));
+      WarnFailure(status.code(), "{} {} failed: {}http={} code={} message=\"{}\"", options.name,
+                  std::string(metric), context, http_status,
+                  absl::StatusCodeToString(status.code()), LogSafe(status.message()));
     }
   }
 }

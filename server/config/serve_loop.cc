@@ -16,12 +16,21 @@
 namespace flashserve {
 namespace {
 
+// SIGHUP (a terminal's hang-up) drains rather than kills -- unless the process was started with
+// it ignored (nohup): a blocked signal is never discarded, so taking it would stop a server its
+// operator meant to outlive the session. Read once, in BlockShutdownSignals (first thing in main).
 sigset_t ShutdownSignals() {
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGHUP);  // a terminal's hang-up, some logrotate setups: drain, not die
+  static const sigset_t signals = [] {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    struct sigaction hangup {};
+    if (sigaction(SIGHUP, nullptr, &hangup) == 0 && hangup.sa_handler != SIG_IGN) {
+      sigaddset(&set, SIGHUP);
+    }
+    return set;
+  }();
   return signals;
 }
 

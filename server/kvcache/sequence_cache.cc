@@ -331,6 +331,7 @@ SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(const std::string& id) {
+  if (!WellFormedSequenceId(id)) return nullptr;  // never hashed (as above)
   auto it = table_.find(id);  // no copy of the id (a step looks up every item's)
   if (it == table_.end() || !it->second->ready) return nullptr;
   return it->second.get();

@@ -212,5 +212,5 @@ def test_calls_that_need_not_wait_never_queue_behind_waiting_ones(start_server, 
         for call in truncates:
             call.result()
         assert created.sequence_id and list(appended.layer_lengths) == [1]
-        assert others_s < step_s / 3, f"the other client's calls took {others_s:.3f} s of the step's {step_s:.3f} s"
+        assert others_s < step_s / 2, f"the other client's calls took {others_s:.3f} s of the step's {step_s:.3f} s"
         assert still_running, "the step ended before the other client's calls: the test tests nothing"

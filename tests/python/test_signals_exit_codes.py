@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flashserve
-from conftest import attention_in_background
+from conftest import attention_in_background, free_port, http_get
 from metrics_helpers import scrape
 from tcp_proxy import ThrottlingProxy
 
@@ -69,6 +69,34 @@ def test_sighup_drains_like_sigterm(start_server):
     rows = [0, 1, 2049, 4095]
     ref = flashserve.reference.attention(q[:, rows], k, v)
     np.testing.assert_allclose(result["out"][:, rows], ref, atol=1e-5, rtol=0)
+
+
+def test_a_server_started_with_sighup_ignored_keeps_ignoring_it(flashserve_bin, tmp_path):
+    """`nohup flashserve ...` ignores SIGHUP so that the server outlives the operator's session. Blocking SIGHUP to
+    take it as a shutdown signal overrode that (a blocked signal is never discarded): the server drained and exited
+    when the session closed (review). Now SIGHUP is taken only when it was not ignored at start."""
+    grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
+    log = open(tmp_path / "nohup.log", "w")
+    proc = subprocess.Popen([str(flashserve_bin), "--backend=cpu", "--host=127.0.0.1", f"--grpc_port={grpc_port}",
+                             f"--http_port={http_port}", f"--metrics_port={metrics_port}"], stdout=log, stderr=log,
+                            stdin=subprocess.DEVNULL, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        ready = f"http://127.0.0.1:{http_port}/v2/health/ready"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and http_get(ready)[0] != 200:
+            time.sleep(0.05)
+        assert http_get(ready)[0] == 200, (tmp_path / "nohup.log").read_text()
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None, (tmp_path / "nohup.log").read_text()
+        assert http_get(ready)[0] == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 @pytest.mark.parametrize("first,second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGHUP, signal.SIGINT)],

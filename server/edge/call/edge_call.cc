@@ -24,9 +24,9 @@ void RecordRefusedCall(ServerMetrics* metrics, std::string_view label, const abs
                   absl::StatusCodeToString(status.code()), LogSafe(status.message()));
     return;
   }
-  WarnClientCaused("{} refused: code={} message=\"{}\"", label,
-                   absl::StatusCodeToString(status.code()),
-                   LogSafe(status.message(), kLoggedMessageBytes));
+  WarnFailure(status.code(), "{} refused: code={} message=\"{}\"", label,
+              absl::StatusCodeToString(status.code()),
+              LogSafe(status.message(), kLoggedMessageBytes));
 }
 
 EdgeCall::EdgeCall(ServerMetrics* metrics, CallMethod method)
@@ -61,8 +61,8 @@ void EdgeCall::Finish(const absl::Status& status) {
                             bytes_out_);
   }
   if (!status.ok()) {
-    WarnClientCaused(
-        "{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,
+    WarnFailure(
+        status.code(), "{} failed: request_id=\"{}\"{}{} code={} message=\"{}\"", method_.label,
         LogSafe(request_id_), session_id_.empty() ? "" : " session=", LogSafe(session_id_),
         absl::StatusCodeToString(status.code()), LogSafe(status.message(), kLoggedMessageBytes));
   }

@@ -206,23 +206,28 @@ class SequencesService final : public SequencesBase {
   bool TriedWithoutWaiting(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                            GrpcCall* call, const Raw& raw_request, Raw* raw_response,
                            Run<Request, Response> run) {
-    Request request;
-    Response response;
-    absl::Status status = ParseRequest(raw_request, &request);
     const CallBounds bounds{ToAbslTime(context->deadline()),
                             [context] { return context->IsCancelled(); }};
-    try {
-      kvcache::NoWaitScope no_wait;
-      if (status.ok()) status = (this->*run)(request, &response, bounds);
-      if (no_wait.would_have_waited()) return false;
+    absl::Status thrown;
+    try {  // as RunGuarded: answered exactly once whatever throws
+      Request request;
+      Response response;
+      absl::Status status = ParseRequest(raw_request, &request);
+      {
+        kvcache::NoWaitScope no_wait;
+        if (status.ok()) status = (this->*run)(request, &response, bounds);
+        if (no_wait.would_have_waited()) return false;
+      }
+      call->set_session_id(SequenceIdOf(request));
+      AddMissing(context, status);
+      FinishUnary(reactor, call, status, response, raw_response);
+      return true;
     } catch (const std::bad_alloc&) {
-      status = absl::ResourceExhaustedError("out of memory while serving the call");
+      thrown = absl::ResourceExhaustedError("out of memory while serving the call");
     } catch (const std::exception& e) {
-      status = absl::InternalError(absl::StrCat("the call failed: ", e.what()));
+      thrown = absl::InternalError(absl::StrCat("the call failed: ", e.what()));
     }
-    call->set_session_id(SequenceIdOf(request));
-    AddMissing(context, status);
-    FinishUnary(reactor, call, status, response, raw_response);
+    FinishUnary(reactor, call, thrown, Response(), raw_response);
     return true;
   }
 

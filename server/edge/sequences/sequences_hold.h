@@ -49,19 +49,23 @@ inline int64_t LseBytesAtMost(int64_t q_bytes) { return 2 * q_bytes; }
 
 /// Bytes a DecodeStep keeps in memory while it runs: the request, and the outputs the response
 /// holds (O is q's size; LSE LseBytesAtMost).
+/// Saturates at 2^62 (millions of items each claiming 2^40 bytes in a region overflowed the sum
+/// before the item count was checked).
 inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
+  constexpr int64_t kMost = int64_t{1} << 62;
   int64_t bytes = int64_t(request.ByteSizeLong());
+  auto add = [&](int64_t n) { bytes = std::min(kMost, bytes + std::min(n, kMost)); };
   if (request.has_packed()) {  // O and LSE in the response unless in a region
     const v1::PackedDecodeRows& packed = request.packed();
     const int64_t q = QueryBytes(packed.q());
-    if (!packed.has_out_shm()) bytes += q;
-    if (request.return_lse() && !packed.has_lse_shm()) bytes += LseBytesAtMost(q);
+    if (!packed.has_out_shm()) add(q);
+    if (request.return_lse() && !packed.has_lse_shm()) add(LseBytesAtMost(q));
     return bytes;
   }
   for (const v1::DecodeItem& item : request.items()) {
     const int64_t q = QueryBytes(item.q());
-    if (!item.has_out_shm()) bytes += q;
-    if (request.return_lse() && !item.has_lse_shm()) bytes += LseBytesAtMost(q);
+    if (!item.has_out_shm()) add(q);
+    if (request.return_lse() && !item.has_lse_shm()) add(LseBytesAtMost(q));
   }
   return bytes;
 }

@@ -245,5 +245,47 @@ TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
   EXPECT_EQ(cut->dropped, 2);
 }
 
+// Under a NoWaitScope (the gRPC edge's first try of a control call) a Truncate that would wait for
+// a step gives up at once with nothing cut and says so; without one it waits as before; and the
+// scope ends with its block (it must not reach the thread's next call).
+TEST_F(TruncateTest, UnderANoWaitScopeATruncateThatWouldWaitGivesUpAtOnceCuttingNothing) {
+  std::vector<DenseLayer> dense;
+  const std::string id = Create(4, &dense);
+  const Bits q = RandomRows(&rng_, 2, kHeadsQ, kDim, kDtype);
+  const Bits k = KvRows(2), v = KvRows(2);
+  auto plan = std::make_unique<StepPlan>(
+      *cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}}));
+  const absl::Time start = absl::Now();
+  {
+    NoWaitScope no_wait;
+    EXPECT_FALSE(no_wait.would_have_waited());
+    const absl::StatusOr<TruncateResult> tried = Cut(id, 4, {0}, absl::Now() + absl::Seconds(30));
+    EXPECT_EQ(tried.status().code(), absl::StatusCode::kDeadlineExceeded) << tried.status();
+    EXPECT_TRUE(no_wait.would_have_waited());
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the try waited for the step";
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{6, 4}));
+  {
+    std::vector<DenseLayer> other_dense;
+    const std::string other = Create(4, &other_dense);
+    NoWaitScope no_wait;  // a call that need not wait runs whole
+    EXPECT_TRUE(Cut(other, 2, {0}, absl::Now() + absl::Seconds(30)).ok());
+    EXPECT_FALSE(no_wait.would_have_waited());
+    EXPECT_EQ(Lengths(other), (std::vector<int64_t>{2, 4}));
+  }
+  std::future<absl::StatusOr<TruncateResult>> waiting = std::async(
+      std::launch::async, [&] { return Cut(id, 4, {0}, absl::Now() + absl::Seconds(30)); });
+  EXPECT_EQ(waiting.wait_for(std::chrono::milliseconds(100)), std::future_status::timeout);
+  const absl::StatusOr<TruncateResult> same_thread = [&] {
+    { NoWaitScope ended; }
+    return Cut(id, 4, {0}, absl::Now() + absl::Milliseconds(150));  // waits: the scope is over
+  }();
+  EXPECT_EQ(same_thread.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(150));
+  plan.reset();
+  ASSERT_TRUE(waiting.get().ok());
+  EXPECT_EQ(Lengths(id), (std::vector<int64_t>{4, 4}));
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache

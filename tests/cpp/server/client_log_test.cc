@@ -37,5 +37,18 @@ TEST(ClientLogBudget, AClockGoingBackEarnsNothing) {
   EXPECT_EQ(budget.Take(t0 - absl::Seconds(30)).level, spdlog::level::debug);
 }
 
+// A flood of bad calls spends the budget; a server fault's line must still be a warning.
+TEST(ClientLogBudget, OnlyClientCausedCodesAreBudgeted) {
+  for (absl::StatusCode code : {absl::StatusCode::kInvalidArgument, absl::StatusCode::kNotFound,
+                                absl::StatusCode::kResourceExhausted, absl::StatusCode::kCancelled,
+                                absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kAborted}) {
+    EXPECT_TRUE(ClientCaused(code)) << absl::StatusCodeToString(code);
+  }
+  for (absl::StatusCode code : {absl::StatusCode::kInternal, absl::StatusCode::kUnknown,
+                                absl::StatusCode::kDataLoss, absl::StatusCode::kUnavailable}) {
+    EXPECT_FALSE(ClientCaused(code)) << absl::StatusCodeToString(code);
+  }
+}
+
 }  // namespace
 }  // namespace flashserve
