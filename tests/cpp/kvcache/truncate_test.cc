@@ -67,6 +67,16 @@ class TruncateTest : public ::testing::Test {
     return r->front();
   }
 
+  // A prepared step appending 2 rows to layer 0: it pins `id` until the plan is destroyed.
+  std::unique_ptr<StepPlan> PinWithAStep(const std::string& id) {
+    pin_q_ = RandomRows(&rng_, 2, kHeadsQ, kDim, kDtype);
+    pin_k_ = KvRows(2);
+    pin_v_ = KvRows(2);
+    return std::make_unique<StepPlan>(*cache_->PrepareStep(
+        {{id, 0, Rows(pin_q_, kHeadsQ, kDim, kDtype), KvOf(pin_k_), KvOf(pin_v_), -1}}));
+  }
+  Bits pin_q_, pin_k_, pin_v_;  // what PinWithAStep's plan reads
+
   // One step on `layer`: appends `rows` new random rows (mirrored in *dense) and attends `rows`
   // causal query rows; checks O/LSE against the fp64 reference over *dense.
   void StepAndCheck(const std::string& id, int layer, int rows, DenseLayer* dense,
@@ -229,10 +239,7 @@ TEST_F(TruncateTest, AMalformedCallIsRefusedAtOnceWhileAStepRuns) {
 TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
   std::vector<DenseLayer> dense;
   const std::string id = Create(4, &dense);
-  const Bits q = RandomRows(&rng_, 2, kHeadsQ, kDim, kDtype);
-  const Bits k = KvRows(2), v = KvRows(2);
-  auto plan = std::make_unique<StepPlan>(
-      *cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}}));
+  std::unique_ptr<StepPlan> plan = PinWithAStep(id);
   absl::StatusOr<TruncateResult> early = Cut(id, 4, {0}, absl::Now() + absl::Milliseconds(60));
   ASSERT_EQ(early.status().code(), absl::StatusCode::kDeadlineExceeded) << early.status();
   EXPECT_EQ(Lengths(id), (std::vector<int64_t>{6, 4}));
@@ -251,10 +258,7 @@ TEST_F(TruncateTest, WaitsForThePreparedStepThatReadsTheRows) {
 TEST_F(TruncateTest, UnderANoWaitScopeATruncateThatWouldWaitGivesUpAtOnceCuttingNothing) {
   std::vector<DenseLayer> dense;
   const std::string id = Create(4, &dense);
-  const Bits q = RandomRows(&rng_, 2, kHeadsQ, kDim, kDtype);
-  const Bits k = KvRows(2), v = KvRows(2);
-  auto plan = std::make_unique<StepPlan>(
-      *cache_->PrepareStep({{id, 0, Rows(q, kHeadsQ, kDim, kDtype), KvOf(k), KvOf(v), -1}}));
+  std::unique_ptr<StepPlan> plan = PinWithAStep(id);
   const absl::Time start = absl::Now();
   {
     NoWaitScope no_wait;
