@@ -21,6 +21,16 @@ from tcp_proxy import ThrottlingProxy
 pytestmark = pytest.mark.e2e
 
 
+@pytest.fixture(autouse=True)
+def sighup_not_ignored():
+    """Servers started here take SIGHUP as a shutdown signal unless they inherit it ignored: a test run under nohup
+    (or a CI runner that ignores it) would pass that on. SIGHUP is the default for the children of these tests; the
+    test that wants it ignored sets that in its own child."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, before)
+
+
 def _inflight(server) -> float:
     return scrape(f"http://127.0.0.1:{server.metrics_port}/metrics").value("flashserve_inflight_requests")
 
