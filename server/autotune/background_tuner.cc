@@ -58,7 +58,7 @@ bool BackgroundTuner::MayQueueLocked(const std::string& key) {
   if (failed != failed_.end()) {
     return failed->second.count < options_.max_failures && absl::Now() >= failed->second.retry_at;
   }
-  if (cache_->size() + known_.size() + failed_.size() < size_t(options_.max_classes)) return true;
+  if (ClassesHeldLocked() < size_t(options_.max_classes)) return true;
   Event("skipped");
   if (!warned_full_) {
     warned_full_ = true;
@@ -68,6 +68,14 @@ bool BackgroundTuner::MayQueueLocked(const std::string& key) {
         options_.max_classes);
   }
   return false;
+}
+
+// Cached, queued or failed, each class once: a failed class queued again is in known_ and
+// failed_ (counted twice, it made the cap refuse a class early).
+size_t BackgroundTuner::ClassesHeldLocked() const {
+  size_t held = cache_->size() + known_.size() + failed_.size();
+  for (const std::string& key : known_) held -= failed_.count(key);
+  return held;
 }
 
 bool BackgroundTuner::WaitIdle(absl::Duration timeout) {

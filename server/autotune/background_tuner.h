@@ -66,6 +66,7 @@ class BackgroundTuner {
   void RunJob(Job& job);
   /// Whether `key` may be queued now (not queued, running, given up on or past the bounds).
   bool MayQueueLocked(const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t ClassesHeldLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Event(const char* event) {
     if (on_event_) on_event_(event);
   }

@@ -145,6 +145,8 @@ ABSL_FLAG(
     int64_t, max_inflight_bytes, flashserve::LimitsOptions{}.max_inflight_bytes,
     "Tensor bytes (inputs + outputs) of all accepted, unfinished requests; a request that would "
     "pass it gets RESOURCE_EXHAUSTED (one request alone is always admitted); 0: no limit");
+// The help text below spells the headroom out (a flag's help must be a literal).
+static_assert(flashserve::ServerConfig::kMinGrpcMemoryQuotaHeadroom == 4194304);
 ABSL_FLAG(
     int64_t, grpc_memory_quota_bytes, flashserve::NetworkOptions{}.grpc_memory_quota_bytes,
     "gRPC resource quota for its buffers (received messages included): over it, new calls get "

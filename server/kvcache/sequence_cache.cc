@@ -327,11 +327,14 @@ absl::Status SequenceCache::CopyRows(const Sequence& seq, int layer, int64_t fro
 SequenceCache::Sequence* SequenceCache::FindLocked(std::string_view id) {
   // Only an id this server could have issued is copied and looked up (a client's 1 MiB "id" was
   // copied and hashed under the cache's lock).
-  return WellFormedSequenceId(id) ? FindLocked(std::string(id)) : nullptr;
+  return WellFormedSequenceId(id) ? LookUpLocked(std::string(id)) : nullptr;
 }
 
 SequenceCache::Sequence* SequenceCache::FindLocked(const std::string& id) {
-  if (!WellFormedSequenceId(id)) return nullptr;  // never hashed (as above)
+  return WellFormedSequenceId(id) ? LookUpLocked(id) : nullptr;  // never hashed (as above)
+}
+
+SequenceCache::Sequence* SequenceCache::LookUpLocked(const std::string& id) {
   auto it = table_.find(id);  // no copy of the id (a step looks up every item's)
   if (it == table_.end() || !it->second->ready) return nullptr;
   return it->second.get();

@@ -233,6 +233,7 @@ class SequenceCache {
   absl::Time Now() const { return options_.clock ? options_.clock() : absl::Now(); }
   Sequence* FindLocked(std::string_view id);  // needs mu_
   Sequence* FindLocked(const std::string& id);
+  Sequence* LookUpLocked(const std::string& id);  // a well-formed id only
   absl::Status ValidateCreate(const CreateRequest& request) const;
   int64_t MaxTokensOf(const CreateRequest& request) const;  // 0 -> --max_sequence_tokens
   // The record of a new sequence for `request` (no pages yet).

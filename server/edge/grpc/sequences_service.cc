@@ -392,7 +392,8 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   // A q in a region makes an O of its size in the answer, past what its message bounds: one that
   // gRPC could not send is refused before anything is sized from it (a call alone is always
   // admitted under --max_inflight_bytes).
-  if (const int64_t answer = DecodeAnswerBytesAtMost(*state->request);
+  const int64_t step_bytes = DecodeStepBytes(*state->request);
+  if (const int64_t answer = step_bytes - int64_t(state->request->ByteSizeLong());
       answer > kMaxInlineAnswerBytes) {
     return AnswerUnary(
         context, grpc_call.get(),
@@ -411,7 +412,7 @@ grpc::ServerUnaryReactor* SequencesService::DecodeStep(grpc::CallbackServerConte
   auto hold = std::make_shared<CallHold>();
   InitSequenceShm(runtime_->shm_regions(), sequences_, &hold->shm);
   return Launch(
-      context, grpc_call, DecodeStepBytes(*state->request), hold,
+      context, grpc_call, step_bytes, hold,
       [state, max_items, hold] {
         return BuildDecodeStep(*state->request, max_items, &hold->shm, state->response,
                                &state->answer);

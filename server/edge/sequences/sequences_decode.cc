@@ -152,9 +152,9 @@ void FillTiming(const DecodeReport& report, absl::Time received, v1::Timing* tim
 
 absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, const char* name,
                                                    bool optional, SequenceShm* shm) {
-  absl::StatusOr<kvcache::HostRows> rows = tensor.has_shm() && shm != nullptr
-                                               ? ShmRows(tensor, name, shm)
-                                               : RowsFromTensor(tensor, name, optional);
+  const bool in_region = tensor.has_shm() && shm != nullptr;
+  absl::StatusOr<kvcache::HostRows> rows =
+      in_region ? ShmRows(tensor, name, shm) : RowsFromTensor(tensor, name, optional);
   // Bounded before anything is sized from them (O is q's size): a q in a region claiming
   // [16, 8192, 24576] had 6 GiB of O allocated before its sequence was looked up (audit).
   if (rows.ok() && (rows->heads > kvcache::kMaxHeads || rows->head_dim > kvcache::kMaxHeadDim)) {
@@ -162,7 +162,7 @@ absl::StatusOr<kvcache::HostRows> DecodeTensorRows(const v1::Tensor& tensor, con
         name, ": [", rows->rows, ", ", rows->heads, ", ", rows->head_dim, "]: heads at most ",
         kvcache::kMaxHeads, " and head_dim at most ", kvcache::kMaxHeadDim));
   }
-  if (tensor.has_shm() && shm != nullptr) return rows;
+  if (in_region) return rows;
   // Rows in the message whose bytes the server's malloc took from the page-locked receive arena
   // (buffer-sized strings, e.g. a packed step's q): the GPU store reads them where they are
   // instead of copying them into its staging first.

@@ -70,11 +70,6 @@ inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
   return bytes;
 }
 
-/// The bytes of O and LSE a DecodeStep's answer would carry at most (those not in a region).
-inline int64_t DecodeAnswerBytesAtMost(const v1::DecodeStepRequest& request) {
-  return DecodeStepBytes(request) - int64_t(request.ByteSizeLong());
-}
-
 /// The same for an Attend: the request, O and LSE.
 inline int64_t AttendBytes(const v1::AttendRequest& request) {
   const int64_t q = int64_t(request.q().data().size());

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "autotune/background_tuner.h"
 #include "autotune/problem_class.h"
@@ -492,6 +493,42 @@ TEST(BackgroundTuner, RetriesAFailedClassAfterAWhileAndGivesUp) {
     absl::SleepFor(absl::Milliseconds(250));
   }
   EXPECT_EQ(broken.load(), 3);  // given up after max_failures
+}
+
+// A failed class queued again is one class against max_classes, not two (it is in the queue and
+// among the failed ones until it runs).
+TEST(BackgroundTuner, AFailedClassQueuedAgainCountsOnceAgainstMaxClasses) {
+  TuneCache cache(Header());
+  BackgroundTuner::Options options;
+  options.max_classes = 3;
+  options.retry_failed_after = absl::Milliseconds(50);
+  std::vector<std::string> events;
+  absl::Mutex events_mu;
+  BackgroundTuner tuner(
+      &cache, [](const ProblemClass&) -> absl::StatusOr<TuneRecord> { return TuneRecord{}; },
+      options,
+      [&](const char* e) {
+        absl::MutexLock lock(&events_mu);
+        events.push_back(e);
+      });
+  std::atomic<int> flaky{0}, later{0};
+  tuner.Lookup("flaky", FlakyJob(&flaky, 1));
+  ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  absl::SleepFor(absl::Milliseconds(100));
+  absl::Notification release;
+  tuner.Lookup("blocker", [&release]() -> absl::StatusOr<TuneRecord> {
+    release.WaitForNotification();
+    return TuneRecord{"splits=1", 1, "", 0, "", 0, 1};
+  });
+  tuner.Lookup("flaky", FlakyJob(&flaky, 1));  // queued behind the blocker, still failed once
+  tuner.Lookup("later", FlakyJob(&later, 0));  // blocker + flaky + later: 3 classes
+  release.Notify();
+  ASSERT_TRUE(tuner.WaitIdle(absl::Seconds(10)));
+  EXPECT_EQ(flaky.load(), 2);
+  EXPECT_EQ(later.load(), 1);
+  EXPECT_EQ(cache.size(), 3u);
+  absl::MutexLock lock(&events_mu);
+  EXPECT_EQ(std::count(events.begin(), events.end(), std::string("skipped")), 0);
 }
 
 }  // namespace
