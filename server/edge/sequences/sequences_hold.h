@@ -43,9 +43,18 @@ inline int64_t QueryBytes(const v1::Tensor& q) {
   return int64_t(std::min<uint64_t>(q.shm().byte_size(), uint64_t{1} << 40));
 }
 
-/// LSE's bytes at most, for q of `q_bytes`: 4 per (row, head), q's 2 * head_dim at least (twice
-/// q's bytes at head_dim 1 of a 2-byte dtype).
-inline int64_t LseBytesAtMost(int64_t q_bytes) { return 2 * q_bytes; }
+/// LSE's bytes for q of `q_bytes`: 4 per (row, head), i.e. 4 * q_bytes / (element size *
+/// head_dim) from q's dtype and last dimension. A claim the bytes contradict is refused before an
+/// answer is made, so the estimate need only hold for consistent ones (2 * q_bytes, the most, was
+/// 128x LSE's size at d128 and refused steps whose answers fit a message). Without a usable last
+/// dimension: 2 * q_bytes (head_dim 1 of a 2-byte dtype).
+inline int64_t LseBytesAtMost(const v1::Tensor& q, int64_t q_bytes) {
+  const int64_t head_dim = q.shape_size() > 0 ? q.shape(q.shape_size() - 1) : 0;
+  if (head_dim < 1) return 2 * q_bytes;
+  const int64_t element = q.dtype() == v1::FLOAT32 ? 4 : 2;
+  const int64_t row_bytes = element * std::min(head_dim, int64_t{1} << 40);  // no overflow
+  return (4 * q_bytes + row_bytes - 1) / row_bytes;
+}
 
 /// Bytes a DecodeStep keeps in memory while it runs: the request, and the outputs the response
 /// holds (O is q's size; LSE LseBytesAtMost).
@@ -59,13 +68,13 @@ inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
     const v1::PackedDecodeRows& packed = request.packed();
     const int64_t q = QueryBytes(packed.q());
     if (!packed.has_out_shm()) add(q);
-    if (request.return_lse() && !packed.has_lse_shm()) add(LseBytesAtMost(q));
+    if (request.return_lse() && !packed.has_lse_shm()) add(LseBytesAtMost(packed.q(), q));
     return bytes;
   }
   for (const v1::DecodeItem& item : request.items()) {
     const int64_t q = QueryBytes(item.q());
     if (!item.has_out_shm()) add(q);
-    if (request.return_lse() && !item.has_lse_shm()) add(LseBytesAtMost(q));
+    if (request.return_lse() && !item.has_lse_shm()) add(LseBytesAtMost(item.q(), q));
   }
   return bytes;
 }
@@ -73,7 +82,8 @@ inline int64_t DecodeStepBytes(const v1::DecodeStepRequest& request) {
 /// The same for an Attend: the request, O and LSE.
 inline int64_t AttendBytes(const v1::AttendRequest& request) {
   const int64_t q = int64_t(request.q().data().size());
-  return int64_t(request.ByteSizeLong()) + q + (request.return_lse() ? LseBytesAtMost(q) : 0);
+  return int64_t(request.ByteSizeLong()) + q +
+         (request.return_lse() ? LseBytesAtMost(request.q(), q) : 0);
 }
 
 }  // namespace flashserve
