@@ -142,9 +142,10 @@ class StepPlan {
 /// While one lives on a thread, the cache's calls made on that thread give up -- at once and with
 /// nothing done, DEADLINE_EXCEEDED -- where they would wait for another call (a step's pin, another
 /// append, another create with the same token), and would_have_waited() says so. The edge tries a
-/// control call this way on gRPC's thread and queues it for a thread of its own only when it must
-/// wait: calls that need not wait never queue behind ones that do (four waiting Truncates held
-/// every other client's Create for as long as a step pinned their sequence).
+/// control call this way first (on gRPC's thread, or on threads of its own for large ones) and
+/// queues it for a waiting thread only when it must wait: calls that need not wait never queue
+/// behind ones that do (four waiting Truncates held every other client's Create for as long as a
+/// step pinned their sequence).
 class NoWaitScope {
  public:
   NoWaitScope();

@@ -214,3 +214,33 @@ def test_calls_that_need_not_wait_never_queue_behind_waiting_ones(start_server, 
         assert created.sequence_id and list(appended.layer_lengths) == [1]
         assert others_s < step_s / 2, f"the other client's calls took {others_s:.3f} s of the step's {step_s:.3f} s"
         assert still_running, "the step ended before the other client's calls: the test tests nothing"
+
+
+def test_large_calls_that_need_not_wait_never_queue_behind_waiting_ones(start_server, rng):
+    """As above with calls over 1 MiB (real prefixes are many MiB): sixteen Truncates wait for a long step's pin, and
+    an unrelated Create with a 2 MiB prefix and a 1.5 MiB Append to it are answered at once, tried on the server's
+    threads for large calls, while the step still runs. They went straight to the control threads and queued behind
+    the waiting Truncates for as long as the step ran (audit: 1.6-3.1 s for a 1.17 MiB Create, 8 ms alone)."""
+    server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", name="no_queue_large")
+    with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
+        seq, step, truncate = _long_step_setup(client, rng)
+        stub = client.stub(seq.endpoint)
+        prefix = tensors.to_proto_rows(rng.standard_normal((512, 8, 128)).astype(np.float16), "k")
+        rows = tensors.to_proto_rows(rng.standard_normal((384, 8, 128)).astype(np.float16), "k")
+        create = spb.CreateSequenceRequest(num_layers=1, heads_q=8, heads_kv=8, head_dim=128, dtype=1,
+                                           prefix=[spb.LayerKV(layer=0, k=prefix, v=prefix)])
+        step_call, truncates = _four_truncates_behind_a_step(stub, step, truncate)
+        truncates += [stub.Truncate.future(truncate, timeout=60) for _ in range(12)]
+        started = time.monotonic()
+        created = stub.CreateSequence(create, timeout=60)
+        appended = stub.Append(spb.AppendRequest(sequence_id=created.sequence_id,
+                                                 rows=[spb.LayerKV(layer=0, k=rows, v=rows)]), timeout=60)
+        others_s = time.monotonic() - started
+        still_running = not step_call.done()
+        step_call.result()
+        step_s = time.monotonic() - started  # until the step (and the Truncates' waits) ended
+        for call in truncates:
+            call.result()
+        assert list(created.layer_lengths) == [512] and list(appended.layer_lengths) == [896]
+        assert others_s < step_s / 2, f"the other client's calls took {others_s:.3f} s of the step's {step_s:.3f} s"
+        assert still_running, "the step ended before the other client's calls: the test tests nothing"

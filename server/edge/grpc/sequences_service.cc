@@ -30,15 +30,27 @@ namespace {
 using Admission = AttentionRuntime::Admission;
 
 // The calls that may wait (Create, Append, Truncate: for another call's copy or a step's pin)
-// run on threads of the server's own (common/work_queue.h), never on gRPC's: waiting there, two
+// wait on threads of the server's own (common/work_queue.h), never on gRPC's: waiting there, two
 // of them stalled every call of the server (gRPC 1.51 has max(2, cores / 2) such threads).
 constexpr int kControlThreads = 4;
 constexpr int kControlQueue = 1024;  // calls waiting for those threads; more: RESOURCE_EXHAUSTED
-// A control call this small is first tried on gRPC's thread, giving up where it would wait
-// (kvcache::NoWaitScope): only calls that must wait take a control thread, so calls that need not
-// never queue behind them. Larger ones (prefixes, appends of many rows: copies of milliseconds)
-// go to the control threads at once.
+// Every such call is first tried giving up where it would wait (kvcache::NoWaitScope): only calls
+// that must wait take a control thread, so calls that need not never queue behind them. One of at
+// most kTryInlineBytes is tried on gRPC's thread; a larger one (a prefix, an append of many rows:
+// copies of milliseconds, too long for gRPC's few threads) on kTryThreads of the server's own.
 constexpr int64_t kTryInlineBytes = int64_t{1} << 20;
+constexpr int kTryThreads = 4;
+constexpr int kTryQueue = 1024;  // large calls waiting for those threads; more: RESOURCE_EXHAUSTED
+
+absl::Status ControlQueueFull() {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      kControlQueue, " Sequences calls wait already (Create, Append, Truncate); retry later"));
+}
+absl::Status TryQueueFull() {
+  return absl::ResourceExhaustedError(
+      absl::StrCat(kTryQueue, " Sequences calls of over ", kTryInlineBytes,
+                   " bytes wait already to be tried (Create, Append, Truncate); retry later"));
+}
 
 // What a control call's work may use of its gRPC call: its deadline, and whether the client is
 // still there.
@@ -158,11 +170,11 @@ class SequencesService final : public SequencesBase {
   template <typename Request, typename Response>
   using Run = absl::Status (SequencesService::*)(const Request&, Response*, const CallBounds&);
 
-  // A control call that may wait (Create, Append, Truncate), answered from the control threads
-  // (kControlThreads): admitted and its bytes counted against --max_inflight_bytes at arrival
-  // (so a drain waits for it; refused at once when either fails, or when kControlQueue calls
-  // wait already), recorded from its arrival to the answer. One whose client left or whose
-  // deadline passed while it waited is answered so without running.
+  // A control call that may wait (Create, Append, Truncate): admitted and its bytes counted
+  // against --max_inflight_bytes at arrival (so a drain waits for it; refused at once when either
+  // fails, or when its queue is full), both held until it is answered; recorded from its arrival
+  // to the answer. Tried without waiting first (kTryInlineBytes), then on a control thread. One
+  // whose client left or whose deadline passed while it was queued is answered so without running.
   template <typename Request, typename Response>
   grpc::ServerUnaryReactor* Queued(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                    const Raw& raw_request, Raw* raw_response,
@@ -176,7 +188,13 @@ class SequencesService final : public SequencesBase {
     absl::Status refused =
         *admission ? absl::OkStatus() : absl::UnavailableError("server shutting down");
     if (refused.ok()) refused = hold->Reserve(runtime_, int64_t(raw_request.Length()));
-    auto serve = [this, context, reactor, call, admission, hold, &raw_request, raw_response, run] {
+    if (!refused.ok()) {
+      FinishUnary(reactor, call.get(), refused, Response(), raw_response);
+      return reactor;
+    }
+    // On a control thread, waiting if it must. Its copies hold the admission and the bytes.
+    const std::function<void()> serve = [this, context, reactor, call, admission, hold,
+                                         &raw_request, raw_response, run] {
       const CallBounds bounds{ToAbslTime(context->deadline()),
                               [context] { return context->IsCancelled(); }};
       RunGuarded<Request, Response>(context, reactor, call.get(), raw_request, raw_response,
@@ -187,21 +205,41 @@ class SequencesService final : public SequencesBase {
                                       return status;
                                     });
     };
-    if (refused.ok() && int64_t(raw_request.Length()) <= kTryInlineBytes &&
-        TriedWithoutWaiting<Request, Response>(context, reactor, call.get(), raw_request,
-                                               raw_response, run)) {
-      return reactor;
+    const std::function<void()> try_first = [this, context, reactor, call, &raw_request,
+                                             raw_response, run, serve] {
+      if (!TriedWithoutWaiting<Request, Response>(context, reactor, call.get(), raw_request,
+                                                  raw_response, run)) {
+        SubmitOrRefuse<Response>(&control_, serve, &ControlQueueFull, reactor, call.get(),
+                                 raw_response);
+      }
+    };
+    if (int64_t(raw_request.Length()) <= kTryInlineBytes) {
+      try_first();
+    } else {
+      SubmitOrRefuse<Response>(&tries_, try_first, &TryQueueFull, reactor, call.get(),
+                               raw_response);
     }
-    if (refused.ok() && !control_.TrySubmit(std::move(serve))) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          kControlQueue, " Sequences calls wait already (Create, Append, Truncate); retry later"));
-    }
-    if (!refused.ok()) FinishUnary(reactor, call.get(), refused, Response(), raw_response);
     return reactor;
   }
 
+  // Queues a copy of `task` (which answers the call) on `queue`, else answers RESOURCE_EXHAUSTED:
+  // answered either way. The caller's `task` keeps what it holds until the refusal is answered.
+  template <typename Response>
+  void SubmitOrRefuse(WorkQueue* queue, const std::function<void()>& task, absl::Status (*full)(),
+                      grpc::ServerUnaryReactor* reactor, GrpcCall* call, Raw* raw_response) {
+    absl::Status refused;
+    try {  // copying `task` allocates: on a pool thread nothing else would answer
+      if (queue->TrySubmit(task)) return;
+      refused = full();
+    } catch (const std::bad_alloc&) {
+      refused = absl::ResourceExhaustedError("out of memory while queueing the call");
+    }
+    FinishUnary(reactor, call, refused, Response(), raw_response);
+  }
+
   // Runs a Queued call on this thread unless it would wait (then nothing was done: false, not
-  // answered); true once answered.
+  // answered); true once answered. A stale one (it may have queued for kTryThreads) is answered
+  // so without running.
   template <typename Request, typename Response>
   bool TriedWithoutWaiting(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                            GrpcCall* call, const Raw& raw_request, Raw* raw_response,
@@ -213,6 +251,7 @@ class SequencesService final : public SequencesBase {
       Request request;
       Response response;
       absl::Status status = ParseRequest(raw_request, &request);
+      if (status.ok()) status = StaleControlCall(bounds);
       {
         kvcache::NoWaitScope no_wait;
         if (status.ok()) status = (this->*run)(request, &response, bounds);
@@ -308,8 +347,10 @@ class SequencesService final : public SequencesBase {
   SequenceRuntime* const sequences_;
   HeapRetention* const heap_retention_;  // may be null
   // Last: destroyed first, running what is queued while the rest is still there (gRPC has
-  // finished every call by then: its Shutdown waits for them).
+  // finished every call by then: its Shutdown waits for them); tries_ before control_, which its
+  // tasks may queue into.
   WorkQueue control_{kControlThreads, kControlQueue};
+  WorkQueue tries_{kTryThreads, kTryQueue};
 };
 
 grpc::ServerUnaryReactor* SequencesService::Launch(

@@ -1,6 +1,8 @@
 // The Sequences edge: flashserve.v1.Sequences (proto/flashserve/v1/sequences.proto), a KV cache
-// that stays on the server. Create/Append/Release/info run on the gRPC thread (copies into the
-// pool); Attend and DecodeStep go through the SequenceRuntime (queue, batching, the paged launch).
+// that stays on the server. Release and the info calls run on gRPC's thread; Create/Append/
+// Truncate are tried without waiting first and wait, if they must, on threads of the edge's own
+// (sequences_service.cc says which); Attend and DecodeStep go through the SequenceRuntime (queue,
+// batching, the paged launch).
 // Every call is admitted like other requests (AttentionRuntime::Admit: refused while draining,
 // waited for by the drain), counted by its GrpcCall, and behind the edge's bearer-token gate.
 #pragma once
