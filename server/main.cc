@@ -9,7 +9,8 @@
 // the backend turned unhealthy (a sticky CUDA fault): the process drains for
 // --shutdown_grace_seconds and exits so that its supervisor restarts it with a fresh GPU context;
 // 3 also when the shutdown outlasts the grace period by over 20 s (a device launch that never
-// completes).
+// completes), or 20 s after a second signal (kShutdownOverrunSeconds), and at once at a signal
+// after that second one (a forced stop: WatchShutdownSignals).
 #include <memory>
 #include <optional>
 #include <string>

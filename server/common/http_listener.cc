@@ -328,9 +328,7 @@ MHD_Result HttpListener::Impl::Body(MHD_Connection* connection, RequestState* st
   if (options.min_body_bytes_per_s > 0 && elapsed > kMinBodyRateGrace &&
       double(st->bytes_in) <
           absl::ToDoubleSeconds(elapsed) * double(options.min_body_bytes_per_s)) {
-    st->closed_because = HttpTimeoutError(absl::StrCat(
-        "the body arrived at ", int64_t(double(st->bytes_in) / absl::ToDoubleSeconds(elapsed)),
-        " bytes/s on average, under --http_min_body_bytes_per_s=", options.min_body_bytes_per_s));
+    st->closed_because = BodyTooSlowError(elapsed, st->bytes_in);
     spdlog::debug("{}: {}; connection closed", options.name,
                   std::string(st->closed_because.message()));
     return MHD_NO;

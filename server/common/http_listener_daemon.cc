@@ -90,9 +90,34 @@ bool HttpListener::Impl::BodyStalled(absl::Duration elapsed, int64_t bytes, bool
   return double(bytes) < absl::ToDoubleSeconds(elapsed) * double(options.min_body_bytes_per_s);
 }
 
-// Closes connections stuck in the request line or headers (a slowloris trickles them). The
-// socket is shut down, not closed, under `mu`: libmicrohttpd sees end of input and closes it
+absl::Status HttpListener::Impl::BodyTooSlowError(absl::Duration elapsed, int64_t bytes) const {
+  const double seconds = std::max(absl::ToDoubleSeconds(elapsed), 1e-3);
+  return HttpTimeoutError(absl::StrCat(
+      "the body arrived at ", int64_t(double(bytes) / seconds),
+      " bytes/s on average, under --http_min_body_bytes_per_s=", options.min_body_bytes_per_s));
+}
+
+// The socket is shut down, not closed, under `mu`: libmicrohttpd sees end of input and closes it
 // itself, and it cannot have closed the descriptor yet (its close notification takes `mu`).
+void HttpListener::Impl::CutOff(ConnectionState* c, absl::Status why) {
+  if (c->phase != Phase::kAwaiting) {
+    spdlog::debug("{}: {}; connection closed", options.name, std::string(why.message()));
+  }
+  if (c->cut_because.ok()) c->cut_because = std::move(why);
+  shutdown(c->fd, SHUT_RDWR);
+  c->fd = -1;
+}
+
+absl::Status HttpListener::Impl::CutReason(MHD_Connection* connection) {
+  const MHD_ConnectionInfo* info =
+      MHD_get_connection_info(connection, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  if (info == nullptr || info->socket_context == nullptr) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(mu);
+  return static_cast<ConnectionState*>(info->socket_context)->cut_because;
+}
+
+// Closes connections stuck in the request line or headers (a slowloris trickles them), in a body
+// (a timeout, the rate floor) or idle, recording why (CutOff).
 void HttpListener::Impl::Sweep() {
   const absl::Duration idle = absl::Seconds(options.idle_timeout_s);
   const absl::Duration header = absl::Seconds(options.header_timeout_s);
@@ -114,9 +139,23 @@ void HttpListener::Impl::Sweep() {
       // (complete headers, then silence, held connection slots for the whole idle timeout).
       const bool stalled = c->phase == Phase::kBody &&
                            BodyStalled(now - c->since, c->body_bytes, /*at_the_cap=*/false);
-      if ((stalled || now - c->since > limit) && c->fd >= 0) {
-        shutdown(c->fd, SHUT_RDWR);
-        c->fd = -1;
+      if ((!stalled && now - c->since <= limit) || c->fd < 0) continue;
+      switch (c->phase) {
+        case Phase::kBody:
+          CutOff(c, stalled ? BodyTooSlowError(now - c->since, c->body_bytes)
+                            : HttpTimeoutError(absl::StrCat("the body did not arrive within ",
+                                                            options.body_timeout_s, " s")));
+          break;
+        case Phase::kHeaders:
+          CutOff(c, HttpTimeoutError(absl::StrCat("the headers did not arrive within ",
+                                                  options.header_timeout_s, " s")));
+          break;
+        case Phase::kSending:
+          CutOff(c, HttpTimeoutError(absl::StrCat("the answer was not read within ",
+                                                  options.answer_timeout_s, " s")));
+          break;
+        default:
+          CutOff(c, HttpTimeoutError("idle"));
       }
     }
     EvictAtTheCap(now);
@@ -153,8 +192,11 @@ void HttpListener::Impl::EvictAtTheCap(absl::Time now) {
   });
   for (const auto& [kind, c] : evictable) {
     if (open + spare <= cap) break;
-    shutdown(c->fd, SHUT_RDWR);
-    c->fd = -1;
+    // A server cut-off, not the client's leaving: a timeout shortened at the cap, counted as
+    // DEADLINE_EXCEEDED like the sweeper's (README: a connection cut off before its answer).
+    CutOff(c, HttpTimeoutError(
+                  absl::StrCat("no progress for ", absl::ToInt64Milliseconds(now - c->since),
+                               " ms at --http_max_connections=", cap, " (closed to make room)")));
     --open;
   }
 }
@@ -197,17 +239,22 @@ std::optional<HttpAnswer> EndPending(HttpListener::Impl* impl, RequestState* st)
 
 // A counted request that ended without an answer: why, for its metrics (and, when its work
 // failed, such as CANCELLED for a client that left, the work's reason and a log line).
-void ReportUnanswered(HttpListener::Impl* impl, const RequestState& st,
+void ReportUnanswered(HttpListener::Impl* impl, MHD_Connection* connection, const RequestState& st,
                       MHD_RequestTerminationCode code, const std::optional<HttpAnswer>& unwritten) {
   if (!st.begun || st.answered || st.route == nullptr || st.route->route.metric.empty()) return;
   if (unwritten && !unwritten->ok()) {
     impl->Report(st, st.route->route.metric, unwritten->status(), 0, 0);
     return;
   }
-  const absl::Status why = !st.closed_because.ok() ? st.closed_because
-                           : code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
-                               ? HttpTimeoutError("idle")
-                               : absl::CancelledError("connection closed");
+  // The request's own cut-off (Body()), else the sweeper's (a timeout, the rate floor, eviction
+  // at the cap), else libmicrohttpd's idle timeout; CANCELLED only for a client that left.
+  absl::Status why = st.closed_because;
+  if (why.ok()) why = impl->CutReason(connection);
+  if (why.ok()) {
+    why = code == MHD_REQUEST_TERMINATED_TIMEOUT_REACHED
+              ? HttpTimeoutError("idle")
+              : absl::CancelledError("connection closed");
+  }
   if (!impl->options.on_finished) return;
   HttpCallRecord record;
   record.metric = st.route->route.metric;
@@ -225,7 +272,7 @@ void OnCompleted(void* cls, MHD_Connection* connection, void** request_context,
   *request_context = nullptr;
   if (st != nullptr) {
     const std::optional<HttpAnswer> unwritten = EndPending(impl, st);
-    ReportUnanswered(impl, *st, code, unwritten);
+    ReportUnanswered(impl, connection, *st, code, unwritten);
     delete st;
   }
   impl->SetPhase(connection, Phase::kAwaiting);

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/http_listener.h"
@@ -34,6 +35,10 @@ struct ConnectionState {
   Phase phase = Phase::kAwaiting;
   absl::Time since = absl::Now();
   int64_t body_bytes = 0;  // received in this kBody phase
+  // Why the sweeper shut the connection down (a timeout, the body rate floor, eviction at the
+  // connection cap: DEADLINE_EXCEEDED); OK if it did not. A request it leaves unanswered is
+  // counted with it, not as CANCELLED (the client's doing).
+  absl::Status cut_because;
 };
 
 // A suspended request's answer, handed over from whichever thread computes it.
@@ -98,8 +103,14 @@ struct HttpListener::Impl {
   // Whether a connection in kBody for `elapsed` with `bytes` received falls under
   // --http_min_body_bytes_per_s (after kMinBodyRateGrace unless `at_the_cap`).
   bool BodyStalled(absl::Duration elapsed, int64_t bytes, bool at_the_cap) const;
+  // DEADLINE_EXCEEDED (408) for a body cut off under --http_min_body_bytes_per_s.
+  absl::Status BodyTooSlowError(absl::Duration elapsed, int64_t bytes) const;
   void Sweep();
   void EvictAtTheCap(absl::Time now);  // under mu
+  // Shuts a connection's socket down with the reason (ConnectionState::cut_because); under mu.
+  void CutOff(ConnectionState* c, absl::Status why);
+  // The connection's cut_because (OK: the sweeper did not cut it).
+  absl::Status CutReason(MHD_Connection* connection);
   // Answers every request still suspended with `answer` and waits (up to `wait`) until each is
   // resumed and answered or its connection closed (http_listener_daemon.cc).
   void AnswerSuspended(const HttpAnswer& answer, absl::Duration wait);

@@ -1,5 +1,6 @@
 // How the serving process waits for its end and what it exits with: a shutdown signal (SIGINT,
-// SIGTERM or SIGHUP: drain, exit 0; a second one during the drain stops it at once, exit 0) or a
+// SIGTERM or SIGHUP: drain, exit 0; a second one during the drain stops it at once, exit 0, and a
+// third, while the teardown still waits for a launch, exits 3 at once) or a
 // backend that turned unhealthy (a sticky device fault: drain, exit 3, so that the supervisor --
 // Kubernetes, systemd, docker --restart -- starts a fresh process with a working GPU context
 // instead of keeping a zombie that holds the GPU and answers nothing).
@@ -52,7 +53,16 @@ int ExitCodeFor(StopReason reason);
 /// every call's answer) and the teardown after it (AttentionRuntime, the backend's completion
 /// threads) wait for every launch the device accepted, and a hung device never completes one;
 /// the supervisor should restart the process, not find it stuck with its signals blocked.
-/// Starts a detached thread; call once, when the shutdown begins.
+/// Starts a detached thread (the watchdog); call once, when the shutdown begins.
 void ExitIfShutdownOutlasts(absl::Duration limit, int exit_code);
+
+/// Call once the drain's waits are over, before the teardown that may hang: from here on the
+/// main thread takes no shutdown signal, the watchdog of ExitIfShutdownOutlasts does. "Stop
+/// now" -- `stopping_now` (a signal cut the drain short), else the first signal the watchdog
+/// takes -- brings its limit forward to ShutdownOptions::kShutdownOverrunSeconds from then, as
+/// the end of the grace period does: a launch that never completes no longer holds the process
+/// up to the grace period's end. A signal after "stop now" ends the process at once with the
+/// watchdog's exit code (a forced stop: no destructors). Does nothing without the watchdog.
+void WatchShutdownSignals(bool stopping_now);
 
 }  // namespace flashserve

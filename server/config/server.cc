@@ -384,7 +384,17 @@ bool Server::Drain(const StopEvent& stop) {
     if (stop_now == 0) stop_now = WaitForSignalUntil(deadline);
     runtime_->StopAccepting();
   }
-  if (stop_now != 0) spdlog::warn("{} received: stopping now", SignalName(stop_now));
+  if (stop_now != 0) {
+    spdlog::warn(
+        "{} received: stopping now (the shutdown may take {} s more; a further signal ends the "
+        "process at once)",
+        SignalName(stop_now), ShutdownOptions::kShutdownOverrunSeconds);
+  }
+  // gRPC's Shutdown and the teardown wait for every launch the device accepted; a hung one would
+  // hold them for the rest of the watchdog's limit (main.cc), grace period included, with nobody
+  // taking signals. From here the watchdog takes them: "stop now" bounds what is left by
+  // kShutdownOverrunSeconds, and a signal after it exits at once.
+  WatchShutdownSignals(stop_now != 0);
   if (!drained) {
     spdlog::warn(stop_now != 0 ? "cancelling the requests still running"
                                : "grace period over with requests still running; cancelling them");

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -139,6 +140,69 @@ def test_a_second_signal_during_the_drain_stops_it_now(start_server, rng, first,
     assert took < 10, f"exited {took:.1f} s after the second signal\n{logs}"
     assert f"{signal.Signals(second).name} received: stopping now" in logs, logs
     assert "error" in result, "a request that never arrived whole was answered?"
+
+
+HANG_ID = "flashserve-test:inject-device-hang"  # with --enable_fault_injection: a job that never completes
+OVERRUN_S = 20  # ShutdownOptions::kShutdownOverrunSeconds: what the shutdown may take after "stop now"
+
+
+def _hung_call_and_stop_now(start_server, name):
+    """A server with a launch that never completes (the CPU backend's fault-injection hang stands in for a hung GPU
+    kernel) and a grace period far longer than any test, SIGTERM, then SIGTERM again once the drain began: the
+    server, and the time of the second signal."""
+    server = start_server("--enable_fault_injection", "--shutdown_grace_seconds=600", "--worker_threads=1",
+                          name=name)
+    q = np.zeros((1, 8, 2, 64), np.float16)
+
+    def call():
+        try:
+            with flashserve.Client(server.address, timeout=900) as c:
+                c.attention(q, q, q, request_id=HANG_ID)
+        except BaseException:  # noqa: BLE001 - the hung call fails or never returns; either is fine here
+            pass
+
+    threading.Thread(target=call, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _inflight(server) < 1:
+        time.sleep(0.01)
+    assert _inflight(server) >= 1, f"the hanging request never arrived\n{server.logs()}"
+    server.proc.send_signal(signal.SIGTERM)
+    assert _wait_for_log(server, "SIGTERM received: draining"), f"no drain after SIGTERM\n{server.logs()}"
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    second = time.monotonic()
+    assert _wait_for_log(server, "received: stopping now", timeout=15), f"no stop after SIGTERM\n{server.logs()}"
+    return server, second
+
+
+def test_stop_now_bounds_a_launch_that_never_completes(start_server):
+    """The second signal ended the drain's wait, but gRPC's Shutdown and the teardown then waited for the hung launch
+    until the watchdog armed before the drain -- grace period + 20 s (up to a day) -- and no further signal was
+    taken (audit). Now "stop now" brings the watchdog forward: the process exits 3 (restart me) within 20 s of the
+    second signal, not 620 s after the first."""
+    server, second = _hung_call_and_stop_now(start_server, "stop_now_hung")
+    code, _ = _wait_exit(server, OVERRUN_S + 25)  # generous under ASan; the old binary ran to 620 s
+    took = time.monotonic() - second
+    logs = server.logs(limit=100_000)
+    print(f"exit {code} {took:.1f} s after the second signal (grace 600 s)")
+    assert code == 3, f"exit code {code}\n{logs}"
+    assert "shutdown still running" in logs, logs
+    assert took < OVERRUN_S + 25, f"exited {took:.1f} s after the second signal\n{logs}"
+
+
+def test_a_signal_after_stop_now_exits_at_once(start_server):
+    """After "stop now" the teardown may still wait for a hung launch (up to 20 s); a third signal ends the process at
+    once, exit 3 as for the watchdog's forced stop. The old binary took no signal after the second."""
+    server, _ = _hung_call_and_stop_now(start_server, "third_signal")
+    time.sleep(0.5)
+    assert server.proc.poll() is None, f"exited before the third signal\n{server.logs()}"
+    server.proc.send_signal(signal.SIGINT)
+    code, took = _wait_exit(server, 10)
+    logs = server.logs(limit=100_000)
+    print(f"exit {code} {took:.2f} s after the third signal")
+    assert code == 3, f"exit code {code}\n{logs}"
+    assert took < 5, f"exited {took:.1f} s after the third signal\n{logs}"
+    assert "SIGINT received again: exiting now" in logs, logs
 
 
 def _run(flashserve_bin, *flags):

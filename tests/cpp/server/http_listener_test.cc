@@ -1,7 +1,8 @@
 // The HTTP listener without a server: a request whose answer never comes is answered 503 when
 // the listener stops (libmicrohttpd aborted the process when stopped with a connection
-// suspended), ambiguous request framing is refused with the connection closed, and a request
-// waiting for its answer learns when its client has left (peer_gone).
+// suspended), ambiguous request framing is refused with the connection closed, a request waiting
+// for its answer learns when its client has left (peer_gone), and a request the listener cuts off
+// is counted with its reason.
 #include "common/http_listener.h"
 
 #include <arpa/inet.h>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -234,6 +236,69 @@ TEST(HttpListenerPeerGone, AnAnsweredRequestIsOver) {
   EXPECT_TRUE(BecomesGone(peer_gone));
   close(fd);
   listener->Stop(absl::Seconds(1));
+}
+
+// A request the listener cuts off unanswered is counted with the listener's reason, not as
+// CANCELLED (a client that left): at the connection cap, connections whose body never started
+// are evicted after 0.5 s without progress, DEADLINE_EXCEEDED naming the cap (audit: they were
+// counted CANCELLED, "connection closed"). The ones their client then closes stay CANCELLED.
+TEST(HttpListenerCutOff, ARequestEvictedAtTheCapCountsDeadlineExceeded) {
+  struct Records {
+    std::mutex mu;
+    std::vector<HttpCallRecord> records;
+    size_t size() {
+      std::lock_guard<std::mutex> lock(mu);
+      return records.size();
+    }
+  };
+  auto records = std::make_shared<Records>();
+  auto held = std::make_shared<HeldReplies>();
+  HttpRoute route;
+  route.method = "POST";
+  route.pattern = "/work";
+  route.metric = "Work";
+  route.max_body_bytes = 1 << 20;
+  route.post = [held](const HttpRequest&) -> absl::StatusOr<std::unique_ptr<HttpUpload>> {
+    return std::unique_ptr<HttpUpload>(new HoldingUpload(held));
+  };
+  HttpListenerOptions options;
+  options.threads = 1;  // the whole cap on one epoll thread: every connection is accepted
+  options.max_connections = 16;
+  options.min_body_bytes_per_s = 0;  // no rate floor: only the eviction cuts these off
+  options.on_finished = [records](const HttpCallRecord& record) {
+    std::lock_guard<std::mutex> lock(records->mu);
+    records->records.push_back(record);
+  };
+  absl::StatusOr<std::unique_ptr<HttpListener>> listener = HttpListener::Start(options, {route});
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  const std::string head = "POST /work HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n";
+  std::vector<int> fds;
+  for (int i = 0; i < 16; ++i) {
+    fds.push_back(Connect((*listener)->port()));
+    ASSERT_EQ(send(fds.back(), head.data(), head.size(), 0), ssize_t(head.size()));
+  }
+  for (int i = 0; i < 2000 && records->size() == 0; ++i) absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_GE(records->size(), 1u) << "nothing evicted at the cap within 10 s";
+  absl::SleepFor(absl::Milliseconds(300));  // one more sweep: it evicts nothing more (room made)
+  const size_t evicted = records->size();
+  for (int fd : fds) close(fd);
+  for (int i = 0; i < 2000 && records->size() < 16; ++i) absl::SleepFor(absl::Milliseconds(5));
+  (*listener)->Stop(absl::Seconds(1));
+  std::lock_guard<std::mutex> lock(records->mu);
+  ASSERT_EQ(records->records.size(), 16u);
+  for (size_t i = 0; i < records->records.size(); ++i) {
+    const HttpCallRecord& r = records->records[i];
+    EXPECT_EQ(r.metric, "Work");
+    EXPECT_EQ(r.http_status, 0);  // unanswered
+    if (i < evicted) {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kDeadlineExceeded) << r.status;
+      EXPECT_NE(r.status.message().find("--http_max_connections=16"), absl::string_view::npos)
+          << r.status;
+    } else {
+      EXPECT_EQ(r.status.code(), absl::StatusCode::kCancelled) << r.status;
+    }
+  }
+  EXPECT_EQ(held->count.load(), 0);  // no body came: no work started
 }
 
 }  // namespace
