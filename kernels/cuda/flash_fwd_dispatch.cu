@@ -236,7 +236,29 @@ std::string varlen_problem(const AttentionParams& p) {
   if (p.total_k < 0) return "total_k must be >= 0 (got " + std::to_string(p.total_k) + ")";
   if (p.lse != nullptr && p.total_q == 0 && p.batch > 0 && p.seqlen_q > 0)
     return "total_q (rows of the packed q) must be set when lse is requested with variable lengths";
+  // seqlen_q sizes the grid: rows past a smaller bound would go uncomputed (at 0, all of them).
+  if (p.total_q > 0 && (p.seqlen_q < 1 || p.total_q > int64_t{p.batch} * p.seqlen_q))
+    return "seqlen_q must bound every packed sequence's rows (>= 1, batch * seqlen_q >= total_q)";
   return "";
+}
+
+// Whether softmax_scale_log2 is softmax_scale * log2(e) to float rounding: the kernels
+// exponentiate with it but form the LSE with softmax_scale, the CPU backend's only scale.
+bool scales_agree(const AttentionParams& p) {
+  // make_contiguous_params' value passes as is (also where subnormal, rounded coarsely).
+  const float derived = p.softmax_scale * 1.4426950408889634f;
+  return p.softmax_scale_log2 == derived ||
+         std::fabs(double(p.softmax_scale_log2) - derived) <= 1e-5 * derived;
+}
+
+// run()'s checks of cfg for p (supported(p) aside): its entry, when compiled for p, runnable on
+// this device and for p's layout; else null.
+const Entry* runnable_entry(const AttentionParams& p, const KernelConfig& cfg) {
+  const Entry* e = find_entry(p.dtype, p.head_dim, cfg);
+  if (e == nullptr) return nullptr;
+  if (cfg.family == KernelFamily::kSm90 && !sm90_can_run(p)) return nullptr;
+  if (p.varlen() && e->launch_varlen == nullptr) return nullptr;
+  return e;
 }
 
 }  // namespace
@@ -297,6 +319,8 @@ std::string supported(const AttentionParams& p) {
     return "softmax_scale must be positive and finite";
   if (!(p.softmax_scale_log2 > 0.f) || !std::isfinite(p.softmax_scale_log2))
     return "softmax_scale_log2 must be positive and finite (softmax_scale * log2(e))";
+  if (!scales_agree(p))
+    return "softmax_scale_log2 must be softmax_scale * log2(e) (make_contiguous_params sets both)";
   if (std::string why = varlen_problem(p); !why.empty()) return why;
   if (p.batch == 0 || p.seqlen_q == 0) return "";  // nothing to compute
   if (p.q == nullptr || p.o == nullptr) return "q and o must not be null";
@@ -370,12 +394,14 @@ KernelConfig select_sm80(const AttentionParams& p, int sm_count) {
 }
 }  // namespace
 
+bool runnable(const AttentionParams& p, const KernelConfig& cfg) {
+  return supported(p).empty() && runnable_entry(p, cfg) != nullptr;
+}
+
 cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream) {
   if (!supported(p).empty()) return cudaErrorInvalidValue;
-  const Entry* e = find_entry(p.dtype, p.head_dim, cfg);
+  const Entry* e = runnable_entry(p, cfg);
   if (e == nullptr) return cudaErrorInvalidValue;
-  if (cfg.family == KernelFamily::kSm90 && !sm90_can_run(p)) return cudaErrorInvalidValue;
-  if (p.varlen() && e->launch_varlen == nullptr) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.seqlen_q == 0) return cudaSuccess;
   return p.varlen() ? e->launch_varlen(p, stream) : e->launch(p, stream);
 }

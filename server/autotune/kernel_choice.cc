@@ -98,12 +98,10 @@ kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams
   }
   if (!name) return fallback;
   std::optional<kernels::cuda::KernelConfig> tuned = kernels::cuda::KernelConfig::parse(*name);
-  if (!tuned) return fallback;
-  for (const auto& candidate :
-       kernels::cuda::candidates(params.dtype, params.head_dim, params.causal)) {
-    if (candidate == *tuned) return *tuned;
-  }
-  return fallback;  // a cached name this build does not have
+  // A name this build does not have, or a config run() refuses for params: the class has no
+  // varlen or layout bit, so its winner (tuned on the dense problem) may not run this one.
+  if (!tuned || !kernels::cuda::runnable(params, *tuned)) return fallback;
+  return *tuned;
 }
 
 int KernelChooser::DecodeSplits(const kernels::cuda::DecodeParams& p, int sm_count,

@@ -44,6 +44,8 @@ class KernelChooser {
   /// Whether the cache applies to a device of this model (the cache belongs to one model).
   bool Covers(const std::string& name, int cc_major, int cc_minor) const;
   /// The configuration for `params` on a device with `sm_count` SMs; `covered`: Covers() of it.
+  /// The cached one only where run() accepts it for `params` (kernels::cuda::runnable), else
+  /// the heuristic's.
   kernels::cuda::KernelConfig Choose(const kernels::AttentionParams& params, int sm_count,
                                      bool covered) const;
   /// Key-axis splits for the decode launch p (kernels::cuda::DecodeParams::num_splits) on a

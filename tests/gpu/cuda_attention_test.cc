@@ -363,6 +363,81 @@ TEST(CudaAttentionLayout, PaddedStrides) {
   EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out()), ref.emulated(cfg).out));
 }
 
+// Whether O is all poison still: nothing wrote it.
+bool o_still_poisoned(const AttentionParams& host_p, const tu::DeviceProblem& dev) {
+  std::vector<uint16_t> out(tu::q_elements(host_p));
+  if (dev.o.download(&out) != cudaSuccess) return false;
+  const std::vector<double> got = tu::to_double(host_p.dtype, out);
+  return std::all_of(got.begin(), got.end(), [](double x) { return std::isnan(x); });
+}
+
+// Disagreeing scales (O came out at the log2 field's 0.125, the LSE at neither) are refused
+// before any launch (supported() asked first: a build without the check stops there rather
+// than launch); with both at 0.5 the problem matches the references.
+TEST(CudaAttentionApi, DisagreeingScalesAreRefusedBeforeLaunch) {
+  SKIP_WITHOUT_GPU();
+  AttentionParams host_p =
+      make_contiguous_params(DType::kBFloat16, 1, 64, 256, 4, 4, 64, false, 0.5f);
+  std::mt19937_64 rng(tu::case_seed("DisagreeingScales"));
+  const tu::HostQkv qkv = tu::random_qkv(&host_p, 1.f, rng);
+  tu::Fp64Reference ref(host_p);
+  tu::DeviceProblem dev(host_p);
+  ASSERT_EQ(dev.upload(host_p), cudaSuccess);
+  AttentionParams p = dev.params(host_p, true);
+  p.softmax_scale_log2 = 0.125f * 1.4426950408889634f;
+  ASSERT_NE(fk::supported(p).find("softmax_scale_log2"), std::string::npos) << fk::supported(p);
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  EXPECT_EQ(fk::run(p, nullptr), cudaErrorInvalidValue);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_TRUE(o_still_poisoned(host_p, dev));
+  int sm_count = 0;
+  ASSERT_EQ(tu::multiprocessor_count(&sm_count), cudaSuccess);
+  ASSERT_NO_FATAL_FAILURE(check_config(host_p, dev, fk::select(host_p, sm_count), ref));
+}
+
+// Two packed sequences of 64 query rows and 96 keys: the bytes of the dense [2, 64, heads, d]
+// problem, whose references apply. seqlen_q 63 (row 63 went uncomputed) or 0 (nothing computed,
+// success returned) is refused before any launch; seqlen_q 64 computes the dense answer.
+TEST(CudaAttentionApi, VarlenSeqlenQBelowItsRowsIsRefusedBeforeLaunch) {
+  SKIP_WITHOUT_GPU();
+  AttentionParams host_p =
+      make_contiguous_params(DType::kBFloat16, 2, 64, 96, 4, 2, 64, true, 0.125f);
+  std::mt19937_64 rng(tu::case_seed("VarlenSeqlenQBelowItsRows"));
+  const tu::HostQkv qkv = tu::random_qkv(&host_p, 1.f, rng);
+  tu::Fp64Reference ref(host_p);
+  tu::DeviceProblem dev(host_p);
+  ASSERT_EQ(dev.upload(host_p), cudaSuccess);
+  tu::DeviceBuffer cu_q(3 * sizeof(int)), cu_k(3 * sizeof(int));
+  ASSERT_EQ(cu_q.upload(std::vector<int>{0, 64, 128}), cudaSuccess);
+  ASSERT_EQ(cu_k.upload(std::vector<int>{0, 96, 192}), cudaSuccess);
+  AttentionParams p = dev.params(host_p, false);  // varlen LSE is [heads_q, total_q]: O only
+  p.cu_seqlens_q = cu_q.as<const int>();
+  p.cu_seqlens_k = cu_k.as<const int>();
+  p.total_q = 128;
+  p.total_k = 192;
+  for (int seqlen_q : {63, 0}) {
+    SCOPED_TRACE("seqlen_q " + std::to_string(seqlen_q));
+    AttentionParams bad = p;
+    bad.seqlen_q = seqlen_q;
+    ASSERT_NE(fk::supported(bad).find("seqlen_q"), std::string::npos) << fk::supported(bad);
+    ASSERT_EQ(dev.poison(), cudaSuccess);
+    EXPECT_EQ(fk::run(bad, nullptr), cudaErrorInvalidValue);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(o_still_poisoned(host_p, dev));
+  }
+  int sm_count = 0;
+  ASSERT_EQ(tu::multiprocessor_count(&sm_count), cudaSuccess);
+  const fk::KernelConfig cfg = fk::select(p, sm_count);  // what run(p, stream) uses
+  ASSERT_EQ(dev.poison(), cudaSuccess);
+  ASSERT_EQ(fk::run(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(tu::q_elements(host_p));
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  const std::vector<double> got = tu::to_double(host_p.dtype, out);
+  ASSERT_TRUE(tu::all_finite(got));
+  EXPECT_TRUE(tu::within_twice_emulated(tu::error_vs(got, ref.out()), ref.emulated(cfg).out));
+}
+
 TEST(CudaAttentionApi, RunRejectsUnsupported) {
   SKIP_WITHOUT_GPU();
   AttentionParams p = make_contiguous_params(DType::kBFloat16, 1, 16, 16, 2, 2, 48, false, 0.1f);
@@ -381,6 +456,74 @@ TEST(CudaAttentionApi, SupportedNamesTheField) {
   p = make_contiguous_params(fk::supported_dtypes().front(), 1, 16, 16, 6, 4,
                              fk::supported_head_dims().front(), false, 0.1f);
   EXPECT_NE(fk::supported(p).find("heads_kv"), std::string::npos) << fk::supported(p);
+}
+
+// A problem with aligned dummy pointers, for the checks that touch no GPU.
+AttentionParams with_dummy_ptrs(AttentionParams p) {
+  alignas(16) static const char kData[16] = {};
+  p.q = p.k = p.v = kData;
+  p.o = const_cast<char*>(kData);
+  return p;
+}
+
+// softmax_scale_log2 must be softmax_scale * log2(e) to float rounding: the kernels exponentiate
+// with it but form the LSE with softmax_scale (the CPU backend uses only that one).
+TEST(CudaAttentionApi, SupportedRefusesScalesThatDisagree) {
+  const DType dtype = fk::supported_dtypes().front();
+  const int d = fk::supported_head_dims().front();
+  AttentionParams p =
+      with_dummy_ptrs(make_contiguous_params(dtype, 1, 16, 16, 2, 2, d, false, 0.125f));
+  EXPECT_EQ(fk::supported(p), "");
+  p.softmax_scale_log2 *= 1.f + 4e-6f;  // another derivation's rounding
+  EXPECT_EQ(fk::supported(p), "");
+  p.softmax_scale_log2 = 0.125f * 1.4426950408889634f * (1.f + 1e-4f);
+  EXPECT_NE(fk::supported(p).find("softmax_scale_log2"), std::string::npos) << fk::supported(p);
+  p = with_dummy_ptrs(make_contiguous_params(dtype, 1, 16, 16, 2, 2, d, false, 0.125f));
+  p.softmax_scale = 0.5f;  // set after make_contiguous_params: the log2 field still 0.125's
+  EXPECT_NE(fk::supported(p).find("softmax_scale_log2"), std::string::npos) << fk::supported(p);
+  // make_contiguous_params' own pair passes, also for a subnormal scale (coarsely rounded).
+  p = with_dummy_ptrs(make_contiguous_params(dtype, 1, 16, 16, 2, 2, d, false, 1e-40f));
+  EXPECT_EQ(fk::supported(p), "");
+}
+
+// Packed variable lengths: seqlen_q sizes the grid, so with total_q set it must bound every
+// sequence (>= 1, batch * seqlen_q >= total_q); rows past a smaller bound went uncomputed.
+TEST(CudaAttentionApi, VarlenNeedsASeqlenQThatBoundsEverySequence) {
+  static const int kCu[4] = {0, 3, 5, 9};  // host memory: supported() reads no offset
+  AttentionParams p =
+      with_dummy_ptrs(make_contiguous_params(fk::supported_dtypes().front(), 3, 3, 4, 2, 2,
+                                             fk::supported_head_dims().front(), false, 0.1f));
+  p.cu_seqlens_q = p.cu_seqlens_k = kCu;
+  p.total_q = 9;
+  EXPECT_EQ(fk::supported(p), "");  // 3 x 3 == 9
+  for (int seqlen_q : {2, 0}) {     // 9 rows in 3 sequences of <= 2; no bound at all
+    p.seqlen_q = seqlen_q;
+    EXPECT_NE(fk::supported(p).find("seqlen_q"), std::string::npos)
+        << seqlen_q << ": " << fk::supported(p);
+  }
+}
+
+// runnable() is run()'s own checks: packed inputs without total_k run only on the configuration
+// with a varlen kernel (select()'s), and run() refuses the others before any launch.
+TEST(CudaAttentionApi, RunnableIsWhatRunAccepts) {
+  static const int kCu[4] = {0, 3, 5, 9};
+  AttentionParams p =
+      with_dummy_ptrs(make_contiguous_params(fk::supported_dtypes().front(), 3, 4, 4, 2, 2,
+                                             fk::supported_head_dims().front(), false, 0.1f));
+  p.cu_seqlens_q = p.cu_seqlens_k = kCu;
+  p.total_q = 9;
+  const fk::KernelConfig chosen = fk::select(p, 132);
+  EXPECT_TRUE(fk::runnable(p, chosen)) << chosen.name();
+  int refused = 0;
+  for (const fk::KernelConfig& cfg : fk::candidates(p.dtype, p.head_dim, false)) {
+    if (fk::runnable(p, cfg)) continue;
+    ++refused;
+    EXPECT_EQ(fk::run(p, cfg, nullptr), cudaErrorInvalidValue) << cfg.name();
+  }
+  EXPECT_GE(refused, 1);  // the 64-row tile, compiled for every head dim, has no varlen kernel
+  EXPECT_FALSE(fk::runnable(p, fk::KernelConfig{96, 48, 3, 1, false}));  // not compiled
+  p.softmax_scale *= 2;  // supported(p) fails: no configuration runs it
+  EXPECT_FALSE(fk::runnable(p, chosen));
 }
 
 TEST(CudaAttentionApi, ConfigNamesRoundTrip) {

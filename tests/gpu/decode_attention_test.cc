@@ -731,7 +731,7 @@ TEST(DecodeAttentionApi, SupportedNamesTheField) {
   static const int32_t kTable[4] = {};
   p.block_table = kTable;
   p.block_table_stride = 2;
-  p.page_size = 16;
+  p.page_size = 64;  // a table row addresses 128 keys >= seqlen_k
   EXPECT_NE(fk::decode_supported(p).find("seqlens_k"), std::string::npos);
   p.seqlens_k = kTable;
   EXPECT_EQ(fk::decode_supported(p), "");
@@ -743,6 +743,175 @@ TEST(DecodeAttentionApi, SupportedNamesTheField) {
   p.num_splits = 0;
   p.k_row_stride = 100;
   EXPECT_NE(fk::decode_supported(p).find("k strides"), std::string::npos);
+}
+
+// p with aligned dummy q/k/v/o, for the checks that touch no GPU.
+fk::DecodeParams with_dummy_ptrs(fk::DecodeParams p) {
+  alignas(16) static const uint16_t kBuf[64] = {};
+  p.q = p.k = p.v = kBuf;
+  p.o = const_cast<uint16_t*>(kBuf);
+  return p;
+}
+
+// With packed queries seqlen_q bounds every sequence's rows: the row blocks, the kernel and the
+// in-kernel merge's shared memory are sized from it. Only their sum (total_q) is on the host.
+TEST(DecodeAttentionApi, VarlenQNeedsASeqlenQThatBoundsEverySequence) {
+  static const int32_t kCu[3] = {0, 4, 8};
+  fk::DecodeParams p = with_dummy_ptrs(
+      fk::make_dense_decode_params(DType::kBFloat16, 2, 4, 3000, 8, 1, 128, false, 0.088f));
+  p.cu_seqlens_q = kCu;
+  p.total_q = 8;
+  EXPECT_EQ(fk::decode_supported(p), "");  // batch * seqlen_q == total_q
+  for (int seqlen_q : {3, 0}) {            // 8 rows in 2 sequences of <= 3; no bound at all
+    p.seqlen_q = seqlen_q;
+    EXPECT_NE(fk::decode_supported(p).find("seqlen_q"), std::string::npos)
+        << seqlen_q << ": " << fk::decode_supported(p);
+  }
+  p.total_q = 0;  // no rows: nothing to size
+  EXPECT_EQ(fk::decode_supported(p), "");
+}
+
+// The workspace must be 256-byte aligned, as the header says (the float4 partials need 16).
+TEST(DecodeAttentionApi, SupportedRefusesAMisalignedWorkspace) {
+  alignas(256) static char workspace[1 << 16];
+  fk::DecodeParams p = with_dummy_ptrs(
+      fk::make_dense_decode_params(DType::kBFloat16, 1, 1, 20000, 8, 1, 128, false, 0.088f));
+  p.num_splits = 8;
+  p.workspace = workspace;
+  p.workspace_bytes = sizeof(workspace) - 256;
+  EXPECT_EQ(fk::decode_supported(p), "");
+  for (int offset : {4, 16, 128}) {
+    p.workspace = workspace + offset;
+    EXPECT_NE(fk::decode_supported(p).find("workspace"), std::string::npos)
+        << offset << ": " << fk::decode_supported(p);
+  }
+  p.workspace = workspace + 256;
+  EXPECT_EQ(fk::decode_supported(p), "");
+}
+
+// seqlen_k bounds every Sk_b, and the kernels read a sequence's table row unbounded: a bound past
+// the row's keys (block_table_stride * page_size) is refused; pages of any size.
+TEST(DecodeAttentionApi, SupportedRefusesLengthsPastTheBlockTablesRows) {
+  static const int32_t kTable[6] = {0, 1, 2, 3, 4, 5}, kLengths[2] = {99, 64};
+  fk::DecodeParams p = with_dummy_ptrs(
+      fk::make_dense_decode_params(DType::kBFloat16, 2, 1, 128, 8, 2, 128, false, 0.088f));
+  p.block_table = kTable;
+  p.seqlens_k = kLengths;
+  p.block_table_stride = 2;
+  p.page_size = 64;
+  p.k_batch_stride = p.v_batch_stride = int64_t{64} * p.k_row_stride;
+  EXPECT_EQ(fk::decode_supported(p), "");  // 128 keys = 2 entries x 64
+  p.seqlen_k = 129;
+  EXPECT_NE(fk::decode_supported(p).find("block_table_stride"), std::string::npos)
+      << fk::decode_supported(p);
+  p.block_table_stride = 3;
+  p.page_size = 33;
+  p.k_batch_stride = p.v_batch_stride = int64_t{33} * p.k_row_stride;
+  p.seqlen_k = 99;
+  EXPECT_EQ(fk::decode_supported(p), "");
+  p.seqlen_k = 100;
+  EXPECT_NE(fk::decode_supported(p).find("block_table_stride"), std::string::npos)
+      << fk::decode_supported(p);
+}
+
+// p (on dev's buffers) is refused before anything runs: decode_supported names `field` (asked
+// first: a build without the check stops here rather than launch), run_decode returns
+// cudaErrorInvalidValue and O keeps its poison.
+void expect_refused(DeviceProblem& dev, const fk::DecodeParams& p, const std::string& field) {
+  ASSERT_NE(fk::decode_supported(p).find(field), std::string::npos) << fk::decode_supported(p);
+  ASSERT_EQ(dev.o.poison(), cudaSuccess);
+  EXPECT_EQ(fk::run_decode(p, nullptr), cudaErrorInvalidValue);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint16_t> out(dev.out_elems);
+  ASSERT_EQ(dev.o.download(&out), cudaSuccess);
+  const std::vector<double> got = tu::to_double(p.dtype, out);
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](double x) { return std::isnan(x); }))
+      << "O was written";
+}
+
+// Packed queries of 4 rows per sequence under a seqlen_q of 1 (rows 2 and 3 went unwritten, or
+// got the combine's copy of unwritten partials) or of 0 (the in-kernel merge, sized for 0 rows,
+// staged its partials past the block's shared memory) are refused before any launch, whatever
+// the split count; seqlen_q 4 computes every row.
+TEST(DecodeAttentionEdge, VarlenQBelowItsRowsIsRefusedBeforeLaunch) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"undersq", Layout::kPaged, {4, 4}, {3000, 700}, 8, 1, 128, false, 64, true};
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  DeviceProblem dev(c, hp);
+  ASSERT_EQ(dev.p.seqlen_q, 4);
+  const DefaultKnobsAfter restore;
+  for (int splits : {1, 8, 40}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    set_variant(3, splits);
+    for (int seqlen_q : {1, 0}) {
+      fk::DecodeParams p = dev.p;
+      p.seqlen_q = seqlen_q;
+      p.num_splits = splits;
+      ASSERT_NO_FATAL_FAILURE(expect_refused(dev, p, "seqlen_q"));
+    }
+    ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, splits, 3));
+  }
+}
+
+// A workspace off the documented 256 bytes (4: the float4 partial stores faulted; 16: enough for
+// them, not what the header promises) is refused before any launch, merged by the combine kernel
+// or in the split kernel alike; 256 bytes into the same buffer computes the answer.
+TEST(DecodeAttentionEdge, MisalignedWorkspaceIsRefusedBeforeLaunch) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"wsalign", Layout::kPaged, {1, 1}, {3000, 1500}, 8, 2, 128, false, 64};
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  DeviceProblem dev(c, hp);
+  const int splits = 4;  // 4 rows x 4 splits x 128 x 4 bytes: small enough to merge in place
+  const size_t bytes = fk::decode_workspace_bytes(dev.p, splits);
+  tu::DeviceBuffer workspace(bytes + 256);
+  dev.p.workspace_bytes = bytes;
+  const DefaultKnobsAfter restore;
+  for (int merge : {0, -1}) {  // the combine kernel; the default (in the split kernel here)
+    SCOPED_TRACE("fused_merge_override " + std::to_string(merge));
+    set_variant(3, splits);
+    fk::decode::fused_merge_override() = merge;
+    for (int offset : {4, 16}) {
+      fk::DecodeParams p = dev.p;
+      p.num_splits = splits;
+      p.workspace = workspace.as<char>() + offset;
+      ASSERT_NO_FATAL_FAILURE(expect_refused(dev, p, "workspace"));
+    }
+    dev.p.workspace = workspace.as<char>() + 256;
+    ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, splits, 3));
+    EXPECT_EQ(fk::decode::last_merge(), merge == 0 ? 1 : 2) << "2: in the split kernel";
+  }
+}
+
+// Sequence 0 at 192 keys with a table row of 2 entries x 64 keys: its keys 128..191 would come
+// from sequence 1's row (block_table[0 * 2 + 2]). The launch is refused before it runs; a bound of
+// exactly the row's 128 keys computes the answer.
+TEST(DecodeAttentionEdge, LengthPastTheTableRowIsRefusedBeforeLaunch) {
+  SKIP_WITHOUT_GPU();
+  const DecodeCase c{"tablecap", Layout::kPaged, {1, 1}, {128, 64}, 8, 2, 128, false, 64};
+  std::mt19937_64 rng(tu::case_seed(case_name(c)));
+  const HostProblem hp = make_problem(c, rng);
+  const References ref = compute_references(c, hp, uses_varlen_lse(c));
+  const tu::EmulatedError emu = worst_emulation(ref);
+  DeviceProblem dev(c, hp);
+  ASSERT_EQ(hp.table_stride, 2);
+  const DefaultKnobsAfter restore;
+  for (int splits : {1, 2}) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits));
+    set_variant(3, splits);
+    ASSERT_EQ(dev.seqlens_k.upload(std::vector<int32_t>{192, 64}), cudaSuccess);
+    fk::DecodeParams p = dev.p;
+    p.seqlen_k = 192;
+    p.num_splits = splits;
+    ASSERT_NO_FATAL_FAILURE(expect_refused(dev, p, "block_table_stride"));
+    ASSERT_EQ(dev.seqlens_k.upload(std::vector<int32_t>{128, 64}), cudaSuccess);
+    ASSERT_NO_FATAL_FAILURE(check_run(c, hp, dev, ref, emu, splits, 3));
+  }
 }
 
 // Every L2 prefetch hint the benchmark's knob can select computes the same result.

@@ -142,6 +142,10 @@ int total_q_rows(const DecodeParams& p) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The workspace alignment the header promises. The partials need 16 (float4 stores, 16-byte
+// cp.async in the merge); 256 is what cudaMalloc and every caller already give.
+constexpr uintptr_t kWorkspaceAlignment = 256;
+
 std::string check_strides(const char* name, int64_t batch, int64_t row, int64_t head) {
   if (batch % 8 != 0 || row % 8 != 0 || head % 8 != 0)
     return std::string(name) + " strides must be multiples of 8 elements (16 bytes)";
@@ -154,6 +158,10 @@ std::string check_paging(const DecodeParams& p) {
   if (p.cu_seqlens_k != nullptr) return "cu_seqlens_k is for dense K/V; paged K/V uses seqlens_k";
   if (p.page_size < 1) return "page_size must be >= 1";
   if (p.block_table_stride < 1) return "block_table_stride must be >= 1";
+  // The kernels read block_table[b * stride + key / page_size] for every key < Sk_b unbounded:
+  // a length past one row's pages reads the next sequence's entries.
+  if ((int64_t{p.seqlen_k} + p.page_size - 1) / p.page_size > p.block_table_stride)
+    return "seqlen_k must be <= block_table_stride * page_size (the keys one table row addresses)";
   return "";
 }
 
@@ -164,6 +172,11 @@ std::string check_sizes(const DecodeParams& p) {
   if (p.heads_q % p.heads_kv != 0) return "heads_q must be a multiple of heads_kv";
   if (p.cu_seqlens_q == nullptr && int64_t{p.batch} * p.seqlen_q > INT32_MAX)
     return "batch * seqlen_q must fit in int32";
+  // Packed: seqlen_q bounds every sequence's rows; the row blocks, the kernel and the in-kernel
+  // merge's shared memory are sized from it (a smaller bound leaves rows unwritten or overruns).
+  if (p.cu_seqlens_q != nullptr && p.total_q > 0 &&
+      (p.seqlen_q < 1 || p.total_q > int64_t{p.batch} * p.seqlen_q))
+    return "seqlen_q must bound every packed sequence's rows (>= 1, batch * seqlen_q >= total_q)";
   if (int64_t{p.heads_q / p.heads_kv} * p.seqlen_q > INT32_MAX / 2) return "seqlen_q too large";
   if (p.batch > kMaxGridYZ) return "batch must be <= 65535";
   if (p.num_splits < 0 || p.num_splits > kMaxSplits) return "num_splits must be in 0..128";
@@ -247,6 +260,8 @@ std::string decode_supported(const DecodeParams& p) {
     return "q, k, v and o must be set";
   if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
     return "q, k, v and o must be 16-byte aligned";
+  if (reinterpret_cast<uintptr_t>(p.workspace) % kWorkspaceAlignment != 0)
+    return "workspace must be 256-byte aligned";
   for (std::string s : {check_strides("q", p.q_batch_stride, p.q_row_stride, p.q_head_stride),
                         check_strides("k", p.k_batch_stride, p.k_row_stride, p.k_head_stride),
                         check_strides("v", p.v_batch_stride, p.v_row_stride, p.v_head_stride),

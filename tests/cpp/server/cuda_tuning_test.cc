@@ -1,16 +1,22 @@
 // TuneDecodeClass on a real GPU (label "gpu": skips without one): a decode class records the
 // heuristic's "splits=plan" unless its best count clearly beat the heuristic's on the class's
-// representative (decode_class.h, DecodeTunedConfig).
+// representative (decode_class.h, DecodeTunedConfig). KernelChooser: a cached configuration the
+// problem cannot run is not handed out.
 #include "autotune/cuda_tuning.h"
 
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "autotune/decode_class.h"
+#include "autotune/kernel_choice.h"
+#include "autotune/problem_class.h"
+#include "autotune/tune_cache.h"
 #include "cuda_test_util.h"
+#include "flashserve/kernels/cuda_attention.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {
@@ -64,6 +70,48 @@ TEST(CudaTuning, DecodeClassPinsOnlyAClearWin) {
                 record->default_tflops, record->runner_up.c_str());
   }
   cudaStreamDestroy(stream);
+}
+
+// ProblemClass has no varlen bit: a dense problem's winner (here the 64-row sm80 tile, compiled
+// for every head dim, without a varlen kernel) reaches packed inputs of the same class, which
+// run() refuses for it. Choose hands out select()'s configuration instead, and the winner still
+// to the dense problem. Nothing is launched (the device is only described).
+TEST(KernelChooser, CachedConfigTheProblemCannotRunFallsBackToSelect) {
+  if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
+  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(0);
+  ASSERT_TRUE(facts.ok()) << facts.status();
+  alignas(16) static const char kData[16] = {};
+  static const int kCu[4] = {0, 3, 5, 9};  // never read: Choose and runnable() touch no memory
+  kernels::AttentionParams dense =
+      kernels::make_contiguous_params(kernels::cuda::supported_dtypes().front(), 3, 4, 4, 2, 2,
+                                      kernels::cuda::supported_head_dims().front(), false, 0.1f);
+  dense.q = dense.k = dense.v = kData;
+  dense.o = const_cast<char*>(kData);
+  kernels::AttentionParams packed = dense;
+  packed.cu_seqlens_q = packed.cu_seqlens_k = kCu;
+  packed.total_q = 9;
+  const kernels::cuda::KernelConfig winner{64, 64, 4, 2, false};
+  ASSERT_FALSE(kernels::cuda::runnable(packed, winner));
+  ASSERT_EQ(ClassOf(packed, facts->identity).key(), ClassOf(dense, facts->identity).key());
+
+  const std::string path = ::testing::TempDir() + "/chooser_varlen_cache.json";
+  TuneCache cache(CacheHeaderFor(facts->identity));
+  TuneRecord record;
+  record.config = winner.name();
+  record.tflops = 1;
+  cache.Put(ClassOf(dense, facts->identity).key(), record);
+  ASSERT_TRUE(cache.Save(path).ok());
+  KernelChoiceOptions options;  // autotune "off": the cache read-only
+  options.tune_cache_path = path;
+  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
+      KernelChooser::Create(options, 0, facts->sm_count);
+  std::remove(path.c_str());
+  ASSERT_TRUE(chooser.ok()) << chooser.status();
+  const int sms = facts->sm_count;
+  EXPECT_EQ((*chooser)->Choose(dense, sms, /*covered=*/true), winner);
+  const kernels::cuda::KernelConfig chosen = (*chooser)->Choose(packed, sms, /*covered=*/true);
+  EXPECT_EQ(chosen, kernels::cuda::select(packed, sms)) << chosen.name();
+  EXPECT_TRUE(kernels::cuda::runnable(packed, chosen)) << chosen.name();
 }
 
 }  // namespace

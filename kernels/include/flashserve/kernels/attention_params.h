@@ -27,7 +27,8 @@ namespace flashserve::kernels {
 /// [cu_seqlens_k[b], cu_seqlens_k[b+1]) of a packed k/v [total_k, heads_kv, head_dim] (both
 /// int32 [batch + 1], non-decreasing, in device memory; batch strides are ignored). seqlen_q and
 /// seqlen_k are then the maxima over the sequences (the grid is sized by them; a longer sequence
-/// is the caller's bug), causal is bottom-right per sequence, and lse is [heads_q, total_q].
+/// is the caller's bug; with total_q > 0, seqlen_q >= 1 and batch * seqlen_q >= total_q are
+/// checked), causal is bottom-right per sequence, and lse is [heads_q, total_q].
 /// The sm90 family also needs total_k (its TMA tensor maps span the packed k/v); without it
 /// packed inputs run on the sm80 family.
 struct AttentionParams {
@@ -50,7 +51,8 @@ struct AttentionParams {
   int head_dim = 0;
 
   float softmax_scale = 0.f;       // applied to Q K^T
-  float softmax_scale_log2 = 0.f;  // softmax_scale * log2(e), for exp2-based softmax
+  float softmax_scale_log2 = 0.f;  // softmax_scale * log2(e) to float rounding (checked: O uses
+                                   // this one, the LSE softmax_scale)
   bool causal = false;
   DType dtype = DType::kFloat16;
 

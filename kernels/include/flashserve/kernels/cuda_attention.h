@@ -24,8 +24,9 @@ std::vector<DType> supported_dtypes();
 
 /// Empty when some compiled kernel can run p; otherwise a message naming the offending
 /// field, e.g. "head_dim 48 is not supported by the CUDA kernels (supported: 64, 128)".
-/// Checks dtype, head_dim, sizes, GQA divisibility, pointer/stride alignment (16 bytes),
-/// and grid limits. Does not touch the GPU.
+/// Checks dtype, head_dim, sizes (varlen: seqlen_q against total_q), GQA divisibility, that
+/// softmax_scale_log2 is softmax_scale * log2(e), pointer/stride alignment (16 bytes), and grid
+/// limits. Does not touch the GPU.
 std::string supported(const AttentionParams& p);
 
 /// The autotuner's search space for one problem class: every compiled configuration for
@@ -53,6 +54,11 @@ KernelConfig select(const AttentionParams& p, int sm_count);
 /// p's layout is one TMA cannot describe (see select()); otherwise the launch's error
 /// (cudaSuccess when it was queued).
 cudaError_t run(const AttentionParams& p, const KernelConfig& cfg, cudaStream_t stream);
+
+/// Whether run(p, cfg, stream) gets past its checks: supported(p) is empty and cfg is compiled
+/// for (p.dtype, p.head_dim), runs on this device and can run p (layout, variable lengths). For a
+/// caller holding a configuration chosen for another problem (a tuned one): else use select().
+bool runnable(const AttentionParams& p, const KernelConfig& cfg);
 
 /// Same as run(p, select(p, <current device's SM count>), stream).
 cudaError_t run(const AttentionParams& p, cudaStream_t stream);

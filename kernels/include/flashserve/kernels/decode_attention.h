@@ -17,7 +17,8 @@ namespace flashserve::kernels::cuda {
 
 /// One decode problem. Sizes per sequence b in [0, batch):
 ///   Sq_b = cu_seqlens_q ? cu_seqlens_q[b+1] - cu_seqlens_q[b] : seqlen_q
-///   Sk_b = seqlens_k ? seqlens_k[b] : cu_seqlens_k ? cu_seqlens_k[b+1] - cu_seqlens_k[b] : seqlen_k
+///   Sk_b = seqlens_k ? seqlens_k[b] : cu_seqlens_k ? cu_seqlens_k[b+1] - cu_seqlens_k[b] :
+///   seqlen_k
 /// Query rows (q, o):
 ///   fixed (cu_seqlens_q null): row i of sequence b at b * q_batch_stride + i * q_row_stride
 ///   varlen: packed [total_q, heads, head_dim], row at (cu_seqlens_q[b] + i) * q_row_stride
@@ -27,7 +28,9 @@ namespace flashserve::kernels::cuda {
 ///   dense varlen (cu_seqlens_k): packed, key j at (cu_seqlens_k[b] + j) * k_row_stride
 ///   paged (block_table): a pool [num_pages, page_size, heads_kv, head_dim]; key j of sequence b
 ///     lives in page block_table[b * block_table_stride + j / page_size] at row j % page_size;
-///     page p starts at p * k_batch_stride (the page stride). seqlens_k is required.
+///     page p starts at p * k_batch_stride (the page stride). seqlens_k is required, and
+///     seqlen_k (bounding every Sk_b) at most block_table_stride * page_size: rows are read
+///     unbounded, a longer sequence would read the next one's pages.
 /// LSE (natural log, fp32, may be null): fixed [batch, heads_q, seqlen_q] contiguous;
 /// varlen [heads_q, total_q] contiguous. A row that sees no key gets O = 0, LSE = -inf.
 /// Causal masking is bottom-right per sequence: row i sees key j iff j <= i + Sk_b - Sq_b.
@@ -48,11 +51,12 @@ struct DecodeParams {
   const int32_t* cu_seqlens_k = nullptr;  // [batch + 1] device, dense K/V only, or null
   const int32_t* seqlens_k = nullptr;     // [batch] device; required when paged
   const int32_t* block_table = nullptr;   // [batch, block_table_stride] device; null: dense
-  int64_t block_table_stride = 0;         // entries per sequence (max pages per sequence)
+  int64_t block_table_stride = 0;         // entries per sequence (>= seqlen_k / page_size)
   int page_size = 0;                      // keys per page (paged only), any value >= 1
 
   int batch = 0;
-  int seqlen_q = 0;  // fixed: every sequence's Sq; varlen: max over sequences (an upper bound)
+  int seqlen_q = 0;  // fixed: every sequence's Sq; varlen: max over sequences (an upper bound
+                     // rows are sized by: with total_q > 0, >= 1 and >= total_q / batch)
   int seqlen_k = 0;  // fixed dense: Sk; otherwise an upper bound on every Sk_b (split sizing)
   int total_q = 0;   // varlen only: cu_seqlens_q[batch] (rows of q, o, lse)
   int heads_q = 0;
@@ -65,8 +69,9 @@ struct DecodeParams {
 
   /// Key-axis splits per (sequence, KV head): 0 = heuristic (decode_num_splits), else 1..128.
   int num_splits = 0;
-  /// Scratch for split partials (decode_workspace_bytes, 256-byte aligned). When null and more
-  /// than one split runs, run_decode allocates it stream-ordered (cudaMallocAsync) and frees it.
+  /// Scratch for split partials (decode_workspace_bytes), 256-byte aligned (refused otherwise).
+  /// When null and more than one split runs, run_decode allocates it stream-ordered
+  /// (cudaMallocAsync) and frees it.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
@@ -81,7 +86,8 @@ DecodeParams make_dense_decode_params(DType dtype, int batch, int seqlen_q, int 
 std::vector<int> decode_head_dims();
 
 /// Empty when run_decode can run p; otherwise a message naming the offending field.
-/// Checks dtype, head_dim, sizes, GQA divisibility, 16-byte alignment, paging fields, grid
+/// Checks dtype, head_dim, sizes (varlen: seqlen_q against total_q), GQA divisibility, 16-byte
+/// alignment (workspace: 256), paging fields (seqlen_k within one block-table row's pages), grid
 /// limits. Does not touch the GPU (does not read the device-side length arrays).
 std::string decode_supported(const DecodeParams& p);
 
