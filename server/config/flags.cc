@@ -150,8 +150,9 @@ static_assert(flashserve::ServerConfig::kMinGrpcMemoryQuotaHeadroom == 4194304);
 ABSL_FLAG(
     int64_t, grpc_memory_quota_bytes, flashserve::NetworkOptions{}.grpc_memory_quota_bytes,
     "gRPC resource quota for its buffers (received messages included): over it, new calls get "
-    "RESOURCE_EXHAUSTED instead of growing the process. -1: auto, sized from the host (a quarter "
-    "of physical memory, at most 4 GiB); 0: gRPC's default (no bound); else at least "
+    "RESOURCE_EXHAUSTED instead of growing the process. -1: auto, a quarter of the host's memory "
+    "(the smaller of physical memory and the container's cgroup memory limit), at most 4 GiB and "
+    "at least --max_request_bytes + 64 MiB; 0: gRPC's default (no bound); else at least "
     "--max_request_bytes + 4194304");
 ABSL_FLAG(int, answer_timeout_s, flashserve::NetworkOptions{}.answer_timeout_s,
           "A tensor answer the client has not taken this long after it was ready is dropped: "
@@ -179,9 +180,10 @@ ABSL_FLAG(int, worker_threads, flashserve::CpuBackendOptions{}.num_threads,
           "CPU backend compute threads, at most 1024; 0 uses every core");
 ABSL_FLAG(
     int, shutdown_grace_seconds, flashserve::ShutdownOptions{}.grace_seconds,
-    "On SIGINT/SIGTERM: how long in-flight requests may take to finish before they are cancelled "
-    "(exit 0). After a sticky device fault the process stays up this long, not ready and not "
-    "live, then exits 3 so that its supervisor restarts it");
+    "On SIGINT/SIGTERM/SIGHUP: how long in-flight requests may take to finish before they are "
+    "cancelled (exit 0; a second signal cancels them at once). After a sticky device fault the "
+    "process stays up this long, not ready and not live, then exits 3 so that its supervisor "
+    "restarts it (a signal cuts it short). In [0, 86400]");
 ABSL_FLAG(
     std::string, log_level, flashserve::LogOptions{}.level,
     "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
