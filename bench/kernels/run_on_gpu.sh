@@ -24,7 +24,7 @@ if want build; then
   echo "build: $(( $(date +%s) - start )) s"; grep -i "warning" "$OUT/build.log" | head -20
 fi
 if want test; then
-  (cd "$BUILD" && FLASHSERVE_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-240} ctest -L gpu -j 16 --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1)
+  (cd "$BUILD" && FLASHSERVE_REQUIRE_GPU=1 timeout ${TEST_TIMEOUT:-420} ctest -L gpu -j 16 --output-on-failure --timeout 600 > "$OUT/ctest-gpu.log" 2>&1)
   echo "ctest gpu rc=$?"; tail -5 "$OUT/ctest-gpu.log"; grep -m3 "seed" "$OUT/ctest-gpu.log"
   grep -A15 "Failure\|FAILED" "$OUT/ctest-gpu.log" | head -60
 fi
