@@ -43,18 +43,18 @@ def oversize_server(flashserve_bin, tmp_path_factory):
     assert code == 0, f"oversize_server exited with {code}\n{s.logs()}"
 
 
-def attention_counts(server) -> dict:
+def attention_counts(server, method: str = "Attention") -> dict:
     exported = scrape(f"http://127.0.0.1:{server.metrics_port}/metrics")
-    return {status: exported.value("flashserve_requests_total", method="Attention", status=status)
+    return {status: exported.value("flashserve_requests_total", method=method, status=status)
             for status in STATUSES}
 
 
-def counted(server, before: dict, expected: dict, timeout: float = 10.0) -> dict:
+def counted(server, before: dict, expected: dict, timeout: float = 10.0, method: str = "Attention") -> dict:
     """Waits until Attention's counts moved from `before` by `expected` (status -> increase; others by 0) -- a
     call may be counted just after its client heard the answer -- and returns the increases seen last."""
     deadline = time.monotonic() + timeout
     while True:
-        now = attention_counts(server)
+        now = attention_counts(server, method)
         moved = {status: now[status] - before[status] for status in STATUSES if now[status] != before[status]}
         if moved == expected or time.monotonic() > deadline:
             return moved
@@ -147,3 +147,18 @@ def test_a_truncated_message_is_invalid_argument_for_the_client_and_the_count(ov
     status = raw_call(oversize_server.address, claim=LIMIT // 2, body=bytes(30000), end="end_stream")
     assert status == "INVALID_ARGUMENT", status
     assert counted(oversize_server, before, {"INVALID_ARGUMENT": 1}) == {"INVALID_ARGUMENT": 1}
+
+
+def test_an_upload_chunk_over_max_request_bytes_counts_as_resource_exhausted(oversize_server):
+    before = attention_counts(oversize_server, "Upload")
+    with grpc.insecure_channel(oversize_server.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+        for size in (LIMIT + 1, 4 * LIMIT):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Upload(iter([pb.AttentionChunk(session_id="s", data=bytes(size))]), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+        # An Upload that sends no chunk at all ends as the client asked: an ack of 0 bytes, OK.
+        assert stub.Upload(iter([]), timeout=30).bytes_received == 0
+    # The chunks over the limit used to count as OK.
+    expected = {"RESOURCE_EXHAUSTED": 2, "OK": 1}
+    assert counted(oversize_server, before, expected, method="Upload") == expected

@@ -13,7 +13,7 @@
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/grpc_status.h"
 #include "edge/grpc/live_calls.h"
-#include "grpc/grpc.h"
+#include "edge/grpc/read_end.h"
 #include "runtime/shm_requests.h"
 #include "spdlog/spdlog.h"
 
@@ -98,52 +98,47 @@ class AttentionCall final : public grpc::ServerGenericBidiReactor {
   void OnDone() override {
     // EndWithoutRequest's answer, counted now that gRPC is done with the call: cancelled, it never
     // reached the client, which got gRPC's own RESOURCE_EXHAUSTED.
-    if (count_when_done_) call_.Finish(context_->IsCancelled() ? OverSizeLimit() : NoMessage());
+    if (count_when_done_) {
+      call_.Finish(AnsweredCallWasOverSizeLimit(context_) ? OverSizeLimit() : NoMessage());
+    }
     delete this;
   }
 
  private:
-  // The read ended without a complete request; it is counted as what the client was told:
-  //  - gRPC failed the read: the stream broke -- the client cancelled or disconnected, its deadline
-  //    passed, or gRPC reset the stream itself (over --grpc_memory_quota_bytes; the client then
-  //    sees RESOURCE_EXHAUSTED "Stream removed", which this call cannot tell from a client's
-  //    reset). Nobody hears the answer: counted CANCELLED, or DEADLINE_EXCEEDED past the deadline.
-  //  - gRPC received a message over --max_request_bytes: it drops it, ends the read without an
-  //    error, and cancels the call with RESOURCE_EXHAUSTED "Received message larger than max" --
-  //    a cancellation this call may only see after the read.
-  //  - the client half-closed its stream without a complete message (none, or a truncated one):
-  //    INVALID_ARGUMENT, which the client receives.
-  // The last two look alike here: the answer is INVALID_ARGUMENT (moot if gRPC cancels the call),
-  // counted in OnDone by whether the call ended cancelled. (A client that half-closes mid-message
-  // and then resets its stream counts as over the limit: it is told nothing either way.)
+  // The read ended without a complete request (edge/grpc/read_end.h); counted as what happened:
+  // a broken stream CANCELLED (or DEADLINE_EXCEEDED) -- nobody hears the answer --, a message over
+  // --max_request_bytes RESOURCE_EXHAUSTED, a half-close without a complete message
+  // INVALID_ARGUMENT, which the client receives. The last two look alike at first: counted in
+  // OnDone. (A client that half-closes mid-message and then resets its stream counts as over the
+  // limit: it is told nothing either way.)
   void EndWithoutRequest() {
-    if (grpc_call_failed_before_recv_message(context_->c_call()) != 0) {
-      Answer(ToAbslTime(context_->deadline()) <= absl::Now()
-                 ? absl::DeadlineExceededError(
-                       "flashserve.v1.AttentionRequest: the deadline passed before the request was "
-                       "complete")
-                 : absl::CancelledError(
-                       "flashserve.v1.AttentionRequest: the stream ended before the request was "
-                       "complete (the client cancelled or disconnected, or gRPC reset the stream "
-                       "over --grpc_memory_quota_bytes)"));
-      return;
+    switch (ClassifyReadEnd(context_)) {
+      case ReadEnd::kDeadlinePassed:
+        Answer(absl::DeadlineExceededError(
+            "flashserve.v1.AttentionRequest: the deadline passed before the request was complete"));
+        return;
+      case ReadEnd::kStreamBroke:
+        Answer(absl::CancelledError(
+            "flashserve.v1.AttentionRequest: the stream ended before the request was complete (the "
+            "client cancelled or disconnected, or gRPC reset the stream over "
+            "--grpc_memory_quota_bytes)"));
+        return;
+      case ReadEnd::kOverSizeLimit:
+        Answer(OverSizeLimit());
+        return;
+      case ReadEnd::kHalfClosed:
+        count_when_done_ = true;
+        live_.AnswerHandedOver(context_, nullptr);  // as Answer does: before Finish
+        Finish(ToGrpcStatus(NoMessage()));
+        return;
     }
-    if (context_->IsCancelled()) {
-      Answer(OverSizeLimit());
-      return;
-    }
-    count_when_done_ = true;
-    live_.AnswerHandedOver(context_, nullptr);  // as Answer does: before Finish
-    Finish(ToGrpcStatus(NoMessage()));
   }
   static absl::Status NoMessage() {
     return absl::InvalidArgumentError(
         "flashserve.v1.AttentionRequest: no complete message was received");
   }
   static absl::Status OverSizeLimit() {
-    return absl::ResourceExhaustedError(
-        "flashserve.v1.AttentionRequest: refused by gRPC as larger than --max_request_bytes "
-        "(\"Received message larger than max\")");
+    return OverSizeLimitStatus("flashserve.v1.AttentionRequest");
   }
 
   // Parses the received request and submits it; runs on the gRPC thread or on the hot lane.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "edge/grpc/grpc_call.h"
 #include "edge/grpc/live_calls.h"
+#include "edge/grpc/read_end.h"
 #include "edge/grpc/stream_chunk.h"
 #include "flashserve/v1/attention.pb.h"
 #include "grpcpp/grpcpp.h"
@@ -35,25 +36,51 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client finished sending, or the call broke (then Finish is moot)
-      if (context_->IsCancelled()) {
-        Finish(call_.Finish(absl::CancelledError("upload cancelled")));
-        return;
-      }
-      v1::UploadAck ack;
-      ack.set_bytes_received(received_);
-      SerializeTo(ack, response_);
-      call_.AddBytesOut(int64_t(response_->Length()));
-      Finish(call_.Finish(absl::OkStatus()));
+    if (!ok) {
+      EndOfChunks();
       return;
     }
     call_.AddBytesIn(int64_t(buffer_.Length()));
     Chunk();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (count_when_done_) {
+      call_.Finish(AnsweredCallWasOverSizeLimit(context_) ? OverSizeLimit() : absl::OkStatus());
+    }
+    delete this;
+  }
 
  private:
+  static absl::Status OverSizeLimit() {
+    return OverSizeLimitStatus("flashserve.v1.AttentionChunk");
+  }
+
+  // The client's stream ended (edge/grpc/read_end.h). After a half-close the ack goes out, counted
+  // OK once gRPC is done with the call -- unless gRPC cancelled it meanwhile: a chunk over
+  // --max_request_bytes ends the read the same way (it was counted OK).
+  void EndOfChunks() {
+    switch (ClassifyReadEnd(context_)) {
+      case ReadEnd::kDeadlinePassed:
+        Finish(call_.Finish(absl::DeadlineExceededError("upload: the deadline passed")));
+        return;
+      case ReadEnd::kStreamBroke:
+        Finish(call_.Finish(absl::CancelledError("upload cancelled")));
+        return;
+      case ReadEnd::kOverSizeLimit:
+        Finish(call_.Finish(OverSizeLimit()));
+        return;
+      case ReadEnd::kHalfClosed:
+        break;
+    }
+    v1::UploadAck ack;
+    ack.set_bytes_received(received_);
+    SerializeTo(ack, response_);
+    call_.AddBytesOut(int64_t(response_->Length()));
+    count_when_done_ = true;
+    Finish(grpc::Status::OK);
+  }
+
   // Copies the chunk just read into its session; reads the next one or ends the call. Between
   // chunks the call holds its session weakly: one closed or reaped meanwhile is gone (an Upload
   // left open must not keep its memory past the session table's limits).
@@ -112,6 +139,7 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   std::weak_ptr<StreamSession> session_;
   std::string session_id_;  // set by the first chunk
   int64_t received_ = 0;
+  bool count_when_done_ = false;  // EndOfChunks answered OK; OnDone counts the call
   GrpcCall call_;  // metrics, failure log, status conversion
   LiveCall live_;  // until gRPC has finished the call (OnDone)
 };
