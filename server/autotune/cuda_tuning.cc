@@ -15,8 +15,7 @@ absl::StatusOr<CudaDeviceFacts> DescribeCudaDevice(int device) {
         absl::StrCat("CUDA device ", device, ": ", cudaGetErrorString(e)));
   }
   CudaDeviceFacts facts;
-  facts.identity = {prop.name, prop.major, prop.minor};
-  facts.sm_count = prop.multiProcessorCount;
+  facts.identity = {prop.name, prop.major, prop.minor, prop.multiProcessorCount};
   return facts;
 }
 
@@ -25,6 +24,7 @@ TuneCacheHeader CacheHeaderFor(const DeviceIdentity& device) {
   header.device_name = device.name;
   header.cc_major = device.cc_major;
   header.cc_minor = device.cc_minor;
+  header.sm_count = device.sm_count;
   cudaDriverGetVersion(&header.driver_version);
   cudaRuntimeGetVersion(&header.runtime_version);
   header.build_id = kKernelBuildId;

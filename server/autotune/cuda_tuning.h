@@ -14,8 +14,7 @@
 namespace flashserve {
 
 struct CudaDeviceFacts {
-  DeviceIdentity identity;
-  int sm_count = 0;
+  DeviceIdentity identity;  // sm_count included
 };
 
 absl::StatusOr<CudaDeviceFacts> DescribeCudaDevice(int device);

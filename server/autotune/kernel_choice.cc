@@ -80,9 +80,10 @@ KernelChooser::~KernelChooser() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-bool KernelChooser::Covers(const std::string& name, int cc_major, int cc_minor) const {
+bool KernelChooser::Covers(const std::string& name, int cc_major, int cc_minor,
+                           int sm_count) const {
   return cache_ != nullptr && name == identity_.name && cc_major == identity_.cc_major &&
-         cc_minor == identity_.cc_minor;
+         cc_minor == identity_.cc_minor && sm_count == identity_.sm_count;
 }
 
 kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams& params,

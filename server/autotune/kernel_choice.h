@@ -41,8 +41,8 @@ class KernelChooser {
                                                                int device_index, int sm_count);
   ~KernelChooser();
 
-  /// Whether the cache applies to a device of this model (the cache belongs to one model).
-  bool Covers(const std::string& name, int cc_major, int cc_minor) const;
+  /// Whether the cache applies to this device: the cache belongs to one model with one SM count.
+  bool Covers(const std::string& name, int cc_major, int cc_minor, int sm_count) const;
   /// The configuration for `params` on a device with `sm_count` SMs; `covered`: Covers() of it.
   /// The cached one only where run() accepts it for `params` (kernels::cuda::runnable), else
   /// the heuristic's.

@@ -12,6 +12,9 @@ struct DeviceIdentity {
   std::string name;  // cudaDeviceProp::name, e.g. "NVIDIA H100 80GB HBM3"
   int cc_major = 0;
   int cc_minor = 0;
+  // cudaDeviceProp::multiProcessorCount: a MIG slice keeps its GPU's name and compute capability,
+  // and the split-KV plans and grids a tuning result picked were timed for this many SMs.
+  int sm_count = 0;
 };
 
 /// Bucketing (and why):

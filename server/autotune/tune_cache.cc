@@ -59,6 +59,11 @@ std::string TuneCacheHeader::Mismatch(const TuneCacheHeader& other) const {
     return absl::StrCat("compute capability ", other.cc_major, ".", other.cc_minor,
                         " != ", cc_major, ".", cc_minor);
   }
+  if (sm_count != other.sm_count) {
+    return absl::StrCat(
+        other.sm_count > 0 ? absl::StrCat(other.sm_count) : "an unrecorded number of",
+        " SMs != this device's ", sm_count, " (a MIG slice or another SKU)");
+  }
   if (build_id != other.build_id) {
     return absl::StrCat("kernel build ", other.build_id, " != this build ", build_id);
   }
@@ -98,6 +103,7 @@ std::string TuneCache::ToJson() const {
   j["device"] = {{"name", header_.device_name},
                  {"cc_major", header_.cc_major},
                  {"cc_minor", header_.cc_minor},
+                 {"sm_count", header_.sm_count},
                  {"driver_version", header_.driver_version},
                  {"runtime_version", header_.runtime_version}};
   j["build_id"] = header_.build_id;
@@ -148,6 +154,7 @@ absl::Status TuneCache::FromJson(const std::string& text, LoadReport* report) {
     file.device_name = device.at("name").get<std::string>();
     file.cc_major = IntField(device, "cc_major");
     file.cc_minor = IntField(device, "cc_minor");
+    file.sm_count = device.contains("sm_count") ? IntField(device, "sm_count") : 0;
     file.driver_version = IntField(device, "driver_version");
     file.runtime_version = IntField(device, "runtime_version");
     file.build_id = j.at("build_id").get<std::string>();

@@ -22,6 +22,7 @@ struct TuneCacheHeader {
   int driver_version = 0;   // cudaDriverGetVersion
   int runtime_version = 0;  // cudaRuntimeGetVersion
   std::string build_id;     // hash of the compiled kernel set
+  int sm_count = 0;  // multiProcessorCount (0 in files written before it was recorded: no match)
 
   /// Empty when `other` may be used with this header; else why not.
   std::string Mismatch(const TuneCacheHeader& other) const;

@@ -195,7 +195,7 @@ absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {
   chooser_ = std::move(*chooser);
   for (size_t i = 0; i < devices_.size(); ++i) {
     const DeviceDescription& d = capabilities_.devices[i];
-    devices_[i]->tuned = chooser_->Covers(d.name, d.cc_major, d.cc_minor);
+    devices_[i]->tuned = chooser_->Covers(d.name, d.cc_major, d.cc_minor, devices_[i]->sm_count);
   }
   return absl::OkStatus();
 }

@@ -76,7 +76,7 @@ int Main() {
   const std::vector<ProblemClass> classes = GridClasses(*grid, facts->identity);
   std::printf("flashserve-tune: %zu classes on %s (sm_%d%d, %d SMs) -> %s\n", classes.size(),
               facts->identity.name.c_str(), facts->identity.cc_major, facts->identity.cc_minor,
-              facts->sm_count, path.c_str());
+              facts->identity.sm_count, path.c_str());
   const absl::Time start = absl::Now();
   int failures = 0;
   for (size_t i = 0; i < classes.size(); ++i) {
@@ -86,7 +86,8 @@ int Main() {
       continue;
     }
     const absl::Time t0 = absl::Now();
-    absl::StatusOr<TuneRecord> record = TuneProblemClass(c, facts->sm_count, stream, options);
+    absl::StatusOr<TuneRecord> record =
+        TuneProblemClass(c, facts->identity.sm_count, stream, options);
     if (!record.ok()) {
       ++failures;
       std::printf("[%zu/%zu] %-40s FAILED: %s\n", i + 1, classes.size(), c.key().c_str(),

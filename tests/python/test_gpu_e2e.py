@@ -215,6 +215,31 @@ def test_startup_autotune_tunes_before_ready(flashserve_bin, tmp_path, rng):
         _stop_and_check(s)
 
 
+def test_a_cache_from_another_sm_count_is_ignored(flashserve_bin, tmp_path):
+    """The cache records the GPU's SM count; a MIG slice keeps its GPU's name and compute capability, so a cache tuned
+    on the whole GPU (split-KV plans, grids timed for its SMs) must not be used there: the server warns and tunes
+    afresh, and its next save records its own count."""
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA end-to-end tests skipped")
+    cache = tmp_path / "sm.json"
+    grid = ["--tune_dtypes=fp16", "--tune_head_dims=64", "--tune_causal=false", "--tune_seqlens=256"]
+    s = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=startup", f"--tune_cache={cache}",
+                                                 *grid], name="sm_count").start()
+    _stop_and_check(s)
+    saved = json.loads(cache.read_text())
+    sms = saved["device"]["sm_count"]
+    assert isinstance(sms, int) and sms > 0, saved["device"]
+    assert len(saved["entries"]) == 1, saved["entries"].keys()
+    saved["device"]["sm_count"] = sms + 1  # what the same GPU name with other SMs would have written
+    cache.write_text(json.dumps(saved))
+    s2 = ServerProcess(flashserve_bin, tmp_path, ["--backend=cuda", "--autotune=startup", f"--tune_cache={cache}",
+                                                  *grid], name="sm_count_other").start()
+    _stop_and_check(s2)
+    logs = s2.logs(limit=1 << 20)
+    assert f"{sms + 1} SMs != this device's {sms}" in logs, logs[-3000:]
+    assert json.loads(cache.read_text())["device"]["sm_count"] == sms  # retuned and saved as its own
+
+
 def test_a_signal_during_startup_tuning_stops_it(flashserve_bin, tmp_path):
     """SIGTERM while --autotune=startup tunes its grid: the server stops tuning within a second or so and exits 0. The
     signals were only taken once serving began, so the whole grid (minutes) ran first, past a startupProbe's patience

@@ -34,6 +34,7 @@ TuneCacheHeader Header(std::string build = "abc123") {
   h.device_name = "NVIDIA H100 80GB HBM3";
   h.cc_major = 9;
   h.cc_minor = 0;
+  h.sm_count = 132;
   h.driver_version = 13000;
   h.runtime_version = 13000;
   h.build_id = std::move(build);
@@ -171,6 +172,35 @@ TEST(TuneCache, ForeignDeviceOrBuildIsIgnored) {
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("NVIDIA H100"), std::string::npos) << s;
   EXPECT_EQ(other_device.size(), 0u);
+
+  // A MIG slice reports its GPU's name and compute capability: the SM count tells them apart
+  // (split-KV plans and grids were timed for the whole GPU).
+  TuneCacheHeader mig_slice = Header();
+  mig_slice.sm_count = 16;
+  TuneCache on_slice(mig_slice);
+  s = on_slice.Load(path);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("132 SMs != this device's 16"), std::string::npos) << s;
+  EXPECT_EQ(on_slice.size(), 0u);
+  std::remove(path.c_str());
+  std::remove((path + ".lock").c_str());
+}
+
+// Files written before the SM count was recorded are for an unknown SM count: not used.
+TEST(TuneCache, AFileWithoutAnSmCountIsForAnotherSetup) {
+  TuneCache cache(Header());
+  cache.Put("k", {"m128n64w4s2", 1, "", 0, "", 0, 1});
+  std::string text = cache.ToJson();
+  const size_t at = text.find("\"sm_count\": 132");
+  ASSERT_NE(at, std::string::npos) << text;
+  text.replace(at, 9, "\"sm_count_unknown");  // an older writer's field names
+  const std::string path = TempPath("no_sm_count");
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+  TuneCache loaded(Header());
+  absl::Status s = loaded.Load(path);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("an unrecorded number of SMs"), std::string::npos) << s;
+  EXPECT_EQ(loaded.size(), 0u);
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
 }
@@ -187,8 +217,8 @@ TEST(TuneCache, CorruptOrTruncatedIsIgnored) {
   bad.push_back("[]");
   bad.push_back(R"({"format":"flashserve-tune-cache/1","device":{"name":5}})");
   bad.push_back(R"({"format":"flashserve-tune-cache/1","device":{"name":"NVIDIA H100 80GB HBM3",)"
-                R"("cc_major":9,"cc_minor":0,"driver_version":13000,"runtime_version":13000},)"
-                R"("build_id":"abc123","entries":[]})");
+                R"("cc_major":9,"cc_minor":0,"sm_count":132,"driver_version":13000,)"
+                R"("runtime_version":13000},"build_id":"abc123","entries":[]})");
   std::string huge_int = full;  // a float where an int belongs (was undefined behaviour; found by fuzzing)
   huge_int.replace(huge_int.find("\"cc_major\": 9"), 13, "\"cc_major\": 1e20");
   bad.push_back(huge_int);

@@ -104,14 +104,34 @@ TEST(KernelChooser, CachedConfigTheProblemCannotRunFallsBackToSelect) {
   KernelChoiceOptions options;  // autotune "off": the cache read-only
   options.tune_cache_path = path;
   absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
-      KernelChooser::Create(options, 0, facts->sm_count);
+      KernelChooser::Create(options, 0, facts->identity.sm_count);
   std::remove(path.c_str());
   ASSERT_TRUE(chooser.ok()) << chooser.status();
-  const int sms = facts->sm_count;
+  const int sms = facts->identity.sm_count;
   EXPECT_EQ((*chooser)->Choose(dense, sms, /*covered=*/true), winner);
   const kernels::cuda::KernelConfig chosen = (*chooser)->Choose(packed, sms, /*covered=*/true);
   EXPECT_EQ(chosen, kernels::cuda::select(packed, sms)) << chosen.name();
   EXPECT_TRUE(kernels::cuda::runnable(packed, chosen)) << chosen.name();
+}
+
+// A MIG slice keeps its GPU's name and compute capability: the cache header and Covers() carry
+// the SM count too, so another device of the same name with other SMs keeps the heuristics.
+TEST(KernelChooser, TheCacheBelongsToOneSmCount) {
+  if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
+  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(0);
+  ASSERT_TRUE(facts.ok()) << facts.status();
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  EXPECT_EQ(facts->identity.sm_count, sms);
+  EXPECT_EQ(CacheHeaderFor(facts->identity).sm_count, sms);
+  KernelChoiceOptions options;  // autotune "off" with a cache: read-only
+  options.tune_cache_path = ::testing::TempDir() + "/chooser_sm_count_cache.json";
+  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser = KernelChooser::Create(options, 0, sms);
+  ASSERT_TRUE(chooser.ok()) << chooser.status();
+  const DeviceIdentity& d = facts->identity;
+  EXPECT_TRUE((*chooser)->Covers(d.name, d.cc_major, d.cc_minor, sms));
+  EXPECT_FALSE((*chooser)->Covers(d.name, d.cc_major, d.cc_minor, sms / 2));
+  EXPECT_FALSE((*chooser)->Covers(d.name + " MIG", d.cc_major, d.cc_minor, sms));
 }
 
 }  // namespace
