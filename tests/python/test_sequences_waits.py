@@ -62,10 +62,11 @@ def _health_latencies(address, seconds):
     return latencies
 
 
-def _long_step_setup(client, rng, tokens=32768):
-    """A sequence whose 16-row DecodeStep takes long on the CPU (128 q heads over `tokens` keys: about a second),
-    the step's request, and a no-op Truncate of it (it waits while a step pins the sequence)."""
-    heads_q, heads_kv, d = 128, 8, 128
+def _long_step_setup(client, rng, tokens=32768, heads_q=512):
+    """A sequence whose 16-row DecodeStep takes long on the CPU, the step's request, and a no-op Truncate of it (it
+    waits while a step pins the sequence). 512 q heads over 32768 keys: 1.1-1.2 s on the 2-core CI machine; with 128
+    heads (0.35-0.38 s there) the step once ended before the tests' guards looked (0.4 s in), failing them."""
+    heads_kv, d = 8, 128
     kv = rng.standard_normal((tokens, heads_kv, d)).astype(np.float16)
     seq = client.create(num_layers=1, heads_q=heads_q, heads_kv=heads_kv, head_dim=d, dtype="float16",
                         prefix={0: (kv, kv)})
@@ -82,7 +83,7 @@ def test_truncates_waiting_for_a_step_do_not_stall_the_grpc_server(start_server,
     Sequences control threads, and health checks answer at once."""
     server = start_server("--kv_cache_bytes=268435456", "--kv_page_tokens=64", name="waits")
     with flashserve.SequenceClient(server.address, timeout=60, reprefill=False) as client:
-        seq, step, truncate = _long_step_setup(client, rng, tokens=16384)
+        seq, step, truncate = _long_step_setup(client, rng, tokens=16384, heads_q=128)  # many steps in 3.5 s
         stub = client.stub(seq.endpoint)
         stop = threading.Event()
         steps, truncate_waits, errors = [], [], []
