@@ -249,8 +249,12 @@ TEST(Sm90Dispatch, SmallGridsTakeSm90WhereRowsAreLong) {
     EXPECT_EQ(family(96, 1, 8, 256, 256, true), sm90);
     EXPECT_EQ(family(96, 1, 8, 128, 128, false), sm80);  // not measured below 256
   }
-  if (sm90_config(DType::kBFloat16, 256)) EXPECT_EQ(family(256, 1, 4, 256, 256, false), sm90);
-  if (sm90_config(DType::kBFloat16, 32)) EXPECT_EQ(family(32, 1, 4, 1024, 1024, false), sm80);
+  if (sm90_config(DType::kBFloat16, 256)) {
+    EXPECT_EQ(family(256, 1, 4, 256, 256, false), sm90);
+  }
+  if (sm90_config(DType::kBFloat16, 32)) {
+    EXPECT_EQ(family(32, 1, 4, 1024, 1024, false), sm80);
+  }
 }
 
 // d=128 block_n: 176 (one Q buffer) only for long non-causal problems, both lengths >= 8k;

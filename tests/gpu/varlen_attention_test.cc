@@ -352,9 +352,11 @@ TEST(VarlenAttentionApi, Sm90NeedsTotalKAndTotalQ) {
   p.total_q = 0;
   EXPECT_EQ(fk::supported(p), "");
   EXPECT_EQ(fk::select(p, 1).family, fk::KernelFamily::kSm80);
-  for (const fk::KernelConfig& cfg : fk::candidates(p.dtype, p.head_dim, false))
-    if (cfg.family == fk::KernelFamily::kSm90)
+  for (const fk::KernelConfig& cfg : fk::candidates(p.dtype, p.head_dim, false)) {
+    if (cfg.family == fk::KernelFamily::kSm90) {
       EXPECT_EQ(fk::run(p, cfg, nullptr), cudaErrorInvalidValue);
+    }
+  }
   p.total_k = -1;
   EXPECT_NE(fk::supported(p).find("total_k must be >= 0"), std::string::npos) << fk::supported(p);
 }
