@@ -7,16 +7,14 @@
 
 namespace flashserve {
 
-absl::StatusOr<CudaDeviceFacts> DescribeCudaDevice(int device) {
+absl::StatusOr<DeviceIdentity> DescribeCudaDevice(int device) {
   cudaDeviceProp prop{};
   if (cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) {
     cudaGetLastError();
     return absl::UnavailableError(
         absl::StrCat("CUDA device ", device, ": ", cudaGetErrorString(e)));
   }
-  CudaDeviceFacts facts;
-  facts.identity = {prop.name, prop.major, prop.minor, prop.multiProcessorCount};
-  return facts;
+  return DeviceIdentity{prop.name, prop.major, prop.minor, prop.multiProcessorCount};
 }
 
 TuneCacheHeader CacheHeaderFor(const DeviceIdentity& device) {

@@ -13,11 +13,8 @@
 
 namespace flashserve {
 
-struct CudaDeviceFacts {
-  DeviceIdentity identity;  // sm_count included
-};
-
-absl::StatusOr<CudaDeviceFacts> DescribeCudaDevice(int device);
+/// Name, compute capability and SM count of CUDA device `device`.
+absl::StatusOr<DeviceIdentity> DescribeCudaDevice(int device);
 
 /// Header for a cache measured on `device` with this build's kernels.
 TuneCacheHeader CacheHeaderFor(const DeviceIdentity& device);

@@ -11,7 +11,7 @@
 namespace flashserve {
 
 absl::StatusOr<std::unique_ptr<KernelChooser>> KernelChooser::Create(
-    const KernelChoiceOptions& options, int device_index, int sm_count) {
+    const KernelChoiceOptions& options, int device_index) {
   const std::string& mode = options.autotune;
   if (mode != "off" && mode != "background" && mode != "startup") {
     return absl::InvalidArgumentError(
@@ -19,9 +19,9 @@ absl::StatusOr<std::unique_ptr<KernelChooser>> KernelChooser::Create(
   }
   auto chooser = std::unique_ptr<KernelChooser>(new KernelChooser());
   if (mode == "off" && options.tune_cache_path.empty()) return chooser;
-  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(device_index);
-  if (!facts.ok()) return facts.status();
-  chooser->identity_ = facts->identity;
+  absl::StatusOr<DeviceIdentity> device = DescribeCudaDevice(device_index);
+  if (!device.ok()) return device.status();
+  chooser->identity_ = *device;
   chooser->cache_ = std::make_unique<TuneCache>(CacheHeaderFor(chooser->identity_));
   if (!options.tune_cache_path.empty()) {
     TuneCache::LoadReport report;
@@ -34,12 +34,11 @@ absl::StatusOr<std::unique_ptr<KernelChooser>> KernelChooser::Create(
     }
   }
   if (mode == "off") return chooser;
-  if (absl::Status s = chooser->StartTuner(options, device_index, sm_count); !s.ok()) return s;
+  if (absl::Status s = chooser->StartTuner(options, device_index); !s.ok()) return s;
   return chooser;
 }
 
-absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int device_index,
-                                       int sm_count) {
+absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int device_index) {
   // Tuning runs on its own stream at the lowest priority, one class at a time.
   cudaSetDevice(device_index);
   int least = 0, greatest = 0;
@@ -49,6 +48,7 @@ absl::Status KernelChooser::StartTuner(const KernelChoiceOptions& options, int d
     return absl::UnavailableError(absl::StrCat("CUDA tuning stream: ", cudaGetErrorString(e)));
   }
   cudaStream_t stream = stream_;
+  const int sm_count = identity_.sm_count;
   device_index_ = device_index;
   BackgroundTuner::Options tuner_options;
   tuner_options.cache_path = options.tune_cache_path;
@@ -80,10 +80,10 @@ KernelChooser::~KernelChooser() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-bool KernelChooser::Covers(const std::string& name, int cc_major, int cc_minor,
-                           int sm_count) const {
-  return cache_ != nullptr && name == identity_.name && cc_major == identity_.cc_major &&
-         cc_minor == identity_.cc_minor && sm_count == identity_.sm_count;
+bool KernelChooser::Covers(const DeviceIdentity& device) const {
+  return cache_ != nullptr && device.name == identity_.name &&
+         device.cc_major == identity_.cc_major && device.cc_minor == identity_.cc_minor &&
+         device.sm_count == identity_.sm_count;
 }
 
 kernels::cuda::KernelConfig KernelChooser::Choose(const kernels::AttentionParams& params,

@@ -38,11 +38,11 @@ class KernelChooser {
   /// Tuning runs on device `device_index` (the first device served). INVALID_ARGUMENT for an
   /// unknown mode; UNAVAILABLE when the device cannot be described or a stream made.
   static absl::StatusOr<std::unique_ptr<KernelChooser>> Create(const KernelChoiceOptions& options,
-                                                               int device_index, int sm_count);
+                                                               int device_index);
   ~KernelChooser();
 
-  /// Whether the cache applies to this device: the cache belongs to one model with one SM count.
-  bool Covers(const std::string& name, int cc_major, int cc_minor, int sm_count) const;
+  /// Whether the cache applies to `device`: the cache belongs to one model with one SM count.
+  bool Covers(const DeviceIdentity& device) const;
   /// The configuration for `params` on a device with `sm_count` SMs; `covered`: Covers() of it.
   /// The cached one only where run() accepts it for `params` (kernels::cuda::runnable), else
   /// the heuristic's.
@@ -57,7 +57,7 @@ class KernelChooser {
 
  private:
   KernelChooser() = default;
-  absl::Status StartTuner(const KernelChoiceOptions& options, int device_index, int sm_count);
+  absl::Status StartTuner(const KernelChoiceOptions& options, int device_index);
 
   DeviceIdentity identity_;
   std::unique_ptr<TuneCache> cache_;         // null: no tuning, no cache

@@ -190,12 +190,12 @@ absl::Status CudaBackend::StartKernelChoice(const CudaBackendOptions& options) {
   choice.stop_requested = options.stop_requested;
   const Device& first = *devices_.front();
   absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
-      KernelChooser::Create(choice, first.index, first.sm_count);
+      KernelChooser::Create(choice, first.index);
   if (!chooser.ok()) return chooser.status();
   chooser_ = std::move(*chooser);
   for (size_t i = 0; i < devices_.size(); ++i) {
     const DeviceDescription& d = capabilities_.devices[i];
-    devices_[i]->tuned = chooser_->Covers(d.name, d.cc_major, d.cc_minor, devices_[i]->sm_count);
+    devices_[i]->tuned = chooser_->Covers({d.name, d.cc_major, d.cc_minor, devices_[i]->sm_count});
   }
   return absl::OkStatus();
 }

@@ -54,13 +54,13 @@ int Main() {
     std::fprintf(stderr, "flashserve-tune: cannot use CUDA device %d\n", device);
     return 1;
   }
-  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(device);
-  if (!facts.ok()) {
-    std::fprintf(stderr, "flashserve-tune: %s\n", std::string(facts.status().message()).c_str());
+  absl::StatusOr<DeviceIdentity> gpu = DescribeCudaDevice(device);
+  if (!gpu.ok()) {
+    std::fprintf(stderr, "flashserve-tune: %s\n", std::string(gpu.status().message()).c_str());
     return 1;
   }
   const std::string path = absl::GetFlag(FLAGS_tune_cache);
-  TuneCache cache(CacheHeaderFor(facts->identity));
+  TuneCache cache(CacheHeaderFor(*gpu));
   TuneCache::LoadReport report;
   if (absl::Status s = cache.Load(path, &report); !s.ok()) {
     std::fprintf(stderr, "flashserve-tune: warning: ignoring %s\n",
@@ -73,10 +73,9 @@ int Main() {
   kernels::cuda::TuneOptions options;
   options.repetitions = absl::GetFlag(FLAGS_repetitions);
 
-  const std::vector<ProblemClass> classes = GridClasses(*grid, facts->identity);
+  const std::vector<ProblemClass> classes = GridClasses(*grid, *gpu);
   std::printf("flashserve-tune: %zu classes on %s (sm_%d%d, %d SMs) -> %s\n", classes.size(),
-              facts->identity.name.c_str(), facts->identity.cc_major, facts->identity.cc_minor,
-              facts->identity.sm_count, path.c_str());
+              gpu->name.c_str(), gpu->cc_major, gpu->cc_minor, gpu->sm_count, path.c_str());
   const absl::Time start = absl::Now();
   int failures = 0;
   for (size_t i = 0; i < classes.size(); ++i) {
@@ -86,8 +85,7 @@ int Main() {
       continue;
     }
     const absl::Time t0 = absl::Now();
-    absl::StatusOr<TuneRecord> record =
-        TuneProblemClass(c, facts->identity.sm_count, stream, options);
+    absl::StatusOr<TuneRecord> record = TuneProblemClass(c, gpu->sm_count, stream, options);
     if (!record.ok()) {
       ++failures;
       std::printf("[%zu/%zu] %-40s FAILED: %s\n", i + 1, classes.size(), c.key().c_str(),

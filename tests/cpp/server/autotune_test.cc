@@ -45,6 +45,17 @@ std::string TempPath(const std::string& name) {
   return absl::StrCat(::testing::TempDir(), "/", name, ".", getpid(), ".json");
 }
 
+// A cache of `header` refuses the file at `path` as another setup's, naming `why`, and loads
+// nothing.
+void ExpectRefusedAs(const TuneCacheHeader& header, const std::string& path,
+                     const std::string& why) {
+  TuneCache cache(header);
+  const absl::Status s = cache.Load(path);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find(why), std::string::npos) << s;
+  EXPECT_EQ(cache.size(), 0u);
+}
+
 // Files named `path`.tmp.* in its directory.
 int TempFilesOf(const std::string& path) {
   const size_t slash = path.rfind('/');
@@ -159,29 +170,15 @@ TEST(TuneCache, ForeignDeviceOrBuildIsIgnored) {
   const std::string path = TempPath("foreign");
   ASSERT_TRUE(cache.Save(path).ok());
 
-  TuneCache other_build(Header("def456"));
-  absl::Status s = other_build.Load(path);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("kernel build abc123 != this build def456"), std::string::npos) << s;
-  EXPECT_EQ(other_build.size(), 0u);
-
+  ExpectRefusedAs(Header("def456"), path, "kernel build abc123 != this build def456");
   TuneCacheHeader h200 = Header();
   h200.device_name = "NVIDIA H200";
-  TuneCache other_device(h200);
-  s = other_device.Load(path);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("NVIDIA H100"), std::string::npos) << s;
-  EXPECT_EQ(other_device.size(), 0u);
-
+  ExpectRefusedAs(h200, path, "NVIDIA H100");
   // A MIG slice reports its GPU's name and compute capability: the SM count tells them apart
   // (split-KV plans and grids were timed for the whole GPU).
   TuneCacheHeader mig_slice = Header();
   mig_slice.sm_count = 16;
-  TuneCache on_slice(mig_slice);
-  s = on_slice.Load(path);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("132 SMs != this device's 16"), std::string::npos) << s;
-  EXPECT_EQ(on_slice.size(), 0u);
+  ExpectRefusedAs(mig_slice, path, "132 SMs != this device's 16");
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
 }
@@ -193,14 +190,10 @@ TEST(TuneCache, AFileWithoutAnSmCountIsForAnotherSetup) {
   std::string text = cache.ToJson();
   const size_t at = text.find("\"sm_count\": 132");
   ASSERT_NE(at, std::string::npos) << text;
-  text.replace(at, 9, "\"sm_count_unknown");  // an older writer's field names
+  text.replace(at, 9, "\"sm_count_unknown");  // the field is gone (an unknown one is ignored)
   const std::string path = TempPath("no_sm_count");
   std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
-  TuneCache loaded(Header());
-  absl::Status s = loaded.Load(path);
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_NE(s.message().find("an unrecorded number of SMs"), std::string::npos) << s;
-  EXPECT_EQ(loaded.size(), 0u);
+  ExpectRefusedAs(Header(), path, "an unrecorded number of SMs");
   std::remove(path.c_str());
   std::remove((path + ".lock").c_str());
 }

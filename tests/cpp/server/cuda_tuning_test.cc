@@ -78,8 +78,8 @@ TEST(CudaTuning, DecodeClassPinsOnlyAClearWin) {
 // to the dense problem. Nothing is launched (the device is only described).
 TEST(KernelChooser, CachedConfigTheProblemCannotRunFallsBackToSelect) {
   if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
-  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(0);
-  ASSERT_TRUE(facts.ok()) << facts.status();
+  absl::StatusOr<DeviceIdentity> device = DescribeCudaDevice(0);
+  ASSERT_TRUE(device.ok()) << device.status();
   alignas(16) static const char kData[16] = {};
   static const int kCu[4] = {0, 3, 5, 9};  // never read: Choose and runnable() touch no memory
   kernels::AttentionParams dense =
@@ -92,22 +92,21 @@ TEST(KernelChooser, CachedConfigTheProblemCannotRunFallsBackToSelect) {
   packed.total_q = 9;
   const kernels::cuda::KernelConfig winner{64, 64, 4, 2, false};
   ASSERT_FALSE(kernels::cuda::runnable(packed, winner));
-  ASSERT_EQ(ClassOf(packed, facts->identity).key(), ClassOf(dense, facts->identity).key());
+  ASSERT_EQ(ClassOf(packed, *device).key(), ClassOf(dense, *device).key());
 
   const std::string path = ::testing::TempDir() + "/chooser_varlen_cache.json";
-  TuneCache cache(CacheHeaderFor(facts->identity));
+  TuneCache cache(CacheHeaderFor(*device));
   TuneRecord record;
   record.config = winner.name();
   record.tflops = 1;
-  cache.Put(ClassOf(dense, facts->identity).key(), record);
+  cache.Put(ClassOf(dense, *device).key(), record);
   ASSERT_TRUE(cache.Save(path).ok());
   KernelChoiceOptions options;  // autotune "off": the cache read-only
   options.tune_cache_path = path;
-  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser =
-      KernelChooser::Create(options, 0, facts->identity.sm_count);
+  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser = KernelChooser::Create(options, 0);
   std::remove(path.c_str());
   ASSERT_TRUE(chooser.ok()) << chooser.status();
-  const int sms = facts->identity.sm_count;
+  const int sms = device->sm_count;
   EXPECT_EQ((*chooser)->Choose(dense, sms, /*covered=*/true), winner);
   const kernels::cuda::KernelConfig chosen = (*chooser)->Choose(packed, sms, /*covered=*/true);
   EXPECT_EQ(chosen, kernels::cuda::select(packed, sms)) << chosen.name();
@@ -118,20 +117,23 @@ TEST(KernelChooser, CachedConfigTheProblemCannotRunFallsBackToSelect) {
 // the SM count too, so another device of the same name with other SMs keeps the heuristics.
 TEST(KernelChooser, TheCacheBelongsToOneSmCount) {
   if (!GpuAvailable()) GTEST_SKIP() << "no CUDA GPU: skipping";
-  absl::StatusOr<CudaDeviceFacts> facts = DescribeCudaDevice(0);
-  ASSERT_TRUE(facts.ok()) << facts.status();
+  absl::StatusOr<DeviceIdentity> device = DescribeCudaDevice(0);
+  ASSERT_TRUE(device.ok()) << device.status();
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  EXPECT_EQ(facts->identity.sm_count, sms);
-  EXPECT_EQ(CacheHeaderFor(facts->identity).sm_count, sms);
+  EXPECT_EQ(device->sm_count, sms);
+  EXPECT_EQ(CacheHeaderFor(*device).sm_count, sms);
   KernelChoiceOptions options;  // autotune "off" with a cache: read-only
   options.tune_cache_path = ::testing::TempDir() + "/chooser_sm_count_cache.json";
-  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser = KernelChooser::Create(options, 0, sms);
+  absl::StatusOr<std::unique_ptr<KernelChooser>> chooser = KernelChooser::Create(options, 0);
   ASSERT_TRUE(chooser.ok()) << chooser.status();
-  const DeviceIdentity& d = facts->identity;
-  EXPECT_TRUE((*chooser)->Covers(d.name, d.cc_major, d.cc_minor, sms));
-  EXPECT_FALSE((*chooser)->Covers(d.name, d.cc_major, d.cc_minor, sms / 2));
-  EXPECT_FALSE((*chooser)->Covers(d.name + " MIG", d.cc_major, d.cc_minor, sms));
+  EXPECT_TRUE((*chooser)->Covers(*device));
+  DeviceIdentity slice = *device;
+  slice.sm_count = sms / 2;
+  EXPECT_FALSE((*chooser)->Covers(slice));
+  DeviceIdentity renamed = *device;
+  renamed.name += " MIG";
+  EXPECT_FALSE((*chooser)->Covers(renamed));
 }
 
 }  // namespace
