@@ -22,8 +22,9 @@
 #                   unless CUDA_CMAKE_ARGS says otherwise.
 #
 # Environment: IMAGE (default localhost/flashserve:cpu-test), KEEP=1 keeps the container after a failure,
-# SKIP_BUILD=1 reuses IMAGE as it is, FORCE_BASE=1 re-debootstraps the base images, CHECK_CUDA=1 adds stage 10
-# (CUDA_ARCHS, default 80, and CUDA_CMAKE_ARGS tune its kernel set).
+# SKIP_BUILD=1 reuses IMAGE as it is, FORCE_BASE=1 re-debootstraps the base images, BUILD_ONLY=1 stops after
+# stage 3 (.ci/run builds the image ahead this way; its later full run finds every layer cached), CHECK_CUDA=1 adds
+# stage 10 (CUDA_ARCHS, default 80, and CUDA_CMAKE_ARGS tune its kernel set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -134,6 +135,11 @@ else
   build_rc=${PIPESTATUS[0]}
   set -e
   ((build_rc == 0)) || { tail -n 30 /tmp/flashserve-test-image-build.log; fail "podman build failed (rc=$build_rc)"; }
+fi
+if [[ ${BUILD_ONLY:-0} == 1 ]]; then
+  stage_end
+  echo "test-image.sh: $IMAGE built; BUILD_ONLY=1: not inspected, not run"
+  exit 0
 fi
 
 # ------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #
 #   tests/fuzz/run_smoke.sh                   # 54 s of fuzzing split over the 8 targets (6 s each)
 #   FUZZ_SECONDS_PER_TARGET=300 tests/fuzz/run_smoke.sh fuzz_tune_cache
+#   FUZZ_BUILD_ONLY=1 tests/fuzz/run_smoke.sh   # configure and build the fuzzers, run none
 #
 # The seed corpus in tests/fuzz/corpus/<target>/ is only read; new inputs go to
 # $BUILD_DIR/corpus/<target>/ and crash reproducers to $BUILD_DIR/artifacts/<target>/.
@@ -51,6 +52,7 @@ cmake -S "$source_dir" -B "$BUILD_DIR" "${common_args[@]}" "${extra_args[@]}" >"
 echo "== build"
 cmake --build "$BUILD_DIR" --target fuzzers -j"$(nproc)" >"$BUILD_DIR/build.log" 2>&1 || {
   tail -50 "$BUILD_DIR/build.log"; exit 1; }
+if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then echo "run_smoke.sh: fuzzers built in $BUILD_DIR; FUZZ_BUILD_ONLY=1: none run"; exit 0; fi
 
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then

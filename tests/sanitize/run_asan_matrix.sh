@@ -14,6 +14,8 @@
 #       # what .ci/run does: only the server and the *_test binaries named are built, those tests run
 #       # whole, FILES are run instead of the matrix, then a 2-minute soak (RSS growth not judged:
 #       # ASan's quarantine holds freed memory)
+#   ASAN_BUILD_ONLY=1 ASAN_TARGETS=... tests/sanitize/run_asan_matrix.sh
+#       # configure and build, then stop (.ci/run builds ahead, in the background, this way)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -22,6 +24,7 @@ PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 SUPPRESSIONS=$REPO/tests/sanitize/lsan.supp
 TARGETS=${ASAN_TARGETS:-}              # empty: everything (server + C++ tests, then ctest)
 SOAK_MINUTES=${ASAN_SOAK_MINUTES:-0}   # 0: no soak
+BUILD_ONLY=${ASAN_BUILD_ONLY:-0}       # 1: stop after the build
 PYTEST_FILES=("$@")
 if [ -n "$TARGETS" ] && [ ${#PYTEST_FILES[@]} -eq 0 ]; then PYTEST_FILES=(tests/python/test_bad_input_matrix.py); fi
 if [ -z "$TARGETS" ]; then PYTEST_FILES=(tests/python/test_bad_input_matrix.py "${PYTEST_FILES[@]}"); fi
@@ -47,6 +50,10 @@ cmake --build "$BUILD_DIR" -j"$(nproc)" "${target_args[@]}" >"$BUILD_DIR/build.l
 if nm -C "$BUILD_DIR/server/flashserve" | grep -qE ' T (malloc|free)$'; then
   echo "!! the sanitized server defines malloc/free itself (malloc replacement linked in)"
   exit 1
+fi
+if [ "$BUILD_ONLY" = 1 ]; then
+  echo "run_asan_matrix.sh: built ${TARGETS:-all targets} in $BUILD_DIR ($(( $(date +%s) - start )) s); ASAN_BUILD_ONLY=1: no tests run"
+  exit 0
 fi
 
 # halt_on_error: the first report ends the process, so a test sees it die. detect_leaks: reports
