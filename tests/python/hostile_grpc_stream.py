@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.exceptions
 
@@ -47,6 +48,20 @@ RST_TO_GRPC = {0x8: "CANCELLED", 0x7: "UNAVAILABLE", 0xB: "RESOURCE_EXHAUSTED", 
 CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
+class _GoawayTolerantConnection(h2.connection.H2Connection):
+    """h2 closes its side of the connection at a GOAWAY and raises ProtocolError at every later frame. But a GOAWAY
+    only refuses streams above its last_stream_id; the server still answers those at or below it (RFC 9113 6.8), and
+    gRPC does: its graceful GOAWAY carries 2^31 - 1, and the answer can follow it in the same read (a CI run lost a
+    call's status, and its thread, that way). This connection reports the GOAWAY and stays open for the answer."""
+
+    def _receive_goaway_frame(self, frame):
+        event = h2.events.ConnectionTerminated()
+        event.error_code = h2.errors._error_code_from_int(frame.error_code)
+        event.last_stream_id = frame.last_stream_id
+        event.additional_data = frame.additional_data or None
+        return [], [event]
+
+
 @dataclass
 class StreamResult:
     status: str = ""  # gRPC status name, "" if the server never answered
@@ -61,7 +76,8 @@ class _Call:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=10)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn = _GoawayTolerantConnection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.goaway_code: int | None = None  # the error code of a GOAWAY that let this stream finish
         self.conn.initiate_connection()
         self.stream = self.conn.get_next_available_stream_id()
         headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", address),
@@ -95,7 +111,10 @@ class _Call:
         elif isinstance(event, h2.events.StreamReset):
             self._finish("reset", RST_TO_GRPC.get(event.error_code, "INTERNAL"))
         elif isinstance(event, h2.events.ConnectionTerminated):
-            self._finish("goaway", "UNAVAILABLE")
+            if event.last_stream_id is not None and event.last_stream_id >= self.stream:
+                self.goaway_code = int(event.error_code)  # this stream may still be answered
+            else:
+                self._finish("goaway", "UNAVAILABLE")
         elif isinstance(event, h2.events.DataReceived):
             self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
 
@@ -109,7 +128,7 @@ class _Call:
         except (ConnectionResetError, OSError):
             data = b""
         if not data:
-            self._finish("closed", "UNAVAILABLE")
+            self._closed()
             return
         try:
             events = self.conn.receive_data(data)
@@ -118,12 +137,21 @@ class _Call:
             # forgotten: that stream's answer came in an earlier read. (It killed a test's client
             # thread under a slow, sanitized server.)
             return
+        except h2.exceptions.ProtocolError as e:  # the server broke HTTP/2 (h2 has sent its GOAWAY)
+            self._finish("closed", "UNAVAILABLE")
+            self.result.message = f"HTTP/2 protocol error from the server: {e}"
+            return
         for event in events:
             self._on(event)
         try:
             self.flush()
         except OSError:
-            self._finish("closed", "UNAVAILABLE")
+            self._closed()
+
+    def _closed(self) -> None:
+        """The connection ended without an answer: after a GOAWAY, the status its code maps to (as for a reset)."""
+        status = "UNAVAILABLE" if self.goaway_code is None else RST_TO_GRPC.get(self.goaway_code, "UNAVAILABLE")
+        self._finish("closed", status)
 
     def send_some(self, message: memoryview, remaining: int) -> int:
         """Sends what flow control allows now (at most `remaining`); returns the bytes sent."""
@@ -156,7 +184,7 @@ def stream_claimed_message(address: str, path: str, claim: int, metadata=(), dea
                 call.pump(0.5)
                 break
             except OSError:  # reset, broken pipe, or a send blocked for 10 s
-                call._finish("closed", "UNAVAILABLE")
+                call._closed()
                 break
             call.result.sent += sent
             if sent == 0:
