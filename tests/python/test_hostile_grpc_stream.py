@@ -32,21 +32,25 @@ def trailers_only(stream_id: int, grpc_status: int, message: str) -> bytes:
 
 def scripted_server(reply: bytes, close_after: bool):
     """A listener that answers the first connection with SETTINGS then `reply` in one write, after the client's
-    first frames arrive; it reads (and drops) what the client sends until the client closes, or closes itself."""
+    first frames arrive, and reads (and drops) what the client sends until the client closes. With `close_after`
+    it ends its side of the connection (FIN, no RST: the client reads the reply first) once the client has sent its
+    first flow-control window and must read."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
         conn, _ = listener.accept()
         with conn:
-            received = b""
-            while len(received) < len(PREFACE) + 9:  # the preface and at least one frame header
-                received += conn.recv(1 << 16)
-            conn.sendall(frames.SettingsFrame(0).serialize() + reply)
-            if close_after:
-                return
             conn.settimeout(10)
-            while conn.recv(1 << 16):
-                pass
+            received = 0
+            while received < len(PREFACE) + 9:  # the preface and at least one frame header
+                received += len(conn.recv(1 << 16))
+            conn.sendall(frames.SettingsFrame(0).serialize() + reply)
+            open_ = True
+            while chunk := conn.recv(1 << 16):
+                received += len(chunk)
+                if close_after and open_ and received > 65535:  # the default window: the client now waits
+                    conn.shutdown(socket.SHUT_WR)
+                    open_ = False
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
