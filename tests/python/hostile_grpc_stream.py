@@ -138,8 +138,9 @@ class _Call:
             # thread under a slow, sanitized server.)
             return
         except h2.exceptions.ProtocolError as e:  # the server broke HTTP/2 (h2 has sent its GOAWAY)
+            if not self.result.how:
+                self.result.message = f"HTTP/2 protocol error from the server: {e}"
             self._finish("closed", "UNAVAILABLE")
-            self.result.message = f"HTTP/2 protocol error from the server: {e}"
             return
         for event in events:
             self._on(event)
