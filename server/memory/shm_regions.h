@@ -16,8 +16,9 @@
 //     sees this;
 //   - a region whose object the client cuts short while the server uses it does not crash the
 //     server (shm_fault_guard.h): the requests using it fail and the region is refused after;
-//   - a region belongs to the owner that registered it (the caller's bearer token when auth is
-//     on; "" otherwise): another owner can neither see, use nor unregister it.
+//   - a region belongs to the owner that registered it: another owner can neither see, use nor
+//     unregister it. Every edge passes "" today (the server has one bearer token, so every
+//     authorized caller is the same owner); the parameter is where per-client owners would go.
 #pragma once
 
 #include <cstddef>

@@ -92,19 +92,22 @@ def _shm_tensor(x, ref) -> pb.Tensor:
     return t
 
 
-def _step_request(region, seqs, qs, kvs, in_shm, return_lse):
-    """Items 0..n-1; item i's tensors and outputs in the region when in_shm[i]."""
+def _step_request(region, seqs, qs, kvs, in_shm, return_lse, inputs_in_region=True):
+    """Items 0..n-1; item i's outputs in the region when in_shm[i], and its tensors too unless inputs_in_region is
+    False (then they travel in the message)."""
     request = spb.DecodeStepRequest(return_lse=return_lse)
     outs = []
     for seq, q, (k, v), shm in zip(seqs, qs, kvs, in_shm):
         item = request.items.add(sequence_id=seq.id, layer=0)
-        if not shm:
+        if not shm or not inputs_in_region:
             for field, x in (("q", q), ("k", k), ("v", v)):
                 getattr(item, field).CopyFrom(tensors.to_proto_rows(x, field))
+        if not shm:
             outs.append(None)
             continue
         for field, x in (("q", q), ("k", k), ("v", v)):
-            getattr(item, field).CopyFrom(_shm_tensor(x, region.put(x)))
+            if inputs_in_region:
+                getattr(item, field).CopyFrom(_shm_tensor(x, region.put(x)))
         item.out_shm.CopyFrom(region.reserve(q.nbytes))
         if return_lse:
             item.lse_shm.CopyFrom(region.reserve(4 * q.shape[0] * q.shape[1]))
@@ -262,11 +265,14 @@ def test_decode_steps_count_against_max_inflight_bytes(flashserve_bin, tmp_path,
         _stop_and_check(s)
 
 
-def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng):
-    """A client that ftruncates the region its DecodeStep reads k/v from, at a random moment: the server must not
-    die (SIGBUS), and no later answer may be wrong. A step whose region faulted fails (FAILED_PRECONDITION) and
-    releases the sequences it appended to (their new rows may be zeros, not the client's), so they answer NOT_FOUND
-    and are created again; a step refused before it read anything ("shrank") changes nothing."""
+@pytest.mark.parametrize("inputs_in_region", [True, False], ids=["qkv-and-O-in-region", "only-O-in-region"])
+def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng, inputs_in_region):
+    """A client that ftruncates the region its DecodeStep reads k/v from (or only writes O to), at a random moment:
+    the server must not die (SIGBUS), and no later answer may be wrong. A step whose region faulted fails
+    (FAILED_PRECONDITION) and releases the sequences it appended to (their new rows may be zeros, not the client's;
+    and a failed call must not keep rows a retry would append again -- until session 42 a step whose q/k/v came in
+    the message kept them when only its O region faulted), so they answer NOT_FOUND and are created again; a step
+    refused before it read anything ("shrank") changes nothing."""
     truth = Truth(rng, **SHAPE, dtype="float16")
     outcomes = []
     with flashserve.SequenceClient(shm_server.address, timeout=30, reprefill=False) as client:
@@ -275,7 +281,7 @@ def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng
         # A cut before the step: refused at the lease, nothing read (random cuts land there in ~5% of rounds only).
         region = Region(shm_server, "cut-first", 1 << 20)
         request, _ = _step_request(region, seqs, [truth.query() for _ in seqs], [truth.rows(1) for _ in seqs],
-                                   [True] * len(seqs), False)
+                                   [True] * len(seqs), False, inputs_in_region)
         os.ftruncate(region.shm._fd, 0)
         with pytest.raises(grpc.RpcError) as refused:
             stub.DecodeStep(request, timeout=30)
@@ -291,7 +297,7 @@ def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng
             region = Region(shm_server, f"cut{round_}", 1 << 20)
             qs = [truth.query() for _ in seqs]
             kvs = [truth.rows(1) for _ in seqs]
-            request, _ = _step_request(region, seqs, qs, kvs, [True] * len(seqs), False)
+            request, _ = _step_request(region, seqs, qs, kvs, [True] * len(seqs), False, inputs_in_region)
             cutter = threading.Timer(rng.uniform(0, 0.003), os.ftruncate, (region.shm._fd, 0))
             cutter.start()
             try:

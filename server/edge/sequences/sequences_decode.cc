@@ -260,7 +260,9 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
   if (shm != nullptr) {
     call->shm_system_inputs = shm->system_inputs;
     call->shm_cuda_inputs = shm->cuda_inputs;
-    if (shm->system_inputs) {
+    // Any region of the call may fault (an input or only O / LSE): the call then fails, so the
+    // rows it appended must not stay behind as if it had not run (FinishSequenceShm).
+    if (!shm->regions_leased.empty()) {
       for (const kvcache::StepItem& item : call->items) {
         if (item.k.rows > 0) shm->fed.push_back(item.id);
       }

@@ -81,7 +81,7 @@ absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
     cache->Release(shm->fed);
     intact = absl::Status(intact.code(), absl::StrCat(intact.message(),
                                                       "; the sequences this call "
-                                                      "appended rows to from it were released"));
+                                                      "appended rows to were released"));
   }
   return status.ok() ? intact : status;
 }

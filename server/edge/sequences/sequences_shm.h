@@ -29,7 +29,7 @@ struct SequenceShm {
   // 5 x items times; leasing every span took a lookup and an fstat each). Each whole span holds
   // the call's only lease on its region.
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;
-  // With system_inputs: the sequences the call appends rows to (FinishSequenceShm).
+  // With any region leased: the sequences the call appends rows to (FinishSequenceShm).
   std::vector<std::string> fed;
 
   /// Gives every region back once the call's outputs are in place, before its answer (a client
@@ -40,9 +40,10 @@ struct SequenceShm {
 
 /// Gives a finished call's regions back (before its answer) and returns the status to answer:
 /// `status`, or the error of a region that stopped being the client's memory while the call used
-/// it. Then the sequences the call fed from system regions are released (`cache`): their new
-/// rows may be zeros instead of the client's, so the client's next call finds them gone
-/// (NOT_FOUND) and re-creates them, as after an eviction.
+/// it. Then the sequences the call appended rows to are released (`cache`): rows read from a
+/// faulted region may be zeros instead of the client's, and a call that fails must not leave
+/// rows behind either way (a retry would append them twice), so the client's next call finds
+/// them gone (NOT_FOUND) and re-creates them, as after an eviction.
 absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
                                kvcache::SequenceCache* cache);
 
