@@ -25,12 +25,13 @@
 #include "spdlog/spdlog.h"
 
 ABSL_FLAG(std::string, host, flashserve::NetworkOptions{}.host,
-          "Address the gRPC and HTTP servers bind to (0.0.0.0 for all interfaces)");
+          "Address the gRPC, HTTP and metrics servers bind to (0.0.0.0 for all interfaces)");
 ABSL_FLAG(int, grpc_port, flashserve::NetworkOptions{}.grpc_port,
-          "gRPC port (AttentionService, health, reflection); 0 picks a free port; the gRPC, HTTP "
-          "and metrics ports must differ");
+          "gRPC port (AttentionService, AttentionStreamService, Sequences, KServe v2 "
+          "GRPCInferenceService, health, reflection); 0 picks a free port; the gRPC, HTTP and "
+          "metrics ports must differ");
 ABSL_FLAG(int, http_port, flashserve::NetworkOptions{}.http_port,
-          "HTTP port (/v2/health/live, /v2/health/ready); 0 picks a free port");
+          "HTTP port (KServe v2 REST, /v2/health/live, /v2/health/ready); 0 picks a free port");
 ABSL_FLAG(int, metrics_port, flashserve::NetworkOptions{}.metrics_port,
           "Prometheus metrics port (GET /metrics, text format 0.0.4); 0 picks a free port");
 ABSL_FLAG(std::string, backend, flashserve::BackendOptions{}.kind,
@@ -195,7 +196,7 @@ ABSL_FLAG(int, stream_max_sessions, flashserve::StreamOptions{}.max_sessions,
           "each holds up to --max_request_bytes of tensors, all together up to "
           "--max_inflight_bytes");
 ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.session_timeout_ms,
-          "Striped streaming API: a session idle for this long is dropped");
+          "Striped streaming API: a session idle for this long is dropped; in [1, 86400000]");
 // The Sequences API (flashserve.v1.Sequences): README.md, "Sequences".
 ABSL_FLAG(int64_t, kv_cache_bytes, flashserve::SequenceRuntimeOptions{}.cache.capacity_bytes,
           "Sequences API: bytes of the KV cache pool (device memory on the CUDA backend, "
@@ -222,7 +223,8 @@ ABSL_FLAG(bool, batch_when_busy, flashserve::SequenceRuntimeOptions{}.batch_when
           "for it and then run together as the next launch (no wait when idle); combines with "
           "--batch_window_us");
 ABSL_FLAG(int, max_batch_sequences, flashserve::SequenceRuntimeOptions{}.max_batch_sequences,
-          "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most");
+          "Sequences API: sequences in one paged launch (and items in one DecodeStep) at most; in "
+          "[1, 65535]");
 ABSL_FLAG(int, decode_launches_in_flight, flashserve::SequenceRuntimeOptions{}.launches_in_flight,
           "Sequences API: decode launches queued on the GPU at once, in [1, 4]: the next one is "
           "prepared and queued while one runs (each holds its own scratch); with "

@@ -50,9 +50,12 @@ absl::Status NetworkOptions::Check() const {
 
 absl::Status HttpLimitsOptions::Check() const {
   for (auto [flag, value] : {std::pair{"http_max_connections", int64_t{max_connections}},
-                             std::pair{"http_max_json_bytes", max_json_bytes},
                              std::pair{"http_max_receive_bytes", max_receive_bytes}}) {
     if (value < 1) return absl::InvalidArgumentError(absl::StrCat("--", flag, " must be >= 1"));
+  }
+  if (max_json_bytes < kMinJsonBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_max_json_bytes must be >= ", kMinJsonBytes, ", got ", max_json_bytes));
   }
   // libmicrohttpd's per-connection pool is this + 16 KiB; near INT_MAX that sum overflowed and
   // every HTTP and metrics request got an empty reply. The listener needs at least 1 KiB.

@@ -49,6 +49,9 @@ struct NetworkOptions {
 struct HttpLimitsOptions {
   static constexpr int kMinHeaderBytes = 1 << 10;
   static constexpr int kMaxHeaderBytes = 1 << 20;
+  // Of --http_max_json_bytes: a KServe JSON header needs room for its names and shapes (the HTTP
+  // edge refuses less too).
+  static constexpr int64_t kMinJsonBytes = 1 << 10;
   // Of each --http_*_timeout_s.
   static constexpr int kMaxTimeoutSeconds = 24 * 3600;
 

@@ -52,7 +52,11 @@ CpuBackend::CpuBackend(int num_threads)
 }
 
 absl::Status CpuBackend::Run(const BackendJob& job, PhaseTiming* timing, std::string* kernel) {
-  if (!healthy_.load()) return absl::UnavailableError("the backend faulted earlier; server not ready");
+  if (!healthy_.load()) {
+    return absl::UnavailableError(
+        "server not ready: the backend faulted earlier (an injected fault, "
+        "--enable_fault_injection)");
+  }
   if (job.inject == InjectedFault::kDeviceHang) {
     // A launch the device never completes: nothing ends it, not the deadline, not the shutdown.
     for (;;) absl::SleepFor(absl::Hours(1));

@@ -311,10 +311,20 @@ void CudaBackend::ReleaseSlot(Slot* slot, int64_t device_bytes) {
 }
 
 void CudaBackend::MarkUnhealthy(std::string_view why) {
+  {
+    std::lock_guard<std::mutex> lock(fault_mu_);
+    if (fault_.empty()) fault_ = std::string(why);
+  }
   if (healthy_.exchange(false)) {
     spdlog::critical("{}; reporting not ready, further requests get UNAVAILABLE", why);
   }
   slot_cv_.notify_all();  // waiters re-check and give up
+}
+
+absl::Status CudaBackend::NotReady() const {
+  std::lock_guard<std::mutex> lock(fault_mu_);
+  return absl::UnavailableError(absl::StrCat(
+      "server not ready: ", fault_.empty() ? "a CUDA device faulted earlier" : fault_));
 }
 
 absl::Status CudaBackend::DeviceError(Device* device, cudaError_t e, const char* what) {

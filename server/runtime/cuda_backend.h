@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -76,6 +77,8 @@ class CudaBackend final : public Backend {
   absl::Status DeviceError(Device* device, cudaError_t e, const char* what);
   // Reports not live and not ready from now on (logged once): the process must be replaced.
   void MarkUnhealthy(std::string_view why);
+  // UNAVAILABLE for a request after the fault, naming it (MarkUnhealthy's first `why`).
+  absl::Status NotReady() const;
 
   // A stream with its timing events (and its CopyPipeline when pipelining is on), on the current
   // device.
@@ -112,6 +115,8 @@ class CudaBackend final : public Backend {
   uint64_t choices_ = 0;             // guarded by mu_: slots handed out so far
   std::condition_variable slot_cv_;  // a slot was released
   std::atomic<bool> healthy_{true};
+  mutable std::mutex fault_mu_;
+  std::string fault_;  // guarded by fault_mu_: the first sticky fault, set once
 };
 
 }  // namespace flashserve

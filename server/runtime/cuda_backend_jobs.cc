@@ -84,7 +84,7 @@ void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
     done(std::move(result));
   };
   if (!healthy()) {
-    return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
+    return fail(NotReady());
   }
   auto job = std::make_unique<Job>();
   job->spec = std::move(spec);
@@ -98,7 +98,7 @@ void CudaBackend::RunAsync(BackendJob spec, JobDone done) {
   }
   Slot* slot = AcquireSlot(device_bytes);
   if (slot == nullptr) {
-    return fail(absl::UnavailableError("a CUDA device faulted earlier; server not ready"));
+    return fail(NotReady());
   }
   if (absl::Now() >= job->spec.deadline) {
     // It waited for a slot (every stream busy) past its deadline: not worth the device time.

@@ -70,8 +70,9 @@ def test_unhealthy_backend_fails_liveness_and_exits_3(start_server):
         while c.health_status() != "NOT_SERVING" and time.monotonic() < deadline:  # the server looks every second
             time.sleep(0.05)
         assert c.health_status() == "NOT_SERVING"
-        with pytest.raises(flashserve.UnavailableError):
+        with pytest.raises(flashserve.UnavailableError) as refused:
             c.attention(*_qkv(3))
+        assert "injected fault" in str(refused.value), refused.value  # names the fault (README, sticky faults)
     try:  # no signal: the process must end itself once the grace period is over
         code = s.proc.wait(timeout=grace_s + 20)
     except subprocess.TimeoutExpired:
