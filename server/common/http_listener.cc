@@ -101,7 +101,7 @@ absl::Status HttpListener::Impl::CheckHeaders(MHD_Connection* connection) const 
   return absl::OkStatus();
 }
 
-absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection) const {
+absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection, bool* has_body) const {
   struct Framing {
     int content_lengths = 0, transfer_encodings = 0;
     std::string first_length;
@@ -121,6 +121,8 @@ absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection) const 
         return MHD_YES;
       },
       &framing);
+  *has_body = framing.transfer_encodings > 0 ||
+              (framing.content_lengths > 0 && framing.first_length != "0");
   // RFC 9112 6.3: either makes the body's end ambiguous, which a proxy in front may read
   // differently (request smuggling).
   if (framing.lengths_differ) {
@@ -244,6 +246,15 @@ void HttpListener::Impl::Report(const RequestState& st, absl::string_view metric
   }
 }
 
+// Answered, then the connection closed: where (or whether) the body ends is not known.
+MHD_Result HttpListener::Impl::RefuseAndClose(MHD_Connection* connection, RequestState* st,
+                                              absl::string_view why) {
+  spdlog::debug("{} request refused: {}", options.name, LogSafe(why));
+  HttpResponse refused = HttpResponse::Json(400, HttpErrorJson(why));
+  refused.headers.emplace_back(MHD_HTTP_HEADER_CONNECTION, "close");
+  return Respond(connection, st, std::move(refused), "");
+}
+
 MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url,
                                      const char* method, RequestState* st) {
   st->begun = true;
@@ -252,12 +263,9 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
   if (absl::Status s = CheckHeaders(connection); !s.ok()) {
     return Respond(connection, st, s, "", MHD_HTTP_REQUEST_HEADER_FIELDS_TOO_LARGE);
   }
-  if (absl::Status s = CheckFraming(connection); !s.ok()) {
-    // Answered, then the connection closed: where the body ends is not known.
-    spdlog::debug("{} request refused: {}", options.name, LogSafe(s.message()));
-    HttpResponse refused = HttpResponse::Json(400, HttpErrorJson(s.message()));
-    refused.headers.emplace_back(MHD_HTTP_HEADER_CONNECTION, "close");
-    return Respond(connection, st, std::move(refused), "");
+  bool has_body = false;
+  if (absl::Status s = CheckFraming(connection, &has_body); !s.ok()) {
+    return RefuseAndClose(connection, st, s.message());
   }
   const std::string path(url);
   if (path.size() > kMaxPathBytes) {
@@ -284,6 +292,8 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
   if (st->route == nullptr) return Respond(connection, st, options.not_found, "");
   const HttpRoute& route = st->route->route;
   if (route.get) {
+    // A body for a GET was read and dropped, unbounded, without a token on open routes.
+    if (has_body) return RefuseAndClose(connection, st, "a GET request carries no body");
     // Answered on the next call, once libmicrohttpd knows the request has no body (a response
     // queued now would make it close the connection instead of keeping it alive).
     st->get_matches = std::move(matches);

@@ -203,6 +203,32 @@ void HttpListener::Impl::EvictAtTheCap(absl::Time now) {
 
 namespace {
 
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// libmicrohttpd's own %HH decoding, except that %00 stays as written: the access handler gets
+// the path as a C string, so a decoded NUL cut it there ("/v2/health/live%00/admin" was routed,
+// and let past the token, as /v2/health/live). Kept, such a path matches no route.
+size_t UnescapeKeepingNul(void* /*cls*/, MHD_Connection* /*connection*/, char* s) {
+  char* out = s;
+  for (const char* in = s; *in != '\0';) {
+    int high = -1, low = -1;
+    if (in[0] == '%' && (high = HexValue(in[1])) >= 0 && (low = HexValue(in[2])) >= 0 &&
+        (high | low) != 0) {
+      *out++ = char(high * 16 + low);
+      in += 3;
+    } else {
+      *out++ = *in++;
+    }
+  }
+  *out = '\0';
+  return size_t(out - s);
+}
+
 MHD_Result OnAccess(void* cls, MHD_Connection* connection, const char* url, const char* method,
                     const char* /*version*/, const char* upload_data, size_t* upload_data_size,
                     void** request_context) {
@@ -396,6 +422,7 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
       {MHD_OPTION_NOTIFY_COMPLETED, intptr_t(&OnCompleted), &impl},
       {MHD_OPTION_NOTIFY_CONNECTION, intptr_t(&OnConnection), &impl},
       {MHD_OPTION_URI_LOG_CALLBACK, intptr_t(&OnRequestLine), &impl},
+      {MHD_OPTION_UNESCAPE_CALLBACK, intptr_t(&UnescapeKeepingNul), nullptr},
   };
   if (options.threads > 1) items.push_back({MHD_OPTION_THREAD_POOL_SIZE, options.threads, nullptr});
   if (tls) {

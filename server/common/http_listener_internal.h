@@ -120,9 +120,13 @@ struct HttpListener::Impl {
   const CompiledRoute* Find(absl::string_view method, const std::string& path,
                             std::vector<std::string>* matches) const;
   absl::Status CheckHeaders(MHD_Connection* connection) const;
-  absl::Status CheckFraming(MHD_Connection* connection) const;
+  // Sets *has_body when the request announces a body (a Content-Length other than 0, or a
+  // Transfer-Encoding).
+  absl::Status CheckFraming(MHD_Connection* connection, bool* has_body) const;
   MHD_Result Respond(MHD_Connection* connection, RequestState* st, HttpAnswer answer,
                      absl::string_view metric, int forced_status = 0);
+  // 400 naming `why`, with the connection closed after it.
+  MHD_Result RefuseAndClose(MHD_Connection* connection, RequestState* st, absl::string_view why);
   // The request's metrics record (`metric` empty: none) and the log line of a failure;
   // http_status 0: the connection closed before an answer was written.
   void Report(const RequestState& st, absl::string_view metric, const absl::Status& status,

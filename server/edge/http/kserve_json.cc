@@ -5,8 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <optional>
-#include <set>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -148,78 +146,6 @@ json TensorMetadataJson(absl::string_view name, absl::string_view datatype, int 
 
 std::string ErrorJson(absl::string_view message) {
   return json{{"error", message}}.dump(-1, ' ', false, json::error_handler_t::replace);
-}
-
-absl::Status ParseJsonUniqueKeys(absl::string_view text, json* out) {
-  // nlohmann's parser calls back per event; only objects' keys need tracking (a data array's
-  // numbers cost one switch each: measured +3% on a 1M-number body).
-  std::vector<std::set<std::string>> open;  // keys of each object being parsed, innermost last
-  std::optional<std::string> duplicate;
-  const json::parser_callback_t track = [&](int, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::object_start) {
-      open.emplace_back();
-    } else if (event == json::parse_event_t::object_end) {
-      open.pop_back();
-    } else if (event == json::parse_event_t::key && !duplicate) {
-      const std::string& key = parsed.get_ref<const std::string&>();
-      if (!open.back().insert(key).second) duplicate = key;
-    }
-    return true;
-  };
-  *out = json::parse(text.begin(), text.end(), track, /*allow_exceptions=*/false);
-  if (out->is_discarded()) return absl::InvalidArgumentError("request body: not valid JSON");
-  if (duplicate) {
-    // Clipped: the key is the client's, up to the whole body long.
-    constexpr size_t kShown = 64;
-    const std::string shown =
-        duplicate->size() > kShown ? duplicate->substr(0, kShown) + "..." : *duplicate;
-    return absl::InvalidArgumentError(
-        absl::StrCat("request body: duplicate key \"", shown, "\" in a JSON object"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ScanJson(absl::string_view text, int64_t max_values) {
-  int depth = 0;
-  int64_t separators = 0;  // commas and colons: a bound on the values, without parsing
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    switch (c) {
-      case '"':
-        in_string = true;
-        break;
-      case '[':
-      case '{':
-        if (++depth > kMaxJsonDepth) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("request body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
-        }
-        break;
-      case ']':
-      case '}':
-        --depth;
-        break;
-      case ',':
-        if (++separators > max_values) {
-          return absl::ResourceExhaustedError(absl::StrCat(
-              "request body: more than ", max_values,
-              " JSON values (three tensors of --max_tensor_elements and the rest)"));
-        }
-        break;
-      default:
-        break;
-    }
-  }
-  return absl::OkStatus();
 }
 
 namespace {

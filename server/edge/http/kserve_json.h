@@ -11,6 +11,7 @@
 #include "absl/strings/string_view.h"
 #include "api/validation.h"
 #include "common/http_status.h"
+#include "edge/http/json_text.h"
 #include "edge/kserve/kserve_model.h"
 #include "flashserve/v1/attention.pb.h"
 #include "nlohmann/json_fwd.hpp"
@@ -47,19 +48,6 @@ struct RestHeaderChecks {
   /// so memory is touched (and counts in RSS) only as the body arrives.
   bool capacity_only = false;
 };
-
-/// Largest nesting of a REST JSON header (objects and arrays together).
-inline constexpr int kMaxJsonDepth = 40;
-
-/// A linear pass over JSON text before it is parsed: INVALID_ARGUMENT if it nests deeper than
-/// kMaxJsonDepth, RESOURCE_EXHAUSTED naming --max_tensor_elements if it holds more than
-/// `max_values` values (the DOM would be built for nothing). Strings are skipped correctly.
-absl::Status ScanJson(absl::string_view json, int64_t max_values);
-
-/// Parses a REST body's JSON into `out`; INVALID_ARGUMENT when it is not valid JSON or an object
-/// holds one key twice (naming the key). nlohmann would keep the last value while a proxy or WAF
-/// in front may judge the first: the two must not see different requests.
-absl::Status ParseJsonUniqueKeys(absl::string_view text, nlohmann::json* out);
 
 /// Parses the JSON header of POST .../infer. `binary_bytes` is the number of bytes that follow
 /// the header (-1 when unknown: chunked body); the inputs' binary_data_size must add up to it

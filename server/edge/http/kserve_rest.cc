@@ -67,6 +67,12 @@ class BudgetHold {
   BudgetHold& operator=(const BudgetHold&) = delete;
   absl::Status Take(int64_t bytes) {
     if (!budget_ || bytes <= 0) return absl::OkStatus();
+    if (held_ + bytes > budget_->limit()) {
+      // This request alone can never fit: too large (413), not busy (503: retry later, forever).
+      return absl::ResourceExhaustedError(
+          absl::StrCat(kBodyOverLimit, "--http_max_receive_bytes=", budget_->limit(),
+                       " (the bytes the HTTP edge holds at once, over all requests)"));
+    }
     absl::Status s = budget_->Take(bytes);
     if (s.ok()) held_ += bytes;
     return s;

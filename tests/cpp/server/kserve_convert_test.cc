@@ -1,4 +1,5 @@
 // KServe v2 / Open Inference Protocol conversions, without a server.
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -294,6 +295,42 @@ TEST(KServeConvertTest, DuplicateJsonKeysAreRefused) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_LT(s.message().size(), 200u) << "the key is shown clipped";
   EXPECT_THAT(ParseJsonUniqueKeys("{\"a\":", &parsed).message(), HasSubstr("not valid JSON"));
+  EXPECT_TRUE(parsed.is_discarded());
+}
+
+// nlohmann's callback parser (used until session 42) rescanned the parent container at every
+// object's end: 400k objects in one array took ~20 s there (600 KB: 5 s on a listener thread).
+TEST(KServeConvertTest, ParsingManyObjectsIsLinear) {
+  constexpr int kObjects = 400000;
+  std::string text = "{\"junk\":[";
+  for (int i = 0; i < kObjects; ++i) absl::StrAppend(&text, i == 0 ? "" : ",", "{}");
+  text += "]}";
+  json parsed;
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(ParseJsonUniqueKeys(text, &parsed).ok());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(parsed["junk"].size(), size_t{kObjects});
+  EXPECT_LT(seconds, 3.0) << "quadratic again? (linear: ~0.05 s here, 10x that under ASan)";
+  // Keys of objects side by side, and objects in objects, are tracked per object.
+  EXPECT_TRUE(ParseJsonUniqueKeys(R"({"a":{"x":1},"b":{"x":2},"c":{"d":{"x":3}}})", &parsed).ok());
+  EXPECT_THAT(ParseJsonUniqueKeys(R"({"a":{"x":1,"y":{"x":2},"x":3}})", &parsed).message(),
+              HasSubstr("duplicate key \"x\""));
+}
+
+TEST(KServeConvertTest, ScanJsonBoundsObjectsAndStrings) {
+  std::string objects = "[";
+  for (int64_t i = 0; i <= kMaxJsonObjects; ++i) absl::StrAppend(&objects, i == 0 ? "" : ",", "{}");
+  objects += "]";
+  EXPECT_THAT(ScanJson(objects, kMax).message(), HasSubstr("JSON objects"));
+  std::string strings = "[";
+  for (int64_t i = 0; i <= kMaxJsonStrings; ++i)
+    absl::StrAppend(&strings, i == 0 ? "" : ",", "\"\"");
+  strings += "]";
+  EXPECT_THAT(ScanJson(strings, kMax).message(), HasSubstr("JSON strings"));
+  // At the caps: accepted; a quote inside a string is not a string.
+  EXPECT_TRUE(ScanJson(objects.substr(0, objects.size() - 4) + "]", kMax).ok());
+  EXPECT_TRUE(ScanJson(R"(["a\"b", "{[,"])", kMax).ok());
 }
 
 TEST(KServeConvertTest, RestResponseJsonAndBinary) {
