@@ -49,6 +49,40 @@ def test_check_fails_on_a_wrong_lse(fake, capsys):
     assert "LSE mismatch" in text and "PASS" not in text.split("------")[-1]
 
 
+def test_check_fails_on_an_out_of_another_dtype(fake, capsys):
+    """O must be Q's dtype: a server answering float16 / bfloat16 problems with a float32 O (right by value, garbage to
+    a client that reads it as Q's dtype) passed every problem before."""
+    from flashserve import attention_pb2 as pb
+    from flashserve import tensors
+
+    def as_float32(response):
+        out = tensors.from_proto(response.out).astype("<f4")
+        response.out.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=list(out.shape), data=out.tobytes()))
+        return response
+
+    fake.servicer.after = as_float32
+    assert cli.main(["check", "--address", fake.address, "--quick"]) == 1
+    rows = capsys.readouterr().out.splitlines()
+    of = {dtype: [r for r in rows if r.split()[3:4] == [dtype]] for dtype in ("float16", "bfloat16", "float32")}
+    for dtype in ("float16", "bfloat16"):
+        assert of[dtype] and all(f"FAIL (out float32 for q {dtype}" in r for r in of[dtype]), of[dtype]
+    assert of["float32"] and all(r.rstrip().endswith("PASS") for r in of["float32"])
+
+
+@pytest.mark.parametrize("command", ["info", "check"])
+@pytest.mark.parametrize("option", ["--token-file", "--tls-ca", "--token-file not utf-8"])
+def test_an_unreadable_connection_file_exits_2(fake, capsys, tmp_path, command, option):
+    """A --token-file or --tls-ca that cannot be read is an error (exit 2, one line), not a mismatch: it ended in a
+    traceback and exit 1, the status that says the server's answers are wrong."""
+    path = tmp_path / "missing"
+    if option.endswith("utf-8"):
+        path = tmp_path / "token"
+        path.write_bytes(b"\xff\xfe")
+    assert cli.main([command, "--address", fake.address, option.split()[0], str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {option.split()[0]} {path}: ") and err.count("\n") == 1, err
+
+
 def test_check_reports_server_errors(fake, capsys):
     fake.servicer.info.head_dims[:] = [64]
     fake.servicer.info.dtypes[:] = [3]

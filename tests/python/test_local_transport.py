@@ -396,6 +396,37 @@ def test_auth_hello_and_region_ownership(flashserve_bin, tmp_path, rng):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def test_a_client_that_cannot_connect_or_is_refused_its_hello_closes_its_socket(flashserve_bin, tmp_path,
+                                                                                monkeypatch):
+    """LocalClient's constructor closes the socket it made when the connect fails (no server there) or the server
+    refuses its Hello (a wrong token). Before, the socket stayed open as long as anything held the failed client (an
+    exception's traceback does): on the server's side a refused Hello's connection held one of its slots."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    path = os.path.join(socket_dir(), "fs.sock")
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}", f"--auth_token_file={token_file}"],
+                      name="local_refused_hello").start()
+    made = []
+
+    class Recorded(socket.socket):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    try:
+        monkeypatch.setattr(socket, "socket", Recorded)
+        with pytest.raises(OSError):
+            LocalClient(str(tmp_path / "no-server.sock"))
+        with pytest.raises(flashserve.FlashserveError) as info:
+            LocalClient(path, token=TOKEN[:-1] + "X", timeout=10)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert len(made) == 2 and all(sock.fileno() == -1 for sock in made)
+    finally:
+        monkeypatch.undo()
+        _stop_and_check(s)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 def test_connections_without_a_hello_do_not_hold_the_slots(flashserve_bin, tmp_path):
     """With a token, connections that never send their Hello are closed after --local_read_timeout_ms: two idle ones
     held both slots of --local_max_connections=2 for good, so a local user without the token kept every client

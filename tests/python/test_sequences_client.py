@@ -311,6 +311,32 @@ def test_without_history_a_lost_sequence_is_an_error_unless_a_prefix_source_help
         assert sourced.reprefills == 1
 
 
+def test_a_not_found_that_names_no_ids_recreates_only_the_lost_sequences(fakes, rng, monkeypatch):
+    """A NOT_FOUND without the missing ids (the server names at most ~100 in its metadata; a proxy may drop it): the
+    client asks which ids the server lost. Before, it re-created every sequence of the step and left the copies the
+    server still held there, holding their pages until the TTL (200 sequences, 110 lost: 200 re-prefills, 290 held)."""
+    truth = _truth(rng)
+    fake = fakes[0].servicer
+
+    def missing_unnamed(context, ids):
+        context.abort(grpc.StatusCode.NOT_FOUND, f"{len(ids)} unknown or evicted sequence(s)")
+
+    monkeypatch.setattr(fake, "_missing", missing_unnamed)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seqs = []
+        for i in range(5):
+            k, v = truth.rows(3 + i)
+            seqs.append(client.create(**SHAPE, prefix={0: (k, v)}))
+            truth.add(seqs[-1].key, 0, k, v)
+        held = {s.id for s in seqs[2:]}
+        for s in seqs[:2]:  # lost behind the client's back (TTL, an operator's release)
+            del fake.seqs[s.id]
+        _decode_rounds(client, seqs, truth, 2)
+        assert client.stats["not_found"] == 1 and [s.reprefills for s in seqs] == [1, 1, 0, 0, 0]
+        assert {s.id for s in seqs[2:]} == held
+        assert set(fake.seqs) == {s.id for s in seqs}  # nothing left behind
+
+
 def test_reprefill_off_shows_not_found_with_the_missing_ids(fakes, rng):
     truth = _truth(rng)
     with flashserve.SequenceClient(fakes[0].address, timeout=30, reprefill=False) as client:
@@ -320,6 +346,37 @@ def test_reprefill_off_shows_not_found_with_the_missing_ids(fakes, rng):
             client.decode_step([(a, 0, truth.query(), *truth.rows(1)), (b, 0, truth.query(), *truth.rows(1))])
         assert set(info.value.missing_ids) == {a.id, b.id}
         assert a.lengths == [0, 0]  # nothing acknowledged
+
+
+@pytest.mark.parametrize("keep_history", [True, False], ids=["history", "no_history"])
+@pytest.mark.parametrize("call", ["append", "append_many", "step", "attend", "decode_step_batch", "negative"])
+def test_a_layer_out_of_range_is_refused_before_anything_is_sent(fakes, rng, call, keep_history):
+    """A layer past the sequence's last (or negative) is INVALID_ARGUMENT, nothing sent, the sequence as it was.
+    Before, an append's raised IndexError from the client's bookkeeping, taken for a call maybe sent: the sequence was
+    made uncertain, and re-created from the history at the next call -- or, without one, unusable for good
+    (FAILED_PRECONDITION); a step's raised IndexError; a negative layer was read as the last one's length."""
+    truth = _truth(rng)
+    fake = fakes[0].servicer
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        k, v = truth.rows(4)
+        seq = client.create(**SHAPE, prefix={0: (k, v)}, keep_history=keep_history)
+        truth.add(seq.key, 0, k, v)
+        calls = list(fake.calls)
+        bad = -1 if call == "negative" else SHAPE["num_layers"]
+        with pytest.raises(flashserve.InvalidArgumentError, match=f"layer {bad} "):
+            if call in ("append", "negative"):
+                seq.append(bad, *truth.rows(1))
+            elif call == "append_many":
+                seq.append({0: truth.rows(1), bad: truth.rows(1)})
+            elif call == "step":
+                client.decode_step([(seq, 0, truth.query(), *truth.rows(1)), (seq, bad, truth.query(), *truth.rows(1))])
+            elif call == "attend":
+                seq.attend(bad, truth.query())
+            else:
+                client.decode_step_batch([seq], bad, truth.query(), *truth.rows(1))
+        assert fake.calls == calls and not seq.uncertain and seq.lengths == [4, 0]
+        _decode_rounds(client, [seq], truth, 2)
+        assert seq.reprefills == 0
 
 
 @pytest.mark.parametrize("appended", [True, False])

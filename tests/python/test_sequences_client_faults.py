@@ -204,6 +204,80 @@ def test_a_call_interrupted_after_the_server_appended_does_not_poison_the_next_s
         assert _server_rows(fakes[0], seq) == [truth.length(seq.key, 0), 3]
 
 
+# --- an answer that came back OK but cannot be read ------------------------------------------------------------------
+
+
+def _spoiled(result, bad: str):
+    """A DecodeResult / AttendResponse the client cannot take: O a byte short, O in float32 (not q's dtype), or LSE
+    in float16."""
+    from flashserve import attention_pb2 as pb
+    from flashserve import tensors
+
+    if bad == "short_out":
+        result.out.data = result.out.data[:-1]
+    else:
+        field = "out" if bad == "out_dtype" else "lse"
+        x = tensors.from_proto(getattr(result, field)).astype("<f4" if bad == "out_dtype" else "<f2")
+        getattr(result, field).CopyFrom(pb.Tensor(dtype=tensors.PROTO_DTYPE[x.dtype.name], shape=list(x.shape),
+                                                  data=x.tobytes()))
+    return result
+
+
+def _spoil_next_answer(monkeypatch, fake, bad: str) -> None:
+    """The fake's next answer (its _attend builds every result) spoiled as _spoiled says; the rows are appended."""
+    real = fake._attend
+    armed = [True]
+
+    def attend(*args):
+        result = real(*args)
+        if armed and armed.pop():
+            _spoiled(result, bad)
+        return result
+
+    monkeypatch.setattr(fake, "_attend", attend, raising=False)
+
+
+@pytest.mark.parametrize("keep_history", [True, False], ids=["history", "no_history"])
+@pytest.mark.parametrize("bad", ["short_out", "out_dtype", "lse_dtype"])
+def test_a_step_answer_that_cannot_be_read_is_internal_and_its_rows_are_cut_back(fakes, rng, monkeypatch, bad,
+                                                                                keep_history):
+    """The server appended and answered OK, but the answer cannot be read: O of a byte count that is not its shape's,
+    O not in q's dtype, LSE not float32. Before, the first raised INVALID_ARGUMENT (the caller's fault, "nothing
+    appended") without marking the sequence: the next step named the same expected_length, was taken for a retry
+    (already_appended) and answered over the first step's row; the other two were handed to the caller as they came.
+    Now: INTERNAL, the sequence uncertain (rows landed, nothing more will: cut back, not re-created -- also without a
+    history), and every later answer right."""
+    truth = _truth(rng)
+    fake = fakes[0].servicer
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = _create(client, truth, keep_history=keep_history)
+        _step(seq, truth)
+        _spoil_next_answer(monkeypatch, fake, bad)
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.step(0, truth.query(), *truth.rows(1), return_lse=True)
+        assert info.value.code == INTERNAL, info.value
+        assert seq.uncertain and not seq.may_land
+        _rounds(client, [seq], truth, 3)
+        assert _server_rows(fakes[0], seq) == [truth.length(seq.key, 0), 3]
+        assert client.stats["truncated_back"] == 1 and seq.reprefills == 0
+        assert client.stats["already_appended"] == 0
+
+
+@pytest.mark.parametrize("bad", ["short_out", "out_dtype", "lse_dtype"])
+def test_an_attend_answer_that_cannot_be_read_is_internal(fakes, rng, monkeypatch, bad):
+    """The same answers to an Attend: INTERNAL (before: INVALID_ARGUMENT, or the wrong dtype handed over), nothing
+    made uncertain (an attend appends nothing)."""
+    truth = _truth(rng)
+    with flashserve.SequenceClient(fakes[0].address, timeout=30) as client:
+        seq = _create(client, truth)
+        _spoil_next_answer(monkeypatch, fakes[0].servicer, bad)
+        with pytest.raises(flashserve.FlashserveError) as info:
+            seq.attend(0, truth.query(), return_lse=True)
+        assert info.value.code == INTERNAL, info.value
+        assert not seq.uncertain
+        _step(seq, truth)
+
+
 # --- two endpoints, both fail ----------------------------------------------------------------------------------------
 
 

@@ -205,6 +205,28 @@ def test_release_frees_pages_and_then_not_found(kv_server, rng):
             seq.attend(0, truth.query())
 
 
+def test_a_step_that_lost_more_ids_than_the_server_names_recreates_only_those(kv_server, rng):
+    """A DecodeStep of 150 sequences, 120 of them released behind the client's back: more missing ids than the
+    server's NOT_FOUND metadata names (3.5 KiB: ~108). The client asks which it lost and re-creates those 120 only.
+    Before, it took every id for lost: 150 re-prefills, and the 30 the server still held stayed there next to their
+    copies until the TTL."""
+    truth = Truth(rng, 2, 1, 16, "float16")
+    with flashserve.SequenceClient(kv_server.address, timeout=60) as client:
+        before = client.pool_info().sequences
+        seqs = truth.create(client, [3] * 150)
+        client.stub(kv_server.address).Release(
+            flashserve.sequences_pb2.ReleaseRequest(sequence_ids=[s.id for s in seqs[:120]]))
+        qs, kvs = [truth.query() for _ in seqs], [truth.rows(1) for _ in seqs]
+        outs = client.decode_step([(s, 0, q, k, v) for s, q, (k, v) in zip(seqs, qs, kvs)])
+        for s, q, (k, v), out in zip_all(seqs, qs, kvs, outs):
+            truth.add(s.key, 0, k, v)
+            truth.check(out, q, s.key, 0)
+        assert client.stats["reprefills"] == 120
+        assert client.pool_info().sequences == before + 150
+        for s in seqs:
+            s.release()
+
+
 def test_pool_exhaustion_is_resource_exhausted_and_changes_nothing(start_server, rng):
     # 4 MiB pool (two 2 MiB slabs), pages of 16 tokens x 2 heads x 64 x 2 bytes = 4 KiB for K or V of one layer:
     # a sequence of 200 rows holds 26 pages.

@@ -152,6 +152,42 @@ def test_bearer_token_goes_in_the_hello(flashserve_bin, tmp_path, rng):
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
+def test_a_thread_that_ends_gives_its_connection_back(flashserve_bin, tmp_path, rng):
+    """Each thread steps over a connection of its own; it is closed when the thread ends, and close() closes those of
+    threads still alive. Before, the client held every connection until close(): once --local_max_connections
+    threads (64 by default; 2 here) had stepped, one after the other, every new thread's step failed
+    RESOURCE_EXHAUSTED, though only one thread was alive."""
+    import threading
+
+    path = _socket_path()
+    server = _start(flashserve_bin, tmp_path, path, "--local_max_connections=2", name="seq_local_threads")
+    server.local_path = path
+    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    try:
+        with _client(server) as client:
+            seq = _create(client, truth, 3)
+            errors = []
+
+            def one_step():
+                try:
+                    _steps(client, [seq], truth, 1)
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            for _ in range(6):  # a web server's per-request threads, one after the other
+                thread = threading.Thread(target=one_step)
+                thread.start()
+                thread.join()
+            assert errors == [] and len(client._local_clients) == 0
+            _steps(client, [seq], truth, 1)  # this thread's connection stays open until close()
+            open_ones = list(client._local_clients)
+            assert len(open_ones) == 1 and not open_ones[0].closed
+        assert open_ones[0].closed
+    finally:
+        _stop_and_check(server)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 def test_no_server_on_the_socket_path_is_unavailable(local_kv_server, rng):
     truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
     with flashserve.SequenceClient(local_kv_server.address, timeout=10, max_attempts=1,

@@ -14,7 +14,7 @@ from ._seq_recovery import CallDeadline, _mark_uncertain
 from .errors import FlashserveError, error_for
 from ._step_answer import DecodeStepAnswer
 from .packed_step import packed_step_request
-from .sequences import Sequence, encode_rows
+from .sequences import Sequence, checked_layer, encode_rows
 
 DecodeInput = Tuple[Sequence, int, Any, Any, Any]  # (sequence, layer, q, k, v); k/v may be None
 
@@ -25,7 +25,7 @@ class _Item:
     __slots__ = ("seq", "layer", "q", "k", "v", "kind", "device")
 
     def __init__(self, entry):
-        seq, layer, q = entry[0], int(entry[1]), entry[2]
+        seq, layer, q = entry[0], checked_layer(entry[0], entry[1]), entry[2]
         k = entry[3] if len(entry) > 3 else None
         v = entry[4] if len(entry) > 4 else None
         if (k is None) != (v is None):
@@ -44,7 +44,7 @@ class _Item:
         """An item of rows already in wire form (pb.Tensor or HostRows slices of a batch's tensors): answered as the
         raw bytes of its O and LSE (decode_step_batch joins them)."""
         item = cls.__new__(cls)
-        item.seq, item.layer, item.q, item.k, item.v = seq, int(layer), q, k, v
+        item.seq, item.layer, item.q, item.k, item.v = seq, checked_layer(seq, layer), q, k, v
         item.kind, item.device = "raw", None
         return item
 
@@ -110,23 +110,30 @@ class _DecodeSteps:
                     request.items[-1].expected_length = length
         try:
             answer = self._rpc(endpoint, "DecodeStep", request, prepared[group[0]].seq.key, timeout)
+        except FlashserveError:
+            raise  # the caller judges by the code
+        except BaseException:  # interrupted with the request maybe sent: as a cancelled call
+            _doubt_group(prepared, group, sent, grpc.StatusCode.CANCELLED)
+            raise
+        # Answered OK: every item's rows are on the server. Every answer read before any is acknowledged: one that
+        # cannot be read fails the group whole, as INTERNAL (the caller marks its rows doubtful: the next call cuts
+        # them off). Before, a malformed answer raised INVALID_ARGUMENT, taken for "nothing appended": the next step
+        # named the same expected_length and was answered over this one's rows.
+        try:
             if not isinstance(answer, DecodeStepAnswer):  # a typed request's answer
                 answer = DecodeStepAnswer.of(answer)
             response = answer.response
             if len(response.results) != len(group):
                 raise error_for(grpc.StatusCode.INTERNAL,
                                 f"DecodeStep answered {len(response.results)} results for {len(group)} items")
-            # Every answer read before any is acknowledged: an answer that cannot be read fails the group whole.
             if answer.out is not None or answer.lse is not None:
                 answers = _packed_answers(answer, [prepared[i] for i in group], return_lse)
             else:
                 answers = [_answer(result, prepared[i], return_lse) for i, result in zip(group, response.results)]
-        except FlashserveError:
-            raise  # the caller judges by the code
+        except (FlashserveError, ValueError) as e:
+            raise _unreadable("DecodeStep", e) from e
         except BaseException:  # interrupted, or an answer the caller's tensors cannot take (out of memory ...)
-            appended = [j for j, i in enumerate(group) if prepared[i].k is not None]
-            _mark_uncertain([prepared[group[j]].seq for j in appended], [sent[j][0] for j in appended],
-                            grpc.StatusCode.CANCELLED, [prepared[group[j]].appended_rows() for j in appended])
+            _doubt_group(prepared, group, sent, grpc.StatusCode.INTERNAL)  # landed, and nothing more will: cut back
             raise
         self._count_already_appended(sum(1 for result in response.results if result.already_appended))
         with self._lock:
@@ -141,18 +148,48 @@ class _DecodeSteps:
                 results[i] = answer  # with its acknowledgement: decode_step takes back those with a result
 
 
+def _doubt_group(prepared: List[_Item], group: List[int], sent: list, code: grpc.StatusCode) -> None:
+    """Marks the sequences of the group's appending items uncertain: a failure that is no FlashserveError (the caller
+    judges those by their code) after the request was handed over."""
+    appended = [j for j, i in enumerate(group) if prepared[i].k is not None]
+    _mark_uncertain([prepared[group[j]].seq for j in appended], [sent[j][0] for j in appended], code,
+                    [prepared[group[j]].appended_rows() for j in appended])
+
+
+def _unreadable(call: str, error: Exception) -> FlashserveError:
+    """INTERNAL for an answer that came back OK but cannot be read: the server's fault, not the caller's (from_proto
+    says INVALID_ARGUMENT, as of a caller's tensor); an appending call's rows are on the server all the same."""
+    if isinstance(error, FlashserveError) and error.code == grpc.StatusCode.INTERNAL:
+        return error
+    return error_for(grpc.StatusCode.INTERNAL, f"{call} answered a result that cannot be read "
+                     f"({error.message if isinstance(error, FlashserveError) else error})")
+
+
 def _answer(response, item: _Item, return_lse: bool):
     """out (like the item's q: numpy, or torch on q's device), or (out, lse) when return_lse; for a "raw" item
     (_Item.encoded) the bytes of out and lse (None without return_lse), their sizes checked. From a result that
-    carries its own out / lse (_packed_answers: from a packed answer)."""
+    carries its own out / lse (_packed_answers: from a packed answer). O must be q's dtype and shape and LSE FLOAT32
+    [heads_q, rows_q] (INTERNAL otherwise): O of another dtype was handed to the caller as it came."""
     if item.kind == "raw":
         return _raw_answer(response, item, return_lse)
+    q_shape = [int(n) for n in item.q.shape]
+    if response.out.dtype != item.q.dtype or list(response.out.shape) != q_shape:
+        raise error_for(grpc.StatusCode.INTERNAL, f"the answer's out is {_described(response.out)} for q of "
+                        f"{_described(item.q)}")
     out = tensors.from_proto(response.out, item.kind, item.device)
     if not return_lse:
         return out
     if not response.HasField("lse"):
         raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the response has no lse")
+    if response.lse.dtype != tensors.PROTO_DTYPE["float32"] or list(response.lse.shape) != q_shape[1::-1]:
+        raise error_for(grpc.StatusCode.INTERNAL, f"the answer's lse is {_described(response.lse)} for q of "
+                        f"{_described(item.q)} (expected float32 [heads_q, rows_q])")
     return out, tensors.from_proto(response.lse, item.kind, item.device)
+
+
+def _described(t) -> str:
+    """A wire tensor's dtype and shape, for a message."""
+    return f"{tensors.NAME_OF_PROTO_DTYPE.get(t.dtype, t.dtype)} {[int(n) for n in t.shape]}"
 
 
 def _packed_answers(answer: DecodeStepAnswer, items: List[_Item], return_lse: bool) -> list:
@@ -198,6 +235,7 @@ def _raw_answer(response, item: _Item, return_lse: bool) -> Tuple[bytes, Optiona
     if not return_lse:
         return data, None
     lse = response.lse.data if response.HasField("lse") else b""
-    if len(lse) != 4 * int(item.q.shape[0]) * int(item.q.shape[1]):  # FLOAT32 [heads_q, rows_q]
+    if response.lse.dtype != tensors.PROTO_DTYPE["float32"] or \
+            len(lse) != 4 * int(item.q.shape[0]) * int(item.q.shape[1]):  # FLOAT32 [heads_q, rows_q]
         raise error_for(grpc.StatusCode.INTERNAL, "return_lse was set but the answer has no lse of its shape")
     return data, lse

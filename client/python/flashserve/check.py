@@ -106,6 +106,11 @@ def run_problem(client: Client, problem: Problem, rng: np.random.Generator, time
     if out.shape != ref.shape:
         outcome.error = f"out shape {out.shape} != {ref.shape}"
         return outcome
+    # O is like Q and LSE float32 (the contract; compare_lse checks LSE's shape): read as Q's dtype, as other clients
+    # do, O of another dtype is garbage, though compared by value it passed.
+    if out.dtype != q.dtype or lse.dtype != np.float32:
+        outcome.error = f"out {out.dtype} for q {q.dtype}, lse {lse.dtype}: expected q's dtype and float32"
+        return outcome
     out64 = out.astype(np.float64)
     max_ref = float(np.abs(ref).max())
     outcome.tol = reference.output_tolerance(

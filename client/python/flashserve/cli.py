@@ -12,18 +12,30 @@ from .client import DEFAULT_ADDRESS, Client
 from .errors import FlashserveError
 
 
+class _OptionError(Exception):
+    """A file an option names that cannot be read: exit 2, as other errors (1 means the server's answers are
+    wrong)."""
+
+
 def _connection(args: argparse.Namespace) -> dict:
     """Client keyword arguments for --tls-ca / --token-file."""
     kwargs = {}
     if args.tls_ca:
         import grpc
 
-        with open(args.tls_ca, "rb") as f:
-            kwargs["credentials"] = grpc.ssl_channel_credentials(root_certificates=f.read())
+        kwargs["credentials"] = grpc.ssl_channel_credentials(root_certificates=_read("--tls-ca", args.tls_ca, "rb"))
     if args.token_file:
-        with open(args.token_file) as f:
-            kwargs["token"] = f.read().strip()
+        kwargs["token"] = _read("--token-file", args.token_file, "r").strip()
     return kwargs
+
+
+def _read(option: str, path: str, mode: str):
+    """The file's contents; _OptionError when it cannot be read (missing, unreadable, a token not in UTF-8)."""
+    try:
+        with open(path, mode) as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise _OptionError(f"{option} {path}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -86,4 +98,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.func(args)
     except FlashserveError as e:
         print(f"error: {args.address}: {e}", file=sys.stderr)
+        return 2
+    except _OptionError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2

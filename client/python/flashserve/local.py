@@ -18,9 +18,11 @@ import socket
 import struct
 import time
 import uuid
+import weakref
 from typing import Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from ._pb import attention_pb2 as pb
 from .client import AttentionResult, Timing, _Prepared
@@ -53,12 +55,19 @@ class LocalClient:
         self.poll_us = poll_us
         self.closed = False  # set by close(), also when a call had to give the connection up
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        self._sock.connect(path)
-        self._poller = select.poll()
-        self._poller.register(self._sock.fileno(), select.POLLIN)
-        if token is not None:
-            self.call(HELLO, token.encode())
+        # Closed when the client is collected (a thread's connection when the thread ends: SequenceClient): an open
+        # one holds one of the server's --local_max_connections slots.
+        self._closer = weakref.finalize(self, self._sock.close)
+        try:
+            self._sock.settimeout(timeout)
+            self._sock.connect(path)
+            self._poller = select.poll()
+            self._poller.register(self._sock.fileno(), select.POLLIN)
+            if token is not None:
+                self.call(HELLO, token.encode())
+        except BaseException:  # no server, or the Hello refused: the socket was left open until collected
+            self.close()
+            raise
 
     def call(self, method: int, payload: bytes, request_id: Optional[str] = None) -> bytearray:
         """Sends one request frame and returns the response's payload; raises FlashserveError on an error status.
@@ -163,30 +172,39 @@ class LocalClient:
         from ._pb import sequences_pb2 as spb
 
         data = request if isinstance(request, (bytes, bytearray)) else request.SerializeToString()
-        return spb.DecodeStepResponse.FromString(self.call(DECODE_STEP, data))
+        return _parsed(spb.DecodeStepResponse.FromString, self.call(DECODE_STEP, data))
 
     def decode_step_answer(self, request):
         """decode_step, answered as a _step_answer.DecodeStepAnswer (a packed answer's O / LSE: views of the reply)."""
         from ._step_answer import DecodeStepAnswer
 
         data = request if isinstance(request, (bytes, bytearray)) else request.SerializeToString()
-        return DecodeStepAnswer.parse(self.call(DECODE_STEP, data))
+        return _parsed(DecodeStepAnswer.parse, self.call(DECODE_STEP, data))
 
     def attend(self, request):
         """A sequences_pb2.AttendRequest -> AttendResponse."""
         from ._pb import sequences_pb2 as spb
 
-        return spb.AttendResponse.FromString(self.call(ATTEND, request.SerializeToString()))
+        return _parsed(spb.AttendResponse.FromString, self.call(ATTEND, request.SerializeToString()))
 
     def close(self) -> None:
         self.closed = True
-        self._sock.close()
+        self._closer()
 
     def __enter__(self) -> "LocalClient":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _parsed(parse, payload):
+    """parse(payload); INTERNAL for an answer that does not parse: the server's fault, and the call ran (a step's
+    rows are on the server: SequenceClient marks them doubtful, as after any INTERNAL)."""
+    try:
+        return parse(payload)
+    except DecodeError as e:
+        raise error_for(grpc.StatusCode.INTERNAL, f"local socket: the answer does not parse ({e})") from None
 
 
 __all__ = ["LocalClient", "Timing"]

@@ -45,9 +45,9 @@ part made and raises.
 
 Local socket (``local_sockets={endpoint: path}``): a server on this host started with ``--local_socket=PATH`` takes
 this client's DecodeStep and Attend calls as frames over that Unix socket (``flashserve.local``; no HTTP/2, the same
-messages, errors and missing ids), one connection per thread; create, append, truncate, release and info stay on
-gRPC. A connection that failed is dropped and the next call reconnects, so a restarted server is found again as over
-gRPC.
+messages, errors and missing ids), one connection per thread (closed when the thread ends); create, append, truncate,
+release and info stay on gRPC. A connection that failed is dropped and the next call reconnects, so a restarted server
+is found again as over gRPC.
 ``local_poll_us``: those connections poll for each reply that long before sleeping (LocalClient's ``poll_us``).
 """
 
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence as Seq, Tuple, Union
 
@@ -65,7 +66,7 @@ from ._pb import sequences_pb2 as spb
 from ._pb import sequences_pb2_grpc as spb_grpc
 from ._seq_create import CREATE_CHUNK_BYTES
 from ._seq_recovery import CallDeadline, _mark_uncertain, _Recovery
-from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, DecodeInput
+from ._seq_step import _answer, _copy_rows, _DecodeSteps, _Item, _unreadable, DecodeInput
 from ._seq_truncate import _Cut, _Truncates, TruncateInput
 from ._step_answer import DecodeStepAnswer
 from ._wire import append_request_bytes
@@ -73,7 +74,7 @@ from .client import _channel_options
 from .errors import FlashserveError, NotFoundError, UnavailableError, error_for, from_rpc_error
 from .hashring import DEFAULT_VNODES, HashRing
 from .local import MAX_POLL_US, LocalClient
-from .sequences import Prefix, Sequence, SequenceSpec, encode_prefix, encode_rows, hold_layers
+from .sequences import Prefix, Sequence, SequenceSpec, checked_layer, encode_prefix, encode_rows, hold_layers
 
 ROUTE_HEADER = "x-sequence-key"
 # A restarted server is reconnected within ~0.1-1 s instead of gRPC's default 1-120 s backoff. Not
@@ -146,7 +147,10 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             raise ValueError(f"local_poll_us must be in 0..{MAX_POLL_US}, got {local_poll_us}")
         self.local_poll_us = local_poll_us  # LocalClient's poll_us for the local-socket connections
         self._local = threading.local()  # per thread: {socket path: LocalClient}
-        self._local_clients: List[LocalClient] = []  # every connection made, closed by close()
+        # Every connection open, closed by close(). Weak: a thread's connections close when it ends (LocalClient
+        # closes when collected); held here, they stayed open, and after --local_max_connections (64) threads every
+        # new thread's step failed RESOURCE_EXHAUSTED.
+        self._local_clients: "weakref.WeakSet[LocalClient]" = weakref.WeakSet()
 
     # --- endpoints ---------------------------------------------------------------------------------------------------
 
@@ -220,7 +224,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                 client = LocalClient(path, token=self._token, timeout=timeout, poll_us=self.local_poll_us)
                 connections[path] = client
                 with self._lock:
-                    self._local_clients.append(client)
+                    self._local_clients.add(client)
             client.set_timeout(timeout)
             return getattr(client, _LOCAL_METHODS[method])(request)
         except FlashserveError as e:  # first: UnavailableError and DeadlineExceededError are OSErrors too
@@ -240,8 +244,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         if client is not None:
             client.close()
             with self._lock:
-                if client in self._local_clients:  # close() may have emptied the list already
-                    self._local_clients.remove(client)
+                self._local_clients.discard(client)  # close() may have emptied the set already
 
     # --- create / re-create ------------------------------------------------------------------------------------------
 
@@ -275,7 +278,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
         self._check_live(seq)
         # HostRows (the arrays' bytes copied once), joined into the request's wire bytes (_wire.py): a pb.Tensor
         # copied them into the message, into the request and again when it was serialized.
-        encoded = {int(layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
+        encoded = {checked_layer(seq, layer): (encode_rows(k, f"rows[{layer}].k"), encode_rows(v, f"rows[{layer}].v"))
                    for layer, (k, v) in rows.items()}
 
         def attempt(ids, left):
@@ -361,7 +364,10 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
             if softmax_scale is not None:
                 request.softmax_scale = float(softmax_scale)
             response = self._rpc(seq.endpoint, "Attend", request, seq.key, left)
-            return _answer(response, item, return_lse)
+            try:
+                return _answer(response, item, return_lse)
+            except (FlashserveError, ValueError) as e:  # the server's fault, not the caller's
+                raise _unreadable("Attend", e) from e
 
         deadline = self._deadline(timeout)
         with hold_layers(reads=[(seq, int(layer))], timeout=deadline.remaining()):
@@ -461,7 +467,7 @@ class SequenceClient(_Recovery, _DecodeSteps, _Truncates):
                 channel.close()
             self._channels.clear()
             self._raw_calls.clear()
-            for client in self._local_clients:
+            for client in list(self._local_clients):
                 client.close()
             self._local_clients.clear()
 

@@ -226,6 +226,17 @@ class Sequence:
         return self._history.bytes if self._history is not None else 0
 
 
+def checked_layer(seq: Sequence, layer) -> int:
+    """``layer`` as an int, INVALID_ARGUMENT unless in [0, num_layers): checked before anything is sent. Past the end
+    it raised IndexError from the client's own bookkeeping, inside the try that takes any such exception for a call
+    maybe sent: the sequence was made uncertain (re-created, or for good unusable without a history)."""
+    layer = int(layer)
+    if not 0 <= layer < seq.spec.num_layers:
+        raise error_for(grpc.StatusCode.INVALID_ARGUMENT, f"layer {layer} of sequence {seq.id}: expected a layer "
+                        f"in [0, {seq.spec.num_layers})")
+    return layer
+
+
 @contextlib.contextmanager
 def hold_layers(writes: Iterable = (), reads: Iterable = (), timeout: Optional[float] = None):
     """Holds, for a call and its retries, the (sequence, layer) pairs it appends to (writes) and those it attends
