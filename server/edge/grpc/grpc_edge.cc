@@ -106,6 +106,11 @@ void ConfigureTransport(const GrpcOptions& options, int64_t memory_quota_bytes,
         "gRPC memory quota: none (--grpc_memory_quota_bytes=0): gRPC may buffer "
         "without bound");
   }
+  // No compressed requests: gRPC inflates a whole message before it checks --max_request_bytes,
+  // outside the memory quota, so 1 MB of gzip held 1 GiB per call (and tensors do not compress).
+  // A call that names gzip or deflate is refused before its message is read (UNIMPLEMENTED).
+  builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
+  builder->SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
   // A second process must not be able to bind the same port and take half the calls.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Large messages (README "Large messages"): tensors are MiB..GiB, so let one HTTP/2 frame carry

@@ -19,7 +19,8 @@ absl::Status OverSizeLimitStatus(const char* what) {
   return absl::ResourceExhaustedError(
       absl::StrCat(what,
                    ": refused by gRPC as larger than --max_request_bytes (\"Received message "
-                   "larger than max\")"));
+                   "larger than max\"), or as compressed (grpc-encoding gzip or deflate: disabled, "
+                   "and gRPC 1.51 does not tell a handler which)"));
 }
 
 }  // namespace flashserve

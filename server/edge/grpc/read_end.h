@@ -32,7 +32,8 @@ inline bool AnsweredCallWasOverSizeLimit(grpc::CallbackServerContext* context) {
   return context->IsCancelled();
 }
 
-/// What a call refused by gRPC over --max_request_bytes is counted as (`what`: the message's name).
+/// What a call refused by gRPC over --max_request_bytes is counted as (`what`: the message's name);
+/// a compressed one (refused unread, edge/grpc/grpc_edge.cc) ends alike and is counted the same.
 absl::Status OverSizeLimitStatus(const char* what);
 
 }  // namespace flashserve
