@@ -326,6 +326,50 @@ def test_a_region_cut_short_during_steps_never_leaves_wrong_rows(shm_server, rng
     assert faults_seen(shm_server.logs()), "no cut landed while a step read or wrote the region"
 
 
+@pytest.mark.parametrize("failure", ["aborted", "not_found", "deadline"])
+def test_a_step_that_appended_nothing_keeps_its_sequences_when_its_region_faults(flashserve_bin, tmp_path, rng,
+                                                                                   failure):
+    """A DecodeStep that fails before its launch (ABORTED on its last item, NOT_FOUND for an unknown id, its deadline
+    passed in the batch window) appended nothing, so a region it named that was cut short meanwhile must not cost its
+    sequences (until session 42 every sequence of the call with rows was released: NOT_FOUND, their pages freed,
+    and the answer said nothing of it). A step that did append releases them and says so (the control)."""
+    s = ServerProcess(flashserve_bin, tmp_path, KV_FLAGS + ["--allow_client_shm", "--batch_window_us=1000000"],
+                      name="kv_shm_window").start()
+    try:
+        truth = Truth(rng, **SHAPE, dtype="float16")
+        with flashserve.SequenceClient(s.address, timeout=30, reprefill=False) as client:
+            stub = client.stub(client.endpoints[0])
+            for case in (failure, "control"):
+                seqs = truth.create(client, [10] * 3)
+                region = Region(s, f"cut-{case}", 1 << 16)
+                request, _ = _step_request(region, seqs, [truth.query() for _ in seqs],
+                                           [truth.rows(1) for _ in seqs], [True] * 3, False, inputs_in_region=False)
+                if case == "aborted":
+                    request.items[2].expected_length = 999
+                elif case == "not_found":
+                    request.items[2].sequence_id = "0" * 32
+                cutter = threading.Timer(0.3, os.ftruncate, (region.shm._fd, 0))  # while it waits in the window
+                cutter.start()
+                with pytest.raises(grpc.RpcError) as failed:
+                    stub.DecodeStep(request, timeout=0.6 if case == "deadline" else 30)
+                cutter.join()
+                time.sleep(0.8 if case == "deadline" else 0)  # the call leaves the window (and its lease)
+                region.close()
+                if case == "control":
+                    assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, failed.value.details()
+                    assert "were released" in failed.value.details(), failed.value.details()
+                    for seq in seqs:
+                        with pytest.raises(flashserve.NotFoundError):
+                            seq.attend(0, truth.query())
+                    continue
+                assert "were released" not in failed.value.details(), failed.value.details()
+                for seq in seqs[:2] if case == "not_found" else seqs:  # unchanged: no row appended, not released
+                    q = truth.query()
+                    truth.check(seq.attend(0, q), q, seq.key, 0)
+    finally:
+        _stop_and_check(s)
+
+
 def faults_seen(logs: str) -> bool:
     return "an access to it faulted" in logs
 

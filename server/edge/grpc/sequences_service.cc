@@ -381,6 +381,7 @@ grpc::ServerUnaryReactor* SequencesService::Launch(
                 hold = std::move(hold)](const absl::Status& status,
                                         const DecodeReport& report) mutable {
     absl::Status answered = status;
+    hold->shm.KeepAppended(report);
     if (answered.ok()) {
       absl::StatusOr<int64_t> sent = fill(report, admission);
       if (sent.ok()) grpc_call->AddBytesOut(*sent);

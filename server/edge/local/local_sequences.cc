@@ -61,8 +61,9 @@ absl::Status RunDecode(const LocalServices& services, LocalCall& local, int64_t 
   call->caller_waits = true;  // this thread waits for done(): run the call here, no worker hop
   auto waiter = std::make_shared<CallWaiter>();
   absl::Status done_status;
-  call->done = [waiter, &done_status, &fill](const absl::Status& status,
-                                             const DecodeReport& report) {
+  call->done = [waiter, &done_status, &fill, hold](const absl::Status& status,
+                                                   const DecodeReport& report) {
+    hold->shm.KeepAppended(report);
     if (status.ok()) fill(report);
     done_status = status;
     waiter->Notify();

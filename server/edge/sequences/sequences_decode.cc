@@ -263,8 +263,8 @@ absl::StatusOr<std::shared_ptr<DecodeCall>> BuildDecodeStep(const v1::DecodeStep
     // Any region of the call may fault (an input or only O / LSE): the call then fails, so the
     // rows it appended must not stay behind as if it had not run (FinishSequenceShm).
     if (!shm->regions_leased.empty()) {
-      for (const kvcache::StepItem& item : call->items) {
-        if (item.k.rows > 0) shm->fed.push_back(item.id);
+      for (size_t i = 0; i < call->items.size(); ++i) {
+        if (call->items[i].k.rows > 0) shm->fed.push_back({i, call->items[i].id});
       }
     }
   }

@@ -1,6 +1,9 @@
 #include "edge/sequences/sequences_shm.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "edge/sequences/sequences_convert.h"
@@ -73,17 +76,34 @@ absl::Status SequenceShm::ReleaseLeases() {
   return intact;
 }
 
+void SequenceShm::KeepAppended(const DecodeReport& report) {
+  if (report.lengths.empty()) {  // done before a launch: nothing appended
+    fed.clear();
+    return;
+  }
+  fed.erase(std::remove_if(fed.begin(), fed.end(),
+                           [&report](const FedItem& f) {
+                             return f.item < report.already_appended.size() &&
+                                    report.already_appended[f.item];
+                           }),
+            fed.end());
+}
+
 absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
                                kvcache::SequenceCache* cache) {
   absl::Status intact = shm->ReleaseLeases();
   if (intact.ok()) return status;
-  if (cache != nullptr && !shm->fed.empty()) {
-    cache->Release(shm->fed);
-    intact = absl::Status(intact.code(), absl::StrCat(intact.message(),
-                                                      "; the sequences this call "
-                                                      "appended rows to were released"));
+  if (cache == nullptr || shm->fed.empty()) return status.ok() ? intact : status;
+  std::vector<std::string> ids;
+  for (SequenceShm::FedItem& f : shm->fed) ids.push_back(std::move(f.id));
+  cache->Release(ids);
+  constexpr absl::string_view kReleased = "the sequences this call appended rows to were released";
+  if (status.ok()) {
+    return absl::Status(intact.code(), absl::StrCat(intact.message(), "; ", kReleased));
   }
-  return status.ok() ? intact : status;
+  // The call failed after its launch (a device fault, or stopped mid-run): its own error first.
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), "; and ", intact.message(), ": ", kReleased));
 }
 
 absl::StatusOr<kvcache::HostRows> ShmRows(const v1::Tensor& tensor, const char* name,

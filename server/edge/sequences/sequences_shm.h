@@ -13,6 +13,7 @@
 #include "kvcache/kv_types.h"
 #include "kvcache/sequence_cache.h"
 #include "memory/shm_regions.h"
+#include "runtime/decode_call.h"
 #include "runtime/shm_requests.h"
 
 namespace flashserve {
@@ -29,8 +30,17 @@ struct SequenceShm {
   // 5 x items times; leasing every span took a lookup and an fstat each). Each whole span holds
   // the call's only lease on its region.
   std::vector<std::pair<std::string, ShmSpan>> regions_leased;
-  // With any region leased: the sequences the call appends rows to (FinishSequenceShm).
-  std::vector<std::string> fed;
+  // With any region leased: the items that append rows (FinishSequenceShm releases their
+  // sequences), until KeepAppended keeps those the call did append to.
+  struct FedItem {
+    size_t item;
+    std::string id;
+  };
+  std::vector<FedItem> fed;
+
+  /// Keeps in `fed` only the items the call appended rows to, from its report: none when it
+  /// failed before its launch (an empty report), not those found appended already (a retry).
+  void KeepAppended(const DecodeReport& report);
 
   /// Gives every region back once the call's outputs are in place, before its answer (a client
   /// that unregisters after reading it must find no lease). OK unless one of them stopped being
@@ -40,10 +50,11 @@ struct SequenceShm {
 
 /// Gives a finished call's regions back (before its answer) and returns the status to answer:
 /// `status`, or the error of a region that stopped being the client's memory while the call used
-/// it. Then the sequences the call appended rows to are released (`cache`): rows read from a
-/// faulted region may be zeros instead of the client's, and a call that fails must not leave
-/// rows behind either way (a retry would append them twice), so the client's next call finds
-/// them gone (NOT_FOUND) and re-creates them, as after an eviction.
+/// it. Then the sequences the call appended rows to (`fed`, after KeepAppended) are released
+/// (`cache`) and the answer says so: rows read from a faulted region may be zeros instead of the
+/// client's, and a call that fails must not leave rows behind either way (a retry would append
+/// them twice), so the client's next call finds them gone (NOT_FOUND) and re-creates them, as
+/// after an eviction. A call that appended nothing releases nothing.
 absl::Status FinishSequenceShm(absl::Status status, SequenceShm* shm,
                                kvcache::SequenceCache* cache);
 
