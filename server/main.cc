@@ -11,6 +11,7 @@
 // 3 also when the shutdown outlasts the grace period by over 20 s (a device launch that never
 // completes), or 20 s after a second signal (kShutdownOverrunSeconds), and at once at a signal
 // after that second one (a forced stop: WatchShutdownSignals).
+#include <csignal>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,9 @@
 
 int main(int argc, char** argv) {
   using flashserve::ShutdownOptions;
+  // A log pipe whose reader went away (a log shipper that crashed, `| head`) must cost the log
+  // line, not the process: SIGPIPE killed it at the next line a gRPC thread or the drain wrote.
+  std::signal(SIGPIPE, SIG_IGN);
   // Before any thread starts, so that every thread inherits the mask and only the main thread's
   // waits (config/serve_loop.h) take the signals.
   flashserve::BlockShutdownSignals();

@@ -1,11 +1,9 @@
 #include "common/auth.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/flag_file.h"
 
 namespace flashserve {
 
@@ -37,11 +35,10 @@ absl::StatusOr<std::unique_ptr<BearerAuth>> BearerAuth::FromToken(std::string to
 }
 
 absl::StatusOr<std::unique_ptr<BearerAuth>> BearerAuth::FromFile(const std::string& token_file) {
-  std::ifstream in(token_file);
-  if (!in) return absl::NotFoundError(absl::StrCat("--auth_token_file: cannot read ", token_file));
-  std::stringstream text;
-  text << in.rdbuf();
-  absl::StatusOr<std::unique_ptr<BearerAuth>> auth = FromToken(text.str());
+  absl::StatusOr<std::string> text =
+      ReadFlagFile(token_file, "--auth_token_file", kMaxTokenFileBytes);
+  if (!text.ok()) return text.status();
+  absl::StatusOr<std::unique_ptr<BearerAuth>> auth = FromToken(*text);
   if (!auth.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--auth_token_file: ", auth.status().message()));
   }

@@ -19,12 +19,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/flag_file.h"
 #include "common/http_listener.h"
 #include "common/http_listener_internal.h"
 #include "common/logging.h"
@@ -34,11 +33,9 @@ namespace flashserve {
 namespace {
 
 bool ReadFile(const std::string& path, std::string* out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::stringstream text;
-  text << in.rdbuf();
-  *out = text.str();
+  absl::StatusOr<std::string> text = ReadFlagFile(path, "--tls_cert / --tls_key", kMaxPemFileBytes);
+  if (!text.ok()) return false;
+  *out = *std::move(text);
   return true;
 }
 

@@ -42,6 +42,21 @@ void FreePageLocked(void* base) {
 }  // namespace
 
 void ApplyMallocOptions(const MallocOptions& options) {
+  if (const char* other = ReceiveArena::InstallRefusal()) {
+    // jemalloc or tcmalloc preloaded: glibc's mallopt still answers (and succeeds), for an
+    // allocator nobody uses, so the flags would seem to work.
+    const MallocOptions defaults;
+    if (options.mmap_threshold_bytes != defaults.mmap_threshold_bytes ||
+        options.trim_threshold_bytes != defaults.trim_threshold_bytes ||
+        options.arena_max != defaults.arena_max) {
+      spdlog::warn(
+          "--malloc_mmap_threshold_bytes, --malloc_trim_threshold_bytes and "
+          "--malloc_arena_max tune glibc's malloc, which this process does not use ({}): "
+          "they have no effect",
+          other);
+    }
+    return;
+  }
   if (options.mmap_threshold_bytes != 0 &&
       mallopt(M_MMAP_THRESHOLD, int(options.mmap_threshold_bytes)) != 1) {
     spdlog::warn(

@@ -1,9 +1,11 @@
 #include "config/server.h"
 
 #include <netdb.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/process_health.h"
 #include "common/version.h"
 #include "config/host_memory.h"
 #include "config/serve_loop.h"
@@ -91,6 +94,41 @@ absl::Status CheckListenHost(const std::string& host) {
                                                  " (not an address of this machine?)"));
 }
 
+// Up to the hard limit (at most 2^20): every connection is a descriptor, and when they run out
+// gRPC's listener stops for good (common/process_health.h); services often start at a soft 1024.
+void RaiseOpenFileLimit() {
+  constexpr rlim_t kMost = rlim_t{1} << 20;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return;
+  rlimit raised = limit;
+  raised.rlim_cur = limit.rlim_max == RLIM_INFINITY ? kMost : std::min(limit.rlim_max, kMost);
+  if (raised.rlim_cur > limit.rlim_cur && setrlimit(RLIMIT_NOFILE, &raised) == 0) {
+    spdlog::debug("open-file limit raised from {} to {}", limit.rlim_cur, raised.rlim_cur);
+  }
+}
+
+// Whether a listening socket could bind host:port now (port 0: always).
+bool PortIsFree(const std::string& host, int port) {
+  if (port == 0) return true;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return false;
+  bool bound = false;
+  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;  // as gRPC's listener: connections in TIME_WAIT do not hold the port
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return bound;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config) {
@@ -98,6 +136,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     return absl::InvalidArgumentError(s.message());
   }
   ApplyMallocOptions(config.memory.malloc);  // before any thread: arenas are made per thread
+  RaiseOpenFileLimit();
   auto server = std::unique_ptr<Server>(new Server(config));
   if (absl::Status s = server->StartBackend(); !s.ok()) return s;
   server->StartMetrics();
@@ -257,6 +296,14 @@ absl::Status Server::StartGrpc() {
       return absl::InvalidArgumentError(
           absl::StrCat(edge.status().message(), ": ", host.message()));
     }
+    if (!network.tls_cert_file.empty() && PortIsFree(network.host, network.grpc_port)) {
+      // The port was not why: gRPC refused the certificate or key (logged above), which read as
+      // a port conflict and exited 1.
+      return absl::InvalidArgumentError(absl::StrCat(
+          edge.status().message(),
+          ": the port is free, so --tls_cert / --tls_key are why: a PEM "
+          "certificate and the unencrypted PEM private key that matches it are needed"));
+    }
     return edge.status();
   }
   grpc_edge_ = *std::move(edge);
@@ -350,9 +397,10 @@ StopEvent Server::WaitForStop() {
   if (stop.reason == StopReason::kBackendUnhealthy) {
     grpc_edge_->SetServing(false);
     spdlog::error(
-        "backend unhealthy: gRPC health NOT_SERVING, HTTP ready and live 503; exiting with code {} "
-        "after the grace period ({} s) so that the process is restarted",
-        ExitCodeFor(stop.reason), config_.shutdown.grace_seconds);
+        "{}: gRPC health NOT_SERVING, HTTP ready and live 503; exiting with code {} after the "
+        "grace period ({} s) so that the process is restarted",
+        ProcessBroken() ? ProcessBrokenReason() : "backend unhealthy", ExitCodeFor(stop.reason),
+        config_.shutdown.grace_seconds);
   }
   return stop;
 }

@@ -10,7 +10,8 @@ namespace flashserve {
 namespace {
 
 void SetMallocThresholds(int64_t mmap_threshold, int64_t trim_threshold) {
-  // Another allocator (a sanitizer's, jemalloc via LD_PRELOAD) refuses: nothing to tune.
+  // A sanitizer's allocator refuses: nothing to tune. (With jemalloc preloaded glibc's mallopt
+  // answers, for an allocator nobody uses: config/host_memory.cc warns.)
   if (mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) != 1 ||
       mallopt(M_TRIM_THRESHOLD, int(trim_threshold)) != 1) {
     spdlog::debug("mallopt refused (mmap threshold {}, trim threshold {})", mmap_threshold,

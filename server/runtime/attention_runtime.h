@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "api/validation.h"
+#include "common/process_health.h"
 #include "flashserve/v1/attention.pb.h"
 #include "memory/io_buffers.h"
 #include "memory/parallel_copy.h"
@@ -113,11 +114,12 @@ class AttentionRuntime {
   void Submit(Call call);
 
   /// Live and able to serve: backend healthy and not shutting down.
-  bool ready() const { return accepting_.load() && backend_->healthy(); }
-  /// Worth keeping: false for good once the backend is unhealthy (a sticky device fault). The
-  /// process then drains and exits to be restarted (config/serve_loop.h); /v2/health/live and
-  /// KServe ServerLive report this, so a liveness probe restarts it too. Thread-safe.
-  bool live() const { return backend_->healthy(); }
+  bool ready() const { return accepting_.load() && live(); }
+  /// Worth keeping: false for good once the backend is unhealthy (a sticky device fault) or the
+  /// process is broken otherwise (common/process_health.h: gRPC stopped accepting). The process
+  /// then drains and exits to be restarted (config/serve_loop.h); /v2/health/live and KServe
+  /// ServerLive report this, so a liveness probe restarts it too. Thread-safe.
+  bool live() const { return backend_->healthy() && !ProcessBroken(); }
   /// Refuse new work with UNAVAILABLE from now on (work already queued still runs).
   void StopAccepting();
   /// The shutdown's grace period is over: calls not yet answered are cancelled (running CPU work

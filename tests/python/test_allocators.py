@@ -82,3 +82,14 @@ def test_server_without_arena_flag_runs_with_jemalloc(jemalloc_preloaded, start_
         out, lse = c.attention(q, k, v, return_lse=True)
         check_answer(out, lse, q, k, v)
     assert server.stop() == 0, server.logs()
+
+
+def test_malloc_flags_under_another_allocator_warn_that_they_do_nothing(jemalloc_preloaded, start_server):
+    """glibc's mallopt answers (and succeeds) under a preloaded jemalloc, for an allocator nobody uses: the --malloc_*
+    flags seemed to work (an audit found no warning). A flag set away from its default now warns; defaults do not."""
+    tuned = start_server("--malloc_arena_max=1", "--malloc_mmap_threshold_bytes=4096")
+    untuned = start_server()
+    for server in (tuned, untuned):
+        assert server.stop() == 0, server.logs()
+    assert "they have no effect" in tuned.logs(limit=20000), tuned.logs()
+    assert "they have no effect" not in untuned.logs(limit=20000), untuned.logs()

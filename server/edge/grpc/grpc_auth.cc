@@ -1,10 +1,8 @@
 #include "edge/grpc/grpc_auth.h"
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/flag_file.h"
 #include "edge/grpc/grpc_call.h"
 #include "grpc/grpc.h"
 #include "grpc/grpc_security.h"
@@ -82,11 +80,7 @@ class CoreServerCredentials final : public grpc::ServerCredentials {
 };
 
 absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot read ", path));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
+  return ReadFlagFile(path, what, kMaxPemFileBytes);
 }
 
 absl::StatusOr<grpc_server_credentials*> MakeCoreCredentials(

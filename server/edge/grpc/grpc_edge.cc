@@ -2,9 +2,11 @@
 
 #include <climits>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/process_health.h"
 #include "edge/grpc/attention_call.h"
 #include "edge/grpc/grpc_auth.h"
 #include "edge/grpc/grpc_call.h"
@@ -75,6 +77,13 @@ class AttentionServiceImpl final : public AttentionServiceBase {
 // gRPC core's own log lines (a failed TLS handshake, a port that cannot be bound) through the
 // server's logger: with --log_format=json they were gRPC's "E1129 ..." lines among JSON objects.
 void LogFromGrpc(gpr_log_func_args* args) {
+  // gRPC 1.51's listener stops for good after an accept error other than EAGAIN/ECONNABORTED
+  // (EMFILE: descriptors ran out): the port takes no connection again while HTTP health said
+  // ready. Not live, so that the process drains and is restarted.
+  if (args->message != nullptr && absl::StartsWith(args->message, "Failed accept4")) {
+    MarkProcessBroken(absl::StrCat("gRPC stopped accepting connections (", args->message,
+                                   "; it does not retry)"));
+  }
   const spdlog::level::level_enum level =
       args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
       : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info

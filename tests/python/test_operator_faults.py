@@ -1,0 +1,140 @@
+"""What an operator's environment does to the server (session 42's audit; each test fails on the previous server): a
+log pipe whose reader goes away, files a flag names that are devices, FIFOs or directories, a TLS pair gRPC refuses,
+and file descriptors that run out under gRPC's listener."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+import flashserve
+from conftest import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _ports():
+    return [f"--grpc_port={free_port()}", f"--http_port={free_port()}", f"--metrics_port={free_port()}"]
+
+
+def _wait_ready(http: str, proc: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the server exited {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"{http}/v2/health/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    pytest.fail("the server did not become ready")
+
+
+def test_a_log_pipe_whose_reader_left_costs_log_lines_not_the_process(flashserve_bin):
+    """stdout/stderr into a pipe whose reader exits (a crashed log shipper, `| head`): SIGPIPE killed the server at
+    the next line a gRPC thread wrote (exit 141), and a SIGTERM drain died the same way instead of exiting 0."""
+    ports = _ports()
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen([str(flashserve_bin), "--backend=cpu", "--shutdown_grace_seconds=5", *ports],
+                            stdout=write_end, stderr=write_end)
+    os.close(write_end)
+    http = f"http://127.0.0.1:{ports[1].split('=')[1]}"
+    try:
+        _wait_ready(http, proc)
+        os.close(read_end)  # the reader goes away
+        q = np.zeros((1, 8, 2, 64), np.float16)
+        bad_k = np.zeros((1, 8, 2, 32), np.float16)
+        with flashserve.Client(f"127.0.0.1:{ports[0].split('=')[1]}", timeout=30) as client:
+            for _ in range(5):  # each failure is logged (a warning) from a gRPC thread
+                with pytest.raises(flashserve.FlashserveError):
+                    client.attention(q, bad_k, bad_k)
+            assert client.attention(q, q, q).shape == q.shape
+        assert proc.poll() is None, f"the server died writing its log: exit {proc.returncode}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, "the drain's log line killed it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
+@pytest.mark.parametrize("flag", ["--auth_token_file", "--tls_cert"])
+def test_a_flag_file_that_is_not_a_small_regular_file_exits_2(flashserve_bin, tmp_path, kind, flag):
+    """/dev/zero filled memory at ~1 GiB/s and a FIFO without a writer hung the start, both deaf to SIGTERM (the
+    shutdown signals are blocked from the start); a directory read as an empty token. Now exit 2 at once, naming the
+    flag."""
+    if kind == "device":
+        path = "/dev/zero"
+    elif kind == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)
+    else:
+        path = str(tmp_path)
+    args = [f"{flag}={path}"] + (["--tls_key=/dev/null"] if flag == "--tls_cert" else [])
+    proc = subprocess.run([str(flashserve_bin), "--backend=cpu", *args, *_ports()], capture_output=True, text=True,
+                          timeout=20)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1000:])
+    assert f"{flag}: {path} is not a regular file" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_a_tls_pair_grpc_refuses_exits_2_naming_the_flags(flashserve_bin, tmp_path):
+    """A certificate and a key that do not match (or an encrypted key, or garbage) made gRPC refuse the port: exit
+    1 and "cannot listen on", read as a port conflict. The port was free: exit 2 naming --tls_cert / --tls_key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make test certificates")
+    for name in ("a", "b"):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=x",
+                        "-keyout", str(tmp_path / f"{name}.key"), "-out", str(tmp_path / f"{name}.pem")],
+                       check=True, capture_output=True)
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    for cert, key in (("a.pem", "b.key"), ("garbage.pem", "a.key")):
+        proc = subprocess.run([str(flashserve_bin), "--backend=cpu", f"--tls_cert={tmp_path / cert}",
+                               f"--tls_key={tmp_path / key}", *_ports()], capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 2, (cert, key, proc.returncode, proc.stderr[-1500:])
+        assert "--tls_cert / --tls_key" in proc.stderr, proc.stderr[-1500:]
+
+
+def test_descriptors_that_ran_out_under_grpc_end_in_a_restart(flashserve_bin):
+    """gRPC 1.51's listener stops for good at an accept error such as EMFILE: the port took no connection again,
+    while /v2/health/live and ready said 200 and the process ran on (a Kubernetes pod stayed Ready, serving nothing).
+    Now the process reports not live and exits 3 after the grace period, for its supervisor to restart it."""
+    ports = _ports()
+    grpc_port, http_port = int(ports[0].split("=")[1]), int(ports[1].split("=")[1])
+
+    def limit_descriptors():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    proc = subprocess.Popen([str(flashserve_bin), "--backend=cpu", "--shutdown_grace_seconds=2", *ports],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=limit_descriptors)
+    try:
+        _wait_ready(f"http://127.0.0.1:{http_port}", proc)
+        held = []
+        for _ in range(100):
+            try:
+                held.append(socket.create_connection(("127.0.0.1", grpc_port), timeout=2))
+            except OSError:
+                break
+        time.sleep(1.5)
+        for s in held:
+            s.close()
+        code = proc.wait(timeout=20)
+        stderr = proc.stderr.read()
+        assert code == 3, (code, stderr[-2000:])
+        assert "gRPC stopped accepting connections" in stderr, stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
