@@ -31,6 +31,7 @@ bool IsSticky(cudaError_t e) {
     case cudaErrorUnknown:
     case cudaErrorDevicesUnavailable:
     case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:  // a device-side assert: the context is unusable (CUDA's docs)
       return true;
     default:
       return false;

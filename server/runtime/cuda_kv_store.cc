@@ -102,14 +102,23 @@ absl::Status CudaKvStore::Reserve(bool device, int64_t bytes, void** buffer, int
   }
   *buffer = nullptr;
   *capacity = 0;
-  const cudaError_t e = device ? cudaMalloc(buffer, size_t(grown))
-                               : cudaHostAlloc(buffer, size_t(grown), cudaHostAllocDefault);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("KV launch scratch of ", grown, " bytes: ", cudaGetErrorString(e)));
+  const auto allocate = [&](int64_t n) {
+    const cudaError_t e = device ? cudaMalloc(buffer, size_t(n))
+                                 : cudaHostAlloc(buffer, size_t(n), cudaHostAllocDefault);
+    if (e != cudaSuccess) cudaGetLastError();  // not the next launch's error
+    return e;
+  };
+  cudaError_t e = allocate(grown);
+  int64_t got = grown;
+  if (e != cudaSuccess && grown > bytes) {  // the doubling may not fit where the need does
+    e = allocate(bytes);
+    got = bytes;
   }
-  *capacity = grown;
+  if (e != cudaSuccess) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("KV launch scratch of ", bytes, " bytes: ", cudaGetErrorString(e)));
+  }
+  *capacity = got;
   return absl::OkStatus();
 }
 

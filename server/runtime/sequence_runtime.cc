@@ -43,6 +43,24 @@ absl::Status StoppedAnswer(const DecodeCall& call, const absl::Status& stopped) 
   return absl::CancelledError(absl::StrCat("cancelled while computing; ", stopped.message()));
 }
 
+// What a call whose launch failed is answered: its rows were appended before the launch (and
+// stay), so a code clients read as "nothing appended" (RESOURCE_EXHAUSTED for launch scratch the
+// store could not get, INVALID_ARGUMENT) becomes INTERNAL, which SEQUENCES_API.md says may have
+// appended: a retry with expected_length appends nothing twice. Attend-only calls keep the code.
+absl::Status FailedLaunchAnswer(const DecodeCall& call, const DecodeReport& report,
+                                const absl::Status& failed) {
+  bool appended = false;
+  for (size_t i = 0; i < call.items.size(); ++i) {
+    const bool found_there = i < report.already_appended.size() && report.already_appended[i];
+    appended |= call.items[i].k.rows > 0 && !found_there;
+  }
+  if (!appended || failed.code() == absl::StatusCode::kInternal) return failed;
+  return absl::InternalError(
+      absl::StrCat("the launch failed after the call's rows were appended (they stay: retry with "
+                   "expected_length): ",
+                   absl::StatusCodeToString(failed.code()), ": ", failed.message()));
+}
+
 }  // namespace
 
 // A call whose rows are appended and whose sequences are pinned, waiting for its launch.
@@ -313,7 +331,10 @@ void SequenceRuntime::RunLaunch(const std::vector<Prepared*>& launch) {
     p->report.batched_calls = int(launch.size());
     p->plan = kvcache::StepPlan();  // unpin before answering
     const bool stopped = status.code() == absl::StatusCode::kCancelled;
-    p->call->done(stopped ? StoppedAnswer(*p->call, status) : status, p->report);
+    p->call->done(stopped       ? StoppedAnswer(*p->call, status)
+                  : status.ok() ? status
+                                : FailedLaunchAnswer(*p->call, p->report, status),
+                  p->report);
   }
 }
 

@@ -1,7 +1,8 @@
 // A decode call on a sequence that an Append is copying into waits for that copy off the
 // scheduler: other clients' calls (the CPU backend has one worker; a batch holds several calls)
 // run meanwhile, and the waiting call still sees the appended rows, or ends at its deadline or
-// cancel with nothing appended.
+// cancel with nothing appended. And a launch that fails after its call's rows were appended says
+// so (INTERNAL), whatever code the store failed with.
 #include <atomic>
 #include <future>
 #include <memory>
@@ -35,15 +36,18 @@ class GatedKvStore final : public kvcache::KvStore {
     return inner_->Write(offset, src, bytes, at);
   }
   absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override {
+    if (!fail_attend_.ok()) return fail_attend_;  // as the CUDA store without launch scratch
     return inner_->Attend(batch, info);
   }
   void Arm() { armed_ = true; }
+  void FailAttend(absl::Status status) { fail_attend_ = std::move(status); }
   void WaitUntilBlocked() { gate_.WaitUntilWaiting(); }
   void Open() { gate_.Open(); }
 
  private:
   const std::unique_ptr<kvcache::KvStore> inner_;
   std::atomic<bool> armed_{false};
+  absl::Status fail_attend_;  // set before any call runs
   kvcache::testing::Gate gate_;
 };
 
@@ -219,6 +223,31 @@ TEST_F(AppendWaitTest, AWaitEndsAtTheCallsDeadlineOrCancelWithNothingAppended) {
   EXPECT_EQ(cancelled.future.get().status.code(), absl::StatusCode::kCancelled);
   ASSERT_TRUE(appended.get().ok());
   EXPECT_EQ(runtime_->cache().Info(id)->lengths[0], 4 + 32) << "a call that gave up appended";
+}
+
+// The CUDA store answered RESOURCE_EXHAUSTED when it could not get a launch's scratch, after
+// PrepareStep had appended the call's rows: clients read that code as "nothing appended" (a retry
+// without expected_length appended the token twice; with it, the next step was taken for a retry
+// and attended over the failed step's rows). Found by an audit of the CUDA store.
+TEST_F(AppendWaitTest, ALaunchThatFailsAfterTheAppendAnswersInternal) {
+  Make(0);
+  DenseLayer dense;
+  const std::string id = Create(&dense);
+  backend_->store()->FailAttend(absl::ResourceExhaustedError("KV launch scratch of 4096 bytes"));
+  Holder appending;
+  runtime_->Submit(Call(id, &appending));
+  const Answer answered = appending.future.get();
+  EXPECT_EQ(answered.status.code(), absl::StatusCode::kInternal) << answered.status;
+  EXPECT_NE(answered.status.message().find("rows were appended"), std::string::npos)
+      << answered.status;
+  EXPECT_EQ(runtime_->cache().Info(id)->lengths[0], 4 + 1) << "the rows stay, as the answer says";
+  // An attend-only call appended nothing: its code stays (retry later).
+  Holder attending;
+  auto call = Call(id, &attending);
+  call->items[0].k = {};
+  call->items[0].v = {};
+  runtime_->Submit(call);
+  EXPECT_EQ(attending.future.get().status.code(), absl::StatusCode::kResourceExhausted);
 }
 
 }  // namespace
