@@ -21,10 +21,6 @@ from flashserve import sequences_pb2_grpc
 from flashserve import tensors
 from test_http_hostile import rss_kib
 
-h2_connection = pytest.importorskip("h2.connection")
-import h2.config  # noqa: E402  (h2 is there once importorskip passed)
-import h2.events  # noqa: E402
-
 pytestmark = pytest.mark.e2e
 MiB = 1 << 20
 BOMB_MIB = 512  # what each message inflates to (~0.5 MB of gzip)
@@ -56,6 +52,10 @@ def _gzip_bomb(inflated: int) -> bytes:
 
 def _raw_gzip_call(port: int, path: str, payload: bytes) -> str:
     """Sends `payload` as a gzip-encoded gRPC request over raw HTTP/2; the grpc-status (or how the stream ended)."""
+    h2_connection = pytest.importorskip("h2.connection")
+    import h2.config
+    import h2.events
+
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         conn = h2_connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         conn.initiate_connection()
