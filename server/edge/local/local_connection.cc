@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/auth.h"
+#include "common/client_log.h"
+#include "common/logging.h"
 #include "edge/call/edge_call.h"
 #include "edge/local/frame_check.h"
 #include "edge/local/frame_io.h"
@@ -197,6 +199,13 @@ class Connection {
         reply->status.ok()
             ? WriteFrame(fd_, 0, reply->pieces.data(), int(reply->pieces.size()), deadline)
             : WriteErrorFrame(fd_, reply->status);
+    if (!written.ok() && reply->status.ok()) {
+      // Counted OK above (the duration ends where the answer is handed over, as on gRPC), but
+      // the client never had it: said here, or the call left no trace.
+      WarnFailure(absl::StatusCode::kDeadlineExceeded,
+                  "local socket: an answer of {} bytes was not delivered: {}; connection closed",
+                  bytes, LogSafe(written.message()));
+    }
     return written.ok();
   }
 
