@@ -109,11 +109,12 @@ def test_sigterm_while_a_large_answer_is_written_to_a_slow_reader(api, start_ser
     assert_matches_reference(out, None, q, k, v)
 
 
-def _sequences_behind_a_slow_proxy(start_server, rng, name, heads_q, head_dim, prefixes):
-    """A server with a KV cache, a throttling proxy to it, and fp16 sequences (8 KV heads) created directly."""
+def _sequences_behind_a_slow_proxy(start_server, rng, name, heads_q, head_dim, prefixes, rate=4 << 20):
+    """A server with a KV cache, a throttling proxy to it (`rate` bytes/s to the client), and fp16 sequences (8 KV
+    heads) created directly."""
     server = start_server("--shutdown_grace_seconds=60", "--kv_cache_bytes=67108864", "--kv_page_tokens=16",
                           name=name)
-    proxy = ThrottlingProxy(server.grpc_port)
+    proxy = ThrottlingProxy(server.grpc_port, rate=rate)
     truth = Truth(rng, heads_q=heads_q, heads_kv=8, head_dim=head_dim, dtype="float16")
     with flashserve.SequenceClient(server.address, timeout=120, reprefill=False) as setup:
         seqs = truth.create(setup, prefixes)
@@ -147,8 +148,10 @@ def test_sigterm_while_attend_answers_are_written_to_a_slow_reader(start_server,
     """The same for Attend, whose typed answer is built in the call's done callback (its admission ends there):
     eight answers of 2 MiB on one connection, more than the sockets between server and reader hold, so the drain
     must count the calls themselves until gRPC has written them."""
+    # 2 MB/s: SIGTERM waits for all eight to be computed, which on a busy 2-core machine let ~10 of the 16 MiB
+    # through first at 4 MB/s (a CI run saw the rest arrive 1.497 s after SIGTERM, under the 1.5 s the test needs).
     server, proxy, truth, seqs = _sequences_behind_a_slow_proxy(start_server, rng, "drain_attend", 256, 256,
-                                                                [1 + i % 5 for i in range(8)])
+                                                                [1 + i % 5 for i in range(8)], rate=2 << 20)
     qs = [truth.query(16) for _ in seqs]  # 16 x 256 x 256 fp16: 2 MiB of O each
 
     def attend_all():
