@@ -17,6 +17,8 @@ import struct
 import time
 from dataclasses import dataclass
 
+from grpc_filler import filler_head
+
 import grpc
 import h2.config
 import h2.connection
@@ -27,21 +29,10 @@ import h2.exceptions
 BLOCK = bytes(1 << 20)
 
 
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 def message_head(claim: int) -> bytes:
     """The gRPC prefix claiming `claim` bytes and the start of a valid protobuf message of that size: one unknown
     bytes field whose contents (zeros) fill the rest, so a message that arrives whole parses."""
-    tag = varint((2047 << 3) | 2)  # field 2047, length-delimited: no message of ours has it
-    length = next(claim - len(tag) - n for n in range(1, 11) if len(varint(claim - len(tag) - n)) == n)
-    return struct.pack(">BI", 0, claim) + tag + varint(length)
+    return struct.pack(">BI", 0, claim) + filler_head(claim)[0]
 
 
 RST_TO_GRPC = {0x8: "CANCELLED", 0x7: "UNAVAILABLE", 0xB: "RESOURCE_EXHAUSTED", 0xC: "PERMISSION_DENIED"}

@@ -19,6 +19,7 @@ from flashserve import attention_pb2_grpc as pb_grpc
 from flashserve import sequences_pb2 as spb
 from flashserve import sequences_pb2_grpc
 from flashserve import tensors
+from grpc_filler import filler_head
 from test_http_hostile import rss_kib
 
 pytestmark = pytest.mark.e2e
@@ -26,22 +27,12 @@ MiB = 1 << 20
 BOMB_MIB = 512  # what each message inflates to (~0.5 MB of gzip)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
-        n >>= 7
-        if not n:
-            return bytes(out)
-
-
 def _gzip_bomb(inflated: int) -> bytes:
     """A gRPC length-prefixed message, compressed flag set: one unknown bytes field of zeros, `inflated` bytes in all
     (valid protobuf for any message: an unknown field)."""
-    tag = _varint((2047 << 3) | 2)
-    length = next(inflated - len(tag) - n for n in range(1, 11) if len(_varint(inflated - len(tag) - n)) == n)
+    head, length = filler_head(inflated)
     gz = zlib.compressobj(9, zlib.DEFLATED, 31)
-    parts = [gz.compress(tag + _varint(length))]
+    parts = [gz.compress(head)]
     zeros = bytes(MiB)
     for left in range(length, 0, -MiB):
         parts.append(gz.compress(zeros[:min(left, MiB)]))

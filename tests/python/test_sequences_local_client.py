@@ -6,6 +6,8 @@ in the Hello; a socket path with no server is UNAVAILABLE, not a crash."""
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import tempfile
@@ -31,6 +33,23 @@ def _socket_path() -> str:
 
 def _start(flashserve_bin, tmp_path, path, *extra, name="seq_local"):
     return ServerProcess(flashserve_bin, tmp_path, [*KV_FLAGS, f"--local_socket={path}", *extra], name=name).start()
+
+
+@contextlib.contextmanager
+def _private_server(flashserve_bin, tmp_path, *extra, name):
+    """A server of the test's own on a fresh socket path (server.local_path), stopped and checked after."""
+    path = _socket_path()
+    server = _start(flashserve_bin, tmp_path, path, *extra, name=name)
+    server.local_path = path
+    try:
+        yield server
+    finally:
+        _stop_and_check(server)
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _truth(rng):
+    return Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +92,7 @@ def _create(client, truth, prefix_rows):
 
 @pytest.mark.parametrize("poll_us", [0, 200_000])
 def test_steps_and_attend_go_over_the_socket_and_match_reference(local_kv_server, rng, poll_us):
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    truth = _truth(rng)
     grpc_before = _calls(local_kv_server, "DecodeStep") + _calls(local_kv_server, "Attend")
     local_before = _calls(local_kv_server, "LocalDecodeStep")
     with _client(local_kv_server, local_poll_us=poll_us) as client:
@@ -88,7 +107,7 @@ def test_steps_and_attend_go_over_the_socket_and_match_reference(local_kv_server
 
 
 def test_a_sequence_lost_behind_the_clients_back_is_reprefilled(local_kv_server, rng):
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    truth = _truth(rng)
     with _client(local_kv_server) as client, _client(local_kv_server, reprefill=False) as plain:
         seqs = [_create(client, truth, 9) for _ in range(2)]
         _steps(client, seqs, truth, 2)
@@ -108,7 +127,7 @@ def test_a_restarted_server_is_reconnected(flashserve_bin, tmp_path, rng, monkey
     path = _socket_path()
     server = _start(flashserve_bin, tmp_path, path, name="seq_local_restart")
     server.local_path = path
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    truth = _truth(rng)
     try:
         with _client(server) as client:
             seqs = [_create(client, truth, 5) for _ in range(2)]
@@ -135,11 +154,9 @@ def test_a_restarted_server_is_reconnected(flashserve_bin, tmp_path, rng, monkey
 
 def test_bearer_token_goes_in_the_hello(flashserve_bin, tmp_path, rng):
     (tmp_path / "token").write_text("s3cret-token-0123456789\n")
-    path = _socket_path()
-    server = _start(flashserve_bin, tmp_path, path, f"--auth_token_file={tmp_path / 'token'}", name="seq_local_auth")
-    server.local_path = path
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
-    try:
+    truth = _truth(rng)
+    with _private_server(flashserve_bin, tmp_path, f"--auth_token_file={tmp_path / 'token'}",
+                         name="seq_local_auth") as server:
         with _client(server, token="s3cret-token-0123456789") as client:
             seq = _create(client, truth, 3)
             _steps(client, [seq], truth, 2)
@@ -147,9 +164,6 @@ def test_bearer_token_goes_in_the_hello(flashserve_bin, tmp_path, rng):
                 with pytest.raises(flashserve.FlashserveError) as info:
                     wrong.attend(seq, 0, truth.query(1))  # the Hello is refused before any step
                 assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        _stop_and_check(server)
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def test_a_thread_that_ends_gives_its_connection_back(flashserve_bin, tmp_path, rng):
@@ -159,11 +173,8 @@ def test_a_thread_that_ends_gives_its_connection_back(flashserve_bin, tmp_path, 
     RESOURCE_EXHAUSTED, though only one thread was alive."""
     import threading
 
-    path = _socket_path()
-    server = _start(flashserve_bin, tmp_path, path, "--local_max_connections=2", name="seq_local_threads")
-    server.local_path = path
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
-    try:
+    truth = _truth(rng)
+    with _private_server(flashserve_bin, tmp_path, "--local_max_connections=2", name="seq_local_threads") as server:
         with _client(server) as client:
             seq = _create(client, truth, 3)
             errors = []
@@ -183,13 +194,10 @@ def test_a_thread_that_ends_gives_its_connection_back(flashserve_bin, tmp_path, 
             open_ones = list(client._local_clients)
             assert len(open_ones) == 1 and not open_ones[0].closed
         assert open_ones[0].closed
-    finally:
-        _stop_and_check(server)
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def test_no_server_on_the_socket_path_is_unavailable(local_kv_server, rng):
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
+    truth = _truth(rng)
     with flashserve.SequenceClient(local_kv_server.address, timeout=10, max_attempts=1,
                                    local_sockets={local_kv_server.address: "/tmp/no-such-dir/fs.sock"}) as client:
         seq = _create(client, truth, 3)  # create goes over gRPC
@@ -203,11 +211,8 @@ def test_a_deadline_on_the_socket_is_ambiguous_and_then_settled(flashserve_bin, 
     """A step that times out on the socket may or may not have appended its rows (as over gRPC): the client raises
     DEADLINE_EXCEEDED, not UNAVAILABLE, marks the sequences uncertain, and settles them before its next step. The
     server's 100 ms batch window makes every step slower than the 1 ms timeout (Python's shortest socket wait)."""
-    path = _socket_path()
-    server = _start(flashserve_bin, tmp_path, path, "--batch_window_us=100000", name="seq_local_deadline")
-    server.local_path = path
-    truth = Truth(rng, SHAPE["heads_q"], SHAPE["heads_kv"], SHAPE["head_dim"], SHAPE["dtype"])
-    try:
+    truth = _truth(rng)
+    with _private_server(flashserve_bin, tmp_path, "--batch_window_us=100000", name="seq_local_deadline") as server:
         with _client(server) as client:
             seqs = [_create(client, truth, 20) for _ in range(4)]
             items = [(s, 0, truth.query(1), *truth.rows(1)) for s in seqs]
@@ -216,6 +221,3 @@ def test_a_deadline_on_the_socket_is_ambiguous_and_then_settled(flashserve_bin, 
             assert all(s.uncertain for s in seqs)
             _steps(client, seqs, truth, 2)  # the timed-out rows are in no sequence the answers are checked against
             assert not any(s.uncertain for s in seqs)
-    finally:
-        _stop_and_check(server)
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
