@@ -55,6 +55,22 @@ absl::StatusOr<std::unique_ptr<BearerAuth>> LoadAuth(const NetworkOptions& netwo
   return auth;
 }
 
+// Binds a socket to each address in turn (SO_REUSEADDR when `reuse`, as gRPC's listener sets: a
+// connection in TIME_WAIT does not hold the port) and closes it: each try's errno, up to the
+// first that bound (0).
+std::vector<int> TryBinds(const addrinfo* found, bool reuse) {
+  std::vector<int> errors;
+  for (const addrinfo* a = found; a != nullptr && (errors.empty() || errors.back() != 0);
+       a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    const int one = 1;
+    if (fd >= 0 && reuse) setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    errors.push_back(fd >= 0 && bind(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno);
+    if (fd >= 0) close(fd);
+  }
+  return errors;
+}
+
 // When gRPC cannot listen: whether --host's value is why -- a name that does not resolve, or an
 // address this machine has not (or of a family it lacks) -- as INVALID_ARGUMENT naming the flag
 // (exit 2). OK otherwise: a port in use, or no file descriptors, is the environment's (exit 1).
@@ -72,23 +88,15 @@ absl::Status CheckListenHost(const std::string& host) {
     return absl::InvalidArgumentError(
         absl::StrCat("--host=", host, ": cannot resolve it: ", gai_strerror(e)));
   }
-  int refused = 0;  // errno of a bind that refused the address itself; 0 if any other cause
-  bool bound = false;
-  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
-    int e = 0;
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0 || bind(fd, a->ai_addr, a->ai_addrlen) != 0) e = errno;
-    if (fd >= 0) close(fd);
-    if (e == 0) {
-      bound = true;
-    } else if (e == EADDRNOTAVAIL || e == EAFNOSUPPORT) {
-      if (refused == 0) refused = e;
-    } else {
-      bound = true;  // not the address's fault: leave gRPC's error as it is
-    }
-  }
+  const std::vector<int> errors = TryBinds(found, /*reuse=*/false);
   freeaddrinfo(found);
-  if (bound || refused == 0) return absl::OkStatus();
+  int refused = 0;  // errno of a bind that refused the address itself
+  for (const int e : errors) {
+    // Bound, or not the address's fault (a port in use...): leave gRPC's error as it is.
+    if (e != EADDRNOTAVAIL && e != EAFNOSUPPORT) return absl::OkStatus();
+    if (refused == 0) refused = e;
+  }
+  if (refused == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("--host=", host,
                                                  ": cannot listen on it: ", std::strerror(refused),
                                                  " (not an address of this machine?)"));
@@ -116,17 +124,9 @@ bool PortIsFree(const std::string& host, int port) {
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
   if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return false;
-  bool bound = false;
-  for (const addrinfo* a = found; a != nullptr && !bound; a = a->ai_next) {
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    const int one = 1;  // as gRPC's listener: connections in TIME_WAIT do not hold the port
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    bound = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
-    close(fd);
-  }
+  const std::vector<int> errors = TryBinds(found, /*reuse=*/true);
   freeaddrinfo(found);
-  return bound;
+  return !errors.empty() && errors.back() == 0;
 }
 
 }  // namespace
