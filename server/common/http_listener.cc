@@ -64,6 +64,22 @@ bool HttpRequest::has_header(absl::string_view name) const {
          nullptr;
 }
 
+std::vector<std::string> HttpRequest::header_values(absl::string_view name) const {
+  struct Wanted {
+    absl::string_view name;
+    std::vector<std::string> values;
+  } wanted{name, {}};
+  MHD_get_connection_values(
+      connection_, MHD_HEADER_KIND,
+      [](void* cls, MHD_ValueKind, const char* key, const char* value) -> MHD_Result {
+        auto* w = static_cast<Wanted*>(cls);
+        if (absl::EqualsIgnoreCase(key, w->name)) w->values.emplace_back(value ? value : "");
+        return MHD_YES;
+      },
+      &wanted);
+  return std::move(wanted.values);
+}
+
 const CompiledRoute* HttpListener::Impl::Find(absl::string_view method, const std::string& path,
                           std::vector<std::string>* matches) const {
   const bool get = method == "GET" || method == "HEAD";

@@ -43,6 +43,9 @@ class HttpRequest {
   /// The header's value ("" when absent); names are case-insensitive. Values are not decoded.
   absl::string_view header(absl::string_view name) const;
   bool has_header(absl::string_view name) const;
+  /// Every value the request gives the header, in order (header() sees only the first): for framing
+  /// headers whose repetition would let a proxy in front and the server split a body differently.
+  std::vector<std::string> header_values(absl::string_view name) const;
   /// The route pattern's groups; [0] is the whole path, a group that did not take part is "".
   const std::vector<std::string>& matches() const { return matches_; }
   std::string match(size_t i) const { return i < matches_.size() ? matches_[i] : std::string(); }

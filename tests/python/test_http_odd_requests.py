@@ -116,3 +116,39 @@ def test_a_body_the_receive_budget_can_never_hold_gets_413(start_server):
     answer = requests.post(f"{server.http}{INFER}", data=header + small.tobytes() * 3, timeout=30,
                            headers={"Inference-Header-Content-Length": str(len(header))})
     assert answer.status_code == 200, answer.text
+
+
+def _raw_answer(port: int, request: bytes) -> tuple[int, str]:
+    """The status and body of a request sent as is (with Connection: close, so the body ends at the close)."""
+    s = connect(port)
+    s.sendall(request)
+    data = b""
+    s.settimeout(10)
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body.decode("utf-8", "replace")
+
+
+def test_inference_header_lengths_that_differ_are_refused(start_server):
+    """Two Inference-Header-Content-Length fields with different values split the body at two places (the server
+    took the first, a proxy may take the last), as two Content-Lengths would: refused like those. The same value
+    twice, as a proxy that repeats headers sends it, still works."""
+    server = start_server()
+    small = np.zeros((1, 8, 1, 64), np.float32)
+    header = json.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": list(small.shape),
+                                     "parameters": {"binary_data_size": small.nbytes}} for n in "QKV"]}).encode()
+    body = header + small.tobytes() * 3
+
+    def send(*lengths):
+        fields = "".join(f"Inference-Header-Content-Length: {n}\r\n" for n in lengths)
+        return _raw_answer(server.http_port, (
+            f"POST {INFER} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{fields}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+
+    status, text = send(len(header), len(header) + 4)
+    assert status == 400, text
+    assert "Inference-Header-Content-Length: sent more than once with different values" in text
+    status, text = send(len(header), len(header))
+    assert status == 200, text

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -340,6 +341,16 @@ class InferUpload : public HttpUpload {
 absl::StatusOr<std::unique_ptr<HttpUpload>> StartInfer(std::shared_ptr<const KServeRest> rest,
                                                        const HttpRequest& req) {
   RETURN_IF_ERROR(kserve::CheckModel(rest->model, req.match(1), req.match(2)));
+  // As for Content-Length (RFC 9112 6.3): two different values split the body at two places, and a
+  // proxy in front may take the other one than libmicrohttpd's first.
+  const std::vector<std::string> header_lengths =
+      req.header_values("Inference-Header-Content-Length");
+  for (const std::string& value : header_lengths) {
+    if (value != header_lengths.front()) {
+      return absl::InvalidArgumentError(
+          "Inference-Header-Content-Length: sent more than once with different values");
+    }
+  }
   int64_t header_length = -1;
   if (req.has_header("Inference-Header-Content-Length") &&
       (!absl::SimpleAtoi(req.header("Inference-Header-Content-Length"), &header_length) ||
