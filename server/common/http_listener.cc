@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -16,21 +17,32 @@
 #include "common/client_log.h"
 #include "common/http_listener_internal.h"
 #include "common/logging.h"
+#include "common/utf8.h"
 #include "spdlog/spdlog.h"
 
 namespace flashserve {
 
 std::string HttpErrorJson(absl::string_view message) {
+  const std::string_view text(message.data(), message.size());  // absl's view is not std's here
   std::string out = R"({"error":")";
-  for (unsigned char c : message) {
+  for (size_t i = 0; i < message.size();) {
+    const unsigned char c = static_cast<unsigned char>(message[i]);
+    if (c >= 0x80) {  // a well-formed character as is (a name the client sent comes back readable),
+                      // else U+FFFD
+      const size_t n = Utf8MultiByteLength(text, i);
+      out += n > 0 ? std::string(message.substr(i, n)) : std::string("\\ufffd");
+      i += n > 0 ? n : 1;
+      continue;
+    }
     if (c == '"' || c == '\\') {
       out.push_back('\\');
       out.push_back(char(c));
-    } else if (c < 0x20 || c >= 0x7f) {  // control bytes escaped; non-ASCII may be invalid UTF-8
+    } else if (c < 0x20 || c == 0x7f) {
       out += absl::StrCat("\\u00", absl::Hex(c, absl::kZeroPad2));
     } else {
       out.push_back(char(c));
     }
+    ++i;
   }
   out += R"("})";
   return out;

@@ -30,7 +30,8 @@ struct MHD_Daemon;
 
 namespace flashserve {
 
-/// `{"error":"<message>"}` (control and non-ASCII bytes escaped or replaced: always valid JSON).
+/// `{"error":"<message>"}`, always valid JSON: control bytes escaped, well-formed UTF-8 kept, any
+/// other byte >= 0x80 replaced by U+FFFD.
 std::string HttpErrorJson(absl::string_view message);
 
 /// A request as its handler sees it. Valid only during the handler call.

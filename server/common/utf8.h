@@ -1,5 +1,6 @@
-// Cutting client-supplied text to a length without splitting a UTF-8 character: the pieces travel
-// on in proto3 strings and gRPC status messages, which clients decode as UTF-8.
+// Client-supplied text that travels on in proto3 strings, gRPC status messages and JSON, which
+// clients decode as UTF-8: cutting it without splitting a character, and telling well-formed
+// characters apart.
 #pragma once
 
 #include <cstddef>
@@ -13,6 +14,33 @@ inline std::string_view Utf8Prefix(std::string_view text, size_t max_bytes) {
   size_t n = max_bytes;
   while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;  // continuation byte
   return text.substr(0, n);
+}
+
+/// The length (2-4) of the well-formed multi-byte UTF-8 character at `text[i]` (RFC 3629: no
+/// overlong forms, no surrogates, nothing above U+10FFFF), or 0 when the bytes there are not one.
+inline size_t Utf8MultiByteLength(std::string_view text, size_t i) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(text[k]); };
+  const unsigned char lead = byte(i);
+  size_t n = 0;
+  unsigned char lo = 0x80, hi = 0xBF;  // the range of the second byte; the others are 0x80..0xBF
+  if (lead >= 0xC2 && lead <= 0xDF) {
+    n = 2;
+  } else if (lead >= 0xE0 && lead <= 0xEF) {
+    n = 3;
+    if (lead == 0xE0) lo = 0xA0;  // overlong
+    if (lead == 0xED) hi = 0x9F;  // surrogates
+  } else if (lead >= 0xF0 && lead <= 0xF4) {
+    n = 4;
+    if (lead == 0xF0) lo = 0x90;  // overlong
+    if (lead == 0xF4) hi = 0x8F;  // above U+10FFFF
+  } else {
+    return 0;
+  }
+  if (i + n > text.size() || byte(i + 1) < lo || byte(i + 1) > hi) return 0;
+  for (size_t k = 2; k < n; ++k) {
+    if ((byte(i + k) & 0xC0) != 0x80) return 0;
+  }
+  return n;
 }
 
 }  // namespace flashserve

@@ -152,3 +152,13 @@ def test_inference_header_lengths_that_differ_are_refused(start_server):
     assert "Inference-Header-Content-Length: sent more than once with different values" in text
     status, text = send(len(header), len(header))
     assert status == 200, text
+
+
+def test_error_messages_keep_utf8_names_readable(start_server):
+    """Each byte >= 0x80 of an error message was escaped as \\u00XX: a model name sent in UTF-8 came back as
+    Latin-1 mojibake ("cafÃ©"). Well-formed UTF-8 now comes back as sent; a byte that is no character is U+FFFD."""
+    server = start_server()
+    for path, name in (("caf%C3%A9", "caf\u00e9"), ("caf%FF", "caf\ufffd")):
+        answer = requests.post(f"{server.http}/v2/models/{path}/infer", data=b"{}", timeout=10)
+        assert answer.status_code in (400, 404), answer.text
+        assert f'unknown model "{name}"' in answer.json()["error"], answer.text

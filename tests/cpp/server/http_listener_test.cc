@@ -80,6 +80,24 @@ std::string ReadAll(int fd) {
   return out;
 }
 
+TEST(HttpErrorJson, KeepsWellFormedUtf8AndReplacesOtherBytes) {
+  // A model or sequence name the client sent in UTF-8 comes back as it was sent (each byte >= 0x80
+  // was escaped as \u00XX, i.e. turned into Latin-1 code points); bytes that are no character
+  // become U+FFFD.
+  EXPECT_EQ(HttpErrorJson("model \"caf\xC3\xA9\" \xE2\x82\xAC \xF0\x9F\x99\x82"),
+            "{\"error\":\"model \\\"caf\xC3\xA9\\\" \xE2\x82\xAC \xF0\x9F\x99\x82\"}");
+  EXPECT_EQ(HttpErrorJson("a\xFF"
+                          "b"),
+            "{\"error\":\"a\\ufffdb\"}");                                  // never a lead byte
+  EXPECT_EQ(HttpErrorJson("\xE2\x82"), "{\"error\":\"\\ufffd\\ufffd\"}");  // cut short
+  EXPECT_EQ(HttpErrorJson("\xC0\xAF"), "{\"error\":\"\\ufffd\\ufffd\"}");  // overlong '/'
+  EXPECT_EQ(HttpErrorJson("\xED\xA0\x80"), "{\"error\":\"\\ufffd\\ufffd\\ufffd\"}");  // a surrogate
+  EXPECT_EQ(HttpErrorJson("\xF4\x90\x80\x80"),
+            "{\"error\":\"\\ufffd\\ufffd\\ufffd\\ufffd\"}");  // > U+10FFFF
+  EXPECT_EQ(HttpErrorJson(std::string("\n\x7F\0\\", 4)),
+            "{\"error\":\"\\u000a\\u007f\\u0000\\\\\"}");
+}
+
 TEST(HttpListenerStop, AnswersARequestStillWaitingFor503) {
   auto held = std::make_shared<HeldReplies>();
   std::unique_ptr<HttpListener> listener = StartHolding(held);
