@@ -171,7 +171,9 @@ def test_errors_bad_request(limits_server):
     q, k, v = small_qkv()
     url = infer_url(limits_server)
     cases = [
-        (b"{not json", {}, "not valid JSON"),
+        (b"{not json", {}, "not valid JSON: parse error at line 1, column 3"),
+        # JSON text no double holds: said, not a bare "not valid JSON"
+        (b'{"parameters": {"softmax_scale": 1e400}, "inputs": []}', {}, "number overflow parsing '1e400'"),
         (json.dumps({"inputs": [json_input("Q", q), json_input("K", k)]}).encode(), {}, "V missing"),
         (json.dumps({"inputs": [json_input("Q", q), json_input("K", k), json_input("X", v)]}).encode(), {},
          'unknown input "X"'),

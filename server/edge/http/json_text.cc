@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 
@@ -12,6 +13,19 @@ namespace flashserve::kserve {
 namespace {
 
 using nlohmann::json;
+
+// Why the parse stopped, for the client: nlohmann's reason without its "[json.exception...] " tag,
+// after " at byte N" unless it names its line and column; clipped, as it quotes the client's text.
+// A number such as 1e400 is JSON text that no double holds: "number overflow parsing '1e400'".
+std::string DescribeParseError(std::size_t position, const std::string& what) {
+  constexpr size_t kShown = 160;
+  const size_t tag_end = what.rfind("] ", what.find(' '));
+  std::string reason = tag_end == std::string::npos ? what : what.substr(tag_end + 2);
+  if (reason.size() > kShown) reason = reason.substr(0, kShown) + "...";
+  // Syntax errors name their line and column already.
+  if (absl::StartsWith(reason, "parse error at ")) return absl::StrCat(": ", reason);
+  return absl::StrCat(" at byte ", position, ": ", reason);
+}
 
 // nlohmann's DOM builder, fed by its SAX parser, with each open object's keys tracked. (Its
 // callback parser, used until session 42, rescans the parent container at every object's end:
@@ -21,6 +35,7 @@ class UniqueKeysDom {
   explicit UniqueKeysDom(json* out) : dom_(*out, /*allow_exceptions=*/false) {}
 
   const std::optional<std::string>& duplicate() const { return duplicate_; }
+  const std::string& error() const { return error_; }
 
   bool null() { return dom_.null(); }
   bool boolean(bool value) { return dom_.boolean(value); }
@@ -47,6 +62,7 @@ class UniqueKeysDom {
   bool end_array() { return dom_.end_array(); }
   bool parse_error(std::size_t position, const std::string& token,
                    const nlohmann::detail::exception& error) {
+    error_ = DescribeParseError(position, error.what());
     return dom_.parse_error(position, token, error);
   }
 
@@ -54,6 +70,7 @@ class UniqueKeysDom {
   nlohmann::detail::json_sax_dom_parser<json> dom_;
   std::vector<std::set<std::string>> open_;  // keys of each object being parsed, innermost last
   std::optional<std::string> duplicate_;
+  std::string error_;  // where and why the parse stopped, for the client
 };
 
 }  // namespace
@@ -63,7 +80,7 @@ absl::Status ParseJsonUniqueKeys(absl::string_view text, json* out) {
   if (!json::sax_parse(text.begin(), text.end(), &sax, json::input_format_t::json,
                        /*strict=*/true)) {
     *out = json(json::value_t::discarded);
-    return absl::InvalidArgumentError("request body: not valid JSON");
+    return absl::InvalidArgumentError(absl::StrCat("request body: not valid JSON", sax.error()));
   }
   if (sax.duplicate()) {
     // Clipped: the key is the client's, up to the whole body long.

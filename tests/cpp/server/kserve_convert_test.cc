@@ -20,6 +20,7 @@ namespace {
 
 using nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 constexpr int64_t kMax = int64_t{1} << 30;
 
@@ -296,6 +297,25 @@ TEST(KServeConvertTest, DuplicateJsonKeysAreRefused) {
   EXPECT_LT(s.message().size(), 200u) << "the key is shown clipped";
   EXPECT_THAT(ParseJsonUniqueKeys("{\"a\":", &parsed).message(), HasSubstr("not valid JSON"));
   EXPECT_TRUE(parsed.is_discarded());
+}
+
+// A body that does not parse says where and why: 1e400 is JSON text no double holds, which a
+// bare "not valid JSON" hid; the reason quotes the client's token, clipped.
+TEST(KserveJsonText, ParseErrorsSayWhereAndWhy) {
+  json parsed;
+  absl::Status s = ParseJsonUniqueKeys(R"({"parameters":{"scale":1e400}})", &parsed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("not valid JSON at byte "));
+  EXPECT_THAT(s.message(), HasSubstr("number overflow parsing '1e400'"));
+  EXPECT_THAT(s.message(), Not(HasSubstr("json.exception")));
+  EXPECT_TRUE(parsed.is_discarded());
+  s = ParseJsonUniqueKeys(R"({"a": tru})", &parsed);
+  EXPECT_THAT(s.message(), HasSubstr("not valid JSON: parse error at line 1, column 10: "));
+  EXPECT_THAT(s.message(), HasSubstr("invalid literal"));
+  const std::string long_number = "{\"a\":1" + std::string(5000, '0') + "}";
+  s = ParseJsonUniqueKeys(long_number, &parsed);
+  EXPECT_THAT(s.message(), HasSubstr("number overflow parsing '1000"));
+  EXPECT_LT(s.message().size(), 260u) << "the client's token is shown clipped: " << s.message();
 }
 
 // nlohmann's callback parser (used until session 42) rescanned the parent container at every
