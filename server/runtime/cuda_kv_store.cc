@@ -26,9 +26,16 @@ absl::StatusOr<std::unique_ptr<CudaKvStore>> CudaKvStore::Create(int64_t bytes, 
   if (e != cudaSuccess) {
     cudaGetLastError();
     // More than the device has for it (SequenceRuntime names the flag): exit 2, like the CPU pool.
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot allocate ", bytes,
-                     " bytes of device memory for the KV cache: ", cudaGetErrorString(e)));
+    // What the device had free tells the operator what to ask for instead.
+    size_t free_bytes = 0, total_bytes = 0;
+    const bool known = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+    if (!known) cudaGetLastError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot allocate ", bytes, " bytes of device memory for the KV cache: ",
+        cudaGetErrorString(e),
+        known ? absl::StrCat(" (device ", device, " had ", free_bytes, " of its ", total_bytes,
+                             " bytes free)")
+              : ""));
   }
   if ((e = cudaStreamCreateWithFlags(&store->stream_, cudaStreamNonBlocking)) != cudaSuccess) {
     return absl::UnavailableError(absl::StrCat("CUDA stream: ", cudaGetErrorString(e)));

@@ -7,7 +7,9 @@ message on machines without a usable NVIDIA GPU."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -125,3 +127,18 @@ def test_idle_sequences_leave_the_device_pool_without_a_call(flashserve_bin, tmp
         check_idle_sequences_leave_the_pool_without_a_call(s, rng)
     finally:
         _stop_and_check(s)
+
+
+def test_a_device_pool_larger_than_the_gpu_exits_2_saying_what_was_free(flashserve_bin):
+    """--kv_cache_bytes past the GPU's memory: exit 2 naming the flag (as the CPU pool that cannot be mapped, in
+    test_signals_exit_codes.py), and the message says what the device had free, so the operator knows what to ask."""
+    if not _gpu_present():
+        pytest.skip("no NVIDIA GPU on this machine (nvidia-smi -L fails): CUDA Sequences tests skipped")
+    r = subprocess.run([str(flashserve_bin), "--backend=cuda", "--grpc_port=0", "--http_port=0", "--metrics_port=0",
+                        f"--kv_cache_bytes={1 << 50}"], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    line = next((x for x in r.stderr.splitlines() if "kv_cache_bytes" in x and "error" in x), "")
+    assert "cannot allocate 1125899906842624 bytes of device memory" in line, r.stderr[-3000:]
+    free, total = re.search(r"had (\d+) of its (\d+) bytes free", line).groups()
+    assert 0 < int(free) <= int(total) < 1 << 50, line
