@@ -142,9 +142,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   server->StartMetrics();
   if (absl::Status s = server->StartRuntime(); !s.ok()) return s;
   // The local socket first: the health answers (gRPC, HTTP) say ready only once every listener is
-  // bound (a local socket path that cannot be bound exits 2 without a moment of "ready").
+  // bound (a local socket path that cannot be bound exits 2 without a moment of "ready"). gRPC
+  // next (its refusals name --host and the TLS flags), then the metrics port before the HTTP edge:
+  // a scrape right after HTTP says "ready" finds it listening.
   if (absl::Status s = server->StartLocal(); !s.ok()) return s;
   if (absl::Status s = server->StartGrpc(); !s.ok()) return s;
+  if (absl::Status s = server->StartScrape(); !s.ok()) return s;
   if (absl::Status s = server->StartHttp(); !s.ok()) return s;
   server->LogServing();
   return server;
@@ -335,7 +338,12 @@ absl::Status Server::StartHttp() {
       http, runtime_.get(), KServeOptionsFor(config_, backend_.backend->capabilities().name));
   if (!edge.ok()) return edge.status();
   http_edge_ = *std::move(edge);
+  return absl::OkStatus();
+}
 
+absl::Status Server::StartScrape() {
+  const NetworkOptions& network = config_.network;
+  const HttpLimitsOptions& limits = config_.http;
   MetricsHttpOptions scrape;
   scrape.host = network.host;
   scrape.port = network.metrics_port;

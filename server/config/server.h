@@ -54,7 +54,8 @@ class Server {
   void StartMetrics();             // the metrics and the callbacks they read at scrape time
   absl::Status StartRuntime();     // runtime, the Sequences API's KV cache, bearer auth
   absl::Status StartGrpc();        // the gRPC edge with the KServe and striped services
-  absl::Status StartHttp();        // the HTTP edge and the metrics port
+  absl::Status StartScrape();      // the metrics port (bound before HTTP answers "ready")
+  absl::Status StartHttp();        // the HTTP edge
   absl::Status StartLocal();       // the local socket (--local_socket), if configured
   void LogServing() const;
 
