@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string_view>
@@ -76,13 +77,16 @@ bool HttpRequest::has_header(absl::string_view name) const {
          nullptr;
 }
 
-std::vector<std::string> HttpRequest::header_values(absl::string_view name) const {
+namespace {
+
+// Every value the connection's request gives header `name` (case-insensitive), in order.
+std::vector<std::string> HeaderValues(MHD_Connection* connection, absl::string_view name) {
   struct Wanted {
     absl::string_view name;
     std::vector<std::string> values;
   } wanted{name, {}};
   MHD_get_connection_values(
-      connection_, MHD_HEADER_KIND,
+      connection, MHD_HEADER_KIND,
       [](void* cls, MHD_ValueKind, const char* key, const char* value) -> MHD_Result {
         auto* w = static_cast<Wanted*>(cls);
         if (absl::EqualsIgnoreCase(key, w->name)) w->values.emplace_back(value ? value : "");
@@ -90,6 +94,12 @@ std::vector<std::string> HttpRequest::header_values(absl::string_view name) cons
       },
       &wanted);
   return std::move(wanted.values);
+}
+
+}  // namespace
+
+std::vector<std::string> HttpRequest::header_values(absl::string_view name) const {
+  return HeaderValues(connection_, name);
 }
 
 const CompiledRoute* HttpListener::Impl::Find(absl::string_view method, const std::string& path,
@@ -130,33 +140,17 @@ absl::Status HttpListener::Impl::CheckHeaders(MHD_Connection* connection) const 
 }
 
 absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection, bool* has_body) const {
-  struct Framing {
-    int content_lengths = 0, transfer_encodings = 0;
-    std::string first_length;
-    bool lengths_differ = false;
-  } framing;
-  MHD_get_connection_values(
-      connection, MHD_HEADER_KIND,
-      [](void* cls, MHD_ValueKind, const char* key, const char* value) -> MHD_Result {
-        auto* f = static_cast<Framing*>(cls);
-        const std::string v = value ? value : "";
-        if (absl::EqualsIgnoreCase(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
-          if (f->content_lengths++ == 0) f->first_length = v;
-          f->lengths_differ |= v != f->first_length;
-        } else if (absl::EqualsIgnoreCase(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) {
-          ++f->transfer_encodings;
-        }
-        return MHD_YES;
-      },
-      &framing);
-  *has_body = framing.transfer_encodings > 0 ||
-              (framing.content_lengths > 0 && framing.first_length != "0");
+  const std::vector<std::string> lengths = HeaderValues(connection, MHD_HTTP_HEADER_CONTENT_LENGTH);
+  const bool transfer_encoded =
+      !HeaderValues(connection, MHD_HTTP_HEADER_TRANSFER_ENCODING).empty();
+  *has_body = transfer_encoded || (!lengths.empty() && lengths.front() != "0");
   // RFC 9112 6.3: either makes the body's end ambiguous, which a proxy in front may read
   // differently (request smuggling).
-  if (framing.lengths_differ) {
+  if (std::any_of(lengths.begin(), lengths.end(),
+                  [&](const std::string& v) { return v != lengths.front(); })) {
     return absl::InvalidArgumentError("request framing: Content-Length headers that differ");
   }
-  if (framing.content_lengths > 0 && framing.transfer_encodings > 0) {
+  if (!lengths.empty() && transfer_encoded) {
     return absl::InvalidArgumentError("request framing: both Transfer-Encoding and Content-Length");
   }
   return absl::OkStatus();
