@@ -32,6 +32,10 @@ class KvStore {
   /// Pages were freed and may be written by another sequence next: a Write issued before this
   /// call must land before any Write issued after it (a store that defers writes flushes here).
   virtual void Fence() {}
+  /// Returns once every Write issued before this call has landed and no longer reads its source.
+  /// A step that fails after writing some of its rows calls it before the call ends, since the
+  /// rows it wrote may come from a client's region, whose lease ends with the call.
+  virtual absl::Status Settle() { return absl::OkStatus(); }
   /// Attention of every item against its pages; returns once every out/lse is written.
   /// `info` receives the name of what ran and its times. INTERNAL on a device fault.
   virtual absl::Status Attend(const PagedBatch& batch, AttendInfo* info) = 0;

@@ -197,6 +197,9 @@ absl::StatusOr<StepPlan> SequenceCache::PrepareStep(const std::vector<StepItem>&
   std::vector<bool> there(items.size());
   for (size_t i = 0; i < items.size(); ++i) there[i] = fresh_rows[i] < items[i].k.rows;
   if (absl::Status s = WriteStepRows(items, found, there, &fresh); !s.ok()) {
+    // The items written before the failure may read a client's region: land them while the
+    // call, and so its lease, lasts.
+    store_->Settle().IgnoreError();  // a failure there is reported by the store itself
     PublishLocked();
     return s;
   }

@@ -162,10 +162,7 @@ absl::Status CudaKvStore::Attend(const kvcache::PagedBatch& batch, kvcache::Atte
   if (absl::Status st = Prepare(batch, pk, &slot, &p); !st.ok()) {
     // Staged ranges may read a client's region: they must land while its lease is held.
     std::lock_guard<std::mutex> write_lock(write_mu_);
-    if (absl::Status flushed = FlushLocked(); !flushed.ok()) return flushed;
-    if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
-      return on_error_(e, "KV cache write flush");
-    }
+    if (absl::Status settled = SettleLocked(); !settled.ok()) return settled;
     return st;
   }
   if (absl::Status st = Enqueue(batch, pk, slot, &p); !st.ok()) {

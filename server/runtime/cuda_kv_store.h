@@ -61,6 +61,8 @@ class CudaKvStore final : public kvcache::KvStore {
   /// Flushes the staged writes: one scatter launch applies its ranges in no particular order,
   /// so a freed page's old rows and its next owner's must not share one.
   void Fence() override;
+  /// Flushes the staged writes and waits for the stream.
+  absl::Status Settle() override;
   absl::Status Attend(const kvcache::PagedBatch& batch, kvcache::AttendInfo* info) override;
   std::vector<int> head_dims() const override;
   int device() const override { return device_; }
@@ -117,6 +119,8 @@ class CudaKvStore final : public kvcache::KvStore {
   // A flush failed with rows staged: they are dropped (their sources may be freed once the
   // calls return) and the store refuses everything from now on. Returns the refusal.
   absl::Status BreakLocked(cudaError_t e, const char* what);
+  // Settle under write_mu_: flush, then wait for everything queued on the stream.
+  absl::Status SettleLocked();
   // Stages one range (the caller copied its bytes to the stage when they come from it).
   absl::Status AddRangeLocked(char* dst, const char* src, int64_t bytes);
   // Reserves the slot's scratch and fills in the decode parameters (inputs' pointers left unset).

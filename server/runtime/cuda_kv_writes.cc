@@ -130,6 +130,20 @@ void CudaKvStore::Fence() {
   FlushLocked().IgnoreError();  // a failure was reported to the backend (on_error_)
 }
 
+absl::Status CudaKvStore::Settle() {
+  std::lock_guard<std::mutex> lock(write_mu_);
+  return SettleLocked();
+}
+
+absl::Status CudaKvStore::SettleLocked() {
+  cudaSetDevice(device_);
+  if (absl::Status flushed = FlushLocked(); !flushed.ok()) return flushed;  // broken: synced
+  if (const cudaError_t e = cudaStreamSynchronize(stream_); e != cudaSuccess) {
+    return on_error_(e, "KV cache write flush");
+  }
+  return absl::OkStatus();
+}
+
 int64_t CudaKvStore::InputsAtLocked(int64_t bytes) const {
   const int64_t at = Align(staged_bytes_ + int64_t(staged_ranges_) * 24);
   return at + bytes <= kStageBytes ? at : -1;

@@ -574,10 +574,18 @@ class RecordingStore final : public KvStore {
   std::string_view kind() const override { return "recording"; }
   int64_t capacity_bytes() const override { return 4 << 20; }
   absl::Status Write(int64_t offset, const void*, int64_t, kvcache::BytesAt) override {
+    if (fail_writes_from >= 0 && writes++ >= fail_writes_from) {
+      events.push_back("X");
+      return absl::InternalError("refused copy");
+    }
     events.push_back(absl::StrCat("W", offset));
     return absl::OkStatus();
   }
   void Fence() override { events.push_back("F"); }
+  absl::Status Settle() override {
+    events.push_back("S");
+    return absl::OkStatus();
+  }
   absl::Status AwaitSources() override {
     if (record_awaits) events.push_back("A");
     return absl::OkStatus();
@@ -585,6 +593,8 @@ class RecordingStore final : public KvStore {
   absl::Status Attend(const PagedBatch&, AttendInfo*) override { return absl::OkStatus(); }
   std::vector<std::string> events;
   bool record_awaits = false;
+  int fail_writes_from = -1;  // the writes from this one on fail (counted from 0; -1: none)
+  int writes = 0;
 };
 
 TEST(SequenceCacheFence, FreedPagesAreFencedBeforeTheirNextOwnerWrites) {
@@ -625,6 +635,39 @@ TEST(SequenceCacheFence, AppendAwaitsItsSourcesOnceAfterItsWrites) {
   ASSERT_EQ(store.events.size(), 7u) << absl::StrJoin(store.events, " ");  // 3 x (K, V), then A
   EXPECT_EQ(std::count(store.events.begin(), store.events.end(), "A"), 1);
   EXPECT_EQ(store.events.back(), "A");
+}
+
+// A step whose second sequence's rows fail to copy has written the first one's, which may come
+// from the client's region: the store settles them before the call (and its lease) ends, and no
+// length moves.
+TEST(SequenceCacheFence, AStepThatFailsHalfWaySettlesTheRowsItWrote) {
+  RecordingStore store;
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 16);
+  std::mt19937 rng(7);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, f16};
+  const std::string a = cache->CreateSequence(request)->id;
+  const std::string b = cache->CreateSequence(request)->id;
+  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
+  auto item = [&](const std::string& id) {
+    return StepItem{id, 0, testing::Rows(one, 1, 64, f16), testing::Rows(one, 1, 64, f16),
+                    testing::Rows(one, 1, 64, f16)};
+  };
+  store.events.clear();
+  store.fail_writes_from = 2;  // a's K and V go through, b's K fails
+  absl::StatusOr<StepPlan> plan = cache->PrepareStep({item(a), item(b)});
+  ASSERT_FALSE(plan.ok());
+  ASSERT_EQ(store.events.size(), 4u) << absl::StrJoin(store.events, " ");
+  EXPECT_EQ(store.events[2], "X");
+  EXPECT_EQ(store.events[3], "S") << "the failed step returned with a's rows unsettled";
+  EXPECT_EQ(cache->Info(a)->lengths[0], 0);
+  EXPECT_EQ(cache->Info(b)->lengths[0], 0);
+  store.fail_writes_from = -1;  // a retry appends both
+  plan = cache->PrepareStep({item(a), item(b)});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->batch.items[0].length, 1);
+  EXPECT_EQ(plan->batch.items[1].length, 1);
 }
 
 // A cut inside the last page frees nothing, yet the rows written next at the places it gave up
