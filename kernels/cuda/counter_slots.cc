@@ -38,9 +38,10 @@ Pools& pools() {
 enum class LaunchState { kRunning, kEnded, kContextGone };
 
 /// Where the launch recorded on `done` stands: cuEventQuery, looked up through the runtime (no
-/// libcuda link). Not cudaEventQuery: its cudaErrorNotReady would become the caller's last
-/// runtime error (cudaGetLastError) after a launch that succeeded. Any other error: the event's
-/// context is gone (cudaDeviceReset) or broken, and no launch of it runs any more.
+/// libcuda link). Not cudaEventQuery: its NotReady is not left as the last error (CUDA 13,
+/// tests/gpu/cuda_runtime_facts_test.cc), but the errors that matter here -- an event whose
+/// context is gone -- would be, and this runs inside the caller's decode launch. Any other error:
+/// the event's context is gone (cudaDeviceReset) or broken, and no launch of it runs any more.
 LaunchState launch_state(cudaEvent_t done) {
   using QueryFn = CUresult (*)(CUevent);
   static const QueryFn query = [] {
