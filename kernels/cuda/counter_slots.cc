@@ -40,7 +40,7 @@ enum class LaunchState { kRunning, kEnded, kContextGone };
 /// Where the launch recorded on `done` stands: cuEventQuery, looked up through the runtime (no
 /// libcuda link). Not cudaEventQuery: its NotReady is not left as the last error (CUDA 13,
 /// tests/gpu/cuda_runtime_facts_test.cc), but the errors that matter here -- an event whose
-/// context is gone -- would be, and this runs inside the caller's decode launch. Any other error:
+/// context is gone -- are errors and may be (not tested), and this runs inside the caller's decode launch. Any other error:
 /// the event's context is gone (cudaDeviceReset) or broken, and no launch of it runs any more.
 LaunchState launch_state(cudaEvent_t done) {
   using QueryFn = CUresult (*)(CUevent);
