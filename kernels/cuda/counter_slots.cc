@@ -39,9 +39,10 @@ enum class LaunchState { kRunning, kEnded, kContextGone };
 
 /// Where the launch recorded on `done` stands: cuEventQuery, looked up through the runtime (no
 /// libcuda link). Not cudaEventQuery: its NotReady is not left as the last error (CUDA 13,
-/// tests/gpu/cuda_runtime_facts_test.cc), but the errors that matter here -- an event whose
-/// context is gone -- are errors and may be (not tested), and this runs inside the caller's decode launch. Any other error:
-/// the event's context is gone (cudaDeviceReset) or broken, and no launch of it runs any more.
+/// tests/gpu/cuda_runtime_facts_test.cc), but the answers that matter here, for an event whose
+/// context is gone, may be (not tested), and this runs inside the caller's decode launch. Any
+/// other error: the event's context is gone (cudaDeviceReset) or broken, and no launch of it
+/// runs any more.
 LaunchState launch_state(cudaEvent_t done) {
   using QueryFn = CUresult (*)(CUevent);
   static const QueryFn query = [] {
