@@ -23,8 +23,10 @@
 
 namespace flashserve {
 
-std::string HttpErrorJson(absl::string_view message) {
-  const std::string_view text(message.data(), message.size());  // absl's view is not std's here
+std::string HttpErrorJson(absl::string_view full) {
+  const std::string cut = CutErrorMessage(std::string_view(full.data(), full.size()));
+  const std::string_view text = cut;
+  const absl::string_view message(cut);
   std::string out = R"({"error":")";
   for (size_t i = 0; i < message.size();) {
     const unsigned char c = static_cast<unsigned char>(message[i]);

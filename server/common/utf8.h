@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace flashserve {
@@ -14,6 +15,19 @@ inline std::string_view Utf8Prefix(std::string_view text, size_t max_bytes) {
   size_t n = max_bytes;
   while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;  // continuation byte
   return text.substr(0, n);
+}
+
+/// Error messages quote client text (a name, a JSON excerpt): a message past this many bytes is
+/// cut before it goes back over HTTP or the local socket (gRPC cuts its own, grpc_status.h), so
+/// that a client's megabytes are not copied back to it several times over.
+inline constexpr size_t kMaxErrorMessageBytes = 4096;
+
+/// `message` cut to at most kMaxErrorMessageBytes on a character boundary, saying so when cut.
+inline std::string CutErrorMessage(std::string_view message) {
+  if (message.size() <= kMaxErrorMessageBytes) return std::string(message);
+  std::string out(Utf8Prefix(message, kMaxErrorMessageBytes));
+  out += "... (cut, " + std::to_string(message.size()) + " bytes)";
+  return out;
 }
 
 /// The length (2-4) of the well-formed multi-byte UTF-8 character at `text[i]` (RFC 3629: no

@@ -108,6 +108,12 @@ ABSL_FLAG(int, shm_max_regions, flashserve::ShmLimits{}.max_regions,
           "Shared-memory regions registered at once (system and CUDA together)");
 ABSL_FLAG(int64_t, shm_max_bytes, flashserve::ShmLimits{}.max_bytes,
           "Bytes of shared-memory regions registered at once (system and CUDA together)");
+ABSL_FLAG(std::string, shm_key_prefix, flashserve::ShmLimits{}.key_prefix,
+          "System shared memory: only shm_open keys starting with '/' and this (letters, digits, "
+          "'_', '.', '-'; empty: any key), so that clients cannot name other programs' objects");
+ABSL_FLAG(bool, shm_any_uid, flashserve::ShmLimits{}.any_uid,
+          "System shared memory: map objects owned by any user (default: only those owned by the "
+          "server's own uid)");
 ABSL_FLAG(int64_t, receive_arena_bytes, flashserve::MemoryOptions{}.receive_arena_bytes,
           "Memory for gRPC's socket read buffers (blocks of 64 KiB-4 MiB), so the native API's "
           "tensors can be copied to the GPU straight from where they arrived instead of being "
@@ -371,6 +377,8 @@ MemoryOptions MemoryFromFlags() {
   memory.shm.allow = absl::GetFlag(FLAGS_allow_client_shm);
   memory.shm.max_regions = absl::GetFlag(FLAGS_shm_max_regions);
   memory.shm.max_bytes = absl::GetFlag(FLAGS_shm_max_bytes);
+  memory.shm.key_prefix = absl::GetFlag(FLAGS_shm_key_prefix);
+  memory.shm.any_uid = absl::GetFlag(FLAGS_shm_any_uid);
   return memory;
 }
 

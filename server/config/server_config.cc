@@ -1,8 +1,10 @@
 #include "config/server_config.h"
 
+#include <algorithm>
 #include <climits>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -103,6 +105,13 @@ absl::Status MemoryOptions::Check() const {
     return OutOfRange("shm_max_regions", shm.max_regions, 0, 1 << 20);
   }
   if (shm.max_bytes < 0) return absl::InvalidArgumentError("--shm_max_bytes must be >= 0");
+  if (shm.key_prefix.size() > 200 ||
+      !std::all_of(shm.key_prefix.begin(), shm.key_prefix.end(), [](char c) {
+        return absl::ascii_isalnum(c) || c == '_' || c == '.' || c == '-';
+      })) {
+    return absl::InvalidArgumentError(
+        "--shm_key_prefix: at most 200 letters, digits, '_', '.' and '-' (no '/')");
+  }
   return malloc.Check();
 }
 

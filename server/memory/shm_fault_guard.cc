@@ -60,12 +60,15 @@ void OnSigbus(int sig, siginfo_t* info, void* context) {
       const uintptr_t end = slot.end.load(std::memory_order_acquire);
       if (addr >= end) continue;
       const uintptr_t page = addr & ~(g_page - 1);
+      // Marked before the zero pages go in: a call reading them on another thread must find the
+      // mapping faulted when it checks (else it could answer OK with zeros). Should the swap
+      // fail, the default action ends the process anyway.
+      slot.faulted.store(true, std::memory_order_release);
       // The rest of the mapping: its pages past the fault are past the object's end too (or
       // equally unbacked), and one replacement beats a signal per page.
       void* zero = mmap(reinterpret_cast<void*>(page), end - page, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
       if (zero == MAP_FAILED) break;  // cannot recover: the default action
-      slot.faulted.store(true, std::memory_order_release);
       return;
     }
   }

@@ -14,7 +14,9 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "memory/shm_fault_guard.h"
 
 namespace flashserve {
@@ -59,11 +61,27 @@ absl::Status NotEnabled() {
 }
 
 absl::Status Unknown(absl::string_view name) {
+  // A name registration would refuse was never registered; it is not quoted (it may be megabytes).
+  if (!CheckRegionName(name).ok()) {
+    return absl::NotFoundError(absl::StrCat(
+        "no shared-memory region is registered under the name given (", name.size(),
+        " bytes; names are 1 to 128 letters, digits, '_', '.' and '-')"));
+  }
   return absl::NotFoundError(absl::StrCat("no shared-memory region \"", name, "\" is registered"));
 }
 
+// Whether the object behind `st` may be mapped: owned by the server's own uid unless
+// --shm_any_uid (a server running as root could otherwise be told to read and write any user's
+// objects, or its container runtime's).
+absl::Status CheckObjectOwner(absl::string_view key, const struct stat& st, bool any_uid) {
+  if (any_uid || st.st_uid == geteuid()) return absl::OkStatus();
+  return absl::PermissionDeniedError(absl::StrCat(
+      "shared-memory key \"", key, "\" belongs to uid ", st.st_uid, ", not to this server's uid ",
+      geteuid(), " (start the server with --shm_any_uid to map other users' objects)"));
+}
+
 // Maps [offset, offset + byte_size) of the shm object `key`, read-write.
-absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_size,
+absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_size, bool any_uid,
                        ShmRegistry::Region* region) {
   const std::string path(key);
   const int fd = shm_open(path.c_str(), O_RDWR, 0);
@@ -82,8 +100,11 @@ absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_siz
     status = absl::InvalidArgumentError(absl::StrCat("shared-memory key \"", key,
                                                      "\" is not a shared-memory object"));
   } else {
-    status = CheckSpan(absl::StrCat("region on key \"", key, "\""), offset, byte_size,
-                       uint64_t(st.st_size));
+    status = CheckObjectOwner(key, st, any_uid);
+    if (status.ok()) {
+      status = CheckSpan(absl::StrCat("region on key \"", key, "\""), offset, byte_size,
+                         uint64_t(st.st_size));
+    }
   }
   if (status.ok()) {
     // mmap needs a page-aligned offset: map from the page holding `offset`.
@@ -280,6 +301,10 @@ absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_vi
   if (!limits_.allow) return NotEnabled();
   if (absl::Status s = CheckRegionName(name); !s.ok()) return s;
   if (absl::Status s = CheckShmKey(key); !s.ok()) return s;
+  if (!absl::StartsWith(absl::StripPrefix(key, "/"), limits_.key_prefix)) {
+    return absl::PermissionDeniedError(absl::StrCat("key: must start with '/", limits_.key_prefix,
+                                                    "' on this server (--shm_key_prefix)"));
+  }
   if (byte_size == 0) return absl::InvalidArgumentError("byte_size: must be > 0");
   {
     std::lock_guard<std::mutex> lock(mu_);  // refuse before mapping anything
@@ -289,7 +314,8 @@ absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_vi
   region->info = {std::string(name), ShmType::kSystem, std::string(key), offset, byte_size, -1};
   region->owner = std::string(owner);
   region->device = device_;
-  if (absl::Status s = MapSystem(key, offset, byte_size, region.get()); !s.ok()) return s;
+  if (absl::Status s = MapSystem(key, offset, byte_size, limits_.any_uid, region.get()); !s.ok())
+    return s;
   region->pinned = device_ != nullptr && device_->PinHost(region->data, size_t(byte_size));
   return Add(std::move(region));
 }

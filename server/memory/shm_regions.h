@@ -59,6 +59,10 @@ struct ShmLimits {
   bool allow = false;                         // --allow_client_shm
   int max_regions = 64;                       // --shm_max_regions (both types together)
   int64_t max_bytes = int64_t{64} << 30;      // --shm_max_bytes (both types together)
+  // System regions: only keys starting with this (after the '/'), e.g. "flashserve_" -- the
+  // server's uid (root, often) may open objects that are none of its clients' business.
+  std::string key_prefix;                     // --shm_key_prefix ("": any key)
+  bool any_uid = false;                       // --shm_any_uid (false: the server's uid only)
 };
 
 /// A region's description, as the status calls report it.

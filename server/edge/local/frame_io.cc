@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/utf8.h"
 #include "edge/local/frame_check.h"
 
 namespace flashserve {
@@ -156,8 +159,9 @@ absl::Status WriteFrame(int fd, int status_code, const iovec* pieces, int count,
 }
 
 absl::Status WriteErrorFrame(int fd, const absl::Status& status) {
-  const absl::string_view message = status.message();
-  const iovec piece{const_cast<char*>(message.data()), message.size()};
+  std::string message =
+      CutErrorMessage(std::string_view(status.message().data(), status.message().size()));
+  const iovec piece{message.data(), message.size()};
   return WriteFrame(fd, int(status.code()), &piece, 1);
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "common/utf8.h"
 #include "gtest/gtest.h"
 
 namespace flashserve {
@@ -96,6 +97,21 @@ TEST(HttpErrorJson, KeepsWellFormedUtf8AndReplacesOtherBytes) {
             "{\"error\":\"\\ufffd\\ufffd\\ufffd\\ufffd\"}");  // > U+10FFFF
   EXPECT_EQ(HttpErrorJson(std::string("\n\x7F\0\\", 4)),
             "{\"error\":\"\\u000a\\u007f\\u0000\\\\\"}");
+}
+
+TEST(HttpErrorJson, CutsAMessageQuotingMegabytesOfClientText) {
+  // A 1 MiB region name quoted in a 404 went back whole (several copies of it on the way).
+  const std::string message = "no region \"" + std::string(1 << 20, 'Z') + "\"";
+  const std::string json = HttpErrorJson(message);
+  EXPECT_LT(json.size(), kMaxErrorMessageBytes + 100);
+  EXPECT_NE(json.find("... (cut, " + std::to_string(message.size()) + " bytes)\"}"),
+            std::string::npos)
+      << json.substr(json.size() - 80);
+  // A cut never splits a character: U+20AC (3 bytes) across the limit goes whole or not at all.
+  const std::string euros = std::string(kMaxErrorMessageBytes - 1, 'a') + "\xE2\x82\xAC";
+  EXPECT_EQ(HttpErrorJson(euros).find("\\ufffd"), std::string::npos);
+  EXPECT_EQ(HttpErrorJson(std::string(kMaxErrorMessageBytes, 'a')),
+            "{\"error\":\"" + std::string(kMaxErrorMessageBytes, 'a') + "\"}");  // not cut
 }
 
 TEST(HttpListenerStop, AnswersARequestStillWaitingFor503) {

@@ -142,6 +142,26 @@ TEST_F(FrameReaderTest, PeerLeavingMidHeaderIsRefused) {
   EXPECT_EQ(error.code(), absl::StatusCode::kUnavailable) << error;
 }
 
+TEST_F(FrameReaderTest, ErrorFramesCutMessagesQuotingClientText) {
+  const std::string message = "no region \"" + std::string(1 << 20, 'Z') + "\"";
+  std::string received;
+  std::thread reader([&] {
+    char buffer[65536];
+    for (;;) {
+      const ssize_t n = read(fds_[1], buffer, sizeof(buffer));
+      if (n <= 0) return;
+      received.append(buffer, size_t(n));
+    }
+  });
+  EXPECT_TRUE(WriteErrorFrame(fds_[0], absl::NotFoundError(message)).ok());
+  shutdown(fds_[0], SHUT_WR);
+  reader.join();
+  ASSERT_GT(received.size(), size_t{local::kHeaderBytes});
+  const std::string text = received.substr(local::kHeaderBytes);
+  EXPECT_LT(text.size(), size_t{5000});
+  EXPECT_NE(text.find("(cut, " + std::to_string(message.size()) + " bytes)"), std::string::npos);
+}
+
 TEST_F(FrameReaderTest, WriteFrameSendsEveryPieceInOrder) {
   const std::string big(3 << 20, 'b');  // larger than the socket buffer: partial writes
   const std::string small = "tail";

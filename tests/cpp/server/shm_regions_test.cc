@@ -132,6 +132,52 @@ TEST(ShmRegistry, LeasesAreCheckedAgainstTheRegionWithoutOverflow) {
   EXPECT_EQ(registry.Lease("nope", 0, 1, "").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Objects of other users are refused unless --shm_any_uid: a server running as root was told
+// to map another user's 0400 object, and read and wrote it for the client.
+TEST(ShmRegistry, ObjectsOfOtherUsersAreRefusedUnlessAllowed) {
+  ShmObject object(4096);
+  const std::string path = "/dev/shm" + object.key();
+  if (chown(path.c_str(), 65534, 65534) != 0) GTEST_SKIP() << "cannot chown (not root)";
+  ShmRegistry strict(Allowed(), nullptr);
+  const absl::Status refused = strict.RegisterSystem("r", object.key(), 0, 4096, "");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kPermissionDenied) << refused;
+  EXPECT_NE(refused.message().find("belongs to uid 65534"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("--shm_any_uid"), std::string::npos) << refused;
+  ShmLimits any = Allowed();
+  any.any_uid = true;
+  ShmRegistry lenient(any, nullptr);
+  EXPECT_TRUE(lenient.RegisterSystem("r", object.key(), 0, 4096, "").ok());
+}
+
+TEST(ShmRegistry, KeysOutsideTheConfiguredPrefixAreRefused) {
+  ShmObject object(4096);  // "/fs_shm_test_..."
+  ShmLimits limits = Allowed();
+  limits.key_prefix = "fs_shm_test_";
+  ShmRegistry registry(limits, nullptr);
+  EXPECT_TRUE(registry.RegisterSystem("ok", object.key(), 0, 4096, "").ok());
+  EXPECT_TRUE(registry.RegisterSystem("ok2", object.key().substr(1), 0, 4096, "").ok());
+  limits.key_prefix = "flashserve_";
+  ShmRegistry narrow(limits, nullptr);
+  const absl::Status s = narrow.RegisterSystem("r", object.key(), 0, 4096, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kPermissionDenied) << s;
+  EXPECT_NE(s.message().find("'/flashserve_'"), std::string::npos) << s;
+}
+
+// A name no registration would accept is not quoted back: an 8 MiB name made an 8 MiB 404.
+TEST(ShmRegistry, UnknownNamesAreQuotedOnlyWhenTheyCouldBeNames) {
+  ShmRegistry registry(Allowed(), nullptr);
+  const std::string huge(8 << 20, 'Z');
+  for (const absl::Status& s : {registry.Lease(huge, 0, 1, "").status(),
+                                registry.Status(ShmType::kSystem, huge, "").status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound);
+    EXPECT_LT(s.message().size(), 200u);
+    EXPECT_NE(s.message().find("8388608 bytes"), std::string::npos) << s;
+  }
+  const absl::Status odd = registry.Lease("a/b", 0, 1, "").status();
+  EXPECT_EQ(odd.message().find("a/b"), std::string::npos) << odd;
+  EXPECT_NE(registry.Lease("nope", 0, 1, "").status().message().find("\"nope\""), std::string::npos);
+}
+
 TEST(ShmRegistry, SubSpansOfAWholeLeaseAreCheckedAndKeepItInUse) {
   ShmObject object(4096);
   ShmRegistry registry(Allowed(), nullptr);
