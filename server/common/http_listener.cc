@@ -11,6 +11,7 @@
 #include <cstring>
 #include <string_view>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -143,8 +144,9 @@ absl::Status HttpListener::Impl::CheckHeaders(MHD_Connection* connection) const 
 
 absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection, bool* has_body) const {
   const std::vector<std::string> lengths = HeaderValues(connection, MHD_HTTP_HEADER_CONTENT_LENGTH);
-  const bool transfer_encoded =
-      !HeaderValues(connection, MHD_HTTP_HEADER_TRANSFER_ENCODING).empty();
+  const std::vector<std::string> codings =
+      HeaderValues(connection, MHD_HTTP_HEADER_TRANSFER_ENCODING);
+  const bool transfer_encoded = !codings.empty();
   *has_body = transfer_encoded || (!lengths.empty() && lengths.front() != "0");
   // RFC 9112 6.3: either makes the body's end ambiguous, which a proxy in front may read
   // differently (request smuggling).
@@ -154,6 +156,16 @@ absl::Status HttpListener::Impl::CheckFraming(MHD_Connection* connection, bool* 
   }
   if (!lengths.empty() && transfer_encoded) {
     return absl::InvalidArgumentError("request framing: both Transfer-Encoding and Content-Length");
+  }
+  // RFC 9112 6.3: a request whose last coding is not chunked has no knowable end (answered
+  // 400); libmicrohttpd read such a body until the client closed. Only chunked alone is served
+  // (no other coding is decoded here), in one field.
+  if (transfer_encoded &&
+      (codings.size() > 1 ||
+       !absl::EqualsIgnoreCase(absl::StripAsciiWhitespace(codings.front()), "chunked"))) {
+    return absl::InvalidArgumentError(
+        "request framing: Transfer-Encoding must be exactly 'chunked' (no other coding is "
+        "accepted)");
   }
   return absl::OkStatus();
 }

@@ -275,6 +275,11 @@ absl::Status ShmRegistry::CheckNew(absl::string_view name, uint64_t byte_size,
     return absl::ResourceExhaustedError(absl::StrCat(
         "already ", regions_.size(), " shared-memory regions (--shm_max_regions)"));
   }
+  if (byte_size > uint64_t(limits_.max_bytes)) {  // never fits: not "retry later" (503)
+    return absl::InvalidArgumentError(absl::StrCat("byte_size ", byte_size,
+                                                   " is more than --shm_max_bytes=",
+                                                   limits_.max_bytes, " allows for all regions"));
+  }
   if (byte_size > uint64_t(limits_.max_bytes - bytes_)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("registering ", byte_size, " more bytes would pass --shm_max_bytes=",

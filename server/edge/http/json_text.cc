@@ -76,6 +76,14 @@ class UniqueKeysDom {
 }  // namespace
 
 absl::Status ParseJsonUniqueKeys(absl::string_view text, json* out) {
+  // nlohmann's lexer takes a NUL for the end of the input, so a body with junk after one parsed
+  // as its first part (what a proxy in front reads may differ).
+  if (const size_t nul = text.find('\0'); nul != absl::string_view::npos) {
+    *out = json(json::value_t::discarded);
+    return absl::InvalidArgumentError(absl::StrCat(
+        "request body: not valid JSON at byte ", nul + 1,
+        ": a NUL byte (JSON text holds none; a string writes it \\u0000)"));
+  }
   UniqueKeysDom sax(out);
   if (!json::sax_parse(text.begin(), text.end(), &sax, json::input_format_t::json,
                        /*strict=*/true)) {
@@ -95,7 +103,7 @@ absl::Status ParseJsonUniqueKeys(absl::string_view text, json* out) {
 
 absl::Status ScanJson(absl::string_view text, int64_t max_values) {
   int depth = 0;
-  int64_t separators = 0;  // commas and colons: a bound on the values, without parsing
+  int64_t separators = 0;  // commas: a bound on the values, without parsing
   int64_t objects = 0, strings = 0;
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {

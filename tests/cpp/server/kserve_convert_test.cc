@@ -318,6 +318,17 @@ TEST(KserveJsonText, ParseErrorsSayWhereAndWhy) {
   EXPECT_LT(s.message().size(), 260u) << "the client's token is shown clipped: " << s.message();
 }
 
+// nlohmann's lexer ends the input at a NUL: a valid body with junk after one was accepted.
+TEST(KserveJsonText, ANulByteIsRefusedNotTakenForTheEnd) {
+  json parsed;
+  const std::string body = std::string(R"({"inputs":[]})") + '\0' + " not json {{{";
+  const absl::Status s = ParseJsonUniqueKeys(body, &parsed);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("not valid JSON at byte 14: a NUL byte"));
+  EXPECT_TRUE(parsed.is_discarded());
+  EXPECT_TRUE(ParseJsonUniqueKeys(R"({"a":"\u0000"})", &parsed).ok());  // escaped in a string
+}
+
 // nlohmann's callback parser (used until session 42) rescanned the parent container at every
 // object's end: 400k objects in one array took ~20 s there (600 KB: 5 s on a listener thread).
 TEST(KServeConvertTest, ParsingManyObjectsIsLinear) {

@@ -250,6 +250,11 @@ TEST(ShmRegistry, LimitsOnCountAndBytes) {
   absl::Status s = registry.RegisterSystem("b", object.key(), 0, 1001, "");
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(s.message().find("--shm_max_bytes"), std::string::npos) << s;
+  // A size no unregistering could make room for is the client's error (HTTP 400), not a
+  // RESOURCE_EXHAUSTED that HTTP answers 503, "retry later", forever.
+  s = registry.RegisterSystem("b", object.key(), 0, ~uint64_t{0}, "");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("--shm_max_bytes=5000"), std::string::npos) << s;
   ASSERT_TRUE(registry.RegisterSystem("b", object.key(), 0, 1000, "").ok());
   s = registry.RegisterSystem("c", object.key(), 0, 1, "");
   EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
