@@ -295,6 +295,39 @@ def test_model_name_flag(private):
     error_of(requests.get(f"{private.http}/v2/models/attention", timeout=10), 404)
 
 
+def test_a_large_json_answer_does_not_hold_up_other_requests(private):
+    """An 8M-element O in JSON text takes the server a second or more to format. It was formatted on the thread that
+    finished the call (the CPU backend's one worker here, a CUDA slot's completion thread there), and every request
+    behind it waited: small ones sent meanwhile took as long as the large one (3 s of a 3.8 s answer)."""
+    big_q = np.ones((1, 2048, 32, 128), np.float16)  # Sk 1: the compute is trivial, the JSON is not
+    kv = np.ones((1, 1, 32, 128), np.float16)
+    body, headers = binary_request(big_q, kv, kv.copy())
+    done = {}
+    start = time.monotonic()
+
+    def send_big():
+        r = requests.post(infer_url(private, "flash"), data=body, headers=headers, timeout=120)
+        done["big"] = time.monotonic() - start
+        done["status"] = r.status_code
+        done["elements"] = len(r.json()["outputs"][0]["data"]) if r.status_code == 200 else 0
+
+    big = threading.Thread(target=send_big)
+    big.start()
+    time.sleep(0.3)  # its upload and compute are over by now, or at least under way
+    small = []
+    for _ in range(3):
+        q, k, v = small_qkv()
+        small_body, small_headers = binary_request(q, k, v, parameters={"binary_data_output": True})
+        t = time.monotonic()
+        r = requests.post(infer_url(private, "flash"), data=small_body, headers=small_headers, timeout=120)
+        assert r.status_code == 200, r.text
+        small.append(time.monotonic() - t)
+    big.join()
+    assert done["status"] == 200 and done["elements"] == big_q.size
+    assert done["big"] > 0.6, f"the large answer took {done['big']:.2f} s: too quick for this test to tell"
+    assert max(small) < done["big"] / 3, f"small requests took {small} s beside a {done['big']:.2f} s JSON answer"
+
+
 def test_errors_overloaded(private, rng):
     """With the queue full (slow native requests in flight), a REST inference gets 503 at once."""
     slow = rng.standard_normal((1, 2048, 8, 64)).astype(np.float32)

@@ -13,6 +13,7 @@
 #include "common/http_status.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "common/work_queue.h"
 #include "runtime/shm_requests.h"
 #include "spdlog/spdlog.h"
 
@@ -38,23 +39,45 @@ constexpr const char kModelPath[] = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)
 // libmicrohttpd's copy of the text. Measured: 15 B of text per fp16 element.
 constexpr int64_t kJsonAnswerBytesPerElement = 48;
 
-// The bytes an answer to `r` holds until the client has read it (outputs in a client's region:
-// none): an unread JSON answer held ~15x its binary size outside every budget (15 answers of
-// 30 MiB for 4 MiB requests: +569 MiB RSS).
-int64_t AnswerBytesAtMost(const kserve::RestInferRequest& r) {
+// Answers with at least this many output elements in JSON text are built on the answer threads:
+// formatting runs ~1 us per element, and on the thread that finished the call (the CPU backend's
+// one worker, a CUDA slot's completion thread) a 16M-element answer stalled every other request
+// for 13 s.
+constexpr int64_t kDeferredJsonElements = 64 << 10;
+constexpr int kAnswerThreads = 2;
+constexpr int kAnswerQueue = 256;  // beyond: built where the call finished, as before
+
+// Elements of O and LSE an answer to `r` holds, JSON and binary (outputs in a client's region:
+// none).
+struct AnswerElements {
+  int64_t json = 0;
+  int64_t binary_bytes = 0;
+};
+AnswerElements AnswerElementsOf(const kserve::RestInferRequest& r) {
+  AnswerElements out;
   const auto& shape = r.request.q().shape();
-  if (shape.size() != 4) return 0;  // refused by validation before this
+  if (shape.size() != 4) return out;  // refused by validation before this
   const int64_t rows = int64_t(shape[0]) * shape[1] * shape[2];  // batch x seqlen_q x heads_q
   const int64_t elements[2] = {rows * shape[3], rows};           // O, LSE
   const int64_t element_bytes[2] = {
       int64_t(kernels::dtype_size(static_cast<kernels::DType>(r.request.q().dtype()))), 4};
-  int64_t bytes = 0;
   for (const kserve::OutputSpec& spec : r.outputs) {
     if (spec.shm.set()) continue;
     const int k = spec.kind == kserve::OutputSpec::kOut ? 0 : 1;
-    bytes += elements[k] * (spec.binary ? element_bytes[k] : kJsonAnswerBytesPerElement);
+    if (spec.binary) {
+      out.binary_bytes += elements[k] * element_bytes[k];
+    } else {
+      out.json += elements[k];
+    }
   }
-  return bytes;
+  return out;
+}
+
+// The bytes an answer to `r` holds until the client has read it: an unread JSON answer held ~15x
+// its binary size outside every budget (15 answers of 30 MiB for 4 MiB requests: +569 MiB RSS).
+int64_t AnswerBytesAtMost(const kserve::RestInferRequest& r) {
+  const AnswerElements a = AnswerElementsOf(r);
+  return a.binary_bytes + a.json * kJsonAnswerBytesPerElement;
 }
 
 // Bytes taken from the receive budget, given back when the request is over.
@@ -233,6 +256,9 @@ struct KServeRest {
   AttentionRuntime* runtime;
   kserve::ModelInfo model;
   KServeRestLimits limits;
+  // Builds large JSON answers (kDeferredJsonElements). Its tasks hold no KServeRest: one that
+  // dropped the last reference would destroy the queue on its own thread.
+  std::shared_ptr<WorkQueue> answers;
 };
 
 // One REST inference from its headers to its answer. Shared by the upload, the runtime's done
@@ -265,8 +291,8 @@ ShmReferences ShmReferencesOf(const kserve::RestInferRequest& infer) {
   return refs;
 }
 
-HttpAnswer Answer(const KServeRest& rest, const std::shared_ptr<Exchange>& exchange) {
-  exchange->out = kserve::BuildRestInferResponse(rest.model, exchange->infer, exchange->response);
+HttpAnswer Answer(const kserve::ModelInfo& model, const std::shared_ptr<Exchange>& exchange) {
+  exchange->out = kserve::BuildRestInferResponse(model, exchange->infer, exchange->response);
   kserve::RestInferResponse& out = exchange->out;
   if (spdlog::should_log(spdlog::level::debug)) {
     spdlog::debug("{} ok: id=\"{}\" kernel={} total_us={}", kMethod, LogSafe(exchange->infer.id),
@@ -321,7 +347,14 @@ class InferUpload : public HttpUpload {
     call.done = [rest, exchange, reply = std::move(reply)](const absl::Status& done) {
       // The output is in its region: the client may unregister now.
       const absl::Status s = ReleaseShmLeases(done, &exchange->leases);
-      reply(s.ok() ? Answer(*rest, exchange) : HttpAnswer(s));
+      if (!s.ok()) return reply(HttpAnswer(s));
+      if (AnswerElementsOf(exchange->infer).json >= kDeferredJsonElements &&
+          rest->answers->TrySubmit([model = rest->model, exchange, reply] {
+            reply(Answer(model, exchange));
+          })) {
+        return;
+      }
+      reply(Answer(rest->model, exchange));
     };
     rest->runtime->Submit(std::move(call));
   }
@@ -382,6 +415,7 @@ std::vector<HttpRoute> KServeRestRoutes(AttentionRuntime* runtime,
                                         const KServeRestLimits& limits) {
   auto rest = std::make_shared<KServeRest>();
   rest->runtime = runtime;
+  rest->answers = std::make_shared<WorkQueue>(kAnswerThreads, kAnswerQueue);
   rest->model.name = options.model_name;
   rest->model.server_version = options.server_version;
   rest->model.extensions = options.extensions;
