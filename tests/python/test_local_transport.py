@@ -189,6 +189,29 @@ class CountingPoller:
         return self.poller.poll(timeout)
 
 
+def test_missing_ids_come_all_or_not_at_all(local_server):
+    """A NOT_FOUND frame names every missing id or none: error messages are cut at 4 KiB, and 70 ids cut there read
+    as 53 'missing ids' (the last one a fragment), so a client re-created only some of its lost sequences."""
+    import secrets
+
+    rng = np.random.default_rng(0)
+    for n in (10, 70, 200):
+        ids = [secrets.token_hex(16) for _ in range(n)]
+        request = spb.DecodeStepRequest()
+        for i in ids:
+            request.items.add(sequence_id=i, layer=0)
+        for field, heads in (("q", 4), ("k", 2), ("v", 2)):
+            getattr(request.packed, field).CopyFrom(
+                tensors.to_proto_rows(rng.standard_normal((n, heads, 64)).astype(np.float16), field))
+        with LocalClient(local_server.local_path, timeout=30) as local:
+            with pytest.raises(flashserve.NotFoundError) as info:
+                local.decode_step(request)
+        got = info.value.missing_ids
+        assert got in ((), tuple(ids)) or set(got) == set(ids), (n, len(got), got[-1:])
+        if n == 10:
+            assert set(got) == set(ids)
+
+
 @pytest.mark.parametrize("poll_us", [1_000_000, 1])
 def test_polling_client_gets_the_same_answers(local_server, rng, poll_us):
     """poll_us 1 s: the reply lands while the client polls; 1 us: the window ends first and recv blocks as before.
@@ -497,6 +520,41 @@ def test_socket_file_life(flashserve_bin, tmp_path):
         assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
         _stop_and_check(default)
     finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_listener_with_a_full_backlog_stops_the_server_at_once(flashserve_bin):
+    """The check for a live socket at the path connected blocking: a listener whose backlog is full (a wedged
+    earlier instance) held the new server there forever, before it bound anything or said a word."""
+    import subprocess
+
+    directory = socket_dir()
+    path = f"{directory}/fs.sock"
+    wedged = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued = []
+    try:
+        wedged.bind(path)
+        wedged.listen(0)
+        for _ in range(8):  # fill its queue: then a connect would block
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.setblocking(False)
+            queued.append(c)
+            try:
+                c.connect(path)
+            except BlockingIOError:
+                break
+        else:
+            pytest.fail("the listener's queue never filled")
+        start = time.monotonic()
+        taken = subprocess.run([str(flashserve_bin), "--backend=cpu", "--grpc_port=0", "--http_port=0",
+                                "--metrics_port=0", f"--local_socket={path}"], capture_output=True, text=True,
+                               timeout=30)
+        assert taken.returncode == 2 and "in use" in taken.stderr, taken.stderr
+        assert time.monotonic() - start < 20
+    finally:
+        for c in queued:
+            c.close()
+        wedged.close()
         shutil.rmtree(directory, ignore_errors=True)
 
 

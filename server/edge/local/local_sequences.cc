@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/protobuf_errors.h"
+#include "common/utf8.h"
 #include "edge/local/call_waiter.h"
 #include "edge/local/local_calls.h"
 #include "edge/sequences/sequences_arena.h"
@@ -32,12 +33,18 @@ struct DecodeState {
 };
 
 // gRPC names the ids of a NOT_FOUND in trailing metadata; a frame has only its message, so they
-// are appended to it: "...; missing sequence ids: a,b".
+// are appended to it: "...; missing sequence ids: a,b". All or none: an error frame's message is
+// cut at kMaxErrorMessageBytes, and a list cut short would read as every missing id (the client
+// re-created only some of its lost sequences). Without the list the client treats every id of
+// the call as missing, as over gRPC when they do not fit its trailers.
 absl::Status WithMissingIds(const absl::Status& status) {
   const std::string ids = kvcache::MissingSequenceIdList(status);
-  if (ids.empty()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(status.message(), "; missing sequence ids: ", ids));
+  constexpr absl::string_view kMarker = "; missing sequence ids: ";
+  if (ids.empty() ||
+      status.message().size() + kMarker.size() + ids.size() > kMaxErrorMessageBytes) {
+    return status;
+  }
+  return absl::Status(status.code(), absl::StrCat(status.message(), kMarker, ids));
 }
 
 // Reserves `bytes`, builds the call, submits it and waits for its answer; OK when `fill` ran.

@@ -17,9 +17,11 @@ absl::Status Errno(const std::string& what) {
   return absl::UnavailableError(absl::StrCat(what, ": ", strerror(errno)));
 }
 
-// Whether some process accepts connections on the socket file at `address`.
+// Whether some process accepts connections on the socket file at `address`. Non-blocking: a
+// listener whose backlog is full (a wedged earlier instance) made a blocking connect wait forever,
+// and the server hung before binding anything; EAGAIN says someone listens.
 bool SomeoneListens(const sockaddr_un& address) {
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return true;  // cannot tell: do not replace it
   const bool listens =
       connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) == 0 ||
