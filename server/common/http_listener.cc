@@ -15,6 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/client_log.h"
 #include "common/http_listener_internal.h"
@@ -117,6 +118,18 @@ const CompiledRoute* HttpListener::Impl::Find(absl::string_view method, const st
     }
   }
   return nullptr;
+}
+
+std::string HttpListener::Impl::AllowedMethods(const std::string& path) const {
+  std::vector<std::string> methods;
+  for (const CompiledRoute& r : routes) {
+    if (!std::regex_match(path, r.pattern)) continue;
+    for (const std::string m : r.route.method == "GET" ? std::vector<std::string>{"GET", "HEAD"}
+                                                        : std::vector<std::string>{r.route.method}) {
+      if (std::find(methods.begin(), methods.end(), m) == methods.end()) methods.push_back(m);
+    }
+  }
+  return absl::StrJoin(methods, ", ");
 }
 
 // The header limits libmicrohttpd's memory bound leaves to us: total bytes and field count.
@@ -325,7 +338,16 @@ MHD_Result HttpListener::Impl::Begin(MHD_Connection* connection, const char* url
                      absl::UnauthenticatedError("missing or invalid bearer token"), "HTTP");
     }
   }
-  if (st->route == nullptr) return Respond(connection, st, options.not_found, "");
+  if (st->route == nullptr) {
+    // RFC 9110 15.5.6: a path served under other methods is 405 naming them, not 404.
+    if (const std::string allowed = AllowedMethods(path); !allowed.empty()) {
+      HttpResponse refused = HttpResponse::Json(
+          405, HttpErrorJson(absl::StrCat("this path is served to ", allowed, " only")));
+      refused.headers.emplace_back("Allow", allowed);
+      return Respond(connection, st, std::move(refused), "");
+    }
+    return Respond(connection, st, options.not_found, "");
+  }
   const HttpRoute& route = st->route->route;
   if (route.get) {
     // A body for a GET was read and dropped, unbounded, without a token on open routes.

@@ -117,6 +117,8 @@ struct HttpListener::Impl {
   void Unsuspend(const std::shared_ptr<PendingAnswer>& pending);
 
   // The middleware (http_listener.cc).
+  // The methods the routes serve at `path` ("GET, HEAD", "POST", ...; empty: no route there).
+  std::string AllowedMethods(const std::string& path) const;
   const CompiledRoute* Find(absl::string_view method, const std::string& path,
                             std::vector<std::string>* matches) const;
   absl::Status CheckHeaders(MHD_Connection* connection) const;

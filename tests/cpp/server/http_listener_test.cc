@@ -114,6 +114,29 @@ TEST(HttpErrorJson, CutsAMessageQuotingMegabytesOfClientText) {
             "{\"error\":\"" + std::string(kMaxErrorMessageBytes, 'a') + "\"}");  // not cut
 }
 
+TEST(HttpListenerRouting, AnotherMethodOnAServedPathIs405NamingTheAllowedOnes) {
+  auto held = std::make_shared<HeldReplies>();
+  std::unique_ptr<HttpListener> listener = StartHolding(held);  // POST /work only
+  ASSERT_NE(listener, nullptr);
+  for (const char* method : {"GET", "DELETE", "PATCH"}) {
+    const int fd = Connect(listener->port());
+    const std::string request =
+        std::string(method) + " /work HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    ASSERT_EQ(send(fd, request.data(), request.size(), 0), ssize_t(request.size()));
+    const std::string answer = ReadAll(fd);
+    close(fd);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 405", 0), 0u) << method << ": " << answer;
+    EXPECT_NE(answer.find("Allow: POST\r\n"), std::string::npos) << answer;
+  }
+  const int fd = Connect(listener->port());
+  const std::string unknown = "GET /nowhere HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  ASSERT_EQ(send(fd, unknown.data(), unknown.size(), 0), ssize_t(unknown.size()));
+  const std::string answer = ReadAll(fd);
+  close(fd);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 404", 0), 0u) << answer;
+  EXPECT_EQ(held->count.load(), 0);
+}
+
 TEST(HttpListenerStop, AnswersARequestStillWaitingFor503) {
   auto held = std::make_shared<HeldReplies>();
   std::unique_ptr<HttpListener> listener = StartHolding(held);
