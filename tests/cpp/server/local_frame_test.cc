@@ -71,6 +71,17 @@ class FrameReaderTest : public testing::Test {
   void Send(const std::string& bytes) {
     ASSERT_EQ(write(fds_[1], bytes.data(), bytes.size()), ssize_t(bytes.size()));
   }
+  // A thread reading what the server side writes into *received, until `bytes` came or the end.
+  std::thread ReadBack(std::string* received, size_t bytes = std::string::npos) {
+    return std::thread([this, received, bytes] {
+      char buffer[65536];
+      while (received->size() < bytes) {
+        const ssize_t n = read(fds_[1], buffer, sizeof(buffer));
+        if (n <= 0) return;
+        received->append(buffer, size_t(n));
+      }
+    });
+  }
   int fds_[2] = {-1, -1};
 };
 
@@ -145,14 +156,7 @@ TEST_F(FrameReaderTest, PeerLeavingMidHeaderIsRefused) {
 TEST_F(FrameReaderTest, ErrorFramesCutMessagesQuotingClientText) {
   const std::string message = "no region \"" + std::string(1 << 20, 'Z') + "\"";
   std::string received;
-  std::thread reader([&] {
-    char buffer[65536];
-    for (;;) {
-      const ssize_t n = read(fds_[1], buffer, sizeof(buffer));
-      if (n <= 0) return;
-      received.append(buffer, size_t(n));
-    }
-  });
+  std::thread reader = ReadBack(&received);
   EXPECT_TRUE(WriteErrorFrame(fds_[0], absl::NotFoundError(message)).ok());
   shutdown(fds_[0], SHUT_WR);
   reader.join();
@@ -170,15 +174,7 @@ TEST_F(FrameReaderTest, WriteFrameSendsEveryPieceInOrder) {
                           {nullptr, 0},
                           {const_cast<char*>(small.data()) + 2, 2}};
   std::string received;
-  std::thread reader([&] {
-    char buffer[65536];
-    for (;;) {
-      const ssize_t n = read(fds_[1], buffer, sizeof(buffer));
-      if (n <= 0) return;
-      received.append(buffer, size_t(n));
-      if (received.size() == local::kHeaderBytes + big.size() + 4) return;
-    }
-  });
+  std::thread reader = ReadBack(&received, local::kHeaderBytes + big.size() + 4);
   EXPECT_TRUE(WriteFrame(fds_[0], 0, pieces, 4).ok());
   reader.join();
   ASSERT_EQ(received.size(), local::kHeaderBytes + big.size() + 4);
