@@ -565,6 +565,32 @@ def subprocess_run(binary, path):
                            f"--local_socket={path}"], capture_output=True, text=True, timeout=60)
 
 
+def test_a_frame_begun_before_the_drain_is_answered(flashserve_bin, tmp_path):
+    """A connection counted for the drain only once a whole header was in: a frame whose first bytes came before the
+    SIGTERM and the rest after was cut off when the drain found no call in progress ("the client left mid-frame").
+    Counted from its first byte, it is read whole and answered before the server exits."""
+    directory = socket_dir()
+    path = f"{directory}/fs.sock"
+    s = ServerProcess(flashserve_bin, tmp_path, [f"--local_socket={path}", "--local_read_timeout_ms=5000"],
+                      name="drain_mid_frame").start()
+    try:
+        echo = frame(2, b"still here")
+        with raw_connect(path) as sock:
+            sock.sendall(echo[:5])
+            time.sleep(0.2)  # the server has read those bytes
+            s.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the drain is under way (a drain with nothing in progress ends in ~2 ms)
+            sock.sendall(echo[5:])
+            sock.settimeout(10)
+            answer = read_frame(sock)
+        assert answer is not None and answer[0] == 0 and answer[1] == b"still here", answer
+        assert s.proc.wait(30) == 0
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_sigterm_answers_the_call_in_progress_then_removes_the_socket(flashserve_bin, tmp_path, rng):
     directory = socket_dir()
     path = f"{directory}/fs.sock"

@@ -90,7 +90,8 @@ ssize_t FrameReader::ReadFirst(unsigned char* dest, size_t bytes, absl::Time by)
 }
 
 FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::Status* error,
-                                            absl::Time first_by) {
+                                            absl::Time first_by, std::atomic<int64_t>* busy,
+                                            bool* counted) {
   unsigned char bytes[local::kHeaderBytes];
   const ssize_t first = ReadFirst(bytes, sizeof(bytes), first_by);
   if (first == kNothingBy) {
@@ -98,6 +99,10 @@ FrameReader::Result FrameReader::ReadHeader(local::FrameHeader* header, absl::St
     return Result::kRefused;
   }
   if (first <= 0) return Result::kClosed;
+  if (busy != nullptr) {
+    busy->fetch_add(1);
+    *counted = true;
+  }
   deadline_ = absl::Now() + timeout_;
   *error = ReadFull(reinterpret_cast<char*>(bytes) + first, sizeof(bytes) - size_t(first),
                     size_t(first));

@@ -6,6 +6,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string_view>
 
@@ -30,8 +31,12 @@ class FrameReader {
   /// down) between frames. kRefused: `*error` says why (bad header, timeout, a peer that left
   /// mid-header); answer it if possible and close. `first_by`: when the frame's first byte must
   /// have come (a connection not yet authenticated: its Hello), else kRefused (DEADLINE_EXCEEDED).
+  /// `busy`: incremented as soon as the frame's first byte is in (a drain waits for the frames
+  /// that began, not only for those whose whole header came), and `*counted` set; the caller
+  /// decrements it once the frame is answered or refused.
   Result ReadHeader(v1::local::FrameHeader* header, absl::Status* error,
-                    absl::Time first_by = absl::InfiniteFuture());
+                    absl::Time first_by = absl::InfiniteFuture(),
+                    std::atomic<int64_t>* busy = nullptr, bool* counted = nullptr);
   /// Reads the payload of the header just read into `dest` (payload_bytes long), within the same
   /// deadline. DEADLINE_EXCEEDED, or UNAVAILABLE when the peer left mid-frame.
   absl::Status ReadPayload(char* dest, size_t bytes);

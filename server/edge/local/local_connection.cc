@@ -76,18 +76,21 @@ class Connection {
     for (;;) {
       local::FrameHeader header;
       absl::Status error;
+      // Counted from the frame's first byte: a frame still arriving when the drain checked for
+      // calls in progress was cut off by its end ("the client left mid-frame", EOF for the client).
+      bool counted = false;
       // Until it has sent the token, a connection holds its slot for one read timeout at most.
-      const FrameReader::Result read =
-          reader_.ReadHeader(&header, &error,
-                             authed_ ? absl::InfiniteFuture()
-                                     : opened_ + absl::Milliseconds(options_.read_timeout_ms));
-      if (read == FrameReader::Result::kClosed) return;
+      const FrameReader::Result read = reader_.ReadHeader(
+          &header, &error,
+          authed_ ? absl::InfiniteFuture() : opened_ + absl::Milliseconds(options_.read_timeout_ms),
+          &calls_->in_progress, &counted);
+      if (read == FrameReader::Result::kClosed) return;  // no byte of a frame: never counted
       if (read == FrameReader::Result::kRefused) {
         RecordRefusedCall(services_.runtime->metrics(), local_methods::kOtherLabel, error);
         WriteErrorFrame(fd_, error).IgnoreError();  // the peer may be gone already
+        if (counted) calls_->in_progress.fetch_sub(1);
         return;
       }
-      calls_->in_progress.fetch_add(1);
       const bool keep_open = ServeOne(header);
       calls_->in_progress.fetch_sub(1);
       if (!keep_open) return;
