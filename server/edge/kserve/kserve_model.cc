@@ -22,6 +22,11 @@ absl::Status ApplyParameter(absl::string_view key, const ParamValue& value, Infe
     if (value.type != ParamValue::kInt && value.type != ParamValue::kDouble) {
       return absl::InvalidArgumentError("parameters.softmax_scale: must be a number");
     }
+    // A positive scale below fp32's range becomes 0, which validation reported as "got 0".
+    if (value.d > 0 && static_cast<float>(value.d) == 0.f) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters.softmax_scale: ", value.d, " is below float32's range (it would be 0)"));
+    }
     options->has_softmax_scale = true;
     options->softmax_scale = value.d;
     return absl::OkStatus();

@@ -244,6 +244,10 @@ TEST(KServeConvertTest, MalformedRequestsNameTheField) {
        },
        "parameters.softmax_scale"},
       {[](json& b) {
+         b["parameters"] = {{"softmax_scale", 1e-46}};
+       },
+       "parameters.softmax_scale: 1e-46 is below float32's range"},
+      {[](json& b) {
          b["outputs"] = {{{"name", "P"}}};
        },
        "outputs[0].name: unknown output \"P\""},
