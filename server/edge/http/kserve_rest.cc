@@ -40,9 +40,10 @@ constexpr const char kModelPath[] = R"(/v2/models/([^/]+)(?:/versions/([^/]+))?)
 constexpr int64_t kJsonAnswerBytesPerElement = 48;
 
 // Answers with at least this many output elements in JSON text are built on the answer threads:
-// formatting runs ~1 us per element, and on the thread that finished the call (the CPU backend's
-// one worker, a CUDA slot's completion thread) a 16M-element answer stalled every other request
-// for 13 s.
+// formatting takes ~0.1-0.2 us per element (8M: ~1 s on the 2-core build machine), and on the
+// thread that finished the call (the CPU backend's one worker, a CUDA slot's completion thread)
+// it held up every other request (test_kserve_rest.py: small ones took 0.63 s of a 1.1 s
+// 8M-element answer).
 constexpr int64_t kDeferredJsonElements = 64 << 10;
 constexpr int kAnswerThreads = 2;
 constexpr int kAnswerQueue = 256;  // beyond: built where the call finished, as before
