@@ -109,8 +109,9 @@ class _Call:
         elif isinstance(event, h2.events.DataReceived):
             self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
 
-    def pump(self, wait_s: float) -> None:
-        """Reads and handles what the server sent, waiting at most `wait_s` for it."""
+    def pump(self, wait_s: float, reply: bool = True) -> None:
+        """Reads and handles what the server sent, waiting at most `wait_s` for it; with `reply`, sends what h2
+        answers (acknowledgements, window updates)."""
         readable, _, _ = select.select([self.sock], [], [], wait_s)
         if not readable:
             return
@@ -135,10 +136,21 @@ class _Call:
             return
         for event in events:
             self._on(event)
+        if not reply:
+            return
         try:
             self.flush()
         except OSError:
-            self._closed()
+            self.closed_while_sending()
+
+    def closed_while_sending(self) -> None:
+        """A send failed: the server closed or reset the connection. What it sent before (a GOAWAY and its code, an
+        answer) can still wait in our receive buffer -- the kernel keeps it past the reset -- so read it to the end
+        before concluding (a CI run took a GOAWAY ENHANCE_YOUR_CALM, unread behind a failed send, for UNAVAILABLE)."""
+        deadline = time.monotonic() + 2.0
+        while not self.result.how and time.monotonic() < deadline:
+            self.pump(0.1, reply=False)
+        self._closed()
 
     def _closed(self) -> None:
         """The connection ended without an answer: after a GOAWAY, the status its code maps to (as for a reset)."""
@@ -176,7 +188,7 @@ def stream_claimed_message(address: str, path: str, claim: int, metadata=(), dea
                 call.pump(0.5)
                 break
             except OSError:  # reset, broken pipe, or a send blocked for 10 s
-                call._closed()
+                call.closed_while_sending()
                 break
             call.result.sent += sent
             if sent == 0:

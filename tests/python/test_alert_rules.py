@@ -97,6 +97,7 @@ def test_a_real_prometheus_evaluates_every_rule_against_a_live_server(start_serv
     (tmp_path / "prometheus").mkdir()
     prom = Prometheus(prometheus_bin, tmp_path / "prometheus", target, rule_files=[ALERTS])
     try:
+        prom.wait_ready()
         prom.wait_until("the flashserve target up", lambda: prom.scalar('up{job="flashserve"}') == 1.0)
 
         prom.wait_until("the KV series stored",

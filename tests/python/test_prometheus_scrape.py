@@ -89,6 +89,8 @@ class Prometheus:
         try:
             body = json.loads(self.get("/api/v1/query", query=promql))
         except urllib.error.HTTPError as e:
+            if e.code == 503:  # not ready yet (its TSDB still opening): wait_until retries a URLError
+                raise
             raise AssertionError(f"{promql!r}: HTTP {e.code}: {e.read()[:500]!r}") from None
         assert body["status"] == "success", (promql, body)
         return body["data"]["result"]
@@ -113,6 +115,10 @@ class Prometheus:
             time.sleep(0.25)
         raise AssertionError(f"not within {timeout} s: {what} (last: {last!r})\n{self.logs()}")
 
+    def wait_ready(self) -> None:
+        """Until /-/ready answers 200: before that the API answers 503 (a CI run failed on one)."""
+        self.wait_until("Prometheus ready", lambda: self.get("/-/ready") is not None)
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -131,7 +137,7 @@ def scraped_server(start_server, prometheus_bin, tmp_path):
     (tmp_path / "prometheus").mkdir()
     prom = Prometheus(prometheus_bin, tmp_path / "prometheus", target)
     try:
-        prom.wait_until("Prometheus ready", lambda: prom.get("/-/ready") is not None)
+        prom.wait_ready()
         prom.wait_until("the flashserve target up",
                         lambda: prom.scalar('up{job="flashserve"}') == 1.0)
         yield server, metrics_url, prom
