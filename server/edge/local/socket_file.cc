@@ -1,5 +1,6 @@
 #include "edge/local/socket_file.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -50,7 +51,33 @@ absl::Status ClearPath(const std::string& path, const sockaddr_un& address) {
   return absl::OkStatus();
 }
 
+void UnlinkIfSocket(const std::string& path) {
+  struct stat st{};
+  if (lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(path.c_str());
+}
+
 }  // namespace
+
+absl::StatusOr<ino_t> SetSocketFileMode(const std::string& path, int mode) {
+  // O_PATH | O_NOFOLLOW opens the directory entry itself: a symlink put there after bind stays a
+  // symlink (chmod(path) would follow it and change the mode of whatever it points at).
+  const int fd = open(path.c_str(), O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return Errno(absl::StrCat("--local_socket ", path, ": open"));
+  struct stat st{};
+  absl::Status status;
+  if (fstat(fd, &st) != 0) {
+    status = Errno(absl::StrCat("--local_socket ", path, ": stat"));
+  } else if (!S_ISSOCK(st.st_mode)) {
+    status = absl::FailedPreconditionError(absl::StrCat(
+        "--local_socket ", path, " was replaced by something other than a socket after bind"));
+  } else if (chmod(absl::StrCat("/proc/self/fd/", fd).c_str(), mode_t(mode)) != 0) {
+    // The inode opened above, whatever the path names now. Without /proc: an error, not a guess.
+    status = Errno(absl::StrCat("--local_socket ", path, ": chmod (through /proc/self/fd)"));
+  }
+  close(fd);
+  if (!status.ok()) return status;
+  return st.st_ino;
+}
 
 absl::StatusOr<BoundSocket> BindLocalSocket(const std::string& path, int mode) {
   sockaddr_un address{};
@@ -66,23 +93,23 @@ absl::StatusOr<BoundSocket> BindLocalSocket(const std::string& path, int mode) {
   bound.fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (bound.fd < 0) return Errno("local socket");
   absl::Status status;
-  struct stat st{};
+  absl::StatusOr<ino_t> inode = ino_t{0};
   if (bind(bound.fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
     // No such directory, no permission: the path is the operator's to fix, like a bad flag.
     status = absl::FailedPreconditionError(
         absl::StrCat("--local_socket ", path, ": bind: ", strerror(errno)));
-  } else if (chmod(path.c_str(), mode_t(mode)) != 0 || lstat(path.c_str(), &st) != 0) {
-    status = Errno(absl::StrCat("--local_socket ", path, ": chmod"));
-    unlink(path.c_str());
+  } else if (inode = SetSocketFileMode(path, mode); !inode.ok()) {
+    status = inode.status();
+    UnlinkIfSocket(path);  // not what replaced it
   } else if (listen(bound.fd, 128) != 0) {
     status = Errno(absl::StrCat("--local_socket ", path, ": listen"));
-    unlink(path.c_str());
+    RemoveLocalSocket(path, *inode);
   }
   if (!status.ok()) {
     close(bound.fd);
     return status;
   }
-  bound.inode = st.st_ino;
+  bound.inode = *inode;
   return bound;
 }
 

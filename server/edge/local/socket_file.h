@@ -21,6 +21,11 @@ struct BoundSocket {
 /// bound there (no such directory, no permission). Others: errno.
 absl::StatusOr<BoundSocket> BindLocalSocket(const std::string& path, int mode);
 
+/// Sets the mode of the socket file at `path` without following a symlink: FAILED_PRECONDITION when
+/// something other than a socket is there now (whoever can write the directory may have swapped the
+/// file between bind and chmod). Returns the file's inode.
+absl::StatusOr<ino_t> SetSocketFileMode(const std::string& path, int mode);
+
 /// Unlinks `path` if it is still the socket file of `inode` (another process may have replaced it).
 void RemoveLocalSocket(const std::string& path, ino_t inode);
 
