@@ -265,15 +265,18 @@ ShmRegistry::~ShmRegistry() = default;
 
 absl::Status ShmRegistry::CheckNew(absl::string_view name, uint64_t byte_size,
                                    absl::string_view owner) const {
-  if (auto it = regions_.find(name); it != regions_.end()) {
+  auto it = regions_.find(name);
+  auto reserved = reserved_.find(name);
+  if (it != regions_.end() || reserved != reserved_.end()) {
     // Another owner's region is not named to this one: only "taken".
+    const std::string& by = it != regions_.end() ? it->second->owner : reserved->second;
     return absl::AlreadyExistsError(
         absl::StrCat("a shared-memory region \"", name, "\" is already registered",
-                     it->second->owner == owner ? " (unregister it first)" : ""));
+                     by == owner ? " (unregister it first)" : ""));
   }
-  if (int(regions_.size()) >= limits_.max_regions) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "already ", regions_.size(), " shared-memory regions (--shm_max_regions)"));
+  if (const size_t n = regions_.size() + reserved_.size(); int(n) >= limits_.max_regions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("already ", n, " shared-memory regions (--shm_max_regions)"));
   }
   if (byte_size > uint64_t(limits_.max_bytes)) {  // never fits: not "retry later" (503)
     return absl::InvalidArgumentError(absl::StrCat("byte_size ", byte_size,
@@ -288,16 +291,45 @@ absl::Status ShmRegistry::CheckNew(absl::string_view name, uint64_t byte_size,
   return absl::OkStatus();
 }
 
-absl::Status ShmRegistry::Add(std::shared_ptr<Region> region) {
-  std::lock_guard<std::mutex> lock(mu_);
-  // Checked again: another registration may have come in while this one was mapping.
-  if (absl::Status s = CheckNew(region->info.name, region->info.byte_size, region->owner);
-      !s.ok()) {
-    return s;
+// Gives its name and bytes back unless Add took them over.
+class ShmRegistry::Reservation {
+ public:
+  Reservation(ShmRegistry* registry, std::string name, int64_t bytes)
+      : registry_(registry), name_(std::move(name)), bytes_(bytes) {}
+  ~Reservation() {
+    if (added_) return;
+    std::lock_guard<std::mutex> lock(registry_->mu_);
+    registry_->reserved_.erase(name_);
+    registry_->bytes_ -= bytes_;
   }
-  bytes_ += int64_t(region->info.byte_size);
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+  // Under mu_: the name becomes the region's, and the bytes stay counted as its.
+  void MarkAdded() {
+    registry_->reserved_.erase(name_);
+    added_ = true;
+  }
+
+ private:
+  ShmRegistry* const registry_;
+  const std::string name_;
+  const int64_t bytes_;
+  bool added_ = false;
+};
+
+absl::StatusOr<std::unique_ptr<ShmRegistry::Reservation>> ShmRegistry::Reserve(
+    absl::string_view name, uint64_t byte_size, absl::string_view owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (absl::Status s = CheckNew(name, byte_size, owner); !s.ok()) return s;
+  reserved_.emplace(std::string(name), std::string(owner));
+  bytes_ += int64_t(byte_size);
+  return std::make_unique<Reservation>(this, std::string(name), int64_t(byte_size));
+}
+
+void ShmRegistry::Add(std::shared_ptr<Region> region, std::unique_ptr<Reservation> reservation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  reservation->MarkAdded();
   regions_.emplace(region->info.name, std::move(region));
-  return absl::OkStatus();
 }
 
 absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_view key,
@@ -311,10 +343,8 @@ absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_vi
                                                     "' on this server (--shm_key_prefix)"));
   }
   if (byte_size == 0) return absl::InvalidArgumentError("byte_size: must be > 0");
-  {
-    std::lock_guard<std::mutex> lock(mu_);  // refuse before mapping anything
-    if (absl::Status s = CheckNew(name, byte_size, owner); !s.ok()) return s;
-  }
+  auto reservation = Reserve(name, byte_size, owner);  // before mapping or pinning anything
+  if (!reservation.ok()) return reservation.status();
   auto region = std::make_shared<Region>();
   region->info = {std::string(name), ShmType::kSystem, std::string(key), offset, byte_size, -1};
   region->owner = std::string(owner);
@@ -322,7 +352,8 @@ absl::Status ShmRegistry::RegisterSystem(absl::string_view name, absl::string_vi
   if (absl::Status s = MapSystem(key, offset, byte_size, limits_.any_uid, region.get()); !s.ok())
     return s;
   region->pinned = device_ != nullptr && device_->PinHost(region->data, size_t(byte_size));
-  return Add(std::move(region));
+  Add(std::move(region), *std::move(reservation));
+  return absl::OkStatus();
 }
 
 absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view raw_handle,
@@ -338,10 +369,8 @@ absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view
     return absl::FailedPreconditionError(
         "CUDA shared memory needs the CUDA backend (this server computes on the CPU)");
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status s = CheckNew(name, byte_size, owner); !s.ok()) return s;
-  }
+  auto reservation = Reserve(name, byte_size, owner);  // before opening anything
+  if (!reservation.ok()) return reservation.status();
   auto region = std::make_shared<Region>();
   region->info = {std::string(name), ShmType::kCuda, "", 0, byte_size, int(device)};
   region->memory.type = ShmType::kCuda;
@@ -350,7 +379,8 @@ absl::Status ShmRegistry::RegisterCuda(absl::string_view name, absl::string_view
   absl::StatusOr<void*> opened = device_->OpenIpc(raw_handle, int(device), size_t(byte_size));
   if (!opened.ok()) return opened.status();
   region->data = static_cast<char*>(*opened);
-  return Add(std::move(region));
+  Add(std::move(region), *std::move(reservation));
+  return absl::OkStatus();
 }
 
 absl::Status ShmRegistry::Unregister(ShmType type, absl::string_view name,

@@ -141,6 +141,7 @@ class ShmRegistry {
 
   bool enabled() const { return limits_.allow; }
   int region_count() const;
+  /// Registered bytes, and those of registrations still mapping.
   int64_t region_bytes() const;
   /// Regions of one type and their bytes, over every owner (metrics).
   void Totals(ShmType type, int64_t* count, int64_t* bytes) const;
@@ -148,15 +149,24 @@ class ShmRegistry {
   struct Region;  // shm_regions.cc
 
  private:
+  class Reservation;  // a name and bytes held while a registration maps (shm_regions.cc)
+
   absl::Status CheckNew(absl::string_view name, uint64_t byte_size,
                         absl::string_view owner) const;  // under mu_
-  absl::Status Add(std::shared_ptr<Region> region);
+  /// Takes the name, a region slot and the bytes before anything is mapped or pinned: concurrent
+  /// registrations that all passed a check made under the lock, then each mapped and pinned up
+  /// to --shm_max_bytes before one of them won, could page-lock many times the limit at once.
+  absl::StatusOr<std::unique_ptr<Reservation>> Reserve(absl::string_view name,
+                                                       uint64_t byte_size,
+                                                       absl::string_view owner);
+  void Add(std::shared_ptr<Region> region, std::unique_ptr<Reservation> reservation);
 
   const ShmLimits limits_;
   ShmDeviceAccess* const device_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Region>, std::less<>> regions_;  // guarded by mu_
-  int64_t bytes_ = 0;                                                    // guarded by mu_
+  std::map<std::string, std::string, std::less<>> reserved_;  // name -> owner; guarded by mu_
+  int64_t bytes_ = 0;  // registered and reserved; guarded by mu_
 };
 
 /// One tensor of a call in a region, as the call named it, for CheckShmOverlaps.

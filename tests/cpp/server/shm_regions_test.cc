@@ -6,8 +6,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <thread>
 #include <limits>
 #include <random>
 #include <string>
@@ -414,6 +417,66 @@ TEST(ShmRegistry, SystemRegionsArePinnedOnceAndCudaRegionsOpenedOnce) {
   EXPECT_EQ(device.pinned, 1);  // the system region stays
   ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "s", "").ok());
   EXPECT_EQ(device.pinned, 0);
+}
+
+// A device whose first PinHost waits until the test lets it go: a registration caught mid-way.
+class BlockingDevice : public FakeDevice {
+ public:
+  bool PinHost(void* data, size_t bytes) override {
+    std::unique_lock<std::mutex> lock(mu);
+    ++pin_calls;
+    changed.notify_all();
+    changed.wait(lock, [this] { return go || pin_calls > 1; });
+    return FakeDevice::PinHost(data, bytes);
+  }
+  void WaitForPins(int n) {
+    std::unique_lock<std::mutex> lock(mu);
+    changed.wait(lock, [&] { return pin_calls >= n; });
+  }
+  void Go() {
+    std::lock_guard<std::mutex> lock(mu);
+    go = true;
+    changed.notify_all();
+  }
+  std::mutex mu;
+  std::condition_variable changed;
+  int pin_calls = 0;
+  bool go = false;
+};
+
+// Registrations that all passed the checks, then each mapped and page-locked up to --shm_max_bytes
+// before one of them won, could pin many times the limit at once (a sparse object's pages are
+// allocated as they are locked). A registration now holds its name, slot and bytes while it maps.
+TEST(ShmRegistry, ARegistrationHoldsItsNameAndBytesWhileItMaps) {
+  ShmObject object(8192);
+  BlockingDevice device;
+  ShmLimits limits = Allowed();
+  limits.max_bytes = 8192;
+  limits.max_regions = 2;
+  ShmRegistry registry(limits, &device);
+  absl::Status first;
+  std::thread mapping([&] { first = registry.RegisterSystem("a", object.key(), 0, 8192, "x"); });
+  device.WaitForPins(1);
+  EXPECT_EQ(registry.RegisterSystem("a", object.key(), 0, 1, "x").code(),
+            absl::StatusCode::kAlreadyExists);
+  const absl::Status over = registry.RegisterSystem("b", object.key(), 0, 4096, "x");
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  EXPECT_EQ(registry.region_bytes(), 8192);
+  EXPECT_EQ(registry.region_count(), 0);  // not registered yet: not leasable, not listed
+  EXPECT_EQ(registry.Lease("a", 0, 1, "x").status().code(), absl::StatusCode::kNotFound);
+  {
+    std::lock_guard<std::mutex> lock(device.mu);
+    EXPECT_EQ(device.pin_calls, 1);  // the refused ones mapped and pinned nothing
+  }
+  device.Go();
+  mapping.join();
+  ASSERT_TRUE(first.ok()) << first;
+  EXPECT_EQ(registry.region_count(), 1);
+  // A registration that fails gives its name and bytes back.
+  ASSERT_TRUE(registry.Unregister(ShmType::kSystem, "a", "x").ok());
+  EXPECT_FALSE(registry.RegisterSystem("b", "/fs_shm_test_missing_object", 0, 8192, "x").ok());
+  EXPECT_EQ(registry.region_bytes(), 0);
+  EXPECT_TRUE(registry.RegisterSystem("b", object.key(), 0, 8192, "x").ok());
 }
 
 // cudaIpcOpenMemHandle opens a handle twice to one pointer (as the fake does): two names for one
