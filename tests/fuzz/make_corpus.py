@@ -419,6 +419,7 @@ def main():
         "fuzz_local_frame": local_frame_seeds(rng),  # after the others: their seeds do not change
         "fuzz_decode_step": decode_step_seeds(rng),
     }
+    targets["fuzz_infer_body"] = dict(targets["fuzz_kserve_rest"])  # the same input format
     for target, seeds in targets.items():
         directory = HERE / "corpus" / target
         shutil.rmtree(directory, ignore_errors=True)

@@ -3,7 +3,7 @@
 # corpus for a short time; exits non-zero if any target crashes, leaks, trips a sanitizer or
 # breaks one of its checks. CI calls it as is; a longer campaign: FUZZ_SECONDS_PER_TARGET=600.
 #
-#   tests/fuzz/run_smoke.sh                   # 54 s of fuzzing split over the 8 targets (6 s each)
+#   tests/fuzz/run_smoke.sh                   # 54 s of fuzzing split over the 9 targets (6 s each)
 #   FUZZ_SECONDS_PER_TARGET=300 tests/fuzz/run_smoke.sh fuzz_tune_cache
 #   FUZZ_BUILD_ONLY=1 tests/fuzz/run_smoke.sh   # configure and build the fuzzers, run none
 #

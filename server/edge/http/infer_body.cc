@@ -7,6 +7,17 @@
 #include "common/status_macros.h"
 
 namespace flashserve {
+
+absl::Status ReceiveBudget::Take(int64_t bytes) {
+  if (used_.fetch_add(bytes) + bytes > limit_) {
+    used_.fetch_sub(bytes);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the HTTP edge holds its most request bytes (--http_max_receive_bytes=", limit_,
+        "); retry later"));
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // The bytes an answer to `r` holds until the client has read it: an unread JSON answer held ~15x
@@ -80,7 +91,7 @@ absl::Status InferBodyReader::Consume(const char* data, size_t n) {
     data += take;
     n -= take;
     if (header_length_ >= 0 && int64_t(header_.size()) == header_length_) {
-      if (header_length_ >= kInlineJsonParseBytes) {
+      if (header_length_ >= limits_.inline_parse_bytes) {
         state_ = State::kStashed;
       } else {
         RETURN_IF_ERROR(ParseHeader());
@@ -116,7 +127,7 @@ absl::Status InferBodyReader::ConsumeBinary(const char* data, size_t n) {
 bool InferBodyReader::ParsesLater() const {
   return state_ == State::kStashed ||
          (state_ == State::kHeader && header_length_ < 0 &&
-          int64_t(header_.size()) >= kInlineJsonParseBytes);
+          int64_t(header_.size()) >= limits_.inline_parse_bytes);
 }
 
 absl::Status InferBodyReader::Finish() {

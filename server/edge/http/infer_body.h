@@ -3,15 +3,32 @@
 // against the HTTP edge's receive budget, and the answer's bytes counted before anything runs.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "edge/http/kserve_json.h"
-#include "edge/http/kserve_rest.h"
 
 namespace flashserve {
+
+/// The bytes of request bodies the HTTP edge holds at once (JSON text and binary inputs, from
+/// their arrival until the request is answered). Thread-safe.
+class ReceiveBudget {
+ public:
+  explicit ReceiveBudget(int64_t limit) : limit_(limit) {}
+  /// RESOURCE_EXHAUSTED (503: retry later) when `bytes` more would pass the limit.
+  absl::Status Take(int64_t bytes);
+  int64_t limit() const { return limit_; }
+  void Give(int64_t bytes) { used_.fetch_sub(bytes); }
+  int64_t used() const { return used_.load(); }
+
+ private:
+  const int64_t limit_;
+  std::atomic<int64_t> used_{0};
+};
+
 
 // Budget for a JSON output element while its answer is built and sent: nlohmann's value (16 B)
 // and its text (up to 25 B: 17 significant digits of a double, sign, exponent, comma), then
@@ -23,6 +40,15 @@ inline constexpr int64_t kJsonAnswerBytesPerElement = 48;
 // a 64 MiB header (~1.6 s) held up every request of its connections, health probes included.
 // Below it (< ~7 ms) the hop to another thread would cost more than it saves.
 inline constexpr int64_t kInlineJsonParseBytes = 256 << 10;
+
+struct KServeRestLimits {
+  int64_t max_request_bytes = int64_t{1} << 30;  // whole body (413 beyond)
+  int64_t max_json_bytes = int64_t{64} << 20;    // JSON part of a body (413 beyond)
+  std::shared_ptr<ReceiveBudget> budget;         // may be null: no edge-wide bound
+  // JSON headers of at least this many bytes are parsed later (kInlineJsonParseBytes; tests and
+  // fuzzers lower it to drive the stash with small bodies).
+  int64_t inline_parse_bytes = kInlineJsonParseBytes;
+};
 
 /// Elements of O and LSE an answer to `r` holds, in JSON and bytes in binary (outputs in a
 /// client's region: none).
@@ -69,7 +95,7 @@ class InferBodyReader {
   /// The JSON header's length is known from the request's headers: refuse before any body byte.
   absl::Status CheckHeaderLength() const;
   absl::Status Consume(const char* data, size_t n);
-  /// Whether Finish has a JSON header of kInlineJsonParseBytes or more left to parse.
+  /// Whether Finish has a JSON header of limits.inline_parse_bytes or more left to parse.
   bool ParsesLater() const;
   /// After the body ended: parses what is left; OK when the request is complete.
   absl::Status Finish();

@@ -22,16 +22,6 @@
 
 namespace flashserve {
 
-absl::Status ReceiveBudget::Take(int64_t bytes) {
-  if (used_.fetch_add(bytes) + bytes > limit_) {
-    used_.fetch_sub(bytes);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the HTTP edge holds its most request bytes (--http_max_receive_bytes=", limit_,
-        "); retry later"));
-  }
-  return absl::OkStatus();
-}
-
 namespace {
 
 constexpr const char kMethod[] = "KServeInfer";  // the `method` label of REST inferences

@@ -13,38 +13,14 @@
 // ValidateAttentionRequest and the edge's receive budget (--http_max_receive_bytes) had room.
 #pragma once
 
-#include <atomic>
-#include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "common/http_listener.h"
+#include "edge/http/infer_body.h"
 #include "edge/http/kserve_json.h"
 #include "runtime/attention_runtime.h"
 
 namespace flashserve {
-
-/// The bytes of request bodies the HTTP edge holds at once (JSON text and binary inputs, from
-/// their arrival until the request is answered). Thread-safe.
-class ReceiveBudget {
- public:
-  explicit ReceiveBudget(int64_t limit) : limit_(limit) {}
-  /// RESOURCE_EXHAUSTED (503: retry later) when `bytes` more would pass the limit.
-  absl::Status Take(int64_t bytes);
-  int64_t limit() const { return limit_; }
-  void Give(int64_t bytes) { used_.fetch_sub(bytes); }
-  int64_t used() const { return used_.load(); }
-
- private:
-  const int64_t limit_;
-  std::atomic<int64_t> used_{0};
-};
-
-struct KServeRestLimits {
-  int64_t max_request_bytes = int64_t{1} << 30;  // whole body (413 beyond)
-  int64_t max_json_bytes = int64_t{64} << 20;    // JSON part of a body (413 beyond)
-  std::shared_ptr<ReceiveBudget> budget;         // may be null: no edge-wide bound
-};
 
 /// The routes, for the HTTP edge's listener. `runtime` must outlive the listener. Inferences
 /// never hold a listener thread while they compute.
