@@ -93,7 +93,7 @@ class Connection {
       }
       const bool keep_open = ServeOne(header);
       calls_->in_progress.fetch_sub(1);
-      if (!keep_open) return;
+      if (!keep_open || calls_->draining.load()) return;
       DropLargeBufferWhenIdle();
     }
   }

@@ -15,6 +15,10 @@ namespace flashserve {
 /// Counts calls between their header and their answer, for the drain. Thread-safe.
 struct LocalCallCount {
   std::atomic<int64_t> in_progress{0};
+  // Set when the listener stops accepting (a drain begins): a connection closes after the answer
+  // it is writing, so that clients sending frames back to back cannot keep in_progress above zero
+  // (the drain waits for zero) until the grace period ends.
+  std::atomic<bool> draining{false};
 };
 
 /// Serves `fd` until it is done with it (does not close it). Borrowed arguments outlive the call.

@@ -114,6 +114,7 @@ void LocalListener::Serve(int fd) {
 }
 
 void LocalListener::StopAccepting() {
+  calls_.draining.store(true);
   if (accept_thread_.joinable()) {
     const uint64_t one = 1;
     if (write(wake_fd_, &one, sizeof(one)) < 0) spdlog::warn("local socket: eventfd write failed");
