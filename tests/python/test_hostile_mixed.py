@@ -24,7 +24,7 @@ from flashserve import attention_pb2 as pb
 from flashserve import attention_pb2_grpc as pb_grpc
 from flashserve import reference, tensors
 from hostile_grpc_stream import stream_claimed_message
-from test_http_hostile import (HOSTILE_FLAGS, INFER, JSON_DOM_PER_TEXT, LISTENER_THREADS, MiB, connect, json_bomb,
+from test_http_hostile import (HOSTILE_FLAGS, INFER, MiB, connect, json_bomb, json_dom_bytes,
                                lying_chunked, over_budget, oversized_claim, post_head, raise_open_file_limit, rss_kib,
                                run_upload, status_of, trickled_body)
 
@@ -43,15 +43,15 @@ AUTH = (("Authorization", f"Bearer {TOKEN}"),)
 
 def memory_bound_kib(base_kib: int, http_connections: int, grpc_connections: int) -> int:
     """What the flags let the server hold at once on top of its idle RSS (base_kib):
-    - the HTTP edge (test_http_hostile.rss_bound_kib's terms): --http_max_receive_bytes of bodies, one JSON DOM of
-      at most JSON_DOM_PER_TEXT x --http_max_json_bytes per listener thread, 96 KiB per connection, 64 MiB allocator slack;
+    - the HTTP edge (test_http_hostile.rss_bound_kib's terms): --http_max_receive_bytes of bodies, the JSON DOMs
+      being built (json_dom_bytes), 96 KiB per connection, 64 MiB allocator slack;
     - gRPC: every buffer it holds (read slices, received messages) is charged to --grpc_memory_quota_bytes; plus
       GRPC_CONNECTION_KIB per connection outside it. (Refused calls are dropped as they arrive: they should cost
       almost nothing; the quota is what a client with the token can make gRPC hold.)
     The receive arena is 0 on the CPU backend (--receive_arena_bytes=-1); no request is computed (they are refused,
     or expire in the queue), so nothing for the backend."""
     f = HOSTILE_FLAGS
-    http = f["http_max_receive_bytes"] + LISTENER_THREADS * JSON_DOM_PER_TEXT * f["http_max_json_bytes"]
+    http = f["http_max_receive_bytes"] + json_dom_bytes()
     http += http_connections * (96 << 10) + 64 * MiB
     grpc_held = GRPC_FLAGS["grpc_memory_quota_bytes"] + grpc_connections * (GRPC_CONNECTION_KIB << 10)
     return base_kib + (http + grpc_held) // 1024

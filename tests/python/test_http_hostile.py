@@ -176,7 +176,9 @@ HOSTILE_FLAGS = {
     "http_idle_timeout_s": 10,
     "max_tensor_elements": 32 * MiB,
 }
-LISTENER_THREADS = 4  # HttpOptions.threads: JSON headers are parsed on these, one at a time each
+LISTENER_THREADS = 4  # HttpOptions.threads: JSON headers under INLINE_PARSE_BYTES are parsed on these
+PARSE_THREADS = 2  # kserve_rest.cc's kParseThreads: larger headers are parsed on these, one at a time each
+INLINE_PARSE_BYTES = 256 << 10  # infer_body.h's kInlineJsonParseBytes
 
 
 # Peak RSS of a JSON header's DOM per byte of its text, the worst the scan lets through (measured on the CPU build,
@@ -187,14 +189,21 @@ JSON_DOM_PER_TEXT = 28
 def rss_bound_kib(base_kib: int, connections: int) -> int:
     """What the flags let the HTTP edge hold at once, on top of the idle server:
     - request-body bytes (JSON text and binary inputs, allocated only after validation): --http_max_receive_bytes;
-    - JSON headers being parsed: one per listener thread, each at most --http_max_json_bytes of text, its DOM at
-      most JSON_DOM_PER_TEXT times that (server/edge/http/README.md);
+    - JSON headers being parsed (json_dom_bytes): one per parse thread of at most --http_max_json_bytes of text and
+      one per listener thread under INLINE_PARSE_BYTES, each DOM at most JSON_DOM_PER_TEXT times its text
+      (server/edge/http/README.md);
     - per connection: the header pool (--http_max_header_bytes + 16 KiB) and socket buffers (say 64 KiB);
     - 64 MiB for the allocator's slack and thread stacks."""
     f = HOSTILE_FLAGS
-    held = f["http_max_receive_bytes"] + LISTENER_THREADS * JSON_DOM_PER_TEXT * f["http_max_json_bytes"]
+    held = f["http_max_receive_bytes"] + json_dom_bytes()
     held += connections * ((16 << 10) + (16 << 10) + (64 << 10)) + 64 * MiB
     return base_kib + held // 1024
+
+
+def json_dom_bytes() -> int:
+    """The most the JSON DOMs being built at once can hold under HOSTILE_FLAGS (rss_bound_kib's second term)."""
+    text = HOSTILE_FLAGS["http_max_json_bytes"]
+    return JSON_DOM_PER_TEXT * (PARSE_THREADS * text + LISTENER_THREADS * min(text, INLINE_PARSE_BYTES))
 
 
 def binary_header(shapes, sizes, dtype="FP32", parameters=None):
