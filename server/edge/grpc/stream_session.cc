@@ -25,6 +25,13 @@ absl::Status RangeSet::Insert(int64_t begin, int64_t end) {
                                                    ") overlaps bytes already sent [", prev->first,
                                                    ", ", prev->second, ")"));
   }
+  const bool touches = (prev != ranges_.end() && prev->second == begin) ||
+                       (next != ranges_.end() && next->first == end);
+  if (!touches && ranges_.size() >= kMaxRanges) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "byte range [", begin, ", ", end, ") would be separate range number ", kMaxRanges + 1,
+        " (at most ", kMaxRanges, "): send each stripe's chunks in order"));
+  }
   covered_ += end - begin;
   // Merge with adjacent neighbours so the map stays small for sequential chunks.
   if (prev != ranges_.end() && prev->second == begin) {
@@ -120,7 +127,7 @@ absl::StatusOr<char*> StreamSession::Reserve(int tensor, int64_t offset, int64_t
   const char* name = tensor == v1::TENSOR_Q ? "q" : tensor == v1::TENSOR_K ? "k" : "v";
   if (absl::Status s = CheckRange(offset, length, size, name); !s.ok()) return s;
   if (absl::Status s = received_[tensor - 1].Insert(offset, offset + length); !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", s.message()));
+    return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
   }
   ++pending_;
   last_activity_ = std::chrono::steady_clock::now();
@@ -182,7 +189,7 @@ absl::StatusOr<std::pair<const char*, int64_t>> StreamSession::ReserveDownload(i
   if (absl::Status s = CheckRange(offset, length, size, "DownloadRequest"); !s.ok()) return s;
   if (absl::Status s = downloaded_[tensor - v1::TENSOR_OUT].Insert(offset, offset + length);
       !s.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("DownloadRequest: ", s.message()));
+    return absl::Status(s.code(), absl::StrCat("DownloadRequest: ", s.message()));
   }
   last_activity_ = std::chrono::steady_clock::now();
   return std::make_pair(static_cast<const char*>(data) + offset, length);

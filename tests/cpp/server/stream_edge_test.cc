@@ -78,6 +78,21 @@ TEST(RangeSetTest, InsertsMergesAndRejectsOverlap) {
   EXPECT_EQ(set.covered(), 40);
 }
 
+TEST(RangeSetTest, HoldsAtMostKMaxRangesSeparateRanges) {
+  RangeSet set;
+  for (size_t i = 0; i < RangeSet::kMaxRanges; ++i) {
+    ASSERT_TRUE(set.Insert(int64_t(2 * i), int64_t(2 * i + 1)).ok()) << i;
+  }
+  const int64_t end = int64_t(2 * RangeSet::kMaxRanges);
+  const absl::Status one_more = set.Insert(end + 1, end + 2);
+  EXPECT_EQ(one_more.code(), absl::StatusCode::kResourceExhausted) << one_more;
+  EXPECT_EQ(set.size(), RangeSet::kMaxRanges);
+  EXPECT_TRUE(set.Insert(end - 1, end).ok());  // touches the last range: merged, not a new one
+  EXPECT_TRUE(set.Insert(1, 2).ok());          // fills a gap: two ranges become one
+  EXPECT_EQ(set.size(), RangeSet::kMaxRanges - 1);
+  EXPECT_TRUE(set.Insert(end + 1, end + 2).ok());  // room again
+}
+
 TEST(CheckRangeTest, NeverOverflows) {
   EXPECT_TRUE(CheckRange(0, 10, 10, "q").ok());
   EXPECT_TRUE(CheckRange(10, 0, 10, "q").ok());
