@@ -224,3 +224,38 @@ def test_unread_rest_answers_hold_the_receive_budget_and_are_dropped_after_the_t
     finally:
         for sock in held:
             sock.close()
+
+
+def test_an_unread_download_gives_its_session_back_after_the_timeout(start_server, rng):
+    """A striped Download the client never reads held its session -- a slot of --stream_max_sessions and its bytes --
+    forever: its writes were watched by nothing, and the reaper drops a session from the table, not from its room
+    (two such calls refused every OpenSession of every client, audit of session 47). Each write now has
+    --answer_timeout_s to leave."""
+    server = start_server("--stream_max_sessions=2", "--stream_session_timeout_ms=1000",
+                          f"--answer_timeout_s={TIMEOUT_S}", name="unread_download")
+    q = rng.standard_normal((1, 1024, 8, 64)).astype(np.float32)
+    header = pb.AttentionRequest(q=pb.Tensor(dtype=pb.FLOAT32, shape=q.shape), k=pb.Tensor(dtype=pb.FLOAT32,
+                                 shape=q.shape), v=pb.Tensor(dtype=pb.FLOAT32, shape=q.shape))
+    client = WindowlessClient(server.grpc_port)
+    try:
+        with flashserve.StripedClient(server.address, timeout=30) as striped:
+            stub = striped.stubs[0]
+            streams = []
+            for _ in range(2):
+                session = stub.OpenSession(header, timeout=30).session_id
+                stub.Upload(iter([pb.AttentionChunk(session_id=session, tensor=t, offset=0, data=q.tobytes())
+                                  for t in (1, 2, 3)]), timeout=30)
+                stub.Compute(pb.ComputeRequest(session_id=session), timeout=30)
+                streams.append(client.call("/flashserve.v1.AttentionStreamService/Download",
+                                           pb.DownloadRequest(session_id=session, tensor=pb.TENSOR_OUT)
+                                           .SerializeToString()))
+            client.pump(1.0)
+            assert not any(s in client.ended for s in streams), client.ended  # held unsent
+            with pytest.raises(grpc.RpcError) as full:
+                stub.OpenSession(header, timeout=30)
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            client.pump(TIMEOUT_S + 2.5)
+            assert all(client.ended.get(s) in ("CANCELLED", "reset") for s in streams), client.ended
+            assert stub.OpenSession(header, timeout=30).session_id  # the slots came back
+    finally:
+        client.close()

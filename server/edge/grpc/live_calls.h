@@ -37,6 +37,12 @@ class LiveCall {
     watch_ = AnswerWatch::Watch(context);
   }
 
+  /// A streamed answer's next write goes to gRPC now: the watch cancels the call if this write
+  /// has not left within --answer_timeout_s (each write gets its own period; the last one's ends).
+  void WriteHandedOver(grpc::ServerContextBase* context) {
+    watch_ = AnswerWatch::Watch(context);
+  }
+
   /// Live calls now: 0 once the server is shut down, or reactors leak.
   static int64_t count() { return count_.load(); }
 

@@ -156,9 +156,9 @@ class StreamService final : public StreamServiceBase {
     return reactor;
   }
 
-  grpc::ServerWriteReactor<grpc::ByteBuffer>* Download(grpc::CallbackServerContext* /*context*/,
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Download(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request) override {
-    return NewDownloadReactor(request, &table_, runtime_->metrics());
+    return NewDownloadReactor(context, request, &table_, runtime_->metrics());
   }
 
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context, const Raw* request,

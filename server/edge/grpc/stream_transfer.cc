@@ -146,8 +146,9 @@ class UploadReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
 class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  DownloadReactor(const grpc::ByteBuffer* request, SessionTable* table, ServerMetrics* metrics)
-      : table_(table), call_(metrics, grpc_methods::kDownload) {
+  DownloadReactor(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                  SessionTable* table, ServerMetrics* metrics)
+      : context_(context), table_(table), call_(metrics, grpc_methods::kDownload) {
     call_.Start(int64_t(request->Length()));
     if (absl::Status s = Begin(request); !s.ok()) {
       Finish(call_.Finish(s));
@@ -214,9 +215,13 @@ class DownloadReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> 
     buffer_ = grpc::ByteBuffer(slices, 2);
     call_.AddBytesOut(int64_t(buffer_.Length()));
     pos_ += n;
+    // A write the client never takes held its slice -- the session's slot and bytes -- forever:
+    // the reaper drops a session from the table, not from its room (audit, session 47).
+    live_.WriteHandedOver(context_);
     StartWrite(&buffer_);
   }
 
+  grpc::CallbackServerContext* const context_;
   SessionTable* const table_;
   std::shared_ptr<StreamSession> session_;
   int tensor_ = 0;
@@ -247,10 +252,10 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewUploadReactor(grpc::CallbackServer
   return new UploadReactor(context, table, response, metrics);
 }
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(const grpc::ByteBuffer* request,
-                                                               SessionTable* table,
-                                                               ServerMetrics* metrics) {
-  return new DownloadReactor(request, table, metrics);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request, SessionTable* table,
+    ServerMetrics* metrics) {
+  return new DownloadReactor(context, request, table, metrics);
 }
 
 }  // namespace flashserve

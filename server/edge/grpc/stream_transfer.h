@@ -38,9 +38,10 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* NewUploadReactor(grpc::CallbackServer
 
 /// The reactor of one Download call (`request`: a serialized DownloadRequest): writes the range
 /// asked for in chunks; the session is dropped once every output byte was downloaded. Deletes
-/// itself when gRPC is done. `table` must outlive it; `metrics` may be null.
-grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(const grpc::ByteBuffer* request,
-                                                               SessionTable* table,
-                                                               ServerMetrics* metrics);
+/// itself when gRPC is done. A write the client has not taken within --answer_timeout_s cancels
+/// the call (AnswerWatch). `table` must outlive it; `metrics` may be null.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* NewDownloadReactor(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request, SessionTable* table,
+    ServerMetrics* metrics);
 
 }  // namespace flashserve
