@@ -278,6 +278,7 @@ void AttentionRuntime::Execute(std::shared_ptr<Job> job) {
   backend_job.deadline = call.deadline;
   backend_job.cancelled = [this, &call] { return Cancelled(call); };
   backend_job.inject = call.inject;
+  if (call.ran != nullptr) call.ran->store(true);
   // The job (request, response, buffers, input owner) stays alive until its done() runs, so the
   // backend may keep reading and writing its tensors after this worker returns.
   backend_->RunAsync(std::move(backend_job), [this, job, started](JobResult result) {

@@ -35,6 +35,11 @@ class AttentionRuntime {
     absl::Time deadline = absl::InfiniteFuture();
     std::function<bool()> cancelled;                // may be empty
     std::function<void(const absl::Status&)> done;  // called exactly once, maybe inline
+    // Set (may be null) when the job is handed to the backend, which may then read the inputs and
+    // write the outputs. A call done with it unset never ran: refused (busy, queue full), expired
+    // or cancelled before it started, its inputs as they were (the striped edge keeps the session
+    // so that Compute can be retried).
+    std::atomic<bool>* ran = nullptr;
 
     // Where Q, K and V arrived; left empty: in the request's data fields (heap). With inputs
     // given, the request's q/k/v data fields are ignored (they are empty on zero-copy edges).

@@ -11,6 +11,7 @@ import pytest
 import flashserve
 from flashserve import attention_pb2 as pb
 from flashserve import attention_pb2_grpc as pb_grpc
+from flashserve import tensors
 from metrics_helpers import scrape
 
 pytestmark = pytest.mark.e2e
@@ -339,3 +340,55 @@ def test_the_timeout_bounds_the_whole_call(server, rng):
         assert took < 1.5 + 0.7, f"the call ran {took:.2f} s with a 1.5 s timeout"
     finally:
         proxy.close()
+
+
+def test_a_compute_refused_before_it_ran_keeps_the_session(start_server, rng, make_qkv):
+    """A Compute refused as busy (--max_inflight_bytes: RESOURCE_EXHAUSTED, "retry later") ended its session: the
+    retry got NOT_FOUND and up to --stream_max_session_bytes had to be uploaded again (audit, session 47). A Compute
+    that never ran now leaves the session as uploaded; the retry computes the right answer."""
+    s = start_server(f"--max_inflight_bytes={64 << 20}")
+    q, k, v = make_qkv(rng, 1, 4096, 4096, 8, 8, 64, "float32")  # 32 MiB with its output
+    header = pb.AttentionRequest()
+    for t, x in ((header.q, q), (header.k, k), (header.v, v)):
+        t.CopyFrom(pb.Tensor(dtype=pb.FLOAT32, shape=list(x.shape)))
+    busy_q = rng.standard_normal((1, 4096, 8, 64)).astype(np.float32)
+    busy_kv = rng.standard_normal((1, 8192, 8, 64)).astype(np.float32)  # 48 MiB in flight for a second or more
+    url = f"http://127.0.0.1:{s.metrics_port}/metrics"
+    with grpc.insecure_channel(s.address, options=[("grpc.max_send_message_length", 1 << 30),
+                                                   ("grpc.max_receive_message_length", 1 << 30)]) as channel:
+        stub = pb_grpc.AttentionStreamServiceStub(channel)
+
+        def uploaded_session() -> str:
+            sid = stub.OpenSession(header, timeout=10).session_id
+            stub.Upload(iter([pb.AttentionChunk(session_id=sid if i == 0 else "", tensor=tensor, offset=0,
+                                                data=x.tobytes())
+                              for i, (tensor, x) in enumerate(((pb.TENSOR_Q, q), (pb.TENSOR_K, k), (pb.TENSOR_V, v)))]),
+                        timeout=30)
+            return sid
+
+        refused = None
+        attention = pb_grpc.AttentionServiceStub(channel).Attention
+        for _ in range(5):  # a busy call that ended before the Compute came is made again, longer
+            sid = uploaded_session()
+            busy = attention.future(pb.AttentionRequest(q=tensors.to_proto(busy_q, "q"), k=tensors.to_proto(busy_kv, "k"),
+                                                        v=tensors.to_proto(busy_kv, "v")), timeout=120)
+            deadline = time.monotonic() + 30
+            while scrape(url).value("flashserve_inflight_requests") < 1 and not busy.done():
+                assert time.monotonic() < deadline, "the busy call never started"
+                time.sleep(0.002)
+            try:
+                stub.Compute(pb.ComputeRequest(session_id=sid), timeout=60)
+            except grpc.RpcError as e:
+                refused = e
+            busy.result()
+            if refused is not None:
+                break
+            busy_kv = np.concatenate([busy_kv, busy_kv], axis=1)
+        assert refused is not None and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "--max_inflight_bytes" in refused.details()
+        stub.Compute(pb.ComputeRequest(session_id=sid), timeout=60)  # the retry: same session, inputs intact
+        out = b"".join(c.data for c in stub.Download(pb.DownloadRequest(session_id=sid, tensor=pb.TENSOR_OUT),
+                                                        timeout=60))
+    out = np.frombuffer(out, dtype=np.float32).reshape(q.shape)
+    assert not np.isnan(out).any()
+    assert np.abs(out - flashserve.reference.attention(q, k, v)).max() < 1e-4

@@ -1,6 +1,7 @@
 #include "edge/grpc/stream_edge.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -31,6 +32,7 @@ struct ComputeState {
   v1::ComputeRequest request;
   v1::AttentionResponse response;
   std::shared_ptr<void> answer_bytes;  // inline_output: --max_inflight_bytes, to the reactor
+  std::atomic<bool> ran{false};        // AttentionRuntime::Call::ran
 };
 
 class StreamService final : public StreamServiceBase {
@@ -119,8 +121,17 @@ class StreamService final : public StreamServiceBase {
     call.received = absl::Now();
     call.deadline = ToAbslTime(context->deadline());
     call.cancelled = [context] { return context->IsCancelled(); };
+    call.ran = &state->ran;
     call.done = [this, reactor, context, session, state, response, raw_response, inline_output,
-                 grpc_call](const absl::Status& status) {
+                 grpc_call, uploaded = session->io()](const absl::Status& status) {
+      if (!status.ok() && !state->ran.load() && !session->close_requested()) {
+        // Never ran (busy, queue full, expired, cancelled): the inputs are as uploaded and the
+        // session stays, so that a retry need not upload up to --stream_max_session_bytes again
+        // (until session 47 any failure ended it, RESOURCE_EXHAUSTED "retry later" included).
+        session->AbortCompute(uploaded);
+        FinishUnary(reactor, grpc_call.get(), status, *response, raw_response);
+        return;
+      }
       if (status.ok() && inline_output) {
         // K = 1: the output goes back in this response (one copy out of the session's buffers).
         const IoBuffers& io = *session->io();

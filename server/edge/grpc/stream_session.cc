@@ -170,6 +170,14 @@ void StreamSession::EndCompute(bool ok) {
   last_activity_ = std::chrono::steady_clock::now();
 }
 
+void StreamSession::AbortCompute(std::shared_ptr<IoBuffers> inputs) {
+  absl::MutexLock lock(&mu_);
+  if (state_ != State::kComputing) return;  // closed meanwhile (reaped, CloseSession)
+  io_ = std::move(inputs);
+  state_ = State::kUploading;
+  last_activity_ = std::chrono::steady_clock::now();
+}
+
 absl::StatusOr<std::pair<const char*, int64_t>> StreamSession::ReserveDownload(int tensor,
                                                                                int64_t offset,
                                                                                int64_t length) {

@@ -98,6 +98,9 @@ class StreamSession {
   absl::Status BeginCompute();
   /// Computing -> output ready (ok) or closed.
   void EndCompute(bool ok);
+  /// Computing -> uploading again, for a Compute that never ran (busy, queue full, expired):
+  /// `inputs` (the buffers as uploaded) become the session's again, so Compute can be retried.
+  void AbortCompute(std::shared_ptr<IoBuffers> inputs);
   /// The byte span [offset, offset+length) of OUT/LSE to send, when the output is ready and the
   /// range was not downloaded before (length 0: to the end). Marks it downloaded.
   absl::StatusOr<std::pair<const char*, int64_t>> ReserveDownload(int tensor, int64_t offset,
