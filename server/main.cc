@@ -28,10 +28,11 @@ int main(int argc, char** argv) {
   // A log pipe whose reader went away (a log shipper that crashed, `| head`) must cost the log
   // line, not the process: SIGPIPE killed it at the next line a gRPC thread or the drain wrote.
   std::signal(SIGPIPE, SIG_IGN);
-  // Before any thread starts, so that every thread inherits the mask and only the main thread's
-  // waits (config/serve_loop.h) take the signals.
-  flashserve::BlockShutdownSignals();
+  // Flags first, with the signals still at their default (parsing starts no thread): a flag file
+  // that took long to read could be stopped. Then, before any thread starts, the mask, so that
+  // every thread inherits it and only the main thread's waits (config/serve_loop.h) take them.
   if (std::optional<int> exit_code = flashserve::ParseServerFlags(argc, argv)) return *exit_code;
+  flashserve::BlockShutdownSignals();
 
   absl::StatusOr<flashserve::ServerConfig> config = flashserve::ServerConfigFromFlags();
   if (!config.ok()) {

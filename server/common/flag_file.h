@@ -10,6 +10,7 @@ namespace flashserve {
 
 inline constexpr int64_t kMaxTokenFileBytes = int64_t{64} << 10;  // --auth_token_file
 inline constexpr int64_t kMaxPemFileBytes = int64_t{1} << 20;     // --tls_cert, --tls_key
+inline constexpr int64_t kMaxFlagFileBytes = int64_t{1} << 20;    // --flagfile
 
 /// The contents of the regular file at `path`, of at most `max_bytes`. NOT_FOUND or
 /// PERMISSION_DENIED when it cannot be opened, INVALID_ARGUMENT (naming `flag`) when it is not a

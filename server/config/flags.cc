@@ -19,7 +19,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "autotune/tune_grid.h"
+#include "common/flag_file.h"
 #include "common/logging.h"
 #include "common/version.h"
 #include "spdlog/spdlog.h"
@@ -334,6 +336,7 @@ NetworkOptions NetworkFromFlags() {
   if (const char* token = std::getenv("FLASHSERVE_AUTH_TOKEN");
       network.auth_token_file.empty() && token != nullptr) {
     network.auth_token = token;
+    network.auth_token_from_env = true;  // even empty: a secret that resolved to "" is no "off"
   }
   network.auth_open_health = absl::GetFlag(FLAGS_auth_open_health);
   return network;
@@ -422,6 +425,37 @@ LimitsOptions LimitsFromFlags() {
 
 }  // namespace
 
+namespace {
+
+// Abseil reads a --flagfile whole, treats a read error as its end and goes on: a directory, or a
+// file it could not finish, left the server on its defaults (auth off, default ports) without a
+// word, and a FIFO or /dev/zero held the start forever. Each one (comma-separated lists too) must
+// be a regular file of at most kMaxFlagFileBytes. Flag files named inside a flag file are Abseil's.
+absl::Status CheckFlagFiles(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (!absl::ConsumePrefix(&arg, "--flagfile") && !absl::ConsumePrefix(&arg, "-flagfile")) {
+      continue;
+    }
+    absl::string_view value;
+    if (absl::ConsumePrefix(&arg, "=")) {
+      value = arg;
+    } else if (arg.empty() && i + 1 < argc) {  // --flagfile PATH
+      value = argv[++i];
+    } else {
+      continue;  // --flagfilex: another flag
+    }
+    for (absl::string_view path : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+      absl::StatusOr<std::string> read =
+          ReadFlagFile(std::string(path), "--flagfile", kMaxFlagFileBytes);
+      if (!read.ok()) return read.status();
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 std::optional<int> ParseServerFlags(int argc, char** argv) {
   absl::FlagsUsageConfig usage_config;
   usage_config.contains_help_flags = [](absl::string_view file) {
@@ -442,6 +476,10 @@ std::optional<int> ParseServerFlags(int argc, char** argv) {
                                       absl::ProgramUsageMessage());
       return 0;
     }
+  }
+  if (absl::Status s = CheckFlagFiles(argc, argv); !s.ok()) {
+    std::cerr << "flashserve: " << s.message() << "\n";
+    return ShutdownOptions::kExitBadConfig;
   }
   absl::ParseCommandLine(argc, argv);
   return std::nullopt;

@@ -46,6 +46,10 @@ absl::StatusOr<std::unique_ptr<BearerAuth>> LoadAuth(const NetworkOptions& netwo
   absl::StatusOr<std::unique_ptr<BearerAuth>> auth;
   if (!network.auth_token_file.empty()) {
     auth = BearerAuth::FromFile(network.auth_token_file);
+  } else if (network.auth_token_from_env && network.auth_token.empty()) {
+    // A Kubernetes secret that resolved to nothing: serving without a token would be a silent "off".
+    return absl::InvalidArgumentError(
+        "FLASHSERVE_AUTH_TOKEN is set but empty (unset it to serve without a token)");
   } else if (!network.auth_token.empty()) {
     auth = BearerAuth::FromToken(network.auth_token);
   } else {

@@ -39,6 +39,7 @@ struct NetworkOptions {
   int answer_timeout_s = GrpcOptions{}.answer_timeout_s;  // 0: no limit
   std::string auth_token_file;  // set: calls need "authorization: Bearer <token>"
   std::string auth_token;       // used when auth_token_file is empty ($FLASHSERVE_AUTH_TOKEN)
+  bool auth_token_from_env = false;  // $FLASHSERVE_AUTH_TOKEN is set (maybe empty: refused)
   bool auth_open_health = HttpOptions{}.open_health;  // /v2/health/* without a token
 
   absl::Status Check() const;

@@ -69,11 +69,12 @@ def test_a_log_pipe_whose_reader_left_costs_log_lines_not_the_process(flashserve
 
 
 @pytest.mark.parametrize("kind", ["device", "fifo", "directory"])
-@pytest.mark.parametrize("flag", ["--auth_token_file", "--tls_cert"])
+@pytest.mark.parametrize("flag", ["--auth_token_file", "--tls_cert", "--flagfile"])
 def test_a_flag_file_that_is_not_a_small_regular_file_exits_2(flashserve_bin, tmp_path, kind, flag):
     """/dev/zero filled memory at ~1 GiB/s and a FIFO without a writer hung the start, both deaf to SIGTERM (the
     shutdown signals are blocked from the start); a directory read as an empty token. Now exit 2 at once, naming the
-    flag."""
+    flag. --flagfile (Abseil's, session 47's audit): a directory or a file it could not finish left the server on its
+    defaults -- auth off, default ports -- without a word; a FIFO or /dev/zero held the start forever."""
     if kind == "device":
         path = "/dev/zero"
     elif kind == "fifo":
@@ -86,6 +87,22 @@ def test_a_flag_file_that_is_not_a_small_regular_file_exits_2(flashserve_bin, tm
                           timeout=20)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-1000:])
     assert f"{flag}: {path} is not a regular file" in proc.stderr, proc.stderr[-1000:]
+
+
+def test_a_flag_file_given_as_the_next_argument_is_checked_too(flashserve_bin, tmp_path):
+    proc = subprocess.run([str(flashserve_bin), "--flagfile", str(tmp_path), "--backend=cpu", *_ports()],
+                          capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2 and f"--flagfile: {tmp_path} is not a regular file" in proc.stderr, proc.stderr
+
+
+def test_an_empty_token_in_the_environment_exits_2(flashserve_bin):
+    """FLASHSERVE_AUTH_TOKEN set but empty (a Kubernetes secret that resolved to nothing) served with auth off and no
+    warning, while a one-space token was refused as too short. Now exit 2, saying how to serve without a token."""
+    env = dict(os.environ, FLASHSERVE_AUTH_TOKEN="")
+    proc = subprocess.run([str(flashserve_bin), "--backend=cpu", *_ports()], capture_output=True, text=True,
+                          timeout=20, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1000:])
+    assert "FLASHSERVE_AUTH_TOKEN is set but empty" in proc.stderr, proc.stderr[-1000:]
 
 
 def test_a_tls_pair_grpc_refuses_exits_2_naming_the_flags(flashserve_bin, tmp_path):
