@@ -346,7 +346,8 @@ def test_a_compute_refused_before_it_ran_keeps_the_session(start_server, rng, ma
     """A Compute refused as busy (--max_inflight_bytes: RESOURCE_EXHAUSTED, "retry later") ended its session: the
     retry got NOT_FOUND and up to --stream_max_session_bytes had to be uploaded again (audit, session 47). A Compute
     that never ran now leaves the session as uploaded; the retry computes the right answer."""
-    s = start_server(f"--max_inflight_bytes={64 << 20}")
+    # The session must outlive the busy call: a sanitized server takes ~60 s over it, the default idle timeout.
+    s = start_server(f"--max_inflight_bytes={64 << 20}", "--stream_session_timeout_ms=600000")
     q, k, v = make_qkv(rng, 1, 4096, 4096, 8, 8, 64, "float32")  # 32 MiB with its output
     header = pb.AttentionRequest()
     for t, x in ((header.q, q), (header.k, k), (header.v, v)):
