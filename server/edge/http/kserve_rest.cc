@@ -1,8 +1,6 @@
 #include "edge/http/kserve_rest.h"
 
-#include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
