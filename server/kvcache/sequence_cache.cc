@@ -359,6 +359,7 @@ void SequenceCache::Remove(Sequence* seq) {
   auto it = table_.find(seq->id);
   std::unique_ptr<Sequence> owned = std::move(it->second);
   table_.erase(it);
+  seq->released = true;
   if (seq->pins == 0) {
     FreePages(seq);
   } else {
@@ -373,16 +374,17 @@ void SequenceCache::Unpin(const std::vector<void*>& pinned) {
     for (void* p : pinned) {
       Sequence* seq = static_cast<Sequence*>(p);
       seq->last_used = now;  // idle counts from a step's end (a long launch is a use)
-      if (--seq->pins > 0) continue;
-      auto it = retired_.find(seq);
-      if (it != retired_.end()) {
-        FreePages(seq);
-        retired_.erase(it);
-      }
+      UnpinLocked(seq);
     }
     PublishLocked();
   }
   unpinned_.notify_all();  // a Truncate waiting for the step to end
+}
+
+void SequenceCache::UnpinLocked(Sequence* seq) {
+  if (--seq->pins > 0 || !seq->released) return;
+  FreePages(seq);  // released while pinned: its last user gives its pages back
+  retired_.erase(seq);
 }
 
 }  // namespace flashserve::kvcache

@@ -175,7 +175,8 @@ class SequenceCache {
   /// Appends rows to one or more layers. ABORTED when a layer's expected_length is neither its
   /// length nor its length less the rows (nothing appended then). DEADLINE_EXCEEDED, nothing
   /// appended, when `deadline` passed while it waited for another append to the sequence.
-  /// A wait also ends (CANCELLED, nothing appended) once `cancelled` says so.
+  /// A wait also ends (CANCELLED, nothing appended) once `cancelled` says so. NOT_FOUND, as for
+  /// an unknown id, also when a Release took the sequence while the rows were copied.
   absl::StatusOr<AppendResult> Append(std::string_view id, const std::vector<LayerRows>& rows,
                                       absl::Time deadline = absl::InfiniteFuture(),
                                       const std::function<bool()>& cancelled = {});
@@ -341,10 +342,18 @@ class SequenceCache {
   // *already.
   absl::Status ValidateAppend(const Sequence& seq, const std::vector<LayerRows>& rows,
                               std::vector<PageRun>* runs, std::vector<int>* already) const;
+  // Ends an Append whose copy returned `written`: moves the lengths of `rows`' layers if every
+  // row landed, unmarks and unpins `seq`; its lengths after in *lengths. NOT_FOUND (nothing
+  // appended) when a Release took the sequence while the rows were copied.
+  absl::Status EndAppendLocked(Sequence* seq, std::string_view id,
+                               const std::vector<LayerRows>& rows, absl::Status written,
+                               std::vector<int64_t>* lengths);  // needs mu_
   bool AnyAppendingLocked(const std::vector<StepItem>& items);  // needs mu_
   void Remove(Sequence* seq);     // needs mu_
   void FreePages(Sequence* seq);  // needs mu_
   void Unpin(const std::vector<void*>& pinned);
+  // Drops one pin; the last one of a released sequence frees it (pages and record).
+  void UnpinLocked(Sequence* seq);  // needs mu_
   void MaybeEvictLocked();  // needs mu_
   // When the oldest waiting decode call arrived (CallWaiting), or Now() when none waits.
   absl::Time OldestWaitingLocked() const;  // needs mu_

@@ -28,6 +28,9 @@ struct SequenceCache::Sequence {
   absl::Time last_used;
   int pins = 0;        // running steps that read it
   bool ready = false;  // false while its prefix is written (invisible to lookups)
+  // Out of the table (released, evicted, or its create failed): a pinned one waits in retired_
+  // for its last unpin, and an Append that was copying into it meanwhile must not answer OK.
+  bool released = false;
   // An Append is copying rows into pages past `lengths` outside the lock: other appends and steps
   // on this sequence wait for it (SequenceCache::appended_).
   bool appending = false;

@@ -146,28 +146,14 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   for (const LayerRows& r : rows) GrowTable(seq, r.layer, r.k.rows, &fresh);
   seq->appending = true;
   appends_running_.fetch_add(1);
-  ++seq->pins;  // not freed by a Release or eviction meanwhile
+  ++seq->pins;  // not evicted, and a Release meanwhile frees it only at EndAppendLocked
   lock.unlock();
   absl::Status written = absl::OkStatus();
   for (const LayerRows& r : rows) {
     if (written.ok()) written = CopyRows(*seq, r.layer, seq->lengths[size_t(r.layer)], r.k, r.v);
   }
   lock.lock();
-  if (written.ok()) {  // a device fault leaves the lengths (the grown pages stay the sequence's)
-    for (const LayerRows& r : rows) seq->lengths[size_t(r.layer)] += r.k.rows;
-  }
-  result.lengths = seq->lengths;
-  seq->appending = false;
-  appends_running_.fetch_sub(1);
-  seq->last_used = Now();
-  if (--seq->pins == 0) {
-    auto it = retired_.find(seq);  // released while it was written
-    if (it != retired_.end()) {
-      FreePages(seq);
-      retired_.erase(it);
-    }
-  }
-  PublishLocked();
+  written = EndAppendLocked(seq, id, rows, std::move(written), &result.lengths);
   lock.unlock();
   appended_.notify_all();
   unpinned_.notify_all();
@@ -175,6 +161,28 @@ absl::StatusOr<AppendResult> SequenceCache::Append(std::string_view id,
   if (metrics_ != nullptr && !result.already_appended.empty())
     metrics_->RecordAlreadyAppended(int64_t(result.already_appended.size()));
   return result;
+}
+
+absl::Status SequenceCache::EndAppendLocked(Sequence* seq, std::string_view id,
+                                            const std::vector<LayerRows>& rows,
+                                            absl::Status written, std::vector<int64_t>* lengths) {
+  // Released while the rows were copied: the pin kept its pages out of the pool (no row landed on
+  // another sequence's), but no sequence holds the rows now. The call lost the race to the
+  // Release, and answers as an Append that came after it: NOT_FOUND, never OK.
+  if (seq->released) {
+    if (metrics_ != nullptr) metrics_->RecordRefused("not_found");
+    written = UnknownSequences({id});
+  }
+  if (written.ok()) {  // a device fault leaves the lengths (the grown pages stay the sequence's)
+    for (const LayerRows& r : rows) seq->lengths[size_t(r.layer)] += r.k.rows;
+  }
+  *lengths = seq->lengths;
+  seq->appending = false;
+  appends_running_.fetch_sub(1);
+  seq->last_used = Now();
+  UnpinLocked(seq);  // may free it: not used after this
+  PublishLocked();
+  return written;
 }
 
 std::vector<std::string> SequenceCache::Release(const std::vector<std::string>& ids,

@@ -124,17 +124,20 @@ absl::StatusOr<std::vector<TruncateResult>> SequenceCache::Truncate(
   std::vector<TruncateResult> results(items.size());
   std::vector<std::vector<int64_t>> freed(items.size());
   int64_t dropped = 0;
+  bool any_freed = false;
   for (size_t i = 0; i < items.size(); ++i) {
     for (int layer : cuts[i])
       results[i].dropped += CutLayer(found[i], layer, items[i].length, &freed[i]);
     found[i]->last_used = Now();
     results[i].lengths = found[i]->lengths;
     dropped += results[i].dropped;
+    any_freed |= !freed[i].empty();
   }
   // Rows still deferred must not land on the pages' next owner, nor over the rows written next at
   // the places this cut gave up inside a kept page (one deferred flush applies its writes in no
-  // particular order).
-  if (dropped > 0) store_->Fence();
+  // particular order). Pages may be freed with no token dropped: the surplus of an append that
+  // failed on the device holds the rows it wrote before the fault.
+  if (dropped > 0 || any_freed) store_->Fence();
   for (size_t i = 0; i < items.size(); ++i) {
     if (!freed[i].empty()) pages_.Free(found[i]->format.page_bytes, freed[i]);
   }

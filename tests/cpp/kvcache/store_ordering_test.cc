@@ -140,5 +140,36 @@ TEST(SequenceCacheFence, TruncateInsideAPageIsFencedBeforeTheNextRowsThere) {
       << "the new rows did not go where the cut rows were: the test proves nothing";
 }
 
+// An append that failed on the device leaves the pages it took (no length counts them), with the
+// rows it wrote before the fault. A Truncate that frees them drops no token, yet must fence them
+// before their next owner writes there (it fenced only when it dropped tokens).
+TEST(SequenceCacheFence, SurplusPagesOfAFailedAppendAreFencedWhenATruncateFreesThem) {
+  RecordingStore store;
+  std::unique_ptr<SequenceCache> cache = testing::SmallCache(&store, 16);
+  std::mt19937 rng(8);
+  const kernels::DType f16 = kernels::DType::kFloat16;
+  testing::Bits forty = testing::RandomRows(&rng, 40, 1, 64, f16);  // three pages
+  testing::Bits one = testing::RandomRows(&rng, 1, 1, 64, f16);
+  CreateRequest request;
+  request.shape = {1, 1, 1, 64, f16};
+  const std::string a = cache->CreateSequence(request)->id;
+  store.fail_writes_from = 2;  // the first page's K and V land, then the device faults
+  EXPECT_FALSE(
+      cache->Append(a, {{0, testing::Rows(forty, 1, 64, f16), testing::Rows(forty, 1, 64, f16)}})
+          .ok());
+  store.fail_writes_from = -1;
+  const absl::StatusOr<std::vector<TruncateResult>> cut = cache->Truncate({{a, 0, {}}});
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  EXPECT_EQ(cut->front().dropped, 0);
+  EXPECT_EQ(cache->Stats().used_bytes, 0) << "the failed append's pages were not freed";
+  request.prefix.push_back({0, testing::Rows(one, 1, 64, f16), testing::Rows(one, 1, 64, f16)});
+  ASSERT_TRUE(cache->CreateSequence(request).ok());
+  // The failed append's K and V, its fault, the fence of the cut, then B's rows on the same page.
+  ASSERT_EQ(store.events.size(), 6u) << absl::StrJoin(store.events, " ");
+  EXPECT_EQ(store.events[3], "F") << absl::StrJoin(store.events, " ");
+  EXPECT_EQ(store.events[0], store.events[4])
+      << "B did not reuse the failed append's page: the test proves nothing";
+}
+
 }  // namespace
 }  // namespace flashserve::kvcache
