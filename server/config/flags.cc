@@ -196,9 +196,11 @@ ABSL_FLAG(
 ABSL_FLAG(
     std::string, log_level, flashserve::LogOptions{}.level,
     "Log level: trace, debug, info, warn, error, critical, off (debug: one line per request)");
+static_assert(flashserve::ModelOptions::kMaxNameBytes == 256);  // spelled out below
 ABSL_FLAG(std::string, model_name, flashserve::ModelOptions{}.model_name,
           "Model name of the KServe v2 / Open Inference Protocol API (REST /v2/models/<name>, "
-          "gRPC inference.GRPCInferenceService)");
+          "gRPC inference.GRPCInferenceService): 1 to 256 letters, digits, '_', '-' and '.' "
+          "(not \".\" or \"..\"), so that it needs no percent-encoding in a URL");
 ABSL_FLAG(int, stream_max_sessions, flashserve::StreamOptions{}.max_sessions,
           "Striped streaming API (flashserve.v1.AttentionStreamService): open sessions at a time; "
           "each holds up to --max_request_bytes of tensors, all together up to "
@@ -209,8 +211,9 @@ ABSL_FLAG(int64_t, stream_session_timeout_ms, flashserve::StreamOptions{}.sessio
 ABSL_FLAG(int64_t, kv_cache_bytes, flashserve::SequenceRuntimeOptions{}.cache.capacity_bytes,
           "Sequences API: bytes of the KV cache pool (device memory on the CUDA backend, "
           "reserved at startup; host memory on the CPU backend), rounded down to 2 MiB slabs; "
-          "0 or at least 2097152 (one slab). 0: the Sequences API is off (its calls get "
-          "FAILED_PRECONDITION; GetKvPoolInfo answers enabled: false)");
+          "0 or at least 2097152 (one slab); on the CPU backend at most the host's memory "
+          "(physical memory, or the cgroup's memory.max when smaller). 0: the Sequences API is "
+          "off (its calls get FAILED_PRECONDITION; GetKvPoolInfo answers enabled: false)");
 ABSL_FLAG(int, kv_page_tokens, flashserve::SequenceRuntimeOptions{}.cache.page_tokens,
           "Sequences API: tokens per KV page (a page holds K and V of one layer), in [1, 1024]");
 ABSL_FLAG(int64_t, sequence_ttl_s,

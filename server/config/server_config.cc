@@ -2,11 +2,12 @@
 
 #include <algorithm>
 #include <climits>
+#include <string>
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace flashserve {
 namespace {
@@ -19,6 +20,8 @@ absl::Status OutOfRange(absl::string_view flag, int64_t value, int64_t low, int6
 absl::Status CheckPort(absl::string_view flag, int port) {
   return port >= 0 && port <= 65535 ? absl::OkStatus() : OutOfRange(flag, port, 0, 65535);
 }
+
+bool IsModelNameByte(char c) { return absl::ascii_isalnum(c) || c == '_' || c == '-' || c == '.'; }
 
 }  // namespace
 
@@ -160,8 +163,24 @@ absl::Status StreamOptions::Check() const {
 }
 
 absl::Status ModelOptions::Check() const {
-  if (model_name.empty() || absl::StrContains(model_name, '/')) {
-    return absl::InvalidArgumentError("--model_name must be non-empty and without '/'");
+  const std::string rule =
+      absl::StrCat("a model name is 1 to ", kMaxNameBytes, " letters, digits, '_', '-' and '.'");
+  if (model_name.empty() || model_name.size() > kMaxNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model_name is ", model_name.size(), " bytes: ", rule));
+  }
+  // URL-unreserved bytes only (no '~'): nothing a client must percent-encode in the REST path,
+  // and nothing that ends a log line or a metric label. The byte is shown as hex, not echoed.
+  const auto bad = std::find_if_not(model_name.begin(), model_name.end(), IsModelNameByte);
+  if (bad != model_name.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("--model_name has byte 0x%02x at offset %d: %s", int(uint8_t(*bad)),
+                        bad - model_name.begin(), rule));
+  }
+  // Dot segments: clients and proxies remove them from a URL path (/v2/models/../infer).
+  if (model_name == "." || model_name == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model_name must not be \"", model_name, "\" (a URL dot segment): ", rule));
   }
   return absl::OkStatus();
 }

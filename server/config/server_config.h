@@ -126,6 +126,10 @@ struct StreamOptions {
 
 /// The KServe v2 / Open Inference Protocol model both edges present.
 struct ModelOptions {
+  // The name is a path segment of /v2/models/<name>/versions/1/infer (the HTTP listener answers
+  // 414 to a path over kMaxPathBytes, 2048), a metric label and a log field: 256 bytes keep that
+  // route far inside the limit and are more than model names use.
+  static constexpr size_t kMaxNameBytes = 256;
   std::string model_name = kserve::KServeOptions{}.model_name;
 
   absl::Status Check() const;

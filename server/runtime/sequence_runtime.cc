@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "memory/host_memory_bound.h"
 #include "runtime/decode_batcher.h"
 
 namespace flashserve {
@@ -91,6 +92,16 @@ absl::StatusOr<std::unique_ptr<SequenceRuntime>> SequenceRuntime::Create(
     const SequenceRuntimeOptions& options, Backend* backend, Scheduler* scheduler,
     ServerMetrics* metrics) {
   if (absl::Status s = options.Check(); !s.ok()) return s;
+  // The CPU store maps its pool lazily (MAP_NORESERVE), so mmap takes a pool larger than the
+  // host and the OOM killer ends the process once sequences fill it. A CUDA pool is allocated
+  // whole at once, and cudaMalloc refuses one past the device's memory.
+  if (backend->capabilities().name == "cpu") {
+    if (absl::Status s = CheckFitsHostMemory("kv_cache_bytes", options.cache.capacity_bytes,
+                                             ReadHostMemoryBound());
+        !s.ok()) {
+      return s;
+    }
+  }
   auto runtime = std::unique_ptr<SequenceRuntime>(new SequenceRuntime(options, scheduler));
   absl::StatusOr<std::unique_ptr<kvcache::KvStore>> store =
       backend->CreateKvStore(options.cache.capacity_bytes, options.launches_in_flight);

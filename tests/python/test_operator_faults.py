@@ -122,6 +122,56 @@ def test_a_tls_pair_grpc_refuses_exits_2_naming_the_flags(flashserve_bin, tmp_pa
         assert "--tls_cert / --tls_key" in proc.stderr, proc.stderr[-1500:]
 
 
+@pytest.mark.parametrize("name", ["a b", "a/b", "a%2Fb", "a\x1b[31mred", "caf\u00e9", "..", "m" * 257, "m" * 3000])
+def test_a_model_name_a_url_cannot_carry_exits_2(flashserve_bin, name):
+    """--model_name took any bytes at any length: one over ~2 KiB made /v2/models/<name> answer 414 (the model was
+    unreachable over REST while the server said ready), a space or '/' needed percent-encoding or split the path, and
+    control bytes reached the log and the metric labels. Now exit 2, naming the flag and the rule, not echoing it."""
+    proc = subprocess.run([str(flashserve_bin), "--backend=cpu", f"--model_name={name}", *_ports()],
+                          capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1000:])
+    line = next((x for x in proc.stderr.splitlines() if "--model_name" in x), "")
+    assert "letters, digits, '_', '-' and '.'" in line, proc.stderr[-1000:]
+    assert "\x1b" not in proc.stderr and "m" * 257 not in proc.stderr, proc.stderr[-1000:]
+
+
+def test_the_longest_model_name_is_served_over_rest(flashserve_bin):
+    name = "m" * 256
+    ports = _ports()
+    http = f"http://127.0.0.1:{ports[1].split('=')[1]}"
+    proc = subprocess.Popen([str(flashserve_bin), "--backend=cpu", f"--model_name={name}", *ports],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(http, proc)
+        with urllib.request.urlopen(f"{http}/v2/models/{name}/versions/1/ready", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _physical_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("claim", [1 << 60, "twice physical memory"])
+def test_a_kv_cache_larger_than_the_host_exits_2(flashserve_bin, claim):
+    """The CPU backend maps its KV pool lazily (MAP_NORESERVE): a pool past physical memory (or the cgroup's
+    memory.max) that the address space holds was accepted, and the OOM killer ended the process once sequences filled
+    it. Now exit 2 at startup naming the flag, the claim and the bound. (1 << 60 was refused before too, by mmap.)"""
+    if claim == "twice physical memory":
+        claim = 2 * _physical_memory_bytes()
+    start = time.monotonic()
+    proc = subprocess.run([str(flashserve_bin), "--backend=cpu", f"--kv_cache_bytes={claim}", *_ports()],
+                          capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-1000:])
+    assert time.monotonic() - start < 10
+    line = next((x for x in proc.stderr.splitlines() if f"--kv_cache_bytes={claim} (" in x), "")
+    assert "is more memory than this host has: " in line and " bytes (" in line, proc.stderr[-1000:]
+    bound = int(line.rsplit(" is ", 1)[1].split(" bytes")[0])
+    assert 0 < bound <= _physical_memory_bytes() < claim, line
+
+
 def test_descriptors_that_ran_out_under_grpc_end_in_a_restart(flashserve_bin):
     """gRPC 1.51's listener stops for good at an accept error such as EMFILE: the port took no connection again,
     while /v2/health/live and ready said 200 and the process ran on (a Kubernetes pod stayed Ready, serving nothing).
