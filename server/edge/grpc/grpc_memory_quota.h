@@ -32,7 +32,8 @@ inline constexpr int64_t kGrpcMemoryQuotaAuto = -1;
 inline constexpr int64_t kGrpcMemoryQuotaMaxAuto = int64_t{4} << 30;
 inline constexpr int64_t kGrpcMemoryQuotaHeadroom = int64_t{64} << 20;
 
-/// Physical memory, or the cgroup (v2 or v1) memory limit when that is smaller; 0 if unknown.
+/// Physical memory, or the cgroup (v2 or v1) memory limit when that is smaller; 0 if unknown
+/// (ReadHostMemoryBound: the process's own cgroup and its ancestors, not only the root's file).
 int64_t HostMemoryBytes();
 
 /// The quota in bytes for `requested` (see above; 0: none), or INVALID_ARGUMENT for values below
