@@ -10,7 +10,9 @@
 // --shutdown_grace_seconds and exits so that its supervisor restarts it with a fresh GPU context;
 // 3 also when the shutdown outlasts the grace period by over 20 s (a device launch that never
 // completes), or 20 s after a second signal (kShutdownOverrunSeconds), and at once at a signal
-// after that second one (a forced stop: WatchShutdownSignals).
+// after that second one (a forced stop: WatchShutdownSignals). A shutdown signal during startup
+// exits 0 too, within kStartupStopGrace and without a drain (StartupSignalWatch): nothing was
+// served yet.
 #include <csignal>
 #include <memory>
 #include <optional>
@@ -30,9 +32,12 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   // Flags first, with the signals still at their default (parsing starts no thread): a flag file
   // that took long to read could be stopped. Then, before any thread starts, the mask, so that
-  // every thread inherits it and only the main thread's waits (config/serve_loop.h) take them.
+  // every thread inherits it and only the waits of config/serve_loop.h take them: during the
+  // start the watch's (a start held by a DNS lookup or a GPU still stops within a second), then
+  // the main thread's.
   if (std::optional<int> exit_code = flashserve::ParseServerFlags(argc, argv)) return *exit_code;
   flashserve::BlockShutdownSignals();
+  flashserve::StartupSignalWatch startup_watch;
 
   absl::StatusOr<flashserve::ServerConfig> config = flashserve::ServerConfigFromFlags();
   if (!config.ok()) {
@@ -42,7 +47,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<flashserve::Server>> server = flashserve::Server::Start(*config);
   if (!server.ok() && server.status().code() == absl::StatusCode::kCancelled) {
     spdlog::info("stopped before serving: {}", std::string(server.status().message()));
-    return 0;  // a shutdown signal during startup (tuning): what was asked
+    return ShutdownOptions::kExitOk;  // a shutdown signal during startup (tuning): what was asked
   }
   if (!server.ok()) {
     spdlog::error("{}", std::string(server.status().message()));
@@ -53,6 +58,7 @@ int main(int argc, char** argv) {
                ? ShutdownOptions::kExitBadConfig
                : ShutdownOptions::kExitStartFailed;
   }
+  startup_watch.End();  // a signal it took goes to the wait below: the drain as for any other
   const flashserve::StopEvent stop = (*server)->WaitForStop();
   flashserve::ExitIfShutdownOutlasts(
       absl::Seconds(config->shutdown.grace_seconds + ShutdownOptions::kShutdownOverrunSeconds),

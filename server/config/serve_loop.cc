@@ -1,15 +1,22 @@
 #include "config/serve_loop.h"
 
+#include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "absl/time/clock.h"
 #include "config/server_config.h"
@@ -172,7 +179,121 @@ void RunWatchdog(Watchdog& w) {
   }
 }
 
+// The startup's signal watch (StartupSignalWatch): StartupStopRequested reads it on any thread.
+// Never destroyed, as the watchdog.
+struct StartupWatchState {
+  std::mutex mu;
+  std::condition_variable ended_changed;
+  bool running = false;  // from a watch's start to its End()
+  bool ended = true;     // its End() has begun
+  int taken = 0;         // the signal the watch took; 0 before
+};
+
+StartupWatchState& TheStartupWatch() {
+  static StartupWatchState* const state = new StartupWatchState();
+  return *state;
+}
+
+// A shutdown signal read from `signal_fd`, else 0 once `wake_fd` says the startup is over (a
+// signal pending then stays pending, for the serve loop).
+int ReadSignalUnlessWoken(int signal_fd, int wake_fd) {
+  pollfd fds[] = {{wake_fd, POLLIN, 0}, {signal_fd, POLLIN, 0}};
+  for (;;) {
+    const int ready = poll(fds, 2, -1);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) {
+      spdlog::warn("startup: waiting for shutdown signals failed: {}", std::strerror(errno));
+      return 0;
+    }
+    if (fds[0].revents != 0) return 0;
+    signalfd_siginfo info{};
+    // Non-blocking: a signal another wait took in between (EAGAIN) means poll again.
+    if (read(signal_fd, &info, sizeof(info)) == ssize_t(sizeof(info))) {
+      return int(info.ssi_signo);
+    }
+  }
+}
+
+void WatchStartup(StartupWatchState& w, int signal_fd, int wake_fd) {
+  const int taken = ReadSignalUnlessWoken(signal_fd, wake_fd);
+  if (taken == 0) return;
+  std::unique_lock<std::mutex> lock(w.mu);
+  w.taken = taken;
+  if (w.ended) return;  // started after all: End() hands the signal to the serve loop
+  lock.unlock();        // a log line must not hold up End()
+  spdlog::warn(
+      "{} received during startup: stopping (exit {}; at once if the start still runs in {} ms)",
+      SignalName(taken), ShutdownOptions::kExitOk, absl::ToInt64Milliseconds(kStartupStopGrace));
+  lock.lock();
+  if (w.ended_changed.wait_for(lock, absl::ToChronoNanoseconds(kStartupStopGrace),
+                               [&w] { return w.ended; })) {
+    return;
+  }
+  // Whatever holds the start (a lookup, a driver call) may never return, and destructors would
+  // run beside the threads it started: end here, as the shutdown's watchdog does.
+  spdlog::error("startup still running {} ms after {}: exiting now with code {}",
+                absl::ToInt64Milliseconds(kStartupStopGrace), SignalName(taken),
+                ShutdownOptions::kExitOk);
+  ExitNow(ShutdownOptions::kExitOk);
+}
+
 }  // namespace
+
+StartupSignalWatch::StartupSignalWatch() {
+  const sigset_t signals = ShutdownSignals();
+  signal_fd_ = signalfd(-1, &signals, SFD_NONBLOCK | SFD_CLOEXEC);
+  wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (signal_fd_ < 0 || wake_fd_ < 0) {
+    spdlog::warn("startup: cannot watch for shutdown signals ({}); they wait until serving begins",
+                 std::strerror(errno));
+    if (signal_fd_ >= 0) close(signal_fd_);
+    if (wake_fd_ >= 0) close(wake_fd_);
+    return;
+  }
+  StartupWatchState& w = TheStartupWatch();
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.running = true;
+    w.ended = false;
+    w.taken = 0;
+  }
+  watch_ = std::thread(
+      [&w, signal_fd = signal_fd_, wake_fd = wake_fd_] { WatchStartup(w, signal_fd, wake_fd); });
+}
+
+void StartupSignalWatch::End() {
+  if (!watch_.joinable()) return;
+  StartupWatchState& w = TheStartupWatch();
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.ended = true;
+  }
+  w.ended_changed.notify_all();
+  const uint64_t wake = 1;
+  if (write(wake_fd_, &wake, sizeof(wake)) < 0) {
+    spdlog::warn("startup: cannot wake the signal watch: {}", std::strerror(errno));
+  }
+  watch_.join();
+  close(signal_fd_);
+  close(wake_fd_);
+  int taken = 0;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.running = false;
+    std::swap(taken, w.taken);
+  }
+  // Blocked in every thread, it stays pending until the serve loop's wait takes it.
+  if (taken != 0) kill(getpid(), taken);
+}
+
+bool StartupStopRequested() {
+  {
+    StartupWatchState& w = TheStartupWatch();
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.running) return w.taken != 0;
+  }
+  return ShutdownSignalPending();
+}
 
 void ExitIfShutdownOutlasts(absl::Duration limit, int exit_code) {
   Watchdog& w = TheWatchdog();

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <functional>
+#include <thread>
 
 #include "absl/time/time.h"
 
@@ -25,6 +26,38 @@ struct StopEvent {
 /// Blocks the shutdown signals (SIGINT, SIGTERM, SIGHUP) in the calling thread, and so in every
 /// thread it starts later: only the waits below take them. Call first thing in main.
 void BlockShutdownSignals();
+
+/// How long startup work that polls StartupStopRequested() (startup tuning) has to unwind after a
+/// shutdown signal before StartupSignalWatch ends the process itself.
+inline constexpr absl::Duration kStartupStopGrace = absl::Milliseconds(500);
+
+/// Takes the shutdown signals while the server starts. Without it they waited, blocked, for the
+/// serve loop's first wait: a start held by a DNS lookup for --host, a GPU's initialisation or a
+/// listener's bind ignored the SIGTERM of `docker stop` / Kubernetes until their SIGKILL.
+/// At a signal it logs "<SIGNAL> received during startup" and StartupStopRequested() turns
+/// true; if the startup has not ended kStartupStopGrace later, the process exits kExitOk at
+/// once, running no destructors (what holds the start may never return, and its threads are
+/// running). Start it right after BlockShutdownSignals; one at a time; main thread only.
+class StartupSignalWatch {
+ public:
+  StartupSignalWatch();
+  ~StartupSignalWatch() { End(); }
+  StartupSignalWatch(const StartupSignalWatch&) = delete;
+  StartupSignalWatch& operator=(const StartupSignalWatch&) = delete;
+
+  /// The startup is over (served or failed): the serve loop's waits take the signals from here. A
+  /// signal the watch took is raised again for them: a server that did start drains as usual.
+  void End();
+
+ private:
+  int signal_fd_ = -1;  // reads the pending shutdown signals
+  int wake_fd_ = -1;    // End() wakes the watch through it
+  std::thread watch_;
+};
+
+/// Whether a shutdown signal asked the startup to stop: taken by the StartupSignalWatch, or
+/// without one running, pending (taken then: it counts once).
+bool StartupStopRequested();
 
 /// Waits for a shutdown signal or for `live` to return false, asking it every `tick`.
 StopEvent WaitForStop(const std::function<bool()>& live, absl::Duration tick = absl::Seconds(1));

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -15,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -133,6 +136,22 @@ bool PortIsFree(const std::string& host, int port) {
   return !errors.empty() && errors.back() == 0;
 }
 
+// TEST ONLY, and only with --enable_fault_injection: $FLASHSERVE_TEST_HOLD_STARTUP_MS holds the
+// start that long with the backend, scheduler and gRPC threads running, deaf to signals as a
+// hanging DNS lookup, GPU initialisation or bind is, so that tests/python/test_startup_signals.py
+// can signal a startup in progress deterministically. Unset (the default): nothing.
+void HoldStartupForTest(const TestHookOptions& hooks) {
+  const char* value = std::getenv("FLASHSERVE_TEST_HOLD_STARTUP_MS");
+  if (!hooks.enable_fault_injection || value == nullptr) return;
+  int64_t ms = 0;
+  if (!absl::SimpleAtoi(value, &ms) || ms <= 0) {
+    spdlog::warn("FLASHSERVE_TEST_HOLD_STARTUP_MS={}: not a positive number of ms; ignored", value);
+    return;
+  }
+  spdlog::warn("TEST ONLY: holding the start for {} ms (FLASHSERVE_TEST_HOLD_STARTUP_MS)", ms);
+  absl::SleepFor(absl::Milliseconds(ms));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config) {
@@ -151,6 +170,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   // a scrape right after HTTP says "ready" finds it listening.
   if (absl::Status s = server->StartLocal(); !s.ok()) return s;
   if (absl::Status s = server->StartGrpc(); !s.ok()) return s;
+  HoldStartupForTest(config.test_hooks);
   if (absl::Status s = server->StartScrape(); !s.ok()) return s;
   if (absl::Status s = server->StartHttp(); !s.ok()) return s;
   server->LogServing();
@@ -170,8 +190,9 @@ absl::Status Server::StartBackend() {
   backend_options.cuda.on_autotune_event = [relay = autotune_relay_](const char* event) {
     if (ServerMetrics* metrics = relay->load()) metrics->RecordAutotune(event);
   };
-  // A shutdown signal during startup tuning (minutes) ends the start (main exits 0).
-  backend_options.cuda.stop_requested = [] { return ShutdownSignalPending(); };
+  // A shutdown signal during startup tuning (minutes) ends the start (main exits 0; the
+  // StartupSignalWatch ends the process itself if the class in progress takes too long).
+  backend_options.cuda.stop_requested = [] { return StartupStopRequested(); };
   absl::StatusOr<CreatedBackend> created = CreateBackend(backend_options);
   if (!created.ok()) {
     return absl::Status(created.status().code(),

@@ -243,7 +243,8 @@ def test_a_cache_from_another_sm_count_is_ignored(flashserve_bin, tmp_path):
 def test_a_signal_during_startup_tuning_stops_it(flashserve_bin, tmp_path):
     """SIGTERM while --autotune=startup tunes its grid: the server stops tuning within a second or so and exits 0. The
     signals were only taken once serving began, so the whole grid (minutes) ran first, past a startupProbe's patience
-    (the kubelet then killed it mid-tune)."""
+    (the kubelet then killed it mid-tune). The startup's signal watch (config/serve_loop.h) takes the signal: the
+    tuning stops after the class in progress, or, if that takes over 0.5 s, the process exits 0 at once."""
     import signal
 
     if not _gpu_present():
@@ -270,8 +271,10 @@ def test_a_signal_during_startup_tuning_stops_it(flashserve_bin, tmp_path):
     text = log.read_text()
     assert "startup tuning done" not in text, "the grid was tuned before the signal: make it bigger"
     assert code == 0, (code, text[-3000:])
-    assert "stopped before serving" in text and "startup tuning stopped" in text, text[-3000:]
-    assert took < 10, f"exited {took:.1f} s after SIGTERM"
+    assert "SIGTERM received during startup" in text, text[-3000:]
+    unwound = "stopped before serving" in text and "startup tuning stopped" in text
+    assert unwound or "startup still running" in text, text[-3000:]
+    assert took < 5, f"exited {took:.1f} s after SIGTERM"
 
 
 def test_device_memory_pool_metrics(cuda_server, rng):
