@@ -80,20 +80,40 @@ absl::Status CheckObjectOwner(absl::string_view key, const struct stat& st, bool
       geteuid(), " (start the server with --shm_any_uid to map other users' objects)"));
 }
 
+// Why shm_open failed, with the code that says what the client can do about it.
+absl::Status OpenError(absl::string_view key, int err) {
+  const std::string what = absl::StrCat("shared-memory key \"", key, "\"");
+  switch (err) {
+    case ENOENT:
+      return absl::NotFoundError(
+          absl::StrCat(what, " does not exist (create it before registering)"));
+    case EACCES:
+    case EPERM:
+      return absl::PermissionDeniedError(
+          absl::StrCat("cannot open ", what, ": ", std::strerror(err)));
+    case EWOULDBLOCK:
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": another process holds a lease on the object (fcntl F_SETLEASE); release it"));
+    case EMFILE:
+    case ENFILE:
+    case ENOMEM:
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cannot open ", what, ": ", std::strerror(err), " (on the server)"));
+    default:  // EINVAL (a directory), ELOOP (a symbolic link), ENXIO (a socket), ...
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, " is not a shared-memory object (", std::strerror(err), ")"));
+  }
+}
+
 // Maps [offset, offset + byte_size) of the shm object `key`, read-write.
 absl::Status MapSystem(absl::string_view key, uint64_t offset, uint64_t byte_size, bool any_uid,
                        ShmRegistry::Region* region) {
   const std::string path(key);
-  const int fd = shm_open(path.c_str(), O_RDWR, 0);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) {
-      return absl::NotFoundError(absl::StrCat("shared-memory key \"", key,
-                                              "\" does not exist (create it before registering)"));
-    }
-    return absl::PermissionDeniedError(
-        absl::StrCat("cannot open shared-memory key \"", key, "\": ", std::strerror(err)));
-  }
+  // O_NONBLOCK: an object another process holds a lease on (fcntl F_SETLEASE) would otherwise
+  // hold this thread until the lease is broken, 45 s by default (/proc/sys/fs/lease-break-time);
+  // a few such registrations held every gRPC thread, health included.
+  const int fd = shm_open(path.c_str(), O_RDWR | O_NONBLOCK, 0);
+  if (fd < 0) return OpenError(key, errno);
   struct stat st;
   absl::Status status;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

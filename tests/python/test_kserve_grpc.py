@@ -190,3 +190,23 @@ def test_model_infer_errors(oip, limits_server):
     # Still serving.
     assert len(stub.ModelInfer(infer_request(pb2, q, k, k), timeout=30).outputs) == 1
     channel.close()
+
+
+@pytest.mark.parametrize("method,field", [("ModelInfer", b"\x2a\x00"),  # inputs {} (an empty InferInputTensor)
+                                          ("ServerLive", b"\x08\x00")])  # an unknown field; health needs no token
+def test_requests_that_parse_into_many_objects_are_refused_unparsed(oip, server, method, field):
+    """2 bytes on the wire became a message of ~200 bytes (or an unknown field of ~50) when parsed: 16 MiB of them
+    grew the server by 1.8 GiB (ModelInfer) or 0.5 GiB (ServerLive, open without a token), and --max_request_bytes
+    allows 1 GiB. Now the objects are counted on the wire first and the request refused."""
+    from test_bad_input_matrix import PeakRss
+
+    channel = grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", BIG)])
+    call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+    with PeakRss(server.proc.pid) as rss:
+        with pytest.raises(grpc.RpcError) as e:
+            call(field * (8 << 20), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "more than 65536 messages, strings, map entries and unknown fields" in e.value.details()
+    assert rss.growth < 160, f"peak RSS +{rss.growth:.0f} MiB for a 16 MiB request"
+    assert oip[1].GRPCInferenceServiceStub(channel).ServerLive(oip[0].ServerLiveRequest()).live
+    channel.close()

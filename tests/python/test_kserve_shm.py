@@ -9,14 +9,24 @@ unregistered, the limit on regions. tritonclient runs in a child process (see te
 
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
+import os
+import signal
 import subprocess
 import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 
 from metrics_helpers import scrape
+from test_kserve_grpc import DATATYPES, oip, stub_for  # noqa: F401 - oip is a fixture
 from test_kserve_tritonclient import interop_python
 
 pytestmark = pytest.mark.e2e
@@ -298,6 +308,8 @@ def test_rest_shm_bodies_are_read_as_sent(shm_server):
         refused(post("cudasharedmemory/region/c/register",
                      '{"raw_handle": {"b64": "AAAA"}, "device_id": 18446744073709551615, "byte_size": 16}'),
                 "device_id: 18446744073709551615 is not a device")
+        refused(post(register, '{"key": 5, "byte_size": 16}'), "key: must be a string")  # was "key: missing"
+        refused(post(register, '{"byte_size": 16}'), "key: missing")
         assert post(register, json.dumps({"key": key, "offset": 0, "byte_size": 4096})).status_code == 200
 
         def tensor(name, offset):
@@ -417,3 +429,105 @@ def test_an_object_cut_short_during_a_request_fails_it_and_the_server_lives(shm_
             check_answer(got, None, q, k, v, causal=False)
     # Some cuts must land before or during a request, or the test shows nothing.
     assert failed > 0, report["outcomes"]
+
+
+@pytest.fixture
+def leased_object(tmp_path):
+    """A 4 KiB shm object this process holds a read lease on (fcntl F_SETLEASE): yields its key."""
+    key = f"fs_lease_{os.getpid()}_{threading.get_ident()}"
+    path = f"/dev/shm/{key}"
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    fd = os.open(path, os.O_RDONLY)
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)  # a lease break notifies the holder
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        signal.signal(signal.SIGIO, previous)
+        pytest.skip(f"cannot take a lease here: {e}")
+    yield "/" + key
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    os.close(fd)
+    os.unlink(path)
+    signal.signal(signal.SIGIO, previous)
+
+
+def test_a_leased_object_is_refused_at_once_and_grpc_keeps_serving(shm_server, oip, leased_object):
+    """Opening an object another process holds a lease on waits until the kernel breaks the lease (45 s by default):
+    a registration of one held its gRPC thread that long, and 8 of them (one leased object, 8 names) left the server
+    answering nothing on gRPC, ServerLive included, for 45 s. Now each is refused at once, naming the lease."""
+    pb2 = oip[0]
+    channel, stub = stub_for(oip, shm_server.address)
+    results = [None] * 6  # shm_server's --shm_max_regions
+
+    def register(i):
+        try:
+            stub.SystemSharedMemoryRegister(pb2.SystemSharedMemoryRegisterRequest(
+                name=f"leased{i}", key=leased_object, byte_size=64), timeout=10)
+            results[i] = ("OK", "")
+        except grpc.RpcError as e:
+            results[i] = (e.code(), e.details())
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stub.ServerLive(pb2.ServerLiveRequest(), timeout=5).live
+    for code, details in results:
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "lease" in details, results
+    assert time.monotonic() - started < 8, results
+    request = urllib.request.Request(f"http://127.0.0.1:{shm_server.http_port}/v2/systemsharedmemory/region/leased/register",
+                                     data=json.dumps({"key": leased_object, "byte_size": 64}).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=10)
+    assert e.value.code == 400 and "lease" in e.value.read().decode()
+    assert stub.SystemSharedMemoryStatus(pb2.SystemSharedMemoryStatusRequest()).regions == {}
+    channel.close()
+
+
+def test_an_output_in_a_region_is_not_sent_again_in_the_answer(shm_server, oip, rng, make_qkv, check_answer):
+    """O in a region at an offset the kernels cannot store to (not 16-byte aligned) is computed beside it and copied
+    there; that copy was sent in raw_output_contents as well: an answer twice the size asked for, which a client with
+    gRPC's default 4 MiB receive limit could not take (8 MiB of O here) although its output was in the region."""
+    pb2 = oip[0]
+    q, k, v = make_qkv(rng, 1, 1024, 3, 32, 32, 128, "float16")  # O: 8 MiB, cheap to compute
+    o_offset = q.nbytes + 2
+    key = f"fs_unaligned_out_{os.getpid()}"
+    size = o_offset + q.nbytes
+    fd = os.open(f"/dev/shm/{key}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, size)
+    region = mmap.mmap(fd, size)
+    os.close(fd)
+    region[:q.nbytes] = q.tobytes()
+    channel, stub = stub_for(oip, shm_server.address)
+    plain = grpc.insecure_channel(shm_server.address)  # gRPC's default limits: 4 MiB received
+    try:
+        stub.SystemSharedMemoryRegister(pb2.SystemSharedMemoryRegisterRequest(name="unaligned", key="/" + key,
+                                                                              byte_size=size))
+        request = pb2.ModelInferRequest(model_name="attention")
+
+        def in_region(tensor, offset, nbytes):
+            tensor.parameters["shared_memory_region"].string_param = "unaligned"
+            tensor.parameters["shared_memory_offset"].int64_param = offset
+            tensor.parameters["shared_memory_byte_size"].int64_param = nbytes
+
+        in_region(request.inputs.add(name="Q", datatype="FP16", shape=list(q.shape)), 0, q.nbytes)
+        for name, x in (("K", k), ("V", v)):
+            request.inputs.add(name=name, datatype="FP16", shape=list(x.shape))
+            request.raw_input_contents.append(x.tobytes())
+        in_region(request.outputs.add(name="O"), o_offset, q.nbytes)
+        response = oip[1].GRPCInferenceServiceStub(plain).ModelInfer(request, timeout=60)
+        assert [o.name for o in response.outputs] == ["O"] and list(response.outputs[0].shape) == list(q.shape)
+        assert list(response.raw_output_contents) == [b""]
+        out = np.frombuffer(region[o_offset:o_offset + q.nbytes], np.float16).reshape(q.shape)
+        check_answer(out, None, q, k, v)
+        stub.SystemSharedMemoryUnregister(pb2.SystemSharedMemoryUnregisterRequest(name="unaligned"))
+    finally:
+        plain.close()
+        channel.close()
+        region.close()
+        os.unlink(f"/dev/shm/{key}")

@@ -11,6 +11,7 @@
 #include "edge/grpc/kserve_shm_grpc.h"
 #include "edge/grpc/live_calls.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 #include "inference/open_inference_grpc.grpc.pb.h"
 #include "runtime/shm_requests.h"
 
@@ -48,6 +49,30 @@ ShmReferences ShmReferencesOf(const InferCall& call) {
   return refs;
 }
 
+// CheckWireObjects on a raw request: a parse that would hold many times its bytes is refused.
+absl::Status CheckRawObjects(const grpc::ByteBuffer& raw,
+                             const google::protobuf::Descriptor& type) {
+  grpc::ProtoBufferReader reader(const_cast<grpc::ByteBuffer*>(&raw));  // reads only
+  return kserve::CheckWireObjects(&reader, type);
+}
+
+// ServeUnary, with the request's objects counted before it is parsed (CheckRawObjects).
+template <typename Request, typename Response, typename Run>
+grpc::ServerUnaryReactor* ServeBounded(grpc::CallbackServerContext* context,
+                                       ServerMetrics* metrics, const GrpcMethod& method,
+                                       const grpc::ByteBuffer& raw_request,
+                                       grpc::ByteBuffer* raw_response, Run&& run) {
+  GrpcCall call(metrics, method);
+  call.Start(int64_t(raw_request.Length()));
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (absl::Status s = CheckRawObjects(raw_request, *Request::descriptor()); !s.ok()) {
+    FinishUnary(reactor, &call, s, Response(), raw_response);
+    return reactor;
+  }
+  RunUnary<Request, Response>(reactor, &call, raw_request, raw_response, std::forward<Run>(run));
+  return reactor;
+}
+
 using KServe = inference::GRPCInferenceService;
 using KServeBase =
     Wrapped<KServe::Service, KServe::WithRawCallbackMethod_ServerLive,
@@ -83,7 +108,7 @@ class KServeGrpcService final : public KServeBase {
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context, const Raw* request,
                                        Raw* response) override {
-    return ServeUnary<inference::ServerLiveRequest, inference::ServerLiveResponse>(
+    return ServeBounded<inference::ServerLiveRequest, inference::ServerLiveResponse>(
         context, nullptr, kServerLive, *request, response, [this](auto&, auto* live, GrpcCall*) {
           live->set_live(runtime_->live());  // false once the backend is unusable (sticky fault)
           return absl::OkStatus();
@@ -92,7 +117,7 @@ class KServeGrpcService final : public KServeBase {
 
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context, const Raw* request,
                                         Raw* response) override {
-    return ServeUnary<inference::ServerReadyRequest, inference::ServerReadyResponse>(
+    return ServeBounded<inference::ServerReadyRequest, inference::ServerReadyResponse>(
         context, nullptr, kServerReady, *request, response, [this](auto&, auto* ready, GrpcCall*) {
           ready->set_ready(runtime_->ready());
           return absl::OkStatus();
@@ -176,7 +201,8 @@ class KServeGrpcService final : public KServeBase {
       reactor->FinishAnswer(context, std::move(answer_bytes), finished);
     };
     ModelInferRequest* request = &call_state->infer_request;
-    absl::Status converted = ParseRequest(*raw_request, request);
+    absl::Status converted = CheckRawObjects(*raw_request, *ModelInferRequest::descriptor());
+    if (converted.ok()) converted = ParseRequest(*raw_request, request);
     if (!converted.ok()) {
       done(converted);
       return reactor;
@@ -219,10 +245,10 @@ class KServeGrpcService final : public KServeBase {
   template <typename Request, typename Response, typename Run>
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, const GrpcMethod& method,
                                   const Raw& raw_request, Raw* raw_response, Run&& run) {
-    return ServeUnary<Request, Response>(context, runtime_->metrics(), method, raw_request,
-                                         raw_response,
-                                         [&](const Request& request, Response* response,
-                                             GrpcCall*) { return run(request, response); });
+    return ServeBounded<Request, Response>(context, runtime_->metrics(), method, raw_request,
+                                           raw_response,
+                                           [&](const Request& request, Response* response,
+                                               GrpcCall*) { return run(request, response); });
   }
 
   AttentionRuntime* const runtime_;

@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
 
 namespace flashserve::kserve {
 namespace {
@@ -77,6 +79,27 @@ absl::StatusOr<int> CountRawInputs(const inference::ModelInferRequest& request,
   return raw_count;
 }
 
+// FP32 values belong in fp32_contents; values in another typed field were ignored (the tensor
+// was then reported as having 0 bytes, or computed from fp32_contents alone).
+absl::Status CheckOnlyFp32Contents(const std::string& field,
+                                   const inference::InferTensorContents& contents) {
+  const std::pair<const char*, int> others[] = {
+      {"bool_contents", contents.bool_contents_size()},
+      {"int_contents", contents.int_contents_size()},
+      {"int64_contents", contents.int64_contents_size()},
+      {"uint_contents", contents.uint_contents_size()},
+      {"uint64_contents", contents.uint64_contents_size()},
+      {"fp64_contents", contents.fp64_contents_size()},
+      {"bytes_contents", contents.bytes_contents_size()}};
+  for (const auto& [name, count] : others) {
+    if (count > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".contents.", name, ": FP32 values go in contents.fp32_contents"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 // An input's bytes: its raw_input_contents entry (moved, not copied), else FP32 typed contents.
 absl::Status TakeInputData(const std::string& field,
                            const inference::ModelInferRequest::InferInputTensor& input,
@@ -98,13 +121,84 @@ absl::Status TakeInputData(const std::string& field,
         absl::StrCat(field, ": ", input.datatype(),
                      " has no typed contents field; send it in raw_input_contents"));
   }
+  RETURN_IF_ERROR(CheckOnlyFp32Contents(field, input.contents()));
   const auto& values = input.contents().fp32_contents();
   tensor->mutable_data()->assign(reinterpret_cast<const char*>(values.data()),
                                  size_t(values.size()) * sizeof(float));
   return absl::OkStatus();
 }
 
+using google::protobuf::Descriptor;
+using google::protobuf::FieldDescriptor;
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::internal::WireFormatLite;
+
+constexpr int kMaxWireDepth = 32;
+
+// Whether a field arriving as `wire` becomes an object of its own when parsed (null: unknown).
+bool ParsesToObject(const FieldDescriptor* field, WireFormatLite::WireType wire) {
+  if (field == nullptr) return true;  // kept in the unknown-field set, one entry each
+  const auto type = static_cast<WireFormatLite::FieldType>(field->type());
+  if (field->message_type() != nullptr || type == WireFormatLite::TYPE_STRING ||
+      type == WireFormatLite::TYPE_BYTES) {
+    return true;
+  }
+  if (field->is_repeated() && wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+    return false;  // packed: one field for all the elements
+  }
+  if (wire != WireFormatLite::WireTypeForFieldType(type)) return true;  // parsed as unknown
+  return field->is_repeated() && wire == WireFormatLite::WIRETYPE_VARINT;  // 8 bytes for 2
+}
+
+absl::Status TooManyObjects(int64_t max_objects) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "request: more than ", max_objects,
+      " messages, strings, map entries and unknown fields (a request needs a few dozen)"));
+}
+
+// Walks one message to its end (or to `end_group`), taking each object from *left. Returns OK
+// at bytes that do not parse: the parse after it refuses them with its own message.
+absl::Status CountWireObjects(CodedInputStream* in, const Descriptor* type, int depth,
+                              uint32_t end_group, int64_t max_objects, int64_t* left) {
+  if (depth > kMaxWireDepth) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request: nested more than ", kMaxWireDepth, " levels deep"));
+  }
+  while (true) {
+    const uint32_t tag = in->ReadTag();
+    if (tag == 0 || tag == end_group) return absl::OkStatus();
+    const WireFormatLite::WireType wire = WireFormatLite::GetTagWireType(tag);
+    const int number = WireFormatLite::GetTagFieldNumber(tag);
+    const FieldDescriptor* field = type == nullptr ? nullptr : type->FindFieldByNumber(number);
+    if (ParsesToObject(field, wire) && --*left < 0) return TooManyObjects(max_objects);
+    const Descriptor* inner = field == nullptr ? nullptr : field->message_type();
+    if (wire == WireFormatLite::WIRETYPE_LENGTH_DELIMITED && inner != nullptr) {
+      uint32_t length = 0;
+      if (!in->ReadVarint32(&length) || length > uint32_t(INT32_MAX)) return absl::OkStatus();
+      const CodedInputStream::Limit limit = in->PushLimit(int(length));
+      RETURN_IF_ERROR(CountWireObjects(in, inner, depth + 1, 0, max_objects, left));
+      if (!in->Skip(in->BytesUntilLimit())) return absl::OkStatus();
+      in->PopLimit(limit);
+    } else if (wire == WireFormatLite::WIRETYPE_START_GROUP) {
+      // A group's fields are parsed one by one too (an unknown group's into the unknown set).
+      const uint32_t end = WireFormatLite::MakeTag(number, WireFormatLite::WIRETYPE_END_GROUP);
+      RETURN_IF_ERROR(CountWireObjects(in, inner, depth + 1, end, max_objects, left));
+    } else if (wire == WireFormatLite::WIRETYPE_END_GROUP ||
+               !WireFormatLite::SkipField(in, tag)) {
+      return absl::OkStatus();
+    }
+  }
+}
+
 }  // namespace
+
+absl::Status CheckWireObjects(google::protobuf::io::ZeroCopyInputStream* input,
+                              const Descriptor& type, int64_t max_objects) {
+  CodedInputStream in(input);
+  in.SetTotalBytesLimit(INT32_MAX);
+  int64_t left = max_objects;
+  return CountWireObjects(&in, &type, 0, 0, max_objects, &left);
+}
 
 absl::Status GrpcInferToAttention(inference::ModelInferRequest* request, v1::AttentionRequest* out,
                                   std::vector<OutputSpec>* outputs, int64_t* timeout_us,
@@ -183,7 +277,11 @@ void AttentionToGrpcInfer(const ModelInfo& model, const std::string& id,
     output->set_name(spec.kind == OutputSpec::kOut ? "O" : "LSE");
     output->set_datatype(std::string(DatatypeName(tensor->dtype())));
     output->mutable_shape()->CopyFrom(tensor->shape());
-    out->add_raw_output_contents()->swap(*tensor->mutable_data());
+    std::string* raw = out->add_raw_output_contents();
+    // An output in a region is there already; the runtime also leaves a copy in the response
+    // when the region's address did not suit the kernels (written beside, then copied): sent,
+    // that copy doubled the answer, and a large one was refused by the client's message limit.
+    if (!spec.shm.set()) raw->swap(*tensor->mutable_data());
   }
 }
 

@@ -9,9 +9,26 @@
 #include "absl/status/status.h"
 #include "edge/kserve/kserve_model.h"
 #include "flashserve/v1/attention.pb.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/zero_copy_stream.h"
 #include "inference/open_inference_grpc.pb.h"
 
 namespace flashserve::kserve {
+
+/// At most this many objects (CheckWireObjects) in one KServe request: a ModelInfer needs a few
+/// dozen; parsed, 65536 hold ~16 MiB at most.
+inline constexpr int64_t kMaxWireObjects = int64_t{1} << 16;
+
+/// Checks the wire bytes of a `type` message before protobuf parses them: a field that parses
+/// into an object of its own (a submessage or map entry, a string, an unknown field, an element
+/// of a repeated integer sent unpacked) costs tens to hundreds of bytes for the 2 it takes on the
+/// wire. A 32 MiB ModelInfer of empty `inputs` held 3.6 GiB while it parsed, a 32 MiB ServerLive
+/// (open without a token) of unknown fields 1 GiB: at --max_request_bytes (1 GiB) the server
+/// ran out of memory. INVALID_ARGUMENT past `max_objects` or nested past 32 levels; bytes that
+/// do not parse are left for the parse to refuse.
+absl::Status CheckWireObjects(google::protobuf::io::ZeroCopyInputStream* input,
+                              const google::protobuf::Descriptor& type,
+                              int64_t max_objects = kMaxWireObjects);
 
 /// Converts a ModelInferRequest, moving raw_input_contents into `out`'s tensors (no copy; the
 /// request is left without them). FP32 inputs may use contents.fp32_contents instead.

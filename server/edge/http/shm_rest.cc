@@ -63,9 +63,10 @@ HttpAnswer RegisterSystem(AttentionRuntime* runtime, const std::string& name,
                           const std::string& body) {
   ASSIGN_OR_RETURN(json request, ParseObject(body));
   auto key = request.find("key");
-  if (key == request.end() || !key->is_string()) {
+  if (key == request.end()) {
     return absl::InvalidArgumentError("key: missing (the shared-memory object's key)");
   }
+  if (!key->is_string()) return absl::InvalidArgumentError("key: must be a string");
   ASSIGN_OR_RETURN(uint64_t offset, Unsigned(request, "offset", 0));
   ASSIGN_OR_RETURN(uint64_t byte_size, Unsigned(request, "byte_size", -1));
   RETURN_IF_ERROR(RegisterSystemShm(*runtime, name, key->get<std::string>(), offset, byte_size, ""));

@@ -12,6 +12,7 @@
 #include "edge/kserve/kserve_model.h"
 #include "flashserve/kernels/float_convert.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -480,6 +481,21 @@ TEST(KServeConvertTest, GrpcTypedContentsAndErrors) {
   (*bad_param.mutable_parameters())["return_lse"].set_string_param("yes");
   s = GrpcInferToAttention(&bad_param, &ignored, &outputs, &timeout_us);
   EXPECT_THAT(s.message(), HasSubstr("parameters.return_lse"));
+
+  // FP32 values in another typed field were ignored: 0 bytes ("q.data: expected 8 bytes, got
+  // 0"), or, beside fp32_contents, dropped without a word.
+  for (bool with_fp32 : {false, true}) {
+    inference::ModelInferRequest other_field = request;
+    auto* contents = other_field.mutable_inputs(1)->mutable_contents();
+    if (!with_fp32) contents->clear_fp32_contents();
+    contents->add_fp64_contents(1.5);
+    contents->add_fp64_contents(-2.0);
+    s = GrpcInferToAttention(&other_field, &ignored, &outputs, &timeout_us);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(s.message(),
+                HasSubstr("inputs[1].contents.fp64_contents: FP32 values go in "
+                          "contents.fp32_contents"));
+  }
 }
 
 TEST(KServeConvertTest, Metadata) {
@@ -623,6 +639,107 @@ TEST(KServeConvertTest, GrpcSharedMemoryReferences) {
   s = GrpcInferToAttention(&far, &out, &outputs, &timeout_us, shm);
   EXPECT_THAT(s.message(), HasSubstr("inputs[1].parameters.shared_memory_byte_size: "
                                      "9223372036854775808 does not fit a signed 64-bit integer"));
+}
+
+TEST(KServeConvertTest, GrpcOutputsInSharedMemoryAreNotSentInline) {
+  // The runtime leaves a copy of an output in the response when the region's address did not
+  // suit the kernels (computed beside it, then copied there): it was sent as well.
+  ModelInfo model;
+  v1::AttentionResponse response;
+  response.mutable_out()->set_dtype(v1::FLOAT16);
+  response.mutable_out()->set_data(std::string(128, 'o'));
+  response.mutable_lse()->set_dtype(v1::FLOAT32);
+  response.mutable_lse()->set_data(std::string(32, 'l'));
+  std::vector<OutputSpec> outputs(2);
+  outputs[0].kind = OutputSpec::kOut;
+  outputs[0].shm.region = "r";
+  outputs[1].kind = OutputSpec::kLse;
+  inference::ModelInferResponse answer;
+  AttentionToGrpcInfer(model, "id", outputs, &response, &answer);
+  ASSERT_EQ(answer.outputs_size(), 2);
+  ASSERT_EQ(answer.raw_output_contents_size(), 2) << "one entry per output, as tritonclient reads";
+  EXPECT_EQ(answer.outputs(0).name(), "O");
+  EXPECT_EQ(answer.outputs(0).datatype(), "FP16");
+  EXPECT_TRUE(answer.raw_output_contents(0).empty()) << "O is in its region";
+  EXPECT_EQ(answer.raw_output_contents(1), std::string(32, 'l'));
+}
+
+
+absl::Status WireObjectsOf(const std::string& wire, const google::protobuf::Descriptor& type,
+                           int64_t max_objects = kMaxWireObjects) {
+  google::protobuf::io::ArrayInputStream input(wire.data(), int(wire.size()));
+  return CheckWireObjects(&input, type, max_objects);
+}
+
+std::string Repeated(const std::string& field, int64_t times) {
+  std::string out;
+  for (int64_t i = 0; i < times; ++i) out += field;
+  return out;
+}
+
+// Fields that each parse into an object of their own are counted before the parse: a 32 MiB
+// ModelInfer of empty inputs held 3.6 GiB, a 32 MiB ServerLive of unknown fields 1 GiB.
+TEST(KServeConvertTest, WireObjectsAreCountedBeforeTheParse) {
+  const auto& infer = *inference::ModelInferRequest::descriptor();
+  const auto& live = *inference::ServerLiveRequest::descriptor();
+  const int64_t past = kMaxWireObjects + 1;
+  struct Case {
+    const char* what;
+    std::string wire;
+    const google::protobuf::Descriptor* type;
+  };
+  const std::string empty_input("\x2a\x00", 2);              // inputs {}
+  const std::string unpacked_dim = "\x2a\x02\x18\x01";        // inputs { shape: 1 } unpacked
+  std::string group_of_unknowns = "\x0b";                       // field 1, a group (unknown)
+  group_of_unknowns += Repeated(std::string("\x10\x00", 2), past) + "\x0c";
+  std::string one_input_many_dims = "\x2a";                     // one input, `past` dims unpacked
+  const std::string dims = Repeated(std::string("\x18\x01", 2), past);
+  // The length as a varint.
+  for (uint64_t n = dims.size(); ; n >>= 7) {
+    if (n < 0x80) { one_input_many_dims += char(n); break; }
+    one_input_many_dims += char((n & 0x7f) | 0x80);
+  }
+  one_input_many_dims += dims;
+  const Case refused[] = {
+      {"empty inputs", Repeated(empty_input, past), &infer},
+      {"empty raw_input_contents", Repeated(std::string("\x3a\x00", 2), past), &infer},
+      {"unknown fields of ServerLive", Repeated(std::string("\x08\x00", 2), past), &live},
+      {"fields of an unknown group", group_of_unknowns, &live},
+      {"dims of one input, unpacked", one_input_many_dims, &infer},
+      {"inputs of one dim each", Repeated(unpacked_dim, past / 2 + 1), &infer},
+  };
+  for (const Case& c : refused) {
+    const absl::Status s = WireObjectsOf(c.wire, *c.type);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.what;
+    EXPECT_THAT(s.message(), HasSubstr("more than 65536")) << c.what;
+    EXPECT_TRUE(WireObjectsOf(c.wire, *c.type, 2 * past).ok()) << c.what << ": counted right";
+  }
+
+  // What clients send passes, whatever its bytes: tensors in raw_input_contents, packed shapes
+  // and typed contents.
+  inference::ModelInferRequest request;
+  request.set_model_name("attention");
+  (*request.mutable_parameters())["causal"].set_bool_param(true);
+  for (const char* name : {"Q", "K", "V"}) {
+    auto* input = request.add_inputs();
+    input->set_name(name);
+    input->set_datatype("FP32");
+    for (int64_t d : {1, 1024, 8, 64}) input->add_shape(d);
+    request.add_raw_input_contents(std::string(1 << 20, 'x'));
+  }
+  for (int i = 0; i < 1 << 18; ++i) {
+    request.mutable_inputs(0)->mutable_contents()->add_fp32_contents(1.f);
+    request.mutable_inputs(0)->add_shape(1);
+  }
+  request.add_outputs()->set_name("O");
+  EXPECT_TRUE(WireObjectsOf(request.SerializeAsString(), infer, 64).ok());
+
+  // Nesting deeper than any KServe message is refused; bytes that do not parse are left to the
+  // parse (which refuses them).
+  const std::string deep = Repeated("\x0b", 40) + Repeated("\x0c", 40);
+  EXPECT_THAT(WireObjectsOf(deep, live).message(), HasSubstr("nested more than 32"));
+  EXPECT_TRUE(WireObjectsOf("\x2a\xff\xff", infer).ok());
+  EXPECT_TRUE(WireObjectsOf("\x2a\x10\x0a", infer).ok());
 }
 
 }  // namespace

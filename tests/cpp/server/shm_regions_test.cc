@@ -3,9 +3,12 @@
 #include "memory/shm_regions.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -117,6 +120,52 @@ TEST(ShmRegistry, MissingKeyAndTooSmallObjectAreClearErrors) {
   EXPECT_EQ(registry.RegisterSystem("r", object.key(), 0, 0, "").code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry.region_count(), 0);
+}
+
+// What a key names that is not an object is refused as such (INVALID_ARGUMENT), not as a
+// permission the client lacks (it was PERMISSION_DENIED, "Invalid argument", for a directory).
+TEST(ShmRegistry, KeysThatAreNoObjectAreInvalidNotForbidden) {
+  const std::string dir = "fs_shm_test_dir_" + std::to_string(getpid());
+  const std::string link = "fs_shm_test_link_" + std::to_string(getpid());
+  ASSERT_EQ(mkdir(("/dev/shm/" + dir).c_str(), 0700), 0);
+  ASSERT_EQ(symlink("/etc/hostname", ("/dev/shm/" + link).c_str()), 0);
+  ShmRegistry registry(Allowed(), nullptr);
+  for (const std::string& key : {dir, link}) {
+    const absl::Status s = registry.RegisterSystem("r", "/" + key, 0, 64, "");
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << key << ": " << s;
+    EXPECT_NE(s.message().find("is not a shared-memory object"), std::string::npos) << s;
+  }
+  rmdir(("/dev/shm/" + dir).c_str());
+  unlink(("/dev/shm/" + link).c_str());
+  EXPECT_EQ(registry.region_count(), 0);
+}
+
+// An object another process holds a lease on: opening it for writing waits until the lease is
+// broken (45 s by default), and a few such registrations held every gRPC thread. Refused at once.
+TEST(ShmRegistry, ALeasedObjectIsRefusedWithoutWaiting) {
+  const std::string key = "/fs_shm_test_lease_" + std::to_string(getpid());
+  const int created = shm_open(key.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(created, 0);
+  ASSERT_EQ(ftruncate(created, 4096), 0);
+  close(created);  // a lease needs no writer open
+  const int reader = shm_open(key.c_str(), O_RDONLY, 0);
+  ASSERT_GE(reader, 0);
+  signal(SIGIO, SIG_IGN);  // the lease break notifies the holder: this process
+  if (fcntl(reader, F_SETLEASE, F_RDLCK) != 0) {
+    close(reader);
+    shm_unlink(key.c_str());
+    GTEST_SKIP() << "cannot take a lease: " << std::strerror(errno);
+  }
+  ShmRegistry registry(Allowed(), nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status s = registry.RegisterSystem("r", key, 0, 64, "");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("lease"), std::string::npos) << s;
+  fcntl(reader, F_SETLEASE, F_UNLCK);
+  close(reader);
+  EXPECT_TRUE(registry.RegisterSystem("r", key, 0, 64, "").ok()) << "and served once released";
+  shm_unlink(key.c_str());
 }
 
 TEST(ShmRegistry, LeasesAreCheckedAgainstTheRegionWithoutOverflow) {
